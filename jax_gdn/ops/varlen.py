@@ -1,0 +1,80 @@
+"""On-device chunk map for varlen (``cu_seqlens``) packing, with a static bound and no host sync.
+
+A sequence of length L is cut into ceil(L / C) chunks that start at its first token, so no chunk ever mixes two
+sequences. The total number of chunks is at most ``T // C + N`` (sum of ceil(L_i / C) <= sum floor(L_i / C) + N),
+a static bound: one compiled program serves any lengths with the same T and N. Chunk slots past the real count
+are padding (``chunk_len == 0``).
+
+Shape legend: T packed tokens, N sequences, C chunk size, NC = T // C + N chunk slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ChunkMap(NamedTuple):
+    """Where each chunk lives in the packed token axis.
+
+    chunk_seq:   [NC] int32  sequence of each chunk (clamped to N - 1 for padding chunks)
+    chunk_start: [NC] int32  first token of each chunk in [0, T) (clamped for padding chunks)
+    chunk_len:   [NC] int32  valid tokens in each chunk, 1..C (0 for padding chunks)
+    chunk_first: [NC] bool   first chunk of its sequence
+    chunk_last:  [NC] bool   last chunk of its sequence
+    seq_first_chunk: [N] int32  index of each sequence's first chunk
+    seq_num_chunks:  [N] int32  ceil(L / C); 0 for an empty sequence (its final state is its initial state)
+    token_chunk:  [T] int32  chunk holding each token
+    token_offset: [T] int32  position of each token inside its chunk
+    """
+
+    chunk_seq: jax.Array
+    chunk_start: jax.Array
+    chunk_len: jax.Array
+    chunk_first: jax.Array
+    chunk_last: jax.Array
+    seq_first_chunk: jax.Array
+    seq_num_chunks: jax.Array
+    token_chunk: jax.Array
+    token_offset: jax.Array
+
+
+def max_chunks(total_len: int, num_seqs: int, chunk_size: int) -> int:
+    """Static bound on the number of chunks of any packing of ``num_seqs`` sequences into ``total_len`` tokens."""
+    return total_len // chunk_size + num_seqs
+
+
+def build_chunk_map(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64) -> ChunkMap:
+    """Builds the chunk map on the device from ``cu_seqlens [N + 1]`` (traceable; T and N are static)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = max_chunks(total_len, n, chunk_size)
+    lens = cu[1:] - cu[:-1]                                     # [N]
+    seq_num_chunks = (lens + chunk_size - 1) // chunk_size      # [N]
+    chunk_end = jnp.cumsum(seq_num_chunks)                      # [N] exclusive end chunk of each sequence
+    seq_first_chunk = chunk_end - seq_num_chunks                # [N]
+
+    c = jnp.arange(nc, dtype=jnp.int32)
+    valid = c < chunk_end[-1]
+    seq = jnp.searchsorted(chunk_end, c, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, n - 1)
+    j = c - seq_first_chunk[seq]                                # chunk index inside its sequence
+    start = cu[seq] + j * chunk_size
+    length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, chunk_size), 0)
+    start = jnp.where(valid, start, 0)
+    first = valid & (j == 0)
+    last = valid & (j == seq_num_chunks[seq] - 1)
+
+    t = jnp.arange(total_len, dtype=jnp.int32)
+    tok_seq = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    rel = t - cu[tok_seq]
+    token_chunk = seq_first_chunk[tok_seq] + rel // chunk_size
+    token_offset = rel % chunk_size
+    return ChunkMap(seq, start, length, first, last, seq_first_chunk, seq_num_chunks,
+                    token_chunk, token_offset)
+
+
+def dense_cu_seqlens(batch: int, seq_len: int) -> jax.Array:
+    """cu_seqlens of ``batch`` equal-length sequences laid end to end: [0, T, 2T, ..., B*T]."""
+    return jnp.arange(batch + 1, dtype=jnp.int32) * seq_len

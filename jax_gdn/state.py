@@ -1,0 +1,67 @@
+"""State pytrees. Every piece of state is passed in and returned: no hidden mutation.
+
+Shape legend: S slots, Hv value heads, K/V head dims, Kc conv kernel size, N streams in a call.
+
+Updates are functional (``pool.at[slot_ids].set(...)``) so callers can donate the buffers under ``jax.jit``.
+A slot whose ``has_initial_state`` is False starts from zeros whatever stale contents it holds.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jax_gdn.config import GdnDims
+
+
+@struct.dataclass
+class GdnSlots:
+    """Slot pools of one GDN layer.
+
+    conv_state: [S, conv_dim, Kc - 1]  the last Kc - 1 pre-conv inputs of each slot (activation dtype)
+    ssm_state:  [S, Hv, K, V] fp32     the recurrent state of each slot
+    """
+
+    conv_state: jax.Array
+    ssm_state: jax.Array
+
+    @classmethod
+    def zeros(cls, dims: GdnDims, num_slots: int, dtype=jnp.float32) -> "GdnSlots":
+        return cls(
+            conv_state=jnp.zeros((num_slots, dims.conv_dim, dims.conv_kernel_size - 1), dtype),
+            ssm_state=jnp.zeros((num_slots, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim),
+                                jnp.float32),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm_state.shape[0]
+
+
+@struct.dataclass
+class BatchMeta:
+    """Metadata of one packed batch of N streams over T stacked tokens.
+
+    cu_seqlens:        [N + 1] int32  stream n owns tokens cu_seqlens[n]:cu_seqlens[n+1]
+    slot_ids:          [N] int32      the state slot of each stream
+    has_initial_state: [N] bool       False: the stream starts fresh (slot contents ignored)
+    positions:         [N] int32      tokens each stream already has (0 for a fresh stream)
+    """
+
+    cu_seqlens: jax.Array
+    slot_ids: jax.Array
+    has_initial_state: jax.Array
+    positions: jax.Array
+
+    @classmethod
+    def from_lengths(cls, lengths, slot_ids=None, positions=None) -> "BatchMeta":
+        lengths = jnp.asarray(lengths, jnp.int32)
+        n = lengths.shape[0]
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
+        slot_ids = jnp.arange(n, dtype=jnp.int32) if slot_ids is None else jnp.asarray(slot_ids, jnp.int32)
+        positions = jnp.zeros((n,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+        return cls(cu_seqlens=cu, slot_ids=slot_ids, has_initial_state=positions > 0, positions=positions)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_ids.shape[0]
