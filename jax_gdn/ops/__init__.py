@@ -1,0 +1,158 @@
+"""Gated delta rule ops: argument checks and backend dispatch.
+
+Shape legend: B batch rows, T tokens, N sequences (streams), S slots, Hk key heads, Hv value heads
+(Hv % Hk == 0; value head h reads key head h // (Hv // Hk)), K / V key / value head dims, C chunk size.
+
+    q, k  [B, T, Hk, K]      v     [B, T, Hv, V]      g (log-decay), beta  [B, T, Hv]
+    initial_state [N, Hv, K, V] fp32       cu_seqlens [N + 1] int32 (then B == 1; else N = B)
+    o     [B, T, Hv, V] in v's dtype       final_state [N, Hv, K, V] fp32
+
+Per token and value head: ``S = exp(g_t) S; S = S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T (scale q_t)``,
+scale defaulting to K ** -0.5. ``use_qk_l2norm`` normalises q and k in fp32 (``x * rsqrt(sum x^2 + 1e-6)``)
+before the scale.
+
+Backends: "xla" (``jax_gdn.ops.reference``), "pallas" (the GPU kernels of ``pallas_kernels.gated_delta_rule``),
+"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "auto" (= "pallas" when
+``jax.default_backend() == "gpu"``, else "xla").
+
+Checks (``jax_gdn.ops.validation``): shapes, ranks and dtypes always raise ``ValueError`` naming the argument and
+the expected shape. Value checks (``cu_seqlens`` starts at 0, is non-decreasing, ends at T; ``slot_ids`` in range
+and unique) run only on concrete values; under ``jax.jit`` they are skipped (use
+``validation.checkify_cu_seqlens`` / ``checkify_slot_ids`` with ``jax.experimental.checkify`` to have them there).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_gdn.ops import validation
+from jax_gdn.ops.reference import chunk_gated_delta_rule_xla, l2norm, recurrent_gated_delta_rule_xla
+from jax_gdn.ops.validation import checkify_cu_seqlens, checkify_slot_ids
+from jax_gdn.ops.varlen import build_chunk_map, dense_cu_seqlens
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule_slots",
+    "resolve_backend",
+    "checkify_cu_seqlens",
+    "checkify_slot_ids",
+    "build_chunk_map",
+    "dense_cu_seqlens",
+]
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to "pallas" on a GPU and "xla" elsewhere; rejects unknown names and "pallas" without a GPU."""
+    validation.check_backend(backend)
+    platform = jax.default_backend()
+    if backend == "auto":
+        return "pallas" if platform == "gpu" else "xla"
+    if backend == "pallas" and platform != "gpu":
+        raise ValueError(f"backend='pallas' needs a GPU (jax.default_backend() is {platform!r}); "
+                         "use backend='xla', 'auto' or 'pallas_interpret'")
+    return backend
+
+
+def _kernel_api():
+    # imported lazily: the kernel package is optional for the xla backend
+    from pallas_kernels.gated_delta_rule import api
+    return api
+
+
+def _check_common(q, k, v, g, beta, cu_seqlens):
+    b, t, hk, hv, dk, dv, _ = validation.check_qkvgb(q, k, v, g, beta)
+    if cu_seqlens is None:
+        n = b
+    else:
+        n = validation.check_cu_seqlens(cu_seqlens, t, "cu_seqlens", batch=b)
+    return b, t, hk, hv, dk, dv, n
+
+
+def _prepare_qk(q, k, use_qk_l2norm: bool, keep_dtype: bool):
+    if not use_qk_l2norm:
+        return q, k
+    qn, kn = l2norm(q.astype(jnp.float32), eps=1e-6), l2norm(k.astype(jnp.float32), eps=1e-6)
+    if keep_dtype:
+        qn, kn = qn.astype(q.dtype), kn.astype(k.dtype)
+    return qn, kn
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
+                           output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False,
+                           chunk_size: int = 64, backend: str = "auto"):
+    """Chunked gated delta rule (prefill). Returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``.
+
+    Shapes as in the module docstring. ``cu_seqlens`` packs N sequences into one row (B == 1); each starts from
+    ``initial_state[n]`` (zeros when None); an empty sequence's final state is its initial state.
+    """
+    backend = resolve_backend(backend)
+    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    validation.check_initial_state(initial_state, n, hv, dk, dv)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = float(dk ** -0.5 if scale is None else scale)
+    if backend == "xla":
+        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+        return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                                          chunk_size=chunk_size)
+    interpret = backend == "pallas_interpret"
+    api = _kernel_api()
+    api.check_supported(q, k, v, interpret=interpret)
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+    chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, t, chunk_size)
+    return api.chunk_gated_delta_rule_fwd(
+        q, k, v, g.astype(jnp.float32), beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        chunk_map=chunk_map, output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
+                               output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False):
+    """Per-token gated delta rule (``lax.scan`` over T): decode and reference. Same shapes and results as
+    :func:`chunk_gated_delta_rule`; returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``."""
+    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    validation.check_initial_state(initial_state, n, hv, dk, dv)
+    scale = float(dk ** -0.5 if scale is None else scale)
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+    return recurrent_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          cu_seqlens=cu_seqlens, output_final_state=output_final_state)
+
+
+def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_initial_state, cu_seqlens=None,
+                                 scale: Optional[float] = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
+                                 backend: str = "auto"):
+    """Chunked gated delta rule over a slot pool. Returns ``(o [B, T, Hv, V], new_ssm_state [S, Hv, K, V] fp32)``.
+
+    ssm_state [S, Hv, K, V] fp32; slot_ids [N] int32 (distinct); has_initial_state [N] bool. Sequence n starts
+    from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False, whatever the slot holds) and
+    its final state is written back to that slot; every other slot is returned unchanged. Without cu_seqlens,
+    N = B. Under ``jax.jit`` donate ``ssm_state`` to update it in place.
+    """
+    backend = resolve_backend(backend)
+    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
+    validation.check_slot_ids(slot_ids, num_slots, n)
+    validation.check_has_initial_state(has_initial_state, n)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = float(dk ** -0.5 if scale is None else scale)
+    if backend == "xla":
+        slot_ids = jnp.asarray(slot_ids, jnp.int32)
+        init = jnp.where(jnp.asarray(has_initial_state)[:, None, None, None], ssm_state[slot_ids], 0.0)
+        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+        o, final = chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=init,
+                                              cu_seqlens=cu_seqlens, output_final_state=True,
+                                              chunk_size=chunk_size)
+        return o, ssm_state.at[slot_ids].set(final)
+    interpret = backend == "pallas_interpret"
+    api = _kernel_api()
+    api.check_supported(q, k, v, interpret=interpret)
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+    chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, t, chunk_size)
+    return api.chunk_gated_delta_rule_slots_fwd(
+        q, k, v, g.astype(jnp.float32), beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
+        interpret=interpret)
