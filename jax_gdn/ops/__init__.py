@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_gdn.ops import validation
-from jax_gdn.ops.reference import chunk_gated_delta_rule_xla, l2norm, recurrent_gated_delta_rule_xla
+from jax_gdn.ops.reference import (chunk_gated_delta_rule_slots_xla, chunk_gated_delta_rule_xla, l2norm,
+                                   recurrent_gated_delta_rule_xla)
 from jax_gdn.ops.validation import checkify_cu_seqlens, checkify_slot_ids
 from jax_gdn.ops.varlen import build_chunk_map, dense_cu_seqlens
 
@@ -68,7 +69,8 @@ def _check_common(q, k, v, g, beta, cu_seqlens):
         n = b
     else:
         n = validation.check_cu_seqlens(cu_seqlens, t, "cu_seqlens", batch=b)
-    return b, t, hk, hv, dk, dv, n
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    return b, t, hk, hv, dk, dv, n, cu_seqlens
 
 
 def _prepare_qk(q, k, use_qk_l2norm: bool, keep_dtype: bool):
@@ -89,7 +91,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     ``initial_state[n]`` (zeros when None); an empty sequence's final state is its initial state.
     """
     backend = resolve_backend(backend)
-    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -113,7 +115,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = Non
                                output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False):
     """Per-token gated delta rule (``lax.scan`` over T): decode and reference. Same shapes and results as
     :func:`chunk_gated_delta_rule`; returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``."""
-    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     scale = float(dk ** -0.5 if scale is None else scale)
     q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
@@ -132,21 +134,20 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     N = B. Under ``jax.jit`` donate ``ssm_state`` to update it in place.
     """
     backend = resolve_backend(backend)
-    b, t, hk, hv, dk, dv, n = _check_common(q, k, v, g, beta, cu_seqlens)
+    b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
     validation.check_slot_ids(slot_ids, num_slots, n)
     validation.check_has_initial_state(has_initial_state, n)
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    has_initial_state = jnp.asarray(has_initial_state)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     scale = float(dk ** -0.5 if scale is None else scale)
     if backend == "xla":
-        slot_ids = jnp.asarray(slot_ids, jnp.int32)
-        init = jnp.where(jnp.asarray(has_initial_state)[:, None, None, None], ssm_state[slot_ids], 0.0)
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
-        o, final = chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=init,
-                                              cu_seqlens=cu_seqlens, output_final_state=True,
-                                              chunk_size=chunk_size)
-        return o, ssm_state.at[slot_ids].set(final)
+        return chunk_gated_delta_rule_slots_xla(
+            q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+            has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     interpret = backend == "pallas_interpret"
     api = _kernel_api()
     api.check_supported(q, k, v, interpret=interpret)

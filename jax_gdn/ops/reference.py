@@ -26,7 +26,8 @@ from jax import lax
 
 from jax_gdn.ops.varlen import build_chunk_map
 
-__all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_xla"]
+__all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_xla",
+           "chunk_gated_delta_rule_slots_xla"]
 
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -243,3 +244,18 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, *, scale: float, initial_state=
         o = o[0][cmap.token_chunk, cmap.token_offset].reshape(1, t, hv, dv)      # back to token order
     o = o.astype(v.dtype)
     return o, (final.reshape(n, hv, dk, dv) if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
+def chunk_gated_delta_rule_slots_xla(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_initial_state,
+                                     cu_seqlens=None, chunk_size: int = 64):
+    """Chunked gated delta rule over a slot pool ssm_state [S, Hv, K, V] fp32.
+
+    Sequence n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False) and its final
+    state is written back there; other slots are unchanged. slot_ids, has_initial_state [N]; N = B without
+    cu_seqlens. Returns (o [B, T, Hv, V] in v's dtype, new ssm_state [S, Hv, K, V]).
+    """
+    init = jnp.where(has_initial_state[:, None, None, None], ssm_state[slot_ids], 0.0)   # [N, Hv, K, V]
+    o, final = chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=cu_seqlens,
+                                          output_final_state=True, chunk_size=chunk_size)
+    return o, ssm_state.at[slot_ids].set(final)

@@ -41,9 +41,15 @@ BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+try:
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover - in case a later jax drops the public alias
+    from jax._src.core import Tracer as _Tracer
+
+
 def is_concrete(x) -> bool:
     """True when ``x``'s values are known now (not a tracer)."""
-    return not isinstance(x, jax.core.Tracer)
+    return not isinstance(x, _Tracer)
 
 
 def concrete_value(x) -> Optional[np.ndarray]:
@@ -61,7 +67,7 @@ def _shape(x) -> tuple:
 
 
 def _dtype(x):
-    return jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _is_float(dtype) -> bool:
