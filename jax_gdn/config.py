@@ -79,3 +79,188 @@ class AttnDims:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole hybrid model (appended by the MODEL workstream)
+# ----------------------------------------------------------------------------------------------------------------
+
+#: model_type values load_pretrained understands, and the GDN projection layout each one uses.
+SUPPORTED_MODEL_TYPES = {
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """A hybrid Gated DeltaNet + gated attention decoder (Qwen3-Next / Qwen3.5 text model).
+
+    layer_types[i] is "linear_attention" (GDN) or "full_attention"; layer i's FFN is the sparse MoE when
+    ``layer_is_moe(i)`` (num_experts > 0, i not in mlp_only_layers, (i + 1) % decoder_sparse_step == 0), else a
+    dense SwiGLU MLP of ``intermediate_size``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple
+    intermediate_size: int
+    # gated attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    # gated deltanet
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    # sparse MoE (num_experts == 0: dense everywhere)
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"HybridConfig.model_type {self.model_type!r} is not supported; expected one of "
+                             f"{sorted(SUPPORTED_MODEL_TYPES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"HybridConfig.layer_types has {len(self.layer_types)} entries, expected "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in ("linear_attention", "full_attention"):
+                raise ValueError(f"HybridConfig.layer_types[{i}] = {t!r}; expected 'linear_attention' or "
+                                 f"'full_attention'")
+        if self.hidden_act != "silu":
+            raise ValueError(f"HybridConfig.hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.attention_bias:
+            raise ValueError("HybridConfig.attention_bias=True is not supported (Qwen3-Next / Qwen3.5 have none)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"HybridConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError("HybridConfig.moe_intermediate_size must be positive when num_experts > 0")
+        # validates the per-layer dims
+        self.gdn_dims, self.attn_dims  # noqa: B018
+
+    # ---- derived ---------------------------------------------------------------------------------------------
+    @property
+    def gdn_layout(self) -> str:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def gdn_dims(self) -> GdnDims:
+        return GdnDims(hidden_size=self.hidden_size, num_k_heads=self.linear_num_key_heads,
+                       num_v_heads=self.linear_num_value_heads, head_k_dim=self.linear_key_head_dim,
+                       head_v_dim=self.linear_value_head_dim, conv_kernel_size=self.linear_conv_kernel_dim,
+                       rms_norm_eps=self.rms_norm_eps, layout=self.gdn_layout)
+
+    @property
+    def attn_dims(self) -> AttnDims:
+        return AttnDims(hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+                        num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                        partial_rotary_factor=self.partial_rotary_factor, rope_theta=self.rope_theta,
+                        rms_norm_eps=self.rms_norm_eps)
+
+    def layer_is_moe(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def gdn_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attn_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    # ---- HF config.json ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: dict) -> "HybridConfig":
+        """Builds the config from a HF ``config.json`` dict (qwen3_next, qwen3_5[_moe] with ``text_config``,
+        qwen3_5_text, qwen3_5_moe_text). Raises ValueError naming an unknown model_type or a missing field."""
+        if not isinstance(config, dict):
+            raise ValueError(f"HybridConfig.from_hf expects a dict (config.json), got {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: "
+                             f"{sorted(SUPPORTED_MODEL_TYPES)}")
+        text = config
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
+            if "text_config" not in config:
+                raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' field")
+            text = dict(config["text_config"])
+        is_moe = model_type in ("qwen3_5_moe", "qwen3_5_moe_text") or (
+            model_type == "qwen3_next" and int(text.get("num_experts", 0) or 0) > 0)
+
+        def need(name):
+            if name not in text:
+                raise ValueError(f"config.json ({model_type}): missing field {name!r}")
+            return text[name]
+
+        n_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported "
+                             f"(only default / mrope for text)")
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        hidden = int(need("hidden_size"))
+        n_heads = int(need("num_attention_heads"))
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        kw = dict(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            intermediate_size=int(text.get("intermediate_size", 0) or 0),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=int(text.get("head_dim") or hidden // n_heads),
+            partial_rotary_factor=float(prf),
+            rope_theta=float(rope_theta),
+            attention_bias=bool(text.get("attention_bias", False)),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(tie),
+            hidden_act=str(text.get("hidden_act", "silu")),
+        )
+        if is_moe:
+            kw.update(
+                num_experts=int(need("num_experts")),
+                num_experts_per_tok=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0),
+                # Qwen3.5-MoE always renormalises the top-k weights
+                norm_topk_prob=bool(text.get("norm_topk_prob", True)) if model_type == "qwen3_next" else True,
+            )
+            if model_type == "qwen3_next":  # Qwen3.5-MoE puts the sparse MoE in every layer
+                kw.update(decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
+                          mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())))
+        return cls(**kw)

@@ -65,3 +65,65 @@ class BatchMeta:
     @property
     def num_seqs(self) -> int:
         return self.slot_ids.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV pages and the whole-model cache (appended by the MODEL workstream)
+#   P pages in the pool, Ps tokens per page, Hkv kv heads, Dh head dim, L layers of a kind, S slots
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class KvPages:
+    """Paged K/V of one attention layer; which page belongs to whom lives in :class:`Cache` (shared by layers).
+
+    k_pages: [P, Ps, Hkv, Dh]  (activation dtype)
+    v_pages: [P, Ps, Hkv, Dh]
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+
+    @classmethod
+    def zeros(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+
+@struct.dataclass
+class Cache:
+    """Everything a hybrid model carries between calls, as one pytree (donated to prefill / decode / release).
+
+    gdn:        tuple of GdnSlots, one per GDN layer (in layer order)
+    kv:         tuple of KvPages, one per attention layer (in layer order)
+    page_table: [S, P] int32  page_table[s, i] is the pool page holding tokens i*Ps .. i*Ps+Ps-1 of slot s
+                              (valid for i < ceil(slot_lens[s] / Ps))
+    page_owner: [P] int32     slot owning each page, -1 for a free page (the free bitmap is page_owner < 0)
+    page_index: [P] int32     position of each page in its owner's page table (tokens page_index*Ps ...)
+    slot_lens:  [S] int32     tokens each slot holds (0: empty, the next prefill starts it fresh)
+    page_size:  Ps (static)
+    """
+
+    gdn: tuple
+    kv: tuple
+    page_table: jax.Array
+    page_owner: jax.Array
+    page_index: jax.Array
+    slot_lens: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_lens.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_owner.shape[0]

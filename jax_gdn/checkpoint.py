@@ -1,0 +1,321 @@
+"""HF checkpoint directories -> HybridModel: config.json + safetensors (single file or sharded).
+
+model_type: qwen3_next (fused ``in_proj_qkvz`` / ``in_proj_ba``; MoE experts either fused
+``experts.gate_up_proj [E, 2I, D]`` / ``experts.down_proj [E, D, I]`` or per expert ``experts.{e}.gate_proj`` ...),
+qwen3_5 / qwen3_5_moe (multimodal: the text part under ``model.language_model.*``, config under ``text_config``;
+``model.visual.*`` skipped), qwen3_5_text / qwen3_5_moe_text (``model.*``). ``mtp.*`` is always skipped.
+
+Errors name the tensor or field: unknown model_type, a missing or unexpected tensor, a shape not matching the
+config. Parameters come out in the layout of jax_gdn.model (weights transposed to [in, out], the fused Qwen3-Next
+projections split and de-interleaved into q | k | v, z, b, a).
+
+Shape legend: D hidden, Vocab vocabulary, E experts, I (moe_)intermediate, Hk/Hv GDN key/value heads, K/V GDN head
+dims, H/Hkv attention heads, Dh attention head dim, C conv channels, Kc conv kernel.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Dict, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_gdn.config import HybridConfig
+
+_SKIP = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."))
+_F32_SUFFIXES = ("_norm", "norm", "A_log", "dt_bias")   # kept in fp32 whatever the model dtype
+
+
+# ================================================================================================================
+# Reading
+# ================================================================================================================
+def read_hf_config(path: str) -> dict:
+    fn = os.path.join(path, "config.json")
+    if not os.path.isfile(fn):
+        raise ValueError(f"load_pretrained: {path!r} has no config.json")
+    with open(fn) as f:
+        return json.load(f)
+
+
+def _safetensor_files(path: str) -> list:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return ["model.safetensors"]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"load_pretrained: no safetensors file in {path!r}")
+    return files
+
+
+def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True) -> dict:
+    """name -> np.ndarray for every tensor ``keep(name)`` accepts, over all shards (tqdm bar over shards)."""
+    from safetensors import safe_open
+    files = _safetensor_files(path)
+    it = files
+    if progress and len(files) > 1:
+        try:
+            from tqdm import tqdm
+            it = tqdm(files, desc="loading shards", unit="shard")
+        except ImportError:  # pragma: no cover
+            pass
+    out = {}
+    for fn in it:
+        with safe_open(os.path.join(path, fn), framework="np") as f:
+            for key in f.keys():
+                if keep(key):
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+# ================================================================================================================
+# HF names -> model params
+# ================================================================================================================
+class _Tensors:
+    """Pops tensors by HF name, checking shapes; whatever is left at the end is an unexpected tensor."""
+
+    def __init__(self, sd: dict, prefix: str):
+        self.sd = sd
+        self.prefix = prefix
+        self.used = set()
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.sd
+
+    def get(self, name: str, shape: tuple) -> np.ndarray:
+        key = self.prefix + name
+        if key not in self.sd:
+            raise ValueError(f"checkpoint: missing tensor {key!r} (expected shape {tuple(shape)})")
+        x = self.sd[key]
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"checkpoint: tensor {key!r} has shape {tuple(x.shape)}, the config implies "
+                             f"{tuple(shape)}")
+        self.used.add(key)
+        return np.asarray(x)
+
+
+def _deinterleave_qkvz(w: np.ndarray, c: HybridConfig):
+    """Qwen3-Next in_proj_qkvz [Hk*(2K + 2rV), D] (grouped per key head) -> q, k, v, z rows in head order."""
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads // hk
+    d = w.shape[-1]
+    g = w.reshape(hk, 2 * dk + 2 * r * dv, d)
+    q = g[:, :dk].reshape(hk * dk, d)
+    k = g[:, dk:2 * dk].reshape(hk * dk, d)
+    v = g[:, 2 * dk:2 * dk + r * dv].reshape(hk * r * dv, d)
+    z = g[:, 2 * dk + r * dv:].reshape(hk * r * dv, d)
+    return q, k, v, z
+
+
+def _deinterleave_ba(w: np.ndarray, c: HybridConfig):
+    """Qwen3-Next in_proj_ba [Hk*2r, D] (grouped per key head: b then a) -> b, a [Hv, D]."""
+    hk = c.linear_num_key_heads
+    r = c.linear_num_value_heads // hk
+    d = w.shape[-1]
+    g = w.reshape(hk, 2 * r, d)
+    return g[:, :r].reshape(hk * r, d), g[:, r:].reshape(hk * r, d)
+
+
+def _gdn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
+    d = c.hidden_size
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    conv_dim = 2 * hk * dk + hv * dv
+    if c.gdn_layout == "qwen3_next":
+        qkvz = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d))
+        ba = t.get(p + "in_proj_ba.weight", (2 * hv, d))
+        q, k, v, z = _deinterleave_qkvz(qkvz, c)
+        b, a = _deinterleave_ba(ba, c)
+        qkv = np.concatenate([q, k, v], axis=0)
+    else:
+        qkv = t.get(p + "in_proj_qkv.weight", (conv_dim, d))
+        z = t.get(p + "in_proj_z.weight", (hv * dv, d))
+        b = t.get(p + "in_proj_b.weight", (hv, d))
+        a = t.get(p + "in_proj_a.weight", (hv, d))
+    conv = t.get(p + "conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim))
+    return {
+        "in_proj_qkv": qkv.T, "in_proj_z": z.T, "in_proj_b": b.T, "in_proj_a": a.T,
+        "conv1d": conv[:, 0, :],
+        "dt_bias": t.get(p + "dt_bias", (hv,)), "A_log": t.get(p + "A_log", (hv,)),
+        "norm": t.get(p + "norm.weight", (dv,)),
+        "out_proj": t.get(p + "out_proj.weight", (d, hv * dv)).T,
+    }
+
+
+def _attn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
+    d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    return {
+        "q_proj": t.get(p + "q_proj.weight", (h * 2 * dh, d)).T,
+        "k_proj": t.get(p + "k_proj.weight", (hkv * dh, d)).T,
+        "v_proj": t.get(p + "v_proj.weight", (hkv * dh, d)).T,
+        "o_proj": t.get(p + "o_proj.weight", (d, h * dh)).T,
+        "q_norm": t.get(p + "q_norm.weight", (dh,)),
+        "k_norm": t.get(p + "k_norm.weight", (dh,)),
+    }
+
+
+def _mlp_params(t: _Tensors, p: str, d: int, inter: int) -> dict:
+    return {"gate_proj": t.get(p + "gate_proj.weight", (inter, d)).T,
+            "up_proj": t.get(p + "up_proj.weight", (inter, d)).T,
+            "down_proj": t.get(p + "down_proj.weight", (d, inter)).T}
+
+
+def _moe_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
+    d, e, inter = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    if t.has(p + "experts.gate_up_proj"):                     # fused (transformers >= 5 in-memory layout)
+        gate_up = t.get(p + "experts.gate_up_proj", (e, 2 * inter, d))
+        down = t.get(p + "experts.down_proj", (e, d, inter))
+    else:                                                     # one tensor per expert (released checkpoints)
+        gate_up = np.stack([np.concatenate([t.get(f"{p}experts.{j}.gate_proj.weight", (inter, d)),
+                                            t.get(f"{p}experts.{j}.up_proj.weight", (inter, d))], axis=0)
+                            for j in range(e)])
+        down = np.stack([t.get(f"{p}experts.{j}.down_proj.weight", (d, inter)) for j in range(e)])
+    out = {"router": t.get(p + "gate.weight", (e, d)).T,
+           "experts_gate_up": np.transpose(gate_up, (0, 2, 1)),  # [E, D, 2I]
+           "experts_down": np.transpose(down, (0, 2, 1))}        # [E, I, D]
+    if c.shared_expert_intermediate_size:
+        out["shared_expert"] = _mlp_params(t, p + "shared_expert.", d, c.shared_expert_intermediate_size)
+        out["shared_expert_gate"] = t.get(p + "shared_expert_gate.weight", (1, d)).T
+    return out
+
+
+def _text_prefix(sd: dict, config: HybridConfig) -> str:
+    if config.model_type in ("qwen3_5", "qwen3_5_moe") or any(k.startswith("model.language_model.") for k in sd):
+        return "model.language_model."
+    return "model."
+
+
+def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtype=jnp.bfloat16) -> dict:
+    """HF-named tensors -> the params pytree of jax_gdn.model (jnp arrays: weights in ``dtype``, norms, A_log and
+    dt_bias in fp32). Raises ValueError naming a missing, unexpected or mis-shaped tensor."""
+    sd = {k: v for k, v in sd.items() if not any(rx.match(k) for rx in _SKIP)}
+    prefix = _text_prefix(sd, config)
+    t = _Tensors(sd, "")
+    c = config
+    d, vocab = c.hidden_size, c.vocab_size
+    params = {"embed": t.get(prefix + "embed_tokens.weight", (vocab, d)),
+              "final_norm": t.get(prefix + "norm.weight", (d,))}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = t.get("lm_head.weight", (vocab, d)).T
+    elif t.has("lm_head.weight"):
+        t.get("lm_head.weight", (vocab, d))                   # tied: a saved copy is accepted and ignored
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        p = f"{prefix}layers.{i}."
+        layer = {"input_norm": t.get(p + "input_layernorm.weight", (d,)),
+                 "post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
+        if kind == "linear_attention":
+            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c)
+        else:
+            layer["mixer"] = _attn_params(t, p + "self_attn.", c)
+        if c.layer_is_moe(i):
+            layer["ffn"] = _moe_params(t, p + "mlp.", c)
+        else:
+            layer["ffn"] = _mlp_params(t, p + "mlp.", d, c.intermediate_size)
+        layers.append(layer)
+    params["layers"] = layers
+    extra = sorted(set(sd) - t.used)
+    if extra:
+        raise ValueError(f"checkpoint: unexpected tensor(s) for {c.model_type} with this config: {extra[:8]}"
+                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+
+    def cast(path, x):
+        name = path[-1].key if hasattr(path[-1], "key") else ""
+        keep32 = name.endswith(_F32_SUFFIXES) or name in ("input_norm", "post_norm", "final_norm", "norm")
+        return jnp.asarray(x, jnp.float32 if keep32 else dtype)
+
+    import jax
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True):
+    """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`."""
+    from jax_gdn.model import HybridModel
+    if not os.path.isdir(path):
+        raise ValueError(f"load_pretrained: {path!r} is not a directory")
+    config = HybridConfig.from_hf(read_hf_config(path))
+    sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress)
+    params = params_from_state_dict(config, sd, dtype)
+    return HybridModel(config, params, dtype=dtype, backend=backend)
+
+
+# ================================================================================================================
+# Random HF-named weights (demo, benchmarks, tests): every norm, A_log, dt_bias, conv and gate randomised
+# ================================================================================================================
+def random_state_dict(config: HybridConfig, seed: int = 0, std: float = 0.05) -> Dict[str, np.ndarray]:
+    """HF-named random fp32 tensors for ``config`` in the text-model naming (``model.*``, per-expert MoE)."""
+    rng = np.random.default_rng(seed)
+    c = config
+    d, vocab = c.hidden_size, c.vocab_size
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    h, hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+    def w(*shape, s=std):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def norm(n):
+        return (rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    sd = {"model.embed_tokens.weight": w(vocab, d, s=0.5), "model.norm.weight": norm(d)}
+    if not c.tie_word_embeddings:
+        sd["lm_head.weight"] = w(vocab, d, s=0.2)
+    for i, kind in enumerate(c.layer_types):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(d)
+        sd[p + "post_attention_layernorm.weight"] = norm(d)
+        if kind == "linear_attention":
+            q = p + "linear_attn."
+            if c.gdn_layout == "qwen3_next":
+                sd[q + "in_proj_qkvz.weight"] = w(2 * hk * dk + 2 * hv * dv, d, s=0.2)
+                sd[q + "in_proj_ba.weight"] = w(2 * hv, d, s=0.2)
+            else:
+                sd[q + "in_proj_qkv.weight"] = w(2 * hk * dk + hv * dv, d, s=0.2)
+                sd[q + "in_proj_z.weight"] = w(hv * dv, d, s=0.2)
+                sd[q + "in_proj_b.weight"] = w(hv, d, s=0.2)
+                sd[q + "in_proj_a.weight"] = w(hv, d, s=0.2)
+            sd[q + "conv1d.weight"] = w(2 * hk * dk + hv * dv, 1, c.linear_conv_kernel_dim, s=0.3)
+            sd[q + "dt_bias"] = (rng.standard_normal(hv) * 0.5).astype(np.float32)
+            sd[q + "A_log"] = np.log(rng.uniform(0.5, 4.0, hv)).astype(np.float32)
+            sd[q + "norm.weight"] = (1.0 + rng.standard_normal(dv) * 0.1).astype(np.float32)
+            sd[q + "out_proj.weight"] = w(d, hv * dv)
+        else:
+            q = p + "self_attn."
+            sd[q + "q_proj.weight"] = w(h * 2 * dh, d, s=0.2)
+            sd[q + "k_proj.weight"] = w(hkv * dh, d, s=0.2)
+            sd[q + "v_proj.weight"] = w(hkv * dh, d, s=0.2)
+            sd[q + "o_proj.weight"] = w(d, h * dh)
+            sd[q + "q_norm.weight"] = norm(dh)
+            sd[q + "k_norm.weight"] = norm(dh)
+        m = p + "mlp."
+        if c.layer_is_moe(i):
+            e, inter = c.num_experts, c.moe_intermediate_size
+            sd[m + "gate.weight"] = w(e, d, s=0.5)
+            for j in range(e):
+                sd[f"{m}experts.{j}.gate_proj.weight"] = w(inter, d)
+                sd[f"{m}experts.{j}.up_proj.weight"] = w(inter, d)
+                sd[f"{m}experts.{j}.down_proj.weight"] = w(d, inter)
+            if c.shared_expert_intermediate_size:
+                si = c.shared_expert_intermediate_size
+                sd[m + "shared_expert.gate_proj.weight"] = w(si, d)
+                sd[m + "shared_expert.up_proj.weight"] = w(si, d)
+                sd[m + "shared_expert.down_proj.weight"] = w(d, si)
+                sd[m + "shared_expert_gate.weight"] = w(1, d, s=0.3)
+        else:
+            sd[m + "gate_proj.weight"] = w(c.intermediate_size, d)
+            sd[m + "up_proj.weight"] = w(c.intermediate_size, d)
+            sd[m + "down_proj.weight"] = w(d, c.intermediate_size)
+    return sd
+
+
+def random_model(config: HybridConfig, seed: int = 0, dtype=jnp.float32, backend: str = "auto"):
+    """A HybridModel with random weights (through the same conversion as load_pretrained)."""
+    from jax_gdn.model import HybridModel
+    return HybridModel(config, params_from_state_dict(config, random_state_dict(config, seed), dtype),
+                       dtype=dtype, backend=backend)

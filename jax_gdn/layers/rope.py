@@ -1,0 +1,44 @@
+"""Partial NeoX rotary position embedding (Qwen3-Next / Qwen3.5 text; M-RoPE reduces to this for text tokens).
+
+Shape legend: T tokens, H heads, Dh head dim, R = rotary dims (the first ``Dh * partial_rotary_factor`` dims).
+
+NeoX ("rotate half") layout: the rotary part is split into halves ``[x1 | x2]`` and rotated as
+``[x1 cos - x2 sin | x2 cos + x1 sin]``; the remaining ``Dh - R`` dims pass through unchanged.
+Frequencies, cos and sin are fp32 (``inv_freq = 1 / theta^(2i/R)``, as HF computes them).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """[R / 2] fp32 inverse frequencies, computed exactly as HF does (fp32 arange / R, fp32 power)."""
+    if rotary_dim % 2:
+        raise ValueError(f"rope: rotary_dim must be even, got {rotary_dim}")
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float):
+    """cos, sin [T, R] fp32 for integer ``positions [T]`` (frequencies repeated for both halves)."""
+    inv_freq = jnp.asarray(rope_inv_freq(rotary_dim, theta))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                           # [T, R]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates the first R dims of ``x [T, H, Dh]`` with ``cos, sin [T, R]``; computed in fp32, returned in x.dtype."""
+    r = cos.shape[-1]
+    if x.ndim != 3 or cos.shape != (x.shape[0], r) or r > x.shape[-1]:
+        raise ValueError(f"apply_partial_rope: x must be [T, H, Dh] and cos/sin [T, R<=Dh]; got x "
+                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}")
+    x32 = x.astype(jnp.float32)
+    x_rot, x_pass = x32[..., :r], x32[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
+    return out.astype(x.dtype)

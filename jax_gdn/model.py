@@ -1,0 +1,365 @@
+"""HybridModel: a Qwen3-Next / Qwen3.5 decoder (GDN + gated attention layers) over one cache pytree.
+
+Shape legend: T stacked tokens of all streams in one call, N streams in the call, S slots (max_seqs), D hidden
+size, Vocab vocabulary, P KV pages in the pool, Ps tokens per page, A = min(P, T // Ps + N) pages a call can
+allocate at most.
+
+    model = load_pretrained(path, dtype=jnp.bfloat16)            # or HybridModel(config, params)
+    cache = model.init_cache(max_seqs=8, max_tokens=4096, page_size=16)
+    logits, cache = model.prefill(cache, input_ids, cu_seqlens, slot_ids, return_all_logits=False)
+    logits, cache = model.decode(cache, input_ids, slot_ids)
+    cache = model.release(cache, slot_ids)
+
+- prefill: input_ids int [T] (the stacked tokens of N streams), cu_seqlens int [N + 1] (stream n owns tokens
+  cu_seqlens[n]:cu_seqlens[n+1], every stream at least one token), slot_ids int [N] (distinct, < S). Returns the
+  last token's logits of each stream [N, Vocab] fp32 (or every token's [T, Vocab] with return_all_logits=True).
+  A slot holding no tokens starts fresh (its stale GDN state and pages are ignored); a slot holding tokens
+  continues (chunked prefill): positions, conv / recurrent state and KV pages carry on.
+- decode: one token per stream, input_ids [N], slot_ids [N]; returns [N, Vocab] fp32.
+- release: empties the slots and returns their pages to the pool.
+
+prefill / decode / release are jit-compiled pure functions of the cache, which is donated (updated in place): use
+the returned cache, never the one passed in. Page allocation happens on the device (free bitmap
+``page_owner < 0``); when the pool cannot hold the call's new tokens, the jitted function leaves the cache as it
+was and returns a flag, and the wrapper raises :class:`OutOfKvPagesError` carrying that (unchanged) cache.
+
+Parameters (a pytree of dicts, weights [in, out]):
+    embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
+    layers[i] = {"input_norm": [D], "post_norm": [D], "mixer": GDN or attention params, "ffn": MLP or MoE params}
+GDN mixer params (projections split and de-interleaved at load time, whatever the checkpoint layout):
+    in_proj_qkv [D, 2*Hk*K + Hv*V] (q | k | v, the conv channels), in_proj_z [D, Hv*V], in_proj_b [D, Hv],
+    in_proj_a [D, Hv], conv1d [C, Kc], dt_bias [Hv], A_log [Hv], norm [V], out_proj [Hv*V, D]
+Attention params: see jax_gdn.layers.attention; FFN params: see jax_gdn.layers.ffn.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_gdn.config import GdnDims, HybridConfig
+from jax_gdn.layers.attention import attention_layer
+from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
+from jax_gdn.ops.norms import rms_norm
+from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
+
+
+class OutOfKvPagesError(RuntimeError):
+    """The KV page pool cannot hold a call's new tokens. Nothing was written; ``.cache`` is the cache to keep
+    using (the one passed in was donated)."""
+
+    def __init__(self, message: str, cache: Cache):
+        super().__init__(message)
+        self.cache = cache
+
+
+# ================================================================================================================
+# GDN layer (adapter over jax_gdn.ops; the canonical split parameter layout above)
+# ================================================================================================================
+def gdn_mixer(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
+              backend: str, decode: bool):
+    """One Gated DeltaNet mixer over stacked tokens. hidden [T, D] -> (out [T, D], new GdnSlots).
+
+    decode=True: exactly one token per stream (T == N) and the per-token recurrence is used.
+    """
+    from jax_gdn.ops import (chunk_gated_delta_rule_slots, recurrent_gated_delta_rule)
+    from jax_gdn.ops.conv1d import causal_conv1d_varlen
+    from jax_gdn.ops.norms import gated_rms_norm
+
+    t = hidden.shape[0]
+    hk, hv, dk, dv = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    # ---- phase 1: projections and the causal conv -------------------------------------------------------------
+    mixed_qkv = hidden @ params["in_proj_qkv"]                                     # [T, C]
+    z = (hidden @ params["in_proj_z"]).reshape(t, hv, dv)
+    b = hidden @ params["in_proj_b"]                                               # [T, Hv]
+    a = hidden @ params["in_proj_a"]
+    conv_out, conv_state = causal_conv1d_varlen(mixed_qkv, params["conv1d"], slots.conv_state, meta.cu_seqlens,
+                                                meta.slot_ids, meta.has_initial_state, activation="silu")
+    q = conv_out[:, :dims.key_dim].reshape(1, t, hk, dk)
+    k = conv_out[:, dims.key_dim:2 * dims.key_dim].reshape(1, t, hk, dk)
+    v = conv_out[:, 2 * dims.key_dim:].reshape(1, t, hv, dv)
+    beta = jax.nn.sigmoid(b)[None]                                                 # [1, T, Hv]
+    g = (-jnp.exp(params["A_log"].astype(jnp.float32))
+         * jax.nn.softplus(a.astype(jnp.float32) + params["dt_bias"].astype(jnp.float32)))[None]
+    # ---- phase 2: the gated delta rule over the slot pool -----------------------------------------------------
+    if decode:
+        init = slots.ssm_state[meta.slot_ids]                                      # [N, Hv, K, V]
+        init = jnp.where(meta.has_initial_state[:, None, None, None], init, 0.0)
+        o, final = recurrent_gated_delta_rule(
+            q.reshape(t, 1, hk, dk), k.reshape(t, 1, hk, dk), v.reshape(t, 1, hv, dv), g.reshape(t, 1, hv),
+            beta.reshape(t, 1, hv), initial_state=init, output_final_state=True, use_qk_l2norm=True)
+        ssm_state = slots.ssm_state.at[meta.slot_ids].set(final)
+        o = o.reshape(t, hv, dv)
+    else:
+        o, ssm_state = chunk_gated_delta_rule_slots(
+            q, k, v, g, beta, ssm_state=slots.ssm_state, slot_ids=meta.slot_ids,
+            has_initial_state=meta.has_initial_state, cu_seqlens=meta.cu_seqlens, use_qk_l2norm=True,
+            backend=backend)
+        o = o[0]
+    # ---- phase 3: gated norm and output projection ------------------------------------------------------------
+    o = gated_rms_norm(o, z, params["norm"], dims.rms_norm_eps).reshape(t, hv * dv)
+    out = (o @ params["out_proj"]).astype(hidden.dtype)
+    return out, GdnSlots(conv_state=conv_state, ssm_state=ssm_state)
+
+
+# ================================================================================================================
+# Page allocation (on device)
+# ================================================================================================================
+def _allocate(cache: Cache, slot_ids, old_lens, seq_lens, total_tokens: int):
+    """New pages for N streams growing from old_lens to old_lens + seq_lens. Returns (page_table, page_owner,
+    page_index, ok): ok is False when the pool has too few free pages (then nothing must be written)."""
+    ps, p, s = cache.page_size, cache.num_pages, cache.num_slots
+    n = slot_ids.shape[0]
+    have = (old_lens + ps - 1) // ps                                               # [N] pages held
+    need = (old_lens + seq_lens + ps - 1) // ps                                    # [N] pages needed
+    new = need - have
+    new_end = jnp.cumsum(new)
+    new_off = new_end - new
+    total = new_end[-1]
+    free = cache.page_owner < 0
+    ok = total <= jnp.sum(free.astype(jnp.int32))
+    a = min(p, total_tokens // ps + n)                                             # static bound of new pages
+    free_ids = jnp.nonzero(free, size=a, fill_value=p)[0].astype(jnp.int32)        # [A]
+    j = jnp.arange(a, dtype=jnp.int32)
+    stream = jnp.minimum(jnp.searchsorted(new_end, j, side="right"), n - 1)
+    valid = (j < total) & ok
+    slot_j = slot_ids[stream]
+    idx_j = have[stream] + j - new_off[stream]
+    page_table = cache.page_table.at[jnp.where(valid, slot_j, s), idx_j].set(free_ids, mode="drop")
+    page_owner = cache.page_owner.at[jnp.where(valid, free_ids, p)].set(slot_j, mode="drop")
+    page_index = cache.page_index.at[jnp.where(valid, free_ids, p)].set(idx_j, mode="drop")
+    return page_table, page_owner, page_index, ok
+
+
+# ================================================================================================================
+# The forward pass (pure; jitted by HybridModel)
+# ================================================================================================================
+def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Array, slot_ids: jax.Array, *,
+            config: HybridConfig, backend: str, return_all_logits: bool, decode: bool):
+    """Prefill (or decode, with one token per stream) of N streams. Returns (logits fp32, new cache, ok)."""
+    t = input_ids.shape[0]
+    n = slot_ids.shape[0]
+    ps = cache.page_size
+    seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]                                    # [N]
+    old_lens = cache.slot_lens[slot_ids]                                           # [N]
+    has_init = old_lens > 0
+    meta = BatchMeta(cu_seqlens=cu_seqlens, slot_ids=slot_ids, has_initial_state=has_init, positions=old_lens)
+
+    # ---- per-token metadata -----------------------------------------------------------------------------------
+    tok = jnp.arange(t, dtype=jnp.int32)
+    tok_stream = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    tok_slot = slot_ids[tok_stream]
+    tok_pos = old_lens[tok_stream] + tok - cu_seqlens[tok_stream]
+
+    page_table, page_owner, page_index, ok = _allocate(cache, slot_ids, old_lens, seq_lens, t)
+    tok_page = page_table[tok_slot, jnp.minimum(tok_pos // ps, cache.num_pages - 1)]
+    tok_page = jnp.where(ok, tok_page, cache.num_pages)                            # drop every write if not ok
+    tok_offset = tok_pos % ps
+
+    out_rows = t if return_all_logits else n
+    vocab = config.vocab_size
+
+    def run(cache):
+        x = params["embed"][input_ids]                                             # [T, D]
+        gdn_states, kv_states = list(cache.gdn), list(cache.kv)
+        gi = ai = 0
+        for i, layer in enumerate(params["layers"]):
+            h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
+            if config.layer_types[i] == "linear_attention":
+                h, gdn_states[gi] = gdn_mixer(layer["mixer"], config.gdn_dims, h, gdn_states[gi], meta,
+                                              backend=backend, decode=decode)
+                gi += 1
+            else:
+                h, kv_states[ai] = attention_layer(
+                    layer["mixer"], config.attn_dims, h, kv_states[ai], token_slot=tok_slot, token_pos=tok_pos,
+                    token_page=tok_page, token_offset=tok_offset, page_owner=page_owner, page_index=page_index,
+                    backend=backend)
+                ai += 1
+            x = x + h
+            h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
+            if config.layer_is_moe(i):
+                h = sparse_moe(layer["ffn"], h, top_k=config.num_experts_per_tok,
+                               norm_topk_prob=config.norm_topk_prob)
+            else:
+                h = swiglu_mlp(layer["ffn"], h)
+            x = x + h
+        if not return_all_logits:
+            x = x[cu_seqlens[1:] - 1]                                              # last token of each stream
+        x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+        head = params["lm_head"] if "lm_head" in params else params["embed"].T
+        logits = jnp.matmul(x, head, preferred_element_type=jnp.float32)
+        new_cache = cache.replace(
+            gdn=tuple(gdn_states), kv=tuple(kv_states), page_table=page_table, page_owner=page_owner,
+            page_index=page_index, slot_lens=cache.slot_lens.at[slot_ids].add(seq_lens))
+        return logits, new_cache
+
+    def skip(cache):
+        return jnp.zeros((out_rows, vocab), jnp.float32), cache
+
+    logits, new_cache = jax.lax.cond(ok, run, skip, cache)
+    return logits, new_cache, ok
+
+
+def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
+    """Empties the slots: their pages go back to the free pool, their lengths to 0 (state is ignored after)."""
+    s = cache.num_slots
+    releasing = jnp.zeros((s,), bool).at[slot_ids].set(True)
+    owner = cache.page_owner
+    freed = (owner >= 0) & releasing[jnp.maximum(owner, 0)]
+    return cache.replace(
+        page_owner=jnp.where(freed, -1, owner),
+        page_index=jnp.where(freed, 0, cache.page_index),
+        page_table=jnp.where(releasing[:, None], 0, cache.page_table),
+        slot_lens=jnp.where(releasing, 0, cache.slot_lens))
+
+
+_forward_jit = jax.jit(forward, static_argnames=("config", "backend", "return_all_logits", "decode"),
+                       donate_argnames=("cache",))
+_release_jit = jax.jit(release_slots, donate_argnames=("cache",))
+
+
+# ================================================================================================================
+# Host-side checks (before any state is touched)
+# ================================================================================================================
+def _int_array(x, name: str, ndim: int, shape_doc: str) -> np.ndarray:
+    if isinstance(x, (list, tuple)):
+        x = np.asarray(x, dtype=np.int64)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an int32 array of shape {shape_doc}, got {type(x).__name__}")
+    if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise ValueError(f"{name} must be an int32 array of shape {shape_doc}, got dtype {x.dtype}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
+    return np.asarray(x).astype(np.int64)
+
+
+# ================================================================================================================
+# The model
+# ================================================================================================================
+class HybridModel:
+    """A hybrid GDN + attention decoder with its parameters; see the module docstring for the API and shapes."""
+
+    def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend: str = "auto"):
+        if not isinstance(config, HybridConfig):
+            raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        if backend not in ("auto", "xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"backend must be one of auto / xla / pallas / pallas_interpret, got {backend!r}")
+        if len(params["layers"]) != config.num_hidden_layers:
+            raise ValueError(f"params['layers'] has {len(params['layers'])} layers, config says "
+                             f"{config.num_hidden_layers}")
+        self.config = config
+        self.params = params
+        self.dtype = jnp.dtype(dtype)
+        self.backend = backend
+
+    def _resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return self.backend
+
+    # ---- cache ------------------------------------------------------------------------------------------------
+    def init_cache(self, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16) -> Cache:
+        """An empty cache for up to ``max_seqs`` concurrent streams (slots) and a KV pool of
+        ``ceil(max_tokens / page_size)`` pages shared by all slots (max_tokens tokens in total)."""
+        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+        cfg = self.config
+        num_pages = -(-int(max_tokens) // int(page_size))
+        gdn = tuple(GdnSlots.zeros(cfg.gdn_dims, int(max_seqs), self.dtype) for _ in cfg.gdn_layers)
+        kv = tuple(KvPages.zeros(num_pages, int(page_size), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+                   for _ in cfg.attn_layers)
+        return Cache(gdn=gdn, kv=kv,
+                     page_table=jnp.zeros((int(max_seqs), num_pages), jnp.int32),
+                     page_owner=jnp.full((num_pages,), -1, jnp.int32),
+                     page_index=jnp.zeros((num_pages,), jnp.int32),
+                     slot_lens=jnp.zeros((int(max_seqs),), jnp.int32),
+                     page_size=int(page_size))
+
+    def _check_cache(self, cache):
+        if not isinstance(cache, Cache):
+            raise ValueError(f"cache must be the Cache returned by init_cache / prefill, got {type(cache).__name__}")
+        if len(cache.gdn) != len(self.config.gdn_layers) or len(cache.kv) != len(self.config.attn_layers):
+            raise ValueError(f"cache has {len(cache.gdn)} GDN / {len(cache.kv)} attention layers; the model has "
+                             f"{len(self.config.gdn_layers)} / {len(self.config.attn_layers)}")
+
+    def _check_slots(self, slot_ids, n: int, cache: Cache) -> np.ndarray:
+        sl = _int_array(slot_ids, "slot_ids", 1, "[N]")
+        if sl.shape[0] != n:
+            raise ValueError(f"slot_ids must have shape [N]=({n},), got {tuple(sl.shape)}")
+        s = cache.num_slots
+        if n > s:
+            raise ValueError(f"{n} streams in one call but the cache has max_seqs={s} slots")
+        if n and (sl.min() < 0 or sl.max() >= s):
+            raise ValueError(f"slot_ids must be in [0, {s}), got {sl.tolist()}")
+        if len(set(sl.tolist())) != n:
+            raise ValueError(f"slot_ids must be distinct within one call, got {sl.tolist()}")
+        return sl
+
+    def _check_tokens(self, ids: np.ndarray):
+        v = self.config.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= v):
+            bad = ids[(ids < 0) | (ids >= v)]
+            raise ValueError(f"input_ids must be token ids in [0, vocab_size={v}), got {bad[:8].tolist()}")
+
+    def _run(self, cache, ids, cu, sl, *, return_all_logits, decode):
+        logits, new_cache, ok = _forward_jit(
+            self.params, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.asarray(sl, jnp.int32),
+            config=self.config, backend=self._resolved_backend(), return_all_logits=bool(return_all_logits),
+            decode=decode)
+        if not bool(ok):
+            raise OutOfKvPagesError(
+                f"out of KV pages: the pool ({new_cache.num_pages} pages of {new_cache.page_size} tokens) cannot "
+                f"hold this call's {int(ids.shape[0])} new tokens; nothing was written. Release slots or make a "
+                f"larger cache (init_cache max_tokens); continue with the error's .cache", new_cache)
+        return logits, new_cache
+
+    # ---- prefill / decode / release ---------------------------------------------------------------------------
+    def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False):
+        """Prefill N streams packed in ``input_ids [T]`` (see the module docstring).
+        Returns (logits [N, Vocab] fp32, or [T, Vocab] with return_all_logits, new cache)."""
+        self._check_cache(cache)
+        ids = _int_array(input_ids, "input_ids", 1, "[T]")
+        t = ids.shape[0]
+        if t < 1:
+            raise ValueError("input_ids must have shape [T] with T >= 1, got an empty array")
+        cu = _int_array(cu_seqlens, "cu_seqlens", 1, "[N + 1]")
+        if cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1, got shape {tuple(cu.shape)}")
+        n = cu.shape[0] - 1
+        if cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 1):
+            raise ValueError(f"cu_seqlens [N + 1] must start at 0, end at T={t} and grow by at least 1 token per "
+                             f"stream, got {cu.tolist()}")
+        sl = self._check_slots(slot_ids, n, cache)
+        self._check_tokens(ids)
+        return self._run(cache, ids, cu, sl, return_all_logits=return_all_logits, decode=False)
+
+    def decode(self, cache: Cache, input_ids, slot_ids):
+        """One token per stream: input_ids [N], slot_ids [N]. Returns (logits [N, Vocab] fp32, new cache)."""
+        self._check_cache(cache)
+        ids = _int_array(input_ids, "input_ids", 1, "[N]")
+        n = ids.shape[0]
+        if n < 1:
+            raise ValueError("input_ids must have shape [N] with N >= 1 (one token per stream)")
+        sl = self._check_slots(slot_ids, n, cache)
+        self._check_tokens(ids)
+        cu = np.arange(n + 1, dtype=np.int64)
+        return self._run(cache, ids, cu, sl, return_all_logits=False, decode=True)
+
+    def release(self, cache: Cache, slot_ids) -> Cache:
+        """Empties ``slot_ids [N]`` and returns their pages to the pool. Returns the new cache."""
+        self._check_cache(cache)
+        sl = _int_array(slot_ids, "slot_ids", 1, "[N]")
+        self._check_slots(sl, sl.shape[0], cache)
+        if sl.shape[0] == 0:
+            return cache
+        return _release_jit(cache, jnp.asarray(sl, jnp.int32))
+
+    def __repr__(self):
+        c = self.config
+        return (f"HybridModel({c.model_type}, layers={c.num_hidden_layers} ({len(c.gdn_layers)} GDN / "
+                f"{len(c.attn_layers)} attention), hidden={c.hidden_size}, vocab={c.vocab_size}, "
+                f"experts={c.num_experts}, dtype={self.dtype.name}, backend={self.backend})")
