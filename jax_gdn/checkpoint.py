@@ -100,52 +100,28 @@ class _Tensors:
         return np.asarray(x)
 
 
-def _deinterleave_qkvz(w: np.ndarray, c: HybridConfig):
-    """Qwen3-Next in_proj_qkvz [Hk*(2K + 2rV), D] (grouped per key head) -> q, k, v, z rows in head order."""
-    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    r = c.linear_num_value_heads // hk
-    d = w.shape[-1]
-    g = w.reshape(hk, 2 * dk + 2 * r * dv, d)
-    q = g[:, :dk].reshape(hk * dk, d)
-    k = g[:, dk:2 * dk].reshape(hk * dk, d)
-    v = g[:, 2 * dk:2 * dk + r * dv].reshape(hk * r * dv, d)
-    z = g[:, 2 * dk + r * dv:].reshape(hk * r * dv, d)
-    return q, k, v, z
-
-
-def _deinterleave_ba(w: np.ndarray, c: HybridConfig):
-    """Qwen3-Next in_proj_ba [Hk*2r, D] (grouped per key head: b then a) -> b, a [Hv, D]."""
-    hk = c.linear_num_key_heads
-    r = c.linear_num_value_heads // hk
-    d = w.shape[-1]
-    g = w.reshape(hk, 2 * r, d)
-    return g[:, :r].reshape(hk * r, d), g[:, r:].reshape(hk * r, d)
-
-
-def _gdn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
+def _gdn_params(t: _Tensors, p: str, c: HybridConfig, input_layernorm: np.ndarray) -> dict:
+    """The parameter dict of jax_gdn.layers.gdn (HF names and torch [out, in] layouts, conv squeezed to [C, Kc],
+    the layer's input RMSNorm included)."""
     d = c.hidden_size
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     conv_dim = 2 * hk * dk + hv * dv
+    out = {"input_layernorm": input_layernorm}
     if c.gdn_layout == "qwen3_next":
-        qkvz = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d))
-        ba = t.get(p + "in_proj_ba.weight", (2 * hv, d))
-        q, k, v, z = _deinterleave_qkvz(qkvz, c)
-        b, a = _deinterleave_ba(ba, c)
-        qkv = np.concatenate([q, k, v], axis=0)
+        out["in_proj_qkvz"] = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d))
+        out["in_proj_ba"] = t.get(p + "in_proj_ba.weight", (2 * hv, d))
     else:
-        qkv = t.get(p + "in_proj_qkv.weight", (conv_dim, d))
-        z = t.get(p + "in_proj_z.weight", (hv * dv, d))
-        b = t.get(p + "in_proj_b.weight", (hv, d))
-        a = t.get(p + "in_proj_a.weight", (hv, d))
-    conv = t.get(p + "conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim))
-    return {
-        "in_proj_qkv": qkv.T, "in_proj_z": z.T, "in_proj_b": b.T, "in_proj_a": a.T,
-        "conv1d": conv[:, 0, :],
-        "dt_bias": t.get(p + "dt_bias", (hv,)), "A_log": t.get(p + "A_log", (hv,)),
-        "norm": t.get(p + "norm.weight", (dv,)),
-        "out_proj": t.get(p + "out_proj.weight", (d, hv * dv)).T,
-    }
+        out["in_proj_qkv"] = t.get(p + "in_proj_qkv.weight", (conv_dim, d))
+        out["in_proj_z"] = t.get(p + "in_proj_z.weight", (hv * dv, d))
+        out["in_proj_b"] = t.get(p + "in_proj_b.weight", (hv, d))
+        out["in_proj_a"] = t.get(p + "in_proj_a.weight", (hv, d))
+    out["conv1d"] = t.get(p + "conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim))[:, 0, :]
+    out["dt_bias"] = t.get(p + "dt_bias", (hv,))
+    out["A_log"] = t.get(p + "A_log", (hv,))
+    out["norm"] = t.get(p + "norm.weight", (dv,))
+    out["out_proj"] = t.get(p + "out_proj.weight", (d, hv * dv))
+    return out
 
 
 def _attn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
@@ -208,11 +184,12 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
     layers = []
     for i, kind in enumerate(c.layer_types):
         p = f"{prefix}layers.{i}."
-        layer = {"input_norm": t.get(p + "input_layernorm.weight", (d,)),
-                 "post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
-        if kind == "linear_attention":
-            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c)
+        input_norm = t.get(p + "input_layernorm.weight", (d,))
+        layer = {"post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
+        if kind == "linear_attention":   # the GDN layer owns its input norm and residual
+            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c, input_norm)
         else:
+            layer["input_norm"] = input_norm
             layer["mixer"] = _attn_params(t, p + "self_attn.", c)
         if c.layer_is_moe(i):
             layer["ffn"] = _moe_params(t, p + "mlp.", c)
@@ -227,7 +204,8 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
 
     def cast(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else ""
-        keep32 = name.endswith(_F32_SUFFIXES) or name in ("input_norm", "post_norm", "final_norm", "norm")
+        keep32 = name.endswith(_F32_SUFFIXES) or name in ("input_layernorm", "input_norm", "post_norm",
+                                                          "final_norm", "norm")
         return jnp.asarray(x, jnp.float32 if keep32 else dtype)
 
     import jax

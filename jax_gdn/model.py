@@ -25,11 +25,10 @@ was and returns a flag, and the wrapper raises :class:`OutOfKvPagesError` carryi
 
 Parameters (a pytree of dicts, weights [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
-    layers[i] = {"input_norm": [D], "post_norm": [D], "mixer": GDN or attention params, "ffn": MLP or MoE params}
-GDN mixer params (projections split and de-interleaved at load time, whatever the checkpoint layout):
-    in_proj_qkv [D, 2*Hk*K + Hv*V] (q | k | v, the conv channels), in_proj_z [D, Hv*V], in_proj_b [D, Hv],
-    in_proj_a [D, Hv], conv1d [C, Kc], dt_bias [Hv], A_log [Hv], norm [V], out_proj [Hv*V, D]
-Attention params: see jax_gdn.layers.attention; FFN params: see jax_gdn.layers.ffn.
+    GDN layer i:       {"mixer": jax_gdn.layers.gdn params (HF names, torch [out, in] layout, with
+                        "input_layernorm"), "post_norm": [D], "ffn": MLP or MoE params}
+    attention layer i: {"input_norm": [D], "mixer": jax_gdn.layers.attention params, "post_norm": [D], "ffn": ...}
+FFN params: see jax_gdn.layers.ffn.
 """
 from __future__ import annotations
 
@@ -40,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_gdn.config import GdnDims, HybridConfig
+from jax_gdn.config import HybridConfig
 from jax_gdn.layers.attention import attention_layer
 from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
+from jax_gdn.layers.gdn import gdn_layer_decode, gdn_layer_prefill
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
@@ -54,55 +54,6 @@ class OutOfKvPagesError(RuntimeError):
     def __init__(self, message: str, cache: Cache):
         super().__init__(message)
         self.cache = cache
-
-
-# ================================================================================================================
-# GDN layer (adapter over jax_gdn.ops; the canonical split parameter layout above)
-# ================================================================================================================
-def gdn_mixer(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
-              backend: str, decode: bool):
-    """One Gated DeltaNet mixer over stacked tokens. hidden [T, D] -> (out [T, D], new GdnSlots).
-
-    decode=True: exactly one token per stream (T == N) and the per-token recurrence is used.
-    """
-    from jax_gdn.ops import (chunk_gated_delta_rule_slots, recurrent_gated_delta_rule)
-    from jax_gdn.ops.conv1d import causal_conv1d_varlen
-    from jax_gdn.ops.norms import gated_rms_norm
-
-    t = hidden.shape[0]
-    hk, hv, dk, dv = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
-    # ---- phase 1: projections and the causal conv -------------------------------------------------------------
-    mixed_qkv = hidden @ params["in_proj_qkv"]                                     # [T, C]
-    z = (hidden @ params["in_proj_z"]).reshape(t, hv, dv)
-    b = hidden @ params["in_proj_b"]                                               # [T, Hv]
-    a = hidden @ params["in_proj_a"]
-    conv_out, conv_state = causal_conv1d_varlen(mixed_qkv, params["conv1d"], slots.conv_state, meta.cu_seqlens,
-                                                meta.slot_ids, meta.has_initial_state, activation="silu")
-    q = conv_out[:, :dims.key_dim].reshape(1, t, hk, dk)
-    k = conv_out[:, dims.key_dim:2 * dims.key_dim].reshape(1, t, hk, dk)
-    v = conv_out[:, 2 * dims.key_dim:].reshape(1, t, hv, dv)
-    beta = jax.nn.sigmoid(b)[None]                                                 # [1, T, Hv]
-    g = (-jnp.exp(params["A_log"].astype(jnp.float32))
-         * jax.nn.softplus(a.astype(jnp.float32) + params["dt_bias"].astype(jnp.float32)))[None]
-    # ---- phase 2: the gated delta rule over the slot pool -----------------------------------------------------
-    if decode:
-        init = slots.ssm_state[meta.slot_ids]                                      # [N, Hv, K, V]
-        init = jnp.where(meta.has_initial_state[:, None, None, None], init, 0.0)
-        o, final = recurrent_gated_delta_rule(
-            q.reshape(t, 1, hk, dk), k.reshape(t, 1, hk, dk), v.reshape(t, 1, hv, dv), g.reshape(t, 1, hv),
-            beta.reshape(t, 1, hv), initial_state=init, output_final_state=True, use_qk_l2norm=True)
-        ssm_state = slots.ssm_state.at[meta.slot_ids].set(final)
-        o = o.reshape(t, hv, dv)
-    else:
-        o, ssm_state = chunk_gated_delta_rule_slots(
-            q, k, v, g, beta, ssm_state=slots.ssm_state, slot_ids=meta.slot_ids,
-            has_initial_state=meta.has_initial_state, cu_seqlens=meta.cu_seqlens, use_qk_l2norm=True,
-            backend=backend)
-        o = o[0]
-    # ---- phase 3: gated norm and output projection ------------------------------------------------------------
-    o = gated_rms_norm(o, z, params["norm"], dims.rms_norm_eps).reshape(t, hv * dv)
-    out = (o @ params["out_proj"]).astype(hidden.dtype)
-    return out, GdnSlots(conv_state=conv_state, ssm_state=ssm_state)
 
 
 # ================================================================================================================
@@ -167,18 +118,23 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
         gdn_states, kv_states = list(cache.gdn), list(cache.kv)
         gi = ai = 0
         for i, layer in enumerate(params["layers"]):
-            h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
             if config.layer_types[i] == "linear_attention":
-                h, gdn_states[gi] = gdn_mixer(layer["mixer"], config.gdn_dims, h, gdn_states[gi], meta,
-                                              backend=backend, decode=decode)
+                # jax_gdn.layers.gdn owns the input norm and the residual add: x -> x + gdn(norm(x))
+                if decode:
+                    x, gdn_states[gi] = gdn_layer_decode(layer["mixer"], config.gdn_dims, x, gdn_states[gi],
+                                                         slot_ids, has_init)
+                else:
+                    x, gdn_states[gi] = gdn_layer_prefill(layer["mixer"], config.gdn_dims, x, gdn_states[gi],
+                                                          meta, backend=backend)
                 gi += 1
             else:
+                h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
                 h, kv_states[ai] = attention_layer(
                     layer["mixer"], config.attn_dims, h, kv_states[ai], token_slot=tok_slot, token_pos=tok_pos,
                     token_page=tok_page, token_offset=tok_offset, page_owner=page_owner, page_index=page_index,
                     backend=backend)
                 ai += 1
-            x = x + h
+                x = x + h
             h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
             if config.layer_is_moe(i):
                 h = sparse_moe(layer["ffn"], h, top_k=config.num_experts_per_tok,
