@@ -253,7 +253,7 @@ def test_matches_hf_torch_recurrent(use_qk_l2norm):
     # equal heads on the torch side: value head h reads key head h // r
     q_t, k_t = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
     o_hf, f_hf = hf.torch_recurrent_gated_delta_rule(
-        q_t, k_t, v, g, beta, initial_state=torch.from_numpy(np.asarray(init)), output_final_state=True,
+        q_t, k_t, v, g, beta, initial_state=torch.from_numpy(np.array(init)), output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm)
     o, final = chunk_xla(*xs, initial_state=init, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
     assert rel_rms(o, o_hf.numpy()) < FP32_TOL and rel_rms(final, f_hf.numpy()) < FP32_TOL
