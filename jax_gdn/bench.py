@@ -1,0 +1,234 @@
+"""Benchmark of the chunked gated delta rule forward: `python -m jax_gdn.bench`.
+
+For each named case of jax_gdn.cases.BENCH_CASES, times in one run on one GPU:
+  pallas  jax_gdn.ops.chunk_gated_delta_rule(backend="pallas")
+  xla     jax_gdn.ops.chunk_gated_delta_rule(backend="xla")
+  fla     FLA's chunk_gated_delta_rule (torch, Triton), FLA_FLASH_QLA=0
+  jla     jax-linear-attention's Mosaic GPU gated_delta_rule (dense cases only: it takes no cu_seqlens)
+where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
+fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms after warm-up: jax
+over groups of back-to-back calls closed by block_until_ready, torch with triton.testing.do_bench (median).
+
+Writes benchmarks/results/h200.json ({"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V",
+"lens", "ms": {"pallas", "xla", "fla", "jla"}}]}) and a PNG bar plot beside it; prints a table.
+`python -m jax_gdn.bench --plot-only` redraws the plot from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from jax_gdn.cases import BENCH_CASES, Case
+
+IMPLS = ("pallas", "xla", "fla", "jla")
+DEFAULT_OUT = os.path.join("benchmarks", "results", "h200.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------------------------
+def make_inputs_np(case: Case, seed: int = 0):
+    """Host inputs: q, k [B,T,Hk,K] (unit rows), v [B,T,Hv,V], g [B,T,Hv] (log-decay), beta [B,T,Hv], h0 [N,Hv,K,V]."""
+    rng = np.random.default_rng(seed)
+    b, t = case.B, case.T
+    q = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+    k = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, case.Hv, case.V), np.float32)
+    g = np.log(rng.uniform(0.9, 0.999, (b, t, case.Hv))).astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, (b, t, case.Hv)).astype(np.float32)
+    h0 = (0.1 * rng.standard_normal((case.num_seqs, case.Hv, case.K, case.V))).astype(np.float32)
+    return q, k, v, g, beta, h0
+
+
+def time_jax(fn, args, *, warmup=3, groups=15, per_group=10):
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(groups):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(per_group):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / per_group * 1e3)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# implementations: each returns a zero-arg-style (fn, args) pair or raises
+# ----------------------------------------------------------------------------------------------------------------
+def _jax_impl(case, host, backend):
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import ops
+    q, k, v, g, beta, h0 = host
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+            jnp.asarray(beta, bf), jnp.asarray(h0))
+    cu = case.cu_seqlens()
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+
+    @jax.jit
+    def fn(q, k, v, g, beta, h0):
+        return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu, backend=backend)
+    return fn, args
+
+
+def _jla_impl(case, host):
+    if case.lens is not None:
+        raise NotImplementedError("jla takes no cu_seqlens")
+    import jax
+    import jax.numpy as jnp
+    from jla.ops.mosaic_gpu.gated_delta_rule import gated_delta_rule
+    q, k, v, g, beta, h0 = host
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+            jnp.asarray(beta, bf), jnp.asarray(h0))
+
+    @jax.jit
+    def fn(q, k, v, g, beta, h0):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    return fn, args
+
+
+def _time_fla(case, host):
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    q, k, v, g, beta, h0 = host
+    dev = "cuda"
+    bf = torch.bfloat16
+    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
+    tg = torch.from_numpy(g).to(dev)
+    tb = torch.from_numpy(beta).to(dev, bf)
+    th0 = torch.from_numpy(h0).to(dev)
+    kw = {}
+    if case.lens is not None:
+        kw["cu_seqlens"] = torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)
+
+    def fn():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def run(cases, impls, out_path, seed=0):
+    import jax
+    try:
+        from tqdm import tqdm
+    except ImportError:                                    # the bar is cosmetic
+        def tqdm(x, **_):
+            return x
+    rows = []
+    errors = []
+    todo = [(c, i) for c in cases for i in impls]
+    bar = tqdm(todo, desc="bench", unit="run")
+    host_cache = {}
+    for case, impl in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{case.name} {impl}")
+        host = host_cache.setdefault(case.name, make_inputs_np(case, seed))
+        if not rows or rows[-1]["case"] != case.name:
+            rows.append({"case": case.name, "B": case.B, "T": case.T, "Hk": case.Hk, "Hv": case.Hv,
+                         "K": case.K, "V": case.V, "lens": list(case.lens) if case.lens else None,
+                         "ms": {i: None for i in IMPLS}})
+        try:
+            if impl in ("pallas", "xla"):
+                ms = time_jax(*_jax_impl(case, host, impl))
+            elif impl == "jla":
+                ms = time_jax(*_jla_impl(case, host))
+            elif impl == "fla":
+                ms = _time_fla(case, host)
+            else:
+                raise ValueError(impl)
+            rows[-1]["ms"][impl] = round(ms, 4)
+        except Exception as e:                             # a peer that cannot run a case gets null
+            errors.append(f"{case.name} {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            if os.environ.get("JAX_GDN_BENCH_TRACEBACK"):
+                traceback.print_exc()
+    dev = jax.devices()[0]
+    result = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "rows": rows}
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result)
+    for e in errors:
+        print("skipped:", e)
+    plot(result, out_path[:-5] + ".png" if out_path.endswith(".json") else out_path + ".png")
+    return result
+
+
+def print_table(result):
+    head = f"{'case':30s}" + "".join(f"{i:>9s}" for i in IMPLS) + f"{'pal/fla':>9s}{'pal/jla':>9s}"
+    print(f"device: {result['device']}  jax {result['jax']}  {result['date']}")
+    print(head)
+    for r in result["rows"]:
+        ms = r["ms"]
+        cells = "".join(f"{ms[i]:9.3f}" if ms.get(i) is not None else f"{'-':>9s}" for i in IMPLS)
+        ratio = lambda a, b: (f"{ms[a] / ms[b]:9.2f}" if ms.get(a) and ms.get(b) else f"{'-':>9s}")
+        print(f"{r['case']:30s}{cells}{ratio('pallas', 'fla')}{ratio('pallas', 'jla')}")
+
+
+def plot(result, png_path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (run `python -m jax_gdn.bench --plot-only` where it is installed)")
+        return
+    rows = result["rows"]
+    x = np.arange(len(rows))
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for j, impl in enumerate(IMPLS):
+        vals = [r["ms"].get(impl) for r in rows]
+        ax.bar(x + (j - 1.5) * width, [v if v is not None else 0 for v in vals], width, label=impl)
+    ax.set_xticks(x, [r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms (median, lower is better)")
+    ax.set_yscale("log")
+    ax.set_title(f"chunked gated delta rule forward, {result['device']}, jax {result['jax']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    print("plot:", png_path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--plot-only", action="store_true")
+    a = p.parse_args(argv)
+    if a.plot_only:
+        with open(a.out) as f:
+            result = json.load(f)
+        print_table(result)
+        plot(result, a.out[:-5] + ".png")
+        return 0
+    names = [s for s in a.cases.split(",") if s]
+    cases = [c for c in BENCH_CASES if not names or c.name in names]
+    run(cases, [i for i in a.impls.split(",") if i], a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

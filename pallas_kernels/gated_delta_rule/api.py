@@ -1,0 +1,194 @@
+"""Public entry points of the Pallas gated delta rule forward (called by jax_gdn.ops after validation).
+
+Shape legend: B batch, T tokens, N sequences (streams), S state slots, Hk key heads, Hv value heads (Hv = r Hk;
+value head h reads key head h // r), K key dim, V value dim, C chunk size, NC = B*T // C + N chunk slots.
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; g (fp32 log-decay), beta [B, T, Hv]
+    initial_state [N, Hv, K, V] fp32 | ssm_state pool [S, Hv, K, V] fp32
+    cu_seqlens [N + 1] int32 (then B == 1) or None (dense: N = B)
+    -> o [B, T, Hv, V] in v's dtype, final state fp32
+
+Per token: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T (scale q_t).
+
+Everything is traced: the chunk map comes from cu_seqlens on the device (static bound NC), so one compiled program
+serves every packing with the same T and N, with no device-to-host sync.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gated_delta_rule import triton as _triton
+
+GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+GPU_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def check_supported(q, k, v, *, interpret: bool) -> None:
+    """Raises ValueError naming the limit when the Pallas kernel cannot run these inputs.
+
+    GPU (Triton) kernel: q, k, v of one dtype in {bfloat16, float16, float32}; K and V in {16, 32, 64, 128, 256}
+    (Triton block dims are powers of two and dots need >= 16); Hv a multiple of Hk. Interpret mode (CPU) takes
+    any K, V >= 1. backend "pallas" (interpret False) needs a GPU.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have one shape [B, T, Hk, K]; got q {q.shape}, k {k.shape}")
+    if v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2] != 0:
+        raise ValueError(f"v must be [B, T, Hv, V] with Hv a multiple of Hk={q.shape[2]}; got v {v.shape}")
+    dt = jnp.dtype(v.dtype)
+    if dt not in GPU_DTYPES or jnp.dtype(q.dtype) != dt or jnp.dtype(k.dtype) != dt:
+        raise ValueError(
+            "pallas gated delta rule: q, k, v must share one dtype in {bfloat16, float16, float32}; "
+            f"got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not interpret:
+        kd, vd = q.shape[3], v.shape[3]
+        if kd not in GPU_HEAD_DIMS or vd not in GPU_HEAD_DIMS:
+            raise ValueError(
+                f"pallas gated delta rule on the GPU: head dims K (got {kd}) and V (got {vd}) must each be one of "
+                f"{GPU_HEAD_DIMS}; use backend='xla' (or 'pallas_interpret' on CPU) for other sizes")
+        if not _has_gpu():
+            raise ValueError(
+                "backend 'pallas' needs a CUDA GPU (Pallas Triton lowering) and none is visible; "
+                "use backend='xla', or 'pallas_interpret' to run the same kernel in interpret mode on CPU")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunk maps (plain jnp, traceable)
+# ----------------------------------------------------------------------------------------------------------------
+def _dense_map(batch: int, seq_len: int, chunk: int):
+    """Static chunk map for B equal sequences laid end to end (numpy constants)."""
+    per = max(1, math.ceil(seq_len / chunk)) if seq_len > 0 else 0
+    j = np.arange(per)
+    start = (np.arange(batch)[:, None] * seq_len + j[None, :] * chunk).reshape(-1)
+    length = np.broadcast_to(np.minimum(chunk, seq_len - j * chunk), (batch, per)).reshape(-1)
+    first = np.arange(batch) * per
+    num = np.full((batch,), per)
+    if start.size == 0:                        # T == 0: one padding chunk keeps the grid non-empty
+        start, length = np.zeros(1), np.zeros(1)
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    return i32(start), i32(length), i32(first), i32(num)
+
+
+def chunk_map_from_cu_seqlens(cu_seqlens, total_len: int, chunk: int):
+    """(chunk_start [NC], chunk_len [NC], seq_first_chunk [N], seq_num_chunks [N]) with NC = T // C + N."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = total_len // chunk + n
+    lens = cu[1:] - cu[:-1]
+    num = (lens + chunk - 1) // chunk
+    end = jnp.cumsum(num)
+    first = end - num
+    c = jnp.arange(nc, dtype=jnp.int32)
+    valid = c < end[-1]
+    seq = jnp.minimum(jnp.searchsorted(end, c, side="right").astype(jnp.int32), n - 1)
+    start = cu[seq] + (c - first[seq]) * chunk
+    length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, chunk), 0)
+    start = jnp.where(valid, start, 0)
+    return start, length, first.astype(jnp.int32), num.astype(jnp.int32)
+
+
+def _maps(batch, seq_len, cu_seqlens, chunk_map, chunk):
+    if cu_seqlens is None:
+        return _dense_map(batch, seq_len, chunk)
+    if chunk_map is not None:
+        return (chunk_map.chunk_start.astype(jnp.int32), chunk_map.chunk_len.astype(jnp.int32),
+                chunk_map.seq_first_chunk.astype(jnp.int32), chunk_map.seq_num_chunks.astype(jnp.int32))
+    return chunk_map_from_cu_seqlens(cu_seqlens, seq_len, chunk)
+
+
+def _block_v(vdim: int, programs_per_vblock: int) -> int:
+    """V block of the state pass: small enough to give the chip ~2 programs per SM, at least 16 (Triton dots)."""
+    env = os.environ.get("JAX_GDN_PALLAS_BV")
+    if env:
+        return min(int(env), vdim)
+    if vdim <= 32:
+        return vdim
+    bv = 64 if programs_per_vblock * (vdim // 64) >= 256 else 32
+    return min(bv, vdim)
+
+
+def _env_pair(name, default):
+    env = os.environ.get(name)
+    return tuple(int(x) for x in env.split(",")) if env else default
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------------
+def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqlens, chunk_map, chunk_size,
+         interpret):
+    b, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    if chunk_size % _triton.SUB != 0:
+        raise ValueError(f"chunk_size must be a multiple of {_triton.SUB}; got {chunk_size}")
+    if scale is None:
+        scale = kdim ** -0.5
+    start, length, first, num = _maps(b, t, cu_seqlens, chunk_map, chunk_size)
+    tt = b * t
+    qf = q.reshape(tt, hk, kdim)
+    kf = k.reshape(tt, hk, kdim)
+    vf = v.reshape(tt, hv, vdim)
+    gf = g.reshape(tt, hv).astype(jnp.float32)
+    bf = beta.reshape(tt, hv)
+    if interpret:
+        # Interpret mode clamps out-of-range dynamic slices (which would shift the rows under the mask); pad C
+        # rows so that every chunk's [start, start + C) slice is in range. On the GPU masked loads need no pad.
+        pad = lambda x: jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))
+        qf, kf, vf, gf, bf = (pad(x) for x in (qf, kf, vf, gf, bf))
+    n = slot_ids.shape[0]
+    o, new_pool = _triton.gated_delta_rule_fwd_packed(
+        qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids.astype(jnp.int32),
+        has_initial_state=has_initial_state.astype(jnp.int32), chunk_start=start, chunk_len=length,
+        seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size,
+        block_v=_block_v(vdim, n * hv), interpret=interpret,
+        num_warps=_env_pair("JAX_GDN_PALLAS_WARPS", (4, 4)),
+        num_stages=_env_pair("JAX_GDN_PALLAS_STAGES", (1, 2)))
+    o = o[:tt].reshape(b, t, hv, vdim)
+    return o, new_pool
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_map,
+                               output_final_state, chunk_size=64, interpret=False):
+    """Chunked gated delta rule forward (Pallas). Returns (o [B, T, Hv, V], final_state [N, Hv, K, V] or None).
+
+    initial_state [N, Hv, K, V] fp32 or None (zeros); N = B for dense input, len(cu_seqlens) - 1 otherwise.
+    """
+    b, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        pool = jnp.zeros((n, hv, kdim, vdim), jnp.float32)
+        has = jnp.zeros((n,), jnp.int32)
+    else:
+        pool = initial_state.astype(jnp.float32)
+        has = jnp.ones((n,), jnp.int32)
+    o, final = _run(q, k, v, g, beta, scale=scale, pool=pool, slot_ids=jnp.arange(n, dtype=jnp.int32),
+                    has_initial_state=has, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
+                    interpret=interpret)
+    return o, (final if output_final_state else None)
+
+
+def chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
+                                     cu_seqlens, chunk_map, chunk_size=64, interpret=False):
+    """Chunked gated delta rule forward over a state-slot pool. Returns (o [B, T, Hv, V], new_ssm_state [S, ...]).
+
+    Sequence n reads ssm_state[slot_ids[n]] (zeros where has_initial_state[n] is False, whatever the slot holds)
+    and writes its final state back to that slot; other slots keep their values. ssm_state is aliased to the
+    output (input_output_aliases), so a donated pool updates in place. slot_ids must be distinct.
+    """
+    return _run(q, k, v, g, beta, scale=scale, pool=ssm_state, slot_ids=slot_ids,
+                has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map,
+                chunk_size=chunk_size, interpret=interpret)

@@ -1,0 +1,189 @@
+"""Pallas gated delta rule kernel vs the float64 per-token loop (tests/numpy_reference.py).
+
+CPU: the same kernels in interpret mode at tiny dims (dk != dv). GPU (`pytest -m gpu`): K = V = 128, bf16 and fp32.
+Shapes come from jax_gdn.cases. Tolerances (relative RMS vs float64): fp32 2e-4, bf16 1e-2 (kernel dots run in
+IEEE fp32 for fp32 inputs, bf16 operands with fp32 accumulation for bf16 inputs).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_gdn import cases
+from jax_gdn.ops.varlen import build_chunk_map
+from pallas_kernels.gated_delta_rule import api
+from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
+
+TOL = {jnp.float32: 2e-4, jnp.bfloat16: 1e-2}
+
+
+def make_inputs(case, seed, lens=None):
+    rng = np.random.default_rng(seed)
+    b, t = case.B, case.T
+    q = l2norm_f64(rng.standard_normal((b, t, case.Hk, case.K))).astype(np.float32)
+    k = l2norm_f64(rng.standard_normal((b, t, case.Hk, case.K))).astype(np.float32)
+    v = rng.standard_normal((b, t, case.Hv, case.V)).astype(np.float32)
+    g = np.log(rng.uniform(0.5, 0.999, (b, t, case.Hv))).astype(np.float32)
+    beta = rng.uniform(0.05, 0.99, (b, t, case.Hv)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def cu_of(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def rounded(x, dtype):
+    """The values the kernel actually sees (the reference takes the same rounded inputs)."""
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+def run_fwd(case, dtype, seed, *, interpret, lens=None, with_h0=True, fwd=None):
+    q, k, v, g, beta = make_inputs(case, seed)
+    q, k, v = (rounded(x, dtype) for x in (q, k, v))
+    n = case.num_seqs if lens is None else len(lens)
+    rng = np.random.default_rng(seed + 1)
+    h0 = rng.standard_normal((n, case.Hv, case.K, case.V)).astype(np.float32) if with_h0 else None
+    cu = None if lens is None else cu_of(lens)
+    ref_o, ref_s = gated_delta_rule_f64(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    fwd = fwd or jax.jit(lambda *a: _fwd(*a, interpret=interpret))
+    o, s = fwd(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
+               jnp.asarray(beta), None if h0 is None else jnp.asarray(h0),
+               None if cu is None else jnp.asarray(cu))
+    assert o.dtype == dtype and s.dtype == jnp.float32
+    return rel_rms(np.asarray(o, np.float64), ref_o), rel_rms(np.asarray(s), ref_s)
+
+
+def _fwd(q, k, v, g, beta, h0, cu, *, interpret):
+    cmap = None if cu is None else build_chunk_map(cu, q.shape[1], 64)
+    return api.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu,
+                                          chunk_map=cmap, output_final_state=True, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU, interpret mode
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", cases.CPU_DENSE, ids=lambda c: c.name)
+def test_interpret_dense_odd_lengths(case):
+    eo, es = run_fwd(case, jnp.float32, seed=case.T, interpret=True)
+    assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (eo, es)
+
+
+@pytest.mark.parametrize("case", cases.CPU_GVA, ids=lambda c: c.name)
+def test_interpret_grouped_heads_no_initial_state(case):
+    eo, es = run_fwd(case, jnp.float32, seed=7, interpret=True, with_h0=False)
+    assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (eo, es)
+
+
+def test_interpret_bf16():
+    eo, es = run_fwd(cases.CPU_DENSE[-1], jnp.bfloat16, seed=3, interpret=True)
+    assert eo < TOL[jnp.bfloat16] and es < TOL[jnp.bfloat16], (eo, es)
+
+
+def test_interpret_varlen_initial_states_and_no_recompile():
+    case = cases.CPU_VARLEN
+    traces = []
+
+    def counted(*a):
+        traces.append(1)
+        return _fwd(*a, interpret=True)
+    fwd = jax.jit(counted)
+    for seed, lens in ((11, case.lens), (12, cases.CPU_VARLEN_OTHER_LENS)):
+        eo, es = run_fwd(case, jnp.float32, seed=seed, interpret=True, lens=lens, fwd=fwd)
+        assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (lens, eo, es)
+    assert len(traces) == 1, "a second packing with the same T and N must reuse the compiled program"
+
+
+def test_interpret_slots_permuted_stale_and_poisoned():
+    """Sequences read permuted slots; a stale (NaN) slot with has_initial_state False reads as zeros; slots no
+    sequence names keep their (NaN) contents bit for bit; written slots are finite and right."""
+    case = cases.CPU_VARLEN
+    lens = case.lens
+    n, num_slots = len(lens), 8
+    q, k, v, g, beta = make_inputs(case, 21)
+    rng = np.random.default_rng(22)
+    slot_ids = np.array([6, 0, 3, 5, 1], np.int32)
+    has = np.array([True, False, True, False, True])
+    pool = np.full((num_slots, case.Hv, case.K, case.V), np.nan, np.float32)
+    init = rng.standard_normal((n, case.Hv, case.K, case.V)).astype(np.float32)
+    pool[slot_ids[has]] = init[has]                       # slots with has False keep NaN: stale garbage
+    h0 = np.where(has[:, None, None, None], init, 0.0)
+    cu = cu_of(lens)
+    ref_o, ref_s = gated_delta_rule_f64(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+
+    @jax.jit
+    def fwd(q, k, v, g, beta, pool, slot_ids, has, cu):
+        cmap = build_chunk_map(cu, q.shape[1], 64)
+        return api.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
+                                                    slot_ids=slot_ids, has_initial_state=has, cu_seqlens=cu,
+                                                    chunk_map=cmap, interpret=True)
+    o, new_pool = fwd(*map(jnp.asarray, (q, k, v, g, beta, pool, slot_ids, has, cu)))
+    new_pool = np.asarray(new_pool)
+    assert rel_rms(np.asarray(o), ref_o) < TOL[jnp.float32]
+    assert rel_rms(new_pool[slot_ids], ref_s) < TOL[jnp.float32]
+    untouched = np.setdiff1d(np.arange(num_slots), slot_ids)
+    assert np.isnan(new_pool[untouched]).all()
+    assert np.isfinite(new_pool[slot_ids]).all()
+
+
+def test_check_supported_errors():
+    x = jnp.zeros((1, 4, 1, 24), jnp.float32)
+    with pytest.raises(ValueError, match="head dims"):
+        api.check_supported(x, x, x, interpret=False)
+    with pytest.raises(ValueError, match="dtype"):
+        api.check_supported(x, x.astype(jnp.bfloat16), x, interpret=True)
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        y = jnp.zeros((1, 4, 1, 64), jnp.float32)
+        with pytest.raises(ValueError, match="GPU"):
+            api.check_supported(y, y, y, interpret=False)
+    api.check_supported(x, x, x, interpret=True)          # small dims are fine in interpret mode
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU (device tool): K = V = 128
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", cases.GPU_TEST_CASES, ids=lambda c: c.name)
+def test_gpu_matches_f64(case, dtype):
+    eo, es = run_fwd(case, dtype, seed=5, interpret=False, lens=case.lens)
+    print(f"FIGURE {case.name} {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} state_rel_rms={es:.3e}")
+    assert eo < TOL[dtype] and es < TOL[dtype], (eo, es)
+
+
+@pytest.mark.gpu
+def test_gpu_slots_poisoned_and_no_recompile():
+    case = cases.GPU_TEST_CASES[-1]
+    lens = case.lens
+    n = len(lens)
+    num_slots = n + 3
+    q, k, v, g, beta = make_inputs(case, 31)
+    q, k, v = (rounded(x, jnp.bfloat16) for x in (q, k, v))
+    slot_ids = np.random.default_rng(1).permutation(num_slots)[:n].astype(np.int32)
+    has = np.arange(n) % 2 == 0
+    init = np.random.default_rng(2).standard_normal((n, case.Hv, case.K, case.V)).astype(np.float32)
+    pool = np.full((num_slots, case.Hv, case.K, case.V), np.nan, np.float32)
+    pool[slot_ids[has]] = init[has]
+    traces = []
+
+    @jax.jit
+    def fwd(q, k, v, g, beta, pool, slot_ids, has, cu):
+        traces.append(1)
+        cmap = build_chunk_map(cu, q.shape[1], 64)
+        return api.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
+                                                    slot_ids=slot_ids, has_initial_state=has, cu_seqlens=cu,
+                                                    chunk_map=cmap)
+    for lens_i in (lens, tuple(reversed(lens))):
+        cu = cu_of(lens_i)
+        h0 = np.where(has[:, None, None, None], init, 0.0)
+        ref_o, ref_s = gated_delta_rule_f64(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        o, new_pool = fwd(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+                          *map(jnp.asarray, (g, beta, pool, slot_ids, has, cu)))
+        new_pool = np.asarray(new_pool)
+        eo, es = rel_rms(np.asarray(o, np.float64), ref_o), rel_rms(new_pool[slot_ids], ref_s)
+        print(f"FIGURE slots {lens_i} o_rel_rms={eo:.3e} state_rel_rms={es:.3e}")
+        assert eo < 1e-2 and es < 1e-2
+        untouched = np.setdiff1d(np.arange(num_slots), slot_ids)
+        assert np.isnan(new_pool[untouched]).all() and np.isfinite(new_pool[slot_ids]).all()
+    assert len(traces) == 1
