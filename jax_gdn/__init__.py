@@ -1,0 +1,41 @@
+"""jax-gdn: JAX prefill for hybrid Gated DeltaNet + attention models (Qwen3-Next, Qwen3.5).
+
+    from jax_gdn import load_pretrained
+    model = load_pretrained(path, dtype=jnp.bfloat16)
+    cache = model.init_cache(max_seqs=8, max_tokens=4096, page_size=16)
+    logits, cache = model.prefill(cache, input_ids, cu_seqlens, slot_ids)
+    logits, cache = model.decode(cache, input_ids, slot_ids)
+    cache = model.release(cache, slot_ids)
+
+The ops (``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``, ``chunk_gated_delta_rule_slots``) are
+re-exported from :mod:`jax_gdn.ops`; everything is imported lazily, on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "load_pretrained": "jax_gdn.checkpoint",
+    "HybridModel": "jax_gdn.model",
+    "OutOfKvPagesError": "jax_gdn.model",
+    "HybridConfig": "jax_gdn.config",
+    "GdnDims": "jax_gdn.config",
+    "AttnDims": "jax_gdn.config",
+    "chunk_gated_delta_rule": "jax_gdn.ops",
+    "recurrent_gated_delta_rule": "jax_gdn.ops",
+    "chunk_gated_delta_rule_slots": "jax_gdn.ops",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jax_gdn' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
