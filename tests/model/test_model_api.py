@@ -1,0 +1,155 @@
+"""HybridModel API: argument checks before any state is touched, running out of KV pages, release and reuse of
+slots (stale GDN state and pages ignored), config.json parsing and checkpoint errors that name the tensor."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_gdn import HybridConfig, OutOfKvPagesError, load_pretrained
+from jax_gdn.checkpoint import params_from_state_dict, random_model, random_state_dict
+
+CFG = HybridConfig(model_type="qwen3_next", vocab_size=61, hidden_size=32, num_hidden_layers=2,
+                   layer_types=("linear_attention", "full_attention"), intermediate_size=24,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=8,
+                   mlp_only_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=0, dtype=jnp.float32, backend="xla")
+
+
+def _snapshot(cache):
+    return [np.asarray(x).copy() for x in (cache.slot_lens, cache.page_owner, cache.page_table)]
+
+
+BAD = [
+    (dict(input_ids=np.zeros((2, 3), np.int32)), "input_ids must have shape"),
+    (dict(input_ids=np.zeros(6, np.float32)), "input_ids must be an int32 array"),
+    (dict(input_ids=np.full(6, 61, np.int32)), r"input_ids must be token ids in \[0, vocab_size=61\)"),
+    (dict(input_ids=np.full(6, -1, np.int32)), "input_ids must be token ids"),
+    (dict(cu_seqlens=np.array([0, 2, 6], np.float32)), "cu_seqlens must be an int32 array"),
+    (dict(cu_seqlens=np.array([[0, 2, 6]], np.int32)), r"cu_seqlens must have shape \[N \+ 1\]"),
+    (dict(cu_seqlens=np.array([0, 2, 5], np.int32)), "end at T=6"),
+    (dict(cu_seqlens=np.array([1, 2, 6], np.int32)), "start at 0"),
+    (dict(cu_seqlens=np.array([0, 4, 2, 6], np.int32), slot_ids=np.array([0, 1, 2], np.int32)), "grow by"),
+    (dict(slot_ids=np.array([0], np.int32)), r"slot_ids must have shape \[N\]=\(2,\)"),
+    (dict(slot_ids=np.array([0.0, 1.0])), "slot_ids must be an int32 array"),
+    (dict(slot_ids=np.array([0, 4], np.int32)), r"slot_ids must be in \[0, 4\)"),
+    (dict(slot_ids=np.array([-1, 0], np.int32)), r"slot_ids must be in \[0, 4\)"),
+    (dict(slot_ids=np.array([1, 1], np.int32)), "slot_ids must be distinct"),
+    (dict(cu_seqlens=np.array([0, 1, 2, 3, 4, 6], np.int32), slot_ids=np.arange(5, dtype=np.int32)),
+     "5 streams in one call but the cache has max_seqs=4"),
+]
+
+
+@pytest.mark.parametrize("bad,match", BAD, ids=[m for _, m in BAD])
+def test_prefill_rejects_bad_input_before_touching_state(model, bad, match):
+    cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=8)
+    before = _snapshot(cache)
+    args = dict(input_ids=np.arange(6, dtype=np.int32), cu_seqlens=np.array([0, 2, 6], np.int32),
+                slot_ids=np.array([2, 0], np.int32))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        model.prefill(cache, args["input_ids"], args["cu_seqlens"], args["slot_ids"])
+    for a, b in zip(before, _snapshot(cache)):   # the cache was neither donated nor changed
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("ids,slots,match", [
+    (np.array([[1, 2]], np.int32), np.array([0], np.int32), r"input_ids must have shape \[N\]"),
+    (np.array([1, 99], np.int32), np.array([0, 1], np.int32), "token ids"),
+    (np.array([1, 2], np.int32), np.array([0, 0], np.int32), "distinct"),
+    (np.array([1, 2], np.int32), np.array([0], np.int32), "slot_ids must have shape"),
+])
+def test_decode_and_release_reject_bad_input(model, ids, slots, match):
+    cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=8)
+    with pytest.raises(ValueError, match=match):
+        model.decode(cache, ids, slots)
+    with pytest.raises(ValueError, match="slot_ids must be in"):
+        model.release(cache, np.array([7], np.int32))
+    with pytest.raises(ValueError, match="cache must be the Cache"):
+        model.prefill({"not": "a cache"}, np.arange(3, dtype=np.int32), np.array([0, 3], np.int32),
+                      np.array([0], np.int32))
+    for name in ("max_seqs", "max_tokens", "page_size"):
+        with pytest.raises(ValueError, match=name):
+            model.init_cache(**{name: 0})
+
+
+def test_out_of_pages_release_and_fresh_restart(model):
+    """4 pages of 8 tokens: a second 20-token stream does not fit -> error, nothing written; after releasing
+    the first slot its pages are reused and its stale GDN state / KV ignored: same logits as a fresh cache."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 61, 20).astype(np.int32), rng.integers(0, 61, 20).astype(np.int32)
+    cu = np.array([0, 20], np.int32)
+
+    fresh = model.init_cache(max_seqs=2, max_tokens=32, page_size=8)
+    ref_b, _ = model.prefill(fresh, b, cu, np.array([1], np.int32), return_all_logits=True)
+
+    cache = model.init_cache(max_seqs=2, max_tokens=32, page_size=8)
+    _, cache = model.prefill(cache, a, cu, np.array([0], np.int32))
+    assert int(np.sum(np.asarray(cache.page_owner) == 0)) == 3
+    before = _snapshot(cache)
+    with pytest.raises(OutOfKvPagesError, match="out of KV pages") as err:
+        model.prefill(cache, b, cu, np.array([1], np.int32))
+    cache = err.value.cache
+    for x, y in zip(before, _snapshot(cache)):
+        np.testing.assert_array_equal(x, y)
+
+    cache = model.release(cache, np.array([0], np.int32))
+    assert np.all(np.asarray(cache.page_owner) == -1) and np.all(np.asarray(cache.slot_lens) == 0)
+    # slot 1 now fits; then slot 0 (stale state and pages of stream a) restarts fresh with stream b
+    got_b, cache = model.prefill(cache, b, cu, np.array([1], np.int32), return_all_logits=True)
+    np.testing.assert_allclose(np.asarray(got_b), np.asarray(ref_b), rtol=1e-5, atol=1e-5)
+    cache = model.release(cache, np.array([1], np.int32))
+    _, cache = model.prefill(cache, a, cu, np.array([0], np.int32))
+    cache = model.release(cache, np.array([0], np.int32))
+    got_b0, cache = model.prefill(cache, b, cu, np.array([1], np.int32), return_all_logits=True)
+    np.testing.assert_allclose(np.asarray(got_b0), np.asarray(ref_b), rtol=1e-5, atol=1e-5)
+
+
+def test_config_from_hf_variants():
+    base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=4, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4,
+                linear_value_head_dim=4, intermediate_size=8, full_attention_interval=2,
+                rope_parameters={"rope_theta": 1e6, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0],
+                                 "rope_type": "default"})
+    c = HybridConfig.from_hf({"model_type": "qwen3_5", "text_config": base, "tie_word_embeddings": True})
+    assert c.layer_types == ("linear_attention", "full_attention") * 2 and c.tie_word_embeddings
+    assert c.rope_theta == 1e6 and c.attn_dims.rotary_dim == 2 and c.gdn_dims.layout == "qwen3_5"
+    assert not any(c.layer_is_moe(i) for i in range(4))
+    n = HybridConfig.from_hf({**base, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                              "norm_topk_prob": False})
+    assert [n.layer_is_moe(i) for i in range(4)] == [False, True, False, False] and not n.norm_topk_prob
+    with pytest.raises(ValueError, match="unknown model_type 'llama'"):
+        HybridConfig.from_hf({**base, "model_type": "llama"})
+    with pytest.raises(ValueError, match="missing field 'linear_num_key_heads'"):
+        HybridConfig.from_hf({k: v for k, v in base.items() if k != "linear_num_key_heads"}
+                             | {"model_type": "qwen3_5_text"})
+    with pytest.raises(ValueError, match="text_config"):
+        HybridConfig.from_hf({"model_type": "qwen3_5_moe"})
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    sd = random_state_dict(CFG, seed=1)
+    bad = dict(sd)
+    del bad["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+        params_from_state_dict(CFG, bad)
+    bad = dict(sd, **{"model.layers.0.linear_attn.bogus": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected tensor.*linear_attn\.bogus"):
+        params_from_state_dict(CFG, bad)
+    bad = dict(sd, **{"model.layers.1.mlp.experts.2.up_proj.weight": np.ones((16, 33), np.float32)})
+    with pytest.raises(ValueError, match=r"experts\.2\.up_proj\.weight' has shape \(16, 33\).*\(16, 32\)"):
+        params_from_state_dict(CFG, bad)
+    # mtp.* is skipped, not "unexpected"
+    params_from_state_dict(CFG, dict(sd, **{"mtp.layers.0.foo": np.ones(2, np.float32)}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ValueError, match="unknown model_type 'mamba'"):
+        load_pretrained(str(tmp_path))
