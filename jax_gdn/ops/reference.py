@@ -227,6 +227,9 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, *, scale: float, initial_state=
 
         o, final = _chunk_core(*(to_chunks(x) for x in (qf, kf, vf, gf, bf)), init, scale=scale, varlen=None)
         o = o.reshape(b, nc * c, hv, dv)[:, :t]
+    elif t == 0:
+        # nothing to gather: every sequence is empty and keeps its initial state
+        o, final = jnp.zeros((1, 0, hv, dv), _F32), init
     else:
         # packed row: gather tokens into [NC, C] chunks that never straddle two sequences
         cmap = build_chunk_map(cu_seqlens, t, c)

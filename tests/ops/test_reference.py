@@ -311,3 +311,13 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
     assert out == ("o", "pool")
     assert calls == [("check_supported", True), ("fwd", jnp.bfloat16, jnp.float32, 8 ** -0.5, True, True),
                      ("check_supported", True), ("slots_fwd", (10 // 4 + 2,), True)]
+
+
+def test_zero_tokens_keep_initial_states():
+    q, v, g = jnp.zeros((1, 0, 1, 8)), jnp.zeros((1, 0, 2, 8)), jnp.zeros((1, 0, 2))
+    init = jnp.asarray(np.random.default_rng(21).standard_normal((2, 2, 8, 8)).astype(np.float32))
+    for fn in (chunk_xla, recurrent_gated_delta_rule):
+        o, final = fn(q, q, v, g, g, initial_state=init, output_final_state=True,
+                      cu_seqlens=jnp.asarray([0, 0, 0], jnp.int32))
+        assert o.shape == (1, 0, 2, 8)
+        np.testing.assert_array_equal(final, init)
