@@ -329,7 +329,7 @@ def gdn_full(q, k, v, g, beta, slots: GdnSlots, slot, has_initial_state, *, back
     has_init = jnp.reshape(jnp.asarray(has_initial_state, bool), (1,))
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_init, chunk_size=chunk_size, backend=backend)
+        has_initial_state=has_init, chunk_size=chunk_size, backend=_layer_backend(backend, q, k, v))
     return o[0], slots.replace(ssm_state=ssm)
 
 
@@ -354,7 +354,7 @@ def gdn_full_batched(q, k, v, g, beta, slots: GdnSlots, slot_ids, has_initial_st
 
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         split(q), split(k), split(v), split(g), split(beta), ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=backend)
+        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=_layer_backend(backend, q, k, v))
     return o.reshape((t,) + o.shape[2:]), slots.replace(ssm_state=ssm)
 
 
@@ -362,22 +362,38 @@ def varlen_eligibility(q, k, v, backend: str = "auto") -> tuple[bool, str]:
     """Whether ``gdn_full_varlen`` can run these inputs in one call, and why not.
 
     Eligible: the resolved backend is "xla" (any dims), or a Pallas backend whose kernel accepts these head
-    dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``). Not eligible: the Pallas kernel is
-    missing or rejects them; the caller then runs ``gdn_full_per_stream`` (the seed's ``Ok(false)``).
+    dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``: on the GPU K, V in {16, ..., 256}).
+    "auto" picks "pallas" only where the kernel accepts the inputs, else "xla", so it is always eligible.
+    Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel is missing or rejects the inputs; the
+    caller then runs ``gdn_full_per_stream`` (the seed's ``Ok(false)``), which ``gdn_layer_prefill`` does with
+    the "xla" backend.
     Static: decided from shapes, dtypes and the backend name only, so it is safe under jit.
     """
-    resolved = gdn_ops.resolve_backend(backend)
+    resolved = _layer_backend(backend, q, k, v)
     if resolved == "xla":
         return True, ""
+    return _pallas_support(q, k, v, resolved == "pallas_interpret")
+
+
+def _pallas_support(q, k, v, interpret: bool) -> tuple[bool, str]:
     try:
         from pallas_kernels.gated_delta_rule import api
     except ImportError as err:  # pragma: no cover - kernel package absent
         return False, f"pallas kernel unavailable: {err}"
     try:
-        api.check_supported(q[None], k[None], v[None], interpret=resolved == "pallas_interpret")
+        api.check_supported(q[None], k[None], v[None], interpret=interpret)
     except ValueError as err:
         return False, str(err)
     return True, ""
+
+
+def _layer_backend(backend: str, q, k, v) -> str:
+    """"auto" -> "pallas" on a GPU when the kernel accepts these dims/dtypes, else "xla" (so "auto" is always
+    eligible); explicit names pass through (validated by the ops)."""
+    resolved = gdn_ops.resolve_backend(backend)
+    if backend == "auto" and resolved == "pallas" and not _pallas_support(q, k, v, False)[0]:
+        return "xla"
+    return resolved
 
 
 def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backend: str = "auto",
@@ -396,7 +412,7 @@ def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backe
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=meta.slot_ids,
         has_initial_state=meta.has_initial_state, cu_seqlens=meta.cu_seqlens, chunk_size=chunk_size,
-        backend=backend)
+        backend=_layer_backend(backend, q, k, v))
     return o[0], slots.replace(ssm_state=ssm), True
 
 
@@ -534,7 +550,7 @@ def gdn_layer_monolithic(params: dict, dims: GdnDims, hidden: jax.Array, slots: 
     init = jnp.where(has_init, slots.ssm_state[slot], 0.0)[None]
     o, final = gdn_ops.chunk_gated_delta_rule(q, k, v, g[None], beta[None], initial_state=init,
                                               output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size,
-                                              backend=backend)
+                                              backend=_layer_backend(backend, q[0], k[0], v[0]))
 
     # ---- gated norm, out_proj, residual, FFN ----
     o32 = o[0].astype(jnp.float32)
