@@ -109,6 +109,7 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
     tok_page = page_table[tok_slot, jnp.minimum(tok_pos // ps, cache.num_pages - 1)]
     tok_page = jnp.where(ok, tok_page, cache.num_pages)                            # drop every write if not ok
     tok_offset = tok_pos % ps
+    new_slot_lens = cache.slot_lens.at[slot_ids].add(seq_lens)                     # [S] after this call
 
     out_rows = t if return_all_logits else n
     vocab = config.vocab_size
@@ -132,7 +133,7 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
                 h, kv_states[ai] = attention_layer(
                     layer["mixer"], config.attn_dims, h, kv_states[ai], token_slot=tok_slot, token_pos=tok_pos,
                     token_page=tok_page, token_offset=tok_offset, page_owner=page_owner, page_index=page_index,
-                    backend=backend)
+                    slot_lens=new_slot_lens, backend=backend)
                 ai += 1
                 x = x + h
             h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
@@ -149,7 +150,7 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
         logits = jnp.matmul(x, head, preferred_element_type=jnp.float32)
         new_cache = cache.replace(
             gdn=tuple(gdn_states), kv=tuple(kv_states), page_table=page_table, page_owner=page_owner,
-            page_index=page_index, slot_lens=cache.slot_lens.at[slot_ids].add(seq_lens))
+            page_index=page_index, slot_lens=new_slot_lens)
         return logits, new_cache
 
     def skip(cache):

@@ -18,8 +18,6 @@ replaces; the XLA version below scans query blocks over the whole pool with an o
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -75,18 +73,23 @@ def write_kv_pages(kv: KvPages, k: jax.Array, v: jax.Array, token_page: jax.Arra
 
 
 def paged_attention(q: jax.Array, token_slot: jax.Array, token_pos: jax.Array, kv: KvPages,
-                    page_owner: jax.Array, page_index: jax.Array, *, scale: float, backend: str = "xla",
-                    block_q: int = 128) -> jax.Array:
+                    page_owner: jax.Array, page_index: jax.Array, slot_lens: jax.Array, *, scale: float,
+                    backend: str = "xla", block_q: int = 128) -> jax.Array:
     """Causal attention of stacked queries over their own slot's pages.
 
     q: [T, H, Dh]; token_slot, token_pos: [T] int32 (slot and absolute position of each query; a query with
-    slot -1 attends nowhere and returns zeros); kv pages [P, Ps, Hkv, Dh]; page_owner, page_index: [P] int32.
+    slot -1 attends nowhere and returns zeros); kv pages [P, Ps, Hkv, Dh]; page_owner, page_index: [P] int32;
+    slot_lens: [S] int32 tokens each slot holds once this call's K/V are written.
     Query t sees key (p, j) iff page_owner[p] == token_slot[t] and page_index[p] * Ps + j <= token_pos[t].
-    Returns o [T, H, Dh] in q's dtype (scores and softmax in fp32).
+    Keys and values of free pages and of page tails past their slot's length are zeroed first, so stale contents
+    (even NaN) never reach the output. Returns o [T, H, Dh] in q's dtype (scores and softmax in fp32).
     """
     if backend not in ("auto", "xla", "pallas", "pallas_interpret"):
         raise ValueError(f"paged_attention: unknown backend {backend!r}")
     # No Pallas paged-attention kernel yet: every backend runs the XLA form below.
+    token_slot, token_pos = jnp.asarray(token_slot, jnp.int32), jnp.asarray(token_pos, jnp.int32)
+    page_owner, page_index = jnp.asarray(page_owner, jnp.int32), jnp.asarray(page_index, jnp.int32)
+    slot_lens = jnp.asarray(slot_lens, jnp.int32)
     t, h, dh = q.shape
     p, ps, hkv, _ = kv.k_pages.shape
     g = h // hkv
@@ -94,6 +97,10 @@ def paged_attention(q: jax.Array, token_slot: jax.Array, token_pos: jax.Array, k
     values = kv.v_pages.reshape(p * ps, hkv, dh)
     key_slot = jnp.repeat(page_owner, ps)                                 # [L]
     key_pos = (page_index[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]).reshape(-1)
+    key_live = (key_slot >= 0) & (key_pos < slot_lens[jnp.maximum(key_slot, 0)])          # [L]
+    keys = jnp.where(key_live[:, None, None], keys, 0).astype(keys.dtype)
+    values = jnp.where(key_live[:, None, None], values, 0).astype(values.dtype)
+    key_slot = jnp.where(key_live, key_slot, -2)                                          # never matches
 
     bq = max(1, min(block_q, t))
     nb = -(-t // bq)
@@ -122,17 +129,17 @@ def paged_attention(q: jax.Array, token_slot: jax.Array, token_pos: jax.Array, k
 # ================================================================================================================
 def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_slot: jax.Array,
                     token_pos: jax.Array, token_page: jax.Array, token_offset: jax.Array,
-                    page_owner: jax.Array, page_index: jax.Array, backend: str = "xla"):
+                    page_owner: jax.Array, page_index: jax.Array, slot_lens: jax.Array, backend: str = "xla"):
     """One gated attention layer over stacked tokens (prefill of several streams, or one decode step).
 
     hidden [T, D]; token_slot / token_pos [T] (slot, absolute position); token_page / token_offset [T] (where
-    each token's K/V go; page >= P drops it); page_owner / page_index [P] describe the pool *after* this call's
-    allocation. Returns (out [T, D] in hidden's dtype, updated KvPages).
+    each token's K/V go; page >= P drops it); page_owner / page_index [P] and slot_lens [S] describe the pool
+    *after* this call's allocation and writes. Returns (out [T, D] in hidden's dtype, updated KvPages).
     """
     t = hidden.shape[0]
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
     kv = write_kv_pages(kv, k, v, token_page, token_offset)
-    o = paged_attention(q, token_slot, token_pos, kv, page_owner, page_index,
+    o = paged_attention(q, token_slot, token_pos, kv, page_owner, page_index, slot_lens,
                         scale=dims.head_dim ** -0.5, backend=backend)     # [T, H, Dh]
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     out = o.reshape(t, dims.num_heads * dims.head_dim) @ params["o_proj"]
