@@ -1,0 +1,267 @@
+"""The main job: ``python -m jax_gdn demo`` - a small random stack of GDN layers through the split-prefill protocol.
+
+On CPU in seconds: builds ``--layers`` random Gated DeltaNet layers, packs requests of ``--lengths`` into one
+batch (permuted slots in a pool with spare slots poisoned by NaN), runs them through the split protocol
+(phase1_proj_batched -> phase1_conv1d_varlen -> phase1_l2_batched -> gdn_full_varlen -> phase3) layer by layer,
+continues with ``--decode-steps`` one-token decode steps, and checks everything against the monolithic layer run
+one stream at a time. Prints a table: phase, time (ms, warm: each jitted function is run once to compile first),
+max abs error against the monolithic path.
+
+Sections: ``run_gdn_stack_demo(args)`` (this workstream). A later section (the whole hybrid model) plugs in
+through the hook ``jax_gdn.model_demo``: if that module exists, ``add_arguments(parser)`` (optional) extends the
+options and ``run_model_demo(args) -> rows`` runs after the GDN section (skip it with --skip-model).
+Each section returns its table rows: dicts with keys phase, time_ms (or None), max_err (or None).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_gdn.config import GdnDims
+from jax_gdn.layers import gdn
+from jax_gdn.state import BatchMeta, GdnSlots
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover - tqdm is a dependency; degrade to a plain loop
+    def tqdm(it, **_):
+        return it
+
+
+def _parse_lengths(text: str) -> list:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths must be comma-separated ints, got {text!r}")
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--lengths needs at least one length, each >= 1, got {text!r}")
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_gdn demo",
+        description="Runs a small random stack of Gated DeltaNet layers through the split-prefill protocol on a "
+                    "packed batch of variable-length requests, then a few decode steps, and checks both against "
+                    "the monolithic layer (one stream at a time). Prints phase, time and max error.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layers", type=int, default=2, help="number of GDN layers in the stack")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size D")
+    p.add_argument("--heads", type=str, default="2,4",
+                   help="key heads and value heads 'Hk,Hv' (Hv a multiple of Hk)")
+    p.add_argument("--head-dims", type=str, default="16,32", help="key and value head dims 'K,V'")
+    p.add_argument("--layout", choices=("qwen3_next", "qwen3_5"), default="qwen3_next",
+                   help="projection layout (fused + interleaved, or separate projections)")
+    p.add_argument("--lengths", type=_parse_lengths, default=[1, 17, 64, 100],
+                   help="comma-separated prompt lengths of the packed requests")
+    p.add_argument("--decode-steps", type=int, default=3, help="one-token decode steps after the prefill")
+    p.add_argument("--spare-slots", type=int, default=2, help="unused (NaN-poisoned) slots in the state pool")
+    p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
+    p.add_argument("--backend", choices=("auto", "xla", "pallas", "pallas_interpret"), default="auto",
+                   help="gated delta rule backend (auto: pallas on a GPU, xla elsewhere)")
+    p.add_argument("--skip-model", action="store_true", help="run only the GDN-stack section")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return p
+
+
+def _pair(text: str, name: str) -> tuple:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--{name} must be two comma-separated ints, got {text!r}")
+    return a, b
+
+
+def _max_err(x, ref) -> float:
+    return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64)))) if np.size(ref) else 0.0
+
+
+def _timed(fn, *args, **kwargs):
+    """Runs a jitted call once to compile, then once timed. Returns (result, ms)."""
+    jax.block_until_ready(fn(*args, **kwargs))
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+_STATIC = ("dims", "backend", "ffn", "chunk_size")
+_jit_cache: dict = {}
+
+
+def _jit(fn):
+    if fn not in _jit_cache:
+        import inspect
+        names = tuple(n for n in _STATIC if n in inspect.signature(fn).parameters)
+        _jit_cache[fn] = jax.jit(fn, static_argnames=names)
+    return _jit_cache[fn]
+
+
+def run_gdn_stack_demo(args, *, out=sys.stdout) -> list:
+    """The GDN-stack section. Returns the table rows (dicts: phase, time_ms, max_err); prints nothing itself
+    except progress bars (``main`` prints the table)."""
+    hk, hv = _pair(args.heads, "heads")
+    dk, dv = _pair(args.head_dims, "head-dims")
+    dims = GdnDims(args.hidden, hk, hv, dk, dv, layout=args.layout)
+    lengths = list(args.lengths)
+    n, t = len(lengths), sum(lengths)
+    num_slots = n + args.spare_slots
+    rng = np.random.default_rng(args.seed)
+    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.layers)
+    params = [gdn.init_params(dims, keys[i], randomize_norms=True) for i in range(args.layers)]
+    hidden = jnp.asarray(rng.standard_normal((t, dims.hidden_size)), jnp.float32)
+    slot_ids = rng.permutation(num_slots)[:n].astype(np.int32)
+    meta = BatchMeta.from_lengths(lengths, slot_ids=slot_ids)
+    cu = np.asarray(meta.cu_seqlens)
+    poison = GdnSlots(conv_state=jnp.full((num_slots, dims.conv_dim, dims.conv_kernel_size - 1), jnp.nan),
+                      ssm_state=jnp.full((num_slots, hv, dk, dv), jnp.nan))
+    backend = args.backend
+    quiet = getattr(args, "no_progress", False)
+    bar = dict(disable=quiet, leave=False, file=sys.stderr)
+
+    phases = ["phase1_proj_batched", "phase1_conv1d_varlen", "phase1_l2_batched", "gdn_full_varlen", "phase3"]
+    times = dict.fromkeys(phases, 0.0)
+
+    @jax.jit
+    def varlen_core(q, k, v, g, beta, slots, meta):
+        o, slots, ok = gdn.gdn_full_varlen(q, k, v, g, beta, slots, meta, backend=backend)
+        if not ok:
+            raise ValueError(f"gdn_full_varlen is not eligible for backend {backend!r} with these dims: "
+                             f"{gdn.varlen_eligibility(q, k, v, backend)[1]}")
+        return o, slots
+
+    # ---- split protocol, packed, layer by layer ----
+    x = hidden
+    split_slots = [poison] * args.layers
+    for li in tqdm(range(args.layers), desc="prefill (split protocol)", **bar):
+        p = params[li]
+        p1, ms = _timed(_jit(gdn.phase1_proj_batched), p, dims, x)
+        times["phase1_proj_batched"] += ms
+        (conv_out, s), ms = _timed(_jit(gdn.phase1_conv1d_varlen), p, dims, p1.mixed_qkv, split_slots[li], meta)
+        times["phase1_conv1d_varlen"] += ms
+        (q, k, v), ms = _timed(_jit(gdn.phase1_l2_batched), dims, conv_out)
+        times["phase1_l2_batched"] += ms
+        (o, s), ms = _timed(varlen_core, q, k, v, p1.g, p1.beta, s, meta)
+        times["gdn_full_varlen"] += ms
+        x, ms = _timed(_jit(gdn.phase3), p, dims, o, p1.z, x)
+        times["phase3"] += ms
+        split_slots[li] = s
+    split_out = x
+
+    # ---- the same through the one-jit pure form ----
+    def stack_prefill(params, x, slots, meta):
+        new = []
+        for p, s in zip(params, slots):
+            x, s = gdn.gdn_layer_prefill(p, dims, x, s, meta, backend=backend)
+            new.append(s)
+        return x, new
+
+    (pure_out, _), pure_ms = _timed(jax.jit(stack_prefill), params, hidden, [poison] * args.layers, meta)
+
+    # ---- monolithic reference: one stream at a time, layer by layer ----
+    mono = _jit(gdn.gdn_layer_monolithic)
+    mono_slots = [poison] * args.layers
+    mono_out = []
+    t0 = time.perf_counter()
+    for i in tqdm(range(n), desc="prefill (monolithic, per stream)", **bar):
+        xi = hidden[cu[i]:cu[i + 1]]
+        for li in range(args.layers):
+            xi, mono_slots[li] = mono(params[li], dims, xi, mono_slots[li], jnp.int32(slot_ids[i]), jnp.bool_(False),
+                                      backend=backend)
+        mono_out.append(xi)
+    mono_out = jax.block_until_ready(jnp.concatenate(mono_out))
+    mono_ms = (time.perf_counter() - t0) * 1e3
+
+    used = np.asarray(slot_ids)
+    unused = np.setdiff1d(np.arange(num_slots), used)
+    conv_err = max(_max_err(s.conv_state[used], m.conv_state[used]) for s, m in zip(split_slots, mono_slots))
+    ssm_err = max(_max_err(s.ssm_state[used], m.ssm_state[used]) for s, m in zip(split_slots, mono_slots))
+    untouched = all(bool(np.isnan(np.asarray(s.ssm_state)[unused]).all()) for s in split_slots)
+
+    rows = [dict(phase=f"{name} (x{args.layers} layers)", time_ms=times[name], max_err=None) for name in phases]
+    rows += [
+        dict(phase=f"prefill split protocol: output, T={t} N={n}", time_ms=sum(times.values()),
+             max_err=_max_err(split_out, mono_out)),
+        dict(phase="prefill split protocol: conv states", time_ms=None, max_err=conv_err),
+        dict(phase="prefill split protocol: ssm states", time_ms=None, max_err=ssm_err),
+        dict(phase="prefill gdn_layer_prefill (one jit): output", time_ms=pure_ms,
+             max_err=_max_err(pure_out, mono_out)),
+        dict(phase="prefill monolithic (reference, per stream, incl. compile)", time_ms=mono_ms, max_err=0.0),
+        dict(phase=f"spare slots still NaN: {untouched}", time_ms=None, max_err=0.0 if untouched else float("nan")),
+    ]
+
+    # ---- decode steps: all streams at once (recurrent) vs the monolithic layer on one more token ----
+    decode = _jit(gdn.gdn_layer_decode)
+    dec_slots, ref_slots = list(split_slots), list(mono_slots)
+    last = split_out[cu[1:] - 1]
+    sid = jnp.asarray(slot_ids)
+    for step in tqdm(range(args.decode_steps), desc="decode steps", **bar):
+        x_new = jnp.asarray(rng.standard_normal((n, dims.hidden_size)), jnp.float32) + 0.1 * last
+        xd, ms = x_new, 0.0
+        for li in range(args.layers):
+            (xd, dec_slots[li]), m = _timed(decode, params[li], dims, xd, dec_slots[li], sid)
+            ms += m
+        ref = []
+        for i in range(n):
+            xi = x_new[i:i + 1]
+            for li in range(args.layers):
+                xi, ref_slots[li] = mono(params[li], dims, xi, ref_slots[li], jnp.int32(slot_ids[i]), jnp.bool_(True),
+                                         backend=backend)
+            ref.append(xi)
+        ref = jnp.concatenate(ref)
+        err = max(_max_err(xd, ref), max(_max_err(a.ssm_state[used], b.ssm_state[used])
+                                         for a, b in zip(dec_slots, ref_slots)))
+        rows.append(dict(phase=f"decode step {step + 1} (N={n}, output + states)", time_ms=ms, max_err=err))
+        last = xd
+    return rows
+
+
+def format_table(rows: list, title: str) -> str:
+    width = max([len(r["phase"]) for r in rows] + [len("phase")])
+    lines = [title, f"{'phase':<{width}}  {'time (ms)':>10}  {'max err':>10}", "-" * (width + 24)]
+    for r in rows:
+        tm = "" if r["time_ms"] is None else f"{r['time_ms']:10.2f}"
+        er = "" if r["max_err"] is None else f"{r['max_err']:10.2e}"
+        lines.append(f"{r['phase']:<{width}}  {tm:>10}  {er:>10}")
+    return "\n".join(lines)
+
+
+def _model_hook():
+    """The MODEL section, if the module ``jax_gdn.model_demo`` exists (see the module docstring)."""
+    try:
+        return importlib.import_module("jax_gdn.model_demo")
+    except ModuleNotFoundError as err:
+        if err.name != "jax_gdn.model_demo":
+            raise
+        return None
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Parses ``argv`` (``--help`` lists the options), runs the sections, prints their tables. Returns
+    {section name: rows}."""
+    parser = build_parser()
+    hook = _model_hook()
+    if hook is not None and hasattr(hook, "add_arguments"):
+        hook.add_arguments(parser)
+    args = parser.parse_args(argv)
+    print(f"jax-gdn demo on {jax.default_backend()} ({jax.devices()[0].device_kind}), backend={args.backend}, "
+          f"layers={args.layers}, lengths={args.lengths}", flush=True)
+    results = {}
+    rows = run_gdn_stack_demo(args)
+    results["gdn_stack"] = rows
+    print(format_table(rows, f"\nGDN stack ({args.layout}): split protocol vs monolithic"), flush=True)
+    if hook is not None and not args.skip_model:
+        rows = hook.run_model_demo(args)
+        results["model"] = rows
+        print(format_table(rows, "\nHybrid model"), flush=True)
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

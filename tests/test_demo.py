@@ -1,0 +1,43 @@
+"""`python -m jax_gdn demo`: a small run whose printed errors are small, and the CLI wiring."""
+import math
+import subprocess
+import sys
+
+import pytest
+
+from jax_gdn import demo
+
+
+def test_demo_small_run_errors_small(capsys):
+    results = demo.main(["--layers", "2", "--hidden", "16", "--heads", "1,3", "--head-dims", "8,16",
+                         "--lengths", "1,5,66", "--decode-steps", "2", "--backend", "xla", "--layout", "qwen3_5",
+                         "--skip-model", "--no-progress"])
+    rows = results["gdn_stack"]
+    printed = capsys.readouterr().out
+    checked = [r for r in rows if r["max_err"] is not None]
+    assert len(checked) >= 7  # outputs, conv/ssm states, one-jit form, NaN spare slots, 2 decode steps
+    for r in checked:
+        assert math.isfinite(r["max_err"]) and r["max_err"] < 1e-4, r
+        assert r["phase"] in printed
+    assert sum(r["phase"].startswith("decode step") for r in rows) == 2
+    assert any("spare slots still NaN: True" in r["phase"] for r in rows)
+    for name in ("phase1_proj_batched", "phase1_conv1d_varlen", "phase1_l2_batched", "gdn_full_varlen", "phase3"):
+        assert any(r["phase"].startswith(name) and r["time_ms"] > 0 for r in rows), name
+
+
+def test_demo_help_and_bad_args(capsys):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--layers", "--hidden", "--heads", "--lengths", "--decode-steps", "--seed", "--backend"):
+        assert opt in out
+    with pytest.raises(SystemExit):
+        demo.main(["--lengths", "3,0"])
+
+
+def test_module_dispatch():
+    r = subprocess.run([sys.executable, "-m", "jax_gdn"], capture_output=True, text=True)
+    assert r.returncode == 2 and "demo" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "jax_gdn", "demo", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--decode-steps" in r.stdout
