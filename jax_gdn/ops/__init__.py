@@ -87,8 +87,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
                            chunk_size: int = 64, backend: str = "auto"):
     """Chunked gated delta rule (prefill). Returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``.
 
-    Shapes as in the module docstring. ``cu_seqlens`` packs N sequences into one row (B == 1); each starts from
-    ``initial_state[n]`` (zeros when None); an empty sequence's final state is its initial state.
+    Shape legend: B rows, T tokens, N sequences, Hk / Hv key / value heads, K / V head dims, C = chunk_size.
+      q, k [B, T, Hk, K]; v [B, T, Hv, V] (o takes v's dtype); g (log-decay, fp32 or bf16), beta [B, T, Hv];
+      initial_state [N, Hv, K, V] fp32 or None (zeros); cu_seqlens [N + 1] int32 or None (then N = B).
+    ``cu_seqlens`` packs N sequences into one row (B == 1); each starts from ``initial_state[n]``; an empty
+    sequence's final state is its initial state. ``scale`` is a Python float (default K ** -0.5). The "xla"
+    backend cuts the row into at most T // C + N chunks on the device (no host sync, one compile per (T, N)).
     """
     backend = resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
@@ -113,8 +117,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
                                output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False):
-    """Per-token gated delta rule (``lax.scan`` over T): decode and reference. Same shapes and results as
-    :func:`chunk_gated_delta_rule`; returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``."""
+    """Per-token gated delta rule (``lax.scan`` over T): decode and reference, always XLA.
+
+    Shape legend: B rows, T tokens, N sequences, Hk / Hv key / value heads, K / V head dims.
+      q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; initial_state [N, Hv, K, V] fp32 or None;
+      cu_seqlens [N + 1] int32 or None (then N = B). Returns ``(o [B, T, Hv, V] in v's dtype,
+      final_state [N, Hv, K, V] fp32 or None)``, the same as :func:`chunk_gated_delta_rule` up to rounding.
+    """
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     scale = float(dk ** -0.5 if scale is None else scale)
@@ -128,7 +137,9 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
                                  backend: str = "auto"):
     """Chunked gated delta rule over a slot pool. Returns ``(o [B, T, Hv, V], new_ssm_state [S, Hv, K, V] fp32)``.
 
-    ssm_state [S, Hv, K, V] fp32; slot_ids [N] int32 (distinct); has_initial_state [N] bool. Sequence n starts
+    Shape legend: B rows, T tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims.
+      q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; cu_seqlens [N + 1] int32 or None (then N = B);
+      ssm_state [S, Hv, K, V] fp32; slot_ids [N] int32 (distinct); has_initial_state [N] bool. Sequence n starts
     from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False, whatever the slot holds) and
     its final state is written back to that slot; every other slot is returned unchanged. Without cu_seqlens,
     N = B. Under ``jax.jit`` donate ``ssm_state`` to update it in place.
