@@ -1,0 +1,173 @@
+"""Layer benchmark: one GDN layer's whole split prefill (phases 1-3) and one gated attention layer prefill, at
+Qwen3-Next-80B dims on the 16-stream varlen case, per backend.
+
+    python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH]
+
+Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256
+(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens (T = 19021 tokens, N = 16):
+``[1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500]``, every stream fresh.
+``--small`` shrinks dims and lens so that it runs on a CPU in seconds (a smoke test, not a measurement).
+
+GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
+  phase1  input RMSNorm + in_proj (phase1_proj_batched), varlen causal conv (phase1_conv1d_varlen), q/k L2 norm
+          (phase1_l2_batched)
+  phase2  the chunked gated delta rule over the slot pool (gdn_full_varlen)
+  phase3  gated RMSNorm, out_proj, residual (phase3)
+  layer   gdn_layer_prefill, the three chained in one jit (what the model runs)
+Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K/V page writes, paged causal
+attention, gate, o_proj) into an empty pool of 16-token pages.
+
+Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
+Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LENS_80B = [1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500]
+LENS_SMALL = [190, 64, 51, 1, 130, 77, 63, 65]
+
+
+def _dims(small: bool):
+    from jax_gdn.config import AttnDims, GdnDims
+    if small:
+        return (GdnDims(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32),
+                AttnDims(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32), LENS_SMALL)
+    return (GdnDims(hidden_size=2048, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                    conv_kernel_size=4),
+            AttnDims(hidden_size=2048, num_heads=16, num_kv_heads=2, head_dim=256, partial_rotary_factor=0.25,
+                     rope_theta=10_000_000.0),
+            LENS_80B)
+
+
+def _median_time(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))                      # warm-up (compile)
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, dtype=jnp.bfloat16,
+                 seed: int = 0) -> dict:
+    """Times one GDN layer (phases 1-3 and whole) and one attention layer prefill. Returns
+    {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms", "layer_ms",
+    "tokens_per_s", "share": {"phase1", "phase2", "phase3"}}, "attention": {"ms", "tokens_per_s"}}."""
+    from jax_gdn.layers import gdn
+    from jax_gdn.layers.attention import attention_layer
+    from jax_gdn.state import BatchMeta, GdnSlots, KvPages
+
+    gdims, adims, lens = _dims(small)
+    t, n = sum(lens), len(lens)
+    key = jax.random.PRNGKey(seed)
+    k_params, k_hidden, k_attn = jax.random.split(key, 3)
+    hidden = (jax.random.normal(k_hidden, (t, gdims.hidden_size), jnp.float32)).astype(dtype)
+
+    # ---- GDN layer ------------------------------------------------------------------------------------------------
+    params = gdn.init_params(gdims, k_params, dtype, randomize_norms=True)
+    slots = GdnSlots.zeros(gdims, n, dtype)
+    meta = BatchMeta.from_lengths(lens)
+
+    p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m))
+    p1, conv_out_slots, (q, k, v) = p1_fn(params, hidden, slots, meta)
+    p2_fn = jax.jit(lambda q, k, v, g, b, s, m: gdn.gdn_full_varlen(q, k, v, g, b, s, m, backend=backend)[:2])
+    o, _ = p2_fn(q, k, v, p1.g, p1.beta, conv_out_slots, meta)
+    p3_fn = jax.jit(lambda p, o, z, h: gdn.phase3(p, gdims, o, z, h))
+    layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend))
+
+    ms1 = 1e3 * _median_time(p1_fn, (params, hidden, slots, meta), reps)
+    ms2 = 1e3 * _median_time(p2_fn, (q, k, v, p1.g, p1.beta, conv_out_slots, meta), reps)
+    ms3 = 1e3 * _median_time(p3_fn, (params, o, p1.z, hidden), reps)
+    ms_layer = 1e3 * _median_time(layer_fn, (params, hidden, slots, meta), reps)
+    total = ms1 + ms2 + ms3
+
+    # ---- attention layer ------------------------------------------------------------------------------------------
+    ps = 16
+    pages_per = [-(-x // ps) for x in lens]
+    num_pages = sum(pages_per)
+    ak = jax.random.split(k_attn, 6)
+    d, h, hkv, dh = adims.hidden_size, adims.num_heads, adims.num_kv_heads, adims.head_dim
+
+    def w(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[0])).astype(dtype)
+    aparams = {"q_proj": w(ak[0], (d, h * 2 * dh)), "k_proj": w(ak[1], (d, hkv * dh)),
+               "v_proj": w(ak[2], (d, hkv * dh)), "o_proj": w(ak[3], (h * dh, d)),
+               "q_norm": 0.1 * jax.random.normal(ak[4], (dh,)), "k_norm": 0.1 * jax.random.normal(ak[5], (dh,))}
+    first_page = np.cumsum([0] + pages_per[:-1])
+    tok_slot = np.concatenate([[i] * x for i, x in enumerate(lens)]).astype(np.int32)
+    tok_pos = np.concatenate([np.arange(x) for x in lens]).astype(np.int32)
+    tok_page = (first_page[tok_slot] + tok_pos // ps).astype(np.int32)
+    page_owner = np.concatenate([[i] * p for i, p in enumerate(pages_per)]).astype(np.int32)
+    page_index = np.concatenate([np.arange(p) for p in pages_per]).astype(np.int32)
+    meta_arrays = tuple(jnp.asarray(x) for x in (tok_slot, tok_pos, tok_page, tok_pos % ps, page_owner,
+                                                  page_index, np.asarray(lens, np.int32)))
+    kv = KvPages.zeros(num_pages, ps, hkv, dh, dtype)
+
+    def attn(p, x, kv, ts, tp, tpg, tof, po, pi, sl):
+        return attention_layer(p, adims, x, kv, token_slot=ts, token_pos=tp, token_page=tpg, token_offset=tof,
+                               page_owner=po, page_index=pi, slot_lens=sl, backend=backend)
+    attn_fn = jax.jit(attn)
+    ms_attn = 1e3 * _median_time(attn_fn, (aparams, hidden, kv) + meta_arrays, reps)
+
+    return {
+        "backend": backend, "device": str(jax.devices()[0]), "dtype": jnp.dtype(dtype).name, "small": small,
+        "T": t, "N": n, "lens": lens, "reps": reps,
+        "gdn": {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
+                "tokens_per_s": t / (ms_layer * 1e-3),
+                "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}},
+        "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3)},
+    }
+
+
+def _phase1(gdn, dims, params, hidden, slots, meta):
+    p1 = gdn.phase1_proj_batched(params, dims, hidden)
+    conv_out, slots = gdn.phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
+    return p1, slots, gdn.phase1_l2_batched(dims, conv_out)
+
+
+def print_table(results) -> None:
+    print(f"{'backend':>16} {'T':>6} {'N':>3} | {'phase1':>9} {'phase2':>9} {'phase3':>9} {'GDN layer':>10} "
+          f"{'GDN tok/s':>11} | {'attn':>9} {'attn tok/s':>11}")
+    for r in results:
+        g, a = r["gdn"], r["attention"]
+        s = g["share"]
+        print(f"{r['backend']:>16} {r['T']:>6} {r['N']:>3} | "
+              f"{g['phase1_ms']:7.2f}ms {g['phase2_ms']:7.2f}ms {g['phase3_ms']:7.2f}ms {g['layer_ms']:8.2f}ms "
+              f"{g['tokens_per_s']:11.0f} | {a['ms']:7.2f}ms {a['tokens_per_s']:11.0f}")
+        print(f"{'':>28}share {100 * s['phase1']:5.1f}% {100 * s['phase2']:7.1f}% {100 * s['phase3']:7.1f}%")
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default=None,
+                        help="comma list of xla / pallas / pallas_interpret (default: pallas,xla on a GPU, xla else)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--small", action="store_true", help="tiny dims and lens (CPU smoke test)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    backends = (args.backends.split(",") if args.backends
+                else (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
+    results = []
+    for backend in backends:
+        try:
+            results.append(bench_layers(backend, args.reps, small=args.small, dtype=jnp.dtype(args.dtype)))
+        except Exception as err:  # report and go on with the other backend
+            print(f"backend {backend}: failed: {type(err).__name__}: {err}")
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
