@@ -4,13 +4,14 @@ On CPU in seconds: builds ``--layers`` random Gated DeltaNet layers, packs reque
 batch (permuted slots in a pool with spare slots poisoned by NaN), runs them through the split protocol
 (phase1_proj_batched -> phase1_conv1d_varlen -> phase1_l2_batched -> gdn_full_varlen -> phase3) layer by layer,
 continues with ``--decode-steps`` one-token decode steps, and checks everything against the monolithic layer run
-one stream at a time. Prints a table: phase, time (ms, warm: each jitted function is run once to compile first),
+one stream at a time. Prints a table: phase, time (ms, warm: best of 3 after a compiling call),
 max abs error against the monolithic path.
 
-Sections: ``run_gdn_stack_demo(args)`` (this workstream). A later section (the whole hybrid model) plugs in
-through the hook ``jax_gdn.model_demo``: if that module exists, ``add_arguments(parser)`` (optional) extends the
-options and ``run_model_demo(args) -> rows`` runs after the GDN section (skip it with --skip-model).
-Each section returns its table rows: dicts with keys phase, time_ms (or None), max_err (or None).
+Sections: ``run_gdn_stack_demo(args)`` (this workstream), then the whole hybrid model through the hook
+``run_model_section(args)``: if the module ``jax_gdn.model_demo`` exists, its ``run_model_demo(options dict,
+verbose=False)`` runs with --model / --model-lens / --dtype / --decode-steps / --backend / --seed (skip it with
+--skip-model); a returned dict of measurements becomes table rows. Each section returns its table rows: dicts
+with keys phase, time_ms (or None), max_err (or None).
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "xla", "pallas", "pallas_interpret"), default="auto",
                    help="gated delta rule backend (auto: pallas on a GPU, xla elsewhere)")
     p.add_argument("--skip-model", action="store_true", help="run only the GDN-stack section")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="model section: HF checkpoint directory (default: a tiny random Qwen3-Next)")
+    p.add_argument("--model-lens", default=None,
+                   help="model section: comma-separated prompt lengths (default: the model demo's own)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model section dtype")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
@@ -83,12 +89,15 @@ def _max_err(x, ref) -> float:
     return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64)))) if np.size(ref) else 0.0
 
 
-def _timed(fn, *args, **kwargs):
-    """Runs a jitted call once to compile, then once timed. Returns (result, ms)."""
+def _timed(fn, *args, repeats: int = 3, **kwargs):
+    """Runs a jitted call once to compile, then ``repeats`` times. Returns (result, best time in ms)."""
     jax.block_until_ready(fn(*args, **kwargs))
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args, **kwargs))
-    return out, (time.perf_counter() - t0) * 1e3
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        best = min(best, time.perf_counter() - t0)
+    return out, best * 1e3
 
 
 _STATIC = ("dims", "backend", "ffn", "chunk_size")
@@ -233,7 +242,7 @@ def format_table(rows: list, title: str) -> str:
 
 
 def _model_hook():
-    """The MODEL section, if the module ``jax_gdn.model_demo`` exists (see the module docstring)."""
+    """The module ``jax_gdn.model_demo`` if it exists (the MODEL workstream's section), else None."""
     try:
         return importlib.import_module("jax_gdn.model_demo")
     except ModuleNotFoundError as err:
@@ -242,24 +251,45 @@ def _model_hook():
         return None
 
 
+def run_model_section(args) -> Optional[list]:
+    """The hybrid-model section through ``jax_gdn.model_demo.run_model_demo``; None when that module is absent."""
+    hook = _model_hook()
+    if hook is None or not hasattr(hook, "run_model_demo"):
+        return None
+    options = dict(model=args.model, lens=args.model_lens, decode_steps=args.decode_steps, dtype=args.dtype,
+                   backend=args.backend, seed=args.seed)
+    res = hook.run_model_demo({k: v for k, v in options.items() if v is not None}, verbose=False)
+    if isinstance(res, list):
+        return res
+    n, tokens = res.get("streams"), res.get("prompt_tokens")
+    rows = [
+        dict(phase=f"model prefill, first call (compile), {n} streams / {tokens} tokens",
+             time_ms=1e3 * res["prefill_compile_s"], max_err=None),
+        dict(phase=f"model prefill ({res['prefill_tok_s']:.0f} tokens/s)", time_ms=1e3 * res["prefill_s"],
+             max_err=None),
+        dict(phase="model decode, first step (compile)", time_ms=1e3 * res["decode_compile_s"], max_err=None),
+        dict(phase=f"model decode step, median ({res['decode_tok_s']:.0f} tokens/s)",
+             time_ms=1e3 * res["decode_step_s"], max_err=None),
+        dict(phase=f"model logits finite: {res.get('finite')}", time_ms=None, max_err=None),
+    ]
+    return rows
+
+
 def main(argv: Optional[list] = None) -> dict:
     """Parses ``argv`` (``--help`` lists the options), runs the sections, prints their tables. Returns
     {section name: rows}."""
-    parser = build_parser()
-    hook = _model_hook()
-    if hook is not None and hasattr(hook, "add_arguments"):
-        hook.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     print(f"jax-gdn demo on {jax.default_backend()} ({jax.devices()[0].device_kind}), backend={args.backend}, "
           f"layers={args.layers}, lengths={args.lengths}", flush=True)
     results = {}
     rows = run_gdn_stack_demo(args)
     results["gdn_stack"] = rows
     print(format_table(rows, f"\nGDN stack ({args.layout}): split protocol vs monolithic"), flush=True)
-    if hook is not None and not args.skip_model:
-        rows = hook.run_model_demo(args)
-        results["model"] = rows
-        print(format_table(rows, "\nHybrid model"), flush=True)
+    if not args.skip_model:
+        rows = run_model_section(args)
+        if rows is not None:
+            results["model"] = rows
+            print(format_table(rows, "\nHybrid model (jax_gdn.model_demo)"), flush=True)
     return results
 
 

@@ -41,3 +41,24 @@ def test_module_dispatch():
     assert r.returncode == 2 and "demo" in r.stdout
     r = subprocess.run([sys.executable, "-m", "jax_gdn", "demo", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--decode-steps" in r.stdout
+
+
+def test_model_section_hook(monkeypatch):
+    """The model section calls jax_gdn.model_demo.run_model_demo with the shared options and tabulates it."""
+    import types
+
+    seen = {}
+
+    def fake_run(options, verbose=True):
+        seen.update(options, verbose=verbose)
+        return dict(streams=2, prompt_tokens=9, prefill_compile_s=1.0, prefill_s=0.5, prefill_tok_s=18.0,
+                    decode_compile_s=0.2, decode_step_s=0.01, decode_tok_s=200.0, finite=True)
+
+    monkeypatch.setattr(demo, "_model_hook", lambda: types.SimpleNamespace(run_model_demo=fake_run))
+    args = demo.build_parser().parse_args(["--decode-steps", "4", "--backend", "xla", "--model-lens", "4,5"])
+    rows = demo.run_model_section(args)
+    assert seen["decode_steps"] == 4 and seen["backend"] == "xla" and seen["lens"] == "4,5"
+    assert not seen["verbose"] and "model" not in seen
+    assert [r["time_ms"] for r in rows[:4]] == [1000.0, 500.0, 200.0, 10.0]
+    monkeypatch.setattr(demo, "_model_hook", lambda: None)
+    assert demo.run_model_section(args) is None
