@@ -321,3 +321,25 @@ def test_zero_tokens_keep_initial_states():
                       cu_seqlens=jnp.asarray([0, 0, 0], jnp.int32))
         assert o.shape == (1, 0, 2, 8)
         np.testing.assert_array_equal(final, init)
+
+
+_T_PROP, _N_PROP = 40, 4
+_PROP_XS, _PROP_INIT = make_inputs(22, 1, _T_PROP, 1, 2, 8, 8, n_state=_N_PROP)
+_prop_chunk = jax.jit(lambda cu: chunk_gated_delta_rule(*_PROP_XS, initial_state=_PROP_INIT, output_final_state=True,
+                                                        cu_seqlens=cu, chunk_size=8, backend="xla"))
+
+
+def test_random_packings_match_f64_loop():
+    """Random splits of T = 40 tokens into 4 sequences (empty ones included), chunk 8, one compiled program."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.integers(0, _T_PROP), min_size=_N_PROP - 1, max_size=_N_PROP - 1))
+    def check(cuts):
+        cu = np.asarray([0] + sorted(cuts) + [_T_PROP], np.int32)
+        o, final = _prop_chunk(jnp.asarray(cu))
+        o_ref, f_ref = gated_delta_rule_f64(*f64(_PROP_XS), initial_state=np.asarray(_PROP_INIT), cu_seqlens=cu)
+        assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(final, f_ref) < FP32_TOL
+
+    check()
