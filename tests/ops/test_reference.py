@@ -343,3 +343,20 @@ def test_random_packings_match_f64_loop():
         assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(final, f_ref) < FP32_TOL
 
     check()
+
+
+def test_pallas_interpret_through_the_public_slots_call():
+    """End to end through the dispatch into the real kernel API (interpret mode): l2norm, packing, slots."""
+    pytest.importorskip("pallas_kernels.gated_delta_rule.api")
+    cu = np.array([0, 5, 5, 40], np.int32)
+    xs, _ = make_inputs(23, 1, 40, 1, 2, 8, 16, unit_k=False)
+    pool = np.random.default_rng(24).standard_normal((4, 2, 8, 16)).astype(np.float32)
+    pool[1] = np.nan                                                    # stale slot, has_initial_state False
+    slot_ids, has_init = np.array([3, 1, 0], np.int32), np.array([True, False, True])
+    o, new_pool = chunk_gated_delta_rule_slots(
+        *xs, ssm_state=jnp.asarray(pool), slot_ids=jnp.asarray(slot_ids), has_initial_state=jnp.asarray(has_init),
+        cu_seqlens=jnp.asarray(cu), use_qk_l2norm=True, chunk_size=16, backend="pallas_interpret")
+    init = np.where(has_init[:, None, None, None], pool[slot_ids], 0.0)
+    o_ref, f_ref = gated_delta_rule_f64(*f64(xs), initial_state=init, cu_seqlens=cu, use_qk_l2norm=True)
+    assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(np.asarray(new_pool)[slot_ids], f_ref) < FP32_TOL
+    np.testing.assert_array_equal(new_pool[2], pool[2])
