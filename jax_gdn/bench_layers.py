@@ -4,7 +4,7 @@ Qwen3-Next-80B dims on the 16-stream varlen case, per backend.
     python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH]
 
 Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256
-(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens (T = 19021 tokens, N = 16):
+(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens (T = 19027 tokens, N = 16):
 ``[1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500]``, every stream fresh.
 ``--small`` shrinks dims and lens so that it runs on a CPU in seconds (a smoke test, not a measurement).
 
