@@ -105,7 +105,11 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
     tok_slot = slot_ids[tok_stream]
     tok_pos = old_lens[tok_stream] + tok - cu_seqlens[tok_stream]
 
-    page_table, page_owner, page_index, ok = _allocate(cache, slot_ids, old_lens, seq_lens, t)
+    if config.attn_layers:
+        page_table, page_owner, page_index, ok = _allocate(cache, slot_ids, old_lens, seq_lens, t)
+    else:  # no attention layer: no KV pages to hand out
+        page_table, page_owner, page_index, ok = (cache.page_table, cache.page_owner, cache.page_index,
+                                                  jnp.asarray(True))
     tok_page = page_table[tok_slot, jnp.minimum(tok_pos // ps, cache.num_pages - 1)]
     tok_page = jnp.where(ok, tok_page, cache.num_pages)                            # drop every write if not ok
     tok_offset = tok_pos % ps

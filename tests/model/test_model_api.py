@@ -153,3 +153,16 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ValueError, match="unknown model_type 'mamba'"):
         load_pretrained(str(tmp_path))
+
+
+def test_gdn_only_model_needs_no_kv_pages():
+    """Without attention layers the KV pool is never consulted: 40 tokens fit a 16-token pool."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, layer_types=("linear_attention",) * 2)
+    m = random_model(cfg, seed=2, dtype=jnp.float32, backend="xla")
+    cache = m.init_cache(max_seqs=2, max_tokens=16, page_size=8)
+    assert cache.kv == () and len(cache.gdn) == 2
+    logits, cache = m.prefill(cache, np.arange(40, dtype=np.int32) % 61, np.array([0, 40], np.int32),
+                              np.array([1], np.int32))
+    assert logits.shape == (1, 61) and np.all(np.isfinite(np.asarray(logits)))
+    np.testing.assert_array_equal(np.asarray(cache.slot_lens), [0, 40])
