@@ -23,6 +23,10 @@ the returned cache, never the one passed in. Page allocation happens on the devi
 ``page_owner < 0``); when the pool cannot hold the call's new tokens, the jitted function leaves the cache as it
 was and returns a flag, and the wrapper raises :class:`OutOfKvPagesError` carrying that (unchanged) cache.
 
+backend: "auto" (default) is handed to the GDN layers, which run the Pallas kernel on a GPU where it accepts the
+head dims and XLA elsewhere; "xla" / "pallas" / "pallas_interpret" force one. Attention always runs the XLA
+paged attention (jax_gdn.layers.attention.paged_attention is the one function a kernel would replace).
+
 Parameters (a pytree of dicts, weights [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
     GDN layer i:       {"mixer": jax_gdn.layers.gdn params (HF names, torch [out, in] layout, with
@@ -216,11 +220,6 @@ class HybridModel:
         self.dtype = jnp.dtype(dtype)
         self.backend = backend
 
-    def _resolved_backend(self) -> str:
-        if self.backend == "auto":
-            return "pallas" if jax.default_backend() == "gpu" else "xla"
-        return self.backend
-
     # ---- cache ------------------------------------------------------------------------------------------------
     def init_cache(self, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16) -> Cache:
         """An empty cache for up to ``max_seqs`` concurrent streams (slots) and a KV pool of
@@ -269,7 +268,7 @@ class HybridModel:
     def _run(self, cache, ids, cu, sl, *, return_all_logits, decode):
         logits, new_cache, ok = _forward_jit(
             self.params, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.asarray(sl, jnp.int32),
-            config=self.config, backend=self._resolved_backend(), return_all_logits=bool(return_all_logits),
+            config=self.config, backend=self.backend, return_all_logits=bool(return_all_logits),
             decode=decode)
         if not bool(ok):
             raise OutOfKvPagesError(
