@@ -147,7 +147,8 @@ def params_from_hf(linear_attn: dict, input_layernorm) -> dict:
     """Parameters from HF tensors of one layer: ``linear_attn`` maps the names under ``model.layers.{i}.linear_attn.``
     (``in_proj_qkvz.weight``, ``conv1d.weight``, ``A_log``, ``norm.weight``, ...) to arrays (NumPy, jax or torch
     converted with ``.numpy()``); ``input_layernorm`` is ``model.layers.{i}.input_layernorm.weight``.
-    Drops the ``.weight`` suffix and squeezes conv1d [conv_dim, 1, Kc] -> [conv_dim, Kc]. No copy of the layout."""
+    Drops the ``.weight`` suffix and squeezes conv1d [conv_dim, 1, Kc] -> [conv_dim, Kc]; every other tensor keeps
+    HF's layout (Linear weights [out, in])."""
     params = {"input_layernorm": jnp.asarray(input_layernorm)}
     for name, value in linear_attn.items():
         key = name[:-len(".weight")] if name.endswith(".weight") else name
