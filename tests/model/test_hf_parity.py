@@ -4,7 +4,8 @@ Every norm, A_log, dt_bias, conv, gate and router weight is randomised (HF's def
 the model is saved with ``save_pretrained`` and read back with ``load_pretrained``. Per model one cache sees:
 (a) one packed prefill of streams of 1, 5, 67, 130 tokens in permuted slots, (b) greedy decode steps, and
 (c) a chunked continuation of two streams with a new stream joining in a fresh slot (all logits compared).
-The reference for every stream is HF's forward over the stream's whole token history.
+The reference for every stream is HF's forward over the stream's whole token history. Value heads per key head:
+3 (qwen3_next), 2 (qwen3_5_text), 1 (qwen3_5_moe).
 """
 from __future__ import annotations
 
@@ -49,14 +50,14 @@ def _randomise(model, seed):
 
 
 def _build(kind: str, seed: int):
-    if kind == "qwen3_next":
-        cfg = transformers.Qwen3NextConfig(**COMMON, **MOE, mlp_only_layers=[1])
+    if kind == "qwen3_next":                     # grouped value heads Hv / Hk = 3 (fused, interleaved layout)
+        cfg = transformers.Qwen3NextConfig(**{**COMMON, "linear_num_value_heads": 6}, **MOE, mlp_only_layers=[1])
         cls = transformers.Qwen3NextForCausalLM
     elif kind == "qwen3_5_text":
         cfg = transformers.Qwen3_5TextConfig(**COMMON, tie_word_embeddings=True)
         cls = transformers.Qwen3_5ForCausalLM
     else:
-        cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
+        cfg = transformers.Qwen3_5MoeTextConfig(**{**COMMON, "linear_num_value_heads": 2}, **MOE)   # Hv == Hk
         cls = transformers.Qwen3_5MoeForCausalLM
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
