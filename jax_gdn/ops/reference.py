@@ -30,6 +30,7 @@ __all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_x
            "chunk_gated_delta_rule_slots_xla"]
 
 _HI = lax.Precision.HIGHEST
+_SCAN_UNROLL = 2        # chunks per state-pass loop iteration (H200, T=8192, 32 heads: 6.3 -> 5.7 ms)
 _F32 = jnp.float32
 
 try:  # workstream LAYER owns norms.py; fall back to a private copy of the same formula while it is missing.
@@ -158,20 +159,19 @@ def _chunk_core(q, k, v, g, beta, init, *, scale, varlen):
     attn = jnp.where(incl, qk[:, :, :, None] * decay, 0.0)       # [B, NC, Hk, r, C, C] causal intra-chunk
     chunk_decay = jnp.exp(g_last)[..., None, None]               # [B, NC, Hk, r, 1, 1]
 
-    # ---- stage 3: state pass (serial over chunks) ------------------------------------------------------------
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (w, u, q_gated, k_to_end, chunk_decay))
+    # ---- stage 3: state pass (serial over chunks; two dots per chunk, the rest stays parallel) --------------
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (w, u, k_to_end, chunk_decay))
 
-    def advance(state, w_c, u_c, qg_c, kd_c, cd_c):
+    def advance(state, w_c, u_c, kd_c, cd_c):
         v_new = u_c - _einsum("bhrck,bhrkv->bhrcv", w_c, state)           # [B, Hk, r, C, V]
-        o_inter = _einsum("bhrck,bhrkv->bhrcv", qg_c, state)              # [B, Hk, r, C, V]
-        state = cd_c * state + _einsum("bhrck,bhrcv->bhrkv", kd_c, v_new)
-        return state, (v_new, o_inter)
+        new_state = cd_c * state + _einsum("bhrck,bhrcv->bhrkv", kd_c, v_new)
+        return new_state, (state, v_new)                                  # the chunk's start state, its v_new
 
     if varlen is None:
         def step(state, x):
             return advance(state, *x)
 
-        final, (v_new, o_inter) = lax.scan(step, init, xs)
+        final, (h, v_new) = lax.scan(step, init, xs, unroll=_SCAN_UNROLL)
     else:
         first, last, seq = varlen
 
@@ -184,12 +184,13 @@ def _chunk_core(q, k, v, g, beta, init, *, scale, varlen):
             return (state, final), ys
 
         state0 = jnp.zeros((1,) + init.shape[1:], _F32)
-        (_, final), (v_new, o_inter) = lax.scan(step, (state0, init), xs + (first, last, seq))
+        (_, final), (h, v_new) = lax.scan(step, (state0, init), xs + (first, last, seq), unroll=_SCAN_UNROLL)
+    h = jnp.moveaxis(h, 0, 1)                                    # [B, NC, Hk, r, K, V] chunk start states
     v_new = jnp.moveaxis(v_new, 0, 1)                            # [B, NC, Hk, r, C, V]
-    o_inter = jnp.moveaxis(o_inter, 0, 1)
 
     # ---- stage 4: output (parallel over chunks) --------------------------------------------------------------
-    o = o_inter + _einsum("bnhrcd,bnhrdv->bnhrcv", attn, v_new)  # [B, NC, Hk, r, C, V]
+    o = (_einsum("bnhrck,bnhrkv->bnhrcv", q_gated, h)             # inter-chunk: (q exp(G)) S
+         + _einsum("bnhrcd,bnhrdv->bnhrcv", attn, v_new))        # intra-chunk: causal (q k^T decay) v_new
     return jnp.moveaxis(o, 4, 2), final                          # [B, NC, C, Hk, r, V]
 
 
