@@ -18,12 +18,12 @@ axis as [Hk, r]: q and k are never repeated.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_gdn.ops.norms import l2norm
 from jax_gdn.ops.varlen import build_chunk_map
 
 __all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_xla",
@@ -32,14 +32,6 @@ __all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_x
 _HI = lax.Precision.HIGHEST
 _SCAN_UNROLL = 2        # chunks per state-pass loop iteration (H200, T=8192, 32 heads: 6.3 -> 5.7 ms)
 _F32 = jnp.float32
-
-try:  # workstream LAYER owns norms.py; fall back to a private copy of the same formula while it is missing.
-    from jax_gdn.ops.norms import l2norm  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the other workstream's progress
-    def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-        """``x * rsqrt(sum(x^2) + eps)`` over the last axis, in float32."""
-        x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def _einsum(spec: str, *xs: jax.Array) -> jax.Array:
