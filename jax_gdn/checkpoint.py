@@ -25,7 +25,6 @@ import numpy as np
 from jax_gdn.config import HybridConfig
 
 _SKIP = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."))
-_F32_SUFFIXES = ("_norm", "norm", "A_log", "dt_bias")   # kept in fp32 whatever the model dtype
 
 
 # ================================================================================================================
@@ -54,8 +53,19 @@ def _safetensor_files(path: str) -> list:
     return files
 
 
-def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True) -> dict:
-    """name -> np.ndarray for every tensor ``keep(name)`` accepts, over all shards (tqdm bar over shards)."""
+def _param_dtype(name: str, dtype):
+    """fp32 for norms, A_log and dt_bias (whatever the model dtype), ``dtype`` for everything else."""
+    base = name[:-len(".weight")] if name.endswith(".weight") else name
+    return jnp.float32 if base.endswith(("norm", "A_log", "dt_bias")) else dtype
+
+
+def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True,
+                    dtype=None) -> dict:
+    """name -> array for every tensor ``keep(name)`` accepts, over all shards (tqdm bar over shards).
+
+    dtype None: NumPy arrays as stored. Else each tensor goes to the device right after it is read, cast to
+    ``dtype`` (norms, A_log, dt_bias to fp32), so the host never holds more than one tensor.
+    """
     from safetensors import safe_open
     files = _safetensor_files(path)
     it = files
@@ -70,7 +80,8 @@ def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, pro
         with safe_open(os.path.join(path, fn), framework="np") as f:
             for key in f.keys():
                 if keep(key):
-                    out[key] = f.get_tensor(key)
+                    x = f.get_tensor(key)
+                    out[key] = x if dtype is None else jnp.asarray(x, _param_dtype(key, dtype))
     return out
 
 
@@ -78,17 +89,17 @@ def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, pro
 # HF names -> model params
 # ================================================================================================================
 class _Tensors:
-    """Pops tensors by HF name, checking shapes; whatever is left at the end is an unexpected tensor."""
+    """Pops tensors by HF name (so each is freed once converted), checking shapes; whatever is left at the end
+    is an unexpected tensor."""
 
     def __init__(self, sd: dict, prefix: str):
         self.sd = sd
         self.prefix = prefix
-        self.used = set()
 
     def has(self, name: str) -> bool:
         return self.prefix + name in self.sd
 
-    def get(self, name: str, shape: tuple) -> np.ndarray:
+    def get(self, name: str, shape: tuple):
         key = self.prefix + name
         if key not in self.sd:
             raise ValueError(f"checkpoint: missing tensor {key!r} (expected shape {tuple(shape)})")
@@ -96,8 +107,8 @@ class _Tensors:
         if tuple(x.shape) != tuple(shape):
             raise ValueError(f"checkpoint: tensor {key!r} has shape {tuple(x.shape)}, the config implies "
                              f"{tuple(shape)}")
-        self.used.add(key)
-        return np.asarray(x)
+        del self.sd[key]
+        return x
 
 
 def _gdn_params(t: _Tensors, p: str, c: HybridConfig, input_layernorm: np.ndarray) -> dict:
@@ -148,13 +159,13 @@ def _moe_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
         gate_up = t.get(p + "experts.gate_up_proj", (e, 2 * inter, d))
         down = t.get(p + "experts.down_proj", (e, d, inter))
     else:                                                     # one tensor per expert (released checkpoints)
-        gate_up = np.stack([np.concatenate([t.get(f"{p}experts.{j}.gate_proj.weight", (inter, d)),
-                                            t.get(f"{p}experts.{j}.up_proj.weight", (inter, d))], axis=0)
-                            for j in range(e)])
-        down = np.stack([t.get(f"{p}experts.{j}.down_proj.weight", (d, inter)) for j in range(e)])
+        gate_up = jnp.stack([jnp.concatenate([t.get(f"{p}experts.{j}.gate_proj.weight", (inter, d)),
+                                              t.get(f"{p}experts.{j}.up_proj.weight", (inter, d))], axis=0)
+                             for j in range(e)])
+        down = jnp.stack([t.get(f"{p}experts.{j}.down_proj.weight", (d, inter)) for j in range(e)])
     out = {"router": t.get(p + "gate.weight", (e, d)).T,
-           "experts_gate_up": np.transpose(gate_up, (0, 2, 1)),  # [E, D, 2I]
-           "experts_down": np.transpose(down, (0, 2, 1))}        # [E, I, D]
+           "experts_gate_up": jnp.transpose(gate_up, (0, 2, 1)),  # [E, D, 2I]
+           "experts_down": jnp.transpose(down, (0, 2, 1))}        # [E, I, D]
     if c.shared_expert_intermediate_size:
         out["shared_expert"] = _mlp_params(t, p + "shared_expert.", d, c.shared_expert_intermediate_size)
         out["shared_expert_gate"] = t.get(p + "shared_expert_gate.weight", (1, d)).T
@@ -169,7 +180,8 @@ def _text_prefix(sd: dict, config: HybridConfig) -> str:
 
 def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtype=jnp.bfloat16) -> dict:
     """HF-named tensors -> the params pytree of jax_gdn.model (jnp arrays: weights in ``dtype``, norms, A_log and
-    dt_bias in fp32). Raises ValueError naming a missing, unexpected or mis-shaped tensor."""
+    dt_bias in fp32). Raises ValueError naming a missing, unexpected or mis-shaped tensor. ``sd`` is not modified
+    (a shallow copy is consumed)."""
     sd = {k: v for k, v in sd.items() if not any(rx.match(k) for rx in _SKIP)}
     prefix = _text_prefix(sd, config)
     t = _Tensors(sd, "")
@@ -197,16 +209,14 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
             layer["ffn"] = _mlp_params(t, p + "mlp.", d, c.intermediate_size)
         layers.append(layer)
     params["layers"] = layers
-    extra = sorted(set(sd) - t.used)
+    extra = sorted(sd)
     if extra:
         raise ValueError(f"checkpoint: unexpected tensor(s) for {c.model_type} with this config: {extra[:8]}"
                          + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
 
     def cast(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else ""
-        keep32 = name.endswith(_F32_SUFFIXES) or name in ("input_layernorm", "input_norm", "post_norm",
-                                                          "final_norm", "norm")
-        return jnp.asarray(x, jnp.float32 if keep32 else dtype)
+        return jnp.asarray(x, _param_dtype(name, dtype))
 
     import jax
     return jax.tree_util.tree_map_with_path(cast, params)
@@ -218,8 +228,10 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", pro
     if not os.path.isdir(path):
         raise ValueError(f"load_pretrained: {path!r} is not a directory")
     config = HybridConfig.from_hf(read_hf_config(path))
-    sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress)
+    sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress,
+                         dtype=dtype)
     params = params_from_state_dict(config, sd, dtype)
+    del sd
     return HybridModel(config, params, dtype=dtype, backend=backend)
 
 
