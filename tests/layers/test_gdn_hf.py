@@ -1,6 +1,8 @@
 """The GDN layer against HF transformers' Qwen3NextGatedDeltaNet and Qwen3_5GatedDeltaNet (fp32, torch fallback
 path), same weights, random inputs: packed prefill of two streams, HF's cache path (prefill then one decode step),
 the final recurrent and conv states."""
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,13 @@ T_PREFILL = 70                              # crosses a chunk boundary
 prefill_jit = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))
 decode_jit = jax.jit(gdn.gdn_layer_decode, static_argnames=("dims",))
 monolithic_jit = jax.jit(gdn.gdn_layer_monolithic, static_argnames=("dims", "backend"))
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    """fp32 matmuls at full precision (GPUs default to TF32, ~1e-3 relative): the tolerances here are fp32's."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _hf_layer(layout):
@@ -90,14 +99,23 @@ def test_cache_path_prefill_then_decode_matches_hf(hf_case):
     cfg, layer, norm, params, dims = hf_case
     rng = np.random.default_rng(2)
     x = rng.standard_normal((1, T_PREFILL + 1, D)).astype(np.float32)
+    # the cache keyword is `cache` from transformers 5.2x (`cache_params` before); the states' home moved too
+    kw = "cache" if "cache" in inspect.signature(layer.forward).parameters else "cache_params"
+
+    def states(cache):
+        layer0 = getattr(cache, "layers", [None])[0]
+        conv = getattr(layer0, "conv_states", None)
+        if conv is None or conv[0] is None:
+            pytest.skip(f"transformers {transformers.__version__}: cache states not at cache.layers[0]")
+        return conv[0].numpy()[0].copy(), layer0.recurrent_states[0].numpy()[0].copy()
+
     with torch.no_grad():
         cache = DynamicCache(config=cfg)
         xt = torch.from_numpy(x)
-        ref_prefill = layer(norm(xt[:, :T_PREFILL]), cache=cache).numpy()[0]
-        hf_conv = cache.layers[0].conv_states[0].numpy()[0].copy()         # [conv_dim, Kc] (last Kc inputs)
-        hf_ssm = cache.layers[0].recurrent_states[0].numpy()[0].copy()     # [Hv, K, V]
-        ref_decode = layer(norm(xt[:, T_PREFILL:]), cache=cache).numpy()[0]
-        hf_ssm2 = cache.layers[0].recurrent_states[0].numpy()[0].copy()
+        ref_prefill = layer(norm(xt[:, :T_PREFILL]), **{kw: cache}).numpy()[0]
+        hf_conv, hf_ssm = states(cache)              # [conv_dim, Kc] (HF keeps the last Kc inputs), [Hv, K, V]
+        ref_decode = layer(norm(xt[:, T_PREFILL:]), **{kw: cache}).numpy()[0]
+        hf_ssm2 = states(cache)[1]
 
     # poisoned pool: the stream's slot and an unused one hold NaN
     slots = GdnSlots(conv_state=jnp.full((2, dims.conv_dim, KC - 1), jnp.nan),
