@@ -360,3 +360,24 @@ def test_pallas_interpret_through_the_public_slots_call():
     o_ref, f_ref = gated_delta_rule_f64(*f64(xs), initial_state=init, cu_seqlens=cu, use_qk_l2norm=True)
     assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(np.asarray(new_pool)[slot_ids], f_ref) < FP32_TOL
     np.testing.assert_array_equal(new_pool[2], pool[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, FP32_TOL), (jnp.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
+def test_pallas_on_gpu_through_the_public_calls(dtype, tol):
+    """backend="pallas" and "auto" on the GPU: packed, grouped heads, initial states, q/k norm, slots."""
+    cu = np.array([0, 63, 63, 128, 129, 200], np.int32)
+    n = len(cu) - 1
+    xs, init = make_inputs(25, 1, 200, 2, 4, 32, 64, n_state=n, dtype=dtype, unit_k=False)
+    o_ref, f_ref = gated_delta_rule_f64(*f64(xs), initial_state=np.asarray(init), cu_seqlens=cu, use_qk_l2norm=True)
+    for backend in ("pallas", "auto"):
+        o, final = chunk_gated_delta_rule(*xs, initial_state=init, output_final_state=True,
+                                          cu_seqlens=jnp.asarray(cu), use_qk_l2norm=True, backend=backend)
+        assert o.dtype == dtype and rel_rms(o, o_ref) < tol and rel_rms(final, f_ref) < tol
+    pool = np.full((n + 1, 4, 32, 64), np.nan, np.float32)
+    pool[np.arange(n)] = np.asarray(init)
+    o, new_pool = jax.jit(lambda pool: chunk_gated_delta_rule_slots(
+        *xs, ssm_state=pool, slot_ids=jnp.arange(n, dtype=jnp.int32), has_initial_state=jnp.ones((n,), bool),
+        cu_seqlens=jnp.asarray(cu), use_qk_l2norm=True, backend="pallas"), donate_argnums=0)(jnp.asarray(pool))
+    assert rel_rms(o, o_ref) < tol and rel_rms(np.asarray(new_pool)[:n], f_ref) < tol
+    assert np.isnan(np.asarray(new_pool)[n]).all()                      # the spare slot is untouched
