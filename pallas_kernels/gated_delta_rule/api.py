@@ -110,14 +110,14 @@ def _maps(batch, seq_len, cu_seqlens, chunk_map, chunk):
 
 
 def _block_v(vdim: int, programs_per_vblock: int) -> int:
-    """V block of the state pass: 32, or 16 when that leaves under ~96 programs (measured on the H200: Hv=8,
-    T=8192: BV 16 0.260 ms vs BV 32 0.293; Hv=32: BV 32 0.310 vs 16 0.518 and 64 0.340)."""
+    """V block of the state pass: small enough to give the chip ~2 programs per SM, at least 16 (Triton dots)."""
     env = os.environ.get("JAX_GDN_PALLAS_BV")
     if env:
         return min(int(env), vdim)
     if vdim <= 32:
-        return vdim if vdim < 32 or programs_per_vblock >= 96 else 16
-    return 32 if programs_per_vblock * (vdim // 32) >= 96 else 16
+        return vdim
+    bv = 64 if programs_per_vblock * (vdim // 64) >= 256 else 32
+    return min(bv, vdim)
 
 
 def _env_pair(name, default):

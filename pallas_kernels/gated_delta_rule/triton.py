@@ -71,121 +71,79 @@ def _inv_unit_lower16(a):
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: intra-chunk (parallel over chunks and value heads)
 # ----------------------------------------------------------------------------------------------------------------
-def _inv_unit_lower16_squaring(a):
-    """(I + a)^-1 for a strictly lower triangular [16, 16] fp32 block: with x = -a (nilpotent, x^16 = 0),
-    (I - x)^-1 = (I + x)(I + x^2)(I + x^4)(I + x^8). Six 16 x 16 fp32 (IEEE) dots, no cross-row reductions."""
-    hi = lax.Precision.HIGHEST
-    eye = (_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1)).astype(jnp.float32)
-    x = -a
-    p = eye + x
-    x = _dot(x, x, precision=hi)
-    p = p + _dot(p, x, precision=hi)
-    x = _dot(x, x, precision=hi)
-    p = p + _dot(p, x, precision=hi)
-    x = _dot(x, x, precision=hi)
-    return p + _dot(p, x, precision=hi)
-
-
 def _intra_chunk_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                        w_ref, u_ref, aqk_ref, gcum_ref, *, chunk, group, scale, dtype, precision, inv, grouped):
-    """One program per (chunk, value head), or per (chunk, key head) looping over its value heads (grouped)."""
+                        w_ref, u_ref, aqk_ref, gcum_ref, *, chunk, group, scale, dtype, precision):
     c = pl.program_id(0)
-    if grouped:
-        hk = pl.program_id(1)
-    else:
-        h_prog = pl.program_id(1)
-        hk = h_prog // group
+    h = pl.program_id(1)
+    hk = h // group
     start = start_ref[c]
     length = len_ref[c]
     nb = chunk // SUB
     kdim = k_ref.shape[-1]
     vdim = v_ref.shape[-1]
-    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)              # j <= i
-    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)            # j < i
-    hi = lax.Precision.HIGHEST
 
-    # ---- q, k loads (shared by the value heads of this key head), 16 rows at a time; rows past the chunk's
-    #      length read as zeros; k k^T and q k^T blocks ----
-    sls, valids, qb, kb = [], [], [], []
+    # ---- loads, 16 rows at a time; rows past the chunk's length read as zeros ----
+    qb, kb, vb, bb, gb = [], [], [], [], []
+    off = jnp.float32(0.0)
+    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)              # j <= i
     for b in range(nb):
         rows = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0)
         valid = rows < length
         sl = pl.ds(start + b * SUB, SUB)
         mk = jnp.broadcast_to(valid[:, None], (SUB, kdim))
+        mv = jnp.broadcast_to(valid[:, None], (SUB, vdim))
         qb.append(plgpu.load(q_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype))
         kb.append(plgpu.load(k_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype))
-        sls.append(sl)
-        valids.append(valid)
-    kk = {(i, j): _dot(kb[i], kb[j], tb=True, precision=precision) for i in range(nb) for j in range(i + 1)}
-    qk = {(i, j): _dot(qb[i], kb[j], tb=True, precision=precision) for i in range(nb) for j in range(i + 1)}
+        vb.append(plgpu.load(v_ref.at[sl, h, :], mask=mv, other=0).astype(dtype))
+        bb.append(plgpu.load(beta_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32))
+        g = plgpu.load(g_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32)
+        gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)    # [16] cumulative gate
+        off = off + jnp.sum(g)
+        gb.append(gc)
+        gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
 
-    def per_value_head(h):
-        vb, bb, gb = [], [], []
-        off = jnp.float32(0.0)
-        for b in range(nb):
-            sl, valid = sls[b], valids[b]
-            mv = jnp.broadcast_to(valid[:, None], (SUB, vdim))
-            vb.append(plgpu.load(v_ref.at[sl, h, :], mask=mv, other=0).astype(dtype))
-            bb.append(plgpu.load(beta_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32))
-            g = plgpu.load(g_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32)
-            gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)    # [16] cumulative gate
-            off = off + jnp.sum(g)
-            gb.append(gc)
-            gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
+    # ---- A = beta k k^T * decay (strictly lower), and Aqk = scale q k^T * decay (lower, diagonal included) ----
+    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+    a_blk = {}
+    for i in range(nb):
+        for j in range(i + 1):
+            diff = gb[i][:, None] - gb[j][None, :]
+            if i == j:
+                dec_a = jnp.exp(jnp.where(strict16, diff, -jnp.inf))
+                dec_q = jnp.exp(jnp.where(tri16, diff, -jnp.inf))
+            else:
+                dec_a = dec_q = jnp.exp(diff)
+            a_blk[i, j] = bb[i][:, None] * _dot(kb[i], kb[j], tb=True, precision=precision) * dec_a
+            aq = scale * _dot(qb[i], kb[j], tb=True, precision=precision) * dec_q
+            aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = aq.astype(aqk_ref.dtype)
+        for j in range(i + 1, nb):
+            aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
-        # A = beta k k^T * decay (strictly lower); Aqk = scale q k^T * decay (lower, diagonal included)
-        a_blk = {}
-        for i in range(nb):
-            for j in range(i + 1):
-                diff = gb[i][:, None] - gb[j][None, :]
-                if i == j:
-                    dec_a = jnp.exp(jnp.where(strict16, diff, -jnp.inf))
-                    dec_q = jnp.exp(jnp.where(tri16, diff, -jnp.inf))
-                else:
-                    dec_a = dec_q = jnp.exp(diff)
-                a_blk[i, j] = bb[i][:, None] * kk[i, j] * dec_a
-                aq = (scale * qk[i, j]) * dec_q
-                aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = aq.astype(aqk_ref.dtype)
-            for j in range(i + 1, nb):
-                aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+    # ---- T = (I + A)^-1, block forward substitution ----
+    hi = lax.Precision.HIGHEST
+    t_blk = {}
+    for i in range(nb):
+        t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
+    for d in range(1, nb):
+        for j in range(nb - d):
+            i = j + d
+            acc = _dot(a_blk[i, j], t_blk[j, j], precision=hi)
+            for m in range(j + 1, i):
+                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=hi)
+            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=hi)
 
-        # T = (I + A)^-1: diagonal blocks, then block forward substitution T_ij = -T_ii sum_m A_im T_mj
-        t_blk = {}
-        for i in range(nb):
-            if inv == "subst":
-                t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
-            elif inv == "square":
-                t_blk[i, i] = _inv_unit_lower16_squaring(a_blk[i, i])
-            else:                                                     # timing only: leaves the inverse out
-                t_blk[i, i] = a_blk[i, i]
-        for d in range(1, nb):
-            for j in range(nb - d):
-                i = j + d
-                acc = _dot(a_blk[i, j], t_blk[j, j], precision=hi)
-                for m in range(j + 1, i):
-                    acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=hi)
-                t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=hi)
-
-        # w = T (beta exp(G) k), u = T (beta v)
-        kbeta = [(kb[b].astype(jnp.float32) * (bb[b] * jnp.exp(gb[b]))[:, None]).astype(dtype) for b in range(nb)]
-        vbeta = [(vb[b].astype(jnp.float32) * bb[b][:, None]).astype(dtype) for b in range(nb)]
-        for i in range(nb):
-            w = jnp.zeros((SUB, kdim), jnp.float32)
-            u = jnp.zeros((SUB, vdim), jnp.float32)
-            for j in range(i + 1):
-                t = t_blk[i, j].astype(dtype)
-                w = w + _dot(t, kbeta[j], precision=precision)
-                u = u + _dot(t, vbeta[j], precision=precision)
-            w_ref[c, h, pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
-            u_ref[c, h, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
-
-    if grouped:
-        def body(jh, carry):
-            per_value_head(hk * group + jh)
-            return carry
-        lax.fori_loop(0, group, body, jnp.int32(0))
-    else:
-        per_value_head(h_prog)
+    # ---- w = T (beta exp(G) k), u = T (beta v) ----
+    kbeta = [(kb[b].astype(jnp.float32) * (bb[b] * jnp.exp(gb[b]))[:, None]).astype(dtype) for b in range(nb)]
+    vbeta = [(vb[b].astype(jnp.float32) * bb[b][:, None]).astype(dtype) for b in range(nb)]
+    for i in range(nb):
+        w = jnp.zeros((SUB, kdim), jnp.float32)
+        u = jnp.zeros((SUB, vdim), jnp.float32)
+        for j in range(i + 1):
+            t = t_blk[i, j].astype(dtype)
+            w = w + _dot(t, kbeta[j], precision=precision)
+            u = u + _dot(t, vbeta[j], precision=precision)
+        w_ref[c, h, pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
+        u_ref[c, h, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,7 +216,7 @@ def gated_delta_rule_fwd_packed(q, k, v, g, beta, *, scale, pool, slot_ids, has_
 
 
 def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, num_warps=4,
-                num_stages=1, inv="square", grouped=True):
+                num_stages=1):
     """Stage 1: returns w [NC, Hv, C, K], u [NC, Hv, C, V], Aqk [NC, Hv, C, C] (v's dtype), G [NC, Hv, C] fp32."""
     tp, hk, kdim = q.shape
     hv, vdim = v.shape[1], v.shape[2]
@@ -270,8 +228,8 @@ def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, inter
 
     intra = pl.pallas_call(
         functools.partial(_intra_chunk_kernel, chunk=chunk, group=group, scale=scale, dtype=dtype,
-                          precision=precision, inv=inv, grouped=grouped),
-        grid=(nc, hk if grouped else hv),
+                          precision=precision),
+        grid=(nc, hv),
         out_shape=(
             jax.ShapeDtypeStruct((nc, hv, chunk, kdim), inter_dtype),      # w
             jax.ShapeDtypeStruct((nc, hv, chunk, vdim), inter_dtype),      # u
