@@ -638,7 +638,5 @@ class GatedDeltaNet(nnx.Module):
                                     backend=self.backend, ffn=ffn, chunk_size=self.chunk_size)
 
     def init_slots(self, num_slots: int, dtype=None) -> GdnSlots:
-        return GdnSlots.zeros(self.dims, num_slots, dtype or self.in_proj_out_dtype())
-
-    def in_proj_out_dtype(self):
-        return self.out_proj[...].dtype
+        """Zero slot pools for ``num_slots`` streams; conv_state in ``dtype`` (default: the weights' dtype)."""
+        return GdnSlots.zeros(self.dims, num_slots, dtype or self.out_proj[...].dtype)
