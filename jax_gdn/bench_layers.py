@@ -15,7 +15,8 @@ GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
   phase3  gated RMSNorm, out_proj, residual (phase3)
   layer   gdn_layer_prefill, the three chained in one jit (what the model runs)
 Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K/V page writes, paged causal
-attention, gate, o_proj) into an empty pool of 16-token pages.
+attention, gate, o_proj) into an empty pool of 16-token pages, with the model's attention plan (query blocks
+inside one stream, each gathering a power-of-two window of its slot's pages).
 
 Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
 Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.
@@ -62,7 +63,7 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms", "layer_ms",
     "tokens_per_s", "share": {"phase1", "phase2", "phase3"}}, "attention": {"ms", "tokens_per_s"}}."""
     from jax_gdn.layers import gdn
-    from jax_gdn.layers.attention import attention_layer
+    from jax_gdn.layers.attention import attention_layer, attention_plan, build_query_blocks
     from jax_gdn.state import BatchMeta, GdnSlots, KvPages
 
     gdims, adims, lens = _dims(small)
@@ -105,15 +106,18 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     tok_slot = np.concatenate([[i] * x for i, x in enumerate(lens)]).astype(np.int32)
     tok_pos = np.concatenate([np.arange(x) for x in lens]).astype(np.int32)
     tok_page = (first_page[tok_slot] + tok_pos // ps).astype(np.int32)
-    page_owner = np.concatenate([[i] * p for i, p in enumerate(pages_per)]).astype(np.int32)
-    page_index = np.concatenate([np.arange(p) for p in pages_per]).astype(np.int32)
-    meta_arrays = tuple(jnp.asarray(x) for x in (tok_slot, tok_pos, tok_page, tok_pos % ps, page_owner,
-                                                  page_index, np.asarray(lens, np.int32)))
+    page_table = np.zeros((n, num_pages), np.int32)
+    for i, (f, p) in enumerate(zip(first_page, pages_per)):
+        page_table[i, :p] = np.arange(f, f + p)
+    window, block_q = attention_plan(max(lens), max(lens), num_pages, ps, h)
+    blocks = build_query_blocks(np.cumsum([0] + lens).astype(np.int32), np.arange(n, dtype=np.int32), t, block_q)
+    meta_arrays = tuple(jnp.asarray(x) for x in (tok_pos, tok_page, tok_pos % ps, page_table,
+                                                  np.asarray(lens, np.int32))) + (blocks,)
     kv = KvPages.zeros(num_pages, ps, hkv, dh, dtype)
 
-    def attn(p, x, kv, ts, tp, tpg, tof, po, pi, sl):
-        return attention_layer(p, adims, x, kv, token_slot=ts, token_pos=tp, token_page=tpg, token_offset=tof,
-                               page_owner=po, page_index=pi, slot_lens=sl, backend=backend)
+    def attn(p, x, kv, tp, tpg, tof, pt, sl, bl):
+        return attention_layer(p, adims, x, kv, token_pos=tp, token_page=tpg, token_offset=tof, page_table=pt,
+                               slot_lens=sl, blocks=bl, window_pages=window, backend=backend)
     attn_fn = jax.jit(attn)
     ms_attn = 1e3 * _median_time(attn_fn, (aparams, hidden, kv) + meta_arrays, reps)
 
@@ -123,7 +127,8 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
         "gdn": {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
                 "tokens_per_s": t / (ms_layer * 1e-3),
                 "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}},
-        "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3)},
+        "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3), "window_pages": window,
+                      "block_q": block_q},
     }
 
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_gdn.config import HybridConfig
-from jax_gdn.layers.attention import attention_layer
+from jax_gdn.layers.attention import attention_layer, attention_plan, build_query_blocks
 from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
 from jax_gdn.layers.gdn import gdn_layer_decode, gdn_layer_prefill
 from jax_gdn.ops.norms import rms_norm
@@ -93,8 +93,15 @@ def _allocate(cache: Cache, slot_ids, old_lens, seq_lens, total_tokens: int):
 # The forward pass (pure; jitted by HybridModel)
 # ================================================================================================================
 def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Array, slot_ids: jax.Array, *,
-            config: HybridConfig, backend: str, return_all_logits: bool, decode: bool):
-    """Prefill (or decode, with one token per stream) of N streams. Returns (logits fp32, new cache, ok)."""
+            config: HybridConfig, backend: str, return_all_logits: bool, decode: bool, window_pages: int = 0,
+            block_q: int = 1):
+    """Prefill (or decode, with one token per stream) of N streams. Returns (logits fp32, new cache, status).
+
+    window_pages / block_q (static): the attention plan (``jax_gdn.layers.attention.attention_plan``); every
+    stream of the call must end up holding at most window_pages * Ps tokens (0: the whole pool).
+    status: 0 done; 1 out of KV pages; 2 a stream longer than the attention window. Unless 0, the cache is
+    returned unchanged and the logits are zeros.
+    """
     t = input_ids.shape[0]
     n = slot_ids.shape[0]
     ps = cache.page_size
@@ -118,6 +125,14 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
     tok_page = jnp.where(ok, tok_page, cache.num_pages)                            # drop every write if not ok
     tok_offset = tok_pos % ps
     new_slot_lens = cache.slot_lens.at[slot_ids].add(seq_lens)                     # [S] after this call
+    window = window_pages or cache.num_pages
+    if config.attn_layers:
+        blocks = build_query_blocks(cu_seqlens, slot_ids, t, block_q)
+        window_ok = jnp.max(new_slot_lens[slot_ids]) <= window * ps
+    else:
+        blocks, window_ok = None, jnp.asarray(True)
+    status = jnp.where(ok, jnp.where(window_ok, 0, 2), 1).astype(jnp.int32)
+    tok_page = jnp.where(status == 0, tok_page, cache.num_pages)
 
     out_rows = t if return_all_logits else n
     vocab = config.vocab_size
@@ -139,9 +154,9 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
             else:
                 h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
                 h, kv_states[ai] = attention_layer(
-                    layer["mixer"], config.attn_dims, h, kv_states[ai], token_slot=tok_slot, token_pos=tok_pos,
-                    token_page=tok_page, token_offset=tok_offset, page_owner=page_owner, page_index=page_index,
-                    slot_lens=new_slot_lens, backend=backend)
+                    layer["mixer"], config.attn_dims, h, kv_states[ai], token_pos=tok_pos, token_page=tok_page,
+                    token_offset=tok_offset, page_table=page_table, slot_lens=new_slot_lens, blocks=blocks,
+                    window_pages=window, backend=backend)
                 ai += 1
                 x = x + h
             h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
@@ -164,8 +179,8 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
     def skip(cache):
         return jnp.zeros((out_rows, vocab), jnp.float32), cache
 
-    logits, new_cache = jax.lax.cond(ok, run, skip, cache)
-    return logits, new_cache, ok
+    logits, new_cache = jax.lax.cond(status == 0, run, skip, cache)
+    return logits, new_cache, status
 
 
 def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
@@ -181,7 +196,8 @@ def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
         slot_lens=jnp.where(releasing, 0, cache.slot_lens))
 
 
-_forward_jit = jax.jit(forward, static_argnames=("config", "backend", "return_all_logits", "decode"),
+_forward_jit = jax.jit(forward, static_argnames=("config", "backend", "return_all_logits", "decode",
+                                                "window_pages", "block_q"),
                        donate_argnames=("cache",))
 _release_jit = jax.jit(release_slots, donate_argnames=("cache",))
 
@@ -266,11 +282,23 @@ class HybridModel:
             raise ValueError(f"input_ids must be token ids in [0, vocab_size={v}), got {bad[:8].tolist()}")
 
     def _run(self, cache, ids, cu, sl, *, return_all_logits, decode):
-        logits, new_cache, ok = _forward_jit(
+        window, block_q = 0, 1
+        if self.config.attn_layers:
+            # the attention plan (static sizes) from the slot lengths: the previous call has finished anyway
+            # (its status was read), so this read costs a tiny transfer, not a pipeline stall
+            new_lens = np.diff(cu)
+            total = np.asarray(cache.slot_lens)[sl] + new_lens
+            window, block_q = attention_plan(int(total.max()), int(new_lens.max()), cache.num_pages,
+                                             cache.page_size, self.config.num_attention_heads)
+        logits, new_cache, status = _forward_jit(
             self.params, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.asarray(sl, jnp.int32),
             config=self.config, backend=self.backend, return_all_logits=bool(return_all_logits),
-            decode=decode)
-        if not bool(ok):
+            decode=decode, window_pages=window, block_q=block_q)
+        status = int(status)
+        if status == 2:  # pragma: no cover - the plan above always covers the call
+            raise OutOfKvPagesError("internal: attention window smaller than a stream; nothing was written; "
+                                    "continue with the error's .cache", new_cache)
+        if status == 1:
             raise OutOfKvPagesError(
                 f"out of KV pages: the pool ({new_cache.num_pages} pages of {new_cache.page_size} tokens) cannot "
                 f"hold this call's {int(ids.shape[0])} new tokens; nothing was written. Release slots or make a "

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jax_gdn.config import AttnDims
-from jax_gdn.layers.attention import attention_layer, paged_attention, write_kv_pages
+from jax_gdn.layers.attention import (attention_layer, attention_plan, build_query_blocks, paged_attention,
+                                      write_kv_pages)
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
 from jax_gdn.state import KvPages
 from tests.numpy_reference import rel_rms
@@ -44,19 +45,22 @@ def test_paged_attention_continued_streams_match_f64(dtype, tol, group):
     # pool: pages handed out in a shuffled order; everything not written is NaN
     k_pages = np.full((P, PS, hkv, dh), np.nan, np.float32)
     v_pages = np.full((P, PS, hkv, dh), np.nan, np.float32)
-    owner, index = np.full(P, -1, np.int32), np.zeros(P, np.int32)
     free = list(rng.permutation(P))
     table = {}
     for s, t in zip(slots, total):
         for i in range(-(-t // PS)):
             pg = free.pop()
-            owner[pg], index[pg], table[(s, i)] = s, i, pg
+            table[(s, i)] = pg
     for s, o, kk, vv in zip(slots, old, k_all, v_all):     # the earlier tokens are already in the pages
         for pos in range(o):
             k_pages[table[(s, pos // PS)], pos % PS] = kk[pos]
             v_pages[table[(s, pos // PS)], pos % PS] = vv[pos]
     slot_lens = np.zeros(S, np.int32)
     slot_lens[slots] = total
+    page_table = np.zeros((S, P), np.int32)
+    for (s, i), pg in table.items():
+        page_table[s, i] = pg
+    page_table[1, :] = rng.integers(0, P, P)      # an idle slot's stale row must not matter
 
     tok_slot = np.concatenate([[s] * n for s, n in zip(slots, new)]).astype(np.int32)
     tok_pos = np.concatenate([np.arange(o, o + n) for o, n in zip(old, new)]).astype(np.int32)
@@ -66,9 +70,14 @@ def test_paged_attention_continued_streams_match_f64(dtype, tol, group):
     v = jnp.asarray(np.concatenate([vv[o:] for vv, o in zip(v_all, old)]), dtype)
 
     kv = KvPages(jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype))
+    cu = np.cumsum([0] + new).astype(np.int32)
+    window, block_q = attention_plan(max(total), max(new), P, PS, h, max_block_q=32)
+    assert (window, block_q) == (32, 32)        # ceil(129 / 8) = 17 pages -> 32; longest new segment 65 -> 32
+    blocks = build_query_blocks(cu, np.array(slots, np.int32), sum(new), block_q)
+    assert blocks.tokens.shape == (sum(new) // 32 + 3, 32)
     fn = jax.jit(lambda kv, q, k, v: paged_attention(
-        q, tok_slot, tok_pos, write_kv_pages(kv, k, v, tok_page, tok_pos % PS), owner, index, slot_lens,
-        scale=dh ** -0.5, block_q=32))
+        q, tok_pos, write_kv_pages(kv, k, v, tok_page, tok_pos % PS), page_table, slot_lens, blocks,
+        window_pages=window, scale=dh ** -0.5))
     out = np.asarray(fn(kv, q, k, v).astype(jnp.float32))
     assert out.shape == (sum(new), h, dh) and np.all(np.isfinite(out))
     start = 0
@@ -125,9 +134,9 @@ def test_attention_layer_matches_hf_module():
     params["k_norm"] = jnp.asarray(mod.k_norm.weight.detach().numpy())
     kv = KvPages.zeros(4, 4, 2, 8)
     t = np.arange(9, dtype=np.int32)
-    out, kv = attention_layer(params, dims, jnp.asarray(x[0].numpy()), kv, token_slot=np.zeros(9, np.int32),
-                              token_pos=t, token_page=t // 4, token_offset=t % 4,
-                              page_owner=np.array([0, 0, 0, -1], np.int32), page_index=np.arange(4, dtype=np.int32),
-                              slot_lens=np.array([9], np.int32))
+    blocks = build_query_blocks(np.array([0, 9], np.int32), np.array([0], np.int32), 9, 4)
+    out, kv = attention_layer(params, dims, jnp.asarray(x[0].numpy()), kv, token_pos=t, token_page=t // 4,
+                              token_offset=t % 4, page_table=np.array([[0, 1, 2, 3]], np.int32),
+                              slot_lens=np.array([9], np.int32), blocks=blocks, window_pages=4)
     assert rel_rms(np.asarray(out), ref) <= 2e-4
     assert np.all(np.asarray(kv.k_pages)[3] == 0)          # nothing written past the stream's pages
