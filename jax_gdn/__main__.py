@@ -1,16 +1,18 @@
-"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo) or ``bench`` (jax_gdn.bench)."""
+"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo), ``bench`` (jax_gdn.bench) or ``bench_layers``
+(jax_gdn.bench_layers); each forwards the remaining arguments to that module's ``main(argv)``."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-USAGE = """usage: python -m jax_gdn {demo,bench} [options]
+USAGE = """usage: python -m jax_gdn {demo,bench,bench_layers} [options]
 
-  demo    small random GDN stack through the split-prefill protocol, checked against the monolithic layer
-          (python -m jax_gdn demo --help)
-  bench   benchmarks (python -m jax_gdn bench --help; the same as python -m jax_gdn.bench)"""
+  demo          small random GDN stack through the split-prefill protocol, checked against the monolithic
+                layer, then the hybrid model (python -m jax_gdn demo --help)
+  bench         gated delta rule benchmarks (the same as python -m jax_gdn.bench)
+  bench_layers  one GDN / attention layer benchmark (the same as python -m jax_gdn.bench_layers)"""
 
-COMMANDS = {"demo": "jax_gdn.demo", "bench": "jax_gdn.bench"}
+COMMANDS = {"demo": "jax_gdn.demo", "bench": "jax_gdn.bench", "bench_layers": "jax_gdn.bench_layers"}
 
 
 def main(argv=None) -> int:
@@ -29,8 +31,8 @@ def main(argv=None) -> int:
             raise
         print(f"{command}: module {COMMANDS[command]} is not available in this checkout", file=sys.stderr)
         return 2
-    module.main(rest)
-    return 0
+    rc = module.main(rest)
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":
