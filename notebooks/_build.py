@@ -782,6 +782,47 @@ NB03 = [
         print("MISSING: no benchmark rows to plot")
     """),
     md("""
+    ## Other recorded runs
+
+    Every other results file in `benchmarks/results/` (for instance a kernel variant that was measured and not
+    kept). Peers are re-measured in every run, so the ratio to FLA *of the same run* is the comparable number;
+    the spread of FLA's own time across runs shows the run-to-run noise of the machine.
+    """),
+    code("""
+    runs = {}
+    if path.is_file():
+        for f in sorted(path.parent.glob("*.json")):
+            try:
+                data = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if isinstance(data, dict) and data.get("rows"):
+                runs[f.stem + (" (main)" if f == path else "")] = data
+    if len(runs) < 2:
+        print("no other results file next to", path.name if path.is_file() else path)
+    else:
+        cases = [r["case"] for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+        x = np.arange(len(cases))
+        width = 0.8 / len(runs)
+        for j, (name, data) in enumerate(runs.items()):
+            by_case = {r["case"]: r for r in data["rows"]}
+            ratio = [ms(by_case[c], "pallas") / ms(by_case[c], "fla") if c in by_case and ms(by_case[c], "pallas")
+                     and ms(by_case[c], "fla") else np.nan for c in cases]
+            fla = [ms(by_case[c], "fla") if c in by_case and ms(by_case[c], "fla") else np.nan for c in cases]
+            label = f"{name}, {data.get('date', '?')[:16]}"
+            axes[0].bar(x + (j - (len(runs) - 1) / 2) * width, ratio, width, label=label)
+            axes[1].bar(x + (j - (len(runs) - 1) / 2) * width, fla, width, label=label)
+        axes[0].axhline(1.0, color="k", lw=1)
+        axes[0].set(ylabel="pallas / FLA (same run)", title="our kernel relative to FLA, per recorded run")
+        axes[1].set(ylabel="FLA ms", title="FLA's own time across runs (machine noise)")
+        for ax in axes:
+            ax.set_xticks(x, cases, rotation=20, ha="right", fontsize=8)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        plt.show()
+    """),
+    md("""
     ## One layer: where the time goes
 
     The `"layers"` entry (from `python -m jax_gdn.bench_layers`, if recorded): one GDN layer's split prefill at
