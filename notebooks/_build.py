@@ -825,21 +825,33 @@ NB03 = [
     md("""
     ## One layer: where the time goes
 
-    The `"layers"` entry (from `python -m jax_gdn.bench_layers`, if recorded): one GDN layer's split prefill at
+    The `"layers"` entry of the results file, or a `python -m jax_gdn.bench_layers --json FILE` output in the
+    same folder (if either was recorded): one GDN layer's split prefill at
     Qwen3-Next-80B dims on the 16-stream varlen case, per backend - phase 1 (input norm, in_proj, varlen conv,
     q/k L2 norm), phase 2 (the chunked gated delta rule over the slot pool), phase 3 (gated norm, out_proj,
     residual) - and one gated attention layer prefill on the same batch for scale.
     """),
     code("""
-    layers = result.get("layers")
+    layers, layers_src = result.get("layers"), f"{path.name}['layers']"
+    if not layers and path.parent.is_dir():   # else a `bench_layers --json` file (a list of entries) beside it
+        for f in sorted(path.parent.glob("*.json")):
+            try:
+                data = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if isinstance(data, list) and data and all(isinstance(e, dict) and "gdn" in e for e in data):
+                layers, layers_src = data, f.name
+                break
     if isinstance(layers, dict):          # {backend: entry} or one entry
         layers = [dict(v, backend=v.get("backend", k)) for k, v in layers.items()] \\
             if all(isinstance(v, dict) and "gdn" in v for v in layers.values()) else [layers]
     layers = [e for e in (layers or []) if isinstance(e, dict) and "gdn" in e]
     if not layers:
-        print("MISSING: no 'layers' entry in the results file (run `python -m jax_gdn.bench_layers` on the GPU and "
-              "store its output under 'layers') - no layer split to plot")
+        print("MISSING: no 'layers' entry in the results file and no `bench_layers --json` output beside it (run "
+              "`python -m jax_gdn.bench_layers --json benchmarks/results/h200_layers.json` on the GPU) - "
+              "no layer split to plot")
     else:
+        print("layer results from", layers_src)
         fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
         names = [f"{e.get('backend', '?')} (T={e.get('T')}, N={e.get('N')})" for e in layers]
         y = np.arange(len(layers))
