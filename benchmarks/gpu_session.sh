@@ -8,11 +8,11 @@ pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.log
 export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python -c "import jax, fla, jla; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -2
-steps=${*:-tests stages bench}
+steps=${*:-tests stages bench}   # "bench" includes the layer rows (--layers)
 for s in $steps; do
   case $s in
-    tests)  timeout 300 python -m pytest -q -x -s -m gpu tests/pallas_kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FIGURE|passed|failed|Error|error" | head -40 ;;
+    tests)  timeout 300 python -m pytest -q -x -s -m gpu tests -p no:randomly -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FIGURE|passed|failed|Error|error" | head -40 ;;
     stages) timeout 300 python benchmarks/stages.py ${STAGE_CASES:-} 2>&1 | tee "$OUT/stages.log" | grep -v "^\s*$" | tail -60 ;;
-    bench)  timeout 400 python -m jax_gdn.bench --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    bench)  timeout 500 python -m jax_gdn.bench --layers --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
   esac
 done

@@ -11,7 +11,9 @@ over groups of back-to-back calls closed by block_until_ready, torch with triton
 
 Writes benchmarks/results/h200.json ({"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V",
 "lens", "ms": {"pallas", "xla", "fla", "jla"}}]}) and a PNG bar plot beside it; prints a table.
-`python -m jax_gdn.bench --plot-only` redraws the plot from the JSON.
+`--layers` adds, in the same run, one GDN layer's split prefill and one attention layer at Qwen3-Next-80B dims
+(jax_gdn.bench_layers, backends pallas and xla) under the key "layers"; `--layers-only` runs just that and merges
+it into an existing JSON. `python -m jax_gdn.bench --plot-only` redraws the plot from the JSON.
 """
 from __future__ import annotations
 
@@ -126,7 +128,27 @@ def _time_fla(case, host):
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
 
-def run(cases, impls, out_path, seed=0):
+def run_layers(backends, reps=10, small=False):
+    """Entries of jax_gdn.bench_layers for each backend (a backend that fails is reported and left out).
+    ``small``: tiny dims, a CPU smoke run, not a measurement."""
+    from jax_gdn.bench_layers import bench_layers, print_table as print_layers
+    entries = []
+    for backend in backends:
+        try:
+            entries.append(bench_layers(backend, reps, small=small))
+        except Exception as e:                             # report and go on with the other backend
+            print(f"layers {backend}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    print_layers(entries)
+    return entries
+
+
+def _write(result, out_path):
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def run(cases, impls, out_path, seed=0, layer_backends=()):
     import jax
     try:
         from tqdm import tqdm
@@ -164,9 +186,9 @@ def run(cases, impls, out_path, seed=0):
     result = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "rows": rows}
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+    if layer_backends:
+        result["layers"] = run_layers(layer_backends)
+    _write(result, out_path)
     print_table(result)
     for e in errors:
         print("skipped:", e)
@@ -217,7 +239,20 @@ def main(argv=None):
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--layers", action="store_true",
+                   help="also time one GDN layer (phases 1-3) and one attention layer at 80B dims, key 'layers'")
+    p.add_argument("--layers-only", action="store_true",
+                   help="only the layer benchmark, merged into the existing JSON at --out")
+    p.add_argument("--layer-backends", default="pallas,xla")
+    p.add_argument("--layers-small", action="store_true", help="tiny layer dims (CPU smoke run, not a measurement)")
     a = p.parse_args(argv)
+    layer_backends = [b for b in a.layer_backends.split(",") if b] if (a.layers or a.layers_only) else []
+    if a.layers_only:
+        with open(a.out) as f:
+            result = json.load(f)
+        result["layers"] = run_layers(layer_backends, small=a.layers_small)
+        _write(result, a.out)
+        return 0
     if a.plot_only:
         with open(a.out) as f:
             result = json.load(f)
@@ -226,7 +261,7 @@ def main(argv=None):
         return 0
     names = [s for s in a.cases.split(",") if s]
     cases = [c for c in BENCH_CASES if not names or c.name in names]
-    run(cases, [i for i in a.impls.split(",") if i], a.out)
+    run(cases, [i for i in a.impls.split(",") if i], a.out, layer_backends=layer_backends)
     return 0
 
 

@@ -1,0 +1,31 @@
+"""The benchmark tool's JSON handling on CPU (no timing is asserted: speed is measured on the GPU only)."""
+import json
+import shutil
+from pathlib import Path
+
+from jax_gdn import bench
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200.json"
+
+
+def test_layers_only_merges_into_existing_results(tmp_path):
+    out = tmp_path / "h200.json"
+    shutil.copy(RESULTS, out)
+    before = json.loads(out.read_text())
+    assert bench.main(["--layers-only", "--layers-small", "--layer-backends", "xla", "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    assert after["rows"] == before["rows"]                      # the kernel rows are kept as measured
+    (entry,) = after["layers"]
+    assert entry["backend"] == "xla" and entry["T"] == sum(entry["lens"])
+    shares = entry["gdn"]["share"]
+    assert abs(sum(shares.values()) - 1.0) < 1e-6
+    assert entry["gdn"]["tokens_per_s"] > 0 and entry["attention"]["tokens_per_s"] > 0
+
+
+def test_committed_results_have_every_case_and_anchor():
+    from jax_gdn.cases import BENCH_CASES
+    data = json.loads(RESULTS.read_text())
+    assert [r["case"] for r in data["rows"]] == [c.name for c in BENCH_CASES]
+    for r in data["rows"]:
+        assert set(r["ms"]) == {"pallas", "xla", "fla", "jla"}
+        assert r["ms"]["pallas"] is not None and r["ms"]["fla"] is not None
