@@ -73,6 +73,23 @@ def _check_common(q, k, v, g, beta, cu_seqlens):
     return b, t, hk, hv, dk, dv, n, cu_seqlens
 
 
+def _check_chunk_size_and_scale(chunk_size, scale, dk) -> float:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return float(dk ** -0.5 if scale is None else scale)
+
+
+def _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
+    """The kernel API, the interpret flag and the inputs as the kernels take them: q, k L2-normalised (if asked)
+    in their own dtype, g in fp32, and the on-device chunk map for varlen (None for dense rows)."""
+    interpret = backend == "pallas_interpret"
+    api = _kernel_api()
+    api.check_supported(q, k, v, interpret=interpret)
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+    chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, q.shape[1], chunk_size)
+    return api, interpret, q, k, g.astype(jnp.float32), chunk_map
+
+
 def _prepare_qk(q, k, use_qk_l2norm: bool, keep_dtype: bool):
     if not use_qk_l2norm:
         return q, k
@@ -97,21 +114,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     backend = resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                                           chunk_size=chunk_size)
-    interpret = backend == "pallas_interpret"
-    api = _kernel_api()
-    api.check_supported(q, k, v, interpret=interpret)
-    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
-    chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, t, chunk_size)
+    api, interpret, q, k, g, chunk_map = _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return api.chunk_gated_delta_rule_fwd(
-        q, k, v, g.astype(jnp.float32), beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         chunk_map=chunk_map, output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret)
 
 
@@ -151,20 +162,14 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     validation.check_has_initial_state(has_initial_state, n)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_slots_xla(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
             has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    interpret = backend == "pallas_interpret"
-    api = _kernel_api()
-    api.check_supported(q, k, v, interpret=interpret)
-    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
-    chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, t, chunk_size)
+    api, interpret, q, k, g, chunk_map = _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return api.chunk_gated_delta_rule_slots_fwd(
-        q, k, v, g.astype(jnp.float32), beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
         interpret=interpret)
