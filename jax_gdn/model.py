@@ -47,6 +47,7 @@ from jax_gdn.config import HybridConfig
 from jax_gdn.layers.attention import attention_layer, attention_plan, build_query_blocks
 from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
 from jax_gdn.layers.gdn import gdn_layer_decode, gdn_layer_prefill
+from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
@@ -226,8 +227,7 @@ class HybridModel:
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend: str = "auto"):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
-        if backend not in ("auto", "xla", "pallas", "pallas_interpret"):
-            raise ValueError(f"backend must be one of auto / xla / pallas / pallas_interpret, got {backend!r}")
+        validation.check_backend(backend)
         if len(params["layers"]) != config.num_hidden_layers:
             raise ValueError(f"params['layers'] has {len(params['layers'])} layers, config says "
                              f"{config.num_hidden_layers}")
