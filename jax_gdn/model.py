@@ -49,6 +49,7 @@ from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
 from jax_gdn.layers.gdn import gdn_layer_decode, gdn_layer_prefill
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
+from jax_gdn.ops.varlen import token_streams
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
 
@@ -112,10 +113,9 @@ def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Ar
     meta = BatchMeta(cu_seqlens=cu_seqlens, slot_ids=slot_ids, has_initial_state=has_init, positions=old_lens)
 
     # ---- per-token metadata -----------------------------------------------------------------------------------
-    tok = jnp.arange(t, dtype=jnp.int32)
-    tok_stream = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    tok_stream, tok_rel = token_streams(cu_seqlens, t)                             # [T], [T]
     tok_slot = slot_ids[tok_stream]
-    tok_pos = old_lens[tok_stream] + tok - cu_seqlens[tok_stream]
+    tok_pos = old_lens[tok_stream] + tok_rel
 
     if config.attn_layers:
         page_table, page_owner, page_index, ok = _allocate(cache, slot_ids, old_lens, seq_lens, t)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_gdn.ops.varlen import token_streams
+
 _ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
 
 
@@ -91,8 +93,7 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
 
     # ---- each token: its stream and position inside it ----
     tok = jnp.arange(t, dtype=jnp.int32)
-    tok_seq = jnp.clip(jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1, 0, n - 1)   # [T]
-    rel = tok - cu[tok_seq]                                                                        # [T]
+    tok_seq, rel = token_streams(cu, t)                                                            # [T], [T]
     valid = tok < cu[n]
 
     # ---- taps: lag L = Kc - 1 - j reads x[t - L] inside the stream, else the state's column Kc-1-L+rel ----

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_gdn.ops.norms import l2norm
-from jax_gdn.ops.varlen import build_chunk_map
+from jax_gdn.ops.varlen import build_chunk_map, token_streams
 
 __all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_xla",
            "chunk_gated_delta_rule_slots_xla"]
@@ -41,10 +41,8 @@ def _einsum(spec: str, *xs: jax.Array) -> jax.Array:
 def _segments(cu_seqlens: jax.Array, total_len: int):
     """Per token of a packed row: (seq [T], first [T] bool, last [T] bool)."""
     cu = cu_seqlens.astype(jnp.int32)
-    n = cu.shape[0] - 1
-    t = jnp.arange(total_len, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
-    return seq, t == cu[seq], t == cu[seq + 1] - 1
+    seq, rel = token_streams(cu, total_len)
+    return seq, rel == 0, rel == cu[seq + 1] - cu[seq] - 1
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,18 @@ class ChunkMap(NamedTuple):
     token_offset: jax.Array
 
 
+def token_streams(cu_seqlens: jax.Array, total_len: int) -> tuple[jax.Array, jax.Array]:
+    """Per token of a packed row: (stream [T] int32, position inside its stream [T] int32).
+
+    Tokens past cu_seqlens[N] (padding) are given to the last stream; callers mask them with ``t < cu_seqlens[N]``.
+    """
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    t = jnp.arange(total_len, dtype=jnp.int32)
+    stream = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    return stream, t - cu[stream]
+
+
 def max_chunks(total_len: int, num_seqs: int, chunk_size: int) -> int:
     """Static bound on the number of chunks of any packing of ``num_seqs`` sequences into ``total_len`` tokens."""
     return total_len // chunk_size + num_seqs
@@ -66,9 +78,7 @@ def build_chunk_map(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64)
     first = valid & (j == 0)
     last = valid & (j == seq_num_chunks[seq] - 1)
 
-    t = jnp.arange(total_len, dtype=jnp.int32)
-    tok_seq = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
-    rel = t - cu[tok_seq]
+    tok_seq, rel = token_streams(cu, total_len)
     token_chunk = seq_first_chunk[tok_seq] + rel // chunk_size
     token_offset = rel % chunk_size
     return ChunkMap(seq, start, length, first, last, seq_first_chunk, seq_num_chunks,
