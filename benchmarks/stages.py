@@ -1,24 +1,43 @@
-"""Per-stage GPU timing of the Pallas kernels and a small sweep of launch parameters (device tool only).
+"""Per-stage GPU timing of the Pallas kernels over launch-parameter variants (device tool only).
 
-`python benchmarks/stages.py` prints, per case: stage 1 (intra-chunk) alone for a few num_warps, and stage 2
-(state pass + output) alone for block_v / num_warps / num_stages variants, medians in ms.
+    python benchmarks/stages.py [case,...]
+
+Per case: stage 1a (kkt_solve) and 1b (wu_aqk) alone, then stage 2 (state pass + output) alone, for each variant
+in STAGE_SOLVE / STAGE_WU / STAGE_STATE (environment), medians in ms. Variants are LaunchConfig field lists:
+    STAGE_SOLVE="solve_warps=1:solve_block_k=128;solve_warps=2"   STAGE_WU="wu_warps=4;wu_warps=8"
+    STAGE_STATE="block_v=32:state_stages=3;block_v=64:state_stages=3"
+STAGE_INTERPRET=1 runs the same in interpret mode (a CPU smoke test of this script, not a measurement).
 """
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, ".")
 from jax_gdn.bench import make_inputs_np, time_jax  # noqa: E402
 from jax_gdn.cases import BENCH_CASES  # noqa: E402
 from pallas_kernels.gated_delta_rule import api, triton as kt  # noqa: E402
 
+INTERPRET = os.environ.get("STAGE_INTERPRET") == "1"
 
-INTERPRET = False
+
+def _variants(name, default):
+    spec = os.environ.get(name, default)
+    return [{k: int(v) for k, v in (kv.split("=") for kv in item.split(":") if kv)} for item in spec.split(";")]
+
+
+def _timed(label, fn, args):
+    try:
+        ms = time_jax(fn, args)
+        print(f"  {label}: {ms:.4f} ms", flush=True)
+        return fn(*args)
+    except Exception as e:  # report and go on with the next variant
+        print(f"  {label}: FAIL {type(e).__name__} {str(e)[:300]}", flush=True)
+        return None
 
 
 def main():
@@ -40,31 +59,30 @@ def main():
         slots = jnp.arange(n, dtype=jnp.int32)
         has = jnp.ones((n,), jnp.int32)
         scale = case.K ** -0.5
-        print(f"== {case.name}", flush=True)
+        base = api.launch_config(case.V, n * case.Hv)
+        mp = dict(chunk_start=start, chunk_len=length, chunk=64, interpret=INTERPRET)
+        print(f"== {case.name}  (default {base})", flush=True)
+        t = gcum = None
+        for var in _variants("STAGE_SOLVE", "solve_warps=1"):
+            cfg = dataclasses.replace(base, **var)
+            f = jax.jit(lambda k_, g_, b_, cfg=cfg: kt.kkt_solve(k_, g_, b_, num_v_heads=case.Hv, config=cfg, **mp))
+            t, gcum = _timed(f"solve {var}", f, (kf, gf, bfb)) or (t, gcum)
+        if t is None:
+            continue
         inter = None
-        for nw in (2, 4, 8):
-            f1 = jax.jit(lambda *a, nw=nw: kt.intra_chunk(*a, scale=scale, chunk_start=start, chunk_len=length,
-                                                          chunk=64, interpret=INTERPRET, num_warps=nw, num_stages=1))
-            try:
-                ms = time_jax(f1, (qf, kf, vf, gf, bfb))
-                print(f"  intra   warps={nw}: {ms:.4f} ms", flush=True)
-                inter = f1(qf, kf, vf, gf, bfb)
-            except Exception as e:
-                print(f"  intra   warps={nw}: FAIL {type(e).__name__} {str(e)[:300]}", flush=True)
+        for var in _variants("STAGE_WU", "wu_warps=4"):
+            cfg = dataclasses.replace(base, **var)
+            f = jax.jit(lambda *a, cfg=cfg: kt.wu_aqk(*a, scale=scale, config=cfg, **mp))
+            inter = _timed(f"wu    {var}", f, (qf, kf, vf, bfb, t, gcum)) or inter
         if inter is None:
             continue
-        w, u, aqk, gcum = inter
-        for bv, nw, ns in [(32, 4, 2), (32, 4, 1), (32, 4, 3), (64, 4, 2), (64, 8, 2), (32, 2, 2), (16, 4, 2)]:
-            f2 = jax.jit(lambda q_, k_, w_, u_, a_, g_, p_, bv=bv, nw=nw, ns=ns: kt.state_pass(
-                q_, k_, w_, u_, a_, g_, pool=p_, scale=scale, slot_ids=slots, has_initial_state=has, chunk_start=start, chunk_len=length,
-                seq_first_chunk=first, seq_num_chunks=num, chunk=64, block_v=bv, interpret=INTERPRET,
-                num_warps=nw, num_stages=ns))
-            try:
-                ms = time_jax(f2, (qf, kf, w, u, aqk, gcum, pool))
-                print(f"  state   bv={bv} warps={nw} stages={ns}: {ms:.4f} ms", flush=True)
-            except Exception as e:
-                print(f"  state   bv={bv} warps={nw} stages={ns}: FAIL {type(e).__name__} {str(e)[:300]}",
-                      flush=True)
+        w, u, aqk = inter
+        for var in _variants("STAGE_STATE", "state_stages=3"):
+            cfg = dataclasses.replace(base, **var)
+            f = jax.jit(lambda q_, k_, w_, u_, a_, g_, p_, cfg=cfg: kt.state_pass(
+                q_, k_, w_, u_, a_, g_, pool=p_, scale=scale, slot_ids=slots, has_initial_state=has,
+                seq_first_chunk=first, seq_num_chunks=num, config=cfg, **mp))
+            _timed(f"state {var}", f, (qf, kf, w, u, aqk, gcum, pool))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,26 @@
 """Pallas (Triton lowering) kernels for the chunked gated delta rule forward.
 
-Two pallas_calls:
+Three pallas_calls, in the order the algorithm reads (chunk C = 64, sub-blocks of 16):
 
-1. ``intra_chunk``  grid (NC, Hv), fully parallel. Per chunk of C tokens (C = 64, split into C/16 sub-blocks of
-   16 rows so that every dot is at least 16 x 16 and no register tensor is ever sliced):
+1a. ``kkt_solve``   grid (NC, Hv), parallel, 1 warp (row reductions stay inside the warp), 16 x 16 blocks:
      G   = cumsum(g) inside the chunk                                   [C]      fp32
      A   = beta_i (k_i . k_j) exp(G_i - G_j), j < i                     [C, C]   fp32 (16 x 16 blocks)
      T   = (I + A)^-1: diagonal 16 x 16 blocks by forward substitution, off-diagonal blocks merged by
-           T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj
+           T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj                      [C, C]   input dtype
+1b. ``wu_aqk``      grid (NC, Hv), parallel, 4 warps, whole-chunk tiles:
      w   = T (beta exp(G) k)                                            [C, K]   input dtype
      u   = T (beta v)                                                   [C, V]   input dtype
      Aqk = scale (q_i . k_j) exp(G_i - G_j), j <= i                     [C, C]   input dtype
-2. ``state_pass``   grid (N, Hv, V / BV), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
-   the output fused in:
+2.  ``state_pass``  grid (N, Hv, V / BV), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
+    the output fused in, 3-stage software pipeline on the tile loads:
      v_new = u - w S
      o     = scale exp(G) (q S) + Aqk v_new
      S     = exp(G_last) S + k^T (exp(G_last - G) v_new)
 
 Chunks never straddle a sequence boundary: chunk c covers tokens [chunk_start[c], chunk_start[c] + chunk_len[c])
-of the packed token axis; rows past chunk_len are masked on load (zeros) and on store. The loop over a sequence's
-chunks has a traced trip count (seq_num_chunks[n]), so one compiled program serves any lengths.
+of the packed token axis; rows past chunk_len are masked on load (zeros) and on store. A sequence's chunks are
+consecutive slots, so the state pass reads its start and length once and addresses the loop affinely. The loop
+over a sequence's chunks has a traced trip count (seq_num_chunks[n]), so one compiled program serves any lengths.
 
 Shape legend: T packed tokens (B*T for dense input), N sequences, S slots, Hk/Hv heads (value head h reads key
 head h // (Hv // Hk)), K/V head dims, C chunk size, NC = T // C + N chunk slots, BV value block.
@@ -28,6 +29,7 @@ This module imports only jax.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,6 +39,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 SUB = 16  # sub-block rows inside a chunk: the smallest dot Triton lowers
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Launch parameters of the three pallas_calls (H200 measurements in NOTES.md chose the defaults).
+
+    solve_warps / solve_block_k: stage 1a's warps and the k columns it reads per step; wu_warps: stage 1b;
+    block_v / state_warps / state_stages: stage 2's value block (None: chosen from the program count by
+    api._block_v), warps and software-pipelining depth."""
+    solve_warps: int = 1
+    solve_block_k: int = 128
+    wu_warps: int = 4
+    block_v: int | None = None
+    state_warps: int = 4
+    state_stages: int = 3
 
 
 def _compiler_params(num_warps, num_stages):
@@ -71,8 +88,11 @@ def _inv_unit_lower16(a):
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: intra-chunk (parallel over chunks and value heads)
 # ----------------------------------------------------------------------------------------------------------------
-def _intra_chunk_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                        w_ref, u_ref, aqk_ref, gcum_ref, *, chunk, group, scale, dtype, precision):
+def _kkt_solve_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, t_ref, gcum_ref, *, chunk, group, dtype,
+                      precision, merge_precision, block_k):
+    """Stage 1a, grid (NC, Hv): G, A = beta k k^T decay and T = (I + A)^-1, all in 16 x 16 blocks (run with
+    1-2 warps so that the row reductions of the forward substitution stay inside a warp). k is read block_k
+    columns at a time. Writes T in the input dtype (zeros above the diagonal) and G fp32."""
     c = pl.program_id(0)
     h = pl.program_id(1)
     hk = h // group
@@ -80,70 +100,87 @@ def _intra_chunk_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     length = len_ref[c]
     nb = chunk // SUB
     kdim = k_ref.shape[-1]
-    vdim = v_ref.shape[-1]
 
-    # ---- loads, 16 rows at a time; rows past the chunk's length read as zeros ----
-    qb, kb, vb, bb, gb = [], [], [], [], []
-    off = jnp.float32(0.0)
     tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)              # j <= i
+    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+    valid, bb, gb = [], [], []
+    off = jnp.float32(0.0)
     for b in range(nb):
-        rows = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-        valid = rows < length
+        ok = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0) < length
         sl = pl.ds(start + b * SUB, SUB)
-        mk = jnp.broadcast_to(valid[:, None], (SUB, kdim))
-        mv = jnp.broadcast_to(valid[:, None], (SUB, vdim))
-        qb.append(plgpu.load(q_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype))
-        kb.append(plgpu.load(k_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype))
-        vb.append(plgpu.load(v_ref.at[sl, h, :], mask=mv, other=0).astype(dtype))
-        bb.append(plgpu.load(beta_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32))
-        g = plgpu.load(g_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32)
+        bb.append(plgpu.load(beta_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
+        g = plgpu.load(g_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32)
         gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)    # [16] cumulative gate
         off = off + jnp.sum(g)
         gb.append(gc)
+        valid.append(ok)
         gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
 
-    # ---- A = beta k k^T * decay (strictly lower), and Aqk = scale q k^T * decay (lower, diagonal included) ----
-    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+    # ---- k k^T in 16 x 16 blocks (lower block triangle), block_k columns of k at a time ----
+    kk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
+    for kc in range(0, kdim, block_k):
+        bk = min(block_k, kdim - kc)
+        kb = [plgpu.load(k_ref.at[pl.ds(start + b * SUB, SUB), hk, pl.ds(kc, bk)],
+                         mask=jnp.broadcast_to(valid[b][:, None], (SUB, bk)), other=0).astype(dtype)
+              for b in range(nb)]
+        for i in range(nb):
+            for j in range(i + 1):
+                kk[i, j] = kk[i, j] + _dot(kb[i], kb[j], tb=True, precision=precision)
     a_blk = {}
     for i in range(nb):
         for j in range(i + 1):
             diff = gb[i][:, None] - gb[j][None, :]
-            if i == j:
-                dec_a = jnp.exp(jnp.where(strict16, diff, -jnp.inf))
-                dec_q = jnp.exp(jnp.where(tri16, diff, -jnp.inf))
-            else:
-                dec_a = dec_q = jnp.exp(diff)
-            a_blk[i, j] = bb[i][:, None] * _dot(kb[i], kb[j], tb=True, precision=precision) * dec_a
-            aq = scale * _dot(qb[i], kb[j], tb=True, precision=precision) * dec_q
-            aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = aq.astype(aqk_ref.dtype)
-        for j in range(i + 1, nb):
-            aqk_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+            dec = jnp.exp(jnp.where(strict16, diff, -jnp.inf)) if i == j else jnp.exp(diff)
+            a_blk[i, j] = bb[i][:, None] * kk[i, j] * dec
 
-    # ---- T = (I + A)^-1, block forward substitution ----
-    hi = lax.Precision.HIGHEST
+    # ---- T = (I + A)^-1: diagonal blocks by forward substitution, then T_ij = -T_ii sum_m A_im T_mj ----
+    mp = merge_precision
     t_blk = {}
     for i in range(nb):
         t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
     for d in range(1, nb):
         for j in range(nb - d):
             i = j + d
-            acc = _dot(a_blk[i, j], t_blk[j, j], precision=hi)
+            acc = _dot(a_blk[i, j], t_blk[j, j], precision=mp)
             for m in range(j + 1, i):
-                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=hi)
-            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=hi)
-
-    # ---- w = T (beta exp(G) k), u = T (beta v) ----
-    kbeta = [(kb[b].astype(jnp.float32) * (bb[b] * jnp.exp(gb[b]))[:, None]).astype(dtype) for b in range(nb)]
-    vbeta = [(vb[b].astype(jnp.float32) * bb[b][:, None]).astype(dtype) for b in range(nb)]
+                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=mp)
+            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=mp)
     for i in range(nb):
-        w = jnp.zeros((SUB, kdim), jnp.float32)
-        u = jnp.zeros((SUB, vdim), jnp.float32)
-        for j in range(i + 1):
-            t = t_blk[i, j].astype(dtype)
-            w = w + _dot(t, kbeta[j], precision=precision)
-            u = u + _dot(t, vbeta[j], precision=precision)
-        w_ref[c, h, pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
-        u_ref[c, h, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
+        for j in range(nb):
+            blk = t_blk[i, j] if j <= i else jnp.zeros((SUB, SUB), jnp.float32)
+            t_ref[c, h, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk.astype(t_ref.dtype)
+
+
+def _wu_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_ref, w_ref, u_ref, aqk_ref, *,
+               chunk, group, scale, dtype, precision):
+    """Stage 1b, grid (NC, Hv), whole-chunk tiles: w = T (beta e^G k), u = T (beta v),
+    Aqk = scale (q k^T) e^(G_i - G_j) (lower, diagonal included)."""
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    hk = h // group
+    start = start_ref[c]
+    length = len_ref[c]
+    kdim = k_ref.shape[-1]
+    vdim = v_ref.shape[-1]
+    sl = pl.ds(start, chunk)
+    valid = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < length
+    mk = jnp.broadcast_to(valid[:, None], (chunk, kdim))
+    q = plgpu.load(q_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype)                       # [C, K]
+    k = plgpu.load(k_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype)                       # [C, K]
+    v = plgpu.load(v_ref.at[sl, h, :], mask=jnp.broadcast_to(valid[:, None], (chunk, vdim)),
+                   other=0).astype(dtype)                                                     # [C, V]
+    beta = plgpu.load(beta_ref.at[sl, h], mask=valid, other=0).astype(jnp.float32)            # [C]
+    t = t_ref[c, h, :, :]                                                                     # [C, C]
+    gc = gcum_ref[c, h, :]                                                                    # [C]
+
+    kbeta = (k.astype(jnp.float32) * (beta * jnp.exp(gc))[:, None]).astype(dtype)
+    vbeta = (v.astype(jnp.float32) * beta[:, None]).astype(dtype)
+    w_ref[c, h, :, :] = _dot(t, kbeta, precision=precision).astype(w_ref.dtype)
+    u_ref[c, h, :, :] = _dot(t, vbeta, precision=precision).astype(u_ref.dtype)
+
+    lower = _iota((chunk, chunk), 1) <= _iota((chunk, chunk), 0)
+    decay = jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], -jnp.inf))
+    aqk_ref[c, h, :, :] = (scale * _dot(q, k, tb=True, precision=precision) * decay).astype(aqk_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,12 +203,16 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has
     s0 = jnp.where(has_ref[n] != 0, s0, 0.0)                                    # never multiply a stale slot
 
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    # A sequence's chunks are consecutive slots covering consecutive tokens: read its start and length once, so
+    # that every address in the loop is affine in j (no scalar load on the path of the pipelined tile loads).
+    last_slot = start_ref.shape[0] - 1
+    seq_start = start_ref[jnp.minimum(first, last_slot)]
+    seq_len = (count - 1) * chunk + len_ref[jnp.clip(first + count - 1, 0, last_slot)]
 
     def body(j, s):
         c = first + j
-        start = start_ref[c]
-        valid = rows < len_ref[c]
-        sl = pl.ds(start, chunk)
+        valid = rows < seq_len - j * chunk
+        sl = pl.ds(seq_start + j * chunk, chunk)
         mk = jnp.broadcast_to(valid[:, None], (chunk, kdim))
         qc = plgpu.load(q_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype)   # [C, K]
         kc = plgpu.load(k_ref.at[sl, hk, :], mask=mk, other=0).astype(dtype)   # [C, K]
@@ -196,75 +237,98 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has
 # ----------------------------------------------------------------------------------------------------------------
 # Driver
 # ----------------------------------------------------------------------------------------------------------------
+def _precisions(dtype):
+    """(dot precision, T-merge precision): bf16/fp16 operands with fp32 accumulation and tf32 merge dots for
+    bf16/fp16 inputs (T is rounded to the input dtype next anyway); IEEE fp32 everywhere for fp32 inputs."""
+    if dtype == jnp.float32:
+        return lax.Precision.HIGHEST, lax.Precision.HIGHEST
+    return None, (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+
+
 def gated_delta_rule_fwd_packed(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state,
                                 chunk_start, chunk_len, seq_first_chunk, seq_num_chunks, chunk,
-                                block_v, interpret, num_warps=(4, 4), num_stages=(1, 2)):
-    """Runs both stages on packed tokens.
+                                interpret, config: LaunchConfig):
+    """Runs the three stages on packed tokens.
 
     q, k [T', Hk, K]; v [T', Hv, V]; g, beta [T', Hv] (T' >= T: interpret mode pads C rows so that no masked
     slice runs past the end); pool [S, Hv, K, V] fp32 (aliased to the returned pool); slot_ids,
     has_initial_state [N] int32; chunk_start, chunk_len [NC]; seq_first_chunk, seq_num_chunks [N].
-    Returns o [T', Hv, V] in v's dtype and the updated pool.
+    config.block_v must be set. Returns o [T', Hv, V] in v's dtype and the updated pool.
     """
     w, u, aqk, gcum = intra_chunk(q, k, v, g, beta, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
-                                  chunk=chunk, interpret=interpret, num_warps=num_warps[0],
-                                  num_stages=num_stages[0])
+                                  chunk=chunk, interpret=interpret, config=config)
     return state_pass(q, k, w, u, aqk, gcum, scale=scale, pool=pool, slot_ids=slot_ids,
                       has_initial_state=has_initial_state, chunk_start=chunk_start, chunk_len=chunk_len,
                       seq_first_chunk=seq_first_chunk, seq_num_chunks=seq_num_chunks, chunk=chunk,
-                      block_v=block_v, interpret=interpret, num_warps=num_warps[1], num_stages=num_stages[1])
+                      interpret=interpret, config=config)
 
 
-def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, num_warps=4,
-                num_stages=1):
-    """Stage 1: returns w [NC, Hv, C, K], u [NC, Hv, C, V], Aqk [NC, Hv, C, C] (v's dtype), G [NC, Hv, C] fp32."""
-    tp, hk, kdim = q.shape
+def kkt_solve(k, g, beta, *, chunk_start, chunk_len, chunk, num_v_heads, interpret, config: LaunchConfig):
+    """Stage 1a: returns T = (I + A)^-1 [NC, Hv, C, C] (k's dtype, zeros above the diagonal), G [NC, Hv, C] fp32."""
+    hk, kdim = k.shape[1], k.shape[2]
+    nc = chunk_start.shape[0]
+    dtype = k.dtype
+    precision, merge_precision = _precisions(dtype)
+    call = pl.pallas_call(
+        functools.partial(_kkt_solve_kernel, chunk=chunk, group=num_v_heads // hk, dtype=dtype,
+                          precision=precision, merge_precision=merge_precision,
+                          block_k=min(config.solve_block_k, kdim)),
+        grid=(nc, num_v_heads),
+        out_shape=(jax.ShapeDtypeStruct((nc, num_v_heads, chunk, chunk), dtype),      # T
+                   jax.ShapeDtypeStruct((nc, num_v_heads, chunk), jnp.float32)),       # G
+        compiler_params=_compiler_params(config.solve_warps, 1), interpret=interpret, name="gdn_kkt_solve")
+    return call(chunk_start, chunk_len, k, g, beta)
+
+
+def wu_aqk(q, k, v, beta, t, gcum, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
+    """Stage 1b: returns w [NC, Hv, C, K], u [NC, Hv, C, V], Aqk [NC, Hv, C, C], all in v's dtype."""
+    hk, kdim = q.shape[1], q.shape[2]
     hv, vdim = v.shape[1], v.shape[2]
-    group = hv // hk
     nc = chunk_start.shape[0]
     dtype = v.dtype
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    inter_dtype = dtype
-
-    intra = pl.pallas_call(
-        functools.partial(_intra_chunk_kernel, chunk=chunk, group=group, scale=scale, dtype=dtype,
-                          precision=precision),
+    precision, _ = _precisions(dtype)
+    call = pl.pallas_call(
+        functools.partial(_wu_kernel, chunk=chunk, group=hv // hk, scale=scale, dtype=dtype, precision=precision),
         grid=(nc, hv),
-        out_shape=(
-            jax.ShapeDtypeStruct((nc, hv, chunk, kdim), inter_dtype),      # w
-            jax.ShapeDtypeStruct((nc, hv, chunk, vdim), inter_dtype),      # u
-            jax.ShapeDtypeStruct((nc, hv, chunk, chunk), inter_dtype),     # Aqk
-            jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32),            # G (cumulative gate)
-        ),
-        compiler_params=_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="gdn_intra_chunk",
-    )
-    return intra(chunk_start, chunk_len, q, k, v, g, beta)
+        out_shape=(jax.ShapeDtypeStruct((nc, hv, chunk, kdim), dtype),       # w
+                   jax.ShapeDtypeStruct((nc, hv, chunk, vdim), dtype),       # u
+                   jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dtype)),     # Aqk
+        compiler_params=_compiler_params(config.wu_warps, 1), interpret=interpret, name="gdn_wu_aqk")
+    return call(chunk_start, chunk_len, q, k, v, beta, t, gcum)
+
+
+def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
+    """Stages 1a + 1b: returns w, u, Aqk (v's dtype) and G [NC, Hv, C] fp32."""
+    t, gcum = kkt_solve(k, g, beta, chunk_start=chunk_start, chunk_len=chunk_len, chunk=chunk,
+                        num_v_heads=v.shape[1], interpret=interpret, config=config)
+    w, u, aqk = wu_aqk(q, k, v, beta, t, gcum, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
+                       chunk=chunk, interpret=interpret, config=config)
+    return w, u, aqk, gcum
 
 
 def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_state, chunk_start, chunk_len,
-               seq_first_chunk, seq_num_chunks, chunk, block_v, interpret, num_warps=4, num_stages=2):
+               seq_first_chunk, seq_num_chunks, chunk, interpret, config: LaunchConfig):
     """Stage 2: returns (o [T', Hv, V], updated pool [S, Hv, K, V]); the pool is aliased in place."""
     tp, hk, kdim = q.shape
     hv, vdim = u.shape[1], u.shape[3]
-    group = hv // hk
     n = slot_ids.shape[0]
     dtype = w.dtype
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-    state = pl.pallas_call(
-        functools.partial(_state_pass_kernel, chunk=chunk, group=group, block_v=block_v, scale=scale, dtype=dtype,
-                          precision=precision),
+    precision, _ = _precisions(dtype)
+    block_v = config.block_v
+    if block_v is None or vdim % block_v:
+        raise ValueError(f"config.block_v must divide V={vdim}; got {block_v}")
+    call = pl.pallas_call(
+        functools.partial(_state_pass_kernel, chunk=chunk, group=hv // hk, block_v=block_v, scale=scale,
+                          dtype=dtype, precision=precision),
         grid=(n, hv, vdim // block_v),
         out_shape=(
             jax.ShapeDtypeStruct((tp, hv, vdim), dtype),
             jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ),
         input_output_aliases={12: 1},
-        compiler_params=_compiler_params(num_warps, num_stages),
+        compiler_params=_compiler_params(config.state_warps, config.state_stages),
         interpret=interpret,
         name="gdn_state_pass",
     )
-    return state(chunk_start, chunk_len, seq_first_chunk, seq_num_chunks, slot_ids, has_initial_state,
-                 q, k, w, u, aqk, gcum, pool)
+    return call(chunk_start, chunk_len, seq_first_chunk, seq_num_chunks, slot_ids, has_initial_state,
+                q, k, w, u, aqk, gcum, pool)

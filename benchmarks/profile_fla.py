@@ -1,0 +1,52 @@
+"""Per-kernel CUDA times of FLA's chunk_gated_delta_rule forward (torch profiler), to budget our stages.
+
+    FLA_FLASH_QLA=0 python benchmarks/profile_fla.py [case,...]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from jax_gdn.bench import make_inputs_np  # noqa: E402
+from jax_gdn.cases import BENCH_CASES  # noqa: E402
+
+
+def main():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["B1-T8192-Hk16-Hv32"]
+    for case in [c for c in BENCH_CASES if c.name in names]:
+        q, k, v, g, beta, h0 = make_inputs_np(case)
+        dev = "cuda"
+        bf = torch.bfloat16
+        tq, tk, tv = (torch.tensor(x).to(dev, bf) for x in (q, k, v))
+        tg = torch.tensor(g).to(dev)
+        tb = torch.tensor(beta).to(dev, bf)
+        th = torch.tensor(h0).to(dev)
+        cu = case.cu_seqlens()
+        kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.long, device=dev)}
+        if cu is not None:
+            tq, tk, tv, tg, tb = (x.reshape(1, -1, *x.shape[2:]) for x in (tq, tk, tv, tg, tb))
+        fn = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True, **kw)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        reps = 20
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        print(f"== {case.name}: FLA per-kernel CUDA time, mean of {reps} calls (ms)")
+        rows = []
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "device_time_total", 0) > 0:
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                rows.append((t / reps / 1e3, e.count // reps, e.key[:90]))
+        for t, n, key in sorted(rows, reverse=True)[:14]:
+            print(f"  {t:8.4f}  x{n:<3d} {key}")
+        print(f"  total {sum(r[0] for r in rows):.4f}")
+
+
+if __name__ == "__main__":
+    main()
