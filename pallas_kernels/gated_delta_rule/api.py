@@ -119,10 +119,13 @@ def _block_v(vdim: int, programs_per_vblock: int) -> int:
     return min(bv, vdim)
 
 
-def launch_config(vdim: int, programs_per_vblock: int) -> _triton.LaunchConfig:
-    """The launch parameters for one call: LaunchConfig defaults, block_v from ``_block_v``. For tuning runs the
-    environment variable JAX_GDN_PALLAS_LAUNCH overrides fields, e.g. "state_stages=4,block_v=64"."""
+def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16) -> _triton.LaunchConfig:
+    """The launch parameters for one call: LaunchConfig defaults, block_v from ``_block_v``, and a 2-stage state
+    pass for fp32 inputs (3 stages of fp32 tiles need 257 KB of shared memory, over the H200's 227 KB). For
+    tuning runs the environment variable JAX_GDN_PALLAS_LAUNCH overrides fields, e.g. "state_stages=2,block_v=64"."""
     cfg = _triton.LaunchConfig(block_v=_block_v(vdim, programs_per_vblock))
+    if jnp.dtype(dtype).itemsize > 2:
+        cfg = dataclasses.replace(cfg, state_stages=2)
     env = os.environ.get("JAX_GDN_PALLAS_LAUNCH")
     if env:
         cfg = dataclasses.replace(cfg, **{k: int(v) for k, v in (item.split("=") for item in env.split(","))})
@@ -157,7 +160,7 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
         qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids.astype(jnp.int32),
         has_initial_state=has_initial_state.astype(jnp.int32), chunk_start=start, chunk_len=length,
         seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size, interpret=interpret,
-        config=launch_config(vdim, n * hv))
+        config=launch_config(vdim, n * hv, v.dtype))
     o = o[:tt].reshape(b, t, hv, vdim)
     return o, new_pool
 
