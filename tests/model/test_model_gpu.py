@@ -1,5 +1,6 @@
-"""GPU-only checks of the whole model (run on the device machine with ``pytest -m gpu``; skipped on CPU):
-the Pallas GDN path inside the jitted model against the XLA path, and the layer benchmark at small dims."""
+"""Whole-model checks of the Pallas GDN path against the XLA path: fp32 (GPU), bf16 against the fp32 model (GPU,
+and on CPU in interpret mode), and the layer benchmark at small dims (GPU). ``gpu`` tests run on the device
+machine with ``pytest -m gpu`` and are skipped on CPU."""
 from __future__ import annotations
 
 import jax
@@ -12,29 +13,62 @@ from jax_gdn.checkpoint import random_model
 from jax_gdn.model_demo import tiny_config
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 2e-2)])
-def test_model_pallas_matches_xla_on_gpu(dtype, tol):
+def _inputs():
     cfg = tiny_config()
     lens, slots = [1, 63, 130, 257], np.array([2, 0, 3, 1], np.int32)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)
     cu = np.cumsum([0] + lens).astype(np.int32)
-    out = {}
+    return cfg, ids, cu, slots
+
+
+def _run(cfg, dtype, backend, ids, cu, slots):
+    """(prefill logits [T, vocab], one decode step's logits [N, vocab]) as fp32 numpy."""
+    model = random_model(cfg, seed=0, dtype=dtype, backend=backend)
+    cache = model.init_cache(max_seqs=4, max_tokens=1024, page_size=16)
+    logits, cache = model.prefill(cache, ids, cu, slots, return_all_logits=True)
+    dec, cache = model.decode(cache, ids[:len(slots)], slots)             # the same tokens for every backend
+    return np.asarray(logits, np.float32), np.asarray(dec, np.float32)
+
+
+def _rel_rms(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+@pytest.mark.gpu
+def test_model_pallas_matches_xla_on_gpu_fp32():
+    cfg, ids, cu, slots = _inputs()
     with jax.default_matmul_precision("highest"):      # GPUs default to TF32 matmuls
-        _run_both(cfg, dtype, ids, cu, slots, out)
-    for a, b in zip(out["auto"], out["xla"]):
+        xla = _run(cfg, jnp.float32, "xla", ids, cu, slots)
+        pal = _run(cfg, jnp.float32, "auto", ids, cu, slots)   # auto: the Pallas kernel where it accepts the dims
+    for a, b in zip(pal, xla):
         assert np.all(np.isfinite(a))
-        assert np.max(np.abs(a - b)) / np.max(np.abs(b)) <= tol
+        assert np.max(np.abs(a - b)) / np.max(np.abs(b)) <= 2e-4
 
 
-def _run_both(cfg, dtype, ids, cu, slots, out):
-    for backend in ("xla", "auto"):       # auto: the Pallas kernel where it accepts the dims
-        model = random_model(cfg, seed=0, dtype=dtype, backend=backend)
-        cache = model.init_cache(max_seqs=4, max_tokens=1024, page_size=16)
-        logits, cache = model.prefill(cache, ids, cu, slots, return_all_logits=True)
-        dec, cache = model.decode(cache, ids[:len(slots)], slots)         # the same tokens for both backends
-        out[backend] = (np.asarray(logits), np.asarray(dec))
+def _check_bf16_against_fp32(kernel_backend):
+    """In bf16 the whole tiny model is far from fp32 whatever the backend (on CPU: logits rel RMS 0.046 for xla,
+    0.048 for the Pallas kernel in interpret mode; max-abs 0.19): so each bf16 backend is measured against the
+    fp32 XLA model, and the kernel may not be more than 25% (+ 5e-3) worse than bf16 XLA."""
+    cfg, ids, cu, slots = _inputs()
+    ref = _run(cfg, jnp.float32, "xla", ids, cu, slots)
+    xla = _run(cfg, jnp.bfloat16, "xla", ids, cu, slots)
+    pal = _run(cfg, jnp.bfloat16, kernel_backend, ids, cu, slots)
+    for name, a, b, r in zip(("prefill", "decode"), pal, xla, ref):
+        assert np.all(np.isfinite(a)), name
+        e_pal, e_xla = _rel_rms(a, r), _rel_rms(b, r)
+        print(f"FIGURE bf16 model {name} logits rel RMS vs fp32: {kernel_backend} {e_pal:.3e}, xla {e_xla:.3e}")
+        assert e_pal <= 1.25 * e_xla + 5e-3, (name, e_pal, e_xla)
+
+
+@pytest.mark.gpu
+def test_model_pallas_bf16_on_gpu_as_close_to_fp32_as_xla():
+    with jax.default_matmul_precision("highest"):
+        _check_bf16_against_fp32("auto")
+
+
+def test_model_pallas_interpret_bf16_as_close_to_fp32_as_xla():
+    _check_bf16_against_fp32("pallas_interpret")
 
 
 @pytest.mark.gpu
