@@ -16,7 +16,7 @@ from jax_gdn.ops.varlen import build_chunk_map
 from pallas_kernels.gated_delta_rule import api
 from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
 
-TOL = {jnp.float32: 2e-4, jnp.bfloat16: 1e-2}
+TOL = {jnp.float32: 2e-4, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}   # relative RMS against the float64 loop
 
 
 def make_inputs(case, seed, lens=None):
@@ -76,9 +76,10 @@ def test_interpret_grouped_heads_no_initial_state(case):
     assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (eo, es)
 
 
-def test_interpret_bf16():
-    eo, es = run_fwd(cases.CPU_DENSE[-1], jnp.bfloat16, seed=3, interpret=True)
-    assert eo < TOL[jnp.bfloat16] and es < TOL[jnp.bfloat16], (eo, es)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_interpret_half_precision(dtype):
+    eo, es = run_fwd(cases.CPU_DENSE[-1], dtype, seed=3, interpret=True)
+    assert eo < TOL[dtype] and es < TOL[dtype], (eo, es)
 
 
 def test_interpret_varlen_initial_states_and_no_recompile():
@@ -163,7 +164,7 @@ def test_check_supported_errors():
 # GPU (device tool): K = V = 128
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("case", cases.GPU_TEST_CASES, ids=lambda c: c.name)
 def test_gpu_matches_f64(case, dtype):
     eo, es = run_fwd(case, dtype, seed=5, interpret=False, lens=case.lens)
