@@ -9,26 +9,14 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from jax_gdn.bench import make_inputs_np  # noqa: E402
+from jax_gdn.bench import fla_call, make_inputs_np  # noqa: E402
 from jax_gdn.cases import BENCH_CASES  # noqa: E402
 
 
 def main():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["B1-T8192-Hk16-Hv32"]
     for case in [c for c in BENCH_CASES if c.name in names]:
-        q, k, v, g, beta, h0 = make_inputs_np(case)
-        dev = "cuda"
-        bf = torch.bfloat16
-        tq, tk, tv = (torch.tensor(x).to(dev, bf) for x in (q, k, v))
-        tg = torch.tensor(g).to(dev)
-        tb = torch.tensor(beta).to(dev, bf)
-        th = torch.tensor(h0).to(dev)
-        cu = case.cu_seqlens()
-        kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.long, device=dev)}
-        if cu is not None:
-            tq, tk, tv, tg, tb = (x.reshape(1, -1, *x.shape[2:]) for x in (tq, tk, tv, tg, tb))
-        fn = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True, **kw)
+        fn = fla_call(case, make_inputs_np(case))
         for _ in range(5):
             fn()
         torch.cuda.synchronize()

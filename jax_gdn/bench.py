@@ -105,10 +105,11 @@ def _jla_impl(case, host):
     return fn, args
 
 
-def _time_fla(case, host):
+def fla_call(case, host):
+    """A no-argument callable running FLA's chunk_gated_delta_rule on the case's inputs (torch, CUDA), bf16 q, k,
+    v and beta, fp32 g and initial state, final state out (also used by benchmarks/profile_fla.py)."""
     os.environ.setdefault("FLA_FLASH_QLA", "0")
     import torch
-    import triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     q, k, v, g, beta, h0 = host
     dev = "cuda"
@@ -123,6 +124,13 @@ def _time_fla(case, host):
 
     def fn():
         return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+    return fn
+
+
+def _time_fla(case, host):
+    import torch
+    import triton
+    fn = fla_call(case, host)
     fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
