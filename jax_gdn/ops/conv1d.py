@@ -81,9 +81,10 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     if jnp.shape(has_initial_state) != (n,):
         raise ValueError(f"causal_conv1d_varlen: has_initial_state must be [N]=({n},), "
                          f"got {tuple(jnp.shape(has_initial_state))}")
-    if kc == 1:
-        y = _activation(activation)(x.astype(jnp.float32) * w[:, 0].astype(jnp.float32)).astype(x.dtype)
-        return y, conv_state_pool
+    if kc == 1:  # no taps into the past, a 0-wide state: y = act(w[:, 0] * x), padding tokens still give 0
+        valid = jnp.arange(t, dtype=jnp.int32) < cu_seqlens[n].astype(jnp.int32)
+        y = _activation(activation)(x.astype(jnp.float32) * w[:, 0].astype(jnp.float32))
+        return jnp.where(valid[:, None], y, 0.0).astype(x.dtype), conv_state_pool
 
     cu = cu_seqlens.astype(jnp.int32)
     has_init = jnp.asarray(has_initial_state, bool)

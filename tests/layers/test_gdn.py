@@ -216,6 +216,33 @@ def test_decode_after_prefill_equals_prefill_of_one_more_token():
     assert np.isnan(np.asarray(s_d.ssm_state)[[1, 3, 4]]).all()
 
 
+def test_conv_kernel_size_1_prefill_and_decode():
+    """conv_kernel_size = 1: the conv state is 0 wide; the packed prefill (lengths 1, 3, 5) == the monolithic layer
+    per stream, and a decode step == the prefill of one more token."""
+    dims = GdnDims(16, 1, 2, 8, 8, conv_kernel_size=1, layout="qwen3_next")
+    params = _params(dims)
+    lengths, slot_ids = [1, 3, 5], [2, 0, 3]
+    slots0 = GdnSlots.zeros(dims, 4)
+    assert slots0.conv_state.shape == (4, dims.conv_dim, 0)
+    full = [_hidden(n + 1, dims, seed=20 + i) for i, n in enumerate(lengths)]
+    packed = jnp.concatenate([h[:-1] for h in full])
+    out, s = prefill_jit(params, dims, packed, slots0, BatchMeta.from_lengths(lengths, slot_ids=slot_ids),
+                         backend="xla")
+    assert s.conv_state.shape == (4, dims.conv_dim, 0) and np.isfinite(np.asarray(out)).all()
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    mono_slots = slots0
+    for i in range(len(lengths)):
+        out_i, mono_slots = mono_jit(params, dims, packed[cu[i]:cu[i + 1]], mono_slots, jnp.int32(slot_ids[i]),
+                                     jnp.bool_(False), backend="xla")
+        assert rel_rms(out[cu[i]:cu[i + 1]], out_i) < TOL32, i
+    out_d, s_d = decode_jit(params, dims, jnp.stack([h[-1] for h in full]), s, jnp.asarray(slot_ids, jnp.int32))
+    ref, s_ref = prefill_jit(params, dims, jnp.concatenate(full), slots0,
+                             BatchMeta.from_lengths([n + 1 for n in lengths], slot_ids=slot_ids), backend="xla")
+    assert rel_rms(out_d, ref[np.cumsum([n + 1 for n in lengths]) - 1]) < TOL32
+    assert rel_rms(s_d.ssm_state[np.array(slot_ids)], s_ref.ssm_state[np.array(slot_ids)]) < TOL32
+    assert s_d.conv_state.shape == (4, dims.conv_dim, 0)
+
+
 def test_phase3_ffn_and_bf16():
     dims = DIMS["q35_r2"]
     params = _params(dims)

@@ -116,3 +116,54 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="slot_ids"):
         causal_conv1d_varlen(x, w, jnp.ones((2, C, KC - 1)), jnp.asarray([0, 4]), jnp.asarray([0, 1]),
                              jnp.asarray([True]))
+
+
+# ---- kernel size 1: the conv state has width Kc - 1 = 0, y = act(w[:, 0] * x) per channel ----
+def _k1_ref(x, w, silu=True):
+    y = np.asarray(x, np.float64) * np.asarray(w, np.float64)[:, 0]
+    return y / (1.0 + np.exp(-y)) if silu else y
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("has_init", [False, True])
+def test_one_kernel_size_1(t, has_init):
+    rng = np.random.default_rng(20 + t)
+    x, w = _rand(rng, t, C), _rand(rng, C, 1)
+    y, new_state = one_jit(x, w, jnp.zeros((C, 0)), has_init)
+    assert y.shape == (t, C) and new_state.shape == (C, 0)
+    assert rel_rms(y, _k1_ref(x, w)) < 1e-6
+    y_ref, s_ref = conv_ref_f64(x, w, np.zeros((C, 0)))  # the general reference agrees at Kc = 1
+    assert rel_rms(y, y_ref) < 1e-6 and s_ref.shape == (C, 0)
+    y_lin, _ = causal_conv1d_one(x, w, jnp.zeros((C, 0)), has_init, activation=None)
+    assert rel_rms(y_lin, _k1_ref(x, w, silu=False)) < 1e-6
+
+
+def test_varlen_kernel_size_1_packed_and_padding():
+    rng = np.random.default_rng(21)
+    lengths = [1, 3, 5]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t = int(cu[-1]) + 2  # two padding tokens past cu[N]
+    x, w = _rand(rng, t, C), _rand(rng, C, 1)
+    pool = jnp.zeros((4, C, 0))
+    y, new_pool = varlen_jit(x, w, pool, jnp.asarray(cu), jnp.asarray([3, 0, 2], jnp.int32),
+                             jnp.asarray([True, False, True]))
+    assert y.shape == (t, C) and new_pool.shape == (4, C, 0)
+    y = np.asarray(y)
+    for i in range(len(lengths)):
+        assert rel_rms(y[cu[i]:cu[i + 1]], _k1_ref(x[cu[i]:cu[i + 1]], w)) < 1e-6, i
+    assert np.all(y[cu[-1]:] == 0)
+    # the single-stream conv gives the same rows
+    for i in range(len(lengths)):
+        y_i, _ = one_jit(x[cu[i]:cu[i + 1]], w, jnp.zeros((C, 0)), True)
+        np.testing.assert_allclose(y_i, y[cu[i]:cu[i + 1]], rtol=1e-6, atol=1e-7)
+    y_lin, _ = causal_conv1d_varlen(x, w, pool, jnp.asarray(cu), jnp.asarray([3, 0, 2], jnp.int32),
+                                    jnp.asarray([True, False, True]), activation=None)
+    assert rel_rms(np.asarray(y_lin)[:cu[-1]], _k1_ref(x[:cu[-1]], w, silu=False)) < 1e-6
+
+
+def test_kernel_size_1_bad_state_raises():
+    x, w = jnp.ones((4, C)), jnp.ones((C, 1))
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d_one(x, w, jnp.ones((C, 1)), True)
+    with pytest.raises(ValueError, match="conv_state_pool"):
+        causal_conv1d_varlen(x, w, jnp.ones((2, C, 1)), jnp.asarray([0, 4]), jnp.asarray([0]), jnp.asarray([True]))
