@@ -262,18 +262,16 @@ class HybridModel:
             raise ValueError(f"cache has {len(cache.gdn)} GDN / {len(cache.kv)} attention layers; the model has "
                              f"{len(self.config.gdn_layers)} / {len(self.config.attn_layers)}")
 
-    def _check_slots(self, slot_ids, n: int, cache: Cache) -> np.ndarray:
-        sl = _int_array(slot_ids, "slot_ids", 1, "[N]")
-        if sl.shape[0] != n:
-            raise ValueError(f"slot_ids must have shape [N]=({n},), got {tuple(sl.shape)}")
+    def _check_slots(self, slot_ids, n, cache: Cache) -> np.ndarray:
+        """slot_ids [N] int: shape, dtype, range [0, max_seqs) and no repeat through ``validation.check_slot_ids``
+        (the layers' wording); ``n`` (None: any N) is the stream count of the call, checked against max_seqs."""
         s = cache.num_slots
-        if n > s:
+        if n is not None and n > s:
             raise ValueError(f"{n} streams in one call but the cache has max_seqs={s} slots")
-        if n and (sl.min() < 0 or sl.max() >= s):
-            raise ValueError(f"slot_ids must be in [0, {s}), got {sl.tolist()}")
-        if len(set(sl.tolist())) != n:
-            raise ValueError(f"slot_ids must be distinct within one call, got {sl.tolist()}")
-        return sl
+        if isinstance(slot_ids, (list, tuple)):
+            slot_ids = np.asarray(slot_ids) if len(slot_ids) else np.zeros((0,), np.int64)
+        validation.check_slot_ids(slot_ids, s, n)
+        return np.asarray(slot_ids).astype(np.int64)
 
     def _check_tokens(self, ids: np.ndarray):
         v = self.config.vocab_size
@@ -340,8 +338,7 @@ class HybridModel:
     def release(self, cache: Cache, slot_ids) -> Cache:
         """Empties ``slot_ids [N]`` and returns their pages to the pool. Returns the new cache."""
         self._check_cache(cache)
-        sl = _int_array(slot_ids, "slot_ids", 1, "[N]")
-        self._check_slots(sl, sl.shape[0], cache)
+        sl = self._check_slots(slot_ids, None, cache)
         if sl.shape[0] == 0:
             return cache
         return _release_jit(cache, jnp.asarray(sl, jnp.int32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,11 +39,11 @@ BAD = [
     (dict(cu_seqlens=np.array([0, 2, 5], np.int32)), "end at T=6"),
     (dict(cu_seqlens=np.array([1, 2, 6], np.int32)), "start at 0"),
     (dict(cu_seqlens=np.array([0, 4, 2, 6], np.int32), slot_ids=np.array([0, 1, 2], np.int32)), "grow by"),
-    (dict(slot_ids=np.array([0], np.int32)), r"slot_ids must have shape \[N\]=\(2,\)"),
-    (dict(slot_ids=np.array([0.0, 1.0])), "slot_ids must be an int32 array"),
-    (dict(slot_ids=np.array([0, 4], np.int32)), r"slot_ids must be in \[0, 4\)"),
-    (dict(slot_ids=np.array([-1, 0], np.int32)), r"slot_ids must be in \[0, 4\)"),
-    (dict(slot_ids=np.array([1, 1], np.int32)), "slot_ids must be distinct"),
+    (dict(slot_ids=np.array([0], np.int32)), r"slot_ids must have shape \[N\] = \[2\]"),
+    (dict(slot_ids=np.array([0.0, 1.0])), "slot_ids must be an integer array"),
+    (dict(slot_ids=np.array([0, 4], np.int32)), r"slot_ids must lie in \[0, 4\)"),
+    (dict(slot_ids=np.array([-1, 0], np.int32)), r"slot_ids must lie in \[0, 4\)"),
+    (dict(slot_ids=np.array([1, 1], np.int32)), "slot_ids must not repeat a slot"),
     (dict(cu_seqlens=np.array([0, 1, 2, 3, 4, 6], np.int32), slot_ids=np.arange(5, dtype=np.int32)),
      "5 streams in one call but the cache has max_seqs=4"),
 ]
@@ -64,14 +65,14 @@ def test_prefill_rejects_bad_input_before_touching_state(model, bad, match):
 @pytest.mark.parametrize("ids,slots,match", [
     (np.array([[1, 2]], np.int32), np.array([0], np.int32), r"input_ids must have shape \[N\]"),
     (np.array([1, 99], np.int32), np.array([0, 1], np.int32), "token ids"),
-    (np.array([1, 2], np.int32), np.array([0, 0], np.int32), "distinct"),
+    (np.array([1, 2], np.int32), np.array([0, 0], np.int32), "slot_ids must not repeat"),
     (np.array([1, 2], np.int32), np.array([0], np.int32), "slot_ids must have shape"),
 ])
 def test_decode_and_release_reject_bad_input(model, ids, slots, match):
     cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=8)
     with pytest.raises(ValueError, match=match):
         model.decode(cache, ids, slots)
-    with pytest.raises(ValueError, match="slot_ids must be in"):
+    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 4\)"):
         model.release(cache, np.array([7], np.int32))
     with pytest.raises(ValueError, match="cache must be the Cache"):
         model.prefill({"not": "a cache"}, np.arange(3, dtype=np.int32), np.array([0, 3], np.int32),
@@ -79,6 +80,23 @@ def test_decode_and_release_reject_bad_input(model, ids, slots, match):
     for name in ("max_seqs", "max_tokens", "page_size"):
         with pytest.raises(ValueError, match=name):
             model.init_cache(**{name: 0})
+
+
+@pytest.mark.parametrize("bad", [[0, 4], [1, 1], [[0, 1]], [0.0, 1.0]], ids=["range", "repeat", "rank", "dtype"])
+def test_slot_id_errors_match_the_layers(model, bad):
+    """The model checks slot_ids through validation.check_slot_ids: the same message as the GDN layer's decode."""
+    from jax_gdn.layers import gdn
+    from jax_gdn.state import GdnSlots
+
+    cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=8)
+    dims = CFG.gdn_dims
+    with pytest.raises(ValueError, match="slot_ids") as layer_err:
+        gdn.gdn_layer_decode(gdn.init_params(dims, jax.random.PRNGKey(0)), dims, jnp.zeros((2, dims.hidden_size)),
+                             GdnSlots.zeros(dims, 4), np.asarray(bad))
+    with pytest.raises(ValueError, match="slot_ids") as model_err:
+        model.decode(cache, np.array([1, 2], np.int32), bad)   # a list, converted like an array
+    assert str(model_err.value) == str(layer_err.value)
+    assert model.release(cache, []) is cache   # an empty release is a no-op
 
 
 def test_out_of_pages_release_and_fresh_restart(model):
