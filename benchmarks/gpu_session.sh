@@ -11,7 +11,9 @@ python -c "import jax, fla, jla; print('jax', jax.__version__, jax.devices())" 2
 steps=${*:-tests stages bench}   # "bench" includes the layer rows (--layers)
 for s in $steps; do
   case $s in
-    tests)  timeout 300 python -m pytest -q -x -s -m gpu tests -p no:randomly -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FIGURE|passed|failed|Error|error" | head -40 ;;
+    # kernel tests first (a command is cut at 600 s: the whole gpu set took ~5 min on 2026-11-30)
+    tests)  timeout 540 python -m pytest -q -s -m gpu tests/pallas_kernels tests/layers tests/model tests/ops \
+              -p no:randomly -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FIGURE|passed|failed|Error|error" | head -40 ;;
     stages) timeout 300 python benchmarks/stages.py ${STAGE_CASES:-} 2>&1 | tee "$OUT/stages.log" | grep -v "^\s*$" | tail -60 ;;
     bench)  timeout 500 python -m jax_gdn.bench --layers --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
   esac
