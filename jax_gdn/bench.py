@@ -9,11 +9,20 @@ where each is importable (a peer that cannot run a case gets null). Inputs: bf16
 fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms after warm-up: jax
 over groups of back-to-back calls closed by block_until_ready, torch with triton.testing.do_bench (median).
 
-Writes benchmarks/results/h200.json ({"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V",
-"lens", "ms": {"pallas", "xla", "fla", "jla"}}]}) and a PNG bar plot beside it; prints a table.
-`--layers` adds, in the same run, one GDN layer's split prefill and one attention layer at Qwen3-Next-80B dims
-(jax_gdn.bench_layers, backends pallas and xla) under the key "layers"; `--layers-only` runs just that and merges
-it into an existing JSON. `python -m jax_gdn.bench --plot-only` redraws the plot from the JSON.
+Writes benchmarks/results/<device>.json, named from the device kind ("NVIDIA H200" -> h200.json, a CPU run ->
+cpu.json; ``--out`` overrides): {"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V", "lens",
+"ms": {"pallas", "xla", "fla", "jla"}}]}, plus a PNG bar plot beside it, and prints a table.
+
+Sections, each measured in the same run and stored under its own key of the same JSON (one module each, with
+``run_section(quick) -> dict`` and ``print_section(dict)``):
+  --layers     "layers"     one GDN layer's split prefill and one attention layer at Qwen3-Next-80B dims
+  --moe        "moe"        one MoE layer at 80B / Qwen3.5-35B-A3B dims (jax_gdn.bench_moe)
+  --attention  "attention"  paged attention prefill / decode against torch SDPA and cuDNN (jax_gdn.bench_attention)
+  --decode     "decode"     the one-token GDN step over the state pool against FLA (jax_gdn.bench_decode)
+  --model      "model"      the whole model at 80B dims against HF transformers (jax_gdn.bench_model)
+  --all        every section above
+``--no-kernels`` skips the gated delta rule rows (``--merge`` then keeps those of the existing JSON at --out);
+``--layers-only`` is ``--no-kernels --merge --layers``. ``--plot-only`` redraws the plot from the JSON.
 """
 from __future__ import annotations
 
@@ -31,7 +40,25 @@ import numpy as np
 from jax_gdn.cases import BENCH_CASES, Case
 
 IMPLS = ("pallas", "xla", "fla", "jla")
-DEFAULT_OUT = os.path.join("benchmarks", "results", "h200.json")
+RESULTS_DIR = os.path.join("benchmarks", "results")
+#: JSON key -> module with run_section(quick) / print_section(section); "layers" is handled by run_layers
+SECTIONS = {"moe": "jax_gdn.bench_moe", "attention": "jax_gdn.bench_attention", "decode": "jax_gdn.bench_decode",
+            "model": "jax_gdn.bench_model"}
+
+
+def device_file_name(device_kind: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100_80gb_hbm3', 'cpu' -> 'cpu'."""
+    name = device_kind.lower().replace("nvidia", "").strip()
+    name = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    while "__" in name:
+        name = name.replace("__", "_")
+    return name or "device"
+
+
+def default_out_path() -> str:
+    import jax
+    dev = jax.devices()[0]
+    return os.path.join(RESULTS_DIR, device_file_name(getattr(dev, "device_kind", dev.platform)) + ".json")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,8 +183,30 @@ def _write(result, out_path):
         json.dump(result, f, indent=1)
 
 
-def run(cases, impls, out_path, seed=0, layer_backends=()):
-    import jax
+def run_sections(result: dict, sections, *, layer_backends=("pallas", "xla"), quick: bool = False) -> list:
+    """Runs each named section into ``result[name]``; a section that fails is reported, keeps no entry, and
+    does not stop the others. Returns the error lines."""
+    import importlib
+    errors = []
+    for name in sections:
+        print(f"== section {name}", flush=True)
+        try:
+            if name == "layers":
+                result["layers"] = run_layers(layer_backends, small=quick)
+                continue
+            module = importlib.import_module(SECTIONS[name])
+            result[name] = module.run_section(quick=quick)
+            module.print_section(result[name])
+        except Exception as e:                             # report and go on with the other sections
+            errors.append(f"section {name}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            print("skipped:", errors[-1], flush=True)
+            if os.environ.get("JAX_GDN_BENCH_TRACEBACK"):
+                traceback.print_exc()
+    return errors
+
+
+def run_kernel_rows(cases, impls, seed=0):
+    """The gated delta rule rows: (rows, error lines)."""
     try:
         from tqdm import tqdm
     except ImportError:                                    # the bar is cosmetic
@@ -190,17 +239,36 @@ def run(cases, impls, out_path, seed=0, layer_backends=()):
             errors.append(f"{case.name} {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             if os.environ.get("JAX_GDN_BENCH_TRACEBACK"):
                 traceback.print_exc()
+    return rows, errors
+
+
+def run(cases, impls, out_path, seed=0, layer_backends=(), sections=(), *, kernels=True, merge=False,
+        quick=False):
+    """One run: the kernel rows (unless ``kernels`` is False) and the named sections, written to ``out_path``.
+    ``merge``: start from the JSON already at out_path (its rows and sections not re-measured are kept)."""
+    import jax
+    result = {}
+    if merge and os.path.exists(out_path):
+        with open(out_path) as f:
+            result = json.load(f)
+    errors = []
+    if kernels:
+        result["rows"], errors = run_kernel_rows(cases, impls, seed)
+    result.setdefault("rows", [])
+    sections = list(sections)
+    if layer_backends and "layers" not in sections:
+        sections.insert(0, "layers")
     dev = jax.devices()[0]
-    result = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "rows": rows}
-    if layer_backends:
-        result["layers"] = run_layers(layer_backends)
+    result.update({"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    _write(result, out_path)                               # kernel rows are kept even if a section dies hard
+    errors += run_sections(result, sections, layer_backends=layer_backends or ("pallas", "xla"), quick=quick)
     _write(result, out_path)
-    print_table(result)
+    if result["rows"]:
+        print_table(result)
+        plot(result, out_path[:-5] + ".png" if out_path.endswith(".json") else out_path + ".png")
     for e in errors:
         print("skipped:", e)
-    plot(result, out_path[:-5] + ".png" if out_path.endswith(".json") else out_path + ".png")
     return result
 
 
@@ -243,7 +311,7 @@ def plot(result, png_path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>.json)")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--plot-only", action="store_true")
@@ -253,23 +321,28 @@ def main(argv=None):
                    help="only the layer benchmark, merged into the existing JSON at --out")
     p.add_argument("--layer-backends", default="pallas,xla")
     p.add_argument("--layers-small", action="store_true", help="tiny layer dims (CPU smoke run, not a measurement)")
+    for name in SECTIONS:
+        p.add_argument(f"--{name}", action="store_true", help=f"also run the '{name}' section ({SECTIONS[name]})")
+    p.add_argument("--all", action="store_true", help="every section (layers, " + ", ".join(SECTIONS) + ")")
+    p.add_argument("--no-kernels", action="store_true", help="skip the gated delta rule rows")
+    p.add_argument("--merge", action="store_true", help="keep what the JSON at --out has and is not re-measured")
+    p.add_argument("--quick", action="store_true", help="sections at tiny sizes (CPU smoke run, not a measurement)")
     a = p.parse_args(argv)
-    layer_backends = [b for b in a.layer_backends.split(",") if b] if (a.layers or a.layers_only) else []
-    if a.layers_only:
-        with open(a.out) as f:
-            result = json.load(f)
-        result["layers"] = run_layers(layer_backends, small=a.layers_small)
-        _write(result, a.out)
-        return 0
+    out = a.out or default_out_path()
     if a.plot_only:
-        with open(a.out) as f:
+        with open(out) as f:
             result = json.load(f)
         print_table(result)
-        plot(result, a.out[:-5] + ".png")
+        plot(result, out[:-5] + ".png")
         return 0
+    want_layers = a.layers or a.layers_only or a.all
+    layer_backends = [b for b in a.layer_backends.split(",") if b] if want_layers else []
+    sections = [name for name in SECTIONS if getattr(a, name) or a.all]
     names = [s for s in a.cases.split(",") if s]
     cases = [c for c in BENCH_CASES if not names or c.name in names]
-    run(cases, [i for i in a.impls.split(",") if i], a.out, layer_backends=layer_backends)
+    kernels = not (a.no_kernels or a.layers_only)
+    run(cases, [i for i in a.impls.split(",") if i], out, layer_backends=layer_backends, sections=sections,
+        kernels=kernels, merge=a.merge or a.layers_only, quick=a.quick or a.layers_small)
     return 0
 
 

@@ -29,3 +29,25 @@ def test_committed_results_have_every_case_and_anchor():
     for r in data["rows"]:
         assert set(r["ms"]) == {"pallas", "xla", "fla", "jla"}
         assert r["ms"]["pallas"] is not None and r["ms"]["fla"] is not None
+
+
+def test_results_file_is_named_from_the_device_kind():
+    assert bench.device_file_name("NVIDIA H200") == "h200"
+    assert bench.device_file_name("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert bench.device_file_name("cpu") == "cpu"
+
+
+def test_a_failing_section_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    import types
+    good = types.SimpleNamespace(run_section=lambda quick: {"rows": [{"case": "x"}]}, print_section=lambda s: None)
+
+    def broken(quick):
+        raise RuntimeError("no GPU here")
+    bad = types.SimpleNamespace(run_section=broken, print_section=lambda s: None)
+    modules = {"jax_gdn.bench_fake_good": good, "jax_gdn.bench_fake_bad": bad}
+    monkeypatch.setattr(bench, "SECTIONS", {"bad": "jax_gdn.bench_fake_bad", "good": "jax_gdn.bench_fake_good"})
+    monkeypatch.setattr("importlib.import_module", lambda name: modules[name])
+    result = {}
+    errors = bench.run_sections(result, ["bad", "good"], quick=True)
+    assert result == {"good": {"rows": [{"case": "x"}]}}
+    assert len(errors) == 1 and "section bad: RuntimeError: no GPU here" in errors[0]
