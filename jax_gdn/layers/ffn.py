@@ -33,34 +33,47 @@ def moe_route(router_w: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: boo
     return top_w.astype(x.dtype), top_i.astype(jnp.int32)
 
 
+MOE_BACKENDS = ("xla", "pallas", "pallas_interpret", "auto")
+
+
+def resolve_moe_backend(backend: str, x: jax.Array, w_gate_up: jax.Array) -> str:
+    """"auto" -> "pallas" on a GPU where ``pallas_kernels.moe.api.supports`` accepts the dims and dtype, else
+    "xla"; other names are checked and returned."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"backend must be one of {MOE_BACKENDS}; got {backend!r}")
+    if backend != "auto":
+        return backend
+    from pallas_kernels.moe import api as moe_api
+    platform = jax.devices()[0].platform
+    e, d, two_i = w_gate_up.shape
+    reason = moe_api.supports(platform=platform, dtype=x.dtype, num_experts=e, hidden=d, inter=two_i // 2)
+    return "pallas" if reason is None else "xla"
+
+
 def grouped_experts(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up: jax.Array,
-                    w_down: jax.Array) -> jax.Array:
+                    w_down: jax.Array, *, backend: str = "xla") -> jax.Array:
     """Sum over each token's k experts of ``weight * down(silu(gate) * up)`` with grouped matmuls.
 
-    x [T, D]; top_w, top_i [T, k]; w_gate_up [E, D, 2I]; w_down [E, I, D]. The T*k (token, expert) rows are
-    sorted by expert and fed to ``jax.lax.ragged_dot`` (one grouped matmul per projection, no loop over experts).
+    x [T, D]; top_w, top_i [T, k]; w_gate_up [E, D, 2I]; w_down [E, I, D] -> [T, D] in x's dtype. The T*k
+    (token, expert) rows are sorted by expert on the device and each expert's run is padded to the row block
+    (``pallas_kernels.moe``): backend "xla" runs batched matmuls over groups of row blocks, "pallas" /
+    "pallas_interpret" the two grouped-GEMM kernels (SiLU * up fused into gate_up, routing weights into down).
+    Work and memory scale with T * k, never with T * E.
     """
-    t, d = x.shape
-    k = top_i.shape[1]
-    e, _, two_i = w_gate_up.shape
-    inter = two_i // 2
-    flat_expert = top_i.reshape(-1)                                        # [T*k]
-    order = jnp.argsort(flat_expert, stable=True)                          # rows grouped by expert
-    token_of_row = order // k                                              # [T*k]
-    group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)    # [E]
-    xs = x[token_of_row]                                                   # [T*k, D]
-    gu = jax.lax.ragged_dot(xs, w_gate_up, group_sizes)                    # [T*k, 2I]
-    h = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
-    y = jax.lax.ragged_dot(h.astype(x.dtype), w_down, group_sizes)         # [T*k, D]
-    y = y * top_w.reshape(-1)[order][:, None]
-    out = jax.ops.segment_sum(y.astype(jnp.float32), token_of_row, num_segments=t)
-    return out.astype(x.dtype)
+    from pallas_kernels.moe import api as moe_api
+    backend = resolve_moe_backend(backend, x, w_gate_up)
+    return moe_api.moe_experts(x, top_w, top_i, w_gate_up, w_down, backend=backend)
 
 
-def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool) -> jax.Array:
-    """Routed experts plus the shared expert gated by ``sigmoid(x @ shared_expert_gate)``; x [T, D] -> [T, D]."""
+def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, backend: str = "xla") -> jax.Array:
+    """Routed experts plus the shared expert gated by ``sigmoid(x @ shared_expert_gate)``; x [T, D] -> [T, D].
+
+    backend: "xla" | "pallas" (CUDA GPU) | "pallas_interpret" | "auto" (pallas where it runs, else xla) picks the
+    routed experts' grouped matmuls (``grouped_experts``); routing and the shared expert are plain XLA.
+    """
+    backend = resolve_moe_backend(backend, x, params["experts_gate_up"])     # checked before any work
     top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob)
-    routed = grouped_experts(x, top_w, top_i, params["experts_gate_up"], params["experts_down"])
+    routed = grouped_experts(x, top_w, top_i, params["experts_gate_up"], params["experts_down"], backend=backend)
     if "shared_expert" in params:
         shared = swiglu_mlp(params["shared_expert"], x)
         gate = jax.nn.sigmoid((x @ params["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,207 @@
+"""MoE on the H200 at Qwen3-Next-80B dims: compile + numerics vs a float32 oracle on a token slice + timing of the
+Pallas grouped-GEMM kernels for a few launch configs, the per-kernel split, the XLA path, and peak memory.
+
+    python benchmarks/gpu/moe_run.py [--configs c0,c1,...] [--tokens 19027,8192]
+
+Writes $OUT/moe_run.json and prints a table last. Timing: jax_gdn.bench.time_jax (warm-up, then median of groups
+of back-to-back calls closed by block_until_ready).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_gdn.bench import time_jax
+from jax_gdn.layers.ffn import moe_route, sparse_moe
+from pallas_kernels.moe import api
+from pallas_kernels.moe import reference as ref
+from pallas_kernels.moe import triton as tr
+from pallas_kernels.moe.triton import MoeConfig
+
+D, E, K, I, SI = 2048, 512, 10, 512, 512
+CONFIGS = {
+    "c0": MoeConfig(),
+    "c1": MoeConfig(block_m=128, gate_up_n=128, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
+                    down_n=128, down_k=64, down_warps=8, down_stages=3),
+    "c2": MoeConfig(block_m=64, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                    down_n=256, down_k=64, down_warps=8, down_stages=3),
+    "c3": MoeConfig(block_m=128, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                    down_n=128, down_k=64, down_warps=4, down_stages=4),
+    "c4": MoeConfig(block_m=64, gate_up_n=128, gate_up_k=128, gate_up_warps=8, gate_up_stages=3,
+                    down_n=128, down_k=128, down_warps=8, down_stages=3),
+    "c5": MoeConfig(block_m=128, gate_up_n=128, gate_up_k=32, gate_up_warps=8, gate_up_stages=4,
+                    down_n=256, down_k=32, down_warps=8, down_stages=4),
+}
+OUT = os.environ.get("OUT", "/tmp")
+LOG = []
+
+
+def log(**kw):
+    LOG.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def params_80b(key, e=E, d=D, inter=I, si=SI, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 7)
+
+    def w(k, shape, fan_in):
+        return (jax.random.normal(k, shape, dtype) * (fan_in ** -0.5)).astype(dtype)
+    return {"router": w(ks[0], (d, e), d), "experts_gate_up": w(ks[1], (e, d, 2 * inter), d),
+            "experts_down": w(ks[2], (e, inter, d), inter),
+            "shared_expert": {"gate_proj": w(ks[3], (d, si), d), "up_proj": w(ks[4], (d, si), d),
+                              "down_proj": w(ks[5], (si, d), si)},
+            "shared_expert_gate": w(ks[6], (d, 1), d)}
+
+
+def oracle_rows(x, top_w, top_i, wgu, wd, rows):
+    """fp32 HIGHEST routed experts for the token rows `rows` (gathers only those tokens' experts)."""
+    hp = jax.lax.Precision.HIGHEST
+    xs = x[rows].astype(jnp.float32)                                   # [R, D]
+    ti, tw = top_i[rows], top_w[rows].astype(jnp.float32)              # [R, k]
+    inter = wd.shape[1]
+    gu = jnp.einsum("rd,rkdn->rkn", xs, wgu[ti].astype(jnp.float32), precision=hp)
+    h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+    h = h.astype(x.dtype).astype(jnp.float32)                          # the kernel stores h in x's dtype
+    y = jnp.einsum("rki,rkid->rkd", h, wd[ti].astype(jnp.float32), precision=hp)
+    return jnp.sum(y * tw[..., None], axis=1)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(((a - b) ** 2).sum()) / max(np.sqrt((b ** 2).sum()), 1e-30))
+
+
+def fp32_small_check():
+    rng = np.random.default_rng(1)
+    t, d, e, inter, k = 130, 256, 16, 128, 4
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    wgu = (rng.standard_normal((e, d, 2 * inter)) * d ** -0.5).astype(np.float32)
+    wd = (rng.standard_normal((e, inter, d)) * inter ** -0.5).astype(np.float32)
+    ti = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    tw = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+    out = np.zeros((t, d))
+    for tt in range(t):
+        for j in range(k):
+            gu = x[tt].astype(np.float64) @ wgu[ti[tt, j]]
+            out[tt] += tw[tt, j] * ((gu[:inter] / (1 + np.exp(-gu[:inter])) * gu[inter:]) @ wd[ti[tt, j]])
+    for be in ("pallas", "xla"):
+        got = api.moe_experts(*map(jnp.asarray, (x, tw, ti, wgu, wd)), backend=be)
+        log(check="fp32_small_vs_f64", backend=be, rel_rms=rel(got, out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="c0,c1,c2,c3")
+    ap.add_argument("--tokens", default="19027,8192")
+    ap.add_argument("--xla", type=int, default=1)
+    args = ap.parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")       # fp32 checks: no TF32
+    log(device=jax.devices()[0].device_kind, jax=jax.__version__)
+    try:
+        fp32_small_check()
+    except Exception as ex:                                            # noqa: BLE001
+        log(check="fp32_small_vs_f64", err=f"{type(ex).__name__}: {str(ex)[:400]}")
+        traceback.print_exc()
+    jax.config.update("jax_default_matmul_precision", None)
+
+    p = params_80b(jax.random.PRNGKey(0))
+    jax.block_until_ready(p)
+    table = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        flops = 2 * t * (D * E + K * 3 * D * I + 3 * D * SI + D)
+        floor_ms = flops / 700e12 * 1e3
+        routed_floor_ms = 2 * t * K * 3 * D * I / 700e12 * 1e3
+        x = jax.random.normal(jax.random.PRNGKey(t), (t, D), jnp.bfloat16)
+        top_w, top_i = jax.jit(lambda x: moe_route(p["router"], x, K, True))(x)
+        counts = np.bincount(np.asarray(top_i).reshape(-1), minlength=E)
+        log(tokens=t, floor_ms=round(floor_ms, 3), routed_floor_ms=round(routed_floor_ms, 3),
+            rows_per_expert_min=int(counts.min()), rows_per_expert_max=int(counts.max()))
+        rows = jnp.asarray(np.linspace(0, t - 1, 16).astype(np.int32))
+        orc = oracle_rows(x, top_w, top_i, p["experts_gate_up"], p["experts_down"], rows)
+        wgu, wd = p["experts_gate_up"], p["experts_down"]
+        for name in args.configs.split(","):
+            cfg = CONFIGS[name]
+            row = {"tokens": t, "impl": f"pallas {name}"}
+            try:
+                fn = jax.jit(lambda x, tw, ti, a, b, cfg=cfg: api.moe_experts(x, tw, ti, a, b, backend="pallas",
+                                                                              config=cfg))
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn(x, top_w, top_i, wgu, wd))
+                row["first_call_s"] = round(time.perf_counter() - t0, 1)
+                row["rel_rms_slice"] = rel(out[rows].astype(jnp.float32), orc)
+                row["finite"] = bool(jnp.all(jnp.isfinite(out)))
+                row["routed_ms"] = round(time_jax(fn, (x, top_w, top_i, wgu, wd), warmup=2, groups=7,
+                                                  per_group=5), 3)
+                # split: align / gate_up / down / combine
+                lay = jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m))(top_w, top_i)
+                gu = jax.jit(lambda x, a, be, rt, cfg=cfg: tr.gate_up_silu(x, a, be, rt, config=cfg,
+                                                                          interpret=False))
+                dn = jax.jit(lambda h, b, be, rt, rw, cfg=cfg: tr.down_weighted(h, b, be, rt, rw, num_tokens=t,
+                                                                               config=cfg, interpret=False))
+                h = gu(x, wgu, lay.block_expert, lay.row_token)
+                y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
+                row["align_ms"] = round(time_jax(jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m)),
+                                                 (top_w, top_i), warmup=2, groups=5, per_group=5), 3)
+                row["gate_up_ms"] = round(time_jax(gu, (x, wgu, lay.block_expert, lay.row_token), warmup=2,
+                                                   groups=5, per_group=5), 3)
+                row["down_ms"] = round(time_jax(dn, (h, wd, lay.block_expert, lay.row_token, lay.row_weight),
+                                                warmup=2, groups=5, per_group=5), 3)
+                row["combine_ms"] = round(time_jax(jax.jit(lambda y, rp: ref.combine(y, rp, jnp.bfloat16)),
+                                                   (y, lay.row_pos), warmup=2, groups=5, per_group=5), 3)
+                row["padded_rows"] = int(lay.block_expert.shape[0] * cfg.block_m)
+                row["live_blocks"] = int(jnp.sum(lay.block_expert < E))
+            except Exception as ex:                                    # noqa: BLE001
+                row["err"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+                traceback.print_exc()
+            log(**row)
+            table.append(row)
+        best = min((r for r in table if r["tokens"] == t and "routed_ms" in r), key=lambda r: r["routed_ms"],
+                   default=None)
+        # the whole layer (routing + routed + shared) with the best config, pallas and xla; memory
+        for be in ("pallas", "xla") if args.xla else ("pallas",):
+            row = {"tokens": t, "impl": f"layer {be}"}
+            try:
+                if be == "pallas" and best is not None:
+                    import pallas_kernels.moe.api as _api
+                    _api.DEFAULT_CONFIG = CONFIGS[best["impl"].split()[1]]
+                fn = jax.jit(lambda p, x, be=be: sparse_moe(p, x, top_k=K, norm_topk_prob=True, backend=be))
+                comp = fn.lower(p, x).compile()
+                ma = comp.memory_analysis()
+                row["temp_MiB"] = round(ma.temp_size_in_bytes / 2 ** 20, 1) if ma is not None else None
+                st0 = jax.devices()[0].memory_stats() or {}
+                out = jax.block_until_ready(fn(p, x))
+                st1 = jax.devices()[0].memory_stats() or {}
+                if "peak_bytes_in_use" in st0:
+                    row["peak_delta_MiB"] = round((st1["peak_bytes_in_use"] - st0["peak_bytes_in_use"]) / 2 ** 20, 1)
+                    row["in_use_before_MiB"] = round(st0["bytes_in_use"] / 2 ** 20, 1)
+                    row["peak_MiB"] = round(st1["peak_bytes_in_use"] / 2 ** 20, 1)
+                row["finite"] = bool(jnp.all(jnp.isfinite(out)))
+                row["layer_ms"] = round(time_jax(fn, (p, x), warmup=2, groups=5, per_group=3), 3)
+                row["floor_ms"] = round(floor_ms, 3)
+                if be == "xla":
+                    pal = jax.jit(lambda p, x: sparse_moe(p, x, top_k=K, norm_topk_prob=True, backend="pallas"))(p, x)
+                    row["rel_rms_vs_pallas"] = rel(out.astype(jnp.float32), pal.astype(jnp.float32))
+            except Exception as ex:                                    # noqa: BLE001
+                row["err"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+                traceback.print_exc()
+            log(**row)
+            table.append(row)
+    with open(os.path.join(OUT, "moe_run.json"), "w") as f:
+        json.dump(LOG, f, indent=1)
+    print("\n%-8s %-12s %9s %9s %9s %9s %9s %9s %10s" % ("tokens", "impl", "routed", "gate_up", "down", "align",
+                                                          "combine", "layer", "rel_slice"))
+    for r in table:
+        print("%-8s %-12s %9s %9s %9s %9s %9s %9s %10s" % (
+            r["tokens"], r["impl"], r.get("routed_ms"), r.get("gate_up_ms"), r.get("down_ms"), r.get("align_ms"),
+            r.get("combine_ms"), r.get("layer_ms"), "%.2e" % r["rel_rms_slice"] if "rel_rms_slice" in r else "-"))
+
+
+if __name__ == "__main__":
+    main()

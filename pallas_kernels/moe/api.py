@@ -1,0 +1,110 @@
+"""Public entry of the MoE routed experts: checks once, picks the backend.
+
+Shape legend: T tokens, D hidden, I per-expert intermediate size, E experts, k experts per token.
+
+    x [T, D]; top_w [T, k] (routing weights); top_i [T, k] int32 expert ids in [0, E)
+    w_gate_up [E, D, 2I] (gate columns first, then up); w_down [E, I, D]
+    -> sum_j top_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = top_i[t, j]: [T, D] in x's dtype
+
+Backends: "xla" (reference.routed_experts_xla, runs anywhere), "pallas" (triton.py on a CUDA GPU),
+"pallas_interpret" (the same kernels in Pallas interpret mode, any platform). Both Pallas backends and the XLA
+path share ``reference.moe_align``'s on-device layout: work and memory scale with T * k, never with T * E.
+Expert ids outside [0, E) are not checked (values are traced); the router never produces them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import reference as _ref
+from pallas_kernels.moe import triton as _triton
+from pallas_kernels.moe.triton import MoeConfig
+
+BACKENDS = ("xla", "pallas", "pallas_interpret")
+GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+DEFAULT_CONFIG = MoeConfig()
+
+
+def supports(*, platform: str, dtype, num_experts: int, hidden: int, inter: int) -> Optional[str]:
+    """None when the Pallas (Triton) backend runs this case on `platform`, else the reason it does not."""
+    if platform not in ("gpu", "cuda"):
+        return f"pallas MoE runs on a CUDA GPU (Triton lowering); platform is {platform!r}"
+    if jnp.dtype(dtype) not in GPU_DTYPES:
+        return f"pallas MoE takes bfloat16, float16 or float32; got {jnp.dtype(dtype).name}"
+    if num_experts < 1:
+        return f"num_experts must be >= 1; got {num_experts}"
+    for name, dim in (("hidden", hidden), ("inter", inter)):
+        if dim % 16:
+            return f"pallas MoE on the GPU needs {name} % 16 == 0 (Triton dot blocks); got {name}={dim}"
+    return None
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def check_inputs(x, top_w, top_i, w_gate_up, w_down, *, backend: str, config: MoeConfig) -> None:
+    """Raises ValueError naming the argument when the inputs do not fit the contract of `moe_experts`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, D]; got shape {x.shape}")
+    t, d = x.shape
+    if top_i.ndim != 2 or top_i.shape[0] != t or top_w.shape != top_i.shape:
+        raise ValueError(f"top_w and top_i must both be [T={t}, k]; got top_w {top_w.shape}, top_i {top_i.shape}")
+    if not jnp.issubdtype(top_i.dtype, jnp.integer):
+        raise ValueError(f"top_i must be an integer array of expert ids; got {top_i.dtype}")
+    if w_gate_up.ndim != 3 or w_gate_up.shape[1] != d or w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up must be [E, D={d}, 2I]; got {w_gate_up.shape}")
+    e, _, two_i = w_gate_up.shape
+    if w_down.shape != (e, two_i // 2, d):
+        raise ValueError(f"w_down must be [E={e}, I={two_i // 2}, D={d}]; got {w_down.shape}")
+    if top_i.shape[1] > e:
+        raise ValueError(f"top_k (top_i.shape[1]={top_i.shape[1]}) must be <= E={e}")
+    if jnp.dtype(w_gate_up.dtype) != jnp.dtype(x.dtype) or jnp.dtype(w_down.dtype) != jnp.dtype(x.dtype):
+        raise ValueError(f"w_gate_up and w_down must have x's dtype {x.dtype}; got {w_gate_up.dtype}, "
+                         f"{w_down.dtype}")
+    if config.block_m < 16 or config.block_m & (config.block_m - 1):
+        raise ValueError(f"config.block_m must be a power of two >= 16; got {config.block_m}")
+    if backend == "pallas":
+        reason = supports(platform="gpu" if _has_gpu() else jax.devices()[0].platform, dtype=x.dtype,
+                          num_experts=e, hidden=d, inter=two_i // 2)
+        if reason is not None:
+            raise ValueError(f"backend 'pallas': {reason}; use backend='xla' (or 'pallas_interpret')")
+    elif backend == "pallas_interpret" and jnp.dtype(x.dtype) not in GPU_DTYPES:
+        raise ValueError(f"backend 'pallas_interpret' takes bfloat16, float16 or float32 x; got {x.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "config"))
+def _moe_experts(x, top_w, top_i, w_gate_up, w_down, *, backend, config):
+    if backend == "xla":
+        return _ref.routed_experts_xla(x, top_w, top_i, w_gate_up, w_down, block_m=config.block_m)
+    interpret = backend == "pallas_interpret"
+    lay = _ref.moe_align(top_w, top_i, w_gate_up.shape[0], config.block_m)
+    h = _triton.gate_up_silu(x, w_gate_up, lay.block_expert, lay.row_token, config=config, interpret=interpret)
+    y = _triton.down_weighted(h, w_down, lay.block_expert, lay.row_token, lay.row_weight,
+                              num_tokens=x.shape[0], config=config, interpret=interpret)
+    return _ref.combine(y, lay.row_pos, x.dtype)
+
+
+def moe_experts(x, top_w, top_i, w_gate_up, w_down, *, backend: str = "pallas",
+                config: Optional[MoeConfig] = None) -> jax.Array:
+    """Routed experts of a sparse MoE (see module doc for shapes); [T, D] in x's dtype.
+
+    config: launch parameters of the Pallas kernels (block_m is also the XLA path's row block); None reads
+    the module's DEFAULT_CONFIG at call time.
+
+    Peak activation memory: Mp (I + D) itemsize for h and y plus T k D * 4 bytes for the fp32 combine, with
+    Mp = (ceil(T k / BM) + min(E, T k)) BM <= T k + E BM: O(T k (I + D)), never O(T E I).
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    check_inputs(x, top_w, top_i, w_gate_up, w_down, backend=backend, config=config)
+    if x.shape[0] == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    return _moe_experts(x, top_w, top_i.astype(jnp.int32), w_gate_up, w_down, backend=backend, config=config)

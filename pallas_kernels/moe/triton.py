@@ -1,0 +1,154 @@
+"""Pallas (Triton lowering) grouped-GEMM kernels of the MoE routed experts.
+
+Two pallas_calls over the padded sorted rows of ``reference.moe_align`` (vLLM fused_moe / MegaBlocks design):
+
+1. ``gate_up_silu``  grid (NB, I / BN): row block b reads its expert e = block_expert[b] (E: past the live rows,
+   the program does nothing), gathers its BM token rows of x (padding rows load zeros), and accumulates the gate
+   and up column blocks [BM, BN] of x @ w_gate_up[e] in fp32 over D in steps of BK; the epilogue writes
+   h = silu(gate) * up in x's dtype.
+       h [Mp, I]
+2. ``down_weighted`` grid (NB, D / BN): y = (h[rows] @ w_down[e]) * row_weight[rows] (fp32 accumulation over I
+   in steps of BK, the routing weight fused in the epilogue); padding rows load h as zeros (whatever the buffer
+   holds: NaN there never leaks) and carry weight 0.
+       y [Mp, D]
+The combine ``out[t] = sum_j y[row_pos[t, j]]`` (fp32) is a gather + sum in XLA (reference.combine).
+
+Shape legend: T tokens, D hidden, I per-expert intermediate, E experts, NB row blocks, BM rows per block,
+Mp = NB * BM padded rows, BN / BK column / reduction blocks.
+
+This module imports only jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters. block_m: rows per block (also the padding unit of each expert's rows); gate_up_n /
+    gate_up_k: column / reduction blocks of kernel 1 (each program holds two [BM, BN] fp32 accumulators);
+    down_n / down_k: the same for kernel 2; warps / stages per kernel (stages = Triton software pipelining of
+    the reduction loop). A block larger than its dim is cut to the largest power of two dividing the dim."""
+    block_m: int = 64
+    gate_up_n: int = 128
+    gate_up_k: int = 64
+    gate_up_warps: int = 4
+    gate_up_stages: int = 4
+    down_n: int = 128
+    down_k: int = 64
+    down_warps: int = 4
+    down_stages: int = 4
+
+
+def fit_block(dim: int, pref: int) -> int:
+    """Largest power of two <= pref dividing dim (dim itself when dim < 16 and no power of two >= 16 divides)."""
+    b = 1
+    while b * 2 <= pref and dim % (b * 2) == 0:
+        b *= 2
+    return b if b >= 16 else dim
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot(a, b, precision):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(be_ref, tok_ref, x_ref, w_ref, h_ref, *, num_experts, num_tokens, block_m, bn, bk,
+                    precision):
+    b = pl.program_id(0)
+    n = pl.program_id(1)
+    e = be_ref[b]
+    inter = h_ref.shape[1]
+    d = x_ref.shape[1]
+
+    @pl.when(e < num_experts)
+    def _():
+        rows = pl.ds(b * block_m, block_m)
+        tok = tok_ref[rows]                                                   # [BM]
+        valid = tok < num_tokens
+        tok = jnp.where(valid, tok, 0)
+        vmask = jnp.broadcast_to(valid[:, None], (block_m, bk))
+
+        def body(i, acc):
+            acc_g, acc_u = acc
+            ks = pl.ds(i * bk, bk)
+            cols = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            xb = plgpu.load(x_ref.at[tok[:, None], cols], mask=vmask, other=0)   # [BM, BK] gathered rows
+            wg = w_ref[e, ks, pl.ds(n * bn, bn)]                              # [BK, BN]
+            wu = w_ref[e, ks, pl.ds(inter + n * bn, bn)]                      # [BK, BN]
+            return acc_g + _dot(xb, wg, precision), acc_u + _dot(xb, wu, precision)
+
+        zero = jnp.zeros((block_m, bn), jnp.float32)
+        acc_g, acc_u = lax.fori_loop(0, d // bk, body, (zero, zero))
+        hval = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u
+        h_ref[rows, pl.ds(n * bn, bn)] = hval.astype(h_ref.dtype)
+
+
+def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, y_ref, *, num_experts, num_tokens, block_m, bn, bk,
+                 precision):
+    b = pl.program_id(0)
+    n = pl.program_id(1)
+    e = be_ref[b]
+    inter = h_ref.shape[1]
+
+    @pl.when(e < num_experts)
+    def _():
+        rows = pl.ds(b * block_m, block_m)
+        valid = tok_ref[rows] < num_tokens                                    # [BM]
+        vmask = jnp.broadcast_to(valid[:, None], (block_m, bk))
+
+        def body(i, acc):
+            ks = pl.ds(i * bk, bk)
+            hb = plgpu.load(h_ref.at[rows, ks], mask=vmask, other=0)         # [BM, BK]
+            wd = w_ref[e, ks, pl.ds(n * bn, bn)]                              # [BK, BN]
+            return acc + _dot(hb, wd, precision)
+
+        acc = lax.fori_loop(0, inter // bk, body, jnp.zeros((block_m, bn), jnp.float32))
+        wt = jnp.where(valid, wt_ref[rows], 0.0)                              # [BM] fp32
+        y_ref[rows, pl.ds(n * bn, bn)] = (acc * wt[:, None]).astype(y_ref.dtype)
+
+
+def gate_up_silu(x, w_gate_up, block_expert, row_token, *, config: MoeConfig, interpret: bool):
+    """Kernel 1: h [Mp, I] in x's dtype (rows of dead blocks are left unwritten)."""
+    t, d = x.shape
+    e, _, two_i = w_gate_up.shape
+    inter = two_i // 2
+    nb = block_expert.shape[0]
+    bm = config.block_m
+    bn, bk = fit_block(inter, config.gate_up_n), fit_block(d, config.gate_up_k)
+    call = pl.pallas_call(
+        functools.partial(_gate_up_kernel, num_experts=e, num_tokens=t, block_m=bm, bn=bn, bk=bk,
+                          precision=_precision(x.dtype)),
+        grid=(nb, inter // bn),
+        out_shape=jax.ShapeDtypeStruct((nb * bm, inter), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.gate_up_warps, num_stages=config.gate_up_stages),
+        interpret=interpret, name="moe_gate_up_silu")
+    return call(block_expert, row_token, x, w_gate_up)
+
+
+def down_weighted(h, w_down, block_expert, row_token, row_weight, *, num_tokens: int, config: MoeConfig,
+                  interpret: bool):
+    """Kernel 2: y [Mp, D] = (h @ w_down[e]) * row_weight in h's dtype (rows of dead blocks unwritten)."""
+    e, inter, d = w_down.shape
+    nb = block_expert.shape[0]
+    bm = config.block_m
+    bn, bk = fit_block(d, config.down_n), fit_block(inter, config.down_k)
+    call = pl.pallas_call(
+        functools.partial(_down_kernel, num_experts=e, num_tokens=num_tokens, block_m=bm, bn=bn, bk=bk,
+                          precision=_precision(h.dtype)),
+        grid=(nb, d // bn),
+        out_shape=jax.ShapeDtypeStruct((nb * bm, d), h.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.down_warps, num_stages=config.down_stages),
+        interpret=interpret, name="moe_down_weighted")
+    return call(block_expert, row_token, row_weight, h, w_down)
