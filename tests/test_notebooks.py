@@ -1,25 +1,63 @@
-"""The notebooks run top to bottom without an error (nbclient, kernel python3, cwd = notebooks/), and the committed
-copies carry their outputs and embedded figures. notebooks/_build.py regenerates them."""
+"""The notebooks: each .ipynb holds the cells of its jupytext source (notebooks/NN_name.py, percent format, paired
+through the notebook's jupytext metadata), runs top to bottom without an error (nbclient, kernel python3, cwd =
+notebooks/), and is committed executed with embedded figures and small outputs.
+`python notebooks/_execute.py [NAME]` re-executes a notebook from its .py source and saves the .ipynb."""
 from __future__ import annotations
 
+import difflib
 import pathlib
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
+jupytext = pytest.importorskip("jupytext")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
 NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint"]
 CELL_TIMEOUT_S = 300
+PAIRING = "ipynb,py:percent"
+MAX_IPYNB_KIB = 250  # saved by _execute.py (palette PNGs) they are 50-115 KiB; with RGBA PNGs 150-300 KiB
 
 
 def _read(name: str):
     path = NB_DIR / f"{name}.ipynb"
-    assert path.is_file(), f"{path} is missing (python notebooks/_build.py {name})"
+    assert path.is_file(), f"{path} is missing (python notebooks/_execute.py {name})"
     return nbformat.read(str(path), as_version=4)
+
+
+def _cells(nb) -> list:
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def test_every_notebook_is_paired():
+    """No notebook without its source and no source without its notebook (helpers start with '_')."""
+    ipynb = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
+    py = sorted(p.stem for p in NB_DIR.glob("*.py") if not p.name.startswith("_"))
+    assert ipynb == py == NOTEBOOKS, f"notebooks/: .ipynb {ipynb}, .py sources {py}, listed {NOTEBOOKS}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_matches_its_source(name):
+    """The .ipynb and its .py source have the same cells (type and text) and name each other as a pair."""
+    nb = _read(name)
+    src = jupytext.read(NB_DIR / f"{name}.py")
+    for what, book in ((f"{name}.ipynb", nb), (f"{name}.py", src)):
+        formats = book.metadata.get("jupytext", {}).get("formats")
+        assert formats == PAIRING, f"{what}: jupytext formats {formats!r}, expected {PAIRING!r}"
+    got, want = _cells(nb), _cells(src)
+    if got != want:
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        a, b = (got[i] if i < len(got) else ("-", "")), (want[i] if i < len(want) else ("-", ""))
+        diff = "\n".join(difflib.unified_diff(a[1].splitlines(), b[1].splitlines(), f"{name}.ipynb ({a[0]})",
+                                              f"{name}.py ({b[0]})", lineterm="", n=1))
+        pytest.fail(f"{name}.ipynb ({len(got)} cells) differs from {name}.py ({len(want)} cells) from cell {i}:\n"
+                    f"{diff}\nsync with `jupytext --sync notebooks/{name}.py` (the newer file wins) or "
+                    f"`python notebooks/_execute.py {name}` (from the .py, with outputs)", pytrace=False)
+    code = "\n".join(s for kind, s in want if kind == "code")
+    assert "sys.path" not in code, f"{name}.py edits sys.path: the notebooks import the installed package"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -41,11 +79,18 @@ def test_notebook_executes(name):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_committed_notebook_has_outputs(name):
-    """Saved executed: every code cell ran in order, none errored, and figures are embedded as PNG."""
+    """Saved executed: every code cell ran in order, none errored, figures are embedded as PNG, and the outputs
+    are small (no widget state, under MAX_IPYNB_KIB)."""
     nb = _read(name)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.get("execution_count") for c in code), f"{name}.ipynb was saved without running it"
+    counts = [c.get("execution_count") for c in code]
+    assert code and all(counts), f"{name}.ipynb was saved without running it"
+    assert counts == sorted(counts), f"{name}.ipynb was saved with cells run out of order: {counts}"
     outputs = [o for c in code for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"], f"{name}.ipynb was saved with an error"
     if name != "03_benchmarks":  # 03 has figures only when benchmark results exist
         assert any("image/png" in o.get("data", {}) for o in outputs), f"{name}.ipynb has no embedded figure"
+    assert "widgets" not in nb.metadata, f"{name}.ipynb carries widget state (python notebooks/_execute.py {name})"
+    kib = (NB_DIR / f"{name}.ipynb").stat().st_size / 1024
+    assert kib <= MAX_IPYNB_KIB, (f"{name}.ipynb is {kib:.0f} KiB (> {MAX_IPYNB_KIB}): save it with "
+                                  f"`python notebooks/_execute.py {name}` (palette PNGs, no widget state)")
