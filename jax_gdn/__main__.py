@@ -1,18 +1,23 @@
-"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo), ``bench`` (jax_gdn.bench) or ``bench_layers``
-(jax_gdn.bench_layers); each forwards the remaining arguments to that module's ``main(argv)``."""
+"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo), ``bench`` (jax_gdn.bench), ``bench_layers``
+(jax_gdn.bench_layers) or ``serve-sim`` (jax_gdn.serve_sim); each forwards the remaining arguments to that module's
+``main(argv)``."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-USAGE = """usage: python -m jax_gdn {demo,bench,bench_layers} [options]
+USAGE = """usage: python -m jax_gdn {demo,bench,bench_layers,serve-sim} [options]
 
   demo          small random GDN stack through the split-prefill protocol, checked against the monolithic
                 layer, then the hybrid model (python -m jax_gdn demo --help)
   bench         gated delta rule benchmarks (the same as python -m jax_gdn.bench)
-  bench_layers  one GDN / attention layer benchmark (the same as python -m jax_gdn.bench_layers)"""
+  bench_layers  one GDN / attention layer benchmark (the same as python -m jax_gdn.bench_layers)
+  serve-sim     serving simulation: random arrivals, chunked prefill mixed with decode under a token budget,
+                releases; prints compiles, tokens/s, time to first token, step latency (python -m jax_gdn
+                serve-sim --help; tiny random model on CPU by default, --model DIR, --dims 80b --layers 8)"""
 
-COMMANDS = {"demo": "jax_gdn.demo", "bench": "jax_gdn.bench", "bench_layers": "jax_gdn.bench_layers"}
+COMMANDS = {"demo": "jax_gdn.demo", "bench": "jax_gdn.bench", "bench_layers": "jax_gdn.bench_layers",
+            "serve-sim": "jax_gdn.serve_sim"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,412 @@
+"""Serving simulation: random arrivals, chunked prefill under a per-step token budget mixed with decode, releases.
+
+    python -m jax_gdn serve-sim                         # tiny random Qwen3-Next on CPU (well under a minute)
+    python -m jax_gdn serve-sim --model DIR             # a HF checkpoint directory
+    python -m jax_gdn serve-sim --dims 80b --layers 8   # Qwen3-Next-80B dims, random bf16 weights (a GPU)
+
+What one step does (a continuous-batching engine's loop, one model call per step):
+  1. requests whose arrival step has come join the waiting queue (arrival steps drawn once from a Poisson process
+     with ``rate`` requests per step, fixed seed); waiting requests take free slots (FIFO, at most ``max_seqs``).
+  2. every running stream whose prompt is done decodes one token; the rest of the step's ``token_budget`` goes to
+     prompt chunks of streams still prefilling (FIFO; a prompt longer than what is left is cut: chunked prefill).
+  3. one call: ``model.prefill`` with the decode tokens as 1-token streams packed beside the prompt chunks (a slot
+     holding tokens continues, so a 1-token stream is a decode step), or ``model.decode`` when no prompt chunk is
+     left. Greedy next tokens are read back (argmax on the host, so no extra program is compiled per shape).
+  4. a stream that completed its prompt gets its first token (time to first token); a stream holding
+     ``gen_len`` generated tokens is released (``model.release``, one slot per call) and its slot is free again.
+
+Warm-up: the same simulation with another seed runs first (``warmup=True``); "after warm-up" counts cover the
+measured run only. Compiles are counted as XLA backend compiles (``jax.monitoring`` event
+``/jax/core/compile/backend_compile_duration``) while the simulation runs, process-wide, and, where the model
+offers it, as ``model.compiled_programs()``.
+
+Shape legend: S slots (max_seqs), T tokens of one call (<= token_budget), N streams of one call (<= S).
+
+Returned dict (also printed unless ``verbose=False``): {"model", "device", "sim" (the settings), "requests",
+"steps", "calls": {"prefill", "decode", "release"}, "tokens": {"prompt", "generated"}, "wall_s",
+"tokens_per_s": {"prefill", "decode", "total"}, "ttft_s": {p50, p90, p99, mean}, "ttft_steps": {...},
+"step_ms": {p50, p90, p99, max, mean}, "step_ms_by_kind": {"mixed": {...}, "decode": {...}},
+"compiles": {"total", "warmup", "after_warmup", "compile_s", "model_programs", "model_programs_after_warmup"},
+"all_served": bool, "per_request": [{"prompt_len", "gen_len", "generated", "ttft_s", "ttft_steps"}]}.
+tokens_per_s counts over the measured run's busy time (the sum of step times; idle gaps are skipped):
+"prefill" prompt tokens / that time, "decode" generated tokens / that time, "total" both.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import time
+from typing import Optional, Tuple
+
+import numpy as np
+
+# ================================================================================================================
+# Compile counter (process-wide XLA backend compiles)
+# ================================================================================================================
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_COMPILES = {"n": 0, "s": 0.0}
+_LISTENING = False
+
+
+def _on_duration(event: str, duration: float, **_kw) -> None:
+    if event == _COMPILE_EVENT:
+        _COMPILES["n"] += 1
+        _COMPILES["s"] += float(duration)
+
+
+def compile_counter() -> dict:
+    """The live {"n": backend compiles so far, "s": their seconds}; starts counting on the first call."""
+    global _LISTENING
+    if not _LISTENING:
+        import jax
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _LISTENING = True
+    return _COMPILES
+
+
+def _model_programs(model) -> Optional[int]:
+    fn = getattr(model, "compiled_programs", None)
+    if fn is None:
+        return None
+    try:
+        return int(fn())
+    except Exception:  # pragma: no cover - report, never fail the simulation for a counter
+        return None
+
+
+# ================================================================================================================
+# Settings and requests
+# ================================================================================================================
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Settings of one simulation.
+
+    num_requests: requests in the measured run (the warm-up run has as many).
+    max_seqs: S, slots of the cache (concurrent streams). token_budget: tokens per step (>= max_seqs, so that every
+    running stream can decode in every step). prompt_len / gen_len: inclusive (min, max); prompts are drawn
+    log-uniform (many short, some long), generation lengths uniform. rate: mean arrivals per step.
+    page_size: KV page size; the pool holds max_seqs full-length streams (never out of pages).
+    """
+
+    num_requests: int = 24
+    max_seqs: int = 8
+    token_budget: int = 256
+    prompt_len: Tuple[int, int] = (1, 300)
+    gen_len: Tuple[int, int] = (1, 24)
+    rate: float = 0.5
+    seed: int = 0
+    page_size: int = 16
+    warmup: bool = True
+
+    def __post_init__(self):
+        for name in ("num_requests", "max_seqs", "token_budget", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"SimConfig.{name} must be a positive int, got {value!r}")
+        for name in ("prompt_len", "gen_len"):
+            lo_hi = getattr(self, name)
+            if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+                raise ValueError(f"SimConfig.{name} must be (min, max) with 1 <= min <= max, got {lo_hi!r}")
+        if self.token_budget < self.max_seqs:
+            raise ValueError(f"SimConfig.token_budget ({self.token_budget}) must be >= max_seqs ({self.max_seqs}): "
+                             f"every running stream decodes one token per step")
+        if not self.rate > 0:
+            raise ValueError(f"SimConfig.rate must be > 0 arrivals per step, got {self.rate!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        """KV pool size: every slot can hold a longest prompt plus a longest generation (+ one page of slack)."""
+        return self.max_seqs * (self.prompt_len[1] + self.gen_len[1] + self.page_size)
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: int
+    arrival_step: int
+    prompt: np.ndarray                 # [prompt_len] int32
+    gen_len: int
+    slot: int = -1
+    prefilled: int = 0                 # prompt tokens already in the cache
+    tokens: list = dataclasses.field(default_factory=list)   # generated tokens
+    arrival_wall: float = 0.0
+    ttft_s: float = float("nan")
+    ttft_steps: int = -1
+    arrived_at: int = -1               # the step index at which it entered the waiting queue
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == self.prompt.shape[0]
+
+
+def make_requests(sim: SimConfig, vocab_size: int, seed: int) -> list:
+    """The requests of one run: Poisson arrivals (``rate`` per step), log-uniform prompt lengths, uniform
+    generation lengths, random prompt tokens in [0, vocab_size)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / sim.rate, sim.num_requests)
+    arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)            # the first request arrives at step 0
+    lo, hi = sim.prompt_len
+    plen = np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), sim.num_requests))).astype(int)
+    plen = np.clip(plen, lo, hi)
+    glen = rng.integers(sim.gen_len[0], sim.gen_len[1] + 1, sim.num_requests)
+    return [_Request(i, int(arrivals[i]), rng.integers(0, vocab_size, int(plen[i])).astype(np.int32), int(glen[i]))
+            for i in range(sim.num_requests)]
+
+
+# ================================================================================================================
+# The loop
+# ================================================================================================================
+def _percentiles(x) -> dict:
+    x = np.asarray(x, np.float64)
+    if x.size == 0:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "max": float("nan"),
+                "mean": float("nan"), "n": 0}
+    return {"p50": float(np.percentile(x, 50)), "p90": float(np.percentile(x, 90)),
+            "p99": float(np.percentile(x, 99)), "max": float(x.max()), "mean": float(x.mean()), "n": int(x.size)}
+
+
+def _run(model, cache, sim: SimConfig, requests: list, *, progress: bool, desc: str):
+    """Serves ``requests`` to the end. Returns (raw stats dict, cache)."""
+    import jax
+    s, budget = sim.max_seqs, sim.token_budget
+    pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
+    waiting = collections.deque()
+    active = []                                    # admission order
+    free = list(range(s))
+    step = 0
+    step_times, step_kind = [], []
+    calls = {"prefill": 0, "decode": 0, "release": 0}
+    done = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), desc=desc, unit="req", leave=True)
+    try:
+        while done < len(requests):
+            if not active and not waiting and pending and pending[0].arrival_step > step:
+                step = pending[0].arrival_step                                  # idle: jump to the next arrival
+            now = time.perf_counter()
+            while pending and pending[0].arrival_step <= step:
+                r = pending.popleft()
+                r.arrival_wall, r.arrived_at = now, step
+                waiting.append(r)
+            while waiting and free:
+                r = waiting.popleft()
+                r.slot = free.pop(0)
+                active.append(r)
+
+            # ---- the batch: decode tokens first, then prompt chunks under what is left of the budget ----
+            dec = [r for r in active if r.prefill_done]
+            left = budget - len(dec)
+            chunks = []
+            for r in active:
+                if left <= 0:
+                    break
+                if not r.prefill_done:
+                    c = min(r.prompt.shape[0] - r.prefilled, left)
+                    chunks.append((r, c))
+                    left -= c
+
+            t0 = time.perf_counter()
+            if chunks:
+                pieces = [np.asarray([r.tokens[-1]], np.int32) for r in dec]
+                pieces += [r.prompt[r.prefilled:r.prefilled + c] for r, c in chunks]
+                lens = [1] * len(dec) + [c for _, c in chunks]
+                ids = np.concatenate(pieces).astype(np.int32)
+                cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+                slots = np.asarray([r.slot for r in dec] + [r.slot for r, _ in chunks], np.int32)
+                logits, cache = model.prefill(cache, ids, cu, slots)
+                calls["prefill"] += 1
+                kind = "mixed"
+            else:
+                ids = np.asarray([r.tokens[-1] for r in dec], np.int32)
+                slots = np.asarray([r.slot for r in dec], np.int32)
+                logits, cache = model.decode(cache, ids, slots)
+                calls["decode"] += 1
+                kind = "decode"
+            nxt = np.asarray(jax.device_get(logits)).argmax(axis=-1)            # host argmax: syncs the step
+            t1 = time.perf_counter()
+            step_times.append(t1 - t0)
+            step_kind.append(kind)
+
+            # ---- bookkeeping: new tokens, first tokens, releases ----
+            for i, r in enumerate(dec):
+                r.tokens.append(int(nxt[i]))
+            for j, (r, c) in enumerate(chunks):
+                r.prefilled += c
+                if r.prefill_done:
+                    r.tokens.append(int(nxt[len(dec) + j]))
+                    r.ttft_s = t1 - r.arrival_wall
+                    r.ttft_steps = step - r.arrived_at + 1
+            finished = [r for r in active if len(r.tokens) >= r.gen_len]
+            for r in finished:
+                cache = model.release(cache, np.asarray([r.slot], np.int32))
+                calls["release"] += 1
+                active.remove(r)
+                free.append(r.slot)
+                done += 1
+            if finished and bar is not None:
+                bar.update(len(finished))
+            step += 1
+        jax.block_until_ready(cache)
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"step_times": step_times, "step_kind": step_kind, "calls": calls, "steps": len(step_times)}, cache
+
+
+def _summarise(raw: dict, requests: list) -> dict:
+    times = np.asarray(raw["step_times"])
+    kinds = np.asarray(raw["step_kind"])
+    busy = float(times.sum())
+    prompt = int(sum(r.prompt.shape[0] for r in requests))
+    generated = int(sum(len(r.tokens) for r in requests))
+    return {
+        "requests": len(requests), "steps": raw["steps"], "calls": raw["calls"],
+        "tokens": {"prompt": prompt, "generated": generated},
+        "wall_s": busy,
+        "tokens_per_s": {"prefill": prompt / busy, "decode": generated / busy, "total": (prompt + generated) / busy},
+        "ttft_s": _percentiles([r.ttft_s for r in requests]),
+        "ttft_steps": _percentiles([r.ttft_steps for r in requests]),
+        "step_ms": _percentiles(1e3 * times),
+        "step_ms_by_kind": {k: _percentiles(1e3 * times[kinds == k]) for k in ("mixed", "decode")},
+        "all_served": all(len(r.tokens) == r.gen_len and r.prefill_done for r in requests),
+        "per_request": [{"prompt_len": int(r.prompt.shape[0]), "gen_len": r.gen_len, "generated": len(r.tokens),
+                         "ttft_s": r.ttft_s, "ttft_steps": r.ttft_steps} for r in requests],
+    }
+
+
+def simulate(model, sim: SimConfig = SimConfig(), *, progress: bool = True, verbose: bool = True) -> dict:
+    """Runs the warm-up (``sim.warmup``) and the measured simulation on ``model`` (a HybridModel). Returns the dict
+    described in the module docstring."""
+    import jax
+    if not isinstance(sim, SimConfig):
+        raise ValueError(f"sim must be a SimConfig, got {type(sim).__name__}")
+    counter = compile_counter()
+    n0, s0, m0 = counter["n"], counter["s"], _model_programs(model)
+    cache = model.init_cache(max_seqs=sim.max_seqs, max_tokens=sim.max_tokens, page_size=sim.page_size)
+    vocab = model.config.vocab_size
+    if sim.warmup:
+        _, cache = _run(model, cache, sim, make_requests(sim, vocab, sim.seed + 7919), progress=progress,
+                        desc="warm-up")
+    n1, m1 = counter["n"], _model_programs(model)
+    requests = make_requests(sim, vocab, sim.seed)
+    raw, cache = _run(model, cache, sim, requests, progress=progress, desc="serving")
+    n2, s2, m2 = counter["n"], counter["s"], _model_programs(model)
+    out = {"model": repr(model), "device": str(jax.devices()[0]), "sim": dataclasses.asdict(sim)}
+    out.update(_summarise(raw, requests))
+    out["compiles"] = {
+        "total": n2 - n0, "warmup": n1 - n0, "after_warmup": n2 - n1, "compile_s": s2 - s0,
+        "model_programs": None if m2 is None else m2 - (m0 or 0),
+        "model_programs_after_warmup": None if m2 is None or m1 is None else m2 - m1,
+    }
+    if verbose:
+        print_summary(out)
+    return out
+
+
+def print_summary(res: dict) -> None:
+    c, tps, sim = res["compiles"], res["tokens_per_s"], res["sim"]
+    print(f"{res['model']} on {res['device']}")
+    print(f"  {res['requests']} requests, {res['steps']} steps ({res['calls']['prefill']} mixed prefill + "
+          f"{res['calls']['decode']} decode calls, {res['calls']['release']} releases), S={sim['max_seqs']} slots, "
+          f"budget {sim['token_budget']} tokens/step")
+    mp = "" if c["model_programs"] is None else (f"; model.compiled_programs(): {c['model_programs']} "
+                                                 f"({c['model_programs_after_warmup']} after warm-up)")
+    print(f"  compiles        {c['total']} XLA programs ({c['warmup']} in warm-up, {c['after_warmup']} after), "
+          f"{c['compile_s']:.1f} s{mp}")
+    print(f"  tokens          {res['tokens']['prompt']} prompt + {res['tokens']['generated']} generated in "
+          f"{res['wall_s']:.2f} s busy")
+    print(f"  tokens/s        prefill {tps['prefill']:.0f}   decode {tps['decode']:.0f}   total {tps['total']:.0f}")
+    t, ts = res["ttft_s"], res["ttft_steps"]
+    print(f"  TTFT            p50 {1e3 * t['p50']:.1f} ms  p90 {1e3 * t['p90']:.1f} ms  p99 {1e3 * t['p99']:.1f} ms"
+          f"   (steps p50 {ts['p50']:.0f}, p99 {ts['p99']:.0f})")
+    for name, p in [("all", res["step_ms"])] + list(res["step_ms_by_kind"].items()):
+        if p["n"]:
+            print(f"  step {name:<10} p50 {p['p50']:.2f} ms  p90 {p['p90']:.2f} ms  p99 {p['p99']:.2f} ms "
+                  f"({p['n']} steps)")
+    print(f"  every request served: {res['all_served']}")
+
+
+# ================================================================================================================
+# Models and the command line
+# ================================================================================================================
+def tiny_sim_config():
+    """The default CPU model: a tiny Qwen3-Next (3 GDN + 1 attention layers, MoE with a shared expert)."""
+    from jax_gdn.model_demo import tiny_config
+    return tiny_config()
+
+
+def build_model(model_dir: Optional[str] = None, dims: str = "tiny", layers: Optional[int] = None,
+                dtype: str = "float32", backend: str = "auto", seed: int = 0):
+    """A checkpoint (``model_dir``), or a random model: ``dims="tiny"`` (host-made random weights) or ``"80b"``
+    (Qwen3-Next-80B dims with ``layers`` layers, random weights made on the device)."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+    from jax_gdn.checkpoint import load_pretrained, random_model
+    dt = jnp.dtype(dtype)
+    if model_dir:
+        return load_pretrained(model_dir, dtype=dt, backend=backend)
+    if dims == "tiny":
+        cfg = tiny_sim_config()
+        if layers:
+            pattern = cfg.layer_types
+            cfg = dc.replace(cfg, num_hidden_layers=layers, layer_types=tuple(pattern[i % len(pattern)]
+                                                                             for i in range(layers)),
+                             mlp_only_layers=tuple(i for i in cfg.mlp_only_layers if i < layers))
+        return random_model(cfg, seed=seed, dtype=dt, backend=backend)
+    if dims == "80b":
+        from jax_gdn.bench_model import qwen3_next_80b_config, random_device_model
+        return random_device_model(qwen3_next_80b_config(layers or 8), dtype=dt, backend=backend, seed=seed)
+    raise ValueError(f"dims must be 'tiny' or '80b', got {dims!r}")
+
+
+def _pair(text: str, name: str) -> Tuple[int, int]:
+    try:
+        parts = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"--{name} must be MIN,MAX (ints), got {text!r}") from None
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        raise ValueError(f"--{name} must be MIN,MAX (ints), got {text!r}")
+    return parts[0], parts[1]
+
+
+def main(argv=None) -> dict:
+    d = SimConfig()
+    p = argparse.ArgumentParser(prog="python -m jax_gdn serve-sim", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, metavar="DIR", help="HF checkpoint directory (default: random model)")
+    p.add_argument("--dims", default="tiny", choices=["tiny", "80b"], help="random model dims (default tiny)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the random model (80b default: 8)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 for tiny, bfloat16 otherwise")
+    p.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
+    p.add_argument("--requests", type=int, default=d.num_requests)
+    p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="slots (concurrent streams)")
+    p.add_argument("--budget", type=int, default=d.token_budget, help="tokens per step")
+    p.add_argument("--prompt-len", default=f"{d.prompt_len[0]},{d.prompt_len[1]}", help="MIN,MAX prompt tokens")
+    p.add_argument("--gen-len", default=f"{d.gen_len[0]},{d.gen_len[1]}", help="MIN,MAX generated tokens")
+    p.add_argument("--rate", type=float, default=d.rate, help="mean arrivals per step")
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write the result dict to this file")
+    args = p.parse_args(argv)
+    sim = SimConfig(num_requests=args.requests, max_seqs=args.max_seqs, token_budget=args.budget,
+                    prompt_len=_pair(args.prompt_len, "prompt-len"), gen_len=_pair(args.gen_len, "gen-len"),
+                    rate=args.rate, seed=args.seed, page_size=args.page_size, warmup=not args.no_warmup)
+    dtype = args.dtype or ("float32" if args.dims == "tiny" and not args.model else "bfloat16")
+    model = build_model(args.model, args.dims, args.layers, dtype, args.backend, args.seed)
+    res = simulate(model, sim, progress=not args.no_progress)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
