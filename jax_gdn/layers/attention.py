@@ -1,7 +1,8 @@
 """Gated softmax attention of Qwen3-Next / Qwen3.5 over a paged KV cache.
 
 Shape legend: T stacked tokens of all streams, N streams, D hidden size, H query heads, Hkv kv heads
-(G = H / Hkv queries per kv head), Dh head dim, R rotary dims, P pages in the pool, Ps tokens per page.
+(G = H / Hkv queries per kv head), Dh head dim, R rotary dims, P pages in the pool, Ps tokens per page, S slots,
+W pages per slot in the page table.
 
 Per layer (HF ``Qwen3NextAttention``):
   q_proj(x) -> per head ``[query | gate]`` (2 * Dh); q_norm / k_norm zero-centred fp32 RMSNorm over Dh;
@@ -12,15 +13,13 @@ Parameters (one layer, a dict; linear weights stored [in, out] so that ``y = x @
   q_norm [Dh]  k_norm [Dh]
 
 The cache side: new K/V are written to pool pages first (``write_kv_pages``), then every query attends to the
-keys of its own slot with position <= its own (``paged_attention``): the earlier tokens of a continued stream
-come from the pages, the new ones were just written. ``paged_attention`` is the one function a Pallas kernel
-replaces; the XLA version below cuts the queries into blocks inside one stream (``build_query_blocks``) and
-lets each block gather a static window of its slot's pages (``attention_plan`` picks the window and block
-sizes as powers of two), so the work follows the streams' context lengths, not the pool size.
+keys of its own slot with position <= its own (``paged_attention``, or ``paged_attention_decode`` for one query
+per stream): the earlier tokens of a continued stream come from the pages, the new ones were just written. Both
+live in ``pallas_kernels/paged_attention`` (api.py: checks and backend pick; reference.py: the XLA path;
+triton.py: the Pallas kernels). Nothing reads a value back to the host: the kernels' loop trip counts come
+from the device-side slot lengths, so one compiled program serves any lengths with the same (T, N).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,7 @@ from jax_gdn.config import AttnDims
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.state import KvPages
-
-_NEG_INF = -1e30
+from pallas_kernels.paged_attention import api as _pa
 
 
 def attention_param_shapes(dims: AttnDims) -> dict:
@@ -70,114 +68,33 @@ def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: ja
 def write_kv_pages(kv: KvPages, k: jax.Array, v: jax.Array, token_page: jax.Array,
                    token_offset: jax.Array) -> KvPages:
     """Writes k, v [T, Hkv, Dh] to ``pages[token_page[t], token_offset[t]]``; a token whose page is out of range
-    (>= P, e.g. padding) is dropped."""
+    (>= P, e.g. padding, or negative: never wrapped) is dropped."""
+    token_page = jnp.where(token_page < 0, kv.k_pages.shape[0], token_page)
     k_pages = kv.k_pages.at[token_page, token_offset].set(k.astype(kv.k_pages.dtype), mode="drop")
     v_pages = kv.v_pages.at[token_page, token_offset].set(v.astype(kv.v_pages.dtype), mode="drop")
     return KvPages(k_pages=k_pages, v_pages=v_pages)
 
 
-class QueryBlocks(NamedTuple):
-    """Stacked query tokens cut into blocks of Bq tokens, each block inside ONE stream (static NB blocks).
+def paged_attention(q: jax.Array, kv: KvPages, page_table: jax.Array, slot_lens: jax.Array,
+                    cu_seqlens: jax.Array, slot_ids: jax.Array, *, scale: float, backend: str = "xla") -> jax.Array:
+    """Causal attention of stacked queries q [T, H, Dh] of N streams over their own slot's pages (prefill).
 
-    tokens: [NB, Bq] int32  token index in [0, T), or T for a padding position
-    slot:   [NB] int32      slot of the block's stream, -1 for a padding block
+    page_table [S, W] int32 (W pages per slot, any width); slot_lens [S] int32: tokens each slot holds AFTER this
+    call's K/V were written; cu_seqlens [N + 1], slot_ids [N] int32. Query j of stream n sits at position
+    slot_lens[slot] - len_n + j and attends to its slot's keys 0 .. that position. Padding tokens (>= cu[N]),
+    streams with a slot id outside [0, S) and page ids outside [0, P) read nothing (zero output rows).
+    Returns o [T, H, Dh] in q's dtype. See ``pallas_kernels.paged_attention.api`` for checks and backends.
     """
-
-    tokens: jax.Array
-    slot: jax.Array
-
-
-def build_query_blocks(cu_seqlens: jax.Array, slot_ids: jax.Array, total_len: int, block_q: int) -> QueryBlocks:
-    """Cuts each stream of ``cu_seqlens [N + 1]`` into ceil(L / Bq) blocks (on device, no host sync).
-    NB = min(T // Bq + N, T) is a static bound on the number of blocks."""
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    slot_ids = jnp.asarray(slot_ids, jnp.int32)
-    n = slot_ids.shape[0]
-    bq = int(block_q)
-    nb = max(1, min(total_len // bq + n, total_len))
-    lens = cu[1:] - cu[:-1]
-    blocks_per = (lens + bq - 1) // bq                                    # [N]
-    end = jnp.cumsum(blocks_per)
-    first = end - blocks_per
-    b = jnp.arange(nb, dtype=jnp.int32)
-    stream = jnp.minimum(jnp.searchsorted(end, b, side="right"), n - 1).astype(jnp.int32)
-    live_block = b < end[-1]
-    tok0 = cu[stream] + (b - first[stream]) * bq                          # [NB]
-    toks = tok0[:, None] + jnp.arange(bq, dtype=jnp.int32)[None, :]       # [NB, Bq]
-    live = live_block[:, None] & (toks < cu[stream + 1][:, None])
-    return QueryBlocks(tokens=jnp.where(live, toks, total_len).astype(jnp.int32),
-                       slot=jnp.where(live_block, slot_ids[stream], -1).astype(jnp.int32))
+    return _pa.paged_attention(q, kv.k_pages, kv.v_pages, page_table, slot_lens, cu_seqlens, slot_ids,
+                               scale=scale, backend=backend)
 
 
-def paged_attention(q: jax.Array, token_pos: jax.Array, kv: KvPages, page_table: jax.Array,
-                    slot_lens: jax.Array, blocks: QueryBlocks, *, window_pages: int, scale: float,
-                    backend: str = "xla") -> jax.Array:
-    """Causal attention of stacked queries over their own slot's pages (prefill of several streams or decode).
-
-    q: [T, H, Dh]; token_pos: [T] int32 absolute position of each query; kv pages [P, Ps, Hkv, Dh];
-    page_table: [S, P] int32; slot_lens: [S] int32 tokens each slot holds once this call's K/V are written;
-    blocks: the query blocks (each inside one stream). window_pages W (static): every stream of the call holds at
-    most W * Ps tokens (the caller guarantees it; more would be silently cut).
-    Each block gathers the first W pages of its slot and attends to keys with position <= the query's and
-    < slot_lens[slot]; keys past the slot's length (stale page tails, NaN or not) are zeroed before use.
-    Work per call: NB * Bq * W * Ps, independent of the pool size. Returns o [T, H, Dh] in q's dtype (scores
-    and softmax in fp32).
-    """
-    if backend not in ("auto", "xla", "pallas", "pallas_interpret"):
-        raise ValueError(f"paged_attention: unknown backend {backend!r}")
-    # No Pallas paged-attention kernel yet: every backend runs the XLA form below.
-    token_pos = jnp.asarray(token_pos, jnp.int32)
-    page_table = jnp.asarray(page_table, jnp.int32)
-    slot_lens = jnp.asarray(slot_lens, jnp.int32)
-    t, h, dh = q.shape
-    _, ps, hkv, _ = kv.k_pages.shape
-    g = h // hkv
-    w = int(window_pages)
-    if not 1 <= w <= page_table.shape[1]:
-        raise ValueError(f"paged_attention: window_pages must be in [1, P={page_table.shape[1]}], got {w}")
-    nb, bq = blocks.tokens.shape
-    lk = w * ps
-    q_pad = jnp.concatenate([q, jnp.zeros((1, h, dh), q.dtype)], axis=0)          # row T: padding
-    pos_pad = jnp.concatenate([token_pos, jnp.zeros((1,), jnp.int32)])
-    key_pos = jnp.arange(lk, dtype=jnp.int32)
-
-    def one_block(args):
-        toks, slot = args                                                         # [Bq], scalar
-        s = jnp.maximum(slot, 0)
-        qi = q_pad[toks].reshape(bq, hkv, g, dh)
-        pi = pos_pad[toks]                                                        # [Bq]
-        pages = page_table[s, :w]                                                 # [W]
-        live = (key_pos < slot_lens[s]) & (slot >= 0)                             # [Lk]
-        keys = jnp.where(live[:, None, None], kv.k_pages[pages].reshape(lk, hkv, dh), 0).astype(kv.k_pages.dtype)
-        values = jnp.where(live[:, None, None], kv.v_pages[pages].reshape(lk, hkv, dh), 0).astype(
-            kv.v_pages.dtype)
-        scores = jnp.einsum("qhgd,khd->hgqk", qi, keys, preferred_element_type=jnp.float32) * scale
-        mask = live[None, :] & (key_pos[None, :] <= pi[:, None])                  # [Bq, Lk]
-        scores = jnp.where(mask[None, None], scores, _NEG_INF)
-        m = jnp.max(scores, axis=-1, keepdims=True)
-        e = jnp.where(mask[None, None], jnp.exp(scores - m), 0.0)
-        denom = jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-        probs = (e / denom).astype(values.dtype)
-        o = jnp.einsum("hgqk,khd->qhgd", probs, values, preferred_element_type=jnp.float32)
-        return o.astype(q.dtype).reshape(bq, h, dh)
-
-    out = jax.lax.map(one_block, (blocks.tokens, blocks.slot))                   # [NB, Bq, H, Dh]
-    o = jnp.zeros((t + 1, h, dh), q.dtype).at[blocks.tokens.reshape(-1)].set(out.reshape(nb * bq, h, dh))
-    return o[:t]
-
-
-def attention_plan(max_stream_len: int, max_new_len: int, num_pages: int, page_size: int, num_heads: int,
-                   *, max_block_q: int = 128, max_scores: int = 1 << 25) -> tuple:
-    """Static (window_pages, block_q) for a call whose longest stream will hold ``max_stream_len`` tokens and
-    whose longest new segment is ``max_new_len``: powers of two (few recompiles), the window capped at the pool,
-    the query block at ``max_block_q`` and so that one block's scores [H, Bq, W * Ps] stay under max_scores."""
-    def pow2(x):
-        return 1 << max(0, int(x) - 1).bit_length()
-    w = min(num_pages, pow2(-(-max(1, max_stream_len) // page_size)))
-    bq = min(max_block_q, pow2(max(1, max_new_len)))
-    while bq > 1 and num_heads * bq * w * page_size > max_scores:
-        bq //= 2
-    return w, bq
+def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slot_lens: jax.Array,
+                           slot_ids: jax.Array, *, scale: float, backend: str = "xla") -> jax.Array:
+    """One query per stream, q [N, H, Dh], at position slot_lens[slot] - 1 against the slot's whole paged
+    context (decode). Returns o [N, H, Dh] in q's dtype; streams with a slot id outside [0, S) get zeros."""
+    return _pa.paged_attention_decode(q, kv.k_pages, kv.v_pages, page_table, slot_lens, slot_ids, scale=scale,
+                                      backend=backend)
 
 
 # ================================================================================================================
@@ -185,18 +102,29 @@ def attention_plan(max_stream_len: int, max_new_len: int, num_pages: int, page_s
 # ================================================================================================================
 def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos: jax.Array,
                     token_page: jax.Array, token_offset: jax.Array, page_table: jax.Array, slot_lens: jax.Array,
-                    blocks: QueryBlocks, window_pages: int, backend: str = "xla"):
-    """One gated attention layer over stacked tokens (prefill of several streams, or one decode step).
+                    cu_seqlens: jax.Array, slot_ids: jax.Array, decode: bool = False, backend: str = "xla"):
+    """One gated attention layer over stacked tokens (prefill of N streams, or one decode step).
 
-    hidden [T, D]; token_pos [T] (absolute position); token_page / token_offset [T] (where each token's K/V go;
-    page >= P drops it); page_table [S, P] and slot_lens [S] describe the pool *after* this call's allocation and
-    writes; blocks / window_pages: see ``paged_attention``. Returns (out [T, D] in hidden's dtype, new KvPages).
+    hidden [T, D]; token_pos [T] int32 (absolute position, for RoPE); token_page / token_offset [T] int32 (where
+    each token's K/V go; a page >= P drops the write, e.g. padding); page_table [S, W] and slot_lens [S] describe
+    the pool *after* this call's allocation and writes; cu_seqlens [N + 1], slot_ids [N] the streams (see
+    ``paged_attention`` for the padding contract). decode (static): one token per stream (T == N, token n is
+    stream n's, cu_seqlens is then ignored) through ``paged_attention_decode``.
+    backend: "xla" | "pallas" | "pallas_interpret" | "auto" (``pallas_kernels.paged_attention.api``).
+    Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
     kv = write_kv_pages(kv, k, v, token_page, token_offset)
-    o = paged_attention(q, token_pos, kv, page_table, slot_lens, blocks, window_pages=window_pages,
-                        scale=dims.head_dim ** -0.5, backend=backend)     # [T, H, Dh]
+    scale = dims.head_dim ** -0.5
+    if decode:
+        if t != slot_ids.shape[0]:
+            raise ValueError(f"attention_layer(decode=True) takes one token per stream: hidden has T={t} rows "
+                             f"but slot_ids has N={slot_ids.shape[0]}")
+        o = paged_attention_decode(q, kv, page_table, slot_lens, slot_ids, scale=scale, backend=backend)
+    else:
+        o = paged_attention(q, kv, page_table, slot_lens, cu_seqlens, slot_ids, scale=scale,
+                            backend=backend)                                             # [T, H, Dh]
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     out = o.reshape(t, dims.num_heads * dims.head_dim) @ params["o_proj"]
     return out.astype(hidden.dtype), kv

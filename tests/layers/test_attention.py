@@ -1,5 +1,7 @@
-"""Gated attention pieces: paged causal attention against a float64 NumPy reference (continued streams, GQA, odd
-lengths, NaN-poisoned stale pages), partial NeoX RoPE and the whole layer against HF's Qwen3NextAttention."""
+"""Gated attention layer: partial NeoX RoPE and the whole layer against HF's Qwen3NextAttention; the layer's
+split calls (prefill in two chunks, then decode steps) against one prefill of every token, per backend, with
+padding tokens and a padding stream (slot id S). The paged-attention op itself is tested against a float64 oracle
+in tests/pallas_kernels/test_paged_attention.py."""
 from __future__ import annotations
 
 import jax
@@ -8,85 +10,10 @@ import numpy as np
 import pytest
 
 from jax_gdn.config import AttnDims
-from jax_gdn.layers.attention import (attention_layer, attention_plan, build_query_blocks, paged_attention,
-                                      write_kv_pages)
+from jax_gdn.layers.attention import attention_layer, write_kv_pages
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
 from jax_gdn.state import KvPages
 from tests.numpy_reference import rel_rms
-
-PS, P, S = 8, 48, 4
-
-
-def _ref_attention(q, k, v, start, scale):
-    """q [Tn, H, Dh] at positions start.., k/v [start + Tn, Hkv, Dh]; causal; float64."""
-    tn, h, _ = q.shape
-    g = h // k.shape[1]
-    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, kk) * scale
-    mask = np.arange(k.shape[0])[None, :] <= (start + np.arange(tn))[:, None]
-    s = np.where(mask[None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, vv)
-
-
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("group", [1, 3])
-def test_paged_attention_continued_streams_match_f64(dtype, tol, group):
-    rng = np.random.default_rng(group)
-    hkv, dh = 2, 16
-    h = hkv * group
-    slots, old, new = [2, 0, 3], [0, 13, 64], [1, 63, 65]
-    total = [o + n for o, n in zip(old, new)]
-    k_all = [rng.standard_normal((t, hkv, dh)) for t in total]
-    v_all = [rng.standard_normal((t, hkv, dh)) for t in total]
-    q_new = [rng.standard_normal((n, h, dh)) for n in new]
-
-    # pool: pages handed out in a shuffled order; everything not written is NaN
-    k_pages = np.full((P, PS, hkv, dh), np.nan, np.float32)
-    v_pages = np.full((P, PS, hkv, dh), np.nan, np.float32)
-    free = list(rng.permutation(P))
-    table = {}
-    for s, t in zip(slots, total):
-        for i in range(-(-t // PS)):
-            pg = free.pop()
-            table[(s, i)] = pg
-    for s, o, kk, vv in zip(slots, old, k_all, v_all):     # the earlier tokens are already in the pages
-        for pos in range(o):
-            k_pages[table[(s, pos // PS)], pos % PS] = kk[pos]
-            v_pages[table[(s, pos // PS)], pos % PS] = vv[pos]
-    slot_lens = np.zeros(S, np.int32)
-    slot_lens[slots] = total
-    page_table = np.zeros((S, P), np.int32)
-    for (s, i), pg in table.items():
-        page_table[s, i] = pg
-    page_table[1, :] = rng.integers(0, P, P)      # an idle slot's stale row must not matter
-
-    tok_slot = np.concatenate([[s] * n for s, n in zip(slots, new)]).astype(np.int32)
-    tok_pos = np.concatenate([np.arange(o, o + n) for o, n in zip(old, new)]).astype(np.int32)
-    tok_page = np.array([table[(s, p // PS)] for s, p in zip(tok_slot, tok_pos)], np.int32)
-    q = jnp.asarray(np.concatenate(q_new), dtype)
-    k = jnp.asarray(np.concatenate([kk[o:] for kk, o in zip(k_all, old)]), dtype)
-    v = jnp.asarray(np.concatenate([vv[o:] for vv, o in zip(v_all, old)]), dtype)
-
-    kv = KvPages(jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype))
-    cu = np.cumsum([0] + new).astype(np.int32)
-    window, block_q = attention_plan(max(total), max(new), P, PS, h, max_block_q=32)
-    assert (window, block_q) == (32, 32)        # ceil(129 / 8) = 17 pages -> 32; longest new segment 65 -> 32
-    blocks = build_query_blocks(cu, np.array(slots, np.int32), sum(new), block_q)
-    assert blocks.tokens.shape == (sum(new) // 32 + 3, 32)
-    fn = jax.jit(lambda kv, q, k, v: paged_attention(
-        q, tok_pos, write_kv_pages(kv, k, v, tok_page, tok_pos % PS), page_table, slot_lens, blocks,
-        window_pages=window, scale=dh ** -0.5))
-    out = np.asarray(fn(kv, q, k, v).astype(jnp.float32))
-    assert out.shape == (sum(new), h, dh) and np.all(np.isfinite(out))
-    start = 0
-    for s, o, n, kk, vv, qq in zip(slots, old, new, k_all, v_all, q_new):
-        ref = _ref_attention(np.asarray(q[start:start + n], np.float64), np.asarray(jnp.asarray(kk, dtype),
-                             np.float64), np.asarray(jnp.asarray(vv, dtype), np.float64), o, dh ** -0.5)
-        assert rel_rms(out[start:start + n], ref) <= tol, f"slot {s}"
-        start += n
-
 
 def test_partial_rope_matches_hf():
     torch = pytest.importorskip("torch")
@@ -134,9 +61,76 @@ def test_attention_layer_matches_hf_module():
     params["k_norm"] = jnp.asarray(mod.k_norm.weight.detach().numpy())
     kv = KvPages.zeros(4, 4, 2, 8)
     t = np.arange(9, dtype=np.int32)
-    blocks = build_query_blocks(np.array([0, 9], np.int32), np.array([0], np.int32), 9, 4)
     out, kv = attention_layer(params, dims, jnp.asarray(x[0].numpy()), kv, token_pos=t, token_page=t // 4,
                               token_offset=t % 4, page_table=np.array([[0, 1, 2, 3]], np.int32),
-                              slot_lens=np.array([9], np.int32), blocks=blocks, window_pages=4)
+                              slot_lens=np.array([9], np.int32), cu_seqlens=np.array([0, 9], np.int32),
+                              slot_ids=np.array([0], np.int32))
     assert rel_rms(np.asarray(out), ref) <= 2e-4
     assert np.all(np.asarray(kv.k_pages)[3] == 0)          # nothing written past the stream's pages
+
+
+def _layer_setup(seed=0, d=32, h=4, hkv=2, dh=16, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    dims = AttnDims(hidden_size=d, num_heads=h, num_kv_heads=hkv, head_dim=dh, partial_rotary_factor=0.5,
+                    rope_theta=1000.0)
+    shapes = {"q_proj": (d, h * 2 * dh), "k_proj": (d, hkv * dh), "v_proj": (d, hkv * dh), "o_proj": (h * dh, d)}
+    params = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), dtype) for n, s in shapes.items()}
+    params["q_norm"] = jnp.asarray(0.1 * rng.standard_normal(dh), jnp.float32)
+    params["k_norm"] = jnp.asarray(0.1 * rng.standard_normal(dh), jnp.float32)
+    return rng, dims, params
+
+
+def _call(params, dims, kv, x, slot_ids, old_lens, new_lens, page_table, ps, *, decode=False, backend="xla",
+          pad_tokens=0, num_slots=4):
+    """One layer call for streams (slot, old, new); the page table is fixed (slot s owns pages s*W ..)."""
+    tok_slot = np.concatenate([[s] * n for s, n in zip(slot_ids, new_lens)] + [[num_slots] * pad_tokens])
+    tok_pos = np.concatenate([np.arange(o, o + n) for o, n in zip(old_lens, new_lens)] + [[0] * pad_tokens])
+    tok_slot, tok_pos = tok_slot.astype(np.int32), tok_pos.astype(np.int32)
+    real = tok_slot < num_slots
+    tok_page = np.where(real, page_table[np.minimum(tok_slot, num_slots - 1), tok_pos // ps], kv.num_pages)
+    slot_lens = np.zeros(num_slots, np.int32)
+    for sid, o, n in zip(slot_ids, old_lens, new_lens):
+        if sid < num_slots:
+            slot_lens[sid] = o + n
+    cu = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
+    return attention_layer(params, dims, x, kv, token_pos=jnp.asarray(tok_pos), token_page=jnp.asarray(
+        tok_page.astype(np.int32)), token_offset=jnp.asarray(tok_pos % ps), page_table=jnp.asarray(page_table),
+        slot_lens=jnp.asarray(slot_lens), cu_seqlens=jnp.asarray(cu), slot_ids=jnp.asarray(slot_ids, jnp.int32),
+        decode=decode, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
+    """Streams of 70 and 9 tokens: prefill 40 + 5, then 27 + 2 (with 3 padding tokens), then 3 decode steps,
+    equals one prefill of all 70 + 9 at once (stale NaN pages everywhere else)."""
+    rng, dims, params = _layer_setup()
+    ps, w, s = 8, 10, 4
+    slots = [2, 0]
+    page_table = np.arange(s * w, dtype=np.int32).reshape(s, w)[::-1].copy()     # slot s owns pages (S-1-s)*W..
+    nan_kv = KvPages(jnp.full((s * w, ps, 2, 16), jnp.nan), jnp.full((s * w, ps, 2, 16), jnp.nan))
+    xs = [jnp.asarray(rng.standard_normal((n, 32)), jnp.float32) for n in (70, 9)]
+    ref, _ = _call(params, dims, nan_kv, jnp.concatenate(xs), slots, [0, 0], [70, 9], page_table, ps)
+    ref = np.asarray(ref)
+    kv = nan_kv
+    o1, kv = _call(params, dims, kv, jnp.concatenate([xs[0][:40], xs[1][:5]]), slots, [0, 0], [40, 5],
+                   page_table, ps, backend=backend)
+    x2 = jnp.concatenate([xs[0][40:67], xs[1][5:7], jnp.full((3, 32), 5.0)])
+    o2, kv = _call(params, dims, kv, x2, slots, [40, 5], [27, 2], page_table, ps, backend=backend, pad_tokens=3)
+    o2 = np.asarray(o2)
+    assert np.all(np.isfinite(o2))
+    np.testing.assert_allclose(np.asarray(o1)[:40], ref[:40], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o1)[40:], ref[70:75], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(o2[:27], ref[40:67], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(o2[27:29], ref[75:77], rtol=1e-4, atol=1e-5)
+    for step in range(3):
+        old = [67 + step, 7 + step] if step < 2 else [69, 9]
+        if step == 2:   # the short stream is done: a padding stream (slot id S) takes its place
+            x = jnp.stack([xs[0][69], jnp.full((32,), 3.0)])
+            o, kv = _call(params, dims, kv, x, [2, s], [69, 0], [1, 1], page_table, ps, decode=True,
+                          backend=backend)
+            np.testing.assert_allclose(np.asarray(o)[0], ref[69], rtol=1e-4, atol=1e-5)
+            np.testing.assert_array_equal(np.asarray(o)[1], 0.0)
+            continue
+        x = jnp.stack([xs[0][old[0]], xs[1][old[1]]])
+        o, kv = _call(params, dims, kv, x, slots, old, [1, 1], page_table, ps, decode=True, backend=backend)
+        np.testing.assert_allclose(np.asarray(o), ref[[old[0], 70 + old[1]]], rtol=1e-4, atol=1e-5)

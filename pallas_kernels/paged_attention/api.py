@@ -1,0 +1,226 @@
+"""Public entry of paged causal attention: checks once, picks a backend, runs the reference or a kernel.
+
+Shape legend: T stacked query tokens, N streams, S slots, H query heads, Hkv kv heads (G = H / Hkv; query head h
+reads kv head h // G), Dh head dim, P pages in the pool, Ps tokens per page, W pages per slot in the page table.
+
+    paged_attention(q [T, H, Dh], k_pages, v_pages [P, Ps, Hkv, Dh], page_table [S, W] int32, slot_lens [S] int32,
+                    cu_seqlens [N + 1] int32, slot_ids [N] int32, *, scale, backend="xla") -> o [T, H, Dh]
+    paged_attention_decode(q [N, H, Dh], k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale,
+                           backend="xla") -> o [N, H, Dh]
+
+slot_lens are the tokens each slot holds AFTER this call's K/V were written: query j of stream n (token
+cu[n] + j) sits at position slot_lens[slot] - (cu[n+1] - cu[n]) + j and attends causally to its slot's keys
+0 .. that position through page_table[slot]; a decode query sits at slot_lens[slot] - 1. Padding tokens
+(>= cu[N]), streams whose slot id is outside [0, S), and page ids outside [0, P) read nothing (zeros out).
+Output in q's dtype; scores and softmax in fp32. Nothing here reads a value back to the host under jit: loop
+trip counts come from the device-side slot lengths, so one compiled program serves any lengths with the same
+(T, N) and the same pool and page-table shapes.
+
+Backends: "xla" (reference.py: gathers every page of the slot, the CPU default and the oracle), "pallas" (the
+Pallas Triton kernels of triton.py, GPU), "pallas_interpret" (the same kernels in interpret mode, CPU),
+"auto" (pallas where ``supports`` accepts the inputs on a GPU, else xla).
+
+Checks: shapes and dtypes always (ValueError naming the argument). When cu_seqlens, slot_ids, slot_lens and the
+page table are concrete (not traced), also their values: cu_seqlens non-decreasing from 0 to at most T, every
+stream with a slot no longer than its slot's length, every slot's length within its W pages, and every page id a
+live key may read inside [0, P). Under jit nothing is checked by value, and the kernels mask instead (a page id
+outside [0, P) is never dereferenced).
+
+This module imports only jax (and numpy).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import reference
+
+BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+GPU_HEAD_DIMS = (64, 128, 256)
+# "auto" picks the Pallas kernels on a GPU only once they have been checked there at the real dims (NOTES.md).
+AUTO_USES_PALLAS = False
+
+
+def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> Optional[str]:
+    """Why the Pallas Triton kernels cannot run these inputs (a sentence), or None when they can.
+    platform: "gpu" / "cuda" (compiled kernel) or "interpret" (interpret mode, any platform)."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not one of bfloat16, float16, float32"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+    if platform == "interpret":
+        return None
+    if platform not in ("gpu", "cuda"):
+        return f"platform {platform!r}: the kernels are Pallas Triton (CUDA GPU) or interpret mode"
+    if head_dim not in GPU_HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {GPU_HEAD_DIMS}"
+    if num_heads // num_kv_heads > 16:
+        return f"{num_heads // num_kv_heads} query heads per kv head (at most 16 are packed in one tile)"
+    return None
+
+
+def _platform() -> str:
+    try:
+        return jax.default_backend()
+    except RuntimeError:  # pragma: no cover
+        return "cpu"
+
+
+def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str:
+    """Maps "auto" to "pallas" or "xla"; checks that an explicit "pallas" can run (ValueError otherwise)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    plat = _platform()
+    dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    if backend == "auto":
+        ok = AUTO_USES_PALLAS and plat == "gpu" and supports(platform="gpu", **dims) is None
+        return "pallas" if ok else "xla"
+    if backend == "pallas":
+        why = supports(platform=plat, **dims)
+        if why is not None:
+            raise ValueError(f"paged attention backend 'pallas' cannot run here: {why}; use backend='xla' "
+                             f"(or 'pallas_interpret' for the same kernels in interpret mode)")
+    if backend == "pallas_interpret":
+        why = supports(platform="interpret", **dims)
+        if why is not None:
+            raise ValueError(f"paged attention backend 'pallas_interpret': {why}")
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------------------------
+def _concrete(x) -> Optional[np.ndarray]:
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # pragma: no cover - abstract values
+        return None
+
+
+def _check_int(x, name: str, shape: tuple, doc: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an int32 array of shape {doc}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int32 array of shape {doc}, got dtype {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {doc} = {list(shape)}, got {list(x.shape)}")
+
+
+def _check_pool(q, k_pages, v_pages, page_table, slot_lens, what: str):
+    if q.ndim != 3:
+        raise ValueError(f"q must be {what}, got shape {list(q.shape)}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must share one shape [P, Ps, Hkv, Dh], got {list(k_pages.shape)} "
+                         f"and {list(v_pages.shape)}")
+    h, dh = q.shape[1], q.shape[2]
+    hkv = k_pages.shape[2]
+    if k_pages.shape[3] != dh:
+        raise ValueError(f"q head dim {dh} != k_pages head dim {k_pages.shape[3]}")
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q heads H={h} must be a multiple of the kv heads Hkv={hkv} of k_pages")
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if jnp.dtype(x.dtype) not in DTYPES:
+            raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
+        raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    if not hasattr(page_table, "ndim") or page_table.ndim != 2:
+        raise ValueError(f"page_table must be int32 [S, W], got shape {list(getattr(page_table, 'shape', ()))}")
+    s = page_table.shape[0]
+    _check_int(page_table, "page_table", tuple(page_table.shape), "[S, W]")
+    if page_table.shape[1] < 1:
+        raise ValueError("page_table must have at least one page per slot (W >= 1)")
+    _check_int(slot_lens, "slot_lens", (s,), "[S]")
+
+
+def _check_values(cu, slot_ids, slot_lens, page_table, num_pages: int, page_size: int, num_tokens: int):
+    """Value checks on concrete arrays (skipped under jit). cu None: decode (one query per stream)."""
+    sl, pt, ids = _concrete(slot_lens), _concrete(page_table), _concrete(slot_ids)
+    cuv = None if cu is None else _concrete(cu)
+    if sl is None or pt is None or ids is None or (cu is not None and cuv is None):
+        return
+    s, w = pt.shape
+    if sl.size and sl.min() < 0:
+        raise ValueError(f"slot_lens must be >= 0, got {sl.tolist()}")
+    if cuv is not None:
+        if cuv[0] != 0 or np.any(np.diff(cuv) < 0) or cuv[-1] > num_tokens:
+            raise ValueError(f"cu_seqlens must rise from 0 to at most T={num_tokens}, got {cuv.tolist()}")
+        lens = np.diff(cuv)
+    else:
+        lens = np.ones(ids.shape, np.int64)
+    for n, (sid, ln) in enumerate(zip(ids.tolist(), lens.tolist())):
+        if not 0 <= sid < s or ln == 0:
+            continue                                     # padding stream: reads nothing
+        if sl[sid] < ln:
+            raise ValueError(f"stream {n} has {ln} tokens but slot_lens[{sid}] = {sl[sid]} (slot_lens count the "
+                             f"tokens AFTER this call's K/V were written)")
+    for sid in np.unique(ids):
+        if not 0 <= sid < s:
+            continue
+        need = -(-int(sl[sid]) // page_size)
+        if need > w:
+            raise ValueError(f"slot {sid} holds slot_lens={int(sl[sid])} tokens, more than its W={w} pages of "
+                             f"{page_size} in page_table")
+        bad = pt[sid, :need][(pt[sid, :need] < 0) | (pt[sid, :need] >= num_pages)]
+        if bad.size:
+            raise ValueError(f"page_table[{sid}] holds page ids outside [0, P={num_pages}) within the slot's "
+                             f"{int(sl[sid])} tokens: {bad[:8].tolist()}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------------
+def paged_attention(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale: float,
+                    backend: str = "xla", config=None):
+    """Prefill of stacked streams against paged K/V (see the module docstring). Returns o [T, H, Dh] (q's dtype).
+    config: a triton.PrefillConfig for the Pallas backends (None: the default)."""
+    _check_pool(q, k_pages, v_pages, page_table, slot_lens, "[T, H, Dh]")
+    if not hasattr(slot_ids, "shape") or len(slot_ids.shape) != 1:
+        raise ValueError(f"slot_ids must be int32 [N], got shape {list(getattr(slot_ids, 'shape', ()))}")
+    n = slot_ids.shape[0]
+    _check_int(slot_ids, "slot_ids", (n,), "[N]")
+    _check_int(cu_seqlens, "cu_seqlens", (n + 1,), "[N + 1]")
+    _check_values(cu_seqlens, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
+    backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
+                              num_kv_heads=k_pages.shape[2])
+    return _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, scale=float(scale),
+                        backend=backend, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "config"))
+def _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale, backend, config):
+    args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
+    if backend == "xla":
+        return reference.paged_attention_xla(q, k_pages, v_pages, *args, scale=scale)
+    from pallas_kernels.paged_attention import triton as _triton
+    return _triton.paged_attention_prefill(q, k_pages, v_pages, *args, scale=scale,
+                                           interpret=backend == "pallas_interpret", config=config)
+
+
+def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale: float,
+                           backend: str = "xla", config=None):
+    """One query per stream (q [N, H, Dh]) at position slot_lens[slot] - 1 against the slot's whole paged
+    context (see the module docstring). Returns o [N, H, Dh] (q's dtype). config: a triton.DecodeConfig."""
+    _check_pool(q, k_pages, v_pages, page_table, slot_lens, "[N, H, Dh]")
+    _check_int(slot_ids, "slot_ids", (q.shape[0],), "[N]")
+    _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
+    backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
+                              num_kv_heads=k_pages.shape[2])
+    return _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, scale=float(scale), backend=backend,
+                       config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "config"))
+def _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale, backend, config):
+    args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, slot_ids)]
+    if backend == "xla":
+        return reference.paged_attention_decode_xla(q, k_pages, v_pages, *args, scale=scale)
+    from pallas_kernels.paged_attention import triton as _triton
+    return _triton.paged_attention_decode(q, k_pages, v_pages, *args, scale=scale,
+                                          interpret=backend == "pallas_interpret", config=config)

@@ -1,0 +1,314 @@
+"""Paged causal attention (pallas_kernels/paged_attention): the XLA reference and the Pallas kernels (interpret
+mode on CPU; compiled on a GPU in the `gpu` tests) against a float64 NumPy oracle.
+
+Every case: streams continuing with context already in the pages (old tokens) plus this call's new tokens, pages
+handed out in a shuffled order, free pages and page tails NaN-poisoned, page-table entries past a slot's pages
+pointing at other slots' pages or out of range, padding tokens past cu_seqlens[N] and zero-length padding streams
+with slot id S. Tolerances (relative RMS against float64, per stream): fp32 1e-5, bf16 / fp16 2e-2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import api
+from pallas_kernels.paged_attention.reference import build_query_blocks
+
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-2}
+CPU_BACKENDS = ("xla", "pallas_interpret")
+
+
+def rel_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
+
+
+@dataclasses.dataclass
+class Case:
+    """One prefill call: arrays for the op and the float64 inputs of the oracle, per stream."""
+    q: np.ndarray            # [T, H, Dh] (dtype-rounded values, float64)
+    k_pages: np.ndarray      # [P, Ps, Hkv, Dh] (NaN where nothing was written)
+    v_pages: np.ndarray
+    page_table: np.ndarray   # [S, W]
+    slot_lens: np.ndarray    # [S]
+    cu: np.ndarray           # [N + 1]
+    slot_ids: np.ndarray     # [N]
+    streams: list            # (slot, old, new, k [old + new, Hkv, Dh], v) per stream, float64 (slot -1: padding)
+
+    def args(self, dtype):
+        return (jnp.asarray(self.q, dtype), jnp.asarray(self.k_pages, dtype), jnp.asarray(self.v_pages, dtype),
+                jnp.asarray(self.page_table), jnp.asarray(self.slot_lens), jnp.asarray(self.cu),
+                jnp.asarray(self.slot_ids))
+
+
+def _round(x, dtype):
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+
+
+def make_case(rng, *, streams, hkv=2, group=4, dh=32, ps=16, num_slots=6, width=None, pad_tokens=3,
+              pad_streams=1, dtype=jnp.float32, num_pages=None):
+    """streams: (slot, old, new) per real stream. Builds a pool whose pages are handed out in a shuffled order,
+    with every old and new token's K/V in place (the op runs after this call's writes)."""
+    h = hkv * group
+    need = {s: -(-(o + n) // ps) for s, o, n in streams}
+    width = width or max(max(need.values()) + 2, 2)
+    num_pages = num_pages or sum(need.values()) + 5
+    k_pages = np.full((num_pages, ps, hkv, dh), np.nan)
+    v_pages = np.full((num_pages, ps, hkv, dh), np.nan)
+    order = list(rng.permutation(num_pages))
+    page_table = rng.integers(-3, num_pages + 3, (num_slots, width)).astype(np.int32)   # stale rows
+    slot_lens = rng.integers(0, 50, num_slots).astype(np.int32)                          # idle slots: stale too
+    out_streams, qs = [], []
+    owned = []
+    for s, o, n in streams:
+        pages = [order.pop() for _ in range(need[s])]
+        owned.append(pages)
+        page_table[s, :need[s]] = pages
+        slot_lens[s] = o + n
+        kk = _round(rng.standard_normal((o + n, hkv, dh)), dtype)
+        vv = _round(rng.standard_normal((o + n, hkv, dh)), dtype)
+        for pos in range(o + n):
+            k_pages[pages[pos // ps], pos % ps] = kk[pos]
+            v_pages[pages[pos // ps], pos % ps] = vv[pos]
+        out_streams.append((s, o, n, kk, vv))
+        qs.append(_round(rng.standard_normal((n, h, dh)), dtype))
+    # entries past a slot's pages point at OTHER slots' pages (finite data a leak would show) or out of range
+    for i, (s, o, n) in enumerate(streams):
+        others = [p for j, pg in enumerate(owned) if j != i for p in pg] or [0]
+        for c in range(need[s], width):
+            page_table[s, c] = rng.choice(others) if c % 2 else num_pages + c
+    lens = [n for _, _, n in streams] + [0] * pad_streams
+    ids = [s for s, _, _ in streams] + [num_slots] * pad_streams
+    for _ in range(pad_streams):
+        out_streams.append((-1, 0, 0, None, None))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = np.concatenate(qs + [_round(rng.standard_normal((pad_tokens, h, dh)), dtype)], axis=0)
+    return Case(q, k_pages, v_pages, page_table, slot_lens, cu, np.asarray(ids, np.int32), out_streams)
+
+
+def oracle(case: Case, scale: float):
+    """float64 [T, H, Dh]: causal softmax attention per stream; zeros for padding tokens."""
+    t, h, dh = case.q.shape
+    out = np.zeros((t, h, dh))
+    for i, (s, o, n, kk, vv) in enumerate(case.streams):
+        if s < 0 or n == 0:
+            continue
+        q = case.q[case.cu[i]:case.cu[i] + n]
+        g = h // kk.shape[1]
+        kr, vr = np.repeat(kk, g, axis=1), np.repeat(vv, g, axis=1)
+        sc = np.einsum("qhd,khd->hqk", q, kr) * scale
+        mask = np.arange(o + n)[None, :] <= (o + np.arange(n))[:, None]
+        sc = np.where(mask[None], sc, -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[case.cu[i]:case.cu[i] + n] = np.einsum("hqk,khd->qhd", p, vr)
+    return out
+
+
+def check_against_oracle(case, out, scale, dtype):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    ref = oracle(case, scale)
+    assert out.shape == ref.shape and np.all(np.isfinite(out))
+    tol = TOL[jnp.dtype(dtype)]
+    for i, (s, o, n, _, _) in enumerate(case.streams):
+        rows = slice(case.cu[i], case.cu[i] + n)
+        if s >= 0 and n:
+            assert rel_rms(out[rows], ref[rows]) <= tol, f"stream {i} (slot {s}, {o} old + {n} new)"
+    np.testing.assert_array_equal(out[case.cu[-1]:], 0.0)      # padding tokens: zeros
+
+
+STREAMS_ODD = [(2, 0, 1), (0, 13, 63), (5, 64, 64), (3, 0, 65), (1, 7, 130)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_odd_lengths_continued_streams(backend, dtype):
+    rng = np.random.default_rng(0)
+    case = make_case(rng, streams=STREAMS_ODD, hkv=2, group=4, dh=32, dtype=dtype)
+    scale = 32 ** -0.5
+    out = api.paged_attention(*case.args(dtype), scale=scale, backend=backend)
+    assert out.dtype == jnp.dtype(dtype)
+    check_against_oracle(case, out, scale, dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("group,hkv,dh", [(1, 3, 64), (8, 1, 32)])
+def test_prefill_gqa(backend, group, hkv, dh):
+    rng = np.random.default_rng(group)
+    case = make_case(rng, streams=[(4, 20, 33), (0, 0, 70), (1, 100, 2)], hkv=hkv, group=group, dh=dh, ps=8)
+    out = api.paged_attention(*case.args(jnp.float32), scale=0.3, backend=backend)
+    check_against_oracle(case, out, 0.3, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_prefill_fp16_and_permuted_slots(backend):
+    rng = np.random.default_rng(7)
+    case = make_case(rng, streams=[(5, 3, 17), (0, 40, 40), (2, 0, 9)], group=2, dh=32, num_slots=7,
+                     pad_streams=2, pad_tokens=0, dtype=jnp.float16)
+    out = api.paged_attention(*case.args(jnp.float16), scale=32 ** -0.5, backend=backend)
+    check_against_oracle(case, out, 32 ** -0.5, jnp.float16)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_prefill_one_program_for_any_lengths(backend):
+    """Same (T, N) and pool shapes, new lengths and contexts: same answer as the oracle, one compile."""
+    rng = np.random.default_rng(3)
+    api._prefill_jit.clear_cache()
+    for streams in ([(0, 0, 40), (1, 5, 24)], [(1, 70, 1), (0, 0, 63)]):
+        case = make_case(rng, streams=streams, group=2, dh=32, width=8, num_pages=14, pad_tokens=4)
+        out = api.paged_attention(*case.args(jnp.float32), scale=0.2, backend=backend)
+        check_against_oracle(case, out, 0.2, jnp.float32)
+    assert api._prefill_jit._cache_size() == 1
+
+
+def test_prefill_reads_no_page_outside_its_slot_under_jit():
+    """Under jit nothing is checked by value: a slot whose live page ids are out of range gets those keys masked
+    (never another slot's page, never NaN); every backend agrees on it."""
+    rng = np.random.default_rng(5)
+    case = make_case(rng, streams=[(0, 30, 10), (1, 0, 20)], group=2, dh=32, ps=8)
+    case.page_table[0, 1] = case.k_pages.shape[0] + 4        # tokens 8..15 of slot 0: no page
+    case.page_table[0, 2] = -1                                # tokens 16..23 of slot 0: no page
+    outs = {b: np.asarray(jax.jit(lambda *a, b=b: api.paged_attention(*a, scale=0.2, backend=b))(
+        *case.args(jnp.float32))) for b in CPU_BACKENDS}
+    # the oracle of the same stream with those keys absent
+    keep = np.ones(40, bool)
+    keep[8:24] = False
+    s, o, n, kk, vv = case.streams[0]
+    case.streams[0] = (s, o, n, kk, vv)
+    q = case.q[:10]
+    kr, vr = np.repeat(kk, 2, axis=1), np.repeat(vv, 2, axis=1)
+    sc = np.einsum("qhd,khd->hqk", q, kr) * 0.2
+    mask = (np.arange(40)[None, :] <= (30 + np.arange(10))[:, None]) & keep[None, :]
+    sc = np.where(mask[None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    ref = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), vr)
+    for b, out in outs.items():
+        assert np.all(np.isfinite(out)), b
+        assert rel_rms(out[:10], ref) <= 1e-5, b
+        assert rel_rms(out[10:30], oracle(case, 0.2)[10:30]) <= 1e-5, b
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------------------------
+def decode_case(rng, ctx, *, group=4, hkv=2, dh=32, ps=16, dtype=jnp.float32, pad=1):
+    """One query per stream at the last position of a slot holding ctx[i] tokens (written already)."""
+    streams = [(i, c - 1, 1) for i, c in enumerate(ctx)]
+    perm = rng.permutation(len(ctx) + 2)[:len(ctx)]               # permuted slots, two idle ones
+    streams = [(int(perm[i]), o, n) for i, (_, o, n) in enumerate(streams)]
+    return make_case(rng, streams=streams, hkv=hkv, group=group, dh=dh, ps=ps, num_slots=len(ctx) + 2,
+                     pad_tokens=0, pad_streams=pad, dtype=dtype)
+
+
+def decode_args(case, dtype):
+    q, kp, vp, pt, sl, _, ids = case.args(dtype)
+    n = ids.shape[0]
+    qd = jnp.concatenate([q, jnp.full((n - q.shape[0],) + q.shape[1:], 7.0, dtype)])   # padding streams' rows
+    return qd, kp, vp, pt, sl, ids
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_matches_f64(backend, dtype):
+    rng = np.random.default_rng(11)
+    ctx = [1, 63, 64, 65, 130, 300]
+    case = decode_case(rng, ctx, dtype=dtype)
+    out = api.paged_attention_decode(*decode_args(case, dtype), scale=0.25, backend=backend)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    ref = oracle(case, 0.25)
+    for i in range(len(ctx)):
+        assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
+    np.testing.assert_array_equal(out[len(ctx):], 0.0)               # padding stream (slot id S): zeros
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("group,hkv", [(1, 2), (8, 1)])
+def test_decode_gqa(backend, group, hkv):
+    rng = np.random.default_rng(group)
+    case = decode_case(rng, [5, 129, 64], group=group, hkv=hkv, dh=64, ps=8)
+    out = np.asarray(api.paged_attention_decode(*decode_args(case, jnp.float32), scale=0.2, backend=backend))
+    ref = oracle(case, 0.2)
+    for i in range(3):
+        assert rel_rms(out[i], ref[i]) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input: clear errors on the checked path, before anything runs
+# ----------------------------------------------------------------------------------------------------------------
+def test_checked_path_errors():
+    rng = np.random.default_rng(1)
+    case = make_case(rng, streams=[(0, 10, 20), (1, 0, 5)], group=2, dh=32, ps=8)
+    args = list(case.args(jnp.float32))
+    run = lambda a: api.paged_attention(*a, scale=0.1)             # noqa: E731
+
+    bad = [a for a in args]
+    pt = np.array(case.page_table)
+    pt[0, 1] = case.k_pages.shape[0]
+    bad[3] = jnp.asarray(pt)
+    with pytest.raises(ValueError, match=r"page_table\[0\].*outside \[0, P="):
+        run(bad)
+    bad = list(args)
+    sl = np.array(case.slot_lens)
+    sl[1] = pt.shape[1] * 8 + 1
+    bad[4] = jnp.asarray(sl)
+    with pytest.raises(ValueError, match="more than its W="):
+        run(bad)
+    sl = np.array(case.slot_lens)
+    sl[0] = 19
+    bad[4] = jnp.asarray(sl)
+    with pytest.raises(ValueError, match="stream 0 has 20 tokens but slot_lens"):
+        run(bad)
+    bad = list(args)
+    bad[5] = jnp.asarray(np.array([0, 30, 20, 20], np.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        run(bad)
+    bad = list(args)
+    bad[1] = args[1][..., :16]
+    with pytest.raises(ValueError, match="head dim"):
+        run(bad)
+    bad = list(args)
+    bad[0] = args[0][:, :3]
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        run(bad)
+    bad = list(args)
+    bad[4] = args[4].astype(jnp.float32)
+    with pytest.raises(ValueError, match="slot_lens must be an int32"):
+        run(bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api.paged_attention(*args, scale=0.1, backend="cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="backend 'pallas' cannot run here"):
+            api.paged_attention(*args, scale=0.1, backend="pallas")
+
+
+def test_supports():
+    assert api.supports(platform="gpu", dtype=jnp.bfloat16, head_dim=256, num_heads=16, num_kv_heads=2) is None
+    assert "head_dim" in api.supports(platform="gpu", dtype=jnp.bfloat16, head_dim=96, num_heads=16,
+                                      num_kv_heads=2)
+    assert "multiple" in api.supports(platform="gpu", dtype=jnp.float32, head_dim=128, num_heads=6,
+                                      num_kv_heads=4)
+    assert api.supports(platform="interpret", dtype=jnp.float32, head_dim=24, num_heads=6, num_kv_heads=2) is None
+    assert "platform" in api.supports(platform="cpu", dtype=jnp.float32, head_dim=128, num_heads=4,
+                                      num_kv_heads=2)
+
+
+def test_query_blocks_cover_every_token_once():
+    cu = jnp.asarray([0, 5, 5, 70, 71], jnp.int32)
+    ids = jnp.asarray([1, 3, 0, 4], jnp.int32)                  # slot 4 == S: padding stream with a token
+    lens = jnp.asarray([65, 9, 0, 0], jnp.int32)
+    b = build_query_blocks(cu, ids, lens, 75, 16)
+    tok0, count, klen = (np.asarray(x) for x in (b.tok0, b.count, b.klen))
+    covered = np.concatenate([np.arange(t0, t0 + c) for t0, c in zip(tok0, count)])
+    np.testing.assert_array_equal(np.sort(covered), np.arange(75))
+    assert tok0.shape == (75 // 16 + 4 + 1,)
+    live = count > 0
+    # stream 0 (slot 1, 5 tokens into 9): pos0 4; the no-slot stream and the padding tail read no key
+    assert np.asarray(b.pos0)[0] == 4 and klen[0] == 9
+    assert klen[(tok0 >= 70) & live].tolist() == [0, 0]
