@@ -25,6 +25,7 @@ import numpy as np
 from jax_gdn.config import HybridConfig
 
 _SKIP = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."))
+_INDEX = "model.safetensors.index.json"
 
 
 # ================================================================================================================
@@ -39,13 +40,37 @@ def read_hf_config(path: str) -> dict:
 
 
 def _safetensor_files(path: str) -> list:
-    index = os.path.join(path, "model.safetensors.index.json")
+    """The safetensors files of a checkpoint directory (names relative to ``path``): the shards that
+    ``model.safetensors.index.json`` maps tensors to (its ``weight_map``: tensor name -> file), else
+    ``model.safetensors``, else every ``*.safetensors`` in the directory. Raises ValueError naming the index for an
+    index that is not JSON, has no ``weight_map``, maps a tensor to something other than a file name, or names a
+    shard that is not in the directory; and for a directory without safetensors."""
+    index = os.path.join(path, _INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map.values()))
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
+        try:
+            with open(index) as f:
+                data = json.load(f)
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"load_pretrained: index {index!r} is not valid JSON: {err}") from None
+        if not isinstance(data, dict) or "weight_map" not in data:
+            raise ValueError(f"load_pretrained: index {index!r} has no 'weight_map' (tensor name -> shard file); "
+                             f"top-level keys: {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"load_pretrained: 'weight_map' of index {index!r} must be a non-empty object "
+                             f"(tensor name -> shard file), got {type(weight_map).__name__} {weight_map!r:.80}")
+        bad = sorted(k for k, v in weight_map.items() if not isinstance(v, str) or not v.endswith(".safetensors"))
+        if bad:
+            raise ValueError(f"load_pretrained: 'weight_map' of index {index!r} maps {bad[0]!r} to "
+                             f"{weight_map[bad[0]]!r}, not a .safetensors file name"
+                             + (f" ({len(bad) - 1} more like it)" if len(bad) > 1 else ""))
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+        if missing:
+            raise ValueError(f"load_pretrained: index {index!r} names shard file(s) not in the directory: "
+                             f"{missing[:4]}" + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+        return files
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
         return ["model.safetensors"]
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -61,13 +86,43 @@ def _param_dtype(name: str, dtype):
 
 def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True,
                     dtype=None) -> dict:
-    """name -> array for every tensor ``keep(name)`` accepts, over all shards (tqdm bar over shards).
+    """name -> array for every tensor ``keep(name)`` accepts, over all files of the checkpoint directory ``path``
+    (tqdm bar over shards).
+
+    The headers of all files are checked before any tensor is read; ValueError, naming the file(s) and the tensor,
+    for a kept tensor stored in two files (never silently the last one read) and for one that is not floating
+    point (integer or bool: every parameter of the model is a float, and a quantized or foreign tensor is never
+    cast silently). A file safetensors cannot open raises ValueError naming it.
 
     dtype None: NumPy arrays as stored. Else each tensor goes to the device right after it is read, cast to
     ``dtype`` (norms, A_log, dt_bias to fp32), so the host never holds more than one tensor.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
+
+    def opened(fn):
+        try:
+            return safe_open(os.path.join(path, fn), framework="np")
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"load_pretrained: {os.path.join(path, fn)!r} is not a readable safetensors file: "
+                             f"{err}") from None
+
     files = _safetensor_files(path)
+    where = {}                                         # kept tensor -> the file holding it
+    for fn in files:
+        with opened(fn) as f:
+            for key in f.keys():
+                if not keep(key):
+                    continue
+                if key in where:
+                    raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}: "
+                                     f"{where[key]!r} and {fn!r} (remove the stale one, or name each tensor's "
+                                     f"file in {_INDEX})")
+                stored = f.get_slice(key).get_dtype()      # safetensors names: F32, BF16, F16, I64, BOOL, ...
+                if not stored.startswith(("F", "BF")):
+                    raise ValueError(f"load_pretrained: tensor {key!r} in {os.path.join(path, fn)!r} is {stored}; "
+                                     f"the model's parameters are floating point (a quantized checkpoint is not "
+                                     f"supported), and it is not cast")
+                where[key] = fn
     it = files
     if progress and len(files) > 1:
         try:
@@ -77,9 +132,9 @@ def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, pro
             pass
     out = {}
     for fn in it:
-        with safe_open(os.path.join(path, fn), framework="np") as f:
+        with opened(fn) as f:
             for key in f.keys():
-                if keep(key):
+                if where.get(key) == fn:
                     x = f.get_tensor(key)
                     out[key] = x if dtype is None else jnp.asarray(x, _param_dtype(key, dtype))
     return out
