@@ -15,9 +15,14 @@ Backends: "xla" (``jax_gdn.ops.reference``), "pallas" (the GPU kernels of ``pall
 "pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "auto" (= "pallas" when
 ``jax.default_backend() == "gpu"``, else "xla").
 
+Padding contract (every backend): zero-length streams (repeated ``cu_seqlens`` entries) are allowed; tokens at
+index >= cu_seqlens[N] (cu_seqlens[N] <= T) are padding: they touch no state and their output rows are zero; a
+slot id outside [0, S) (S for a padding stream, -1, any bad traced value) names no slot: that stream starts from
+zeros and its final state is dropped; it never touches another slot.
+
 Checks (``jax_gdn.ops.validation``): shapes, ranks and dtypes always raise ``ValueError`` naming the argument and
-the expected shape. Value checks (``cu_seqlens`` starts at 0, is non-decreasing, ends at T; ``slot_ids`` in range
-and unique) run only on concrete values; under ``jax.jit`` they are skipped (use
+the expected shape. Value checks (``cu_seqlens`` starts at 0, is non-decreasing, ends at or before T; the
+``slot_ids`` inside [0, S) are distinct) run only on concrete values; under ``jax.jit`` they are skipped (use
 ``validation.checkify_cu_seqlens`` / ``checkify_slot_ids`` with ``jax.experimental.checkify`` to have them there).
 """
 from __future__ import annotations
@@ -68,7 +73,7 @@ def _check_common(q, k, v, g, beta, cu_seqlens):
     if cu_seqlens is None:
         n = b
     else:
-        n = validation.check_cu_seqlens(cu_seqlens, t, "cu_seqlens", batch=b)
+        n = validation.check_cu_seqlens(cu_seqlens, t, "cu_seqlens", batch=b, padded=True)
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     return b, t, hk, hv, dk, dv, n, cu_seqlens
 
@@ -108,7 +113,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
       q, k [B, T, Hk, K]; v [B, T, Hv, V] (o takes v's dtype); g (log-decay, fp32 or bf16), beta [B, T, Hv];
       initial_state [N, Hv, K, V] fp32 or None (zeros); cu_seqlens [N + 1] int32 or None (then N = B).
     ``cu_seqlens`` packs N sequences into one row (B == 1); each starts from ``initial_state[n]``; an empty
-    sequence's final state is its initial state. ``scale`` is a Python float (default K ** -0.5). The "xla"
+    sequence's final state is its initial state; tokens past cu_seqlens[N] are padding (output rows zero). ``scale`` is a Python float (default K ** -0.5). The "xla"
     backend cuts the row into at most T // C + N chunks on the device (no host sync, one compile per (T, N)).
     """
     backend = resolve_backend(backend)
@@ -150,15 +155,17 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
 
     Shape legend: B rows, T tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims.
       q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; cu_seqlens [N + 1] int32 or None (then N = B);
-      ssm_state [S, Hv, K, V] fp32; slot_ids [N] int32 (distinct); has_initial_state [N] bool. Sequence n starts
-    from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False, whatever the slot holds) and
-    its final state is written back to that slot; every other slot is returned unchanged. Without cu_seqlens,
+      ssm_state [S, Hv, K, V] fp32; slot_ids [N] int32 (distinct inside [0, S)); has_initial_state [N] bool.
+    Sequence n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False, whatever the
+    slot holds) and its final state is written back to that slot; every other slot is returned unchanged. An id
+    outside [0, S) (S for a padding stream, -1, a bad traced value) reads zeros and its write is dropped. Tokens
+    past cu_seqlens[N] are padding (output rows zero, no state touched). Without cu_seqlens,
     N = B. Under ``jax.jit`` donate ``ssm_state`` to update it in place.
     """
     backend = resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
-    validation.check_slot_ids(slot_ids, num_slots, n)
+    validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
     validation.check_has_initial_state(has_initial_state, n)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_gdn.ops.varlen import token_streams
+from jax_gdn.ops.varlen import gather_slots, scatter_slots, token_streams
 
 _ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
 
@@ -63,7 +63,8 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
 
     x: [T, C]; w: [C, Kc]; conv_state_pool: [S, C, Kc - 1]; cu_seqlens: [N + 1] int32 (stream n owns tokens
     cu_seqlens[n]:cu_seqlens[n+1]; cu_seqlens[N] <= T, tokens past it are padding and give y = 0);
-    slot_ids: [N] int32 (distinct); has_initial_state: [N] bool.
+    slot_ids: [N] int32 (distinct inside [0, S); an id outside [0, S) names no slot: that stream starts from zeros
+    and its new state is dropped, e.g. S for a zero-length padding stream); has_initial_state: [N] bool.
     Returns (y [T, C] in x.dtype, new pool [S, C, Kc - 1]): the slots of the N streams are rewritten, others kept.
     One gather per tap; no host sync, traceable with T and N static.
     """
@@ -89,7 +90,7 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     cu = cu_seqlens.astype(jnp.int32)
     has_init = jnp.asarray(has_initial_state, bool)
     # ---- previous inputs of each stream: its slot's conv state, zeros when fresh (NaN-safe select) ----
-    prev = jnp.where(has_init[:, None, None], conv_state_pool[slot_ids].astype(jnp.float32), 0.0)  # [N, C, Kc-1]
+    prev = gather_slots(conv_state_pool, slot_ids, has_init).astype(jnp.float32)                  # [N, C, Kc-1]
     x32 = x.astype(jnp.float32)
 
     # ---- each token: its stream and position inside it ----
@@ -118,5 +119,5 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     state_col = jnp.clip(p[None, :] + lens[:, None], 0, kc - 2)                                    # [N, Kc-1]
     from_state = jnp.take_along_axis(prev, jnp.broadcast_to(state_col[:, None, :], prev.shape), axis=2)
     new_states = jnp.where((v >= 0)[:, None, :], from_x, from_state)
-    pool = conv_state_pool.at[slot_ids].set(new_states.astype(conv_state_pool.dtype))
+    pool = scatter_slots(conv_state_pool, slot_ids, new_states)          # ids outside [0, S): write dropped
     return y, pool

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_gdn.ops.norms import l2norm
-from jax_gdn.ops.varlen import build_chunk_map, token_streams
+from jax_gdn.ops.varlen import build_chunk_map, gather_slots, scatter_slots, token_streams
 
 __all__ = ["l2norm", "recurrent_gated_delta_rule_xla", "chunk_gated_delta_rule_xla",
            "chunk_gated_delta_rule_slots_xla"]
@@ -36,6 +36,12 @@ _F32 = jnp.float32
 
 def _einsum(spec: str, *xs: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *xs, precision=_HI, preferred_element_type=_F32)
+
+
+def _zero_padding_tokens(x: jax.Array, cu_seqlens: jax.Array, total_len: int, axis: int) -> jax.Array:
+    """Zeros the rows of ``x`` along ``axis`` (the packed token axis) at index >= cu_seqlens[N] (padding)."""
+    valid = jnp.arange(total_len, dtype=jnp.int32) < cu_seqlens[-1].astype(jnp.int32)
+    return jnp.where(valid.reshape((total_len,) + (1,) * (x.ndim - axis - 1)), x, 0)
 
 
 def _segments(cu_seqlens: jax.Array, total_len: int):
@@ -99,6 +105,7 @@ def recurrent_gated_delta_rule_xla(q, k, v, g, beta, *, scale: float, initial_st
         state0 = jnp.zeros((1, hk, r, dk, dv), _F32)
         (_, final), o = lax.scan(step, (state0, init), (qs, ks, vs, gs, bs, seq, first, last))
         final = final.reshape(n, hv, dk, dv)                     # an empty sequence keeps its initial state
+        o = _zero_padding_tokens(o, cu_seqlens, t, axis=0)
     o = jnp.moveaxis(o, 0, 1).reshape(b, t, hv, dv).astype(v.dtype)
     return o, (final if output_final_state else None)
 
@@ -236,6 +243,7 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, *, scale: float, initial_state=
         o, final = _chunk_core(*(to_chunks(x) for x in (qf, kf, vf, gf, bf)), init, scale=scale,
                                varlen=(cmap.chunk_first, cmap.chunk_last, cmap.chunk_seq))
         o = o[0][cmap.token_chunk, cmap.token_offset].reshape(1, t, hv, dv)      # back to token order
+        o = _zero_padding_tokens(o, cu_seqlens, t, axis=1)                       # tokens past cu[N]: zeros
     o = o.astype(v.dtype)
     return o, (final.reshape(n, hv, dk, dv) if output_final_state else None)
 
@@ -246,10 +254,11 @@ def chunk_gated_delta_rule_slots_xla(q, k, v, g, beta, *, scale: float, ssm_stat
     """Chunked gated delta rule over a slot pool ssm_state [S, Hv, K, V] fp32.
 
     Sequence n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False) and its final
-    state is written back there; other slots are unchanged. slot_ids, has_initial_state [N]; N = B without
-    cu_seqlens. Returns (o [B, T, Hv, V] in v's dtype, new ssm_state [S, Hv, K, V]).
+    state is written back there; other slots are unchanged. An id outside [0, S) reads zeros and its write is
+    dropped. slot_ids, has_initial_state [N]; N = B without cu_seqlens. Returns (o [B, T, Hv, V] in v's dtype,
+    new ssm_state [S, Hv, K, V]).
     """
-    init = jnp.where(has_initial_state[:, None, None, None], ssm_state[slot_ids], 0.0)   # [N, Hv, K, V]
+    init = gather_slots(ssm_state, slot_ids, has_initial_state)                          # [N, Hv, K, V]
     o, final = chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=cu_seqlens,
                                           output_final_state=True, chunk_size=chunk_size)
-    return o, ssm_state.at[slot_ids].set(final)
+    return o, scatter_slots(ssm_state, slot_ids, final)

@@ -3,6 +3,10 @@
 Shape legend: B batch, T tokens, N sequences (streams), S slots, Hk key heads, Hv value heads (Hv % Hk == 0),
 K key head dim, V value head dim.
 
+The ops follow the library's padding contract: they call ``check_cu_seqlens(..., padded=True)`` (cu[N] <= T:
+tokens past cu[N] are padding) and ``check_slot_ids(..., allow_no_slot=True)`` (an id outside [0, S) names no
+slot). Zero-length streams are always allowed. The defaults stay strict for callers that want exact packing.
+
 Two kinds of checks:
   * static checks (ranks, shapes, dtypes): always run, also under ``jax.jit``, and raise ``ValueError`` naming the
     argument and the expected shape;
@@ -107,11 +111,14 @@ def check_qkvgb(q, k, v, g, beta) -> tuple[int, int, int, int, int, int, int]:
     return b, t, hk, hv, dk, dv, hv // hk
 
 
-def check_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens", *, batch: Optional[int] = None) -> int:
-    """Checks ``cu_seqlens`` [N + 1] int (and, when concrete, 0 = cu[0] <= cu[1] <= ... <= cu[N] = total_len).
+def check_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens", *, batch: Optional[int] = None,
+                     padded: bool = False) -> int:
+    """Checks ``cu_seqlens`` [N + 1] int and, when concrete, 0 = cu[0] <= cu[1] <= ... <= cu[N] = total_len.
 
-    ``batch`` (when given) must be 1: packed sequences live in one row. Returns N.
-    Under tracing only the shape and dtype are checked (see the module docstring).
+    Zero-length streams (repeated entries) are always allowed. ``padded=True`` (the padding contract of the
+    library: the gated delta rule ops and conv1d) also allows cu[N] < total_len: tokens at index >= cu[N] are
+    padding and belong to no stream. ``batch`` (when given) must be 1: packed sequences live in one row.
+    Returns N. Under tracing only the shape and dtype are checked (see the module docstring).
     """
     shape = _shape(cu_seqlens)
     if len(shape) != 1 or shape[0] < 2:
@@ -126,7 +133,10 @@ def check_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens", *, ba
             raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
         if np.any(np.diff(cu) < 0):
             raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-        if cu[-1] != total_len:
+        if padded and cu[-1] > total_len:
+            raise ValueError(f"{name} must end at or before the token count T = {total_len} (tokens past "
+                             f"{name}[N] are padding), got {name}[-1] = {cu[-1]}")
+        if not padded and cu[-1] != total_len:
             raise ValueError(f"{name} must end at the token count T = {total_len}, got {name}[-1] = {cu[-1]}")
     return shape[0] - 1
 
@@ -152,8 +162,14 @@ def check_ssm_state_pool(ssm_state, hv: int, dk: int, dv: int, name: str = "ssm_
     return shape[0]
 
 
-def check_slot_ids(slot_ids, num_slots: int, num_seqs: Optional[int] = None, name: str = "slot_ids") -> None:
-    """Checks ``slot_ids`` [N] int (and, when concrete, 0 <= id < num_slots and no id repeated)."""
+def check_slot_ids(slot_ids, num_slots: int, num_seqs: Optional[int] = None, name: str = "slot_ids", *,
+                   allow_no_slot: bool = False) -> None:
+    """Checks ``slot_ids`` [N] int and, when concrete, 0 <= id < num_slots with no id repeated.
+
+    ``allow_no_slot=True`` (the padding contract, used by the ops): an id outside [0, num_slots) (negative or
+    >= S, e.g. S for a padding stream) means "no slot": the stream starts from zeros and its final state is
+    dropped. Such ids may repeat; ids inside [0, S) must still be distinct.
+    """
     shape = _shape(slot_ids)
     if len(shape) != 1 or (num_seqs is not None and shape[0] != num_seqs):
         expected = "[N]" if num_seqs is None else f"[N] = [{num_seqs}]"
@@ -162,9 +178,11 @@ def check_slot_ids(slot_ids, num_slots: int, num_seqs: Optional[int] = None, nam
         raise ValueError(f"{name} must be an integer array (int32) of shape [N], got dtype {_dtype(slot_ids)}")
     ids = concrete_value(slot_ids)
     if ids is not None and ids.size:
-        if ids.min() < 0 or ids.max() >= num_slots:
+        inside = (ids >= 0) & (ids < num_slots)
+        if not allow_no_slot and not inside.all():
             raise ValueError(f"{name} must lie in [0, {num_slots}) (S = {num_slots} slots), got {ids.tolist()}")
-        if len(np.unique(ids)) != ids.size:
+        real = ids[inside]
+        if len(np.unique(real)) != real.size:
             raise ValueError(f"{name} must not repeat a slot (two streams cannot share one state), "
                              f"got {ids.tolist()}")
 
@@ -180,10 +198,11 @@ def check_has_initial_state(has_initial_state, num_seqs: int, name: str = "has_i
 # ---------------------------------------------------------------------------------------------------------------
 # Value checks under jit, via checkify
 # ---------------------------------------------------------------------------------------------------------------
-def checkify_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens") -> None:
+def checkify_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens", *, padded: bool = False) -> None:
     """Value checks of ``cu_seqlens`` that also work under ``jit``, through ``jax.experimental.checkify``.
 
-    Call it inside the function you transform::
+    ``padded`` as in :func:`check_cu_seqlens` (cu[N] <= T instead of == T). Call it inside the function you
+    transform::
 
         def f(q, k, v, g, beta, cu):
             checkify_cu_seqlens(cu, q.shape[1])
@@ -194,13 +213,22 @@ def checkify_cu_seqlens(cu_seqlens, total_len: int, name: str = "cu_seqlens") ->
     cu = jnp.asarray(cu_seqlens)
     checkify.check(cu[0] == 0, f"{name} must start at 0, got {name}[0] = {{x}}", x=cu[0])
     checkify.check(jnp.all(cu[1:] >= cu[:-1]), f"{name} must be non-decreasing")
-    checkify.check(cu[-1] == total_len, f"{name} must end at the token count T = {total_len}, got {{x}}",
-                   x=cu[-1])
+    if padded:
+        checkify.check(cu[-1] <= total_len, f"{name} must end at or before the token count T = {total_len}, "
+                       f"got {{x}}", x=cu[-1])
+    else:
+        checkify.check(cu[-1] == total_len, f"{name} must end at the token count T = {total_len}, got {{x}}",
+                       x=cu[-1])
 
 
-def checkify_slot_ids(slot_ids, num_slots: int, name: str = "slot_ids") -> None:
-    """Value checks of ``slot_ids`` (range, no repeat) under ``jit`` through ``checkify`` (see checkify_cu_seqlens)."""
+def checkify_slot_ids(slot_ids, num_slots: int, name: str = "slot_ids", *, allow_no_slot: bool = False) -> None:
+    """Value checks of ``slot_ids`` (range unless ``allow_no_slot``, no repeat inside [0, S)) under ``jit`` through
+    ``checkify`` (see checkify_cu_seqlens)."""
     ids = jnp.asarray(slot_ids)
-    checkify.check(jnp.all((ids >= 0) & (ids < num_slots)), f"{name} must lie in [0, {num_slots})")
-    srt = jnp.sort(ids)
+    inside = (ids >= 0) & (ids < num_slots)
+    if not allow_no_slot:
+        checkify.check(jnp.all(inside), f"{name} must lie in [0, {num_slots})")
+    # out-of-range ids may repeat: give each a distinct value below every real id before the sort
+    keyed = jnp.where(inside, ids, -1 - jnp.arange(ids.shape[0], dtype=ids.dtype))
+    srt = jnp.sort(keyed)
     checkify.check(jnp.all(srt[1:] != srt[:-1]), f"{name} must not repeat a slot")

@@ -5,7 +5,11 @@ sequences. The total number of chunks is at most ``T // C + N`` (sum of ceil(L_i
 a static bound: one compiled program serves any lengths with the same T and N. Chunk slots past the real count
 are padding (``chunk_len == 0``).
 
-Shape legend: T packed tokens, N sequences, C chunk size, NC = T // C + N chunk slots.
+Padding contract: tokens at index >= cu_seqlens[N] are padding (they belong to no stream and to no chunk);
+zero-length streams have no chunks; a slot id outside [0, S) names no slot (``gather_slots`` reads zeros for it,
+``scatter_slots`` drops its write).
+
+Shape legend: T packed tokens, N sequences, S slots, C chunk size, NC = T // C + N chunk slots.
 """
 from __future__ import annotations
 
@@ -50,6 +54,31 @@ def token_streams(cu_seqlens: jax.Array, total_len: int) -> tuple[jax.Array, jax
     t = jnp.arange(total_len, dtype=jnp.int32)
     stream = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
     return stream, t - cu[stream]
+
+
+def slot_mask(slot_ids: jax.Array, num_slots: int) -> jax.Array:
+    """[N] bool: which ids name a slot of the pool (0 <= id < S). Any other id (negative, >= S, a bad traced
+    value) means "no slot": the stream starts from zeros and its write is dropped (never wrapped, never clamped)."""
+    ids = jnp.asarray(slot_ids).astype(jnp.int32)
+    return (ids >= 0) & (ids < num_slots)
+
+
+def gather_slots(pool: jax.Array, slot_ids: jax.Array, has_initial_state: jax.Array) -> jax.Array:
+    """Start states [N, ...] from pool [S, ...]: pool[slot_ids[n]], zeros where has_initial_state[n] is False or
+    the id names no slot (a NaN-safe select, never a multiply)."""
+    pool, slot_ids = jnp.asarray(pool), jnp.asarray(slot_ids)
+    ok = slot_mask(slot_ids, pool.shape[0])
+    safe = jnp.clip(slot_ids.astype(jnp.int32), 0, pool.shape[0] - 1)
+    ok = ok & jnp.asarray(has_initial_state).astype(bool)
+    return jnp.where(ok.reshape((-1,) + (1,) * (pool.ndim - 1)), pool[safe], jnp.zeros((), pool.dtype))
+
+
+def scatter_slots(pool: jax.Array, slot_ids: jax.Array, values: jax.Array) -> jax.Array:
+    """pool with pool[slot_ids[n]] = values[n] for the ids that name a slot; writes of other ids are dropped."""
+    pool = jnp.asarray(pool)
+    s = pool.shape[0]
+    ids = jnp.where(slot_mask(slot_ids, s), jnp.asarray(slot_ids).astype(jnp.int32), s)   # S: dropped
+    return pool.at[ids].set(jnp.asarray(values).astype(pool.dtype), mode="drop")
 
 
 def max_chunks(total_len: int, num_seqs: int, chunk_size: int) -> int:

@@ -161,6 +161,10 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
         has_initial_state=has_initial_state.astype(jnp.int32), chunk_start=start, chunk_len=length,
         seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size, interpret=interpret,
         config=launch_config(vdim, n * hv, v.dtype))
+    if cu_seqlens is not None and tt > 0:
+        # tokens past cu_seqlens[N] are padding: no chunk holds them, so no program stored their rows
+        o = _triton.zero_tail(o, cu_seqlens[-1:].astype(jnp.int32), total=tt, chunk=chunk_size,
+                              interpret=interpret)
     o = o[:tt].reshape(b, t, hv, vdim)
     return o, new_pool
 

@@ -198,9 +198,12 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has
     slot = slot_ref[n]
     first = first_ref[n]
     count = nchunks_ref[n]
+    # an id outside [0, S) names no slot: read zeros, drop the write (never wrap, never clamp onto a slot)
+    in_pool = (slot >= 0) & (slot < pool_in_ref.shape[0])
+    read_slot = jnp.clip(slot, 0, pool_in_ref.shape[0] - 1)
 
-    s0 = pool_in_ref[slot, h, :, vs].astype(jnp.float32)                        # [K, BV]
-    s0 = jnp.where(has_ref[n] != 0, s0, 0.0)                                    # never multiply a stale slot
+    s0 = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                   # [K, BV]
+    s0 = jnp.where((has_ref[n] != 0) & in_pool, s0, 0.0)                        # never multiply a stale slot
 
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     # A sequence's chunks are consecutive slots covering consecutive tokens: read its start and length once, so
@@ -231,7 +234,39 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has
         return jnp.exp(glast) * s + _dot(kc, vd, ta=True, precision=precision)
 
     s = lax.fori_loop(0, count, body, s0)
-    pool_out_ref[slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+    @pl.when(in_pool)
+    def _():
+        pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+
+def _zero_tail_kernel(cu_last_ref, o_in_ref, o_ref, *, chunk, total):
+    """Zeros rows [cu_last, total) of o (padding tokens, which no state-pass program stores); programs whose block
+    of rows holds no padding store nothing."""
+    i = pl.program_id(0)
+    h = pl.program_id(1)
+    cu_last = cu_last_ref[0]
+    vdim = o_ref.shape[-1]
+    rows = i * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    @pl.when((i + 1) * chunk > cu_last)
+    def _():
+        pad = jnp.broadcast_to(((rows >= cu_last) & (rows < total))[:, None], (chunk, vdim))
+        plgpu.store(o_ref.at[pl.ds(i * chunk, chunk), h, :], jnp.zeros((chunk, vdim), o_ref.dtype), mask=pad)
+
+
+def zero_tail(o, cu_last, *, total, chunk, interpret):
+    """o [T', Hv, V] with rows cu_last <= row < total (cu_last int32 [1]; total <= T' static) set to zero, in place
+    (o is aliased). Blocks of ``chunk`` rows start below ``total``, so with T' >= total + chunk - 1 (the interpret
+    padding) no block runs past the end."""
+    hv = o.shape[1]
+    call = pl.pallas_call(
+        functools.partial(_zero_tail_kernel, chunk=chunk, total=total),
+        grid=(pl.cdiv(total, chunk), hv),
+        out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
+        input_output_aliases={1: 0},
+        compiler_params=_compiler_params(4, 1), interpret=interpret, name="gdn_zero_tail")
+    return call(cu_last, o)
 
 
 # ----------------------------------------------------------------------------------------------------------------

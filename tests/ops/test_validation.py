@@ -55,8 +55,8 @@ def test_bad_shapes_and_dtypes(name, xs, match):
     (jnp.asarray([0.0, 12.0]), r"cu_seqlens must be an integer array"),
     (jnp.asarray([1, 12], jnp.int32), r"cu_seqlens must start at 0"),
     (jnp.asarray([0, 8, 4, 12], jnp.int32), r"cu_seqlens must be non-decreasing"),
-    (jnp.asarray([0, 4, 11], jnp.int32), r"cu_seqlens must end at the token count T = 12"),
-    (np.asarray([0, 4, 13]), r"cu_seqlens must end at the token count T = 12"),
+    (jnp.asarray([0, 4, 13], jnp.int32), r"cu_seqlens must end at or before the token count T = 12"),
+    (np.asarray([0, 4, 13]), r"cu_seqlens must end at or before the token count T = 12"),
 ])
 def test_bad_cu_seqlens(cu, match):
     for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
@@ -97,10 +97,8 @@ def test_bad_slots_arguments():
         call(pool=pool.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"slot_ids must have shape \[N\] = \[2\]"):
         call(ids=jnp.asarray([0, 1, 2], jnp.int32))
-    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 3\)"):
-        call(ids=jnp.asarray([3, 0], jnp.int32))
-    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 3\)"):
-        call(ids=jnp.asarray([-1, 0], jnp.int32))
+    call(ids=jnp.asarray([3, 0], jnp.int32))     # padding contract: an id outside [0, S) names no slot
+    call(ids=jnp.asarray([-1, -1], jnp.int32))   # and may repeat
     with pytest.raises(ValueError, match="slot_ids must not repeat"):
         call(ids=jnp.asarray([1, 1], jnp.int32))
     with pytest.raises(ValueError, match="slot_ids must be an integer array"):
