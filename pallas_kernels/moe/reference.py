@@ -41,6 +41,19 @@ def num_row_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) 
     return -(-m // block_m) + min(num_experts, m)
 
 
+def sort_by_expert(flat_e: jax.Array, num_experts: int):
+    """(order, sorted_e): the copies sorted by expert, ties in copy order (a stable sort).
+
+    When E * M < 2**31 the key ``e * M + copy`` is sorted alone: one int32 operand (XLA:GPU sorts that with a
+    radix sort), and order / expert come back from the key; otherwise a stable two-operand argsort."""
+    m = flat_e.shape[0]
+    if num_experts * m < 2 ** 31:
+        key = lax.sort(flat_e * m + jnp.arange(m, dtype=jnp.int32))
+        return key % m, key // m
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+    return order, flat_e[order]
+
+
 def moe_align(top_w: jax.Array, top_i: jax.Array, num_experts: int, block_m: int) -> MoeLayout:
     """Sorts the T*k token copies by expert and pads each expert's run to a multiple of block_m (see module doc).
 
@@ -52,8 +65,7 @@ def moe_align(top_w: jax.Array, top_i: jax.Array, num_experts: int, block_m: int
     nb = num_row_blocks(t, k, e, block_m)
     mp = nb * block_m
     flat_e = top_i.reshape(-1).astype(jnp.int32)                            # [M]
-    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)              # sorted row -> copy index
-    sorted_e = flat_e[order]                                                # [M]
+    order, sorted_e = sort_by_expert(flat_e, e)                             # sorted row -> copy index, expert
     counts = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)                   # [E]
     blocks = (counts + block_m - 1) // block_m                              # [E] blocks per expert
     pstart = (jnp.cumsum(blocks) - blocks) * block_m                        # [E] first padded row

@@ -2,12 +2,12 @@
 
 Two pallas_calls over the padded sorted rows of ``reference.moe_align`` (vLLM fused_moe / MegaBlocks design):
 
-1. ``gate_up_silu``  grid (NB, I / BN): row block b reads its expert e = block_expert[b] (E: past the live rows,
+1. ``gate_up_silu``  programs (NB, I / BN) (launched column blocks fastest, see ``_grid``): row block b reads its expert e = block_expert[b] (E: past the live rows,
    the program does nothing), gathers its BM token rows of x (padding rows load zeros), and accumulates the gate
    and up column blocks [BM, BN] of x @ w_gate_up[e] in fp32 over D in steps of BK; the epilogue writes
    h = silu(gate) * up in x's dtype.
        h [Mp, I]
-2. ``down_weighted`` grid (NB, D / BN): y = (h[rows] @ w_down[e]) * row_weight[rows] (fp32 accumulation over I
+2. ``down_weighted`` programs (NB, D / BN): y = (h[rows] @ w_down[e]) * row_weight[rows] (fp32 accumulation over I
    in steps of BK, the routing weight fused in the epilogue); padding rows load h as zeros (whatever the buffer
    holds: NaN there never leaks) and carry weight 0.
        y [Mp, D]
@@ -45,6 +45,17 @@ class MoeConfig:
     down_k: int = 64
     down_warps: int = 4
     down_stages: int = 4
+    columns_fastest: bool = True
+
+
+def _grid(num_row_blocks: int, num_col_blocks: int, columns_fastest: bool):
+    """Launch grid and the (row block, column block) program ids. Pallas Triton launches grid axis 0 as CUDA's
+    fastest axis: columns fastest puts the column blocks of one row block side by side in time, so that its
+    rows (gathered x, h) are read from HBM once and then served by L2, and neighbouring row blocks (mostly of
+    one expert) share the expert's weight tiles in L2."""
+    if columns_fastest:
+        return (num_col_blocks, num_row_blocks), lambda: (pl.program_id(1), pl.program_id(0))
+    return (num_row_blocks, num_col_blocks), lambda: (pl.program_id(0), pl.program_id(1))
 
 
 def fit_block(dim: int, pref: int) -> int:
@@ -53,6 +64,14 @@ def fit_block(dim: int, pref: int) -> int:
     while b * 2 <= pref and dim % (b * 2) == 0:
         b *= 2
     return b if b >= 16 else dim
+
+
+SMEM_BYTES = 220 * 1024   # H200: 227 KiB of shared memory per block, minus Triton's scratch
+
+
+def fit_stages(stages: int, per_stage_bytes: int) -> int:
+    """Pipeline depth that fits shared memory: Triton buffers (stages - 1) copies of one step's tiles."""
+    return max(1, min(stages, 1 + SMEM_BYTES // per_stage_bytes))
 
 
 def _precision(dtype):
@@ -65,9 +84,8 @@ def _dot(a, b, precision):
 
 
 def _gate_up_kernel(be_ref, tok_ref, x_ref, w_ref, h_ref, *, num_experts, num_tokens, block_m, bn, bk,
-                    precision):
-    b = pl.program_id(0)
-    n = pl.program_id(1)
+                    precision, pids):
+    b, n = pids()
     e = be_ref[b]
     inter = h_ref.shape[1]
     d = x_ref.shape[1]
@@ -96,9 +114,8 @@ def _gate_up_kernel(be_ref, tok_ref, x_ref, w_ref, h_ref, *, num_experts, num_to
 
 
 def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, y_ref, *, num_experts, num_tokens, block_m, bn, bk,
-                 precision):
-    b = pl.program_id(0)
-    n = pl.program_id(1)
+                 precision, pids):
+    b, n = pids()
     e = be_ref[b]
     inter = h_ref.shape[1]
 
@@ -127,12 +144,15 @@ def gate_up_silu(x, w_gate_up, block_expert, row_token, *, config: MoeConfig, in
     nb = block_expert.shape[0]
     bm = config.block_m
     bn, bk = fit_block(inter, config.gate_up_n), fit_block(d, config.gate_up_k)
+    grid, pids = _grid(nb, inter // bn, config.columns_fastest)
     call = pl.pallas_call(
         functools.partial(_gate_up_kernel, num_experts=e, num_tokens=t, block_m=bm, bn=bn, bk=bk,
-                          precision=_precision(x.dtype)),
-        grid=(nb, inter // bn),
+                          precision=_precision(x.dtype), pids=pids),
+        grid=grid,
         out_shape=jax.ShapeDtypeStruct((nb * bm, inter), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=config.gate_up_warps, num_stages=config.gate_up_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.gate_up_warps,
+            num_stages=fit_stages(config.gate_up_stages, (bm * bk + 2 * bk * bn) * x.dtype.itemsize)),
         interpret=interpret, name="moe_gate_up_silu")
     return call(block_expert, row_token, x, w_gate_up)
 
@@ -144,11 +164,14 @@ def down_weighted(h, w_down, block_expert, row_token, row_weight, *, num_tokens:
     nb = block_expert.shape[0]
     bm = config.block_m
     bn, bk = fit_block(d, config.down_n), fit_block(inter, config.down_k)
+    grid, pids = _grid(nb, d // bn, config.columns_fastest)
     call = pl.pallas_call(
         functools.partial(_down_kernel, num_experts=e, num_tokens=num_tokens, block_m=bm, bn=bn, bk=bk,
-                          precision=_precision(h.dtype)),
-        grid=(nb, d // bn),
+                          precision=_precision(h.dtype), pids=pids),
+        grid=grid,
         out_shape=jax.ShapeDtypeStruct((nb * bm, d), h.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=config.down_warps, num_stages=config.down_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.down_warps,
+            num_stages=fit_stages(config.down_stages, (bm * bk + bk * bn) * h.dtype.itemsize)),
         interpret=interpret, name="moe_down_weighted")
     return call(block_expert, row_token, row_weight, h, w_down)

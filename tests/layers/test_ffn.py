@@ -1,5 +1,6 @@
 """FFN blocks: SwiGLU MLP and the sparse MoE (fp32 router, top-k, renormalisation, grouped experts, gated
-shared expert) against a float64 NumPy loop over experts, and the MoE block against HF's Qwen3NextSparseMoeBlock."""
+shared expert) against a float64 NumPy loop over experts, and the MoE block against HF's Qwen3NextSparseMoeBlock
+(each MoE backend). The kernels themselves are tested in tests/pallas_kernels/test_moe.py."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
+from jax_gdn.layers.ffn import resolve_moe_backend, sparse_moe, swiglu_mlp
 from tests.numpy_reference import rel_rms
 
 
@@ -69,7 +70,8 @@ def test_swiglu_mlp_matches_f64():
     assert rel_rms(np.asarray(out), _mlp_f64(p, x)) <= 2e-4
 
 
-def test_sparse_moe_matches_hf_block():
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret", "auto"])
+def test_sparse_moe_matches_hf_block(backend):
     torch = pytest.importorskip("torch")
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
@@ -93,5 +95,17 @@ def test_sparse_moe_matches_hf_block():
               "shared_expert": {"gate_proj": lin(se.gate_proj), "up_proj": lin(se.up_proj),
                                 "down_proj": lin(se.down_proj)},
               "shared_expert_gate": lin(blk.shared_expert_gate)}
-    out = sparse_moe(params, jnp.asarray(x[0].numpy()), top_k=2, norm_topk_prob=True)
+    out = sparse_moe(params, jnp.asarray(x[0].numpy()), top_k=2, norm_topk_prob=True, backend=backend)
     assert rel_rms(np.asarray(out), ref) <= 2e-4
+
+
+def test_auto_backend_resolution():
+    """"auto" is pallas only where the Pallas MoE supports the platform and dims, else xla."""
+    x = jnp.zeros((3, 32), jnp.bfloat16)
+    w = jnp.zeros((4, 32, 64), jnp.bfloat16)
+    want = "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+    assert resolve_moe_backend("auto", x, w) == want
+    assert resolve_moe_backend("auto", x, jnp.zeros((4, 32, 48), jnp.bfloat16)) == "xla"    # I = 24
+    assert resolve_moe_backend("pallas_interpret", x, w) == "pallas_interpret"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_moe_backend("mosaic", x, w)
