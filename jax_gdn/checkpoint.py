@@ -6,8 +6,9 @@ qwen3_5 / qwen3_5_moe (multimodal: the text part under ``model.language_model.*`
 ``model.visual.*`` skipped), qwen3_5_text / qwen3_5_moe_text (``model.*``). ``mtp.*`` is always skipped.
 
 Errors name the tensor or field: unknown model_type, a missing or unexpected tensor, a shape not matching the
-config. Parameters come out in the layout of jax_gdn.model (weights transposed to [in, out], the fused Qwen3-Next
-projections split and de-interleaved into q | k | v, z, b, a).
+config. Parameters come out as one block dict per layer (jax_gdn.layers.block: input_norm, mixer, post_norm, ffn),
+attention and FFN weights transposed to [in, out]; the GDN mixer keeps HF's names and [out, in] layout (the layer
+de-interleaves the fused Qwen3-Next projections itself).
 
 Shape legend: D hidden, Vocab vocabulary, E experts, I (moe_)intermediate, Hk/Hv GDN key/value heads, K/V GDN head
 dims, H/Hkv attention heads, Dh attention head dim, C conv channels, Kc conv kernel.
@@ -166,14 +167,14 @@ class _Tensors:
         return x
 
 
-def _gdn_params(t: _Tensors, p: str, c: HybridConfig, input_layernorm: np.ndarray) -> dict:
-    """The parameter dict of jax_gdn.layers.gdn (HF names and torch [out, in] layouts, conv squeezed to [C, Kc],
-    the layer's input RMSNorm included)."""
+def _gdn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
+    """The GDN block's mixer: jax_gdn.layers.gdn params without ``input_layernorm`` (which is the block's
+    input_norm); HF names and torch [out, in] layouts, conv squeezed to [C, Kc]."""
     d = c.hidden_size
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     conv_dim = 2 * hk * dk + hv * dv
-    out = {"input_layernorm": input_layernorm}
+    out = {}
     if c.gdn_layout == "qwen3_next":
         out["in_proj_qkvz"] = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d))
         out["in_proj_ba"] = t.get(p + "in_proj_ba.weight", (2 * hv, d))
@@ -234,8 +235,9 @@ def _text_prefix(sd: dict, config: HybridConfig) -> str:
 
 
 def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtype=jnp.bfloat16) -> dict:
-    """HF-named tensors -> the params pytree of jax_gdn.model (jnp arrays: weights in ``dtype``, norms, A_log and
-    dt_bias in fp32). Raises ValueError naming a missing, unexpected or mis-shaped tensor. ``sd`` is not modified
+    """HF-named tensors -> {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (the block layout
+    of jax_gdn.layers.block; HybridModel stacks the layers once) as jnp arrays: weights in ``dtype``, norms, A_log
+    and dt_bias in fp32. Raises ValueError naming a missing, unexpected or mis-shaped tensor. ``sd`` is not modified
     (a shallow copy is consumed)."""
     sd = {k: v for k, v in sd.items() if not any(rx.match(k) for rx in _SKIP)}
     prefix = _text_prefix(sd, config)
@@ -251,12 +253,12 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
     layers = []
     for i, kind in enumerate(c.layer_types):
         p = f"{prefix}layers.{i}."
-        input_norm = t.get(p + "input_layernorm.weight", (d,))
-        layer = {"post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
-        if kind == "linear_attention":   # the GDN layer owns its input norm and residual
-            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c, input_norm)
+        # one block layout for both mixers (jax_gdn.layers.block): the block owns both norms and residuals
+        layer = {"input_norm": t.get(p + "input_layernorm.weight", (d,)),
+                 "post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
+        if kind == "linear_attention":
+            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c)
         else:
-            layer["input_norm"] = input_norm
             layer["mixer"] = _attn_params(t, p + "self_attn.", c)
         if c.layer_is_moe(i):
             layer["ffn"] = _moe_params(t, p + "mlp.", c)

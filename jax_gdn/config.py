@@ -82,7 +82,7 @@ class AttnDims:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Whole hybrid model (appended by the MODEL workstream)
+# Whole hybrid model
 # ----------------------------------------------------------------------------------------------------------------
 
 #: model_type values load_pretrained understands, and the GDN projection layout each one uses.

@@ -1,61 +1,86 @@
-"""HybridModel: a Qwen3-Next / Qwen3.5 decoder (GDN + gated attention layers) over one cache pytree.
+"""HybridModel: a Qwen3-Next / Qwen3.5 decoder (GDN + gated attention blocks) over one cache pytree.
 
 Shape legend: T stacked tokens of all streams in one call, N streams in the call, S slots (max_seqs), D hidden
-size, Vocab vocabulary, P KV pages in the pool, Ps tokens per page, A = min(P, T // Ps + N) pages a call can
-allocate at most.
+size, Vocab vocabulary, P KV pages in the pool, Ps tokens per page, W pages per slot (ceil(max_seq_len / Ps)),
+Lg / La GDN / attention layers, R repeats of the layer pattern, Tb / Nb the bucketed T / N.
 
-    model = load_pretrained(path, dtype=jnp.bfloat16)            # or HybridModel(config, params)
-    cache = model.init_cache(max_seqs=8, max_tokens=4096, page_size=16)
+    model = load_pretrained(path, dtype=jnp.bfloat16)            # or HybridModel(config, params), HybridModel.random
+    cache = model.init_cache(max_seqs=8, max_tokens=4096, page_size=16, max_seq_len=None)
     logits, cache = model.prefill(cache, input_ids, cu_seqlens, slot_ids, return_all_logits=False)
     logits, cache = model.decode(cache, input_ids, slot_ids)
     cache = model.release(cache, slot_ids)
+    model.check(cache)                                            # raises OutOfKvPagesError if a step was refused
 
 - prefill: input_ids int [T] (the stacked tokens of N streams), cu_seqlens int [N + 1] (stream n owns tokens
-  cu_seqlens[n]:cu_seqlens[n+1], every stream at least one token), slot_ids int [N] (distinct, < S). Returns the
-  last token's logits of each stream [N, Vocab] fp32 (or every token's [T, Vocab] with return_all_logits=True).
-  A slot holding no tokens starts fresh (its stale GDN state and pages are ignored); a slot holding tokens
-  continues (chunked prefill): positions, conv / recurrent state and KV pages carry on.
+  cu_seqlens[n]:cu_seqlens[n+1], every stream at least one token), slot_ids int [N] (distinct, in [0, S)).
+  Returns the last token's logits of each stream [N, Vocab] fp32 (or every token's [T, Vocab] with
+  return_all_logits=True). A slot holding no tokens starts fresh (its stale GDN state and pages are ignored); a
+  slot holding tokens continues (chunked prefill): positions, conv / recurrent state and KV pages carry on.
 - decode: one token per stream, input_ids [N], slot_ids [N]; returns [N, Vocab] fp32.
 - release: empties the slots and returns their pages to the pool.
 
+Check once, then no host sync: the public methods check their inputs on the host (shapes, dtypes, ranges, the
+cache against the model: every leaf's shape and dtype) and raise ValueError before any state is touched. Then
+the call is padded to shape buckets (T up to ``token_buckets``: 16, 32, ..., 1024, then multiples of 1024;
+N up to a power of two, at most max_seqs; padding tokens sit past cu_seqlens[N], padding streams have zero length
+and slot id S) and runs as ONE compiled program per (bucket, kind): page allocation, the attention plan and
+every layer run on the device, nothing is read back. ``compiled_programs()`` counts the programs compiled so far.
+
+Running out of KV pages (or a slot growing past max_seq_len) is found on the device: that step writes nothing,
+returns zero logits and records the reason in ``cache.status`` (1: out of pages, 2: past max_seq_len). The status
+is sticky: every later step is refused the same way (so no stream runs ahead of a lost step) until the user
+calls ``model.check(cache)``, which reads the status (one small device-to-host copy) and raises
+:class:`OutOfKvPagesError` carrying the cache with its status cleared (release slots, then carry on).
+``HybridModel(..., strict=True)`` does that check after every prefill / decode (a sync per step).
+
 prefill / decode / release are jit-compiled pure functions of the cache, which is donated (updated in place): use
-the returned cache, never the one passed in. Page allocation happens on the device (free bitmap
-``page_owner < 0``); when the pool cannot hold the call's new tokens, the jitted function leaves the cache as it
-was and returns a flag, and the wrapper raises :class:`OutOfKvPagesError` carrying that (unchanged) cache.
+the returned cache, never the one passed in.
 
-backend: "auto" (default) is handed to the GDN layers, which run the Pallas kernel on a GPU where it accepts the
-head dims and XLA elsewhere; "xla" / "pallas" / "pallas_interpret" force one. Attention always runs the XLA
-paged attention (jax_gdn.layers.attention.paged_attention is the one function a kernel would replace).
+Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating period of ``layer_types`` (3 GDN
++ 1 attention for Qwen3-Next; see ``layer_plan``), a leftover tail unrolled; compile time does not grow with
+depth. Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]).
 
-Parameters (a pytree of dicts, weights [in, out]):
+backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
+(attention and MoE take "xla" when it is "xla", else "auto"); or a dict {op: name} for the ops of
+``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit implementation
+that cannot run this model's dims on this platform is refused with the registry's reason.
+
+Parameters (the model's layout; weights [in, out] except the GDN mixer's, which keep HF's [out, in]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
-    GDN layer i:       {"mixer": jax_gdn.layers.gdn params (HF names, torch [out, in] layout, with
-                        "input_layernorm"), "post_norm": [D], "ffn": MLP or MoE params}
-    attention layer i: {"input_norm": [D], "mixer": jax_gdn.layers.attention params, "post_norm": [D], "ffn": ...}
-FFN params: see jax_gdn.layers.ffn.
+    period: tuple of p block dicts (jax_gdn.layers.block), each leaf stacked [R, ...] over the repeats;
+    tail:   tuple of block dicts of the layers after the R full periods.
+``HybridModel`` also accepts {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (what
+jax_gdn.checkpoint builds) and stacks it once.
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional
+import dataclasses
+import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_gdn.config import HybridConfig
-from jax_gdn.layers.attention import attention_layer, attention_plan, build_query_blocks
-from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
-from jax_gdn.layers.gdn import gdn_layer_decode, gdn_layer_prefill
+from jax_gdn.layers import block as blk
+from jax_gdn.layers import gdn as gdn_layer
+from jax_gdn.layers.attention import attention_param_shapes
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.ops.varlen import token_streams
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
+__all__ = ["HybridModel", "OutOfKvPagesError", "LayerPlan", "layer_plan", "init_params", "stack_layers",
+           "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES", "STATUS_PAST_MAX_SEQ_LEN"]
+
+STATUS_OK, STATUS_OUT_OF_PAGES, STATUS_PAST_MAX_SEQ_LEN = 0, 1, 2
+
 
 class OutOfKvPagesError(RuntimeError):
-    """The KV page pool cannot hold a call's new tokens. Nothing was written; ``.cache`` is the cache to keep
-    using (the one passed in was donated)."""
+    """A step was refused: the KV page pool could not hold its new tokens, or a slot would pass max_seq_len.
+    Nothing was written by that step (nor by later refused ones); ``.cache`` is the cache to keep using (status
+    cleared)."""
 
     def __init__(self, message: str, cache: Cache):
         super().__init__(message)
@@ -63,22 +88,154 @@ class OutOfKvPagesError(RuntimeError):
 
 
 # ================================================================================================================
+# The layer plan: the repeating period of layer kinds
+# ================================================================================================================
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """kinds: BlockKind of each layer; period p; repeats R (layers [0, R p) run as a scan over R of p blocks);
+    the tail (layers [R p, L)) is unrolled."""
+
+    kinds: tuple
+    period: int
+    repeats: int
+
+    @property
+    def tail(self) -> tuple:
+        return tuple(range(self.period * self.repeats, len(self.kinds)))
+
+    def gdn_index(self, i: int) -> int:   # position of layer i in the GDN stack
+        return sum(k.mixer == "gdn" for k in self.kinds[:i])
+
+    def attn_index(self, i: int) -> int:
+        return sum(k.mixer == "attention" for k in self.kinds[:i])
+
+
+def layer_plan(config: HybridConfig) -> LayerPlan:
+    """The period p minimising the blocks traced (p + the tail), kinds repeating every p layers up to R p."""
+    kinds = tuple(blk.BlockKind("gdn" if t == "linear_attention" else "attention", config.layer_is_moe(i))
+                  for i, t in enumerate(config.layer_types))
+    n = len(kinds)
+    best = (n + 1, n, 1)
+    for p in range(1, n + 1):
+        r = n // p
+        if all(kinds[i] == kinds[i % p] for i in range(r * p)):
+            cost = p + (n - r * p)
+            if cost < best[0]:
+                best = (cost, p, r)
+    return LayerPlan(kinds=kinds, period=best[1], repeats=best[2])
+
+
+def stack_layers(config: HybridConfig, layers: Sequence[dict]) -> dict:
+    """Per-layer block dicts [L] -> {"period": p dicts stacked [R, ...], "tail": dicts} (one copy)."""
+    plan = layer_plan(config)
+    p, r = plan.period, plan.repeats
+    period = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[q * p + j] for q in range(r)])
+                   for j in range(p))
+    return {"period": period, "tail": tuple(layers[i] for i in plan.tail)}
+
+
+# ================================================================================================================
+# Random parameters on the device (benchmarks at real dims: no host copy)
+# ================================================================================================================
+def _block_shapes(config: HybridConfig, kind: blk.BlockKind) -> dict:
+    d = config.hidden_size
+    shapes = {"input_norm": (d,), "post_norm": (d,)}
+    if kind.mixer == "gdn":
+        shapes["mixer"] = {k: v for k, v in gdn_layer.param_shapes(config.gdn_dims).items()
+                           if k != "input_layernorm"}
+    else:
+        shapes["mixer"] = attention_param_shapes(config.attn_dims)
+    if kind.moe:
+        e, i = config.num_experts, config.moe_intermediate_size
+        ffn = {"router": (d, e), "experts_gate_up": (e, d, 2 * i), "experts_down": (e, i, d)}
+        if config.shared_expert_intermediate_size:
+            si = config.shared_expert_intermediate_size
+            ffn["shared_expert"] = {"gate_proj": (d, si), "up_proj": (d, si), "down_proj": (si, d)}
+            ffn["shared_expert_gate"] = (d, 1)
+    else:
+        ffn = {"gate_proj": (d, config.intermediate_size), "up_proj": (d, config.intermediate_size),
+               "down_proj": (config.intermediate_size, d)}
+    shapes["ffn"] = ffn
+    return shapes
+
+
+def _is_fp32(name: str) -> bool:
+    return name.endswith(("norm", "A_log", "dt_bias"))
+
+
+def _random_leaf(key, name: str, shape: tuple, dtype, std: float, conv_kernel: int):
+    """One parameter: N(0, std) weights; zero-centred norms 0 (neutral 1 + w); the GDN gated norm 1; A_log log
+    U(1, 16); dt_bias inverse-softplus of U(1e-3, 0.1); conv U(+-1/sqrt(Kc))."""
+    if name == "norm":                                   # GDN gated norm: plain weight
+        return jnp.ones(shape, jnp.float32)
+    if name.endswith("norm"):
+        return jnp.zeros(shape, jnp.float32)
+    if name == "A_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+    if name == "dt_bias":
+        dt = jax.random.uniform(key, shape, jnp.float32, 1e-3, 0.1)
+        return dt + jnp.log(-jnp.expm1(-dt))
+    if name == "conv1d":
+        b = 1.0 / math.sqrt(conv_kernel)
+        return jax.random.uniform(key, shape, jnp.float32, -b, b).astype(dtype)
+    return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
+
+
+def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0.02) -> dict:
+    """Random parameters made directly on the default device in the model's stacked layout (no host copy):
+    weights N(0, std) in ``dtype``, norms at their neutral value, A_log / dt_bias / norms fp32."""
+    if isinstance(key, int):
+        key = jax.random.PRNGKey(key)
+    plan = layer_plan(config)
+    counter = [0]
+
+    def leaf(name, shape, lead=()):
+        counter[0] += 1
+        k = jax.random.fold_in(key, counter[0])
+        return _random_leaf(k, name, lead + tuple(shape), dtype, std, config.linear_conv_kernel_dim)
+
+    def tree(shapes, lead=()):
+        return {n: tree(s, lead) if isinstance(s, dict) else leaf(n, s, lead) for n, s in shapes.items()}
+
+    d, v = config.hidden_size, config.vocab_size
+    params = {"embed": leaf("embed", (v, d)), "final_norm": leaf("final_norm", (d,))}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = leaf("lm_head", (d, v))
+    params["period"] = tuple(tree(_block_shapes(config, plan.kinds[j]), (plan.repeats,))
+                             for j in range(plan.period))
+    params["tail"] = tuple(tree(_block_shapes(config, plan.kinds[i])) for i in plan.tail)
+    return params
+
+
+def default_token_buckets(max_tokens: int = 1 << 20) -> tuple:
+    """16, 32, ..., 1024, then 2048, 3072, ... (multiples of 1024) up to max_tokens."""
+    out = [16 << i for i in range(7)]
+    out += list(range(2048, max(max_tokens, 2048) + 1, 1024))
+    return tuple(out)
+
+
+# ================================================================================================================
 # Page allocation (on device)
 # ================================================================================================================
-def _allocate(cache: Cache, slot_ids, old_lens, seq_lens, total_tokens: int):
-    """New pages for N streams growing from old_lens to old_lens + seq_lens. Returns (page_table, page_owner,
-    page_index, ok): ok is False when the pool has too few free pages (then nothing must be written)."""
+def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: int):
+    """New pages for N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero
+    length). Returns (page_table, page_owner, page_index, status): status 1 when the pool has too few free pages,
+    2 when a stream would need more than W pages; then the returned tables must not be used."""
     ps, p, s = cache.page_size, cache.num_pages, cache.num_slots
+    w = cache.page_table.shape[1]
     n = slot_ids.shape[0]
     have = (old_lens + ps - 1) // ps                                               # [N] pages held
     need = (old_lens + seq_lens + ps - 1) // ps                                    # [N] pages needed
-    new = need - have
+    new = jnp.where(real, need - have, 0)
     new_end = jnp.cumsum(new)
     new_off = new_end - new
     total = new_end[-1]
     free = cache.page_owner < 0
-    ok = total <= jnp.sum(free.astype(jnp.int32))
-    a = min(p, total_tokens // ps + n)                                             # static bound of new pages
+    fits_pool = total <= jnp.sum(free.astype(jnp.int32))
+    fits_slot = jnp.all(need <= w)
+    status = jnp.where(fits_slot, jnp.where(fits_pool, STATUS_OK, STATUS_OUT_OF_PAGES), STATUS_PAST_MAX_SEQ_LEN)
+    ok = status == STATUS_OK
+    a = max(1, min(p, total_tokens // ps + n))                                     # static bound of new pages
     free_ids = jnp.nonzero(free, size=a, fill_value=p)[0].astype(jnp.int32)        # [A]
     j = jnp.arange(a, dtype=jnp.int32)
     stream = jnp.minimum(jnp.searchsorted(new_end, j, side="right"), n - 1)
@@ -88,106 +245,114 @@ def _allocate(cache: Cache, slot_ids, old_lens, seq_lens, total_tokens: int):
     page_table = cache.page_table.at[jnp.where(valid, slot_j, s), idx_j].set(free_ids, mode="drop")
     page_owner = cache.page_owner.at[jnp.where(valid, free_ids, p)].set(slot_j, mode="drop")
     page_index = cache.page_index.at[jnp.where(valid, free_ids, p)].set(idx_j, mode="drop")
-    return page_table, page_owner, page_index, ok
+    return page_table, page_owner, page_index, status.astype(jnp.int32)
 
 
 # ================================================================================================================
-# The forward pass (pure; jitted by HybridModel)
+# One step (pure; jitted per model)
 # ================================================================================================================
-def forward(params: dict, cache: Cache, input_ids: jax.Array, cu_seqlens: jax.Array, slot_ids: jax.Array, *,
-            config: HybridConfig, backend: str, return_all_logits: bool, decode: bool, window_pages: int = 0,
-            block_q: int = 1):
-    """Prefill (or decode, with one token per stream) of N streams. Returns (logits fp32, new cache, status).
+def _slice_layer(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
-    window_pages / block_q (static): the attention plan (``jax_gdn.layers.attention.attention_plan``); every
-    stream of the call must end up holding at most window_pages * Ps tokens (0: the whole pool).
-    status: 0 done; 1 out of KV pages; 2 a stream longer than the attention window. Unless 0, the cache is
-    returned unchanged and the logits are zeros.
-    """
+
+def _put_layer(tree, new, i):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0), tree, new)
+
+
+def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: HybridConfig, plan: LayerPlan,
+            backends: blk.Backends):
+    """Every block: a scan over the R repeats of the period, then the tail. Returns (x, gdn_all, kv_all)."""
+    kinds = plan.kinds
+    p = plan.period
+    pg = sum(k.mixer == "gdn" for k in kinds[:p])
+    pa = p - pg
+
+    def run_block(kind, bparams, x, gdn_all, kv_all, gi, ai):
+        if kind.mixer == "gdn":
+            st = _slice_layer(gdn_all, gi)
+            x, st = blk.block(kind, bparams, x, st, batch, config=config, backends=backends)
+            return x, _put_layer(gdn_all, st, gi), kv_all
+        st = _slice_layer(kv_all, ai)
+        x, st = blk.block(kind, bparams, x, st, batch, config=config, backends=backends)
+        return x, gdn_all, _put_layer(kv_all, st, ai)
+
+    def body(carry, xs):
+        x, gdn_all, kv_all = carry
+        r, pparams = xs
+        gi, ai = r * pg, r * pa
+        for j in range(p):
+            x, gdn_all, kv_all = run_block(kinds[j], pparams[j], x, gdn_all, kv_all, gi, ai)
+            if kinds[j].mixer == "gdn":
+                gi = gi + 1
+            else:
+                ai = ai + 1
+        return (x, gdn_all, kv_all), None
+
+    if plan.repeats:
+        (x, gdn_all, kv_all), _ = jax.lax.scan(
+            body, (x, gdn_all, kv_all), (jnp.arange(plan.repeats, dtype=jnp.int32), params["period"]))
+    for bparams, i in zip(params["tail"], plan.tail):
+        x, gdn_all, kv_all = run_block(kinds[i], bparams, x, gdn_all, kv_all, plan.gdn_index(i),
+                                       plan.attn_index(i))
+    return x, gdn_all, kv_all
+
+
+def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
+         backends: blk.Backends, decode: bool, return_all_logits: bool):
+    """Prefill (or decode: one token per stream) of N (padded) streams over T (padded) tokens, inputs already
+    checked: input_ids [T] int32, cu_seqlens [N + 1] int32 (cu[N] <= T; padding streams of zero length last),
+    slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache)."""
     t = input_ids.shape[0]
     n = slot_ids.shape[0]
-    ps = cache.page_size
+    s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
+    w = cache.page_table.shape[1]
+    real = (slot_ids >= 0) & (slot_ids < s)
+    sid = jnp.where(real, slot_ids, 0)
     seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]                                    # [N]
-    old_lens = cache.slot_lens[slot_ids]                                           # [N]
-    has_init = old_lens > 0
-    meta = BatchMeta(cu_seqlens=cu_seqlens, slot_ids=slot_ids, has_initial_state=has_init, positions=old_lens)
+    old_lens = jnp.where(real, cache.slot_lens[sid], 0)                            # [N]
+    meta = BatchMeta(cu_seqlens=cu_seqlens, slot_ids=slot_ids, has_initial_state=old_lens > 0, positions=old_lens)
 
-    # ---- per-token metadata -----------------------------------------------------------------------------------
     tok_stream, tok_rel = token_streams(cu_seqlens, t)                             # [T], [T]
-    tok_slot = slot_ids[tok_stream]
-    tok_pos = old_lens[tok_stream] + tok_rel
-
+    valid = jnp.arange(t, dtype=jnp.int32) < cu_seqlens[n]
+    tok_pos = jnp.where(valid, old_lens[tok_stream] + tok_rel, 0)
     if config.attn_layers:
-        page_table, page_owner, page_index, ok = _allocate(cache, slot_ids, old_lens, seq_lens, t)
-    else:  # no attention layer: no KV pages to hand out
-        page_table, page_owner, page_index, ok = (cache.page_table, cache.page_owner, cache.page_index,
-                                                  jnp.asarray(True))
-    tok_page = page_table[tok_slot, jnp.minimum(tok_pos // ps, cache.num_pages - 1)]
-    tok_page = jnp.where(ok, tok_page, cache.num_pages)                            # drop every write if not ok
-    tok_offset = tok_pos % ps
-    new_slot_lens = cache.slot_lens.at[slot_ids].add(seq_lens)                     # [S] after this call
-    window = window_pages or cache.num_pages
-    if config.attn_layers:
-        blocks = build_query_blocks(cu_seqlens, slot_ids, t, block_q)
-        window_ok = jnp.max(new_slot_lens[slot_ids]) <= window * ps
-    else:
-        blocks, window_ok = None, jnp.asarray(True)
-    status = jnp.where(ok, jnp.where(window_ok, 0, 2), 1).astype(jnp.int32)
-    tok_page = jnp.where(status == 0, tok_page, cache.num_pages)
-
+        page_table, page_owner, page_index, status = _allocate(cache, slot_ids, real, old_lens, seq_lens, t)
+    else:  # no attention layer: no KV pages to hand out, no length limit
+        page_table, page_owner, page_index = cache.page_table, cache.page_owner, cache.page_index
+        status = jnp.asarray(STATUS_OK, jnp.int32)
+    status = jnp.where(cache.status != STATUS_OK, cache.status, status)           # sticky
+    go = status == STATUS_OK
+    tok_page = page_table[sid[tok_stream], jnp.minimum(tok_pos // ps, w - 1)]
+    tok_page = jnp.where(valid & go, tok_page, p)                                  # padding / refused: dropped
+    new_slot_lens = cache.slot_lens.at[slot_ids].add(seq_lens, mode="drop")
+    batch = blk.Batch(meta=meta, token_pos=tok_pos, token_page=tok_page, token_offset=tok_pos % ps,
+                      page_table=page_table, slot_lens=new_slot_lens, decode=decode)
     out_rows = t if return_all_logits else n
-    vocab = config.vocab_size
 
     def run(cache):
         x = params["embed"][input_ids]                                             # [T, D]
-        gdn_states, kv_states = list(cache.gdn), list(cache.kv)
-        gi = ai = 0
-        for i, layer in enumerate(params["layers"]):
-            if config.layer_types[i] == "linear_attention":
-                # jax_gdn.layers.gdn owns the input norm and the residual add: x -> x + gdn(norm(x))
-                if decode:
-                    x, gdn_states[gi] = gdn_layer_decode(layer["mixer"], config.gdn_dims, x, gdn_states[gi],
-                                                         slot_ids, has_init)
-                else:
-                    x, gdn_states[gi] = gdn_layer_prefill(layer["mixer"], config.gdn_dims, x, gdn_states[gi],
-                                                          meta, backend=backend)
-                gi += 1
-            else:
-                h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
-                h, kv_states[ai] = attention_layer(
-                    layer["mixer"], config.attn_dims, h, kv_states[ai], token_pos=tok_pos, token_page=tok_page,
-                    token_offset=tok_offset, page_table=page_table, slot_lens=new_slot_lens, blocks=blocks,
-                    window_pages=window, backend=backend)
-                ai += 1
-                x = x + h
-            h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
-            if config.layer_is_moe(i):
-                h = sparse_moe(layer["ffn"], h, top_k=config.num_experts_per_tok,
-                               norm_topk_prob=config.norm_topk_prob)
-            else:
-                h = swiglu_mlp(layer["ffn"], h)
-            x = x + h
+        x, gdn_all, kv_all = _layers(params, x, cache.gdn, cache.kv, batch, config=config, plan=plan,
+                                     backends=backends)
         if not return_all_logits:
-            x = x[cu_seqlens[1:] - 1]                                              # last token of each stream
+            x = x[jnp.maximum(cu_seqlens[1:] - 1, 0)]                              # last token of each stream
         x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
         head = params["lm_head"] if "lm_head" in params else params["embed"].T
         logits = jnp.matmul(x, head, preferred_element_type=jnp.float32)
-        new_cache = cache.replace(
-            gdn=tuple(gdn_states), kv=tuple(kv_states), page_table=page_table, page_owner=page_owner,
-            page_index=page_index, slot_lens=new_slot_lens)
-        return logits, new_cache
+        return logits, cache.replace(gdn=gdn_all, kv=kv_all, page_table=page_table, page_owner=page_owner,
+                                     page_index=page_index, slot_lens=new_slot_lens)
 
     def skip(cache):
-        return jnp.zeros((out_rows, vocab), jnp.float32), cache
+        return jnp.zeros((out_rows, config.vocab_size), jnp.float32), cache
 
-    logits, new_cache = jax.lax.cond(status == 0, run, skip, cache)
-    return logits, new_cache, status
+    logits, new_cache = jax.lax.cond(go, run, skip, cache)
+    return logits, new_cache.replace(status=status)
 
 
 def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
-    """Empties the slots: their pages go back to the free pool, their lengths to 0 (state is ignored after)."""
+    """Empties the slots (ids outside [0, S) are ignored): their pages go back to the free pool, their lengths
+    to 0 (their GDN state is ignored after: the next prefill starts fresh)."""
     s = cache.num_slots
-    releasing = jnp.zeros((s,), bool).at[slot_ids].set(True)
+    releasing = jnp.zeros((s,), bool).at[slot_ids].set(True, mode="drop")
     owner = cache.page_owner
     freed = (owner >= 0) & releasing[jnp.maximum(owner, 0)]
     return cache.replace(
@@ -195,12 +360,6 @@ def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
         page_index=jnp.where(freed, 0, cache.page_index),
         page_table=jnp.where(releasing[:, None], 0, cache.page_table),
         slot_lens=jnp.where(releasing, 0, cache.slot_lens))
-
-
-_forward_jit = jax.jit(forward, static_argnames=("config", "backend", "return_all_logits", "decode",
-                                                "window_pages", "block_q"),
-                       donate_argnames=("cache",))
-_release_jit = jax.jit(release_slots, donate_argnames=("cache",))
 
 
 # ================================================================================================================
@@ -218,49 +377,167 @@ def _int_array(x, name: str, ndim: int, shape_doc: str) -> np.ndarray:
     return np.asarray(x).astype(np.int64)
 
 
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _resolve_backends(config: HybridConfig, dtype, backend) -> blk.Backends:
+    from pallas_kernels import registry
+    platform = jax.default_backend()
+    if isinstance(backend, dict):
+        unknown = sorted(set(backend) - set(registry.OPS))
+        if unknown:
+            raise ValueError(f"backend: unknown op(s) {unknown}; known: {sorted(registry.OPS)}")
+        names = dict(backend)
+    else:
+        validation.check_backend(backend)
+        other = "xla" if backend == "xla" else "auto"
+        names = {"gated_delta_rule": backend, "paged_attention": other, "moe": other}
+    cases = {"gated_delta_rule": dict(platform=platform, dtype=dtype, head_k_dim=config.linear_key_head_dim,
+                                      head_v_dim=config.linear_value_head_dim,
+                                      num_k_heads=config.linear_num_key_heads,
+                                      num_v_heads=config.linear_num_value_heads),
+             "paged_attention": dict(platform=platform, dtype=dtype, head_dim=config.head_dim,
+                                     num_heads=config.num_attention_heads,
+                                     num_kv_heads=config.num_key_value_heads),
+             "moe": dict(platform=platform, dtype=dtype, num_experts=config.num_experts,
+                         hidden=config.hidden_size, inter=config.moe_intermediate_size)}
+    if not config.gdn_layers:
+        del cases["gated_delta_rule"]
+    if not config.attn_layers:
+        del cases["paged_attention"]
+    if not config.num_experts:
+        del cases["moe"]
+    try:
+        resolved = registry.resolve_all(names, cases)
+    except ValueError as err:
+        raise ValueError(f"HybridModel backend={backend!r}: {err}") from None
+    return blk.Backends(**resolved)
+
+
 # ================================================================================================================
 # The model
 # ================================================================================================================
 class HybridModel:
-    """A hybrid GDN + attention decoder with its parameters; see the module docstring for the API and shapes."""
+    """A hybrid GDN + attention decoder with its parameters; see the module docstring for the API and shapes.
 
-    def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend: str = "auto"):
+    token_buckets: ascending token counts T is padded up to (default ``default_token_buckets()``); past the last
+    one T is rounded up to a multiple of it. strict: check the status after every step (a sync; raises
+    OutOfKvPagesError at the step that ran out of pages).
+    """
+
+    def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
+                 token_buckets: Optional[Sequence[int]] = None, strict: bool = False):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
-        validation.check_backend(backend)
-        if len(params["layers"]) != config.num_hidden_layers:
-            raise ValueError(f"params['layers'] has {len(params['layers'])} layers, config says "
-                             f"{config.num_hidden_layers}")
         self.config = config
-        self.params = params
         self.dtype = jnp.dtype(dtype)
+        self.plan = layer_plan(config)
+        if "layers" in params:
+            if len(params["layers"]) != config.num_hidden_layers:
+                raise ValueError(f"params['layers'] has {len(params['layers'])} layers, config says "
+                                 f"{config.num_hidden_layers}")
+            params = {**{k: v for k, v in params.items() if k != "layers"}, **stack_layers(config, params["layers"])}
+        elif "period" not in params or "tail" not in params:
+            raise ValueError("params must hold 'layers' (a list of block dicts) or 'period' / 'tail' (stacked); "
+                             f"got keys {sorted(params)}")
+        elif len(params["period"]) != self.plan.period or len(params["tail"]) != len(self.plan.tail):
+            raise ValueError(f"params['period'] / ['tail'] hold {len(params['period'])} / {len(params['tail'])} "
+                             f"blocks; the layer plan of this config has {self.plan.period} / {len(self.plan.tail)}")
+        self.params = params
         self.backend = backend
+        self.backends = _resolve_backends(config, self.dtype, backend)
+        buckets = default_token_buckets() if token_buckets is None else tuple(int(b) for b in token_buckets)
+        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"token_buckets must be ascending positive ints, got {token_buckets!r}")
+        self.token_buckets = buckets
+        self.strict = bool(strict)
+        self._traces = 0
+        kw = dict(config=config, plan=self.plan, backends=self.backends)
+
+        def traced(fn):
+            def wrapped(*args, **kwargs):
+                self._traces += 1          # runs once per trace, i.e. per compiled program
+                return fn(*args, **kwargs)
+            return wrapped
+
+        def prefill_fn(params, cache, ids, cu, sl, return_all_logits):
+            return step(params, cache, ids, cu, sl, decode=False, return_all_logits=return_all_logits, **kw)
+
+        def decode_fn(params, cache, ids, cu, sl):
+            return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, **kw)
+
+        self._prefill_jit = jax.jit(traced(prefill_fn), static_argnames=("return_all_logits",),
+                                    donate_argnames=("cache",))
+        self._decode_jit = jax.jit(traced(decode_fn), donate_argnames=("cache",))
+        self._release_jit = jax.jit(traced(release_slots), donate_argnames=("cache",))
+
+    @classmethod
+    def random(cls, config: HybridConfig, key=0, *, dtype=jnp.bfloat16, backend="auto", std: float = 0.02,
+               **kwargs) -> "HybridModel":
+        """A model with ``init_params`` weights (made on the device)."""
+        return cls(config, init_params(config, key, dtype, std=std), dtype=dtype, backend=backend, **kwargs)
+
+    def compiled_programs(self) -> int:
+        """How many XLA programs this model's prefill / decode / release have compiled so far."""
+        return self._traces
 
     # ---- cache ------------------------------------------------------------------------------------------------
-    def init_cache(self, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16) -> Cache:
-        """An empty cache for up to ``max_seqs`` concurrent streams (slots) and a KV pool of
-        ``ceil(max_tokens / page_size)`` pages shared by all slots (max_tokens tokens in total)."""
-        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+    def _cache_leaves(self, max_seqs: int, num_pages: int, page_size: int, pages_per_slot: int) -> Cache:
         cfg = self.config
+        lg, la = len(cfg.gdn_layers), len(cfg.attn_layers)
+        d = cfg.gdn_dims
+        gdn = GdnSlots(
+            conv_state=jax.ShapeDtypeStruct((lg, max_seqs, d.conv_dim, d.conv_kernel_size - 1), self.dtype),
+            ssm_state=jax.ShapeDtypeStruct((lg, max_seqs, d.num_v_heads, d.head_k_dim, d.head_v_dim),
+                                           jnp.float32))
+        kv_shape = (la, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv = KvPages(k_pages=jax.ShapeDtypeStruct(kv_shape, self.dtype),
+                     v_pages=jax.ShapeDtypeStruct(kv_shape, self.dtype))
+        i32 = jnp.int32
+        return Cache(gdn=gdn, kv=kv, page_table=jax.ShapeDtypeStruct((max_seqs, pages_per_slot), i32),
+                     page_owner=jax.ShapeDtypeStruct((num_pages,), i32),
+                     page_index=jax.ShapeDtypeStruct((num_pages,), i32),
+                     slot_lens=jax.ShapeDtypeStruct((max_seqs,), i32),
+                     status=jax.ShapeDtypeStruct((), i32), page_size=page_size)
+
+    def init_cache(self, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
+                   max_seq_len: Optional[int] = None) -> Cache:
+        """An empty cache for up to ``max_seqs`` concurrent streams (slots), a KV pool of
+        ``ceil(max_tokens / page_size)`` pages shared by all slots, and at most ``max_seq_len`` tokens per slot
+        (default max_tokens): page_table [S, W = ceil(max_seq_len / page_size)] (attention work per slot is
+        bounded by W pages, not by the pool)."""
+        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size),
+                            ("max_seq_len", max_tokens if max_seq_len is None else max_seq_len)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
         num_pages = -(-int(max_tokens) // int(page_size))
-        gdn = tuple(GdnSlots.zeros(cfg.gdn_dims, int(max_seqs), self.dtype) for _ in cfg.gdn_layers)
-        kv = tuple(KvPages.zeros(num_pages, int(page_size), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-                   for _ in cfg.attn_layers)
-        return Cache(gdn=gdn, kv=kv,
-                     page_table=jnp.zeros((int(max_seqs), num_pages), jnp.int32),
-                     page_owner=jnp.full((num_pages,), -1, jnp.int32),
-                     page_index=jnp.zeros((num_pages,), jnp.int32),
-                     slot_lens=jnp.zeros((int(max_seqs),), jnp.int32),
-                     page_size=int(page_size))
+        per_slot = -(-int(max_tokens if max_seq_len is None else max_seq_len) // int(page_size))
+        spec = self._cache_leaves(int(max_seqs), num_pages, int(page_size), min(per_slot, num_pages))
+
+        cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
+        return cache.replace(page_owner=jnp.full((num_pages,), -1, jnp.int32))
 
     def _check_cache(self, cache):
         if not isinstance(cache, Cache):
             raise ValueError(f"cache must be the Cache returned by init_cache / prefill, got {type(cache).__name__}")
-        if len(cache.gdn) != len(self.config.gdn_layers) or len(cache.kv) != len(self.config.attn_layers):
-            raise ValueError(f"cache has {len(cache.gdn)} GDN / {len(cache.kv)} attention layers; the model has "
-                             f"{len(self.config.gdn_layers)} / {len(self.config.attn_layers)}")
+        try:
+            s, w = cache.page_table.shape
+            spec = self._cache_leaves(s, cache.num_pages, cache.page_size, w)
+            got = jax.tree_util.tree_flatten_with_path(cache)[0]
+            want = jax.tree_util.tree_flatten_with_path(spec)[0]
+        except (AttributeError, ValueError, TypeError) as err:
+            raise ValueError(f"cache does not have this model's layout ({err}); make it with model.init_cache"
+                             ) from None
+        if len(got) != len(want):
+            raise ValueError(f"cache has {len(got)} leaves, this model's cache has {len(want)}; make it with "
+                             f"model.init_cache")
+        for (path, x), (_, y) in zip(got, want):
+            if tuple(x.shape) != tuple(y.shape) or jnp.dtype(x.dtype) != jnp.dtype(y.dtype):
+                raise ValueError(
+                    f"cache{jax.tree_util.keystr(path)} has shape {tuple(x.shape)} {jnp.dtype(x.dtype).name}; this "
+                    f"model ({self.dtype.name}) needs {tuple(y.shape)} {jnp.dtype(y.dtype).name}: make the cache "
+                    f"with this model's init_cache")
 
     def _check_slots(self, slot_ids, n, cache: Cache) -> np.ndarray:
         """slot_ids [N] int: shape, dtype, range [0, max_seqs) and no repeat through ``validation.check_slot_ids``
@@ -279,29 +556,48 @@ class HybridModel:
             bad = ids[(ids < 0) | (ids >= v)]
             raise ValueError(f"input_ids must be token ids in [0, vocab_size={v}), got {bad[:8].tolist()}")
 
-    def _run(self, cache, ids, cu, sl, *, return_all_logits, decode):
-        window, block_q = 0, 1
-        if self.config.attn_layers:
-            # the attention plan (static sizes) from the slot lengths: the previous call has finished anyway
-            # (its status was read), so this read costs a tiny transfer, not a pipeline stall
-            new_lens = np.diff(cu)
-            total = np.asarray(cache.slot_lens)[sl] + new_lens
-            window, block_q = attention_plan(int(total.max()), int(new_lens.max()), cache.num_pages,
-                                             cache.page_size, self.config.num_attention_heads)
-        logits, new_cache, status = _forward_jit(
-            self.params, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.asarray(sl, jnp.int32),
-            config=self.config, backend=self.backend, return_all_logits=bool(return_all_logits),
-            decode=decode, window_pages=window, block_q=block_q)
-        status = int(status)
-        if status == 2:  # pragma: no cover - the plan above always covers the call
-            raise OutOfKvPagesError("internal: attention window smaller than a stream; nothing was written; "
-                                    "continue with the error's .cache", new_cache)
-        if status == 1:
-            raise OutOfKvPagesError(
-                f"out of KV pages: the pool ({new_cache.num_pages} pages of {new_cache.page_size} tokens) cannot "
-                f"hold this call's {int(ids.shape[0])} new tokens; nothing was written. Release slots or make a "
-                f"larger cache (init_cache max_tokens); continue with the error's .cache", new_cache)
-        return logits, new_cache
+    # ---- buckets ----------------------------------------------------------------------------------------------
+    def token_bucket(self, t: int) -> int:
+        for b in self.token_buckets:
+            if b >= t:
+                return b
+        last = self.token_buckets[-1]
+        return -(-t // last) * last
+
+    @staticmethod
+    def stream_bucket(n: int, max_seqs: int) -> int:
+        return min(_pow2(n), max_seqs)
+
+    def _padded(self, ids, cu, sl, tb: int, nb: int, s: int):
+        """Pads tokens to tb (id 0 past cu[N]), streams to nb (zero length, slot S): int32 device arrays."""
+        n = sl.shape[0]
+        ids_p = np.zeros((tb,), np.int32)
+        ids_p[:ids.shape[0]] = ids
+        cu_p = np.full((nb + 1,), cu[-1], np.int32)
+        cu_p[:n + 1] = cu
+        sl_p = np.full((nb,), s, np.int32)
+        sl_p[:n] = sl
+        return jnp.asarray(ids_p), jnp.asarray(cu_p), jnp.asarray(sl_p)
+
+    def check(self, cache: Cache) -> None:
+        """Reads ``cache.status`` (a sync) and raises OutOfKvPagesError (with ``.cache``: the status cleared) when
+        a step since the last check was refused. Cheap enough to call every few steps."""
+        status = int(cache.status)
+        if status == STATUS_OK:
+            return
+        cleared = cache.replace(status=jnp.zeros((), jnp.int32))
+        why = ("out of KV pages: the pool ({p} pages of {ps} tokens) could not hold a step's new tokens"
+               if status == STATUS_OUT_OF_PAGES else
+               "a slot would pass max_seq_len ({w} pages of {ps} tokens per slot)")
+        raise OutOfKvPagesError(
+            why.format(p=cache.num_pages, ps=cache.page_size, w=cache.page_table.shape[1])
+            + "; that step and every later one were refused (nothing written, zero logits). Release slots or make a "
+              "larger cache (init_cache max_tokens / max_seq_len); continue with the error's .cache", cleared)
+
+    def _finish(self, logits, new_cache, rows: int):
+        if self.strict:
+            self.check(new_cache)
+        return logits[:rows], new_cache
 
     # ---- prefill / decode / release ---------------------------------------------------------------------------
     def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False):
@@ -321,7 +617,12 @@ class HybridModel:
                              f"stream, got {cu.tolist()}")
         sl = self._check_slots(slot_ids, n, cache)
         self._check_tokens(ids)
-        return self._run(cache, ids, cu, sl, return_all_logits=return_all_logits, decode=False)
+        s = cache.num_slots
+        tb, nb = self.token_bucket(t), self.stream_bucket(n, s)
+        ids_p, cu_p, sl_p = self._padded(ids, cu, sl, tb, nb, s)
+        logits, new_cache = self._prefill_jit(self.params, cache, ids_p, cu_p, sl_p,
+                                              return_all_logits=bool(return_all_logits))
+        return self._finish(logits, new_cache, t if return_all_logits else n)
 
     def decode(self, cache: Cache, input_ids, slot_ids):
         """One token per stream: input_ids [N], slot_ids [N]. Returns (logits [N, Vocab] fp32, new cache)."""
@@ -332,8 +633,11 @@ class HybridModel:
             raise ValueError("input_ids must have shape [N] with N >= 1 (one token per stream)")
         sl = self._check_slots(slot_ids, n, cache)
         self._check_tokens(ids)
-        cu = np.arange(n + 1, dtype=np.int64)
-        return self._run(cache, ids, cu, sl, return_all_logits=False, decode=True)
+        s = cache.num_slots
+        nb = self.stream_bucket(n, s)
+        ids_p, cu_p, sl_p = self._padded(ids, np.arange(n + 1), sl, nb, nb, s)
+        logits, new_cache = self._decode_jit(self.params, cache, ids_p, cu_p, sl_p)
+        return self._finish(logits, new_cache, n)
 
     def release(self, cache: Cache, slot_ids) -> Cache:
         """Empties ``slot_ids [N]`` and returns their pages to the pool. Returns the new cache."""
@@ -341,10 +645,17 @@ class HybridModel:
         sl = self._check_slots(slot_ids, None, cache)
         if sl.shape[0] == 0:
             return cache
-        return _release_jit(cache, jnp.asarray(sl, jnp.int32))
+        s = cache.num_slots
+        nb = self.stream_bucket(sl.shape[0], s)
+        sl_p = np.full((nb,), s, np.int32)
+        sl_p[:sl.shape[0]] = sl
+        return self._release_jit(cache, jnp.asarray(sl_p))
 
     def __repr__(self):
         c = self.config
+        b = self.backends
         return (f"HybridModel({c.model_type}, layers={c.num_hidden_layers} ({len(c.gdn_layers)} GDN / "
-                f"{len(c.attn_layers)} attention), hidden={c.hidden_size}, vocab={c.vocab_size}, "
-                f"experts={c.num_experts}, dtype={self.dtype.name}, backend={self.backend})")
+                f"{len(c.attn_layers)} attention; scan of {self.plan.repeats} x {self.plan.period} + "
+                f"{len(self.plan.tail)}), hidden={c.hidden_size}, vocab={c.vocab_size}, experts={c.num_experts}, "
+                f"dtype={self.dtype.name}, backends=(gdn={b.gated_delta_rule}, attention={b.paged_attention}, "
+                f"moe={b.moe}))")

@@ -68,8 +68,9 @@ class BatchMeta:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KV pages and the whole-model cache (appended by the MODEL workstream)
-#   P pages in the pool, Ps tokens per page, Hkv kv heads, Dh head dim, L layers of a kind, S slots
+# KV pages and the whole-model cache
+#   P pages in the pool, Ps tokens per page, Hkv kv heads, Dh head dim, S slots, W pages per slot,
+#   Lg / La GDN / attention layers of the model
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -102,22 +103,26 @@ class KvPages:
 class Cache:
     """Everything a hybrid model carries between calls, as one pytree (donated to prefill / decode / release).
 
-    gdn:        tuple of GdnSlots, one per GDN layer (in layer order)
-    kv:         tuple of KvPages, one per attention layer (in layer order)
-    page_table: [S, P] int32  page_table[s, i] is the pool page holding tokens i*Ps .. i*Ps+Ps-1 of slot s
-                              (valid for i < ceil(slot_lens[s] / Ps))
+    gdn:        GdnSlots with every leaf stacked over the GDN layers (in layer order):
+                conv_state [Lg, S, conv_dim, Kc - 1], ssm_state [Lg, S, Hv, K, V] fp32
+    kv:         KvPages stacked over the attention layers: k_pages, v_pages [La, P, Ps, Hkv, Dh]
+    page_table: [S, W] int32  page_table[s, i] is the pool page holding tokens i*Ps .. i*Ps+Ps-1 of slot s
+                              (valid for i < ceil(slot_lens[s] / Ps)); a slot holds at most W * Ps tokens
     page_owner: [P] int32     slot owning each page, -1 for a free page (the free bitmap is page_owner < 0)
     page_index: [P] int32     position of each page in its owner's page table (tokens page_index*Ps ...)
     slot_lens:  [S] int32     tokens each slot holds (0: empty, the next prefill starts it fresh)
+    status:     [] int32      0, or why a step was refused (1 out of KV pages, 2 a slot past W * Ps tokens);
+                              sticky until cleared (jax_gdn.model.HybridModel.check)
     page_size:  Ps (static)
     """
 
-    gdn: tuple
-    kv: tuple
+    gdn: GdnSlots
+    kv: KvPages
     page_table: jax.Array
     page_owner: jax.Array
     page_index: jax.Array
     slot_lens: jax.Array
+    status: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
 
     @property
@@ -127,3 +132,7 @@ class Cache:
     @property
     def num_pages(self) -> int:
         return self.page_owner.shape[0]
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.page_table.shape[1]

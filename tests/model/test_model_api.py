@@ -100,8 +100,10 @@ def test_slot_id_errors_match_the_layers(model, bad):
 
 
 def test_out_of_pages_release_and_fresh_restart(model):
-    """4 pages of 8 tokens: a second 20-token stream does not fit -> error, nothing written; after releasing
-    the first slot its pages are reused and its stale GDN state / KV ignored: same logits as a fresh cache."""
+    """4 pages of 8 tokens: a second 20-token stream does not fit -> the step writes nothing, returns zero logits
+    and sets cache.status; the status is sticky (a later decode is refused too) until model.check raises
+    OutOfKvPagesError carrying the cleared cache. After releasing the first slot its pages are reused and its
+    stale GDN state / KV ignored: same logits as a fresh cache."""
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 61, 20).astype(np.int32), rng.integers(0, 61, 20).astype(np.int32)
     cu = np.array([0, 20], np.int32)
@@ -111,11 +113,19 @@ def test_out_of_pages_release_and_fresh_restart(model):
 
     cache = model.init_cache(max_seqs=2, max_tokens=32, page_size=8)
     _, cache = model.prefill(cache, a, cu, np.array([0], np.int32))
+    model.check(cache)                                   # no error yet
     assert int(np.sum(np.asarray(cache.page_owner) == 0)) == 3
     before = _snapshot(cache)
+    logits, cache = model.prefill(cache, b, cu, np.array([1], np.int32))     # no host read: returns at once
+    assert int(cache.status) == 1 and np.all(np.asarray(logits) == 0)
+    logits, cache = model.decode(cache, a[:1], np.array([0], np.int32))      # refused too (sticky)
+    assert np.all(np.asarray(logits) == 0)
+    for x, y in zip(before, _snapshot(cache)):
+        np.testing.assert_array_equal(x, y)
     with pytest.raises(OutOfKvPagesError, match="out of KV pages") as err:
-        model.prefill(cache, b, cu, np.array([1], np.int32))
+        model.check(cache)
     cache = err.value.cache
+    assert int(cache.status) == 0
     for x, y in zip(before, _snapshot(cache)):
         np.testing.assert_array_equal(x, y)
 
@@ -129,6 +139,38 @@ def test_out_of_pages_release_and_fresh_restart(model):
     cache = model.release(cache, np.array([0], np.int32))
     got_b0, cache = model.prefill(cache, b, cu, np.array([1], np.int32), return_all_logits=True)
     np.testing.assert_allclose(np.asarray(got_b0), np.asarray(ref_b), rtol=1e-5, atol=1e-5)
+    model.check(cache)
+
+
+def test_strict_model_raises_at_the_step_and_max_seq_len(model):
+    """strict=True syncs after each step and raises at the refused step; a slot passing max_seq_len (W pages per
+    slot) is refused with status 2 whatever the pool holds."""
+    from jax_gdn import HybridModel
+    strict = HybridModel(CFG, model.params, dtype=jnp.float32, backend="xla", strict=True)
+    cache = strict.init_cache(max_seqs=2, max_tokens=32, page_size=8)
+    _, cache = strict.prefill(cache, np.arange(20, dtype=np.int32), np.array([0, 20], np.int32), [0])
+    with pytest.raises(OutOfKvPagesError, match="out of KV pages") as err:
+        strict.prefill(cache, np.arange(20, dtype=np.int32), np.array([0, 20], np.int32), [1])
+    np.testing.assert_array_equal(np.asarray(err.value.cache.slot_lens), [20, 0])
+
+    cache = model.init_cache(max_seqs=2, max_tokens=64, page_size=8, max_seq_len=16)
+    assert cache.page_table.shape == (2, 2)
+    _, cache = model.prefill(cache, np.arange(16, dtype=np.int32), np.array([0, 16], np.int32), [0])
+    _, cache = model.decode(cache, np.array([3], np.int32), [0])              # token 17 > max_seq_len
+    assert int(cache.status) == 2
+    with pytest.raises(OutOfKvPagesError, match="max_seq_len"):
+        model.check(cache)
+
+
+def test_cache_checked_leaf_by_leaf(model):
+    """A cache of another head dim or dtype is refused with the leaf's name before anything runs."""
+    cache = model.init_cache(max_seqs=2, max_tokens=32, page_size=8)
+    bad = cache.replace(kv=cache.kv.replace(k_pages=jnp.zeros(cache.kv.k_pages.shape[:-1] + (16,))))
+    with pytest.raises(ValueError, match=r"cache\.kv\.k_pages has shape .*needs"):
+        model.prefill(bad, np.arange(3, dtype=np.int32), np.array([0, 3], np.int32), [0])
+    bf16 = cache.replace(gdn=cache.gdn.replace(conv_state=cache.gdn.conv_state.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"cache\.gdn\.conv_state .*bfloat16.*float32"):
+        model.decode(bf16, np.array([1], np.int32), [0])
 
 
 def test_config_from_hf_variants():
@@ -179,7 +221,7 @@ def test_gdn_only_model_needs_no_kv_pages():
     cfg = dataclasses.replace(CFG, layer_types=("linear_attention",) * 2)
     m = random_model(cfg, seed=2, dtype=jnp.float32, backend="xla")
     cache = m.init_cache(max_seqs=2, max_tokens=16, page_size=8)
-    assert cache.kv == () and len(cache.gdn) == 2
+    assert cache.kv.k_pages.shape[0] == 0 and cache.gdn.ssm_state.shape[0] == 2
     logits, cache = m.prefill(cache, np.arange(40, dtype=np.int32) % 61, np.array([0, 40], np.int32),
                               np.array([1], np.int32))
     assert logits.shape == (1, 61) and np.all(np.isfinite(np.asarray(logits)))

@@ -1,0 +1,134 @@
+"""One decoder block contract for every layer of a hybrid model: ``(params, x, layer_state, batch) -> (x,
+layer_state)``.
+
+Shape legend: T stacked tokens of the call (padded to a bucket), N streams (padded), S slots, D hidden size,
+P KV pages, Ps tokens per page, W pages per slot (the page table's width).
+
+A block owns its pre-norm and its residual adds, for both mixers and for the FFN / MoE::
+
+    x = x + mixer(rmsnorm(x, input_norm))          mixer: Gated DeltaNet or gated attention
+    x = x + ffn(rmsnorm(x, post_norm))             ffn: SwiGLU MLP or sparse MoE
+
+Block parameters (one dict layout for both mixers; weights [in, out] for attention and FFN, see below for GDN):
+    input_norm [D], post_norm [D]      zero-centred RMSNorm weights (1 + w)
+    mixer                              jax_gdn.layers.gdn params without ``input_layernorm`` (GDN), or
+                                       jax_gdn.layers.attention params (attention)
+    ffn                                jax_gdn.layers.ffn MLP or MoE params
+
+The GDN block runs the seed's phase functions by name (jax_gdn.layers.gdn: phase1_proj_batched, which applies
+the input norm, phase1_conv1d_varlen, phase1_l2_batched, gdn_full_varlen, phase3 with the FFN hook, which adds the
+residual); the decode step is ``gdn_layer_decode``. The attention block calls ``attention_layer``.
+
+``Batch`` is the already-checked description of one call, built once per step by the model (jax_gdn.model) from
+host-checked inputs: the blocks trust it (no value checks, no device-to-host copies).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jax_gdn.config import HybridConfig
+from jax_gdn.layers.attention import attention_layer
+from jax_gdn.layers import gdn
+from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
+from jax_gdn.ops.norms import rms_norm
+from jax_gdn.state import BatchMeta, GdnSlots, KvPages
+
+__all__ = ["Batch", "BlockKind", "Backends", "block", "gdn_block", "attention_block", "ffn"]
+
+
+@struct.dataclass
+class Batch:
+    """One call's checked description (T tokens padded to a bucket, N streams padded to a bucket).
+
+    meta:         BatchMeta: cu_seqlens [N + 1] (padding streams have zero length, cu[N] <= T), slot_ids [N]
+                  (padding streams: S), has_initial_state [N], positions [N] (tokens each slot held before)
+    token_pos:    [T] int32  absolute position of each token in its stream (0 for padding tokens)
+    token_page:   [T] int32  page receiving each token's K/V (P for padding tokens or a refused call: dropped)
+    token_offset: [T] int32  row inside that page
+    page_table:   [S, W] int32 each slot's pages after this call's allocation
+    slot_lens:    [S] int32  tokens each slot holds after this call
+    decode:       static: one token per stream (recurrent GDN step)
+    """
+
+    meta: BatchMeta
+    token_pos: jax.Array
+    token_page: jax.Array
+    token_offset: jax.Array
+    page_table: jax.Array
+    slot_lens: jax.Array
+    decode: bool = struct.field(pytree_node=False, default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKind:
+    """What a layer is: its mixer ("gdn" | "attention") and whether its FFN is the sparse MoE."""
+
+    mixer: str
+    moe: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """The implementation of each op, resolved once by the model (pallas_kernels.registry)."""
+
+    gated_delta_rule: str = "xla"
+    paged_attention: str = "xla"
+    moe: str = "xla"
+
+
+
+
+def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend: str = "xla") -> jax.Array:
+    """The block's FFN on already-normed x [T, D] -> [T, D] (no residual)."""
+    if moe:
+        return sparse_moe(params, x, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                          backend=backend)
+    return swiglu_mlp(params, x)
+
+
+def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str):
+    def hook(h):
+        return h + ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps), config=config,
+                       moe=moe, backend=backend)
+    return hook
+
+
+def gdn_block(params: dict, x: jax.Array, state: GdnSlots, batch: Batch, *, config: HybridConfig, moe: bool,
+              backends: Backends) -> tuple[jax.Array, GdnSlots]:
+    """GDN block: x [T, D] -> (x [T, D], GdnSlots [S, ...] with the call's streams advanced)."""
+    dims = config.gdn_dims
+    mixer = dict(params["mixer"], input_layernorm=params["input_norm"])
+    hook = _ffn_hook(params, config, moe, backends.moe)
+    meta = batch.meta
+    if batch.decode:
+        return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook)
+    p1 = gdn.phase1_proj_batched(mixer, dims, x)
+    conv_out, state = gdn.phase1_conv1d_varlen(mixer, dims, p1.mixed_qkv, state, meta)
+    q, k, v = gdn.phase1_l2_batched(dims, conv_out)
+    o, state, _ = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, state, meta, backend=backends.gated_delta_rule)
+    return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook), state
+
+
+def attention_block(params: dict, x: jax.Array, state: KvPages, batch: Batch, *, config: HybridConfig, moe: bool,
+                    backends: Backends) -> tuple[jax.Array, KvPages]:
+    """Gated attention block: x [T, D] -> (x [T, D], KvPages with the call's K/V written)."""
+    h = rms_norm(x, params["input_norm"], config.rms_norm_eps)
+    h, state = attention_layer(params["mixer"], config.attn_dims, h, state, token_pos=batch.token_pos,
+                               token_page=batch.token_page, token_offset=batch.token_offset,
+                               page_table=batch.page_table, slot_lens=batch.slot_lens,
+                               cu_seqlens=batch.meta.cu_seqlens, slot_ids=batch.meta.slot_ids, decode=batch.decode,
+                               backend=backends.paged_attention)
+    x = x + h
+    return _ffn_hook(params, config, moe, backends.moe)(x), state
+
+
+def block(kind: BlockKind, params: dict, x: jax.Array, state, batch: Batch, *, config: HybridConfig,
+          backends: Backends):
+    """Dispatches on ``kind.mixer``: ``(params, x, layer_state, batch) -> (x, layer_state)``."""
+    fn = gdn_block if kind.mixer == "gdn" else attention_block
+    return fn(params, x, state, batch, config=config, moe=kind.moe, backends=backends)
+
