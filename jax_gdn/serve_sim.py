@@ -12,13 +12,15 @@ What one step does (a continuous-batching engine's loop, one model call per step
   3. one call: ``model.prefill`` with the decode tokens as 1-token streams packed beside the prompt chunks (a slot
      holding tokens continues, so a 1-token stream is a decode step), or ``model.decode`` when no prompt chunk is
      left. Greedy next tokens are read back (argmax on the host, so no extra program is compiled per shape).
-  4. a stream that completed its prompt gets its first token (time to first token); a stream holding
-     ``gen_len`` generated tokens is released (``model.release``, one slot per call) and its slot is free again.
+  4. a stream that completed its prompt gets its first token (time to first token); the streams holding
+     ``gen_len`` generated tokens are released (one ``model.release`` call for all of them) and their slots freed.
 
-Warm-up: the same simulation with another seed runs first (``warmup=True``); "after warm-up" counts cover the
-measured run only. Compiles are counted as XLA backend compiles (``jax.monitoring`` event
-``/jax/core/compile/backend_compile_duration``) while the simulation runs, process-wide, and, where the model
-offers it, as ``model.compiled_programs()``.
+Warm-up (``warmup=True``) before the measured run: where the model pads calls to shape buckets (``token_bucket``
+/ ``stream_bucket``), one call of every bucket shape the loop can make (prefill, decode, release); otherwise the
+same simulation with another seed. "after warm-up" counts cover the measured run only. Compiles are counted two
+ways: ``model.compiled_programs()`` (the model's own prefill / decode / release programs, where the model offers
+it) and every XLA backend compile in the process while the simulation runs (``jax.monitoring`` event
+``/jax/core/compile/backend_compile_duration``: also small eager programs such as a slice of the logits).
 
 Shape legend: S slots (max_seqs), T tokens of one call (<= token_budget), N streams of one call (<= S).
 
@@ -27,7 +29,8 @@ Returned dict (also printed unless ``verbose=False``): {"model", "device", "sim"
 "tokens_per_s": {"prefill", "decode", "total"}, "ttft_s": {p50, p90, p99, mean}, "ttft_steps": {...},
 "step_ms": {p50, p90, p99, max, mean}, "step_ms_by_kind": {"mixed": {...}, "decode": {...}},
 "compiles": {"total", "warmup", "after_warmup", "compile_s", "model_programs", "model_programs_after_warmup"},
-"all_served": bool, "per_request": [{"prompt_len", "gen_len", "generated", "ttft_s", "ttft_steps"}]}.
+"warmup": "buckets" | "run" | "none", "all_served": bool,
+"per_request": [{"prompt_len", "gen_len", "generated", "ttft_s", "ttft_steps"}]}.
 tokens_per_s counts over the measured run's busy time (the sum of step times; idle gaps are skipped):
 "prefill" prompt tokens / that time, "decode" generated tokens / that time, "total" both.
 """
@@ -240,20 +243,56 @@ def _run(model, cache, sim: SimConfig, requests: list, *, progress: bool, desc: 
                     r.ttft_s = t1 - r.arrival_wall
                     r.ttft_steps = step - r.arrived_at + 1
             finished = [r for r in active if len(r.tokens) >= r.gen_len]
-            for r in finished:
-                cache = model.release(cache, np.asarray([r.slot], np.int32))
+            if finished:
+                cache = model.release(cache, np.asarray([r.slot for r in finished], np.int32))
                 calls["release"] += 1
-                active.remove(r)
-                free.append(r.slot)
-                done += 1
-            if finished and bar is not None:
-                bar.update(len(finished))
+                for r in finished:
+                    active.remove(r)
+                    free.append(r.slot)
+                done += len(finished)
+                if bar is not None:
+                    bar.update(len(finished))
             step += 1
         jax.block_until_ready(cache)
+        if hasattr(model, "check"):
+            model.check(cache)            # raises if a step was refused (out of KV pages): never expected here
     finally:
         if bar is not None:
             bar.close()
     return {"step_times": step_times, "step_kind": step_kind, "calls": calls, "steps": len(step_times)}, cache
+
+
+def _warmup(model, cache, sim: SimConfig, progress: bool):
+    """Compiles what the simulation can use before it is measured. Returns (how, cache).
+
+    "buckets" (a model with ``token_bucket`` / ``stream_bucket``): every (token bucket <= the budget's, stream
+    bucket <= S) prefill, then for every N in 1..S a prefill of N fresh streams, a decode of them and a release
+    (the programs of every call shape the loop can make). "run" (other models): the simulation with another seed.
+    """
+    if not (hasattr(model, "token_bucket") and hasattr(model, "stream_bucket")):
+        _, cache = _run(model, cache, sim, make_requests(sim, model.config.vocab_size, sim.seed + 7919),
+                        progress=progress, desc="warm-up")
+        return "run", cache
+    s, budget = sim.max_seqs, sim.token_budget
+    top = model.token_bucket(budget)
+    t_values = sorted({min(b, budget) for b in getattr(model, "token_buckets", (budget,)) if b <= top} | {budget})
+    n_values = sorted({model.stream_bucket(n, s) for n in range(1, s + 1)})
+    shapes = [(t, n) for t in t_values for n in n_values if n <= t] + [(n, n) for n in range(1, s + 1)]
+    for t, n in shapes:
+        lens = [1] * (n - 1) + [t - (n - 1)]
+        slots = np.arange(n, dtype=np.int32)
+        logits, cache = model.prefill(cache, np.zeros((t,), np.int32), np.cumsum([0] + lens).astype(np.int32), slots)
+        np.asarray(logits)
+        logits, cache = model.decode(cache, np.zeros((n,), np.int32), slots)
+        np.asarray(logits)
+        cache = model.release(cache, slots)
+    jax_block(cache)
+    return "buckets", cache
+
+
+def jax_block(x):
+    import jax
+    return jax.block_until_ready(x)
 
 
 def _summarise(raw: dict, requests: list) -> dict:
@@ -287,15 +326,16 @@ def simulate(model, sim: SimConfig = SimConfig(), *, progress: bool = True, verb
     n0, s0, m0 = counter["n"], counter["s"], _model_programs(model)
     cache = model.init_cache(max_seqs=sim.max_seqs, max_tokens=sim.max_tokens, page_size=sim.page_size)
     vocab = model.config.vocab_size
+    warmup = "none"
     if sim.warmup:
-        _, cache = _run(model, cache, sim, make_requests(sim, vocab, sim.seed + 7919), progress=progress,
-                        desc="warm-up")
+        warmup, cache = _warmup(model, cache, sim, progress)
     n1, m1 = counter["n"], _model_programs(model)
     requests = make_requests(sim, vocab, sim.seed)
     raw, cache = _run(model, cache, sim, requests, progress=progress, desc="serving")
     n2, s2, m2 = counter["n"], counter["s"], _model_programs(model)
     out = {"model": repr(model), "device": str(jax.devices()[0]), "sim": dataclasses.asdict(sim)}
     out.update(_summarise(raw, requests))
+    out["warmup"] = warmup
     out["compiles"] = {
         "total": n2 - n0, "warmup": n1 - n0, "after_warmup": n2 - n1, "compile_s": s2 - s0,
         "model_programs": None if m2 is None else m2 - (m0 or 0),
