@@ -26,18 +26,22 @@ from pallas_kernels.moe import triton as tr
 from pallas_kernels.moe.triton import MoeConfig
 
 D, E, K, I, SI = 2048, 512, 10, 512, 512
-CONFIGS = {
+_C1 = dict(block_m=128, gate_up_n=128, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
+           down_n=128, down_k=64, down_warps=8, down_stages=3)
+CONFIGS = {                                     # run 1 (rows fastest): c1 best, 3.61 ms routed at T = 19027
     "c0": MoeConfig(),
-    "c1": MoeConfig(block_m=128, gate_up_n=128, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
-                    down_n=128, down_k=64, down_warps=8, down_stages=3),
+    "c1": MoeConfig(**_C1),
+    "c1r": MoeConfig(**{**_C1, "columns_fastest": False}),
     "c2": MoeConfig(block_m=64, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                     down_n=256, down_k=64, down_warps=8, down_stages=3),
     "c3": MoeConfig(block_m=128, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                     down_n=128, down_k=64, down_warps=4, down_stages=4),
-    "c4": MoeConfig(block_m=64, gate_up_n=128, gate_up_k=128, gate_up_warps=8, gate_up_stages=3,
-                    down_n=128, down_k=128, down_warps=8, down_stages=3),
-    "c5": MoeConfig(block_m=128, gate_up_n=128, gate_up_k=32, gate_up_warps=8, gate_up_stages=4,
-                    down_n=256, down_k=32, down_warps=8, down_stages=4),
+    "c6": MoeConfig(**{**_C1, "gate_up_stages": 4, "down_n": 256}),
+    "c7": MoeConfig(**{**_C1, "gate_up_k": 128, "down_k": 128}),
+    "c8": MoeConfig(**{**_C1, "down_n": 64, "down_warps": 4, "down_stages": 4}),
+    "c9": MoeConfig(block_m=64, gate_up_n=256, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
+                    down_n=256, down_k=64, down_warps=8, down_stages=3),
+    "c10": MoeConfig(**{**_C1, "gate_up_warps": 4, "down_warps": 4}),
 }
 OUT = os.environ.get("OUT", "/tmp")
 LOG = []
@@ -101,6 +105,7 @@ def main():
     ap.add_argument("--configs", default="c0,c1,c2,c3")
     ap.add_argument("--tokens", default="19027,8192")
     ap.add_argument("--xla", type=int, default=1)
+    ap.add_argument("--bench", type=int, default=0, help="then jax_gdn.bench_moe with the best config")
     args = ap.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")       # fp32 checks: no TF32
     log(device=jax.devices()[0].device_kind, jax=jax.__version__)
@@ -193,6 +198,16 @@ def main():
                 traceback.print_exc()
             log(**row)
             table.append(row)
+    if args.bench:
+        best = min((r for r in table if "routed_ms" in r), key=lambda r: r["routed_ms"])
+        import pallas_kernels.moe.api as _api
+        from jax_gdn import bench_moe
+        _api.DEFAULT_CONFIG = CONFIGS[best["impl"].split()[1]]
+        log(bench_config=best["impl"])
+        del p
+        sec = bench_moe.run_section()
+        log(bench_moe=sec)
+        bench_moe.print_section(sec)
     with open(os.path.join(OUT, "moe_run.json"), "w") as f:
         json.dump(LOG, f, indent=1)
     print("\n%-8s %-12s %9s %9s %9s %9s %9s %9s %10s" % ("tokens", "impl", "routed", "gate_up", "down", "align",
