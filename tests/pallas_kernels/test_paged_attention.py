@@ -270,8 +270,12 @@ def test_checked_path_errors():
     with pytest.raises(ValueError, match="cu_seqlens must rise"):
         run(bad)
     bad = list(args)
-    bad[1] = args[1][..., :16]
+    bad[1], bad[2] = args[1][..., :16], args[2][..., :16]
     with pytest.raises(ValueError, match="head dim"):
+        run(bad)
+    bad = list(args)
+    bad[2] = args[2][..., :16]
+    with pytest.raises(ValueError, match="k_pages and v_pages must share one shape"):
         run(bad)
     bad = list(args)
     bad[0] = args[0][:, :3]

@@ -1,0 +1,241 @@
+"""Pallas (Triton lowering) kernels of paged causal attention: prefill over stacked streams, and decode.
+
+Shape legend: T stacked query tokens, N streams, S slots, H query heads, Hkv kv heads (G = H / Hkv), Dh head dim,
+P pages, Ps tokens per page, W pages per slot in the page table, NB query blocks (reference.num_query_blocks),
+M query rows per tile (block_m), Bk keys per step (block_k), NS decode splits.
+
+Prefill (``paged_attention_prefill``), grid (NB, Hkv):
+  one program = one query block of Bq = M // G tokens of one stream x the G query heads of one kv head, packed
+  in ONE [M, Dh] tile (row i = token i // G, head hk * G + i % G) so that the G heads share every K/V tile.
+  Keys are visited Bk at a time (Bk / Ps pages through page_table[slot]) from 0 to klen = min(slot_len,
+  last query position + 1): the trip count comes from the device-side block map (no host read). Online softmax
+  in fp32 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past the slot's
+  length or on a page id outside [0, P) are masked on load (never read) and in the scores.
+Decode (``paged_attention_decode``), grid (N, Hkv, NS) (flash decoding):
+  the G heads of one kv head in one tile (rows padded to 16, the smallest dot), the context cut into NS splits of
+  a static length; each program writes its partial (m, l, unnormalised o); a small XLA combine merges them.
+
+q and o are addressed as [T * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load
+is one gather of whole rows with a mask. Interpret mode (CPU) runs the same kernel bodies.
+
+This module imports only jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention.reference import build_query_blocks
+
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """block_m: query rows per tile (Bq tokens x G heads, a power of two >= 16); block_k: keys per step (a
+    multiple of the page size or a divisor of it); num_warps / num_stages: Triton launch parameters."""
+    block_m: int = 64
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """block_k keys per step; num_splits: context splits per (stream, kv head) (None: enough programs to fill the
+    GPU, see ``_num_splits``); num_warps / num_stages: Triton launch parameters."""
+    block_k: int = 64
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot(a, b, *, tb=False, precision=None):
+    dn = (((1,), (1,) if tb else (0,)), ((), ()))
+    return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _kv_tile(pt_ref, k_ref, v_ref, slot, start, limit, *, block_k, page_size, num_pages, width, hk, dh):
+    """Keys start .. start + Bk - 1 of a slot (through its page table row), masked past ``limit`` and on page ids
+    outside [0, P): returns (k [Bk, Dh], v [Bk, Dh], key positions [Bk], valid [Bk])."""
+    kpos = start + _iota((block_k,), 0)
+    pidx = kpos // page_size
+    live = (kpos < limit) & (pidx < width)
+    page = plgpu.load(pt_ref.at[slot, jnp.where(live, pidx, 0)], mask=live, other=-1)
+    valid = live & (page >= 0) & (page < num_pages)
+    row = jnp.where(valid, page * page_size + kpos % page_size, 0)
+    cols = _iota((1, dh), 1)
+    m2 = valid[:, None]
+    k = plgpu.load(k_ref.at[row[:, None], hk, cols], mask=m2, other=0)
+    v = plgpu.load(v_ref.at[row[:, None], hk, cols], mask=m2, other=0)
+    return k, v, kpos, valid
+
+
+def _online_step(carry, q, k, v, mask, scale, precision):
+    m_i, l_i, acc = carry
+    s = _dot(q, k, tb=True, precision=precision) * scale                         # [M, Bk] fp32
+    s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_i - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = l_i * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, precision=precision)
+    return m_new, l_new, acc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prefill
+# ----------------------------------------------------------------------------------------------------------------
+def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
+                    group, block_q, block_m, block_k, page_size, num_pages, width, num_heads, scale, precision):
+    b = pl.program_id(0)
+    hk = pl.program_id(1)
+    tok0 = tok0_ref[b]
+    count = count_ref[b]
+    slot = slot_ref[b]
+    pos0 = pos0_ref[b]
+    klen = klen_ref[b]
+    dh = q_ref.shape[-1]
+
+    i = _iota((block_m,), 0)
+    tok = i // group
+    row_ok = (i < block_q * group) & (tok < count)
+    qrow = (tok0 + tok) * num_heads + hk * group + i % group      # distinct rows (masked ones too: no clash)
+    cols = _iota((1, dh), 1)
+    q = plgpu.load(q_ref.at[qrow[:, None], cols], mask=row_ok[:, None], other=0)     # [M, Dh]
+    qpos = pos0 + tok                                                                 # [M]
+
+    def body(j, carry):
+        k, v, kpos, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, j * block_k, klen, block_k=block_k,
+                                     page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
+        mask = valid[None, :] & (kpos[None, :] <= qpos[:, None])
+        return _online_step(carry, q, k, v, mask, scale, precision)
+
+    carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
+             jnp.zeros((block_m, dh), jnp.float32))
+    _, l_i, acc = lax.fori_loop(0, (klen + block_k - 1) // block_k, body, carry)
+    o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+    plgpu.store(o_ref.at[qrow[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale,
+                            interpret=False, config: PrefillConfig | None = None):
+    """q [T, H, Dh]; k/v_pages [P, Ps, Hkv, Dh]; page_table [S, W], slot_lens [S], cu_seqlens [N + 1], slot_ids
+    [N] int32 -> o [T, H, Dh] in q's dtype (semantics: reference.py). Every output row is written (zeros for
+    padding tokens and streams with no slot)."""
+    config = config or PrefillConfig()
+    t, h, dh = q.shape
+    p, ps, hkv, _ = k_pages.shape
+    group = h // hkv
+    block_m = max(16, _pow2(config.block_m), _pow2(group))
+    block_q = block_m // group
+    block_k = config.block_k
+    blocks = build_query_blocks(cu_seqlens, slot_ids, slot_lens, t, block_q)
+    nb = blocks.tok0.shape[0]
+    kernel = functools.partial(
+        _prefill_kernel, group=group, block_q=block_q, block_m=block_m, block_k=block_k, page_size=ps,
+        num_pages=p, width=page_table.shape[1], num_heads=h, scale=float(scale), precision=_precision(q.dtype))
+    call = pl.pallas_call(
+        kernel, grid=(nb, hkv), out_shape=jax.ShapeDtypeStruct((t * h, dh), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="paged_attention_prefill")
+    o = call(blocks.tok0, blocks.count, blocks.slot, blocks.pos0, blocks.klen, page_table,
+             q.reshape(t * h, dh), k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh))
+    return o.reshape(t, h, dh)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode (flash decoding: splits over the context, then a combine)
+# ----------------------------------------------------------------------------------------------------------------
+def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, group,
+                   block_m, block_k, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
+                   precision):
+    n = pl.program_id(0)
+    hk = pl.program_id(1)
+    sp = pl.program_id(2)
+    sid = slot_ids_ref[n]
+    has_slot = (sid >= 0) & (sid < num_slots)
+    slot = jnp.where(has_slot, sid, 0)
+    ctx = jnp.where(has_slot, slot_lens_ref[slot], 0)
+    start = sp * split_len
+    stop = jnp.minimum(ctx, start + split_len)
+    dh = q_ref.shape[-1]
+
+    i = _iota((block_m,), 0)
+    row_ok = i < group
+    row = n * num_heads + hk * group + i                          # distinct rows (masked ones too: no clash)
+    cols = _iota((1, dh), 1)
+    q = plgpu.load(q_ref.at[row[:, None], cols], mask=row_ok[:, None], other=0)        # [M, Dh]
+
+    def body(j, carry):
+        k, v, _, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, start + j * block_k, stop, block_k=block_k,
+                                  page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
+        return _online_step(carry, q, k, v, jnp.broadcast_to(valid[None, :], (block_m, block_k)), scale,
+                            precision)
+
+    carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
+             jnp.zeros((block_m, dh), jnp.float32))
+    steps = jnp.maximum(stop - start + block_k - 1, 0) // block_k
+    m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)
+    plgpu.store(o_ref.at[row[:, None], sp, cols], acc, mask=row_ok[:, None])
+    plgpu.store(m_ref.at[row, sp], m_i, mask=row_ok)
+    plgpu.store(l_ref.at[row, sp], l_i, mask=row_ok)
+
+
+def _num_splits(num_streams: int, num_kv_heads: int, max_keys: int, block_k: int) -> int:
+    """Enough programs for ~4 waves of 132 SMs, never splits shorter than 4 steps of block_k keys."""
+    want = max(1, -(-4 * 132 // max(1, num_streams * num_kv_heads)))
+    return max(1, min(want, max_keys // (4 * block_k)))
+
+
+def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale, interpret=False,
+                           config: DecodeConfig | None = None):
+    """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
+    page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot)."""
+    config = config or DecodeConfig()
+    n, h, dh = q.shape
+    p, ps, hkv, _ = k_pages.shape
+    s, w = page_table.shape
+    group = h // hkv
+    block_m = max(16, _pow2(group))
+    block_k = config.block_k
+    max_keys = w * ps
+    ns = config.num_splits or _num_splits(n, hkv, max_keys, block_k)
+    split_len = block_k * math.ceil(math.ceil(max_keys / ns) / block_k)
+    kernel = functools.partial(
+        _decode_kernel, group=group, block_m=block_m, block_k=block_k, split_len=split_len, page_size=ps,
+        num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale), precision=_precision(q.dtype))
+    call = pl.pallas_call(
+        kernel, grid=(n, hkv, ns),
+        out_shape=(jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
+                   jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
+                   jax.ShapeDtypeStruct((n * h, ns), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="paged_attention_decode")
+    o_part, m_part, l_part = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh),
+                                  k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh))
+    m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [N*H, 1]
+    wgt = jnp.exp(m_part - m_all)                                                    # [N*H, NS]
+    denom = jnp.sum(wgt * l_part, axis=1)
+    o = jnp.einsum("rs,rsd->rd", wgt, o_part, precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(denom > 0, denom, 1.0)[:, None]
+    return o.reshape(n, h, dh).astype(q.dtype)
