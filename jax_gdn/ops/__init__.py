@@ -13,7 +13,22 @@ before the scale.
 
 Backends: "xla" (``jax_gdn.ops.reference``), "pallas" (the GPU kernels of ``pallas_kernels.gated_delta_rule``),
 "pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "auto" (= "pallas" when
-``jax.default_backend() == "gpu"``, else "xla").
+``jax.default_backend() == "gpu"`` and the kernel takes the inputs, else "xla").
+
+Every backend gives the same results up to rounding, also at the edges:
+  * g = -inf (a hard reset) or a huge negative g: exp(g) = 0 as in the per-token form (the chunked forms floor g
+    at -128, where exp already underflows to 0 in fp32, so cumulative gates stay finite);
+  * head dims: Pallas runs K, V in {16, 32, 64, 128} and zero-pads other dims up to 128 inside the op (the result
+    is that of the real dims); K or V over 128 is refused by "pallas" / "pallas_interpret" (ValueError naming the
+    limit) and makes "auto" pick "xla";
+  * mixed dtypes (e.g. fp32 q, k with bf16 v): Pallas runs in the promoted dtype; o takes v's dtype everywhere;
+  * B = 0 or T = 0: o is empty / all sequences keep their initial state;
+  * autodiff: only "xla" is differentiable; jax.grad / jax.jvp through a Pallas backend raises
+    NotImplementedError naming backend='xla';
+  * NaN / inf in token t's k, v, g or beta poisons (as in the per-token form) every later token of its sequence and
+    its final state; the chunked forms also poison the earlier tokens of t's own chunk (up to C - 1 tokens: the
+    chunk's matmuls multiply the NaN by the zero coefficients of earlier rows, and 0 * NaN = NaN). Earlier chunks,
+    other rows and other sequences are untouched; a NaN in q_t poisons o_t only, in every form.
 
 Padding contract (every backend): zero-length streams (repeated ``cu_seqlens`` entries) are allowed; tokens at
 index >= cu_seqlens[N] (cu_seqlens[N] <= T) are padding: they touch no state and their output rows are zero; a
@@ -31,6 +46,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_gdn.ops import validation
 from jax_gdn.ops.reference import (chunk_gated_delta_rule_slots_xla, chunk_gated_delta_rule_xla, l2norm,
@@ -78,10 +94,22 @@ def _check_common(q, k, v, g, beta, cu_seqlens):
     return b, t, hk, hv, dk, dv, n, cu_seqlens
 
 
-def _check_chunk_size_and_scale(chunk_size, scale, dk) -> float:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+def _check_chunk_size_and_scale(chunk_size, scale, dk) -> tuple[int, float]:
+    """(chunk_size as a Python int, scale as a Python float). chunk_size: a positive int or NumPy integer (not a
+    bool); scale: None (K ** -0.5) or a number."""
+    if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, (bool, np.bool_))
+            or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return float(dk ** -0.5 if scale is None else scale)
+    return int(chunk_size), float(dk ** -0.5 if scale is None else scale)
+
+
+def _resolve_for(backend: str, q, k, v) -> str:
+    """resolve_backend, and "auto" on a GPU falls back to "xla" where the Pallas kernel does not take the inputs
+    (head dims over 128)."""
+    resolved = resolve_backend(backend)
+    if backend == "auto" and resolved == "pallas" and not _kernel_api().supported(q, k, v, interpret=False)[0]:
+        return "xla"
+    return resolved
 
 
 def _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
@@ -90,6 +118,9 @@ def _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
     interpret = backend == "pallas_interpret"
     api = _kernel_api()
     api.check_supported(q, k, v, interpret=interpret)
+    if chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16 for the Pallas backends, got {chunk_size}; "
+                         "use backend='xla' for other chunk sizes")
     q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
     chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, q.shape[1], chunk_size)
     return api, interpret, q, k, g.astype(jnp.float32), chunk_map
@@ -113,13 +144,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
       q, k [B, T, Hk, K]; v [B, T, Hv, V] (o takes v's dtype); g (log-decay, fp32 or bf16), beta [B, T, Hv];
       initial_state [N, Hv, K, V] fp32 or None (zeros); cu_seqlens [N + 1] int32 or None (then N = B).
     ``cu_seqlens`` packs N sequences into one row (B == 1); each starts from ``initial_state[n]``; an empty
-    sequence's final state is its initial state; tokens past cu_seqlens[N] are padding (output rows zero). ``scale`` is a Python float (default K ** -0.5). The "xla"
-    backend cuts the row into at most T // C + N chunks on the device (no host sync, one compile per (T, N)).
+    sequence's final state is its initial state; tokens past cu_seqlens[N] are padding (output rows zero).
+    ``scale`` is a Python float (default K ** -0.5); ``chunk_size`` a positive int (a multiple of 16 on Pallas).
+    Both backends cut the row into at most T // C + N chunks on the device (no host sync, one compile per (T, N)).
+    See the module docstring for g = -inf, NaN inputs, head dims, mixed dtypes and autodiff.
     """
-    backend = resolve_backend(backend)
+    resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
+    backend = _resolve_for(backend, q, k, v)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
-    scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -159,17 +193,18 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     Sequence n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False, whatever the
     slot holds) and its final state is written back to that slot; every other slot is returned unchanged. An id
     outside [0, S) (S for a padding stream, -1, a bad traced value) reads zeros and its write is dropped. Tokens
-    past cu_seqlens[N] are padding (output rows zero, no state touched). Without cu_seqlens,
-    N = B. Under ``jax.jit`` donate ``ssm_state`` to update it in place.
+    past cu_seqlens[N] are padding (output rows zero, no state touched). Without cu_seqlens, N = B. Under
+    ``jax.jit`` donate ``ssm_state`` to update it in place.
     """
-    backend = resolve_backend(backend)
+    resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
+    backend = _resolve_for(backend, q, k, v)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
     validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
     validation.check_has_initial_state(has_initial_state, n)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
-    scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_slots_xla(

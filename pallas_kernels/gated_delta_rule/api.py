@@ -26,7 +26,21 @@ import numpy as np
 from pallas_kernels.gated_delta_rule import triton as _triton
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-GPU_HEAD_DIMS = (16, 32, 64, 128)   # 256 not yet compiled/tested on the H200
+GPU_HEAD_DIMS = (16, 32, 64, 128)   # the dims the kernels are compiled for; others up to 128 are zero-padded
+MAX_HEAD_DIM = GPU_HEAD_DIMS[-1]    # 256 not yet compiled/tested on the H200
+
+
+def kernel_head_dim(d: int) -> int:
+    """The head dim the kernels run for a head dim ``d`` <= MAX_HEAD_DIM: the smallest of GPU_HEAD_DIMS >= d.
+    q, k (K) and v (V) and the state are zero-padded to it inside the entry points; zero rows of k and zero
+    columns of v leave the rule on the real dims unchanged (q . k and S^T k do not see them, the padded state
+    rows / columns stay zero), and the output is sliced back."""
+    return next(x for x in GPU_HEAD_DIMS if x >= d)
+
+
+def compute_dtype(q, v):
+    """The one dtype the kernels take: q, k and v promoted together (bf16 v with fp32 q runs in fp32)."""
+    return jnp.promote_types(q.dtype, v.dtype)
 
 
 def _has_gpu() -> bool:
@@ -36,12 +50,21 @@ def _has_gpu() -> bool:
         return False
 
 
+def supported(q, k, v, *, interpret: bool) -> tuple[bool, str]:
+    """(ok, reason): whether the Pallas kernel runs these inputs (see :func:`check_supported`)."""
+    try:
+        check_supported(q, k, v, interpret=interpret)
+    except ValueError as err:
+        return False, str(err)
+    return True, ""
+
+
 def check_supported(q, k, v, *, interpret: bool) -> None:
     """Raises ValueError naming the limit when the Pallas kernel cannot run these inputs.
 
-    GPU (Triton) kernel: q, k, v of one dtype in {bfloat16, float16, float32}; K and V in {16, 32, 64, 128}
-    (Triton block dims are powers of two and dots need >= 16); Hv a multiple of Hk. Interpret mode (CPU) takes
-    any K, V >= 1. backend "pallas" (interpret False) needs a GPU.
+    q, k, v floating ({bfloat16, float16, float32}; promoted to one dtype by the entry points); K and V at most
+    MAX_HEAD_DIM = 128 (dims that are not one of GPU_HEAD_DIMS are zero-padded to the next one); Hv a multiple of
+    Hk. backend "pallas" (interpret False) needs a GPU; interpret mode runs the same kernels anywhere.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
@@ -49,21 +72,32 @@ def check_supported(q, k, v, *, interpret: bool) -> None:
         raise ValueError(f"q and k must have one shape [B, T, Hk, K]; got q {q.shape}, k {k.shape}")
     if v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2] != 0:
         raise ValueError(f"v must be [B, T, Hv, V] with Hv a multiple of Hk={q.shape[2]}; got v {v.shape}")
-    dt = jnp.dtype(v.dtype)
-    if dt not in GPU_DTYPES or jnp.dtype(q.dtype) != dt or jnp.dtype(k.dtype) != dt:
+    if any(jnp.dtype(x.dtype) not in GPU_DTYPES for x in (q, k, v)):
         raise ValueError(
-            "pallas gated delta rule: q, k, v must share one dtype in {bfloat16, float16, float32}; "
+            "pallas gated delta rule: q, k, v must be floating, each one of {bfloat16, float16, float32}; "
             f"got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not interpret:
-        kd, vd = q.shape[3], v.shape[3]
-        if kd not in GPU_HEAD_DIMS or vd not in GPU_HEAD_DIMS:
-            raise ValueError(
-                f"pallas gated delta rule on the GPU: head dims K (got {kd}) and V (got {vd}) must each be one of "
-                f"{GPU_HEAD_DIMS}; use backend='xla' (or 'pallas_interpret' on CPU) for other sizes")
-        if not _has_gpu():
-            raise ValueError(
-                "backend 'pallas' needs a CUDA GPU (Pallas Triton lowering) and none is visible; "
-                "use backend='xla', or 'pallas_interpret' to run the same kernel in interpret mode on CPU")
+    kd, vd = q.shape[3], v.shape[3]
+    if kd > MAX_HEAD_DIM or vd > MAX_HEAD_DIM:
+        raise ValueError(
+            f"pallas gated delta rule: head dims K (got {kd}) and V (got {vd}) must each be at most {MAX_HEAD_DIM} "
+            f"(the kernels run {GPU_HEAD_DIMS}, smaller dims are zero-padded); use backend='xla' for larger heads")
+    if not interpret and not _has_gpu():
+        raise ValueError(
+            "backend 'pallas' needs a CUDA GPU (Pallas Triton lowering) and none is visible; "
+            "use backend='xla', or 'pallas_interpret' to run the same kernel in interpret mode on CPU")
+
+
+def _no_autodiff(fn):
+    """fn with a JVP rule that raises: the Pallas kernels have no backward pass yet, and without this jax.grad
+    fails deep inside pallas_call with an empty AssertionError."""
+    wrapped = jax.custom_jvp(fn)
+
+    @wrapped.defjvp
+    def _jvp(primals, tangents):
+        raise NotImplementedError(
+            "the Pallas gated delta rule kernels (backend='pallas' / 'pallas_interpret') have no backward pass: "
+            "use backend='xla' to differentiate (jax.grad / jax.jvp)")
+    return wrapped
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -135,19 +169,34 @@ def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16) -> _t
 # ----------------------------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------------------------
+def _pad_last(x, size):
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
 def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqlens, chunk_map, chunk_size,
          interpret):
     b, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     if chunk_size % _triton.SUB != 0:
-        raise ValueError(f"chunk_size must be a multiple of {_triton.SUB}; got {chunk_size}")
+        raise ValueError(f"chunk_size must be a multiple of {_triton.SUB} for the Pallas kernels; got {chunk_size}")
     if scale is None:
         scale = kdim ** -0.5
+    n = slot_ids.shape[0]
+    out_dtype = v.dtype
+    if b == 0:           # no rows, no sequences: nothing to run, the pool is unchanged
+        return jnp.zeros(v.shape, out_dtype), pool
+    dtype = compute_dtype(q, v)
+    kp, vp = kernel_head_dim(kdim), kernel_head_dim(vdim)
+    q, k = _pad_last(q.astype(dtype), kp), _pad_last(k.astype(dtype), kp)
+    v = _pad_last(v.astype(dtype), vp)
+    padded_pool = (kp, vp) != (kdim, vdim)
+    if padded_pool:
+        pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
     start, length, first, num = _maps(b, t, cu_seqlens, chunk_map, chunk_size)
     tt = b * t
-    qf = q.reshape(tt, hk, kdim)
-    kf = k.reshape(tt, hk, kdim)
-    vf = v.reshape(tt, hv, vdim)
+    qf = q.reshape(tt, hk, kp)
+    kf = k.reshape(tt, hk, kp)
+    vf = v.reshape(tt, hv, vp)
     gf = g.reshape(tt, hv).astype(jnp.float32)
     bf = beta.reshape(tt, hv)
     if interpret:
@@ -155,17 +204,26 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
         # rows so that every chunk's [start, start + C) slice is in range. On the GPU masked loads need no pad.
         pad = lambda x: jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))
         qf, kf, vf, gf, bf = (pad(x) for x in (qf, kf, vf, gf, bf))
-    n = slot_ids.shape[0]
-    o, new_pool = _triton.gated_delta_rule_fwd_packed(
-        qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids.astype(jnp.int32),
-        has_initial_state=has_initial_state.astype(jnp.int32), chunk_start=start, chunk_len=length,
-        seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size, interpret=interpret,
-        config=launch_config(vdim, n * hv, v.dtype))
-    if cu_seqlens is not None and tt > 0:
-        # tokens past cu_seqlens[N] are padding: no chunk holds them, so no program stored their rows
-        o = _triton.zero_tail(o, cu_seqlens[-1:].astype(jnp.int32), total=tt, chunk=chunk_size,
-                              interpret=interpret)
-    o = o[:tt].reshape(b, t, hv, vdim)
+    config = launch_config(vp, n * hv, dtype)
+    varlen = cu_seqlens is not None
+    cu_last = cu_seqlens[-1:].astype(jnp.int32) if varlen else jnp.full((1,), tt, jnp.int32)
+
+    def kernels(qf, kf, vf, gf, bf, pool, slot_ids, has, start, length, first, num, cu_last):
+        o, new_pool = _triton.gated_delta_rule_fwd_packed(
+            qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids, has_initial_state=has,
+            chunk_start=start, chunk_len=length, seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size,
+            interpret=interpret, config=config)
+        if varlen and tt > 0:
+            # tokens past cu_seqlens[N] are padding: no chunk holds them, so no program stored their rows
+            o = _triton.zero_tail(o, cu_last, total=tt, chunk=chunk_size, interpret=interpret)
+        return o, new_pool
+
+    o, new_pool = _no_autodiff(kernels)(
+        qf, kf, vf, gf, bf, pool, slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), start, length,
+        first, num, cu_last)
+    o = o[:tt].reshape(b, t, hv, vp)[..., :vdim].astype(out_dtype)
+    if padded_pool:
+        new_pool = new_pool[:, :, :kdim, :vdim]
     return o, new_pool
 
 

@@ -39,6 +39,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 SUB = 16  # sub-block rows inside a chunk: the smallest dot Triton lowers
+#: log-decays below this are raised to it on load: exp(g) is 0 in fp32 for g < -104 either way, and a floor keeps
+#: the chunk's cumulative gates finite (g = -inf, a hard reset, or |g| ~ 1e37 would give -inf - -inf = NaN).
+G_FLOOR = -128.0
+
+
+def floor_log_decay(g):
+    """g with values below G_FLOOR raised to it (NaN stays NaN: a select, not a max)."""
+    return jnp.where(g < G_FLOOR, jnp.float32(G_FLOOR), g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +117,7 @@ def _kkt_solve_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, t_ref, gcum_re
         ok = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0) < length
         sl = pl.ds(start + b * SUB, SUB)
         bb.append(plgpu.load(beta_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
-        g = plgpu.load(g_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32)
+        g = floor_log_decay(plgpu.load(g_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
         gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)    # [16] cumulative gate
         off = off + jnp.sum(g)
         gb.append(gc)

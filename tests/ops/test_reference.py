@@ -306,11 +306,11 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
     pool = jnp.zeros((2, 2, 8, 8), jnp.float32)
     out = chunk_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=jnp.asarray([1, 0], jnp.int32),
                                        has_initial_state=jnp.asarray([False, True]),
-                                       cu_seqlens=jnp.asarray([0, 4, 10], jnp.int32), chunk_size=4,
+                                       cu_seqlens=jnp.asarray([0, 4, 10], jnp.int32), chunk_size=16,
                                        backend="pallas_interpret")
     assert out == ("o", "pool")
     assert calls == [("check_supported", True), ("fwd", jnp.bfloat16, jnp.float32, 8 ** -0.5, True, True),
-                     ("check_supported", True), ("slots_fwd", (10 // 4 + 2,), True)]
+                     ("check_supported", True), ("slots_fwd", (10 // 16 + 2,), True)]
 
 
 def test_zero_tokens_keep_initial_states():

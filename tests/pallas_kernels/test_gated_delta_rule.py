@@ -149,15 +149,16 @@ def test_interpret_near_collinear_keys():
 
 def test_check_supported_errors():
     x = jnp.zeros((1, 4, 1, 24), jnp.float32)
-    with pytest.raises(ValueError, match="head dims"):
-        api.check_supported(x, x, x, interpret=False)
-    with pytest.raises(ValueError, match="dtype"):
-        api.check_supported(x, x.astype(jnp.bfloat16), x, interpret=True)
+    big = jnp.zeros((1, 4, 1, 256), jnp.float32)
+    with pytest.raises(ValueError, match=r"head dims K \(got 256\) and V \(got 24\) must each be at most 128"):
+        api.check_supported(big, big, x, interpret=True)
+    with pytest.raises(ValueError, match="floating"):
+        api.check_supported(x, x, x.astype(jnp.int32), interpret=True)
     if not any(d.platform == "gpu" for d in jax.devices()):
-        y = jnp.zeros((1, 4, 1, 64), jnp.float32)
         with pytest.raises(ValueError, match="GPU"):
-            api.check_supported(y, y, y, interpret=False)
-    api.check_supported(x, x, x, interpret=True)          # small dims are fine in interpret mode
+            api.check_supported(x, x, x, interpret=False)
+    api.check_supported(x, x, x.astype(jnp.bfloat16), interpret=True)   # K = 24 padded to 32; dtypes promoted
+    assert [api.kernel_head_dim(d) for d in (1, 16, 17, 100, 128)] == [16, 16, 32, 128, 128]
 
 
 # ----------------------------------------------------------------------------------------------------------------
