@@ -4,8 +4,8 @@ Qwen3-Next-80B dims on the 16-stream varlen case, per backend.
     python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH]
 
 Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256
-(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens (T = 19027 tokens, N = 16):
-``[1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500]``, every stream fresh.
+(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens: ``jax_gdn.cases.VARLEN16_LENS``
+(T = 19027 tokens, N = 16), every stream fresh.
 ``--small`` shrinks dims and lens so that it runs on a CPU in seconds (a smoke test, not a measurement).
 
 GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
@@ -15,8 +15,9 @@ GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
   phase3  gated RMSNorm, out_proj, residual (phase3)
   layer   gdn_layer_prefill, the three chained in one jit (what the model runs)
 Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K/V page writes, paged causal
-attention, gate, o_proj) into an empty pool of 16-token pages, with the model's attention plan (query blocks
-inside one stream, each gathering a power-of-two window of its slot's pages).
+attention, gate, o_proj) into an empty pool of 16-token pages handed out in a shuffled order, the page table
+[N, W] as wide as the longest stream needs; the paged attention runs the layer's backend
+(pallas_kernels.paged_attention: "pallas" the Triton kernel, "xla" the reference gathering all W pages per block).
 
 Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
 Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.
@@ -31,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LENS_80B = [1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500]
 LENS_SMALL = [190, 64, 51, 1, 130, 77, 63, 65]
 
 
 def _dims(small: bool):
+    from jax_gdn.cases import VARLEN16_LENS
     from jax_gdn.config import AttnDims, GdnDims
     if small:
         return (GdnDims(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32),
@@ -44,7 +45,7 @@ def _dims(small: bool):
                     conv_kernel_size=4),
             AttnDims(hidden_size=2048, num_heads=16, num_kv_heads=2, head_dim=256, partial_rotary_factor=0.25,
                      rope_theta=10_000_000.0),
-            LENS_80B)
+            list(VARLEN16_LENS))
 
 
 def _median_time(fn, args, reps: int) -> float:
@@ -63,7 +64,7 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms", "layer_ms",
     "tokens_per_s", "share": {"phase1", "phase2", "phase3"}}, "attention": {"ms", "tokens_per_s"}}."""
     from jax_gdn.layers import gdn
-    from jax_gdn.layers.attention import attention_layer, attention_plan, build_query_blocks
+    from jax_gdn.layers.attention import attention_layer
     from jax_gdn.state import BatchMeta, GdnSlots, KvPages
 
     gdims, adims, lens = _dims(small)
@@ -102,22 +103,22 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     aparams = {"q_proj": w(ak[0], (d, h * 2 * dh)), "k_proj": w(ak[1], (d, hkv * dh)),
                "v_proj": w(ak[2], (d, hkv * dh)), "o_proj": w(ak[3], (h * dh, d)),
                "q_norm": 0.1 * jax.random.normal(ak[4], (dh,)), "k_norm": 0.1 * jax.random.normal(ak[5], (dh,))}
+    order = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
     first_page = np.cumsum([0] + pages_per[:-1])
+    page_table = np.zeros((n, max(pages_per)), np.int32)
+    for i, (f, p) in enumerate(zip(first_page, pages_per)):
+        page_table[i, :p] = order[f:f + p]
     tok_slot = np.concatenate([[i] * x for i, x in enumerate(lens)]).astype(np.int32)
     tok_pos = np.concatenate([np.arange(x) for x in lens]).astype(np.int32)
-    tok_page = (first_page[tok_slot] + tok_pos // ps).astype(np.int32)
-    page_table = np.zeros((n, num_pages), np.int32)
-    for i, (f, p) in enumerate(zip(first_page, pages_per)):
-        page_table[i, :p] = np.arange(f, f + p)
-    window, block_q = attention_plan(max(lens), max(lens), num_pages, ps, h)
-    blocks = build_query_blocks(np.cumsum([0] + lens).astype(np.int32), np.arange(n, dtype=np.int32), t, block_q)
+    tok_page = page_table[tok_slot, tok_pos // ps].astype(np.int32)
     meta_arrays = tuple(jnp.asarray(x) for x in (tok_pos, tok_page, tok_pos % ps, page_table,
-                                                  np.asarray(lens, np.int32))) + (blocks,)
+                                                  np.asarray(lens, np.int32), np.cumsum([0] + lens).astype(np.int32),
+                                                  np.arange(n, dtype=np.int32)))
     kv = KvPages.zeros(num_pages, ps, hkv, dh, dtype)
 
-    def attn(p, x, kv, tp, tpg, tof, pt, sl, bl):
+    def attn(p, x, kv, tp, tpg, tof, pt, sl, cu, ids):
         return attention_layer(p, adims, x, kv, token_pos=tp, token_page=tpg, token_offset=tof, page_table=pt,
-                               slot_lens=sl, blocks=bl, window_pages=window, backend=backend)
+                               slot_lens=sl, cu_seqlens=cu, slot_ids=ids, backend=backend)
     attn_fn = jax.jit(attn)
     ms_attn = 1e3 * _median_time(attn_fn, (aparams, hidden, kv) + meta_arrays, reps)
 
@@ -127,8 +128,8 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
         "gdn": {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
                 "tokens_per_s": t / (ms_layer * 1e-3),
                 "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}},
-        "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3), "window_pages": window,
-                      "block_q": block_q},
+        "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3),
+                      "page_table_width": int(page_table.shape[1])},
     }
 
 

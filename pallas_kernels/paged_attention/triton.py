@@ -8,9 +8,10 @@ Prefill (``paged_attention_prefill``), grid (NB, Hkv):
   one program = one query block of Bq = M // G tokens of one stream x the G query heads of one kv head, packed
   in ONE [M, Dh] tile (row i = token i // G, head hk * G + i % G) so that the G heads share every K/V tile.
   Keys are visited Bk at a time (Bk / Ps pages through page_table[slot]) from 0 to klen = min(slot_len,
-  last query position + 1): the trip count comes from the device-side block map (no host read). Online softmax
-  in fp32 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past the slot's
-  length or on a page id outside [0, P) are masked on load (never read) and in the scores.
+  last query position + 1): the trip count comes from the device-side block map (no host read). Key blocks
+  wholly at or before the block's first query skip the causal mask (first loop); the rest take it (second).
+  Online softmax in fp32 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past
+  the slot's length or on a page id outside [0, P) are masked on load (never read) and in the scores.
 Decode (``paged_attention_decode``), grid (N, Hkv, NS) (flash decoding):
   the G heads of one kv head in one tile (rows padded to 16, the smallest dot), the context cut into NS splits of
   a static length; each program writes its partial (m, l, unnormalised o); a small XLA combine merges them.
@@ -124,7 +125,12 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
     q = plgpu.load(q_ref.at[qrow[:, None], cols], mask=row_ok[:, None], other=0)     # [M, Dh]
     qpos = pos0 + tok                                                                 # [M]
 
-    def body(j, carry):
+    def below(j, carry):            # key block entirely at or before the block's first query: no causal mask
+        k, v, _, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, j * block_k, klen, block_k=block_k,
+                                  page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
+        return _online_step(carry, q, k, v, valid[None, :], scale, precision)
+
+    def diagonal(j, carry):
         k, v, kpos, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, j * block_k, klen, block_k=block_k,
                                      page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
         mask = valid[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -132,7 +138,10 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
-    _, l_i, acc = lax.fori_loop(0, (klen + block_k - 1) // block_k, body, carry)
+    steps = (klen + block_k - 1) // block_k
+    full = jnp.clip(jnp.minimum(pos0 + 1, klen) // block_k, 0, steps)
+    carry = lax.fori_loop(0, full, below, carry)
+    _, l_i, acc = lax.fori_loop(full, steps, diagonal, carry)
     o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
     plgpu.store(o_ref.at[qrow[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
 
