@@ -507,10 +507,10 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
     p1 = phase1_proj_batched(params, dims, hidden)
     conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
     q, k, v = phase1_l2_batched(dims, conv_out)
-    init = jnp.where(has_initial_state[:, None, None, None], slots.ssm_state[slot_ids], 0.0)
-    o, final = gdn_ops.recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], p1.g[:, None],
-                                                  p1.beta[:, None], initial_state=init, output_final_state=True)
-    slots = slots.replace(ssm_state=slots.ssm_state.at[slot_ids].set(final))
+    o, ssm = gdn_ops.fused_recurrent_gated_delta_rule_slots(
+        q[:, None], k[:, None], v[:, None], p1.g[:, None], p1.beta[:, None], ssm_state=slots.ssm_state,
+        slot_ids=slot_ids, has_initial_state=has_initial_state)        # the decode kernel on a GPU, in place
+    slots = slots.replace(ssm_state=ssm)
     return phase3(params, dims, o[:, 0], p1.z, hidden, ffn=ffn), slots
 
 

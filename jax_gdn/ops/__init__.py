@@ -52,12 +52,13 @@ from jax_gdn.ops import validation
 from jax_gdn.ops.reference import (chunk_gated_delta_rule_slots_xla, chunk_gated_delta_rule_xla, l2norm,
                                    recurrent_gated_delta_rule_xla)
 from jax_gdn.ops.validation import checkify_cu_seqlens, checkify_slot_ids
-from jax_gdn.ops.varlen import build_chunk_map, dense_cu_seqlens
+from jax_gdn.ops.varlen import build_chunk_map, dense_cu_seqlens, gather_slots, scatter_slots
 
 __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule_slots",
+    "fused_recurrent_gated_delta_rule_slots",
     "resolve_backend",
     "checkify_cu_seqlens",
     "checkify_slot_ids",
@@ -215,3 +216,45 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
         q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
         interpret=interpret)
+
+
+def fused_recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_initial_state=None,
+                                           scale: Optional[float] = None, use_qk_l2norm: bool = False,
+                                           backend: str = "auto"):
+    """Per-token gated delta rule of N streams over a slot pool (decode). Returns
+    ``(o [N, T, Hv, V] in v's dtype, new_ssm_state [S, Hv, K, V] fp32)``.
+
+    Shape legend: N streams (one row each), T tokens per stream (1 for decode), S slots, Hk / Hv key / value heads,
+    K / V head dims.
+      q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; ssm_state [S, Hv, K, V] fp32;
+      slot_ids [N] int32 (distinct inside [0, S)); has_initial_state [N] bool or None (all True).
+    Stream n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False or the id is
+    outside [0, S)), runs its T tokens and writes its state back (an id outside [0, S) drops the write); other slots
+    are unchanged. The same rule as :func:`recurrent_gated_delta_rule` (FLA's ``fused_recurrent_gated_delta_rule``
+    with the state read from and written to a pool). "pallas" runs the decode kernel
+    (``pallas_kernels.gated_delta_rule.decode``) over the pool in place: under ``jax.jit`` donate ``ssm_state``;
+    "xla" gathers the N states, runs the ``lax.scan`` form and scatters them back. "auto": "pallas" on a GPU
+    where the kernel takes the inputs, else "xla". ``use_qk_l2norm`` normalises q, k in fp32 (fused in the kernel).
+    """
+    resolve_backend(backend)
+    b, t, hk, hv, dk, dv, n, _ = _check_common(q, k, v, g, beta, None)
+    backend = _resolve_for(backend, q, k, v)
+    num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
+    validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
+    if has_initial_state is None:
+        has_initial_state = jnp.ones((n,), bool)
+    validation.check_has_initial_state(has_initial_state, n)
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    has_initial_state = jnp.asarray(has_initial_state)
+    scale = float(dk ** -0.5 if scale is None else scale)
+    if backend == "xla":
+        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+        init = gather_slots(ssm_state, slot_ids, has_initial_state)
+        o, final = recurrent_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=init,
+                                                  output_final_state=True)
+        return o, scatter_slots(ssm_state, slot_ids, final)
+    api = _kernel_api()
+    api.check_supported(q, k, v, interpret=backend == "pallas_interpret")
+    return api.fused_recurrent_gated_delta_rule_slots_fwd(
+        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids, has_initial_state=has_initial_state,
+        use_qk_l2norm=use_qk_l2norm, interpret=backend == "pallas_interpret")

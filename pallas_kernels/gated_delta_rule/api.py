@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.gated_delta_rule import decode as _decode
 from pallas_kernels.gated_delta_rule import triton as _triton
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -259,3 +260,38 @@ def chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot
     return _run(q, k, v, g, beta, scale=scale, pool=ssm_state, slot_ids=slot_ids,
                 has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map,
                 chunk_size=chunk_size, interpret=interpret)
+
+
+def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
+                                               use_qk_l2norm=False, interpret=False, config=None):
+    """Per-token gated delta rule of N streams over a state-slot pool, in place (the decode kernel).
+
+    q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; ssm_state [S, Hv, K, V] fp32 (aliased: donate it);
+    slot_ids [N] int32 (an id outside [0, S) reads zeros and drops its write), has_initial_state [N] bool.
+    Returns (o [N, T, Hv, V] in v's dtype, new ssm_state). Head dims that are not one of GPU_HEAD_DIMS are
+    zero-padded (then the pool is copied, not updated in place).
+    """
+    n, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = kdim ** -0.5
+    if n == 0 or t == 0:
+        return jnp.zeros(v.shape, v.dtype), ssm_state
+    kp, vp = kernel_head_dim(kdim), kernel_head_dim(vdim)
+    q, k, v = _pad_last(q, kp), _pad_last(k, kp), _pad_last(v, vp)
+    pool = ssm_state
+    padded = (kp, vp) != (kdim, vdim)
+    if padded:
+        pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
+    cfg = config or _decode.DecodeConfig()
+
+    def kernel(q, k, v, g, beta, pool, slot_ids, has):
+        return _decode.fused_recurrent_slots(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,
+                                             scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+                                             config=cfg)
+
+    o, new_pool = _no_autodiff(kernel)(q, k, v, g, beta, pool, slot_ids.astype(jnp.int32),
+                                       has_initial_state.astype(jnp.int32))
+    if padded:
+        o, new_pool = o[..., :vdim], new_pool[:, :, :kdim, :vdim]
+    return o, new_pool

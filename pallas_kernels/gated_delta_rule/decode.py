@@ -1,0 +1,106 @@
+"""Pallas (Triton lowering) decode kernel: the per-token gated delta rule over a state-slot pool, in place.
+
+One program per (stream n, value head h, value block): it reads its [K, BV] block of the state from
+``pool[slot_ids[n], h]`` (zeros when ``has_initial_state[n]`` is False or the id names no slot), runs the T tokens
+of the stream (T = 1 for decode, a few for speculative decoding) with the state in registers, stores the outputs
+and writes the block back to the same slot (the pool is aliased: donated, it is updated in place; an id outside
+[0, S) drops the write). Per token, with value head h reading key head h // (Hv // Hk):
+
+    S = exp(g_t) S;   S = S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T (scale q_t)
+
+optionally with q_t, k_t L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``). The state bytes (read once,
+written once) are the whole cost: 256 streams x 32 heads x 128 x 128 fp32 is 0.54 GB each way.
+
+Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads, K / V head dims (powers of two
+>= 16: the entry point pads), BV value block.
+
+    q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; pool [S, Hv, K, V] fp32;
+    slot_ids, has_initial_state [N] int32  ->  o [N, T, Hv, V] in v's dtype, pool (aliased)
+
+This module imports only jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+L2_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel: the value block of one program (a divisor of V, power of two),
+    its warps and pipelining stages (H200 choice in NOTES.md)."""
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
+                   group, block_v, scale, use_qk_l2norm, num_tokens):
+    n = pl.program_id(0)
+    h = pl.program_id(1)
+    vb = pl.program_id(2)
+    hk = h // group
+    vs = pl.ds(vb * block_v, block_v)
+    num_slots = pool_in_ref.shape[0]
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
+    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    s = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                    # [K, BV]
+    s = jnp.where((has_ref[n] != 0) & in_pool, s, 0.0)                          # select: a stale NaN never leaks
+
+    def token(t, s):
+        q = q_ref[n, t, hk, :].astype(jnp.float32)                              # [K]
+        k = k_ref[n, t, hk, :].astype(jnp.float32)                              # [K]
+        if use_qk_l2norm:
+            q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
+            k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+        v = v_ref[n, t, h, vs].astype(jnp.float32)                              # [BV]
+        g = g_ref[n, t, h].astype(jnp.float32)
+        beta = beta_ref[n, t, h].astype(jnp.float32)
+        s = jnp.exp(g) * s
+        delta = beta * (v - jnp.sum(k[:, None] * s, axis=0))                    # [BV]
+        s = s + k[:, None] * delta[None, :]
+        o_ref[n, t, h, vs] = jnp.sum((scale * q)[:, None] * s, axis=0).astype(o_ref.dtype)
+        return s
+
+    if num_tokens == 1:
+        s = token(0, s)
+    else:
+        s = lax.fori_loop(0, num_tokens, token, s)
+
+    @pl.when(in_pool)
+    def _():
+        pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+
+def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm,
+                          interpret, config: DecodeConfig = DecodeConfig()):
+    """Runs the decode kernel (shapes in the module docstring; K, V powers of two >= 16, V % block_v == 0).
+    Returns (o [N, T, Hv, V] in v's dtype, the updated pool [S, Hv, K, V] fp32, aliased to ``pool``)."""
+    n, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    block_v = min(config.block_v, vdim)
+    if vdim % block_v:
+        raise ValueError(f"DecodeConfig.block_v ({config.block_v}) must divide V = {vdim}")
+    operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
+                    q=q, k=k, v=v, g=g, beta=beta, pool=pool)
+    call = pl.pallas_call(
+        functools.partial(_decode_kernel, group=hv // hk, block_v=block_v, scale=float(scale),
+                          use_qk_l2norm=bool(use_qk_l2norm), num_tokens=t),
+        grid=(n, hv, vdim // block_v),
+        out_shape=(jax.ShapeDtypeStruct((n, t, hv, vdim), v.dtype),
+                   jax.ShapeDtypeStruct(pool.shape, jnp.float32)),
+        input_output_aliases={list(operands).index("pool"): 1},
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="gdn_decode",
+    )
+    return call(*operands.values())

@@ -1,0 +1,126 @@
+"""The decode kernel (pallas_kernels/gated_delta_rule/decode.py) through jax_gdn.ops.fused_recurrent_gated_delta_rule_slots,
+against the float64 per-token loop (tests/numpy_reference.py), on every backend.
+
+CPU: "pallas_interpret" and "xla" at tiny dims (K != V, dims padded to the kernel's sizes, grouped heads, T = 1 and
+T = 3, permuted slots, ids -1 and S under jit, NaN-poisoned stale and untouched slots, fused L2 norm, bf16 inputs).
+GPU (`pytest -m gpu`): K = V = 128, Qwen3-Next heads, bf16 and fp32, the pool donated and updated in place.
+Tolerances (relative RMS vs float64): fp32 inputs 1e-5 (no chunking: fp32 rounding only), bf16 inputs 1e-5 too
+(the reference takes the same rounded inputs; all math is fp32).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
+from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
+
+TOL = 1e-5
+
+
+def _case(seed, n, t, hk, hv, dk, dv, num_slots, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, t, hk, dk)).astype(np.float32)
+    k = rng.standard_normal((n, t, hk, dk)).astype(np.float32)
+    v = rng.standard_normal((n, t, hv, dv)).astype(np.float32)
+    q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v))
+    g = -rng.uniform(0.01, 0.5, (n, t, hv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (n, t, hv)).astype(np.float32)
+    pool = rng.standard_normal((num_slots, hv, dk, dv)).astype(np.float32)
+    return [q, k, v, g, beta], pool
+
+
+def _expected(xs, pool, ids, has, use_qk_l2norm):
+    s = pool.shape[0]
+    init = np.zeros((len(ids),) + pool.shape[1:], np.float64)
+    for i, (sid, h) in enumerate(zip(ids, has)):
+        if h and 0 <= sid < s:
+            init[i] = pool[sid]
+    o, final = gated_delta_rule_f64(*xs, initial_state=init, use_qk_l2norm=use_qk_l2norm)
+    new_pool = pool.astype(np.float64).copy()
+    for i, sid in enumerate(ids):
+        if 0 <= sid < s:
+            new_pool[sid] = final[i]
+    return o, new_pool
+
+
+@pytest.mark.parametrize("backend", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("t,hk,hv,dk,dv,l2", [(1, 2, 6, 16, 8, False), (3, 1, 2, 24, 40, True)],
+                         ids=["T1-gva3-K16-V8", "T3-K24-V40-l2"])
+def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
+    n, s = 5, 7
+    xs, pool = _case(t * 10 + dk, n, t, hk, hv, dk, dv, s)
+    if not l2:
+        xs[1] = l2norm_f64(xs[1]).astype(np.float32)
+    ids = np.array([4, -1, 0, s, 6], np.int32)           # permuted; -1 and S name no slot
+    has = np.array([True, True, False, True, True])      # slot 0 is stale (NaN): read as zeros
+    pool[0] = np.nan
+    pool[2] = np.nan                                      # untouched slot: stays NaN
+    o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, l2)
+    fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
+        *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=l2, backend=backend))
+    o, new_pool = fn([jnp.asarray(x) for x in xs], jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    assert o.shape == (n, t, hv, dv) and new_pool.shape == pool.shape
+    assert rel_rms(o, o_ref) < TOL
+    written = [0, 4, 6]
+    assert rel_rms(new_pool[written], pool_ref[written]) < TOL
+    assert np.isnan(new_pool[2]).all()
+    for untouched in (1, 3, 5):                           # -1 did not wrap onto slot 6, S did not clamp onto it
+        np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+def test_decode_bf16_inputs_and_default_has_initial_state():
+    xs, pool = _case(3, 4, 1, 1, 2, 16, 16, 4, dtype=jnp.bfloat16)
+    ids = np.array([3, 1, 0, 2], np.int32)
+    o_ref, pool_ref = _expected(xs, pool, ids, [True] * 4, True)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4], jnp.bfloat16)]
+    args[4] = jnp.asarray(xs[4])
+    for backend in ("pallas_interpret", "xla"):
+        o, new_pool = fused_recurrent_gated_delta_rule_slots(*args, ssm_state=jnp.asarray(pool), slot_ids=ids,
+                                                             use_qk_l2norm=True, backend=backend)
+        assert o.dtype == jnp.bfloat16
+        assert rel_rms(np.asarray(o, np.float64), o_ref) < 1e-2     # o rounded to bf16
+        assert rel_rms(new_pool, pool_ref) < TOL, backend
+
+
+def test_decode_errors():
+    xs, pool = _case(5, 2, 1, 1, 1, 16, 16, 3)
+    xs = [jnp.asarray(x) for x in xs]
+    with pytest.raises(ValueError, match="slot_ids must not repeat"):
+        fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=jnp.asarray(pool), slot_ids=np.array([1, 1]),
+                                               backend="pallas_interpret")
+    with pytest.raises(ValueError, match=r"ssm_state must have shape \[S, Hv, K, V\]"):
+        fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=jnp.asarray(pool)[:, :, :8],
+                                               slot_ids=np.array([0, 1]), backend="xla")
+    with pytest.raises(NotImplementedError, match="backend='xla'"):
+        jax.grad(lambda p: jnp.sum(fused_recurrent_gated_delta_rule_slots(
+            *xs, ssm_state=p, slot_ids=np.array([0, 1]), backend="pallas_interpret")[1]))(jnp.asarray(pool))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU (device tool): K = V = 128
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_decode_in_place(dtype):
+    jax.config.update("jax_default_matmul_precision", "highest")
+    n, s = 48, 64
+    xs, pool = _case(7, n, 1, 16, 32, 128, 128, s, dtype=dtype)
+    ids = np.random.default_rng(8).permutation(s)[:n].astype(np.int32)
+    ids[3], ids[5] = -1, s
+    has = np.arange(n) % 3 != 0
+    o_ref, pool_ref = _expected(xs, pool, ids, has, True)
+    fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
+        *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, backend="pallas"),
+        donate_argnums=1)
+    args = [jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
+    pool_dev = jnp.asarray(pool)
+    ptr = pool_dev.unsafe_buffer_pointer()
+    o, new_pool = fn(args, pool_dev, jnp.asarray(ids), jnp.asarray(has))
+    eo, es = rel_rms(np.asarray(o, np.float64), o_ref), rel_rms(np.asarray(new_pool), pool_ref)
+    print(f"FIGURE decode {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e} "
+          f"in_place={new_pool.unsafe_buffer_pointer() == ptr}")
+    assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
