@@ -28,8 +28,11 @@ from pallas_kernels.moe.triton import MoeConfig
 D, E, K, I, SI = 2048, 512, 10, 512, 512
 _C1 = dict(block_m=128, gate_up_n=128, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
            down_n=128, down_k=64, down_warps=8, down_stages=3)
-CONFIGS = {                                     # run 1 (rows fastest): c1 best, 3.61 ms routed at T = 19027
-    "c0": MoeConfig(),
+# run 1 (rows fastest): c1 best, 3.61 ms routed at T = 19027; run 2 (columns fastest): c6 best, 3.12 ms (now the
+# default MoeConfig()). Logs: benchmarks/logs/moe_h200_run{1,2}.json
+CONFIGS = {
+    "c0": MoeConfig(block_m=64, gate_up_n=128, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                    down_n=128, down_k=64, down_warps=4, down_stages=4),     # the first default
     "c1": MoeConfig(**_C1),
     "c1r": MoeConfig(**{**_C1, "columns_fastest": False}),
     "c2": MoeConfig(block_m=64, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,

@@ -35,16 +35,19 @@ class MoeConfig:
     """Launch parameters. block_m: rows per block (also the padding unit of each expert's rows); gate_up_n /
     gate_up_k: column / reduction blocks of kernel 1 (each program holds two [BM, BN] fp32 accumulators);
     down_n / down_k: the same for kernel 2; warps / stages per kernel (stages = Triton software pipelining of
-    the reduction loop). A block larger than its dim is cut to the largest power of two dividing the dim."""
-    block_m: int = 64
+    the reduction loop, cut to fit shared memory by ``fit_stages``); columns_fastest: launch order (``_grid``).
+    A block larger than its dim is cut to the largest power of two dividing the dim. The defaults are the
+    fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6" of benchmarks/gpu/moe_run.py;
+    NOTES.md)."""
+    block_m: int = 128
     gate_up_n: int = 128
     gate_up_k: int = 64
-    gate_up_warps: int = 4
+    gate_up_warps: int = 8
     gate_up_stages: int = 4
-    down_n: int = 128
+    down_n: int = 256
     down_k: int = 64
-    down_warps: int = 4
-    down_stages: int = 4
+    down_warps: int = 8
+    down_stages: int = 3
     columns_fastest: bool = True
 
 
