@@ -25,6 +25,7 @@ host-checked inputs: the blocks trust it (no value checks, no device-to-host cop
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,9 @@ class Batch:
     page_table:   [S, W] int32 each slot's pages after this call's allocation
     slot_lens:    [S] int32  tokens each slot holds after this call
     decode:       static: one token per stream (recurrent GDN step)
+    axis_name:    static: the mesh axis the heads / expert columns are split over when the step runs per device
+                  inside ``shard_map`` (jax_gdn.sharding); the row-parallel projections' partial sums are then
+                  ``psum``-ed before each residual add. None: one device, no reduction.
     """
 
     meta: BatchMeta
@@ -61,6 +65,11 @@ class Batch:
     page_table: jax.Array
     slot_lens: jax.Array
     decode: bool = struct.field(pytree_node=False, default=False)
+    axis_name: Optional[str] = struct.field(pytree_node=False, default=None)
+
+    def reduce(self, y: jax.Array) -> jax.Array:
+        """Sum of a row-parallel projection's partial results over the mesh axis (identity on one device)."""
+        return y if self.axis_name is None else jax.lax.psum(y, self.axis_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +99,10 @@ def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend:
     return swiglu_mlp(params, x)
 
 
-def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str):
+def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str, batch: Batch):
     def hook(h):
-        return h + ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps), config=config,
-                       moe=moe, backend=backend)
+        return h + batch.reduce(ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps),
+                                    config=config, moe=moe, backend=backend))
     return hook
 
 
@@ -102,15 +111,17 @@ def gdn_block(params: dict, x: jax.Array, state: GdnSlots, batch: Batch, *, conf
     """GDN block: x [T, D] -> (x [T, D], GdnSlots [S, ...] with the call's streams advanced)."""
     dims = config.gdn_dims
     mixer = dict(params["mixer"], input_layernorm=params["input_norm"])
-    hook = _ffn_hook(params, config, moe, backends.moe)
+    hook = _ffn_hook(params, config, moe, backends.moe, batch)
+    reduce = None if batch.axis_name is None else batch.reduce
     meta = batch.meta
     if batch.decode:
-        return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook)
+        return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook,
+                                    reduce=reduce)
     p1 = gdn.phase1_proj_batched(mixer, dims, x)
     conv_out, state = gdn.phase1_conv1d_varlen(mixer, dims, p1.mixed_qkv, state, meta)
     q, k, v = gdn.phase1_l2_batched(dims, conv_out)
     o, state, _ = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, state, meta, backend=backends.gated_delta_rule)
-    return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook), state
+    return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook, reduce=reduce), state
 
 
 def attention_block(params: dict, x: jax.Array, state: KvPages, batch: Batch, *, config: HybridConfig, moe: bool,
@@ -122,8 +133,8 @@ def attention_block(params: dict, x: jax.Array, state: KvPages, batch: Batch, *,
                                page_table=batch.page_table, slot_lens=batch.slot_lens,
                                cu_seqlens=batch.meta.cu_seqlens, slot_ids=batch.meta.slot_ids, decode=batch.decode,
                                backend=backends.paged_attention)
-    x = x + h
-    return _ffn_hook(params, config, moe, backends.moe)(x), state
+    x = x + batch.reduce(h)
+    return _ffn_hook(params, config, moe, backends.moe, batch)(x), state
 
 
 def block(kind: BlockKind, params: dict, x: jax.Array, state, batch: Batch, *, config: HybridConfig,
