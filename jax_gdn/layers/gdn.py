@@ -445,12 +445,14 @@ def gdn_full_per_stream(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, b
 # Phase 3: gated norm, out_proj, residual, FFN
 # ================================================================================================================
 def phase3(params: dict, dims: GdnDims, o: jax.Array, z: jax.Array, residual: jax.Array, *,
-           ffn: FFN = None) -> jax.Array:
+           ffn: FFN = None, reduce: FFN = None) -> jax.Array:
     """Gated RMSNorm per head (``norm * rmsnorm(o) * silu(z)``, fp32), out_proj, residual add, then the FFN.
 
     o, z [T, Hv, V]; residual [T, D] (the layer's input hidden states). ``ffn``: None (identity) or a callable
     [T, D] -> [T, D] applied to the post-residual hidden states and returning the block's output (it owns its
-    post_attention_layernorm and its own residual add). Returns hidden [T, D] in residual's dtype.
+    post_attention_layernorm and its own residual add). ``reduce``: None, or the sum of out_proj's partial
+    results over the devices when the heads are split (tensor parallel, jax_gdn.sharding), applied before the
+    residual add. Returns hidden [T, D] in residual's dtype.
     """
     t = _check_hidden(residual, dims, "residual")
     want = (t, dims.num_v_heads, dims.head_v_dim)
@@ -458,7 +460,8 @@ def phase3(params: dict, dims: GdnDims, o: jax.Array, z: jax.Array, residual: ja
         if tuple(jnp.shape(x)) != want:
             raise ValueError(f"{name} must have shape [T, Hv, V] = {want}, got {tuple(jnp.shape(x))}")
     y = gated_rms_norm(o, z.astype(o.dtype), params["norm"], dims.rms_norm_eps).reshape(t, dims.value_dim)
-    h = residual + _linear(y.astype(residual.dtype), params["out_proj"])
+    out = _linear(y.astype(residual.dtype), params["out_proj"])
+    h = residual + (out if reduce is None else reduce(out))
     return h if ffn is None else ffn(h)
 
 
@@ -488,8 +491,10 @@ def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: Gdn
 
 
 def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot_ids,
-                     has_initial_state=None, *, ffn: FFN = None) -> tuple[jax.Array, GdnSlots]:
-    """One decode step: ONE token per stream, recurrent form, conv and ssm states of the N slots advanced.
+                     has_initial_state=None, *, ffn: FFN = None,
+                     reduce: FFN = None) -> tuple[jax.Array, GdnSlots]:
+    """One decode step: ONE token per stream, recurrent form, conv and ssm states of the N slots advanced
+    (``reduce``: see ``phase3``).
 
     hidden [N, D] (row n = the next token of the stream in slot_ids[n]); slot_ids [N] int32;
     has_initial_state [N] bool (default all True). Returns (hidden_out [N, D], slots).
@@ -511,7 +516,7 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
         q[:, None], k[:, None], v[:, None], p1.g[:, None], p1.beta[:, None], ssm_state=slots.ssm_state,
         slot_ids=slot_ids, has_initial_state=has_initial_state)        # the decode kernel on a GPU, in place
     slots = slots.replace(ssm_state=ssm)
-    return phase3(params, dims, o[:, 0], p1.z, hidden, ffn=ffn), slots
+    return phase3(params, dims, o[:, 0], p1.z, hidden, ffn=ffn, reduce=reduce), slots
 
 
 def gdn_layer_monolithic(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot,
