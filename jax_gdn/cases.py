@@ -73,4 +73,12 @@ CPU_GVA = (
 CPU_VARLEN = _varlen("cpu-varlen5-Hk1-Hv2-K16-V8", (5, 64, 0, 70, 1), 1, 2, 16, 8)
 CPU_VARLEN_OTHER_LENS = (63, 2, 1, 10, 64)   # same T and N as CPU_VARLEN: must not recompile
 
-CASES = {c.name: c for c in BENCH_CASES + GPU_TEST_CASES + CPU_DENSE + CPU_GVA + (CPU_VARLEN,)}
+# ---- decode (one token per stream over a state pool; T = 1, B = N streams; K = V = 128, Qwen3-Next heads) ----
+DECODE_CASES = (
+    Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128),
+    Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128),
+    Case("decode-N1-Hk16-Hv32", 1, 1, 16, 32, 128, 128),
+)
+CPU_DECODE = (Case("cpu-decode-N4-Hk1-Hv2-K16-V16", 4, 1, 1, 2, 16, 16),)
+
+CASES = {c.name: c for c in DECODE_CASES + CPU_DECODE + BENCH_CASES + GPU_TEST_CASES + CPU_DENSE + CPU_GVA + (CPU_VARLEN,)}

@@ -1,0 +1,146 @@
+"""One device run for the GDN op (issue 14): GPU tests, decode rows + launch sweep, prefill rows vs h200.json.
+
+    python benchmarks/gpu/gdn_run.py OUT_DIR [deadline_s]
+
+1. ``pytest -m gpu`` on tests/pallas_kernels/test_gated_delta_rule.py, test_gdn_decode.py and tests/ops (kernel
+   numerics against float64 on the GPU); FIGURE lines and the summary go to OUT_DIR/gdn_tests.log.
+2. ``jax_gdn.bench_decode.run_section()`` (pallas / xla / FLA fused_recurrent / copy), then the decode kernel's
+   DecodeConfig variants at the largest case.
+3. Prefill: ``chunk_gated_delta_rule(backend="pallas")`` on every jax_gdn.cases.BENCH_CASES row, timed as
+   jax_gdn.bench does, beside the pallas column of benchmarks/results/h200.json (the run before this session's
+   correctness fixes).
+Everything lands in OUT_DIR/gdn_run.json; a short table is printed last. Sections past the deadline are skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+T0 = time.time()
+
+
+def left(deadline):
+    return deadline - (time.time() - T0)
+
+
+def run_tests(out, deadline):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "-s",
+           "tests/pallas_kernels/test_gated_delta_rule.py", "tests/pallas_kernels/test_gdn_decode.py", "tests/ops"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, left(deadline) - 60))
+        log = p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        log += "\nTIMEOUT"
+    with open(os.path.join(out, "gdn_tests.log"), "w") as f:
+        f.write(log)
+    lines = [l for l in log.splitlines() if l.startswith("FIGURE") or "passed" in l or "failed" in l
+             or l.startswith("FAILED") or "Error" in l[:40]]
+    return lines[-40:]
+
+
+def run_decode(deadline):
+    import jax
+    from jax_gdn import bench_decode
+    from jax_gdn.cases import DECODE_CASES
+    from pallas_kernels.gated_delta_rule.decode import DecodeConfig
+    section = bench_decode.run_section()
+    bench_decode.print_section(section)
+    sweep = []
+    case = DECODE_CASES[0]
+    host = bench_decode.make_inputs_np(case)
+    for bv in (32, 64, 128):
+        for warps in (2, 4, 8):
+            if left(deadline) < 40:
+                break
+            cfg = DecodeConfig(block_v=bv, num_warps=warps)
+            try:
+                ms = bench_decode.time_jax_decode(case, "pallas", host, config=cfg)
+            except Exception as e:
+                print(f"sweep {cfg}: {type(e).__name__} {str(e)[:200]}")
+                ms = None
+            sweep.append({"block_v": bv, "num_warps": warps, "ms": ms,
+                          "gbps": None if ms is None else bench_decode.state_bytes(case) / ms / 1e6})
+            print(f"sweep {case.name} block_v={bv} warps={warps}: {ms}")
+    section["sweep"] = sweep
+    return section
+
+
+def run_prefill(deadline):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_gdn import ops
+    from jax_gdn.bench import time_jax
+    from jax_gdn.cases import BENCH_CASES
+    try:
+        with open("benchmarks/results/h200.json") as f:
+            before = {r["case"]: r["ms"].get("pallas") for r in json.load(f)["rows"]}
+    except Exception:
+        before = {}
+    rows = []
+    for case in BENCH_CASES:
+        if left(deadline) < 15:
+            break
+        rng = np.random.default_rng(0)
+        b, t = case.B, case.T
+        q = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+        k = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        v = rng.standard_normal((b, t, case.Hv, case.V), np.float32)
+        g = np.log(rng.uniform(0.9, 0.999, (b, t, case.Hv))).astype(np.float32)
+        beta = rng.uniform(0.05, 0.95, (b, t, case.Hv)).astype(np.float32)
+        h0 = (0.1 * rng.standard_normal((case.num_seqs, case.Hv, case.K, case.V))).astype(np.float32)
+        bf = jnp.bfloat16
+        args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
+                jnp.asarray(h0))
+        cu = case.cu_seqlens()
+        cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+        fn = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="pallas"))
+        try:
+            ms = time_jax(fn, args)
+        except Exception as e:
+            print(f"prefill {case.name}: {type(e).__name__} {str(e)[:300]}")
+            ms = None
+        rows.append({"case": case.name, "ms_now": ms, "ms_h200_json": before.get(case.name)})
+        print(f"prefill {case.name}: {ms} (h200.json {before.get(case.name)})", flush=True)
+    return rows
+
+
+def main():
+    out = sys.argv[1]
+    deadline = float(sys.argv[2]) if len(sys.argv) > 2 else 200.0
+    result = {}
+    result["tests"] = run_tests(out, deadline * 0.45)
+    print("\n".join(result["tests"]), flush=True)
+    try:
+        result["decode"] = run_decode(deadline * 0.7)
+    except Exception as e:
+        print(f"decode section failed: {type(e).__name__} {str(e)[:300]}")
+    try:
+        result["prefill"] = run_prefill(deadline)
+    except Exception as e:
+        print(f"prefill section failed: {type(e).__name__} {str(e)[:300]}")
+    with open(os.path.join(out, "gdn_run.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n==== summary ====")
+    for line in result["tests"][-6:]:
+        print(line)
+    for r in result.get("decode", {}).get("rows", []):
+        print(r["case"], {k: (None if v is None else round(v, 4)) for k, v in r["ms"].items()},
+              {k: (None if v is None else round(v)) for k, v in r["gbps"].items()})
+    for r in result.get("decode", {}).get("sweep", []):
+        print("sweep", r["block_v"], r["num_warps"], r["ms"])
+    for r in result.get("prefill", []):
+        print("prefill", r["case"], r["ms_now"], "before", r["ms_h200_json"])
+    print(f"total {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

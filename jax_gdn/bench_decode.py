@@ -1,0 +1,177 @@
+"""Decode benchmark section: one gated delta rule token per stream over the fp32 state pool, in one run on one GPU.
+
+    python -m jax_gdn.bench_decode [--quick] [--json PATH]
+    (or through ``python -m jax_gdn.bench --decode``: key "decode" of the results JSON)
+
+Cases: ``jax_gdn.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
+q / k L2-normalised inside each implementation). Columns (median ms; null where an implementation cannot run):
+  pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the decode kernel over a pool
+          of S = N slots in a shuffled order, the pool donated (updated in place)
+  xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
+  fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
+          output_final_state=True (dense states: no slot indexing)
+  copy    an XLA read + write of the same state bytes (pool * 1, not donated): the practical floor
+gbps: the state bytes a step must move, 2 N Hv K V 4 (read once, write once), over each time.
+Timing: jax over groups of back-to-back calls that thread the donated pool, closed by block_until_ready (median
+of the groups); torch with triton.testing.do_bench (median), as in ``jax_gdn.bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from jax_gdn.cases import CPU_DECODE, DECODE_CASES, Case
+
+IMPLS = ("pallas", "xla", "fla", "copy")
+
+
+def state_bytes(case: Case) -> int:
+    return 2 * case.B * case.Hv * case.K * case.V * 4
+
+
+def make_inputs_np(case: Case, seed: int = 0):
+    """q, k [N, 1, Hk, K], v [N, 1, Hv, V], g, beta [N, 1, Hv], pool [S = N, Hv, K, V], slot_ids [N] (shuffled)."""
+    rng = np.random.default_rng(seed)
+    n = case.B
+    q = rng.standard_normal((n, 1, case.Hk, case.K), np.float32)
+    k = rng.standard_normal((n, 1, case.Hk, case.K), np.float32)
+    v = rng.standard_normal((n, 1, case.Hv, case.V), np.float32)
+    g = np.log(rng.uniform(0.9, 0.999, (n, 1, case.Hv))).astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, (n, 1, case.Hv)).astype(np.float32)
+    pool = (0.1 * rng.standard_normal((n, case.Hv, case.K, case.V))).astype(np.float32)
+    return q, k, v, g, beta, pool, rng.permutation(n).astype(np.int32)
+
+
+def _time_threaded(step, state, *, warmup=3, groups=15, per_group=10):
+    """Median ms of ``state = step(state)`` (the state is donated each call)."""
+    import jax
+    for _ in range(warmup):
+        state = step(state)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(groups):
+        t0 = time.perf_counter()
+        for _ in range(per_group):
+            state = step(state)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / per_group * 1e3)
+    return statistics.median(times)
+
+
+def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> float:
+    """Median ms of one decode step of ``backend`` ("pallas", "pallas_interpret", "xla"); ``config``: a
+    DecodeConfig for the pallas kernel (default: the kernel's)."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import ops
+    q, k, v, g, beta, pool, ids = host
+    bf = jnp.bfloat16
+    xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+    ids = jnp.asarray(ids)
+    if config is None:
+        def run(pool):
+            return ops.fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=ids, use_qk_l2norm=True,
+                                                              backend=backend)
+    else:
+        from pallas_kernels.gated_delta_rule import api
+
+        def run(pool):
+            return api.fused_recurrent_gated_delta_rule_slots_fwd(
+                *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=jnp.ones(ids.shape, bool),
+                use_qk_l2norm=True, interpret=backend == "pallas_interpret", config=config)
+    fn = jax.jit(lambda pool: run(pool)[1], donate_argnums=0)
+    return _time_threaded(fn, jnp.asarray(pool), **timing)
+
+
+def time_copy(case: Case, host, **timing) -> float:
+    import jax
+    import jax.numpy as jnp
+    pool = jnp.asarray(host[5])
+    fn = jax.jit(lambda p: p * 1.0001)
+    return _time_threaded(lambda p: fn(p), pool, **timing)
+
+
+def time_fla(case: Case, host) -> float:
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    q, k, v, g, beta, pool, _ = host
+    dev, bf = "cuda", torch.bfloat16
+    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
+    tg = torch.from_numpy(g).to(dev)
+    tb = torch.from_numpy(beta).to(dev, bf)
+    th0 = torch.from_numpy(pool).to(dev)
+
+    def fn():
+        return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tb, initial_state=th0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def _has_gpu() -> bool:
+    import jax
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def run_section(quick: bool = False) -> dict:
+    """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, xla, fla, copy}, "gbps": {...}}], "note"}.
+    ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
+    gpu = _has_gpu()
+    cases = CPU_DECODE if quick or not gpu else DECODE_CASES
+    timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}
+    rows = []
+    for case in cases:
+        host = make_inputs_np(case)
+        ms = {}
+        for impl in IMPLS:
+            try:
+                if impl == "pallas":
+                    ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, **timing)
+                elif impl == "xla":
+                    ms[impl] = time_jax_decode(case, "xla", host, **timing)
+                elif impl == "copy":
+                    ms[impl] = time_copy(case, host, **timing)
+                else:
+                    ms[impl] = time_fla(case, host) if gpu else None
+            except Exception as e:                         # report and go on: a peer that cannot run gets null
+                print(f"decode {case.name} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+                ms[impl] = None
+        nbytes = state_bytes(case)
+        rows.append({"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
+                     "state_bytes": nbytes, "ms": ms,
+                     "gbps": {k: (None if t is None else nbytes / t / 1e6) for k, t in ms.items()}})
+    return {"rows": rows, "note": "gbps = state bytes read + written (2 N Hv K V 4) / time; "
+                                  + ("CPU smoke run, not a measurement" if quick or not gpu else "")}
+
+
+def print_section(section: dict) -> None:
+    print("decode: one token per stream, fp32 state pool (median ms, GB/s of state bytes)")
+    print(f"  {'case':26s}" + "".join(f"{i:>16s}" for i in IMPLS))
+    for r in section["rows"]:
+        cells = "".join("{:>16s}".format("-" if r["ms"][i] is None else f"{r['ms'][i]:.4f} ({r['gbps'][i]:.0f})")
+                        for i in IMPLS)
+        print(f"  {r['case']:26s}{cells}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    section = run_section(quick=args.quick)
+    print_section(section)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"decode": section}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
