@@ -1,7 +1,7 @@
 """Layer benchmark: one GDN layer's whole split prefill (phases 1-3) and one gated attention layer prefill, at
 Qwen3-Next-80B dims on the 16-stream varlen case, per backend.
 
-    python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH]
+    python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH] [--attention-only]
 
 Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256
 (partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens: ``jax_gdn.cases.VARLEN16_LENS``
@@ -59,13 +59,14 @@ def _median_time(fn, args, reps: int) -> float:
 
 
 def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, dtype=jnp.bfloat16,
-                 seed: int = 0) -> dict:
-    """Times one GDN layer (phases 1-3 and whole) and one attention layer prefill. Returns
-    {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms", "layer_ms",
-    "tokens_per_s", "share": {"phase1", "phase2", "phase3"}}, "attention": {"ms", "tokens_per_s"}}."""
+                 seed: int = 0, with_gdn: bool = True) -> dict:
+    """Times one GDN layer (phases 1-3 and whole; skipped with with_gdn=False) and one attention layer
+    prefill. Returns {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms",
+    "layer_ms", "tokens_per_s", "share": {"phase1", "phase2", "phase3"}} or None, "attention": {"ms",
+    "tokens_per_s", "page_table_width"}}."""
     from jax_gdn.layers import gdn
     from jax_gdn.layers.attention import attention_layer
-    from jax_gdn.state import BatchMeta, GdnSlots, KvPages
+    from jax_gdn.state import KvPages
 
     gdims, adims, lens = _dims(small)
     t, n = sum(lens), len(lens)
@@ -74,22 +75,9 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     hidden = (jax.random.normal(k_hidden, (t, gdims.hidden_size), jnp.float32)).astype(dtype)
 
     # ---- GDN layer ------------------------------------------------------------------------------------------------
-    params = gdn.init_params(gdims, k_params, dtype, randomize_norms=True)
-    slots = GdnSlots.zeros(gdims, n, dtype)
-    meta = BatchMeta.from_lengths(lens)
-
-    p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m))
-    p1, conv_out_slots, (q, k, v) = p1_fn(params, hidden, slots, meta)
-    p2_fn = jax.jit(lambda q, k, v, g, b, s, m: gdn.gdn_full_varlen(q, k, v, g, b, s, m, backend=backend)[:2])
-    o, _ = p2_fn(q, k, v, p1.g, p1.beta, conv_out_slots, meta)
-    p3_fn = jax.jit(lambda p, o, z, h: gdn.phase3(p, gdims, o, z, h))
-    layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend))
-
-    ms1 = 1e3 * _median_time(p1_fn, (params, hidden, slots, meta), reps)
-    ms2 = 1e3 * _median_time(p2_fn, (q, k, v, p1.g, p1.beta, conv_out_slots, meta), reps)
-    ms3 = 1e3 * _median_time(p3_fn, (params, o, p1.z, hidden), reps)
-    ms_layer = 1e3 * _median_time(layer_fn, (params, hidden, slots, meta), reps)
-    total = ms1 + ms2 + ms3
+    gdn_row = None
+    if with_gdn:
+        gdn_row = _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps)
 
     # ---- attention layer ------------------------------------------------------------------------------------------
     ps = 16
@@ -125,12 +113,34 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     return {
         "backend": backend, "device": str(jax.devices()[0]), "dtype": jnp.dtype(dtype).name, "small": small,
         "T": t, "N": n, "lens": lens, "reps": reps,
-        "gdn": {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
-                "tokens_per_s": t / (ms_layer * 1e-3),
-                "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}},
+        "gdn": gdn_row,
         "attention": {"ms": ms_attn, "tokens_per_s": t / (ms_attn * 1e-3),
                       "page_table_width": int(page_table.shape[1])},
     }
+
+
+def _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps) -> dict:
+    from jax_gdn.state import BatchMeta, GdnSlots
+    t = sum(lens)
+    params = gdn.init_params(gdims, k_params, dtype, randomize_norms=True)
+    slots = GdnSlots.zeros(gdims, n, dtype)
+    meta = BatchMeta.from_lengths(lens)
+
+    p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m))
+    p1, conv_out_slots, (q, k, v) = p1_fn(params, hidden, slots, meta)
+    p2_fn = jax.jit(lambda q, k, v, g, b, s, m: gdn.gdn_full_varlen(q, k, v, g, b, s, m, backend=backend)[:2])
+    o, _ = p2_fn(q, k, v, p1.g, p1.beta, conv_out_slots, meta)
+    p3_fn = jax.jit(lambda p, o, z, h: gdn.phase3(p, gdims, o, z, h))
+    layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend))
+
+    ms1 = 1e3 * _median_time(p1_fn, (params, hidden, slots, meta), reps)
+    ms2 = 1e3 * _median_time(p2_fn, (q, k, v, p1.g, p1.beta, conv_out_slots, meta), reps)
+    ms3 = 1e3 * _median_time(p3_fn, (params, o, p1.z, hidden), reps)
+    ms_layer = 1e3 * _median_time(layer_fn, (params, hidden, slots, meta), reps)
+    total = ms1 + ms2 + ms3
+    return {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
+            "tokens_per_s": t / (ms_layer * 1e-3),
+            "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}}
 
 
 def _phase1(gdn, dims, params, hidden, slots, meta):
@@ -144,6 +154,10 @@ def print_table(results) -> None:
           f"{'GDN tok/s':>11} | {'attn':>9} {'attn tok/s':>11}")
     for r in results:
         g, a = r["gdn"], r["attention"]
+        if g is None:
+            print(f"{r['backend']:>16} {r['T']:>6} {r['N']:>3} | {'(GDN layer not timed)':>52} | "
+                  f"{a['ms']:7.2f}ms {a['tokens_per_s']:11.0f}")
+            continue
         s = g["share"]
         print(f"{r['backend']:>16} {r['T']:>6} {r['N']:>3} | "
               f"{g['phase1_ms']:7.2f}ms {g['phase2_ms']:7.2f}ms {g['phase3_ms']:7.2f}ms {g['layer_ms']:8.2f}ms "
@@ -159,13 +173,15 @@ def main(argv=None) -> list:
     parser.add_argument("--small", action="store_true", help="tiny dims and lens (CPU smoke test)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--attention-only", action="store_true", help="time only the attention layer")
     args = parser.parse_args(argv)
     backends = (args.backends.split(",") if args.backends
                 else (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
     results = []
     for backend in backends:
         try:
-            results.append(bench_layers(backend, args.reps, small=args.small, dtype=jnp.dtype(args.dtype)))
+            results.append(bench_layers(backend, args.reps, small=args.small, dtype=jnp.dtype(args.dtype),
+                                        with_gdn=not args.attention_only))
         except Exception as err:  # report and go on with the other backend
             print(f"backend {backend}: failed: {type(err).__name__}: {err}")
     print_table(results)

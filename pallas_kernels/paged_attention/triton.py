@@ -4,7 +4,8 @@ Shape legend: T stacked query tokens, N streams, S slots, H query heads, Hkv kv 
 P pages, Ps tokens per page, W pages per slot in the page table, NB query blocks (reference.num_query_blocks),
 M query rows per tile (block_m), Bk keys per step (block_k), NS decode splits.
 
-Prefill (``paged_attention_prefill``), grid (NB, Hkv):
+Prefill (``paged_attention_prefill``), grid (Hkv, NB) (kv head fastest), blocks sorted by the keys they read
+(longest first, so the longest programs launch first):
   one program = one query block of Bq = M // G tokens of one stream x the G query heads of one kv head, packed
   in ONE [M, Dh] tile (row i = token i // G, head hk * G + i % G) so that the G heads share every K/V tile.
   Keys are visited Bk at a time (Bk / Ps pages through page_table[slot]) from 0 to klen = min(slot_len,
@@ -58,6 +59,10 @@ class DecodeConfig:
     num_stages: int = 2
 
 
+DEFAULT_PREFILL = PrefillConfig()
+DEFAULT_DECODE = DecodeConfig()
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -108,8 +113,8 @@ def _online_step(carry, q, k, v, mask, scale, precision):
 # ----------------------------------------------------------------------------------------------------------------
 def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
                     group, block_q, block_m, block_k, page_size, num_pages, width, num_heads, scale, precision):
-    b = pl.program_id(0)
-    hk = pl.program_id(1)
+    hk = pl.program_id(0)
+    b = pl.program_id(1)
     tok0 = tok0_ref[b]
     count = count_ref[b]
     slot = slot_ref[b]
@@ -151,7 +156,7 @@ def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqle
     """q [T, H, Dh]; k/v_pages [P, Ps, Hkv, Dh]; page_table [S, W], slot_lens [S], cu_seqlens [N + 1], slot_ids
     [N] int32 -> o [T, H, Dh] in q's dtype (semantics: reference.py). Every output row is written (zeros for
     padding tokens and streams with no slot)."""
-    config = config or PrefillConfig()
+    config = config or DEFAULT_PREFILL
     t, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     group = h // hkv
@@ -159,12 +164,15 @@ def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqle
     block_q = block_m // group
     block_k = config.block_k
     blocks = build_query_blocks(cu_seqlens, slot_ids, slot_lens, t, block_q)
+    # longest work first (the blocks reading the most keys launch first: a short tail of programs at the end)
+    order = jnp.argsort(-blocks.klen, stable=True)
+    blocks = type(blocks)(*(x[order] for x in blocks))
     nb = blocks.tok0.shape[0]
     kernel = functools.partial(
         _prefill_kernel, group=group, block_q=block_q, block_m=block_m, block_k=block_k, page_size=ps,
         num_pages=p, width=page_table.shape[1], num_heads=h, scale=float(scale), precision=_precision(q.dtype))
     call = pl.pallas_call(
-        kernel, grid=(nb, hkv), out_shape=jax.ShapeDtypeStruct((t * h, dh), q.dtype),
+        kernel, grid=(hkv, nb), out_shape=jax.ShapeDtypeStruct((t * h, dh), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_attention_prefill")
     o = call(blocks.tok0, blocks.count, blocks.slot, blocks.pos0, blocks.klen, page_table,
@@ -220,7 +228,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
                            config: DecodeConfig | None = None):
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
     page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot)."""
-    config = config or DecodeConfig()
+    config = config or DEFAULT_DECODE
     n, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, w = page_table.shape

@@ -316,3 +316,34 @@ def test_query_blocks_cover_every_token_once():
     # stream 0 (slot 1, 5 tokens into 9): pos0 4; the no-slot stream and the padding tail read no key
     assert np.asarray(b.pos0)[0] == 4 and klen[0] == 9
     assert klen[(tok0 >= 70) & live].tolist() == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: the compiled Triton kernels at the real head dims (skipped on CPU)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("dh,group", [(256, 8), (128, 4)])
+def test_gpu_prefill_matches_f64(dtype, dh, group):
+    jax.config.update("jax_default_matmul_precision", "highest")
+    rng = np.random.default_rng(dh + group)
+    case = make_case(rng, streams=STREAMS_ODD + [(4, 300, 257)], hkv=2, group=group, dh=dh, num_slots=7,
+                     dtype=dtype)
+    out = api.paged_attention(*case.args(dtype), scale=dh ** -0.5, backend="pallas")
+    check_against_oracle(case, out, dh ** -0.5, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dh,group", [(256, 8), (128, 1)])
+def test_gpu_decode_matches_f64(dtype, dh, group):
+    jax.config.update("jax_default_matmul_precision", "highest")
+    rng = np.random.default_rng(dh)
+    ctx = [1, 63, 64, 65, 130, 1000, 2500]
+    case = decode_case(rng, ctx, group=group, dh=dh, dtype=dtype)
+    out = api.paged_attention_decode(*decode_args(case, dtype), scale=dh ** -0.5, backend="pallas")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    ref = oracle(case, dh ** -0.5)
+    for i in range(len(ctx)):
+        assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
+    np.testing.assert_array_equal(out[len(ctx):], 0.0)
