@@ -1,6 +1,6 @@
 """One device run for the GDN op (issue 14): GPU tests, decode rows + launch sweep, prefill rows vs h200.json.
 
-    python benchmarks/gpu/gdn_run.py OUT_DIR [deadline_s]
+    python benchmarks/gpu/gdn_run.py OUT_DIR [deadline_s] [tests,decode,prefill]
 
 1. ``pytest -m gpu`` on tests/pallas_kernels/test_gated_delta_rule.py, test_gdn_decode.py and tests/ops (kernel
    numerics against float64 on the GPU); FIGURE lines and the summary go to OUT_DIR/gdn_tests.log.
@@ -31,11 +31,11 @@ def run_tests(out, deadline):
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "-s",
            "tests/pallas_kernels/test_gated_delta_rule.py", "tests/pallas_kernels/test_gdn_decode.py", "tests/ops"]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, left(deadline) - 60))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left(deadline)))
         log = p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        log += "\nTIMEOUT"
+        out_ = e.stdout or b""
+        log = (out_.decode() if isinstance(out_, bytes) else out_) + "\nTIMEOUT"
     with open(os.path.join(out, "gdn_tests.log"), "w") as f:
         f.write(log)
     lines = [l for l in log.splitlines() if l.startswith("FIGURE") or "passed" in l or "failed" in l
@@ -116,9 +116,14 @@ def run_prefill(deadline):
 def main():
     out = sys.argv[1]
     deadline = float(sys.argv[2]) if len(sys.argv) > 2 else 200.0
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else ["tests", "decode", "prefill"]
     result = {}
-    result["tests"] = run_tests(out, deadline * 0.45)
+    result["tests"] = run_tests(out, deadline * 0.45 if len(only) > 1 else deadline) if "tests" in only else []
     print("\n".join(result["tests"]), flush=True)
+    if "decode" not in only and "prefill" not in only:
+        with open(os.path.join(out, "gdn_run.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return
     try:
         result["decode"] = run_decode(deadline * 0.7)
     except Exception as e:
