@@ -45,6 +45,7 @@ CONFIGS = {
     "c9": MoeConfig(block_m=64, gate_up_n=256, gate_up_k=64, gate_up_warps=8, gate_up_stages=3,
                     down_n=256, down_k=64, down_warps=8, down_stages=3),
     "c10": MoeConfig(**{**_C1, "gate_up_warps": 4, "down_warps": 4}),
+    "c6s": MoeConfig(split_partial=True),        # the default + half tiles for partial blocks: not yet measured
 }
 OUT = os.environ.get("OUT", "/tmp")
 LOG = []

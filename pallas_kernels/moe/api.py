@@ -72,6 +72,8 @@ def check_inputs(x, top_w, top_i, w_gate_up, w_down, *, backend: str, config: Mo
                          f"{w_down.dtype}")
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         raise ValueError(f"config.block_m must be a power of two >= 16; got {config.block_m}")
+    if config.split_partial and config.block_m < 32:
+        raise ValueError(f"config.split_partial needs block_m >= 32 (half tiles of >= 16 rows); got {config.block_m}")
     if backend == "pallas":
         reason = supports(platform="gpu" if _has_gpu() else jax.devices()[0].platform, dtype=x.dtype,
                           num_experts=e, hidden=d, inter=two_i // 2)

@@ -12,6 +12,8 @@ Two pallas_calls over the padded sorted rows of ``reference.moe_align`` (vLLM fu
    holds: NaN there never leaks) and carry weight 0.
        y [Mp, D]
 The combine ``out[t] = sum_j y[row_pos[t, j]]`` (fp32) is a gather + sum in XLA (reference.combine).
+With ``MoeConfig.split_partial`` a row block with at most BM / 2 live rows (an expert's partial last block) runs
+both kernels on a BM / 2-row tile instead (off by default until measured on a GPU).
 
 Shape legend: T tokens, D hidden, I per-expert intermediate, E experts, NB row blocks, BM rows per block,
 Mp = NB * BM padded rows, BN / BK column / reduction blocks.
@@ -35,7 +37,8 @@ class MoeConfig:
     """Launch parameters. block_m: rows per block (also the padding unit of each expert's rows); gate_up_n /
     gate_up_k: column / reduction blocks of kernel 1 (each program holds two [BM, BN] fp32 accumulators);
     down_n / down_k: the same for kernel 2; warps / stages per kernel (stages = Triton software pipelining of
-    the reduction loop, cut to fit shared memory by ``fit_stages``); columns_fastest: launch order (``_grid``).
+    the reduction loop, cut to fit shared memory by ``fit_stages``); columns_fastest: launch order (``_grid``);
+    split_partial: blocks with at most BM / 2 live rows run a BM / 2-row tile (``_live_row_tiles``).
     A block larger than its dim is cut to the largest power of two dividing the dim. The defaults are the
     fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6" of benchmarks/gpu/moe_run.py;
     NOTES.md)."""
@@ -49,6 +52,7 @@ class MoeConfig:
     down_warps: int = 8
     down_stages: int = 3
     columns_fastest: bool = True
+    split_partial: bool = False      # BM / 2-row tiles for blocks at most half live; not yet measured on a GPU
 
 
 def _grid(num_row_blocks: int, num_col_blocks: int, columns_fastest: bool):
@@ -86,57 +90,85 @@ def _dot(a, b, precision):
                            preferred_element_type=jnp.float32)
 
 
+def _live_row_tiles(tok_ref, b, *, block_m, num_tokens, split_partial, compute):
+    """Runs compute(m) for the first m rows of row block b: m = BM, or BM / 2 when split_partial and at most half
+    the block's rows are live (an expert's partial last block: live rows come first, padding after), which
+    halves the FLOPs spent on padding. Rows past m are left unwritten (the down kernel and the combine never read
+    them: they are padding rows)."""
+    if not split_partial:
+        compute(block_m)
+        return
+    half = block_m // 2
+    nlive = jnp.sum((tok_ref[pl.ds(b * block_m, block_m)] < num_tokens).astype(jnp.int32))
+
+    @pl.when(nlive <= half)
+    def _():
+        compute(half)
+
+    @pl.when(nlive > half)
+    def _():
+        compute(block_m)
+
+
 def _gate_up_kernel(be_ref, tok_ref, x_ref, w_ref, h_ref, *, num_experts, num_tokens, block_m, bn, bk,
-                    precision, pids):
+                    precision, pids, split_partial):
     b, n = pids()
     e = be_ref[b]
     inter = h_ref.shape[1]
     d = x_ref.shape[1]
 
-    @pl.when(e < num_experts)
-    def _():
-        rows = pl.ds(b * block_m, block_m)
-        tok = tok_ref[rows]                                                   # [BM]
+    def compute(m):
+        rows = pl.ds(b * block_m, m)
+        tok = tok_ref[rows]                                                   # [m]
         valid = tok < num_tokens
         tok = jnp.where(valid, tok, 0)
-        vmask = jnp.broadcast_to(valid[:, None], (block_m, bk))
+        vmask = jnp.broadcast_to(valid[:, None], (m, bk))
 
         def body(i, acc):
             acc_g, acc_u = acc
             ks = pl.ds(i * bk, bk)
             cols = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            xb = plgpu.load(x_ref.at[tok[:, None], cols], mask=vmask, other=0)   # [BM, BK] gathered rows
+            xb = plgpu.load(x_ref.at[tok[:, None], cols], mask=vmask, other=0)   # [m, BK] gathered rows
             wg = w_ref[e, ks, pl.ds(n * bn, bn)]                              # [BK, BN]
             wu = w_ref[e, ks, pl.ds(inter + n * bn, bn)]                      # [BK, BN]
             return acc_g + _dot(xb, wg, precision), acc_u + _dot(xb, wu, precision)
 
-        zero = jnp.zeros((block_m, bn), jnp.float32)
+        zero = jnp.zeros((m, bn), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, d // bk, body, (zero, zero))
         hval = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u
         h_ref[rows, pl.ds(n * bn, bn)] = hval.astype(h_ref.dtype)
 
+    @pl.when(e < num_experts)
+    def _():
+        _live_row_tiles(tok_ref, b, block_m=block_m, num_tokens=num_tokens, split_partial=split_partial,
+                        compute=compute)
+
 
 def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, y_ref, *, num_experts, num_tokens, block_m, bn, bk,
-                 precision, pids):
+                 precision, pids, split_partial):
     b, n = pids()
     e = be_ref[b]
     inter = h_ref.shape[1]
 
-    @pl.when(e < num_experts)
-    def _():
-        rows = pl.ds(b * block_m, block_m)
-        valid = tok_ref[rows] < num_tokens                                    # [BM]
-        vmask = jnp.broadcast_to(valid[:, None], (block_m, bk))
+    def compute(m):
+        rows = pl.ds(b * block_m, m)
+        valid = tok_ref[rows] < num_tokens                                    # [m]
+        vmask = jnp.broadcast_to(valid[:, None], (m, bk))
 
         def body(i, acc):
             ks = pl.ds(i * bk, bk)
-            hb = plgpu.load(h_ref.at[rows, ks], mask=vmask, other=0)         # [BM, BK]
+            hb = plgpu.load(h_ref.at[rows, ks], mask=vmask, other=0)         # [m, BK]
             wd = w_ref[e, ks, pl.ds(n * bn, bn)]                              # [BK, BN]
             return acc + _dot(hb, wd, precision)
 
-        acc = lax.fori_loop(0, inter // bk, body, jnp.zeros((block_m, bn), jnp.float32))
-        wt = jnp.where(valid, wt_ref[rows], 0.0)                              # [BM] fp32
+        acc = lax.fori_loop(0, inter // bk, body, jnp.zeros((m, bn), jnp.float32))
+        wt = jnp.where(valid, wt_ref[rows], 0.0)                              # [m] fp32
         y_ref[rows, pl.ds(n * bn, bn)] = (acc * wt[:, None]).astype(y_ref.dtype)
+
+    @pl.when(e < num_experts)
+    def _():
+        _live_row_tiles(tok_ref, b, block_m=block_m, num_tokens=num_tokens, split_partial=split_partial,
+                        compute=compute)
 
 
 def gate_up_silu(x, w_gate_up, block_expert, row_token, *, config: MoeConfig, interpret: bool):
@@ -150,7 +182,7 @@ def gate_up_silu(x, w_gate_up, block_expert, row_token, *, config: MoeConfig, in
     grid, pids = _grid(nb, inter // bn, config.columns_fastest)
     call = pl.pallas_call(
         functools.partial(_gate_up_kernel, num_experts=e, num_tokens=t, block_m=bm, bn=bn, bk=bk,
-                          precision=_precision(x.dtype), pids=pids),
+                          precision=_precision(x.dtype), pids=pids, split_partial=config.split_partial),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((nb * bm, inter), x.dtype),
         compiler_params=plgpu.CompilerParams(
@@ -170,7 +202,7 @@ def down_weighted(h, w_down, block_expert, row_token, row_weight, *, num_tokens:
     grid, pids = _grid(nb, d // bn, config.columns_fastest)
     call = pl.pallas_call(
         functools.partial(_down_kernel, num_experts=e, num_tokens=num_tokens, block_m=bm, bn=bn, bk=bk,
-                          precision=_precision(h.dtype), pids=pids),
+                          precision=_precision(h.dtype), pids=pids, split_partial=config.split_partial),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((nb * bm, d), h.dtype),
         compiler_params=plgpu.CompilerParams(

@@ -77,6 +77,34 @@ def test_empty_experts_and_one_hot_expert(backend):
     assert rel_rms(np.asarray(out), _routed_f64(*f64[:2], ti1, *f64[2:])) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["pallas_interpret"])
+def test_split_partial_half_tiles(backend):
+    """MoeConfig.split_partial: blocks at most half live run a BM / 2 tile. Mixed case: most experts get a few
+    rows (half tiles), expert 0 gets every token (a full block and a partial one over half live); NaN in the
+    rows of h the kernels leave unwritten must not reach the output."""
+    rng = np.random.default_rng(11)
+    t, d, e, inter, k = 54, 64, 16, 32, 3            # expert 0: 54 rows = a full block + 22 (> half: full tile)
+    others = np.array([rng.permutation(np.arange(1, e))[:k - 1] for _ in range(t)])   # ~7 rows each: half tiles
+    ti = np.concatenate([np.zeros((t, 1), np.int64), others], axis=1).astype(np.int32)
+    cfg = MoeConfig(block_m=32, gate_up_n=32, gate_up_k=32, down_n=32, down_k=32, split_partial=True)
+    x, tw, ti_j, wgu, wd, f64, _ = _inputs(rng, t, d, e, inter, k, jnp.float32, ti=ti)
+    want = _routed_f64(*f64[:2], ti, *f64[2:])
+    out = api.moe_experts(x, tw, ti_j, wgu, wd, backend=backend, config=cfg)
+    assert rel_rms(np.asarray(out), want) <= 1e-5
+    lay = ref.moe_align(tw, ti_j, e, cfg.block_m)
+    nlive = (np.asarray(lay.row_token).reshape(-1, 32) < t).sum(1)[np.asarray(lay.block_expert) < e]
+    assert (nlive <= 16).any() and ((nlive > 16) & (nlive < 32)).any() and (nlive == 32).any()   # all 3 kinds
+    h = tr.gate_up_silu(x, wgu, lay.block_expert, lay.row_token, config=cfg, interpret=True)
+    live_row = np.zeros(h.shape[0], bool)
+    live_row[np.asarray(lay.row_pos).reshape(-1)] = True
+    h = jnp.where(jnp.asarray(live_row)[:, None], h, jnp.nan)
+    y = tr.down_weighted(h, wd, lay.block_expert, lay.row_token, lay.row_weight, num_tokens=t, config=cfg,
+                         interpret=True)
+    assert rel_rms(np.asarray(ref.combine(y, lay.row_pos, x.dtype)), want) <= 1e-5
+    with pytest.raises(ValueError, match="split_partial needs block_m >= 32"):
+        api.moe_experts(x, tw, ti_j, wgu, wd, backend=backend, config=MoeConfig(block_m=16, split_partial=True))
+
+
 def test_layout_invariants():
     """moe_align: each copy once, each block one expert, padding rows weight 0 / token T, dead blocks = E,
     copies of one expert in token order, the static block bound holds even in the worst case."""
@@ -188,6 +216,21 @@ def test_no_intermediate_scales_with_tokens_times_experts(backend):
     jaxpr = jax.make_jaxpr(lambda *a: api.moe_experts(*a, backend=backend, config=SMALL))(x, tw, ti, wgu, wd)
     biggest = _max_intermediate_size(jaxpr.jaxpr)
     assert biggest < t * e * inter // 8, biggest
+
+
+@pytest.mark.parametrize("split_partial", [False, True])
+def test_pallas_kernels_lower_to_triton_on_cpu(split_partial):
+    """The GPU path's Triton IR is generated on CPU too (lowering for "cuda" needs no GPU): both kernels of the
+    default launch config (and of split_partial) become Triton custom calls at the 80B block sizes. Compiling
+    that IR to PTX and running it is the GPU test's job."""
+    t, d, inter, e, k = 300, 2048, 512, 64, 4
+    sds = jax.ShapeDtypeStruct
+    args = (sds((t, d), jnp.bfloat16), sds((t, k), jnp.bfloat16), sds((t, k), jnp.int32),
+            sds((e, d, 2 * inter), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16))
+    cfg = MoeConfig(split_partial=split_partial)
+    fn = jax.jit(lambda *a: api._moe_experts(*a, backend="pallas", config=cfg))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2
 
 
 def test_checks_name_the_argument():
