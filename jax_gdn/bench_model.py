@@ -1,0 +1,637 @@
+"""Benchmark section "model": the whole hybrid model at Qwen3-Next-80B dims against HF transformers, same GPU, same run.
+
+Model: Qwen3-Next-80B-A3B dims (hidden 2048, vocab 151936; GDN 16 key / 32 value heads x 128, conv 4; attention
+16 q / 2 kv heads x 256, partial RoPE 0.25; MoE 512 experts top-10, moe_intermediate 512, shared expert 512 with
+its sigmoid gate) at ``layers`` = 8 layers (2 x (3 GDN + 1 attention)), random bf16 weights made on the device
+(``jax_gdn.model.init_params``), ``HybridModel(backend="auto")``.
+
+Rows (``kind``, ``tokens``):
+  prefill varlen16-T19027   the 16 streams of jax_gdn.cases.VARLEN16_LENS, fresh, one packed call
+  prefill B1-T32768         one fresh 32768-token stream
+  decode  decode-N64-ctx1189  one decode step of 64 streams each holding 1189 tokens (the context is prefilled
+                            as 4 calls of 16 x 1189 tokens, the varlen16 program's shape bucket)
+Ours: ``model.prefill`` / ``model.decode`` (public API: host checks, bucket padding, one program); a prefill row
+releases its slots before every call (release not timed). HF: ``Qwen3NextForCausalLM`` of the same config (torch
+bf16, SDPA attention, its default experts implementation, FLA's kernels when importable: put the FLA wheels on
+PYTHONPATH), ``use_cache=False, logits_to_keep=1``; varlen16 as a left-padded [16, 4000] batch with its attention
+mask (HF takes no packed streams); decode through its ``past_key_values`` after a [64, 1189] prefill.
+Timing, the same for both columns: wall clock of one call closed by a device sync (``jax.block_until_ready`` /
+``torch.cuda.synchronize``), median of ``reps`` calls after one warm-up call (ours: the warm-up is the first call,
+its time is ``first_call_s``: compile + run). HF's ``triton.testing.do_bench`` median is kept beside as
+``hf_do_bench_ms`` (the anchor's method). HF runs first and is freed before our model is built (torch and JAX
+never hold the GPU together; JAX must not preallocate: XLA_PYTHON_CLIENT_PREALLOCATE=false, set here when JAX
+is not yet initialised).
+
+parts_ms (varlen16, T padded to the model's token bucket): each part of the model jitted alone with the model's
+own layer-0 parameters and backends, on random activations, timed like the rows:
+  gdn_phase1   input RMSNorm + in_proj + gates, varlen causal conv, q/k L2 norm (one GDN layer)
+  gdn_phase2   the chunked gated delta rule over the slot pool (gdn_full_varlen)
+  gdn_phase3   gated RMSNorm, out_proj, residual (no FFN)
+  attention    input RMSNorm + attention_layer (projections, RoPE, K/V page writes, paged attention, gate, o_proj)
+  moe          post RMSNorm + the sparse MoE (router, routed experts, shared expert) + residual
+  embed_logits embedding gather [T] + final RMSNorm + lm_head on the N last tokens
+  model_sum    layers x each part + embed_logits (GDN layers x phases 1-3, attention layers, MoE layers)
+  model        the varlen16 row (ours); "other" = model - model_sum (scan, slicing of the stacked cache, ...)
+compile_s_48_layers: the 48-layer config's prefill (varlen16 bucket), traced, lowered and compiled with abstract
+parameters and cache (``jax.ShapeDtypeStruct``: no weights), in a fresh process (a first call: no in-process
+caches), through the public ``HybridModel.prefill`` wrapped in ``jax.jit``.
+
+    run_section(quick=False) -> {"layers", "config", "device", "rows": [{"case", "kind", "tokens", "ms": {"ours",
+        "hf"}, "tokens_per_s": {"ours", "hf"}, "speedup", "first_call_s", ...}], "parts_ms": {...},
+        "compile_s_48_layers", "compile": {"layers", "s"}, "errors": [...]}
+``quick``: tiny dims on any device (a CPU smoke run of the code path, not a measurement; HF skipped).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from jax_gdn.cases import VARLEN16_LENS
+
+LAYERS = 8
+COMPILE_LAYERS = 48
+REPS = 5
+
+
+# ================================================================================================================
+# Configs and random models
+# ================================================================================================================
+def qwen3_next_80b_config(num_layers: int = LAYERS):
+    """Qwen3-Next-80B-A3B dims (HF ``Qwen3NextConfig`` defaults) with ``num_layers`` layers of the 3 GDN + 1
+    attention pattern."""
+    from jax_gdn.config import HybridConfig
+    pattern = ("linear_attention",) * 3 + ("full_attention",)
+    return HybridConfig(
+        model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=num_layers,
+        layer_types=tuple(pattern[i % 4] for i in range(num_layers)), intermediate_size=5632,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+        rope_theta=10000.0, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True, rms_norm_eps=1e-6)
+
+
+def tiny_config(num_layers: int = LAYERS):
+    """The quick (CPU) stand-in: the same layer pattern and MoE structure at tiny dims."""
+    import dataclasses
+    return dataclasses.replace(
+        qwen3_next_80b_config(num_layers), vocab_size=97, hidden_size=32, intermediate_size=48,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+
+def _hf_kwargs(config) -> dict:
+    return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                layer_types=list(config.layer_types), num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                linear_num_key_heads=config.linear_num_key_heads,
+                linear_num_value_heads=config.linear_num_value_heads,
+                linear_key_head_dim=config.linear_key_head_dim, linear_value_head_dim=config.linear_value_head_dim,
+                linear_conv_kernel_dim=config.linear_conv_kernel_dim, num_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
+                shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=False)
+
+
+def random_device_model(config, dtype=None, backend="auto", seed: int = 0):
+    """A HybridModel with random weights made on the default device (``init_params`` in one jitted program: no
+    host copy, no per-leaf dispatch)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.model import HybridModel, init_params
+    dtype = dtype or jnp.bfloat16
+    params = jax.jit(functools.partial(init_params, config, dtype=dtype))(jax.random.PRNGKey(seed))
+    return HybridModel(config, params, dtype=dtype, backend=backend)
+
+
+# ================================================================================================================
+# Timing (the same for both columns)
+# ================================================================================================================
+def _median_ms(call, sync, reps: int, prepare=None) -> float:
+    """Median wall ms of ``call()`` closed by ``sync(result)``; ``prepare()`` (untimed, synced) before each."""
+    times = []
+    for _ in range(max(1, reps)):
+        if prepare is not None:
+            prepare()
+        t0 = time.perf_counter()
+        sync(call())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def _jax_sync(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+# ================================================================================================================
+# Cases
+# ================================================================================================================
+def _cases(quick: bool) -> dict:
+    if quick:
+        lens = (37, 1, 64, 5)
+        return {"varlen": ("varlen4-T107", lens), "long": ("B1-T200", (200,)),
+                "decode": ("decode-N8-ctx26", 8, 26, 4)}          # 2 prefill calls of 4 x 26 tokens
+    t = sum(VARLEN16_LENS)
+    ctx = t // 16                                                  # 1189: 16 x 1189 fits varlen16's bucket
+    return {"varlen": (f"varlen16-T{t}", VARLEN16_LENS), "long": ("B1-T32768", (32768,)),
+            "decode": (f"decode-N64-ctx{ctx}", 64, ctx, 16)}
+
+
+def _cu(lens) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+# ================================================================================================================
+# HF transformers (torch)
+# ================================================================================================================
+def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
+    """HF Qwen3NextForCausalLM with ``config``'s dims: {"varlen", "long", "decode": {"ms", "do_bench_ms"}, "info"}.
+    Frees the model and torch's cached GPU memory before returning."""
+    import torch
+    import transformers
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    info = {"transformers": transformers.__version__, "torch": torch.__version__}
+    try:
+        import fla  # noqa: F401
+        info["fla"] = getattr(fla, "__version__", "importable")
+    except Exception as err:  # pragma: no cover - reported, HF falls back to its torch GDN path
+        info["fla"] = f"not importable: {type(err).__name__}"
+    cfg = Qwen3NextConfig(**_hf_kwargs(config))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    t0 = time.time()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = Qwen3NextForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    info["init_s"] = round(time.time() - t0, 1)
+    info["experts_implementation"] = str(getattr(hf.config, "_experts_implementation", None))
+    info["attn_implementation"] = str(getattr(hf.config, "_attn_implementation", None))
+    rng = np.random.default_rng(seed)
+    out = {"info": info}
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    def do_bench(fn):
+        try:
+            import triton
+            return float(triton.testing.do_bench(fn, warmup=1, rep=1, return_mode="median"))
+        except Exception:  # pragma: no cover
+            return None
+
+    with torch.no_grad():
+        # ---- prefill rows ----
+        name, lens = cases["varlen"]
+        L = max(lens)
+        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (len(lens), L))).cuda()
+        mask = torch.zeros(len(lens), L, dtype=torch.long, device="cuda")
+        for i, n in enumerate(lens):
+            mask[i, L - n:] = 1                                                   # left padding, as HF generates
+        prefill = {"varlen": lambda: hf(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)}
+        _, (n1,) = cases["long"]
+        ids1 = torch.from_numpy(rng.integers(0, config.vocab_size, (1, n1))).cuda()
+        prefill["long"] = lambda: hf(input_ids=ids1, use_cache=False, logits_to_keep=1)
+        for key, fn in prefill.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+                out[key] = {"ms": _median_ms(fn, sync, reps), "do_bench_ms": do_bench(fn)}
+            except Exception as err:
+                out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            torch.cuda.empty_cache()
+        # ---- decode: prefill the context with a cache, then time one-token steps ----
+        _, n, ctx, _ = cases["decode"]
+        try:
+            idsd = torch.from_numpy(rng.integers(0, config.vocab_size, (n, ctx))).cuda()
+            res = hf(input_ids=idsd, use_cache=True, logits_to_keep=1)
+            pkv = res.past_key_values
+            del res
+            nxt = torch.from_numpy(rng.integers(0, config.vocab_size, (n, 1))).cuda()
+            step = lambda: hf(input_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1)  # noqa: E731
+            step()
+            torch.cuda.synchronize()
+            out["decode"] = {"ms": _median_ms(step, sync, max(reps, 5))}
+            del pkv
+        except Exception as err:
+            out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    del hf, prefill
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ================================================================================================================
+# Ours
+# ================================================================================================================
+def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
+    """{"varlen", "long", "decode": {"ms", "first_call_s"}} through the public API, one cache for all rows."""
+    import jax
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    _, dn, dctx, dchunk = cases["decode"]
+    max_seqs = max(dn, len(cases["varlen"][1]))
+    total = max(sum(cases["varlen"][1]), cases["long"][1][0]) + dn * (dctx + reps + 8)
+    page = 16
+    cache = model.init_cache(max_seqs=max_seqs, max_tokens=total + max_seqs * page, page_size=page,
+                             max_seq_len=max(cases["long"][1][0], dctx + reps + 8, max(cases["varlen"][1])))
+    out = {}
+    state = {"cache": cache}
+
+    for key in ("varlen", "long"):
+        _, lens = cases[key]
+        ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)
+        cu = _cu(lens)
+        slots = np.arange(len(lens), dtype=np.int32)
+        try:
+            def call():
+                logits, state["cache"] = model.prefill(state["cache"], ids, cu, slots)
+                return logits
+
+            def prepare():
+                state["cache"] = _jax_sync(model.release(state["cache"], slots))
+            prepare()
+            t0 = time.perf_counter()
+            _jax_sync(call())
+            first = time.perf_counter() - t0
+            ms = _median_ms(call, _jax_sync, reps, prepare)
+            prepare()
+            out[key] = {"ms": ms, "first_call_s": first}
+        except Exception as err:
+            out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            traceback.print_exc()
+
+    try:
+        slots = np.arange(dn, dtype=np.int32)
+        t0 = time.perf_counter()
+        for c in range(0, dn, dchunk):                                # the context: calls of dchunk streams
+            sl = slots[c:c + dchunk]
+            ids = rng.integers(0, cfg.vocab_size, len(sl) * dctx).astype(np.int32)
+            logits, state["cache"] = model.prefill(state["cache"], ids, _cu([dctx] * len(sl)), sl)
+        _jax_sync(logits)
+        fill = time.perf_counter() - t0
+        nxt = rng.integers(0, cfg.vocab_size, dn).astype(np.int32)
+
+        def step():
+            logits, state["cache"] = model.decode(state["cache"], nxt, slots)
+            return logits
+        t0 = time.perf_counter()
+        _jax_sync(step())
+        first = time.perf_counter() - t0
+        ms = _median_ms(step, _jax_sync, max(reps, 5))
+        if hasattr(model, "check"):
+            model.check(state["cache"])
+        out["decode"] = {"ms": ms, "first_call_s": first, "context_fill_s": fill}
+    except Exception as err:
+        out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        traceback.print_exc()
+    out["compiled_programs"] = model.compiled_programs() if hasattr(model, "compiled_programs") else None
+    del state
+    return out
+
+
+def _block0(model, mixer: str):
+    """Parameters of the first block whose mixer is ``mixer`` (its layer slice of the stacked params)."""
+    import jax
+    plan = model.plan
+    for j in range(plan.period):
+        if plan.kinds[j].mixer == mixer and plan.repeats:
+            return jax.tree.map(lambda a: a[0], model.params["period"][j]), plan.kinds[j]
+    for b, i in zip(model.params["tail"], plan.tail):
+        if plan.kinds[i].mixer == mixer:
+            return b, plan.kinds[i]
+    return None, None
+
+
+def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
+    """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.layers import block as blk
+    from jax_gdn.layers import gdn
+    from jax_gdn.layers.attention import attention_layer
+    from jax_gdn.ops.norms import rms_norm
+    from jax_gdn.state import BatchMeta, GdnSlots, KvPages
+
+    cfg, dt = model.config, model.dtype
+    n, t = len(lens), int(sum(lens))
+    tb = model.token_bucket(t) if hasattr(model, "token_bucket") else t
+    s = n
+    # padded batch (the padding contract): tokens past cu[N] belong to no stream
+    cu = jnp.asarray(_cu(lens))
+    slot_ids = jnp.arange(n, dtype=jnp.int32)
+    meta = BatchMeta(cu_seqlens=cu, slot_ids=slot_ids, has_initial_state=jnp.zeros((n,), bool),
+                     positions=jnp.zeros((n,), jnp.int32))
+    key = jax.random.PRNGKey(seed)
+    x = jax.random.normal(key, (tb, cfg.hidden_size), jnp.float32).astype(dt)
+    be = model.backends
+    out = {"tokens": t, "padded_tokens": tb, "backends": {"gated_delta_rule": be.gated_delta_rule,
+                                                          "paged_attention": be.paged_attention, "moe": be.moe}}
+
+    def timed(name, fn, *args):
+        try:
+            f = jax.jit(fn)
+            _jax_sync(f(*args))
+            out[name] = _median_ms(lambda: f(*args), _jax_sync, reps)
+        except Exception as err:
+            out[name] = None
+            out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
+
+    # ---- GDN phases ----
+    gp, gkind = _block0(model, "gdn")
+    if gp is not None:
+        dims = cfg.gdn_dims
+        mixer = dict(gp["mixer"], input_layernorm=gp["input_norm"])
+        slots = GdnSlots.zeros(dims, s, dt)
+
+        def p1(mixer, x, slots, meta):
+            a = gdn.phase1_proj_batched(mixer, dims, x)
+            conv_out, slots = gdn.phase1_conv1d_varlen(mixer, dims, a.mixed_qkv, slots, meta)
+            return a, slots, gdn.phase1_l2_batched(dims, conv_out)
+
+        def p2(q, k, v, g, b, st, meta):
+            return gdn.gdn_full_varlen(q, k, v, g, b, st, meta, backend=be.gated_delta_rule)[:2]
+        a, slots1, (q, k, v) = jax.jit(p1)(mixer, x, slots, meta)
+        timed("gdn_phase1", p1, mixer, x, slots, meta)
+        timed("gdn_phase2", p2, q, k, v, a.g, a.beta, slots1, meta)
+        o, _ = jax.jit(p2)(q, k, v, a.g, a.beta, slots1, meta)
+        timed("gdn_phase3", lambda mixer, o, z, x: gdn.phase3(mixer, dims, o, z, x), mixer, o, a.z, x)
+        del a, slots1, q, k, v, o
+    # ---- attention (fresh streams in a contiguous page layout) ----
+    ap, akind = _block0(model, "attention")
+    if ap is not None:
+        ps = 16
+        pages = [-(-m // ps) for m in lens]
+        first = np.cumsum([0] + pages[:-1])
+        npages = int(sum(pages))
+        w = max(pages)
+        tok_stream = np.repeat(np.arange(n), lens)
+        tok_pos = np.concatenate([np.arange(m) for m in lens]).astype(np.int32)
+        tok_page = (first[tok_stream] + tok_pos // ps).astype(np.int32)
+        pad = tb - t
+        tok_pos_p = jnp.asarray(np.concatenate([tok_pos, np.zeros(pad, np.int32)]))
+        tok_page_p = jnp.asarray(np.concatenate([tok_page, np.full(pad, npages, np.int32)]))   # dropped
+        table = np.zeros((s, w), np.int32)
+        for i, (f, m) in enumerate(zip(first, pages)):
+            table[i, :m] = np.arange(f, f + m)
+        kv = KvPages.zeros(npages, ps, cfg.num_key_value_heads, cfg.head_dim, dt)
+        slot_lens = jnp.asarray(np.asarray(lens, np.int32))
+        table = jnp.asarray(table)
+
+        def attn(mp, norm, x, kv, tok_pos, tok_page, table, slot_lens, cu, slot_ids):
+            h = rms_norm(x, norm, cfg.rms_norm_eps)
+            h, kv = attention_layer(mp, cfg.attn_dims, h, kv, token_pos=tok_pos, token_page=tok_page,
+                                    token_offset=tok_pos % ps, page_table=table, slot_lens=slot_lens,
+                                    cu_seqlens=cu, slot_ids=slot_ids, decode=False, backend=be.paged_attention)
+            return x + h, kv
+        timed("attention", attn, ap["mixer"], ap["input_norm"], x, kv, tok_pos_p, tok_page_p, table, slot_lens,
+              cu, slot_ids)
+        del kv
+    # ---- MoE (or MLP) of a block ----
+    fp = gp if gp is not None else ap
+    fkind = gkind if gp is not None else akind
+    if fp is not None:
+        timed("moe" if fkind.moe else "mlp", lambda f, norm, x: x + blk.ffn(
+            f, rms_norm(x, norm, cfg.rms_norm_eps), config=cfg, moe=fkind.moe, backend=be.moe), fp["ffn"],
+            fp["post_norm"], x)
+    # ---- embeddings + logits ----
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, tb).astype(np.int32))
+    p = model.params
+
+    def embed_logits(embed, final_norm, head, ids, cu):
+        h = embed[ids]
+        h = h[jnp.maximum(cu[1:] - 1, 0)]
+        h = rms_norm(h, final_norm, cfg.rms_norm_eps)
+        return jnp.matmul(h, head if head is not None else embed.T, preferred_element_type=jnp.float32)
+    timed("embed_logits", embed_logits, p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
+
+    ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
+    nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    try:
+        out["model_sum"] = (ng * (out["gdn_phase1"] + out["gdn_phase2"] + out["gdn_phase3"])
+                            + na * out["attention"] + nm * out.get("moe", out.get("mlp")) + out["embed_logits"])
+        out["model_sum_split"] = {"gdn": ng * (out["gdn_phase1"] + out["gdn_phase2"] + out["gdn_phase3"]),
+                                  "attention": na * out["attention"], "moe": nm * out.get("moe", out.get("mlp")),
+                                  "embed_logits": out["embed_logits"]}
+    except (KeyError, TypeError):
+        out["model_sum"] = None
+    out["layers"] = {"gdn": ng, "attention": na, "moe": nm}
+    return out
+
+
+# ================================================================================================================
+# Compile time of the full-depth config (abstract weights)
+# ================================================================================================================
+def compile_seconds(config, lens, dtype=None, backend: str = "auto", max_seqs: int = 64) -> dict:
+    """Trace + lower + compile of ``HybridModel.prefill`` (wrapped in jax.jit, params and cache abstract) for
+    ``config`` on one call of ``lens``. Returns {"layers", "s", "lower_s", "compile_s"}."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.model import HybridModel, init_params
+    dtype = dtype or jnp.bfloat16
+    aparams = jax.eval_shape(lambda k: init_params(config, k, dtype), jax.random.PRNGKey(0))
+    shell = HybridModel(config, aparams, dtype=dtype, backend=backend)
+    t = int(sum(lens))
+    acache = jax.eval_shape(lambda: shell.init_cache(max_seqs=max_seqs, max_tokens=t + 64 * 16 + max_seqs * 16,
+                                                     page_size=16, max_seq_len=max(lens) + 64))
+    ids = np.zeros((t,), np.int32)
+    cu = _cu(lens)
+    slots = np.arange(len(lens), dtype=np.int32)
+
+    def prefill(params, cache):
+        m = HybridModel(config, params, dtype=dtype, backend=backend)
+        return m.prefill(cache, ids, cu, slots)
+    t0 = time.perf_counter()
+    lowered = jax.jit(prefill).lower(aparams, acache)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {"layers": config.num_hidden_layers, "s": t2 - t0, "lower_s": t1 - t0, "compile_s": t2 - t1}
+
+
+def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0) -> dict:
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "jax_gdn.bench_model", "--compile-only", "--layers", str(layers)]
+    if quick:
+        cmd.append("--quick")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"compile subprocess rc={r.returncode}: {(r.stderr or r.stdout)[-600:]}")
+
+
+# ================================================================================================================
+# The section
+# ================================================================================================================
+def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
+                subprocess_compile: bool = None) -> dict:
+    """Measures the section (see the module docstring). ``hf`` (default: not quick) runs HF transformers first;
+    ``compile_layers`` (default 48) the depth of the compile-time measurement (0: skip)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # torch first, then JAX (no preallocation)
+    hf = (not quick) if hf is None else hf
+    compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
+    subprocess_compile = (not quick) if subprocess_compile is None else subprocess_compile
+    make_cfg = tiny_config if quick else qwen3_next_80b_config
+    cfg = make_cfg(LAYERS)
+    cases = _cases(quick)
+    section = {"layers": LAYERS, "quick": quick, "reps": reps, "rows": [], "parts_ms": {}, "errors": [],
+               "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
+                          "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
+               "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
+    hf_res = {}
+    if hf:
+        try:
+            hf_res = hf_rows(cfg, cases, reps)
+            section["hf"] = hf_res.get("info")
+        except Exception as err:
+            section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
+            traceback.print_exc()
+    import jax
+    import jax.numpy as jnp
+    section["device"] = str(jax.devices()[0].device_kind if hasattr(jax.devices()[0], "device_kind")
+                            else jax.devices()[0])
+    ours = {}
+    model = None
+    try:
+        t0 = time.time()
+        if quick:   # host-made tiny weights (compiling the random generator costs more than the rest on a CPU)
+            from jax_gdn.checkpoint import random_model
+            model = random_model(cfg, seed=0, dtype=jnp.float32, backend="auto")
+        else:
+            model = random_device_model(cfg, jnp.bfloat16, "auto")
+        _jax_sync(model.params)
+        section["init_s"] = round(time.time() - t0, 1)
+        section["model"] = repr(model)
+        ours = our_rows(model, cases, reps)
+    except Exception as err:
+        section["errors"].append(f"ours: {type(err).__name__}: {str(err)[:300]}")
+        traceback.print_exc()
+    for key, kind in (("varlen", "prefill"), ("long", "prefill"), ("decode", "decode")):
+        case = cases[key]
+        tokens = int(sum(case[1])) if kind == "prefill" else case[1]
+        o, h = ours.get(key, {}), hf_res.get(key, {})
+        row = {"case": case[0], "kind": kind, "tokens": tokens,
+               "ms": {"ours": o.get("ms"), "hf": h.get("ms")},
+               "tokens_per_s": {"ours": tokens / o["ms"] * 1e3 if o.get("ms") else None,
+                                "hf": tokens / h["ms"] * 1e3 if h.get("ms") else None}}
+        row["speedup"] = h["ms"] / o["ms"] if o.get("ms") and h.get("ms") else None
+        if "first_call_s" in o:
+            row["first_call_s"] = o["first_call_s"]
+        if h.get("do_bench_ms") is not None:
+            row["hf_do_bench_ms"] = h["do_bench_ms"]
+        if kind == "decode":
+            row["context"] = case[2]
+        for who, res in (("ours", o), ("hf", h)):
+            if "error" in res:
+                row.setdefault("errors", {})[who] = res["error"]
+        section["rows"].append(row)
+    section["compiled_programs"] = ours.get("compiled_programs")
+    if model is not None:
+        try:
+            section["parts_ms"] = parts(model, cases["varlen"][1], reps)
+            section["parts_ms"]["case"] = cases["varlen"][0]
+            section["parts_ms"]["model"] = ours.get("varlen", {}).get("ms")
+            if section["parts_ms"].get("model_sum") and section["parts_ms"]["model"]:
+                section["parts_ms"]["other"] = section["parts_ms"]["model"] - section["parts_ms"]["model_sum"]
+        except Exception as err:
+            section["errors"].append(f"parts: {type(err).__name__}: {str(err)[:300]}")
+            traceback.print_exc()
+    del model
+    gc.collect()
+    section["compile_s_48_layers"] = None
+    if compile_layers:
+        try:
+            if subprocess_compile:
+                c = _compile_in_subprocess(compile_layers, quick)
+            else:
+                c = compile_seconds(make_cfg(compile_layers), cases["varlen"][1],
+                                    jnp.float32 if quick else jnp.bfloat16, "auto",
+                                    max_seqs=max(cases["decode"][1], len(cases["varlen"][1])))
+            section["compile"] = c
+            if c["layers"] == 48 and not quick:
+                section["compile_s_48_layers"] = c["s"]
+        except Exception as err:
+            section["errors"].append(f"compile: {type(err).__name__}: {str(err)[:300]}")
+            traceback.print_exc()
+    return section
+
+
+def print_section(section: dict) -> None:
+    """A short table of the section."""
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+    print(f"model: {section.get('model', '?')} on {section.get('device', '?')}"
+          f"{' (quick: tiny dims, not a measurement)' if section.get('quick') else ''}")
+    print(f"{'case':<24} {'kind':<8} {'tokens':>7} | {'ours ms':>9} {'HF ms':>9} | {'ours tok/s':>11} "
+          f"{'HF tok/s':>11} | {'x HF':>6} | {'1st call s':>10}")
+    for r in section.get("rows", []):
+        print(f"{r['case']:<24} {r['kind']:<8} {r['tokens']:>7} | {f(r['ms']['ours']):>9} {f(r['ms']['hf']):>9} | "
+              f"{f(r['tokens_per_s']['ours'], '{:.0f}'):>11} {f(r['tokens_per_s']['hf'], '{:.0f}'):>11} | "
+              f"{f(r['speedup']):>6} | {f(r.get('first_call_s'), '{:.1f}'):>10}")
+        for who, err in r.get("errors", {}).items():
+            print(f"    {who}: {err[:160]}")
+    p = section.get("parts_ms") or {}
+    if p:
+        lay = p.get("layers", {})
+        print(f"parts ({p.get('case')}, T={p.get('tokens')} padded to {p.get('padded_tokens')}; ms per layer, "
+              f"x {lay.get('gdn')} GDN / {lay.get('attention')} attention / {lay.get('moe')} MoE layers):")
+        print("  " + "  ".join(f"{k} {f(p.get(k))}" for k in ("gdn_phase1", "gdn_phase2", "gdn_phase3", "attention",
+                                                              "moe", "embed_logits") if k in p))
+        split = p.get("model_sum_split") or {}
+        print(f"  model sum {f(p.get('model_sum'))} ms (" + ", ".join(f"{k} {f(v)}" for k, v in split.items())
+              + f"); model measured {f(p.get('model'))} ms; other {f(p.get('other'))} ms")
+        for k, v in (p.get("errors") or {}).items():
+            print(f"    {k}: {v[:160]}")
+    c = section.get("compile") or {}
+    if c:
+        print(f"compile of the {c.get('layers')}-layer prefill (abstract weights, fresh process): {f(c.get('s'), '{:.1f}')} s "
+              f"(trace+lower {f(c.get('lower_s'), '{:.1f}')} s, compile {f(c.get('compile_s'), '{:.1f}')} s)")
+    for e in section.get("errors", []):
+        print(f"  error: {e[:200]}")
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny dims (CPU smoke run)")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--reps", type=int, default=REPS)
+    p.add_argument("--compile-only", action="store_true", help="print the compile-time JSON line and exit")
+    p.add_argument("--layers", type=int, default=COMPILE_LAYERS, help="depth of --compile-only")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.compile_only:
+        import jax.numpy as jnp
+        cfg = (tiny_config if a.quick else qwen3_next_80b_config)(a.layers)
+        cases = _cases(a.quick)
+        res = compile_seconds(cfg, cases["varlen"][1], jnp.float32 if a.quick else jnp.bfloat16, "auto",
+                              max_seqs=max(cases["decode"][1], len(cases["varlen"][1])))
+        print(json.dumps(res), flush=True)
+        return res
+    section = run_section(a.quick, reps=a.reps, hf=False if a.no_hf else None)
+    print_section(section)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(section, fh, indent=1)
+    return section
+
+
+if __name__ == "__main__":
+    main()
