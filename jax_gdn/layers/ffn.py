@@ -58,11 +58,13 @@ def grouped_experts(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up:
     (token, expert) rows are sorted by expert on the device and each expert's run is padded to the row block
     (``pallas_kernels.moe``): backend "xla" runs batched matmuls over groups of row blocks, "pallas" /
     "pallas_interpret" the two grouped-GEMM kernels (SiLU * up fused into gate_up, routing weights into down).
-    Work and memory scale with T * k, never with T * E.
+    Work and memory scale with T * k, never with T * E. Activations are cast to the experts' dtype (the kernels
+    take one dtype) and the result back to x's.
     """
     from pallas_kernels.moe import api as moe_api
     backend = resolve_moe_backend(backend, x, w_gate_up)
-    return moe_api.moe_experts(x, top_w, top_i, w_gate_up, w_down, backend=backend)
+    out = moe_api.moe_experts(x.astype(w_gate_up.dtype), top_w, top_i, w_gate_up, w_down, backend=backend)
+    return out.astype(x.dtype)
 
 
 def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, backend: str = "xla") -> jax.Array:

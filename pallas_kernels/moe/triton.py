@@ -2,10 +2,10 @@
 
 Two pallas_calls over the padded sorted rows of ``reference.moe_align`` (vLLM fused_moe / MegaBlocks design):
 
-1. ``gate_up_silu``  programs (NB, I / BN) (launched column blocks fastest, see ``_grid``): row block b reads its expert e = block_expert[b] (E: past the live rows,
-   the program does nothing), gathers its BM token rows of x (padding rows load zeros), and accumulates the gate
-   and up column blocks [BM, BN] of x @ w_gate_up[e] in fp32 over D in steps of BK; the epilogue writes
-   h = silu(gate) * up in x's dtype.
+1. ``gate_up_silu``  programs (NB, I / BN) (launched column blocks fastest, see ``_grid``): row block b reads
+   its expert e = block_expert[b] (E: past the live rows, the program does nothing), gathers its BM token rows
+   of x (padding rows load zeros), and accumulates the gate and up column blocks [BM, BN] of x @ w_gate_up[e] in
+   fp32 over D in steps of BK; the epilogue writes h = silu(gate) * up in x's dtype.
        h [Mp, I]
 2. ``down_weighted`` programs (NB, D / BN): y = (h[rows] @ w_down[e]) * row_weight[rows] (fp32 accumulation over I
    in steps of BK, the routing weight fused in the epilogue); padding rows load h as zeros (whatever the buffer

@@ -315,3 +315,16 @@ def test_moe_80b_dims_on_gpu():
     assert rel_rms(np.asarray(routed[rows].astype(jnp.float32)), np.asarray(want)) <= 2e-2
     out_xla = jax.jit(lambda p, x: sparse_moe(p, x, top_k=k, norm_topk_prob=True, backend="xla"))(p, x)
     assert rel_rms(np.asarray(out.astype(jnp.float32)), np.asarray(out_xla.astype(jnp.float32))) <= 2e-2
+
+
+def test_bench_moe_quick_section_format():
+    """jax_gdn.bench_moe's section at tiny dims: the JSON row format the bench writes; pallas null off a GPU."""
+    from jax_gdn import bench_moe
+    sec = bench_moe.run_section(quick=True)
+    (row,) = sec["rows"]
+    assert set(row) == {"case", "tokens", "experts", "top_k", "ms", "floor_ms"} and set(row["ms"]) == {"pallas", "xla"}
+    assert row["ms"]["xla"] is not None and row["ms"]["xla"] > 0 and row["floor_ms"] > 0
+    if jax.devices()[0].platform == "cpu":
+        assert row["ms"]["pallas"] is None
+    case80 = bench_moe.CASES[1]
+    assert case80.tokens == 19027 and abs(case80.flops() / 700e12 * 1e3 - 1.938) < 1e-3   # NOTES.md's floor
