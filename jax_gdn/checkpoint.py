@@ -7,8 +7,8 @@ qwen3_5 / qwen3_5_moe (multimodal: the text part under ``model.language_model.*`
 
 Errors name the tensor or field: unknown model_type, a missing or unexpected tensor, a shape not matching the
 config. Parameters come out as one block dict per layer (jax_gdn.layers.block: input_norm, mixer, post_norm, ffn),
-attention and FFN weights transposed to [in, out]; the GDN mixer keeps HF's names and [out, in] layout (the layer
-de-interleaves the fused Qwen3-Next projections itself).
+every Linear weight transposed once to [in, out]; the GDN mixer keeps HF's names (the layer de-interleaves the
+fused Qwen3-Next projections itself).
 
 Shape legend: D hidden, Vocab vocabulary, E experts, I (moe_)intermediate, Hk/Hv GDN key/value heads, K/V GDN head
 dims, H/Hkv attention heads, Dh attention head dim, C conv channels, Kc conv kernel.
@@ -169,25 +169,25 @@ class _Tensors:
 
 def _gdn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
     """The GDN block's mixer: jax_gdn.layers.gdn params without ``input_layernorm`` (which is the block's
-    input_norm); HF names and torch [out, in] layouts, conv squeezed to [C, Kc]."""
+    input_norm); HF names, Linear weights transposed to [in, out], conv squeezed to [C, Kc]."""
     d = c.hidden_size
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     conv_dim = 2 * hk * dk + hv * dv
     out = {}
     if c.gdn_layout == "qwen3_next":
-        out["in_proj_qkvz"] = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d))
-        out["in_proj_ba"] = t.get(p + "in_proj_ba.weight", (2 * hv, d))
+        out["in_proj_qkvz"] = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d)).T
+        out["in_proj_ba"] = t.get(p + "in_proj_ba.weight", (2 * hv, d)).T
     else:
-        out["in_proj_qkv"] = t.get(p + "in_proj_qkv.weight", (conv_dim, d))
-        out["in_proj_z"] = t.get(p + "in_proj_z.weight", (hv * dv, d))
-        out["in_proj_b"] = t.get(p + "in_proj_b.weight", (hv, d))
-        out["in_proj_a"] = t.get(p + "in_proj_a.weight", (hv, d))
+        out["in_proj_qkv"] = t.get(p + "in_proj_qkv.weight", (conv_dim, d)).T
+        out["in_proj_z"] = t.get(p + "in_proj_z.weight", (hv * dv, d)).T
+        out["in_proj_b"] = t.get(p + "in_proj_b.weight", (hv, d)).T
+        out["in_proj_a"] = t.get(p + "in_proj_a.weight", (hv, d)).T
     out["conv1d"] = t.get(p + "conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim))[:, 0, :]
     out["dt_bias"] = t.get(p + "dt_bias", (hv,))
     out["A_log"] = t.get(p + "A_log", (hv,))
     out["norm"] = t.get(p + "norm.weight", (dv,))
-    out["out_proj"] = t.get(p + "out_proj.weight", (d, hv * dv))
+    out["out_proj"] = t.get(p + "out_proj.weight", (d, hv * dv)).T
     return out
 
 

@@ -45,16 +45,23 @@ backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated
 ``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit implementation
 that cannot run this model's dims on this platform is refused with the registry's reason.
 
-Parameters (the model's layout; weights [in, out] except the GDN mixer's, which keep HF's [out, in]):
+Parameters (the model's layout; every Linear weight [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
     period: tuple of p block dicts (jax_gdn.layers.block), each leaf stacked [R, ...] over the repeats;
     tail:   tuple of block dicts of the layers after the R full periods.
 ``HybridModel`` also accepts {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (what
 jax_gdn.checkpoint builds) and stacks it once.
+
+Several devices: ``HybridModel(config, params, mesh=jax.make_mesh((2,), ("model",)))`` (or ``load_pretrained(...,
+mesh=)``, ``init_params(..., mesh=)``) splits heads, expert columns and the vocabulary over a one-axis mesh by the
+rules of ``jax_gdn.sharding``: params and cache are placed with NamedSharding and each step runs per device in
+``jax.shard_map`` (kernels included) with one psum per row-parallel projection; logits come back split over the
+vocabulary. mesh=None (default): one device, unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -62,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_gdn import sharding as shd
 from jax_gdn.config import HybridConfig
 from jax_gdn.layers import block as blk
 from jax_gdn.layers import gdn as gdn_layer
@@ -181,11 +189,16 @@ def _random_leaf(key, name: str, shape: tuple, dtype, std: float, conv_kernel: i
     return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
 
 
-def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0.02) -> dict:
+def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0.02, mesh=None) -> dict:
     """Random parameters made directly on the default device in the model's stacked layout (no host copy):
-    weights N(0, std) in ``dtype``, norms at their neutral value, A_log / dt_bias / norms fp32."""
+    weights N(0, std) in ``dtype``, norms at their neutral value, A_log / dt_bias / norms fp32.
+
+    mesh: made on the mesh's devices already split (``jax_gdn.sharding``; each device generates its slice), in
+    the sharded layout ``HybridModel(..., mesh=mesh)`` takes as is."""
     if isinstance(key, int):
         key = jax.random.PRNGKey(key)
+    if mesh is not None:
+        return shd.ShardRules(config, mesh).random_params(lambda: init_params(config, key, dtype, std=std))
     plan = layer_plan(config)
     counter = [0]
 
@@ -298,10 +311,12 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
 
 def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
-         backends: blk.Backends, decode: bool, return_all_logits: bool):
+         backends: blk.Backends, decode: bool, return_all_logits: bool, axis_name=None, vocab_split: bool = False):
     """Prefill (or decode: one token per stream) of N (padded) streams over T (padded) tokens, inputs already
     checked: input_ids [T] int32, cu_seqlens [N + 1] int32 (cu[N] <= T; padding streams of zero length last),
-    slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache)."""
+    slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache).
+    Under shard_map (jax_gdn.sharding): axis_name is the mesh axis, config the per-device config, params / cache
+    the device's slices, and the logits the device's vocabulary columns when vocab_split."""
     t = input_ids.shape[0]
     n = slot_ids.shape[0]
     s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
@@ -326,11 +341,11 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     tok_page = jnp.where(valid & go, tok_page, p)                                  # padding / refused: dropped
     new_slot_lens = cache.slot_lens.at[slot_ids].add(seq_lens, mode="drop")
     batch = blk.Batch(meta=meta, token_pos=tok_pos, token_page=tok_page, token_offset=tok_pos % ps,
-                      page_table=page_table, slot_lens=new_slot_lens, decode=decode)
+                      page_table=page_table, slot_lens=new_slot_lens, decode=decode, axis_name=axis_name)
     out_rows = t if return_all_logits else n
 
     def run(cache):
-        x = params["embed"][input_ids]                                             # [T, D]
+        x = shd.embed_lookup(params["embed"], input_ids, axis_name, vocab_split)   # [T, D]
         x, gdn_all, kv_all = _layers(params, x, cache.gdn, cache.kv, batch, config=config, plan=plan,
                                      backends=backends)
         if not return_all_logits:
@@ -348,7 +363,7 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     return logits, new_cache.replace(status=status)
 
 
-def release_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
+def release_slots(cache: Cache, slot_ids: jax.Array, axis_name=None) -> Cache:
     """Empties the slots (ids outside [0, S) are ignored): their pages go back to the free pool, their lengths
     to 0 (their GDN state is ignored after: the next prefill starts fresh)."""
     s = cache.num_slots
@@ -427,10 +442,12 @@ class HybridModel:
     """
 
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
-                 token_buckets: Optional[Sequence[int]] = None, strict: bool = False):
+                 token_buckets: Optional[Sequence[int]] = None, strict: bool = False, mesh=None):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
+        self.mesh = mesh
+        self.shard_rules = None if mesh is None else shd.ShardRules(config, mesh)   # checks the mesh first
         self.dtype = jnp.dtype(dtype)
         self.plan = layer_plan(config)
         if "layers" in params:
@@ -444,6 +461,8 @@ class HybridModel:
         elif len(params["period"]) != self.plan.period or len(params["tail"]) != len(self.plan.tail):
             raise ValueError(f"params['period'] / ['tail'] hold {len(params['period'])} / {len(params['tail'])} "
                              f"blocks; the layer plan of this config has {self.plan.period} / {len(self.plan.tail)}")
+        if self.shard_rules is not None:
+            params = self.shard_rules.ensure_placed(params)
         self.params = params
         self.backend = backend
         self.backends = _resolve_backends(config, self.dtype, backend)
@@ -454,6 +473,8 @@ class HybridModel:
         self.strict = bool(strict)
         self._traces = 0
         kw = dict(config=config, plan=self.plan, backends=self.backends)
+        if self.shard_rules is not None:
+            kw.update(config=self.shard_rules.local_config, vocab_split=self.shard_rules.vocab_split)
 
         def traced(fn):
             def wrapped(*args, **kwargs):
@@ -461,22 +482,33 @@ class HybridModel:
                 return fn(*args, **kwargs)
             return wrapped
 
-        def prefill_fn(params, cache, ids, cu, sl, return_all_logits):
-            return step(params, cache, ids, cu, sl, decode=False, return_all_logits=return_all_logits, **kw)
+        def prefill_fn(params, cache, ids, cu, sl, return_all_logits, axis_name):
+            return step(params, cache, ids, cu, sl, decode=False, return_all_logits=return_all_logits,
+                        axis_name=axis_name, **kw)
 
-        def decode_fn(params, cache, ids, cu, sl):
-            return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, **kw)
+        def decode_fn(params, cache, ids, cu, sl, axis_name):
+            return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, axis_name=axis_name,
+                        **kw)
 
+        release_fn = release_slots
+        if self.shard_rules is not None:   # one program per device: shard_map over the mesh axis
+            prefill_fn = self.shard_rules.shard_step(prefill_fn)
+            decode_fn = self.shard_rules.shard_step(decode_fn)
+            release_fn = self.shard_rules.shard_step(release_slots, with_params=False)
+        else:
+            prefill_fn = functools.partial(prefill_fn, axis_name=None)
+            decode_fn = functools.partial(decode_fn, axis_name=None)
         self._prefill_jit = jax.jit(traced(prefill_fn), static_argnames=("return_all_logits",),
                                     donate_argnames=("cache",))
         self._decode_jit = jax.jit(traced(decode_fn), donate_argnames=("cache",))
-        self._release_jit = jax.jit(traced(release_slots), donate_argnames=("cache",))
+        self._release_jit = jax.jit(traced(release_fn), donate_argnames=("cache",))
 
     @classmethod
     def random(cls, config: HybridConfig, key=0, *, dtype=jnp.bfloat16, backend="auto", std: float = 0.02,
                **kwargs) -> "HybridModel":
-        """A model with ``init_params`` weights (made on the device)."""
-        return cls(config, init_params(config, key, dtype, std=std), dtype=dtype, backend=backend, **kwargs)
+        """A model with ``init_params`` weights (made on the device; on the mesh's devices, split, with mesh=)."""
+        return cls(config, init_params(config, key, dtype, std=std, mesh=kwargs.get("mesh")), dtype=dtype,
+                   backend=backend, **kwargs)
 
     def compiled_programs(self) -> int:
         """How many XLA programs this model's prefill / decode / release have compiled so far."""
@@ -491,7 +523,8 @@ class HybridModel:
             conv_state=jax.ShapeDtypeStruct((lg, max_seqs, d.conv_dim, d.conv_kernel_size - 1), self.dtype),
             ssm_state=jax.ShapeDtypeStruct((lg, max_seqs, d.num_v_heads, d.head_k_dim, d.head_v_dim),
                                            jnp.float32))
-        kv_shape = (la, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_heads = cfg.num_key_value_heads if self.shard_rules is None else self.shard_rules.kv_heads
+        kv_shape = (la, num_pages, page_size, kv_heads, cfg.head_dim)
         kv = KvPages(k_pages=jax.ShapeDtypeStruct(kv_shape, self.dtype),
                      v_pages=jax.ShapeDtypeStruct(kv_shape, self.dtype))
         i32 = jnp.int32
@@ -515,8 +548,12 @@ class HybridModel:
         per_slot = -(-int(max_tokens if max_seq_len is None else max_seq_len) // int(page_size))
         spec = self._cache_leaves(int(max_seqs), num_pages, int(page_size), min(per_slot, num_pages))
 
-        cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
-        return cache.replace(page_owner=jnp.full((num_pages,), -1, jnp.int32))
+        def make():
+            cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
+            return cache.replace(page_owner=jnp.full((num_pages,), -1, jnp.int32))
+        if self.shard_rules is None:
+            return make()
+        return jax.jit(make, out_shardings=self.shard_rules.cache_shardings(spec))()   # made on the devices
 
     def _check_cache(self, cache):
         if not isinstance(cache, Cache):

@@ -19,23 +19,24 @@ The protocol (names from the serving engine the design comes from)::
 ``gdn_layer_decode`` is one recurrent step per stream. ``GatedDeltaNet`` (Flax NNX) holds the parameters and
 exposes the same functions as methods.
 
-Parameters (a flat dict; names and layouts as HF's checkpoint, ``model.layers.{i}.`` prefix and ``.weight`` suffix
-dropped; Linear weights are [out, in] like torch):
+Parameters (a flat dict; HF's names with the ``model.layers.{i}.`` prefix and ``.weight`` suffix dropped; Linear
+weights stored [in, out] so that ``y = x @ W``, like every other layer of the package: ``params_from_hf``
+transposes torch's [out, in] once):
 
     input_layernorm  [D]                      <- model.layers.{i}.input_layernorm.weight (zero-centred, 1 + w)
     qwen3_next:
-      in_proj_qkvz   [2 Hk K + 2 Hv V, D]     <- linear_attn.in_proj_qkvz.weight  (per key head [q|k|v*r|z*r])
-      in_proj_ba     [2 Hv, D]                <- linear_attn.in_proj_ba.weight    (per key head [b*r|a*r])
+      in_proj_qkvz   [D, 2 Hk K + 2 Hv V]     <- linear_attn.in_proj_qkvz.weight.T  (per key head [q|k|v*r|z*r])
+      in_proj_ba     [D, 2 Hv]                <- linear_attn.in_proj_ba.weight.T    (per key head [b*r|a*r])
     qwen3_5:
-      in_proj_qkv    [2 Hk K + Hv V, D]       <- linear_attn.in_proj_qkv.weight   ([q | k | v], no interleave)
-      in_proj_z      [Hv V, D]                <- linear_attn.in_proj_z.weight
-      in_proj_b      [Hv, D]                  <- linear_attn.in_proj_b.weight
-      in_proj_a      [Hv, D]                  <- linear_attn.in_proj_a.weight
+      in_proj_qkv    [D, 2 Hk K + Hv V]       <- linear_attn.in_proj_qkv.weight.T   ([q | k | v], no interleave)
+      in_proj_z      [D, Hv V]                <- linear_attn.in_proj_z.weight.T
+      in_proj_b      [D, Hv]                  <- linear_attn.in_proj_b.weight.T
+      in_proj_a      [D, Hv]                  <- linear_attn.in_proj_a.weight.T
     conv1d           [conv_dim, Kc]           <- linear_attn.conv1d.weight [conv_dim, 1, Kc] (squeeze axis 1)
     A_log            [Hv]                     <- linear_attn.A_log
     dt_bias          [Hv]                     <- linear_attn.dt_bias
     norm             [V]                      <- linear_attn.norm.weight (plain weight, ones at init)
-    out_proj         [D, Hv V]                <- linear_attn.out_proj.weight
+    out_proj         [Hv V, D]                <- linear_attn.out_proj.weight.T
 
 State: ``GdnSlots`` (conv_state [S, conv_dim, Kc-1], ssm_state [S, Hv, K, V] fp32) and ``BatchMeta``
 (jax_gdn/state.py). Every function returns new slots (functional ``.at[slot_ids].set``; donate them under jit);
@@ -91,15 +92,15 @@ def param_shapes(dims: GdnDims) -> dict:
     d, hv, v = dims.hidden_size, dims.num_v_heads, dims.head_v_dim
     shapes = {"input_layernorm": (d,)}
     if dims.layout == "qwen3_next":
-        shapes["in_proj_qkvz"] = (2 * dims.key_dim + 2 * dims.value_dim, d)
-        shapes["in_proj_ba"] = (2 * hv, d)
+        shapes["in_proj_qkvz"] = (d, 2 * dims.key_dim + 2 * dims.value_dim)
+        shapes["in_proj_ba"] = (d, 2 * hv)
     else:
-        shapes["in_proj_qkv"] = (dims.conv_dim, d)
-        shapes["in_proj_z"] = (dims.value_dim, d)
-        shapes["in_proj_b"] = (hv, d)
-        shapes["in_proj_a"] = (hv, d)
+        shapes["in_proj_qkv"] = (d, dims.conv_dim)
+        shapes["in_proj_z"] = (d, dims.value_dim)
+        shapes["in_proj_b"] = (d, hv)
+        shapes["in_proj_a"] = (d, hv)
     shapes.update(conv1d=(dims.conv_dim, dims.conv_kernel_size), A_log=(hv,), dt_bias=(hv,), norm=(v,),
-                  out_proj=(d, dims.value_dim))
+                  out_proj=(dims.value_dim, d))
     return shapes
 
 
@@ -113,7 +114,7 @@ def init_params(dims: GdnDims, key: jax.Array, dtype=jnp.float32, *, randomize_n
     for name, shape in shapes.items():
         k = keys[name]
         if name.startswith("in_proj") or name == "out_proj":
-            params[name] = (jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[1])).astype(dtype)
+            params[name] = (jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
         elif name == "conv1d":
             bound = 1.0 / math.sqrt(dims.conv_kernel_size)
             params[name] = jax.random.uniform(k, shape, jnp.float32, -bound, bound).astype(dtype)
@@ -146,14 +147,16 @@ def params_from_hf(linear_attn: dict, input_layernorm) -> dict:
     """Parameters from HF tensors of one layer: ``linear_attn`` maps the names under ``model.layers.{i}.linear_attn.``
     (``in_proj_qkvz.weight``, ``conv1d.weight``, ``A_log``, ``norm.weight``, ...) to arrays (NumPy, jax or torch
     converted with ``.numpy()``); ``input_layernorm`` is ``model.layers.{i}.input_layernorm.weight``.
-    Drops the ``.weight`` suffix and squeezes conv1d [conv_dim, 1, Kc] -> [conv_dim, Kc]; every other tensor keeps
-    HF's layout (Linear weights [out, in])."""
+    Drops the ``.weight`` suffix, squeezes conv1d [conv_dim, 1, Kc] -> [conv_dim, Kc] and transposes the Linear
+    weights (in_proj_*, out_proj) to [in, out]; every other tensor keeps HF's layout."""
     params = {"input_layernorm": jnp.asarray(input_layernorm)}
     for name, value in linear_attn.items():
         key = name[:-len(".weight")] if name.endswith(".weight") else name
         value = jnp.asarray(value)
         if key == "conv1d" and value.ndim == 3:
             value = value[:, 0, :]
+        elif key.startswith("in_proj") or key == "out_proj":
+            value = value.T
         params[key] = value
     return params
 
@@ -222,8 +225,8 @@ class Phase1Proj(NamedTuple):
     g: jax.Array
 
 
-def _linear(x, w):  # x [T, in], w [out, in] (torch layout) -> [T, out]
-    return jnp.einsum("ti,oi->to", x, w.astype(x.dtype))
+def _linear(x, w):  # x [T, in], w [in, out] -> [T, out]
+    return x @ w.astype(x.dtype)
 
 
 def _project(params: dict, dims: GdnDims, x: jax.Array):
@@ -364,9 +367,9 @@ def varlen_eligibility(q, k, v, backend: str = "auto") -> tuple[bool, str]:
     Eligible: the resolved backend is "xla" (any dims), or a Pallas backend whose kernel accepts these head
     dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``: on the GPU K, V in {16, ..., 256}).
     "auto" picks "pallas" only where the kernel accepts the inputs, else "xla", so it is always eligible.
-    Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel is missing or rejects the inputs; the
-    caller then runs ``gdn_full_per_stream`` (the seed's ``Ok(false)``), which ``gdn_layer_prefill`` does with
-    the "xla" backend.
+    Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel is missing or rejects the inputs (the
+    seed's ``Ok(false)``); ``gdn_layer_prefill`` then runs ``gdn_full_varlen`` with the "xla" backend (traceable),
+    and ``gdn_full_per_stream`` remains the eager per-stream form.
     Static: decided from shapes, dtypes and the backend name only, so it is safe under jit.
     """
     resolved = _layer_backend(backend, q, k, v)
@@ -402,7 +405,7 @@ def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backe
 
     q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; meta: cu_seqlens [N+1] (ends at T), slot_ids [N],
     has_initial_state [N]. Returns (o [T, Hv, V], new slots, True), or (None, slots unchanged, False) when the batch
-    is not eligible (see ``varlen_eligibility``): then run ``gdn_full_per_stream``.
+    is not eligible (see ``varlen_eligibility``): then run it with backend "xla" (or ``gdn_full_per_stream`` eagerly).
     """
     _check_qkvgb(q, k, v, g, beta)
     _check_meta(meta, q.shape[0], slots.ssm_state.shape[0])
@@ -474,8 +477,8 @@ def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: Gdn
 
     hidden [T, D] (stream n owns rows meta.cu_seqlens[n]:meta.cu_seqlens[n+1]; cu_seqlens ends at T);
     slots: GdnSlots [S, ...]; meta: BatchMeta. Returns (hidden_out [T, D], slots with the N streams' conv and
-    ssm states advanced). Falls back to ``gdn_full_per_stream`` with the "xla" backend when the varlen call is not
-    eligible (needs concrete meta).
+    ssm states advanced). Falls back to ``gdn_full_varlen`` with the "xla" backend when the requested backend is
+    not eligible (see ``varlen_eligibility``); both run under jit.
     """
     check_params(params, dims)
     t = _check_hidden(hidden, dims)
@@ -484,9 +487,9 @@ def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: Gdn
     conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
     q, k, v = phase1_l2_batched(dims, conv_out)
     o, new_slots, ok = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend=backend, chunk_size=chunk_size)
-    if not ok:
-        o, new_slots = gdn_full_per_stream(q, k, v, p1.g, p1.beta, slots, meta, backend="xla",
-                                           chunk_size=chunk_size)
+    if not ok:  # the kernel refuses these dims: the XLA chunked varlen path (traceable, any dims)
+        o, new_slots, _ = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend="xla",
+                                          chunk_size=chunk_size)
     return phase3(params, dims, o, p1.z, hidden, ffn=ffn), new_slots
 
 

@@ -191,7 +191,9 @@ def test_two_chunks_with_state_equal_one_shot(cut):
     out2, s = prefill_jit(params, dims, hidden[cut:], s, meta2, backend="xla")
     assert rel_rms(jnp.concatenate([out1[5:], out2]), one) < TOL32
     assert rel_rms(s.ssm_state[3], s_one.ssm_state[3]) < TOL32
-    np.testing.assert_allclose(s.conv_state[3], s_one.conv_state[3], rtol=1e-6)
+    # conv state = projection outputs of the last Kc-1 tokens, from matmuls of 130 vs 105 rows (fp32 blocking
+    # differs by ~1e-7 absolute)
+    np.testing.assert_allclose(s.conv_state[3], s_one.conv_state[3], rtol=1e-5, atol=1e-6)
 
 
 def test_decode_after_prefill_equals_prefill_of_one_more_token():
@@ -212,7 +214,7 @@ def test_decode_after_prefill_equals_prefill_of_one_more_token():
     assert rel_rms(out_d, ref[ends]) < TOL32
     assert rel_rms(s_d.ssm_state[np.array(slot_ids)], s_ref.ssm_state[np.array(slot_ids)]) < TOL32
     np.testing.assert_allclose(s_d.conv_state[np.array(slot_ids)], s_ref.conv_state[np.array(slot_ids)],
-                               rtol=1e-6)
+                               rtol=1e-5, atol=1e-6)   # projections of 1 vs 131 rows: fp32 blocking ~1e-7
     assert np.isnan(np.asarray(s_d.ssm_state)[[1, 3, 4]]).all()
 
 
@@ -261,9 +263,9 @@ def test_phase3_ffn_and_bf16():
     assert rel_rms(s16.ssm_state, s32.ssm_state) < 3 * TOL16
 
 
-def test_ineligible_varlen_falls_back_per_stream(monkeypatch):
+def test_ineligible_varlen_falls_back_to_xla_varlen(monkeypatch):
     """When the Pallas kernel rejects the batch, gdn_full_varlen reports it (state untouched) and the prefill
-    runs gdn_full per stream."""
+    runs the XLA varlen path instead, eagerly and under jit (the old per-stream fallback could not trace)."""
     from pallas_kernels.gated_delta_rule import api
 
     def reject(q, k, v, *, interpret):
@@ -285,6 +287,9 @@ def test_ineligible_varlen_falls_back_per_stream(monkeypatch):
     ref, s_ref = gdn.gdn_layer_prefill(params, dims, h, slots, meta, backend="xla")
     assert rel_rms(out, ref) < 1e-5
     assert rel_rms(s.ssm_state, s_ref.ssm_state) < 1e-5   # incl. the empty stream's kept state
+    jitted = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))
+    out_j, s_j = jitted(params, dims, h, slots, meta, backend="pallas_interpret")
+    assert rel_rms(out_j, ref) < 1e-5 and rel_rms(s_j.ssm_state, s_ref.ssm_state) < 1e-5
 
 
 def test_nnx_module_methods():
