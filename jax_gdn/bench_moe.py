@@ -86,12 +86,12 @@ def run_section(quick: bool = False) -> dict:
                 if impl == "pallas" and resolve_moe_backend("auto", x, params["experts_gate_up"]) != "pallas":
                     ms[impl] = None                      # no GPU (or dims the kernel does not take)
                     continue
-                ms[impl] = round(_time_impl(case, params, x, impl, quick), 4)
+                ms[impl] = float(f"{_time_impl(case, params, x, impl, quick):.4g}")
             except Exception:                                                   # noqa: BLE001
                 traceback.print_exc()
                 ms[impl] = None
         rows.append({"case": case.name, "tokens": case.tokens, "experts": case.experts, "top_k": case.top_k,
-                     "ms": ms, "floor_ms": round(case.flops() / (PEAK_TFLOPS * 1e12) * 1e3, 4)})
+                     "ms": ms, "floor_ms": float(f"{case.flops() / (PEAK_TFLOPS * 1e12) * 1e3:.4g}")})
         del params, x
     return {"rows": rows}
 
