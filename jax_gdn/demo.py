@@ -7,10 +7,10 @@ continues with ``--decode-steps`` one-token decode steps, and checks everything 
 one stream at a time. Prints a table: phase, time (ms, warm: best of 3 after a compiling call),
 max abs error against the monolithic path.
 
-Sections: ``run_gdn_stack_demo(args)`` (this workstream), then the whole hybrid model through the hook
-``run_model_section(args)``: if the module ``jax_gdn.model_demo`` exists, its ``run_model_demo(options dict,
-verbose=False)`` runs with --model / --model-lens / --dtype / --decode-steps / --backend / --seed (skip it with
---skip-model); a returned dict of measurements becomes table rows. Each section returns its table rows: dicts
+Sections: ``run_gdn_stack_demo(args)`` (the GDN layers alone), then the whole hybrid model through
+``run_model_section(args)``: ``jax_gdn.model_demo.run_model_demo(options dict, verbose=False)`` runs with --model /
+--model-lens / --dtype / --decode-steps / --backend / --seed (skip it with --skip-model); its dict of measurements
+becomes table rows. Each section returns its table rows: dicts
 with keys phase, time_ms (or None), max_err (or None).
 """
 from __future__ import annotations
@@ -245,20 +245,13 @@ def format_table(rows: list, title: str) -> str:
 
 
 def _model_hook():
-    """The module ``jax_gdn.model_demo`` if it exists (the MODEL workstream's section), else None."""
-    try:
-        return importlib.import_module("jax_gdn.model_demo")
-    except ModuleNotFoundError as err:
-        if err.name != "jax_gdn.model_demo":
-            raise
-        return None
+    """The model section's module (``jax_gdn.model_demo``), imported on first use (tests replace it)."""
+    return importlib.import_module("jax_gdn.model_demo")
 
 
-def run_model_section(args) -> Optional[list]:
-    """The hybrid-model section through ``jax_gdn.model_demo.run_model_demo``; None when that module is absent."""
+def run_model_section(args) -> list:
+    """The hybrid-model section through ``jax_gdn.model_demo.run_model_demo``: its measurements as table rows."""
     hook = _model_hook()
-    if hook is None or not hasattr(hook, "run_model_demo"):
-        return None
     options = dict(model=args.model, lens=args.model_lens, decode_steps=args.decode_steps, dtype=args.dtype,
                    backend=args.backend, seed=args.seed)
     res = hook.run_model_demo({k: v for k, v in options.items() if v is not None}, verbose=False)
@@ -291,9 +284,8 @@ def main(argv: Optional[list] = None) -> dict:
     print(format_table(rows, f"\nGDN stack ({args.layout}): split protocol vs monolithic"), flush=True)
     if not args.skip_model:
         rows = run_model_section(args)
-        if rows is not None:
-            results["model"] = rows
-            print(format_table(rows, "\nHybrid model (jax_gdn.model_demo)"), flush=True)
+        results["model"] = rows
+        print(format_table(rows, "\nHybrid model (jax_gdn.model_demo)"), flush=True)
     return results
 
 

@@ -60,5 +60,3 @@ def test_model_section_hook(monkeypatch):
     assert seen["decode_steps"] == 4 and seen["backend"] == "xla" and seen["lens"] == "4,5"
     assert not seen["verbose"] and "model" not in seen
     assert [r["time_ms"] for r in rows[:4]] == [1000.0, 500.0, 200.0, 10.0]
-    monkeypatch.setattr(demo, "_model_hook", lambda: None)
-    assert demo.run_model_section(args) is None
