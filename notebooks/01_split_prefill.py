@@ -66,7 +66,7 @@ gdn_layer_monolithic = jit(gdn.gdn_layer_monolithic, ("dims", "backend"))
 gdn_layer_prefill = jit(gdn.gdn_layer_prefill, ("dims", "backend"))
 print(dims)
 print(f"conv_dim = 2 Hk K + Hv V = {dims.conv_dim}   (the [q | k | v] channels of the causal conv)")
-print("\nparameters (HF names, torch [out, in] layout):")
+print("\nparameters (HF names; Linear weights [in, out], y = x @ W):")
 for name, x in params.items():
     print(f"  {name:16s} {str(tuple(x.shape)):10s} {x.dtype}")
 

@@ -88,8 +88,8 @@ print(f"{sum(p.numel() for p in hf.parameters()):,} parameters")
 #
 # `load_pretrained` reads `config.json` and the safetensors file(s), checks every tensor's name and shape
 # against the config, and returns a `HybridModel` (here in fp32 with the `"xla"` backend, to compare at fp32
-# precision on CPU; on a GPU the default `backend="auto"` runs the Pallas kernel). The fused Qwen3-Next
-# projections stay fused in HF's `[out, in]` layout; phase 1 splits them per key head.
+# precision on CPU; on a GPU the default `backend="auto"` runs the Pallas kernel). Every Linear weight is
+# transposed once to `[in, out]`; the fused Qwen3-Next projections stay fused (phase 1 splits them per key head).
 
 # %%
 ckpt = tempfile.mkdtemp(prefix="tiny-qwen3-next-")
