@@ -481,9 +481,25 @@ def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0) -> 
 # The section
 # ================================================================================================================
 def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
-                subprocess_compile: bool = None) -> dict:
+                subprocess_compile: bool = None, budget_s: float = None, on_update=None) -> dict:
     """Measures the section (see the module docstring). ``hf`` (default: not quick) runs HF transformers first;
-    ``compile_layers`` (default 48) the depth of the compile-time measurement (0: skip)."""
+    ``compile_layers`` (default 48) the depth of the compile-time measurement (0: skip). ``budget_s``: stages
+    (parts, then the compile measurement) that would start past this many seconds are skipped and named in
+    "errors". ``on_update(section)`` is called after each stage (e.g. to save partial results)."""
+    start = time.time()
+
+    def out_of_time(stage: str, need: float) -> bool:
+        if budget_s is not None and time.time() - start + need > budget_s:
+            section["errors"].append(f"{stage}: skipped, {budget_s:.0f} s budget ({time.time() - start:.0f} s "
+                                     f"used, ~{need:.0f} s needed)")
+            return True
+        return False
+
+    def update(stage: str = None):
+        if stage is not None and not quick:
+            print(f"[bench_model] {stage} at {time.time() - start:.0f} s", flush=True)
+        if on_update is not None:
+            on_update(section)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # torch first, then JAX (no preallocation)
     hf = (not quick) if hf is None else hf
     compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
@@ -496,10 +512,12 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
                           "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
                "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
     hf_res = {}
+    update()
     if hf:
         try:
             hf_res = hf_rows(cfg, cases, reps)
             section["hf"] = hf_res.get("info")
+            section["hf_raw"] = {k: v for k, v in hf_res.items() if k != "info"}
         except Exception as err:
             section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
             traceback.print_exc()
@@ -543,7 +561,8 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
                 row.setdefault("errors", {})[who] = res["error"]
         section["rows"].append(row)
     section["compiled_programs"] = ours.get("compiled_programs")
-    if model is not None:
+    update(f"rows done (hf {section.get('hf_raw')}, ours {ours})")
+    if model is not None and not out_of_time("parts", 20 if quick else 60):
         try:
             section["parts_ms"] = parts(model, cases["varlen"][1], reps)
             section["parts_ms"]["case"] = cases["varlen"][0]
@@ -555,11 +574,13 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
             traceback.print_exc()
     del model
     gc.collect()
+    update(f"parts done ({section.get('parts_ms')})")
     section["compile_s_48_layers"] = None
-    if compile_layers:
+    if compile_layers and not out_of_time("compile", 10 if quick else 45):
         try:
             if subprocess_compile:
-                c = _compile_in_subprocess(compile_layers, quick)
+                left = None if budget_s is None else max(30.0, budget_s - (time.time() - start))
+                c = _compile_in_subprocess(compile_layers, quick, timeout=left or 300.0)
             else:
                 c = compile_seconds(make_cfg(compile_layers), cases["varlen"][1],
                                     jnp.float32 if quick else jnp.bfloat16, "auto",
@@ -570,6 +591,8 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
         except Exception as err:
             section["errors"].append(f"compile: {type(err).__name__}: {str(err)[:300]}")
             traceback.print_exc()
+    section["wall_s"] = round(time.time() - start, 1)
+    update(f"compile done ({section.get('compile')})")
     return section
 
 
