@@ -218,21 +218,21 @@ def _time_torch(q, dense, lens, ctx, decode, scale):
     dev, bf = "cuda", torch.bfloat16
 
     def tt(x):
-        return torch.tensor(np.asarray(x, np.float32), device=dev).to(bf)
+        return torch.tensor(np.asarray(x, np.float32), device=dev).to(bf).contiguous()
     if decode:
         n = len(lens)
-        qt = tt(q).reshape(n, 1, q.shape[1], q.shape[2]).transpose(1, 2)       # [N, H, 1, Dh]
-        kt = torch.stack([tt(k) for k, _ in dense]).transpose(1, 2)            # [N, Hkv, ctx, Dh]
-        vt = torch.stack([tt(v) for _, v in dense]).transpose(1, 2)
+        qt = tt(q).reshape(n, 1, q.shape[1], q.shape[2]).transpose(1, 2).contiguous()     # [N, H, 1, Dh]
+        kt = torch.stack([tt(k) for k, _ in dense]).transpose(1, 2).contiguous()          # [N, Hkv, ctx, Dh]
+        vt = torch.stack([tt(v) for _, v in dense]).transpose(1, 2).contiguous()
 
         def run():
             F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
     else:
         from torch.nn.attention.bias import causal_lower_right
         cu = np.concatenate([[0], np.cumsum(lens)])
-        qs = [tt(q[cu[i]:cu[i] + x]).transpose(0, 1)[None] for i, x in enumerate(lens)]
-        ks = [tt(k).transpose(0, 1)[None] for k, _ in dense]
-        vs = [tt(v).transpose(0, 1)[None] for _, v in dense]
+        qs = [tt(q[cu[i]:cu[i] + x]).transpose(0, 1)[None].contiguous() for i, x in enumerate(lens)]  # [1, H, L, Dh]
+        ks = [tt(k).transpose(0, 1)[None].contiguous() for k, _ in dense]
+        vs = [tt(v).transpose(0, 1)[None].contiguous() for _, v in dense]
         masks = [None if ctx == 0 else causal_lower_right(x, x + ctx) for x in lens]
 
         def run():

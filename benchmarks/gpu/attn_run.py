@@ -85,7 +85,7 @@ def step_sweep(configs=None):
     from jax_gdn.bench_attention import prefill_flop, time_jax
     from pallas_kernels.paged_attention import api
     from pallas_kernels.paged_attention import triton as tr
-    configs = configs or [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)]
+    configs = configs or [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (128, 128, 8, 1), (64, 64, 4, 3)]
     rows = []
     for name in ("prefill-varlen16",):
         kind, lens, ctx, args = _case(name)
@@ -106,8 +106,9 @@ def step_sweep(configs=None):
         if ok:
             best = min(ok, key=lambda r: r["ms"])
             SUMMARY.append(f"sweep {name}: best {best['cfg']} {best['ms']:.3f} ms ({best['tflops']:.0f} TF/s)")
-            if name == "prefill-varlen16":           # the section and the layer then run the best one
-                tr.DEFAULT_PREFILL = tr.PrefillConfig(*best["cfg"])
+            if name == "prefill-varlen16" and os.environ.get("ATTN_USE_BEST") == "1":
+                tr.DEFAULT_PREFILL = tr.PrefillConfig(*best["cfg"])   # the section and the layer run it
+                api._prefill_jit.clear_cache()
     return rows
 
 
@@ -129,16 +130,15 @@ def step_decode_sweep():
                 ms = time_jax(fn, (q, kp, vp, pt, sl, ids), warmup=2, groups=5, per_group=10)
                 rows.append({"case": name, "cfg": [bk, nw, ns, splits], "ms": ms, "gbps": nbytes / ms / 1e6})
             except Exception as err:
-                rows.append({"case": name, "cfg": [bk, nw, ns, splits], "err": f"{type(err).__name__}: {str(err)[:200]}"})
+                rows.append({"case": name, "cfg": [bk, nw, ns, splits],
+                             "err": f"{type(err).__name__}: {str(err)[:200]}"})
             print(rows[-1], flush=True)
             save("decode_sweep", rows)
         ok = [r for r in rows if r["case"] == name and "ms" in r]
         if ok:
             best = min(ok, key=lambda r: r["ms"])
             SUMMARY.append(f"decode {name}: best {best['cfg']} {best['ms']:.3f} ms ({best['gbps']:.0f} GB/s)")
-            if name == "decode-64x4096":
-                bk, nw, ns, _ = best["cfg"]
-                tr.DEFAULT_DECODE = tr.DecodeConfig(block_k=bk, num_warps=nw, num_stages=ns)
+
     return rows
 
 
@@ -155,7 +155,7 @@ def step_section():
 def step_layer():
     from jax_gdn.bench_layers import bench_layers
     res = []
-    for backend in ("pallas", "xla"):
+    for backend in os.environ.get("ATTN_LAYER_BACKENDS", "pallas,xla").split(","):
         try:
             r = bench_layers(PALLAS if backend == "pallas" else backend, reps=10, with_gdn=False, small=DRY)
             res.append(r)

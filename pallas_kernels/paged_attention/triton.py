@@ -11,7 +11,7 @@ Prefill (``paged_attention_prefill``), grid (Hkv, NB) (kv head fastest), blocks 
   Keys are visited Bk at a time (Bk / Ps pages through page_table[slot]) from 0 to klen = min(slot_len,
   last query position + 1): the trip count comes from the device-side block map (no host read). Key blocks
   wholly at or before the block's first query skip the causal mask (first loop); the rest take it (second).
-  Online softmax in fp32 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past
+  Online softmax in fp32, base 2 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past
   the slot's length or on a page id outside [0, P) are masked on load (never read) and in the scores.
 Decode (``paged_attention_decode``), grid (N, Hkv, NS) (flash decoding):
   the G heads of one kv head in one tile (rows padded to 16, the smallest dot), the context cut into NS splits of
@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.paged_attention.reference import build_query_blocks
 
 _NEG = -1e30
+_LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,27 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-DEFAULT_PREFILL = PrefillConfig()
-DEFAULT_DECODE = DecodeConfig()
+# Module-wide overrides (benchmarks): None picks by dtype and head dim below.
+DEFAULT_PREFILL: PrefillConfig | None = None
+DEFAULT_DECODE: DecodeConfig | None = None
+
+
+def prefill_config(dtype, head_dim: int) -> PrefillConfig:
+    """Launch parameters by input size (H200 sweep, NOTES.md): 2-byte inputs [128 rows, 64 keys, 8 warps];
+    fp32 tiles are halved so that q, 2 stages of K and V fit the 227 KB of shared memory at Dh 256."""
+    if DEFAULT_PREFILL is not None:
+        return DEFAULT_PREFILL
+    if jnp.dtype(dtype).itemsize == 4:
+        return PrefillConfig(block_m=32 if head_dim > 128 else 64, block_k=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=128, block_k=64, num_warps=8, num_stages=2)
+
+
+def decode_config(dtype, head_dim: int) -> DecodeConfig:
+    if DEFAULT_DECODE is not None:
+        return DEFAULT_DECODE
+    if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
+        return DecodeConfig(block_k=32)
+    return DecodeConfig(block_k=64)
 
 
 def _pow2(x: int) -> int:
@@ -96,13 +116,24 @@ def _kv_tile(pt_ref, k_ref, v_ref, slot, start, limit, *, block_k, page_size, nu
     return k, v, kpos, valid
 
 
-def _online_step(carry, q, k, v, mask, scale, precision):
+def _online_step(carry, q, k, v, scale_log2, precision, *, mask=None, key_ok=None):
+    """One key tile of the online softmax in base 2 (scores scaled by scale * log2(e), then exp2).
+
+    mask [M, Bk]: scores outside it are set to -1e30 and their p to 0 (the causal diagonal). key_ok [Bk] (the
+    cheaper form for tiles with no causal cut): -1e30 is added to the scores of keys outside it in the same FMA
+    as the scale; their k and v rows were loaded as zeros, so a p of 1 while a row has seen no valid key yet
+    only adds zeros to acc, and the first valid key resets l (alpha = exp2(-1e30 - m) = 0)."""
     m_i, l_i, acc = carry
-    s = _dot(q, k, tb=True, precision=precision) * scale                         # [M, Bk] fp32
-    s = jnp.where(mask, s, _NEG)
+    s = _dot(q, k, tb=True, precision=precision)                                   # [M, Bk] fp32
+    if mask is not None:
+        s = jnp.where(mask, s * scale_log2, _NEG)
+    else:
+        s = s * scale_log2 + jnp.where(key_ok, 0.0, _NEG)[None, :]
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    alpha = jnp.exp(m_i - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
     l_new = l_i * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, precision=precision)
     return m_new, l_new, acc
@@ -121,6 +152,7 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
     pos0 = pos0_ref[b]
     klen = klen_ref[b]
     dh = q_ref.shape[-1]
+    scale_log2 = scale * _LOG2E
 
     i = _iota((block_m,), 0)
     tok = i // group
@@ -133,13 +165,13 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
     def below(j, carry):            # key block entirely at or before the block's first query: no causal mask
         k, v, _, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, j * block_k, klen, block_k=block_k,
                                   page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
-        return _online_step(carry, q, k, v, valid[None, :], scale, precision)
+        return _online_step(carry, q, k, v, scale_log2, precision, key_ok=valid)
 
     def diagonal(j, carry):
         k, v, kpos, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, j * block_k, klen, block_k=block_k,
                                      page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
         mask = valid[None, :] & (kpos[None, :] <= qpos[:, None])
-        return _online_step(carry, q, k, v, mask, scale, precision)
+        return _online_step(carry, q, k, v, scale_log2, precision, mask=mask)
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
@@ -156,7 +188,7 @@ def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqle
     """q [T, H, Dh]; k/v_pages [P, Ps, Hkv, Dh]; page_table [S, W], slot_lens [S], cu_seqlens [N + 1], slot_ids
     [N] int32 -> o [T, H, Dh] in q's dtype (semantics: reference.py). Every output row is written (zeros for
     padding tokens and streams with no slot)."""
-    config = config or DEFAULT_PREFILL
+    config = config or prefill_config(q.dtype, q.shape[-1])
     t, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     group = h // hkv
@@ -196,6 +228,7 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, o_r
     start = sp * split_len
     stop = jnp.minimum(ctx, start + split_len)
     dh = q_ref.shape[-1]
+    scale_log2 = scale * _LOG2E
 
     i = _iota((block_m,), 0)
     row_ok = i < group
@@ -206,8 +239,7 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, o_r
     def body(j, carry):
         k, v, _, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, start + j * block_k, stop, block_k=block_k,
                                   page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
-        return _online_step(carry, q, k, v, jnp.broadcast_to(valid[None, :], (block_m, block_k)), scale,
-                            precision)
+        return _online_step(carry, q, k, v, scale_log2, precision, key_ok=valid)
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
@@ -228,7 +260,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
                            config: DecodeConfig | None = None):
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
     page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot)."""
-    config = config or DEFAULT_DECODE
+    config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, w = page_table.shape
@@ -251,7 +283,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     o_part, m_part, l_part = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh),
                                   k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh))
     m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [N*H, 1]
-    wgt = jnp.exp(m_part - m_all)                                                    # [N*H, NS]
+    wgt = jnp.exp2(m_part - m_all)                                 # [N*H, NS] (m is in log2 units)
     denom = jnp.sum(wgt * l_part, axis=1)
     o = jnp.einsum("rs,rsd->rd", wgt, o_part, precision=lax.Precision.HIGHEST)
     o = o / jnp.where(denom > 0, denom, 1.0)[:, None]
