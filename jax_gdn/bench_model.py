@@ -643,6 +643,13 @@ def print_section(section: dict) -> None:
     if c:
         print(f"compile of the {c.get('layers')}-layer prefill (abstract weights, fresh process): {f(c.get('s'), '{:.1f}')} s "
               f"(trace+lower {f(c.get('lower_s'), '{:.1f}')} s, compile {f(c.get('compile_s'), '{:.1f}')} s)")
+    sp = [r["speedup"] for r in section.get("rows", []) if r.get("speedup")]
+    if sp:
+        print(f"targets (issue 9): tokens/s >= 3x HF on every row: {'met' if min(sp) >= 3 else 'NOT met'} "
+              f"(x {', '.join(f'{x:.2f}' for x in sp)})", end="")
+        c48 = section.get("compile_s_48_layers")
+        print("" if c48 is None else f"; 48-layer compile <= 60 s: {'met' if c48 <= 60 else 'NOT met'} "
+                                     f"({c48:.1f} s)")
     for e in section.get("errors", []):
         print(f"  error: {e[:200]}")
 
