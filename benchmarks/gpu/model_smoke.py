@@ -40,6 +40,24 @@ def main():
         print(f"{name:<44} {dt:8.3f} s  (t={time.perf_counter() - t_start:.0f} s)", flush=True)
         return out
 
+    # ---- padding on the GPU kernels: tiny dims, Pallas GDN (auto) vs XLA, T 25 -> 32 and N 3 -> 4 (slot id S) ----
+    from jax_gdn.checkpoint import random_model
+    tiny = tiny_config(4)
+    lens_t, slots_t = [1, 5, 19], np.array([2, 0, 1], np.int32)
+    ids_t = np.random.default_rng(1).integers(0, tiny.vocab_size, 25).astype(np.int32)
+    outs = {}
+    with jax.default_matmul_precision("highest"):
+        for b in ("auto", "xla"):
+            m = random_model(tiny, seed=0, dtype=jnp.float32, backend=b)
+            c = m.init_cache(max_seqs=4, max_tokens=256, page_size=16)
+            lg, c = m.prefill(c, ids_t, np.cumsum([0] + lens_t).astype(np.int32), slots_t, return_all_logits=True)
+            dg, c = m.decode(c, ids_t[:3], slots_t)
+            outs[b] = (np.asarray(lg), np.asarray(dg), repr(m.backends))
+    err = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in zip(outs["auto"][:2], outs["xla"][:2]))
+    res["tiny_pallas_vs_xla_rel_err"] = err
+    print(f"tiny padded prefill+decode, {outs['auto'][2]} vs xla: max rel err {err:.2e}", flush=True)
+    rows.append((f"tiny pallas vs xla rel err {err:.1e}", time.perf_counter() - t_start))
+
     cfg = (tiny_config if args.tiny else qwen3_next_80b_config)(args.layers)
     dtype = jnp.bfloat16
     params = timed("init_params (jitted, on device)",
