@@ -1,6 +1,6 @@
 """Per-kernel CUDA times of FLA's chunk_gated_delta_rule forward (torch profiler), to budget our stages.
 
-    FLA_FLASH_QLA=0 python benchmarks/profile_fla.py [case,...]
+    FLA_FLASH_QLA=0 PYTHONPATH=$PWD python benchmarks/profile_fla.py [case,...]
 """
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, ".")
-from jax_gdn.bench import fla_call, make_inputs_np  # noqa: E402
-from jax_gdn.cases import BENCH_CASES  # noqa: E402
+from jax_gdn.bench import fla_call, make_inputs_np
+from jax_gdn.cases import BENCH_CASES
 
 
 def main():

@@ -1,6 +1,6 @@
 """Per-stage GPU timing of the Pallas kernels over launch-parameter variants (device tool only).
 
-    python benchmarks/stages.py [case,...]
+    PYTHONPATH=$PWD python benchmarks/stages.py [case,...]     (the package installed, or the repo on the path)
 
 Per case: stage 1a (kkt_solve) and 1b (wu_aqk) alone, then stage 2 (state pass + output) alone, for each variant
 in STAGE_SOLVE / STAGE_WU / STAGE_STATE (environment), medians in ms. Variants are LaunchConfig field lists:
@@ -17,10 +17,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, ".")
-from jax_gdn.bench import make_inputs_np, time_jax  # noqa: E402
-from jax_gdn.cases import BENCH_CASES  # noqa: E402
-from pallas_kernels.gated_delta_rule import api, triton as kt  # noqa: E402
+from jax_gdn.bench import make_inputs_np, time_jax
+from jax_gdn.cases import BENCH_CASES
+from pallas_kernels.gated_delta_rule import pallas_triton as kt
+from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
 
 INTERPRET = os.environ.get("STAGE_INTERPRET") == "1"
 
@@ -52,14 +52,14 @@ def main():
         gf = jnp.asarray(g).reshape(tt, case.Hv)
         bfb = jnp.asarray(beta, bf).reshape(tt, case.Hv)
         cu = case.cu_seqlens()
-        start, length, first, num = api._maps(case.B, case.T, None if cu is None else jnp.asarray(cu, jnp.int32),
-                                              None, 64)
+        start, length, first, num = kernel_chunk_map(case.B, case.T,
+                                                     None if cu is None else jnp.asarray(cu, jnp.int32), 64)
         n = case.num_seqs
         pool = jnp.asarray(h0)
         slots = jnp.arange(n, dtype=jnp.int32)
         has = jnp.ones((n,), jnp.int32)
         scale = case.K ** -0.5
-        base = api.launch_config(case.V, n * case.Hv)
+        base = kt.launch_config(case.V, n * case.Hv)
         mp = dict(chunk_start=start, chunk_len=length, chunk=64, interpret=INTERPRET)
         print(f"== {case.name}  (default {base})", flush=True)
         t = gcum = None

@@ -78,10 +78,10 @@ def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> fl
             return ops.fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=ids, use_qk_l2norm=True,
                                                               backend=backend)
     else:
-        from pallas_kernels.gated_delta_rule import api
+        from pallas_kernels.gated_delta_rule import decode
 
         def run(pool):
-            return api.fused_recurrent_gated_delta_rule_slots_fwd(
+            return decode.fused_recurrent_gated_delta_rule_slots_fwd(
                 *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=jnp.ones(ids.shape, bool),
                 use_qk_l2norm=True, interpret=backend == "pallas_interpret", config=config)
     fn = jax.jit(lambda pool: run(pool)[1], donate_argnums=0)

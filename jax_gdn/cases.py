@@ -81,4 +81,5 @@ DECODE_CASES = (
 )
 CPU_DECODE = (Case("cpu-decode-N4-Hk1-Hv2-K16-V16", 4, 1, 1, 2, 16, 16),)
 
-CASES = {c.name: c for c in DECODE_CASES + CPU_DECODE + BENCH_CASES + GPU_TEST_CASES + CPU_DENSE + CPU_GVA + (CPU_VARLEN,)}
+CASES = {c.name: c for c in (DECODE_CASES + CPU_DECODE + BENCH_CASES + GPU_TEST_CASES + CPU_DENSE + CPU_GVA
+                             + (CPU_VARLEN,))}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_gdn.ops.varlen import gather_slots, scatter_slots, token_streams
+from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots, token_streams
 
 _ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
 

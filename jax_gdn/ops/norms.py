@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta_rule.reference import l2norm  # noqa: F401  (one definition, beside the rule)
+
 
 def _rms_normalise(x32: jax.Array, eps: float) -> jax.Array:
     variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
@@ -40,14 +42,4 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float = 1e-6) 
         raise ValueError(f"gated_rms_norm: w must have shape [D]=({x.shape[-1]},), got {tuple(w.shape)}")
     y = _rms_normalise(x.astype(jnp.float32), eps) * w.astype(jnp.float32)
     y = y * jax.nn.silu(z.astype(jnp.float32))
-    return y.astype(x.dtype)
-
-
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """L2 normalisation over the last axis, ``x * rsqrt(sum(x^2) + eps)`` in fp32, returned in ``x.dtype``.
-
-    x: [..., D]. Returns [..., D]. (Same formula as FLA's ``l2norm`` and HF's ``l2norm`` fallback.)
-    """
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
     return y.astype(x.dtype)

@@ -17,7 +17,8 @@ Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads
     q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; pool [S, Hv, K, V] fp32;
     slot_ids, has_initial_state [N] int32  ->  o [N, T, Hv, V] in v's dtype, pool (aliased)
 
-This module imports only jax.
+``fused_recurrent_gated_delta_rule_slots_fwd`` (called by api.py after validation) pads head dims to the kernel's
+sizes and guards against autodiff as the prefill entry points do. This module imports only jax (and its folder).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gated_delta_rule import pallas_triton as _pt
 
 L2_EPS = 1e-6
 
@@ -105,3 +108,39 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
         name="gdn_decode",
     )
     return call(*operands.values())
+
+
+def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
+                                               use_qk_l2norm=False, interpret=False,
+                                               config: DecodeConfig = None):
+    """Per-token gated delta rule of N streams over a state-slot pool, in place (the decode kernel).
+
+    q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; ssm_state [S, Hv, K, V] fp32 (aliased: donate it);
+    slot_ids [N] int32 (an id outside [0, S) reads zeros and drops its write), has_initial_state [N] bool.
+    Returns (o [N, T, Hv, V] in v's dtype, new ssm_state). Head dims that are not one of GPU_HEAD_DIMS are
+    zero-padded (then the pool is copied, not updated in place).
+    """
+    n, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = kdim ** -0.5
+    if n == 0 or t == 0:
+        return jnp.zeros(v.shape, v.dtype), ssm_state
+    kp, vp = _pt.kernel_head_dim(kdim), _pt.kernel_head_dim(vdim)
+    q, k, v = _pt.pad_last(q, kp), _pt.pad_last(k, kp), _pt.pad_last(v, vp)
+    pool = ssm_state
+    padded = (kp, vp) != (kdim, vdim)
+    if padded:
+        pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
+    cfg = config or DecodeConfig()
+
+    def kernel(q, k, v, g, beta, pool, slot_ids, has):
+        return fused_recurrent_slots(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,
+                                             scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+                                             config=cfg)
+
+    o, new_pool = _pt.no_autodiff(kernel)(q, k, v, g, beta, pool, slot_ids.astype(jnp.int32),
+                                       has_initial_state.astype(jnp.int32))
+    if padded:
+        o, new_pool = o[..., :vdim], new_pool[:, :, :kdim, :vdim]
+    return o, new_pool

@@ -1,8 +1,9 @@
 """Pallas gated delta rule kernel vs the float64 per-token loop (tests/numpy_reference.py).
 
 CPU: the same kernels in interpret mode at tiny dims (dk != dv). GPU (`pytest -m gpu`): K = V = 128, bf16 and fp32.
-Shapes come from jax_gdn.cases. Tolerances (relative RMS vs float64): fp32 2e-4, bf16 1e-2 (kernel dots run in
-IEEE fp32 for fp32 inputs, bf16 operands with fp32 accumulation for bf16 inputs).
+Shapes, inputs, oracle and tolerances come from the shared harness (tests/gdn_harness.py: jax_gdn.cases shapes,
+relative RMS vs float64: fp32 2e-4, bf16 / fp16 1e-2; kernel dots run in IEEE fp32 for fp32 inputs, half
+operands with fp32 accumulation for half inputs).
 """
 from __future__ import annotations
 
@@ -12,41 +13,17 @@ import numpy as np
 import pytest
 
 from jax_gdn import cases
-from jax_gdn.ops.varlen import build_chunk_map
-from pallas_kernels.gated_delta_rule import api
-from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
-
-TOL = {jnp.float32: 2e-4, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}   # relative RMS against the float64 loop
-
-
-def make_inputs(case, seed, lens=None):
-    rng = np.random.default_rng(seed)
-    b, t = case.B, case.T
-    q = l2norm_f64(rng.standard_normal((b, t, case.Hk, case.K))).astype(np.float32)
-    k = l2norm_f64(rng.standard_normal((b, t, case.Hk, case.K))).astype(np.float32)
-    v = rng.standard_normal((b, t, case.Hv, case.V)).astype(np.float32)
-    g = np.log(rng.uniform(0.5, 0.999, (b, t, case.Hv))).astype(np.float32)
-    beta = rng.uniform(0.05, 0.99, (b, t, case.Hv)).astype(np.float32)
-    return q, k, v, g, beta
-
-
-def cu_of(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-
-
-def rounded(x, dtype):
-    """The values the kernel actually sees (the reference takes the same rounded inputs)."""
-    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+from pallas_kernels.gated_delta_rule import api, pallas_triton
+from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
+from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms, tol
+from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64
 
 
 def run_fwd(case, dtype, seed, *, interpret, lens=None, with_h0=True, fwd=None):
-    q, k, v, g, beta = make_inputs(case, seed)
-    q, k, v = (rounded(x, dtype) for x in (q, k, v))
-    n = case.num_seqs if lens is None else len(lens)
-    rng = np.random.default_rng(seed + 1)
-    h0 = rng.standard_normal((n, case.Hv, case.K, case.V)).astype(np.float32) if with_h0 else None
-    cu = None if lens is None else cu_of(lens)
-    ref_o, ref_s = gated_delta_rule_f64(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    """The kernel entry point (pallas_triton.chunk_gated_delta_rule_fwd) on a case against the float64 loop:
+    returns the relative RMS of o and of the final state."""
+    q, k, v, g, beta, h0, cu = make_inputs(case, seed, dtype, with_h0=with_h0, lens=lens)
+    ref_o, ref_s = oracle(q, k, v, g, beta, h0, cu)
     fwd = fwd or jax.jit(lambda *a: _fwd(*a, interpret=interpret))
     o, s = fwd(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
                jnp.asarray(beta), None if h0 is None else jnp.asarray(h0),
@@ -57,8 +34,8 @@ def run_fwd(case, dtype, seed, *, interpret, lens=None, with_h0=True, fwd=None):
 
 def _fwd(q, k, v, g, beta, h0, cu, *, interpret):
     cmap = None if cu is None else build_chunk_map(cu, q.shape[1], 64)
-    return api.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu,
-                                          chunk_map=cmap, output_final_state=True, interpret=interpret)
+    return pallas_triton.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu,
+                                                    chunk_map=cmap, output_final_state=True, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -67,19 +44,19 @@ def _fwd(q, k, v, g, beta, h0, cu, *, interpret):
 @pytest.mark.parametrize("case", cases.CPU_DENSE, ids=lambda c: c.name)
 def test_interpret_dense_odd_lengths(case):
     eo, es = run_fwd(case, jnp.float32, seed=case.T, interpret=True)
-    assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (eo, es)
+    assert eo < tol(jnp.float32) and es < tol(jnp.float32), (eo, es)
 
 
 @pytest.mark.parametrize("case", cases.CPU_GVA, ids=lambda c: c.name)
 def test_interpret_grouped_heads_no_initial_state(case):
     eo, es = run_fwd(case, jnp.float32, seed=7, interpret=True, with_h0=False)
-    assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (eo, es)
+    assert eo < tol(jnp.float32) and es < tol(jnp.float32), (eo, es)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 def test_interpret_half_precision(dtype):
     eo, es = run_fwd(cases.CPU_DENSE[-1], dtype, seed=3, interpret=True)
-    assert eo < TOL[dtype] and es < TOL[dtype], (eo, es)
+    assert eo < tol(dtype) and es < tol(dtype), (eo, es)
 
 
 def test_interpret_varlen_initial_states_and_no_recompile():
@@ -92,7 +69,7 @@ def test_interpret_varlen_initial_states_and_no_recompile():
     fwd = jax.jit(counted)
     for seed, lens in ((11, case.lens), (12, cases.CPU_VARLEN_OTHER_LENS)):
         eo, es = run_fwd(case, jnp.float32, seed=seed, interpret=True, lens=lens, fwd=fwd)
-        assert eo < TOL[jnp.float32] and es < TOL[jnp.float32], (lens, eo, es)
+        assert eo < tol(jnp.float32) and es < tol(jnp.float32), (lens, eo, es)
     assert len(traces) == 1, "a second packing with the same T and N must reuse the compiled program"
 
 
@@ -102,7 +79,7 @@ def test_interpret_slots_permuted_stale_and_poisoned():
     case = cases.CPU_VARLEN
     lens = case.lens
     n, num_slots = len(lens), 8
-    q, k, v, g, beta = make_inputs(case, 21)
+    q, k, v, g, beta, _, _ = make_inputs(case, 21)
     rng = np.random.default_rng(22)
     slot_ids = np.array([6, 0, 3, 5, 1], np.int32)
     has = np.array([True, False, True, False, True])
@@ -116,13 +93,13 @@ def test_interpret_slots_permuted_stale_and_poisoned():
     @jax.jit
     def fwd(q, k, v, g, beta, pool, slot_ids, has, cu):
         cmap = build_chunk_map(cu, q.shape[1], 64)
-        return api.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
+        return pallas_triton.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
                                                     slot_ids=slot_ids, has_initial_state=has, cu_seqlens=cu,
                                                     chunk_map=cmap, interpret=True)
     o, new_pool = fwd(*map(jnp.asarray, (q, k, v, g, beta, pool, slot_ids, has, cu)))
     new_pool = np.asarray(new_pool)
-    assert rel_rms(np.asarray(o), ref_o) < TOL[jnp.float32]
-    assert rel_rms(new_pool[slot_ids], ref_s) < TOL[jnp.float32]
+    assert rel_rms(np.asarray(o), ref_o) < tol(jnp.float32)
+    assert rel_rms(new_pool[slot_ids], ref_s) < tol(jnp.float32)
     untouched = np.setdiff1d(np.arange(num_slots), slot_ids)
     assert np.isnan(new_pool[untouched]).all()
     assert np.isfinite(new_pool[slot_ids]).all()
@@ -140,9 +117,9 @@ def test_interpret_near_collinear_keys():
     v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
     g = np.full((b, t, hv), -1e-3, np.float32)
     beta = np.full((b, t, hv), 0.99, np.float32)
-    o, s = api.chunk_gated_delta_rule_fwd(*map(jnp.asarray, (q, k, v, g, beta)), scale=None, initial_state=None,
-                                          cu_seqlens=None, chunk_map=None, output_final_state=True,
-                                          interpret=True)
+    o, s = pallas_triton.chunk_gated_delta_rule_fwd(*map(jnp.asarray, (q, k, v, g, beta)), scale=None,
+                                                    initial_state=None, cu_seqlens=None, chunk_map=None,
+                                                    output_final_state=True, interpret=True)
     ref_o, ref_s = gated_delta_rule_f64(q, k, v, g, beta)
     assert rel_rms(np.asarray(o), ref_o) < 2e-5 and rel_rms(np.asarray(s), ref_s) < 2e-5
 
@@ -170,7 +147,7 @@ def test_check_supported_errors():
 def test_gpu_matches_f64(case, dtype):
     eo, es = run_fwd(case, dtype, seed=5, interpret=False, lens=case.lens)
     print(f"FIGURE {case.name} {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} state_rel_rms={es:.3e}")
-    assert eo < TOL[dtype] and es < TOL[dtype], (eo, es)
+    assert eo < tol(dtype) and es < tol(dtype), (eo, es)
 
 
 @pytest.mark.gpu
@@ -179,8 +156,7 @@ def test_gpu_slots_poisoned_and_no_recompile():
     lens = case.lens
     n = len(lens)
     num_slots = n + 3
-    q, k, v, g, beta = make_inputs(case, 31)
-    q, k, v = (rounded(x, jnp.bfloat16) for x in (q, k, v))
+    q, k, v, g, beta, _, _ = make_inputs(case, 31, jnp.bfloat16)
     slot_ids = np.random.default_rng(1).permutation(num_slots)[:n].astype(np.int32)
     has = np.arange(n) % 2 == 0
     init = np.random.default_rng(2).standard_normal((n, case.Hv, case.K, case.V)).astype(np.float32)
@@ -192,7 +168,7 @@ def test_gpu_slots_poisoned_and_no_recompile():
     def fwd(q, k, v, g, beta, pool, slot_ids, has, cu):
         traces.append(1)
         cmap = build_chunk_map(cu, q.shape[1], 64)
-        return api.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
+        return pallas_triton.chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, scale=None, ssm_state=pool,
                                                     slot_ids=slot_ids, has_initial_state=has, cu_seqlens=cu,
                                                     chunk_map=cmap)
     for lens_i in (lens, tuple(reversed(lens))):

@@ -1,5 +1,5 @@
-"""The decode kernel (pallas_kernels/gated_delta_rule/decode.py) through jax_gdn.ops.fused_recurrent_gated_delta_rule_slots,
-against the float64 per-token loop (tests/numpy_reference.py), on every backend.
+"""The decode kernel (pallas_kernels/gated_delta_rule/decode.py) through
+jax_gdn.ops.fused_recurrent_gated_delta_rule_slots, against the float64 per-token loop, on every backend.
 
 CPU: "pallas_interpret" and "xla" at tiny dims (K != V, dims padded to the kernel's sizes, grouped heads, T = 1 and
 T = 3, permuted slots, ids -1 and S under jit, NaN-poisoned stale and untouched slots, fused L2 norm, bf16 inputs).

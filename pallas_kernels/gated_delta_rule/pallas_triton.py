@@ -25,7 +25,10 @@ over a sequence's chunks has a traced trip count (seq_num_chunks[n]), so one com
 Shape legend: T packed tokens (B*T for dense input), N sequences, S slots, Hk/Hv heads (value head h reads key
 head h // (Hv // Hk)), K/V head dims, C chunk size, NC = T // C + N chunk slots, BV value block.
 
-This module imports only jax.
+Below the kernels: the entry points ``api.py`` calls (``chunk_gated_delta_rule_fwd``, ``..._slots_fwd``: dtype
+promotion, head-dim padding, chunk map, launch config, no-autodiff guard) and ``check_supported``.
+
+This module imports only jax (and the chunk map / reference of its own folder).
 """
 from __future__ import annotations
 
@@ -38,15 +41,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
+# log-decays below G_FLOOR (-128) are raised to it on load in 1a: exp(g) is 0 in fp32 below -104 either way, and
+# the floor keeps the chunk's cumulative gates finite (g = -inf, a hard reset, would give -inf - -inf = NaN)
+from pallas_kernels.gated_delta_rule.reference import G_FLOOR, floor_log_decay  # noqa: F401
+
 SUB = 16  # sub-block rows inside a chunk: the smallest dot Triton lowers
-#: log-decays below this are raised to it on load: exp(g) is 0 in fp32 for g < -104 either way, and a floor keeps
-#: the chunk's cumulative gates finite (g = -inf, a hard reset, or |g| ~ 1e37 would give -inf - -inf = NaN).
-G_FLOOR = -128.0
-
-
-def floor_log_decay(g):
-    """g with values below G_FLOOR raised to it (NaN stays NaN: a select, not a max)."""
-    return jnp.where(g < G_FLOOR, jnp.float32(G_FLOOR), g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,13 +268,14 @@ def zero_tail(o, cu_last, *, total, chunk, interpret):
     (o is aliased). Blocks of ``chunk`` rows start below ``total``, so with T' >= total + chunk - 1 (the interpret
     padding) no block runs past the end."""
     hv = o.shape[1]
+    operands = dict(cu_last=cu_last, o=o)
     call = pl.pallas_call(
         functools.partial(_zero_tail_kernel, chunk=chunk, total=total),
         grid=(pl.cdiv(total, chunk), hv),
         out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
-        input_output_aliases={1: 0},
+        input_output_aliases={list(operands).index("o"): 0},
         compiler_params=_compiler_params(4, 1), interpret=interpret, name="gdn_zero_tail")
-    return call(cu_last, o)
+    return call(*operands.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -360,6 +361,9 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
     block_v = config.block_v
     if block_v is None or vdim % block_v:
         raise ValueError(f"config.block_v must divide V={vdim}; got {block_v}")
+    operands = dict(chunk_start=chunk_start, chunk_len=chunk_len, seq_first_chunk=seq_first_chunk,
+                    seq_num_chunks=seq_num_chunks, slot_ids=slot_ids, has_initial_state=has_initial_state,
+                    q=q, k=k, w=w, u=u, aqk=aqk, gcum=gcum, pool=pool)           # the kernel's ref order
     call = pl.pallas_call(
         functools.partial(_state_pass_kernel, chunk=chunk, group=hv // hk, block_v=block_v, scale=scale,
                           dtype=dtype, precision=precision),
@@ -368,10 +372,202 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
             jax.ShapeDtypeStruct((tp, hv, vdim), dtype),
             jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ),
-        input_output_aliases={12: 1},
+        input_output_aliases={list(operands).index("pool"): 1},     # the pool is updated in place
         compiler_params=_compiler_params(config.state_warps, config.state_stages),
         interpret=interpret,
         name="gdn_state_pass",
     )
-    return call(chunk_start, chunk_len, seq_first_chunk, seq_num_chunks, slot_ids, has_initial_state,
-                q, k, w, u, aqk, gcum, pool)
+    return call(*operands.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the kernels take, launch parameters, entry points (called by api.py after validation)
+# ----------------------------------------------------------------------------------------------------------------
+GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+GPU_HEAD_DIMS = (16, 32, 64, 128)   # the dims the kernels are compiled for; others up to 128 are zero-padded
+MAX_HEAD_DIM = GPU_HEAD_DIMS[-1]    # 256 not yet compiled/tested on the H200
+
+
+def kernel_head_dim(d: int) -> int:
+    """The head dim the kernels run for a head dim ``d`` <= MAX_HEAD_DIM: the smallest of GPU_HEAD_DIMS >= d.
+    q, k (K) and v (V) and the state are zero-padded to it inside the entry points; zero rows of k and zero
+    columns of v leave the rule on the real dims unchanged (q . k and S^T k do not see them, the padded state
+    rows / columns stay zero), and the output is sliced back."""
+    return next(x for x in GPU_HEAD_DIMS if x >= d)
+
+
+def compute_dtype(q, v):
+    """The one dtype the kernels take: q, k and v promoted together (bf16 v with fp32 q runs in fp32)."""
+    return jnp.promote_types(q.dtype, v.dtype)
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def supported(q, k, v, *, interpret: bool) -> tuple[bool, str]:
+    """(ok, reason): whether the Pallas kernel runs these inputs (see :func:`check_supported`)."""
+    try:
+        check_supported(q, k, v, interpret=interpret)
+    except ValueError as err:
+        return False, str(err)
+    return True, ""
+
+
+def check_supported(q, k, v, *, interpret: bool) -> None:
+    """Raises ValueError naming the limit when the Pallas kernel cannot run these inputs.
+
+    q, k, v floating ({bfloat16, float16, float32}; promoted to one dtype by the entry points); K and V at most
+    MAX_HEAD_DIM = 128 (dims that are not one of GPU_HEAD_DIMS are zero-padded to the next one); Hv a multiple of
+    Hk. backend "pallas" (interpret False) needs a GPU; interpret mode runs the same kernels anywhere.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have one shape [B, T, Hk, K]; got q {q.shape}, k {k.shape}")
+    if v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2] != 0:
+        raise ValueError(f"v must be [B, T, Hv, V] with Hv a multiple of Hk={q.shape[2]}; got v {v.shape}")
+    if any(jnp.dtype(x.dtype) not in GPU_DTYPES for x in (q, k, v)):
+        raise ValueError(
+            "pallas gated delta rule: q, k, v must be floating, each one of {bfloat16, float16, float32}; "
+            f"got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    kd, vd = q.shape[3], v.shape[3]
+    if kd > MAX_HEAD_DIM or vd > MAX_HEAD_DIM:
+        raise ValueError(
+            f"pallas gated delta rule: head dims K (got {kd}) and V (got {vd}) must each be at most {MAX_HEAD_DIM} "
+            f"(the kernels run {GPU_HEAD_DIMS}, smaller dims are zero-padded); use backend='xla' for larger heads")
+    if not interpret and not _has_gpu():
+        raise ValueError(
+            "backend 'pallas' needs a CUDA GPU (Pallas Triton lowering) and none is visible; "
+            "use backend='xla', or 'pallas_interpret' to run the same kernel in interpret mode on CPU")
+
+
+def no_autodiff(fn):
+    """fn with a JVP rule that raises: the Pallas kernels have no backward pass yet, and without this jax.grad
+    fails deep inside pallas_call with an empty AssertionError."""
+    wrapped = jax.custom_jvp(fn)
+
+    @wrapped.defjvp
+    def _jvp(primals, tangents):
+        raise NotImplementedError(
+            "the Pallas gated delta rule kernels (backend='pallas' / 'pallas_interpret') have no backward pass: "
+            "use backend='xla' to differentiate (jax.grad / jax.jvp)")
+    return wrapped
+
+
+def _block_v(vdim: int, programs_per_vblock: int) -> int:
+    """V block of the state pass: 64 when that still gives >= 256 programs (e.g. 16 streams x 32 heads), else 32
+    (B1-T8192-Hk16-Hv32: 128 programs of BV 32 beat 64 of BV 64, 0.200 vs 0.250 ms); at least 16 (Triton dots)."""
+    if vdim <= 32:
+        return vdim
+    bv = 64 if programs_per_vblock * (vdim // 64) >= 256 else 32
+    return min(bv, vdim)
+
+
+def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base: LaunchConfig = None) -> LaunchConfig:
+    """The launch parameters of one call, fixed when the call is built (never read from the environment while
+    tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` where base leaves it None, and a
+    2-stage state pass for fp32 inputs where base keeps the default 3 (3 stages of fp32 tiles need 257 KB of
+    shared memory, over the H200's 227 KB). Tuning scripts (benchmarks/stages.py) pass their own ``base``."""
+    cfg = base or LaunchConfig()
+    if cfg.block_v is None:
+        cfg = dataclasses.replace(cfg, block_v=_block_v(vdim, programs_per_vblock))
+    if jnp.dtype(dtype).itemsize > 2 and cfg.state_stages == LaunchConfig.state_stages:
+        cfg = dataclasses.replace(cfg, state_stages=2)
+    return cfg
+
+
+def pad_last(x, size):
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqlens, chunk_map, chunk_size,
+         interpret, config):
+    b, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    if chunk_size % SUB != 0:
+        raise ValueError(f"chunk_size must be a multiple of {SUB} for the Pallas kernels; got {chunk_size}")
+    if scale is None:
+        scale = kdim ** -0.5
+    n = slot_ids.shape[0]
+    out_dtype = v.dtype
+    if b == 0:           # no rows, no sequences: nothing to run, the pool is unchanged
+        return jnp.zeros(v.shape, out_dtype), pool
+    dtype = compute_dtype(q, v)
+    kp, vp = kernel_head_dim(kdim), kernel_head_dim(vdim)
+    q, k = pad_last(q.astype(dtype), kp), pad_last(k.astype(dtype), kp)
+    v = pad_last(v.astype(dtype), vp)
+    padded_pool = (kp, vp) != (kdim, vdim)
+    if padded_pool:
+        pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
+    start, length, first, num = kernel_chunk_map(b, t, cu_seqlens, chunk_size, chunk_map)
+    tt = b * t
+    qf = q.reshape(tt, hk, kp)
+    kf = k.reshape(tt, hk, kp)
+    vf = v.reshape(tt, hv, vp)
+    gf = g.reshape(tt, hv).astype(jnp.float32)
+    bf = beta.reshape(tt, hv)
+    if interpret:
+        # Interpret mode clamps out-of-range dynamic slices (which would shift the rows under the mask); pad C
+        # rows so that every chunk's [start, start + C) slice is in range. On the GPU masked loads need no pad.
+        pad = lambda x: jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))
+        qf, kf, vf, gf, bf = (pad(x) for x in (qf, kf, vf, gf, bf))
+    config = launch_config(vp, n * hv, dtype, base=config)
+    varlen = cu_seqlens is not None
+    cu_last = cu_seqlens[-1:].astype(jnp.int32) if varlen else jnp.full((1,), tt, jnp.int32)
+
+    def kernels(qf, kf, vf, gf, bf, pool, slot_ids, has, start, length, first, num, cu_last):
+        o, new_pool = gated_delta_rule_fwd_packed(
+            qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids, has_initial_state=has,
+            chunk_start=start, chunk_len=length, seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size,
+            interpret=interpret, config=config)
+        if varlen and tt > 0:
+            # tokens past cu_seqlens[N] are padding: no chunk holds them, so no program stored their rows
+            o = zero_tail(o, cu_last, total=tt, chunk=chunk_size, interpret=interpret)
+        return o, new_pool
+
+    o, new_pool = no_autodiff(kernels)(
+        qf, kf, vf, gf, bf, pool, slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), start, length,
+        first, num, cu_last)
+    o = o[:tt].reshape(b, t, hv, vp)[..., :vdim].astype(out_dtype)
+    if padded_pool:
+        new_pool = new_pool[:, :, :kdim, :vdim]
+    return o, new_pool
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_map,
+                               output_final_state, chunk_size=64, interpret=False, config: LaunchConfig = None):
+    """Chunked gated delta rule forward (Pallas). Returns (o [B, T, Hv, V], final_state [N, Hv, K, V] or None).
+
+    initial_state [N, Hv, K, V] fp32 or None (zeros); N = B for dense input, len(cu_seqlens) - 1 otherwise.
+    """
+    b, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        pool = jnp.zeros((n, hv, kdim, vdim), jnp.float32)
+        has = jnp.zeros((n,), jnp.int32)
+    else:
+        pool = initial_state.astype(jnp.float32)
+        has = jnp.ones((n,), jnp.int32)
+    o, final = _run(q, k, v, g, beta, scale=scale, pool=pool, slot_ids=jnp.arange(n, dtype=jnp.int32),
+                    has_initial_state=has, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
+                    interpret=interpret, config=config)
+    return o, (final if output_final_state else None)
+
+
+def chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
+                                     cu_seqlens, chunk_map, chunk_size=64, interpret=False,
+                                     config: LaunchConfig = None):
+    """Chunked gated delta rule forward over a state-slot pool. Returns (o [B, T, Hv, V], new_ssm_state [S, ...]).
+
+    Sequence n reads ssm_state[slot_ids[n]] (zeros where has_initial_state[n] is False, whatever the slot holds)
+    and writes its final state back to that slot; other slots keep their values. ssm_state is aliased to the
+    output (input_output_aliases), so a donated pool updates in place. slot_ids must be distinct.
+    """
+    return _run(q, k, v, g, beta, scale=scale, pool=ssm_state, slot_ids=slot_ids,
+                has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map,
+                chunk_size=chunk_size, interpret=interpret, config=config)

@@ -1,0 +1,156 @@
+"""The one chunk map of the gated delta rule: which chunk of C tokens covers which tokens of which sequence.
+
+Used by every backend (the XLA chunked form in ``reference.py``, the Pallas kernels in ``pallas_triton.py``) and
+re-exported by ``jax_gdn.ops.varlen``. Also the packing helpers the ops share: ``token_streams`` (stream of each
+packed token) and the slot-pool gather / scatter of the padding contract.
+
+Varlen (``cu_seqlens``) packing is mapped on the device, with a static bound and no host sync.
+
+A sequence of length L is cut into ceil(L / C) chunks that start at its first token, so no chunk ever mixes two
+sequences. The total number of chunks is at most ``T // C + N`` (sum of ceil(L_i / C) <= sum floor(L_i / C) + N),
+a static bound: one compiled program serves any lengths with the same T and N. Chunk slots past the real count
+are padding (``chunk_len == 0``).
+
+Padding contract: tokens at index >= cu_seqlens[N] are padding (they belong to no stream and to no chunk);
+zero-length streams have no chunks; a slot id outside [0, S) names no slot (``gather_slots`` reads zeros for it,
+``scatter_slots`` drops its write).
+
+Shape legend: T packed tokens, N sequences, S slots, C chunk size, NC = T // C + N chunk slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ChunkMap(NamedTuple):
+    """Where each chunk lives in the packed token axis.
+
+    chunk_seq:   [NC] int32  sequence of each chunk (clamped to N - 1 for padding chunks)
+    chunk_start: [NC] int32  first token of each chunk in [0, T) (clamped for padding chunks)
+    chunk_len:   [NC] int32  valid tokens in each chunk, 1..C (0 for padding chunks)
+    chunk_first: [NC] bool   first chunk of its sequence
+    chunk_last:  [NC] bool   last chunk of its sequence
+    seq_first_chunk: [N] int32  index of each sequence's first chunk
+    seq_num_chunks:  [N] int32  ceil(L / C); 0 for an empty sequence (its final state is its initial state)
+    token_chunk:  [T] int32  chunk holding each token
+    token_offset: [T] int32  position of each token inside its chunk
+    """
+
+    chunk_seq: jax.Array
+    chunk_start: jax.Array
+    chunk_len: jax.Array
+    chunk_first: jax.Array
+    chunk_last: jax.Array
+    seq_first_chunk: jax.Array
+    seq_num_chunks: jax.Array
+    token_chunk: jax.Array
+    token_offset: jax.Array
+
+
+def token_streams(cu_seqlens: jax.Array, total_len: int) -> tuple[jax.Array, jax.Array]:
+    """Per token of a packed row: (stream [T] int32, position inside its stream [T] int32).
+
+    Tokens past cu_seqlens[N] (padding) are given to the last stream; callers mask them with ``t < cu_seqlens[N]``.
+    """
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    t = jnp.arange(total_len, dtype=jnp.int32)
+    stream = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    return stream, t - cu[stream]
+
+
+def slot_mask(slot_ids: jax.Array, num_slots: int) -> jax.Array:
+    """[N] bool: which ids name a slot of the pool (0 <= id < S). Any other id (negative, >= S, a bad traced
+    value) means "no slot": the stream starts from zeros and its write is dropped (never wrapped, never clamped)."""
+    ids = jnp.asarray(slot_ids).astype(jnp.int32)
+    return (ids >= 0) & (ids < num_slots)
+
+
+def gather_slots(pool: jax.Array, slot_ids: jax.Array, has_initial_state: jax.Array) -> jax.Array:
+    """Start states [N, ...] from pool [S, ...]: pool[slot_ids[n]], zeros where has_initial_state[n] is False or
+    the id names no slot (a NaN-safe select, never a multiply)."""
+    pool, slot_ids = jnp.asarray(pool), jnp.asarray(slot_ids)
+    ok = slot_mask(slot_ids, pool.shape[0])
+    safe = jnp.clip(slot_ids.astype(jnp.int32), 0, pool.shape[0] - 1)
+    ok = ok & jnp.asarray(has_initial_state).astype(bool)
+    return jnp.where(ok.reshape((-1,) + (1,) * (pool.ndim - 1)), pool[safe], jnp.zeros((), pool.dtype))
+
+
+def scatter_slots(pool: jax.Array, slot_ids: jax.Array, values: jax.Array) -> jax.Array:
+    """pool with pool[slot_ids[n]] = values[n] for the ids that name a slot; writes of other ids are dropped."""
+    pool = jnp.asarray(pool)
+    s = pool.shape[0]
+    ids = jnp.where(slot_mask(slot_ids, s), jnp.asarray(slot_ids).astype(jnp.int32), s)   # S: dropped
+    return pool.at[ids].set(jnp.asarray(values).astype(pool.dtype), mode="drop")
+
+
+def max_chunks(total_len: int, num_seqs: int, chunk_size: int) -> int:
+    """Static bound on the number of chunks of any packing of ``num_seqs`` sequences into ``total_len`` tokens."""
+    return total_len // chunk_size + num_seqs
+
+
+def build_chunk_map(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64) -> ChunkMap:
+    """Builds the chunk map on the device from ``cu_seqlens [N + 1]`` (traceable; T and N are static)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = max_chunks(total_len, n, chunk_size)
+    lens = cu[1:] - cu[:-1]                                     # [N]
+    seq_num_chunks = (lens + chunk_size - 1) // chunk_size      # [N]
+    chunk_end = jnp.cumsum(seq_num_chunks)                      # [N] exclusive end chunk of each sequence
+    seq_first_chunk = chunk_end - seq_num_chunks                # [N]
+
+    c = jnp.arange(nc, dtype=jnp.int32)
+    valid = c < chunk_end[-1]
+    seq = jnp.searchsorted(chunk_end, c, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, n - 1)
+    j = c - seq_first_chunk[seq]                                # chunk index inside its sequence
+    start = cu[seq] + j * chunk_size
+    length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, chunk_size), 0)
+    start = jnp.where(valid, start, 0)
+    first = valid & (j == 0)
+    last = valid & (j == seq_num_chunks[seq] - 1)
+
+    tok_seq, rel = token_streams(cu, total_len)
+    token_chunk = seq_first_chunk[tok_seq] + rel // chunk_size
+    token_offset = rel % chunk_size
+    return ChunkMap(seq, start, length, first, last, seq_first_chunk, seq_num_chunks,
+                    token_chunk, token_offset)
+
+
+def dense_cu_seqlens(batch: int, seq_len: int) -> jax.Array:
+    """cu_seqlens of ``batch`` equal-length sequences laid end to end: [0, T, 2T, ..., B*T]."""
+    return jnp.arange(batch + 1, dtype=jnp.int32) * seq_len
+
+
+def dense_chunk_map(batch: int, seq_len: int, chunk_size: int = 64):
+    """Static chunk map (NumPy constants) of ``batch`` sequences of ``seq_len`` tokens laid end to end:
+    (chunk_start [NC], chunk_len [NC], seq_first_chunk [B], seq_num_chunks [B]) int32 with NC = B ceil(T / C)
+    (one padding chunk of length 0 when that is 0, so that a grid over chunks is never empty)."""
+    per = math.ceil(seq_len / chunk_size) if seq_len > 0 else 0
+    j = np.arange(per)
+    start = (np.arange(batch)[:, None] * seq_len + j[None, :] * chunk_size).reshape(-1)
+    length = np.broadcast_to(np.minimum(chunk_size, seq_len - j * chunk_size), (batch, per)).reshape(-1)
+    first = np.arange(batch) * per
+    num = np.full((batch,), per)
+    if start.size == 0:
+        start, length = np.zeros(1), np.zeros(1)
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    return i32(start), i32(length), i32(first), i32(num)
+
+
+def kernel_chunk_map(batch: int, seq_len: int, cu_seqlens, chunk_size: int = 64, chunk_map: ChunkMap = None):
+    """The four arrays the Pallas kernels read, (chunk_start [NC], chunk_len [NC], seq_first_chunk [N],
+    seq_num_chunks [N]) int32: ``dense_chunk_map`` without cu_seqlens, else from ``chunk_map`` (built here with
+    ``build_chunk_map`` when None)."""
+    if cu_seqlens is None:
+        return dense_chunk_map(batch, seq_len, chunk_size)
+    if chunk_map is None:
+        chunk_map = build_chunk_map(cu_seqlens, seq_len, chunk_size)
+    return tuple(x.astype(jnp.int32) for x in (chunk_map.chunk_start, chunk_map.chunk_len,
+                                               chunk_map.seq_first_chunk, chunk_map.seq_num_chunks))
