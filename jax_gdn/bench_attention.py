@@ -10,10 +10,12 @@ Cases:
   decode-64x4096          64 streams, one query each against 4096 tokens of context
   decode-256x1024         256 streams x 1024 tokens of context
 Columns (median ms; null where an implementation cannot run the case):
-  pallas      ``pallas_kernels.paged_attention`` backend "pallas" (paged K/V, pages in a shuffled order)
+  pallas      ``pallas_kernels.paged_attention`` backend "pallas" (paged K/V, pages in a shuffled order; launch
+              parameters: triton.prefill_config / decode_config unless triton.DEFAULT_* is set)
   xla         the same op, backend "xla" (reference.py: every block gathers all of its slot's pages)
-  torch_sdpa  torch.nn.functional.scaled_dot_product_attention, flash backend, dense per-stream K/V: one call
-              per stream for prefill (lower-right causal mask when continuing), one batched call for decode
+  torch_sdpa  torch.nn.functional.scaled_dot_product_attention under sdpa_kernel([FLASH, EFFICIENT]) (flash
+              is picked where it runs), dense contiguous per-stream K/V: one call per stream for prefill
+              (lower-right causal mask when continuing), one batched call for decode
   cudnn       ``jax.nn.dot_product_attention(implementation="cudnn")`` on dense K/V padded to the longest
               stream (fresh prefill and decode; null for the continued prefill, whose lower-right causal mask
               it does not take)

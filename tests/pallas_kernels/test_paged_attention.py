@@ -139,7 +139,7 @@ def test_prefill_odd_lengths_continued_streams(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("group,hkv,dh", [(1, 3, 64), (8, 1, 32)])
+@pytest.mark.parametrize("group,hkv,dh", [(1, 3, 64), (3, 2, 16), (8, 1, 32)])
 def test_prefill_gqa(backend, group, hkv, dh):
     rng = np.random.default_rng(group)
     case = make_case(rng, streams=[(4, 20, 33), (0, 0, 70), (1, 100, 2)], hkv=hkv, group=group, dh=dh, ps=8)
