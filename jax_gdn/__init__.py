@@ -6,6 +6,9 @@
     logits, cache = model.prefill(cache, input_ids, cu_seqlens, slot_ids)
     logits, cache = model.decode(cache, input_ids, slot_ids)
     cache = model.release(cache, slot_ids)
+    model.check(cache)      # steps never sync; this raises OutOfKvPagesError if one ran out of KV pages
+
+``HybridModel.random(config, key, dtype=...)`` makes random weights on the device (``jax_gdn.model.init_params``).
 
 The ops (``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``, ``chunk_gated_delta_rule_slots``) are
 re-exported from :mod:`jax_gdn.ops`; everything is imported lazily, on first use.
