@@ -114,13 +114,16 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
+    if decode and t != slot_ids.shape[0]:
+        raise ValueError(f"attention_layer(decode=True) takes one token per stream: hidden has T={t} rows "
+                         f"but slot_ids has N={slot_ids.shape[0]}")
+    # metadata checks (values too when concrete) before anything is computed or written
+    _pa.check_call(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=kv.num_pages, page_size=kv.page_size,
+                   num_tokens=t, decode=decode)
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
     kv = write_kv_pages(kv, k, v, token_page, token_offset)
     scale = dims.head_dim ** -0.5
     if decode:
-        if t != slot_ids.shape[0]:
-            raise ValueError(f"attention_layer(decode=True) takes one token per stream: hidden has T={t} rows "
-                             f"but slot_ids has N={slot_ids.shape[0]}")
         o = paged_attention_decode(q, kv, page_table, slot_lens, slot_ids, scale=scale, backend=backend)
     else:
         o = paged_attention(q, kv, page_table, slot_lens, cu_seqlens, slot_ids, scale=scale,

@@ -174,6 +174,28 @@ def _check_values(cu, slot_ids, slot_lens, page_table, num_pages: int, page_size
                              f"{int(sl[sid])} tokens: {bad[:8].tolist()}")
 
 
+def check_call(page_table, slot_lens, cu_seqlens, slot_ids, *, num_pages: int, page_size: int, num_tokens: int,
+               decode: bool = False) -> None:
+    """The metadata checks of ``paged_attention`` / ``paged_attention_decode`` alone (shapes and dtypes always,
+    values when concrete), for a caller that wants them before it writes anything (the attention layer).
+    decode: one query per stream, cu_seqlens unused (may be None)."""
+    if not hasattr(page_table, "ndim") or page_table.ndim != 2:
+        raise ValueError(f"page_table must be int32 [S, W], got shape {list(getattr(page_table, 'shape', ()))}")
+    _check_int(page_table, "page_table", tuple(page_table.shape), "[S, W]")
+    _check_int(slot_lens, "slot_lens", (page_table.shape[0],), "[S]")
+    if not hasattr(slot_ids, "shape") or len(slot_ids.shape) != 1:
+        raise ValueError(f"slot_ids must be int32 [N], got shape {list(getattr(slot_ids, 'shape', ()))}")
+    n = slot_ids.shape[0]
+    _check_int(slot_ids, "slot_ids", (n,), "[N]")
+    if decode:
+        if n != num_tokens:
+            raise ValueError(f"decode takes one token per stream: {num_tokens} tokens but slot_ids has N={n}")
+        _check_values(None, slot_ids, slot_lens, page_table, num_pages, page_size, num_tokens)
+    else:
+        _check_int(cu_seqlens, "cu_seqlens", (n + 1,), "[N + 1]")
+        _check_values(cu_seqlens, slot_ids, slot_lens, page_table, num_pages, page_size, num_tokens)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------------------------

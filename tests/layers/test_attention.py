@@ -134,3 +134,23 @@ def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
         x = jnp.stack([xs[0][old[0]], xs[1][old[1]]])
         o, kv = _call(params, dims, kv, x, slots, old, [1, 1], page_table, ps, decode=True, backend=backend)
         np.testing.assert_allclose(np.asarray(o), ref[[old[0], 70 + old[1]]], rtol=1e-4, atol=1e-5)
+
+
+def test_layer_rejects_bad_metadata_before_writing():
+    """A page id out of range inside a slot's tokens, or a stream longer than its slot, raises ValueError naming
+    the argument (checked path: concrete values)."""
+    _, dims, params = _layer_setup(1)
+    kv = KvPages.zeros(8, 4, 2, 16)
+    x = jnp.zeros((6, 32))
+    t = np.arange(6, dtype=np.int32)
+    kw = dict(token_pos=t, token_page=t // 4, token_offset=t % 4, cu_seqlens=np.array([0, 6], np.int32),
+              slot_ids=np.array([0], np.int32))
+    with pytest.raises(ValueError, match=r"page_table\[0\]"):
+        attention_layer(params, dims, x, kv, page_table=np.array([[0, 9]], np.int32),
+                        slot_lens=np.array([6], np.int32), **kw)
+    with pytest.raises(ValueError, match="stream 0 has 6 tokens but slot_lens"):
+        attention_layer(params, dims, x, kv, page_table=np.array([[0, 1]], np.int32),
+                        slot_lens=np.array([5], np.int32), **kw)
+    with pytest.raises(ValueError, match="one token per stream"):
+        attention_layer(params, dims, x, kv, page_table=np.array([[0, 1]], np.int32),
+                        slot_lens=np.array([6], np.int32), decode=True, **kw)
