@@ -154,3 +154,17 @@ def test_layer_rejects_bad_metadata_before_writing():
     with pytest.raises(ValueError, match="one token per stream"):
         attention_layer(params, dims, x, kv, page_table=np.array([[0, 1]], np.int32),
                         slot_lens=np.array([6], np.int32), decode=True, **kw)
+
+
+def test_bench_attention_section_shape_on_cpu(capsys):
+    """jax_gdn.bench_attention.run_section on CPU (small dims, interpret mode): the JSON the bench stores."""
+    from jax_gdn import bench_attention
+    sec = bench_attention.run_section(quick=True)
+    assert sec["small"] and [r["case"] for r in sec["rows"]] == [
+        "prefill-varlen16", "prefill-varlen16-ctx2k", "decode-64x4096", "decode-256x1024"]
+    for r in sec["rows"]:
+        assert set(r["ms"]) == {"pallas", "xla", "torch_sdpa", "cudnn"}
+        assert r["ms"]["pallas"] > 0 and r["ms"]["xla"] > 0 and r["ms"]["torch_sdpa"] is None
+        assert set(r["tflops" if r["kind"] == "prefill" else "gbps"]) == set(r["ms"])
+    bench_attention.print_section(sec)
+    assert "decode-256x1024" in capsys.readouterr().out
