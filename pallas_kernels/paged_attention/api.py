@@ -72,15 +72,30 @@ def _platform() -> str:
         return "cpu"
 
 
-def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str:
-    """Maps "auto" to "pallas" or "xla"; checks that an explicit "pallas" can run (ValueError otherwise)."""
+_MAX_ELEMENTS = 2 ** 31 - 1     # the kernels address q, o and the pools with int32 element offsets
+
+
+def _size_limit(sizes) -> Optional[str]:
+    for name, n in sizes.items():
+        if n > _MAX_ELEMENTS:
+            return f"{name} holds {n} elements, more than the 2**31 - 1 the kernels address with int32 offsets"
+    return None
+
+
+def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                    sizes: Optional[dict] = None) -> str:
+    """Maps "auto" to "pallas" or "xla"; checks that an explicit "pallas" can run (ValueError otherwise).
+    sizes: {array name: element count} of the call (the int32 addressing limit)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     plat = _platform()
     dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    too_big = _size_limit(sizes or {})
     if backend == "auto":
-        ok = AUTO_USES_PALLAS and plat == "gpu" and supports(platform="gpu", **dims) is None
+        ok = AUTO_USES_PALLAS and plat == "gpu" and supports(platform="gpu", **dims) is None and too_big is None
         return "pallas" if ok else "xla"
+    if too_big is not None and backend != "xla":
+        raise ValueError(f"paged attention backend {backend!r}: {too_big}; use backend='xla'")
     if backend == "pallas":
         why = supports(platform=plat, **dims)
         if why is not None:
@@ -211,7 +226,9 @@ def paged_attention(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot
     _check_int(cu_seqlens, "cu_seqlens", (n + 1,), "[N + 1]")
     _check_values(cu_seqlens, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
     backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
-                              num_kv_heads=k_pages.shape[2])
+                              num_kv_heads=k_pages.shape[2], sizes={"q": q.size, "k_pages": k_pages.size})
+    if q.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
     return _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, scale=float(scale),
                         backend=backend, config=config)
 
@@ -234,7 +251,9 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     _check_int(slot_ids, "slot_ids", (q.shape[0],), "[N]")
     _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
     backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
-                              num_kv_heads=k_pages.shape[2])
+                              num_kv_heads=k_pages.shape[2], sizes={"q": q.size, "k_pages": k_pages.size})
+    if q.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
     return _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, scale=float(scale), backend=backend,
                        config=config)
 

@@ -347,3 +347,18 @@ def test_gpu_decode_matches_f64(dtype, dh, group):
     for i in range(len(ctx)):
         assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
     np.testing.assert_array_equal(out[len(ctx):], 0.0)
+
+
+def test_empty_call_and_int32_addressing_limit():
+    rng = np.random.default_rng(2)
+    case = make_case(rng, streams=[(0, 3, 4)], group=2, dh=32, ps=8, pad_tokens=0, pad_streams=0)
+    q, kp, vp, pt, sl, cu, ids = case.args(jnp.float32)
+    no_slot = jnp.full((1,), case.page_table.shape[0], jnp.int32)           # one padding stream, no token
+    out = api.paged_attention(q[:0], kp, vp, pt, jnp.zeros_like(sl), jnp.zeros((2,), jnp.int32), no_slot,
+                              scale=0.1, backend="pallas_interpret")
+    assert out.shape == (0,) + q.shape[1:]
+    assert api.resolve_backend("auto", dtype=jnp.bfloat16, head_dim=256, num_heads=16, num_kv_heads=2,
+                               sizes={"k_pages": 2 ** 31}) == "xla"
+    with pytest.raises(ValueError, match="int32 offsets"):
+        api.resolve_backend("pallas_interpret", dtype=jnp.bfloat16, head_dim=256, num_heads=16, num_kv_heads=2,
+                            sizes={"k_pages": 2 ** 31})
