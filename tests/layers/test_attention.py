@@ -4,7 +4,6 @@ padding tokens and a padding stream (slot id S). The paged-attention op itself i
 in tests/pallas_kernels/test_paged_attention.py."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -168,3 +167,12 @@ def test_bench_attention_section_shape_on_cpu(capsys):
         assert set(r["tflops" if r["kind"] == "prefill" else "gbps"]) == set(r["ms"])
     bench_attention.print_section(sec)
     assert "decode-256x1024" in capsys.readouterr().out
+
+
+def test_write_kv_pages_drops_out_of_range_and_negative_pages():
+    kv = KvPages.zeros(3, 2, 1, 4)
+    k = jnp.arange(1, 5, dtype=jnp.float32)[:, None, None] * jnp.ones((4, 1, 4))
+    out = write_kv_pages(kv, k, -k, jnp.asarray([0, 3, -1, 2]), jnp.asarray([1, 0, 1, 0]))
+    kp = np.asarray(out.k_pages)[:, :, 0, 0]
+    np.testing.assert_array_equal(kp, [[0, 1], [0, 0], [4, 0]])      # page 3 (== P) and page -1 dropped
+    np.testing.assert_array_equal(np.asarray(out.v_pages)[:, :, 0, 0], -kp)
