@@ -18,9 +18,10 @@ mask (HF takes no packed streams); decode through its ``past_key_values`` after 
 Timing, the same for both columns: wall clock of one call closed by a device sync (``jax.block_until_ready`` /
 ``torch.cuda.synchronize``), median of ``reps`` calls after one warm-up call (ours: the warm-up is the first call,
 its time is ``first_call_s``: compile + run). HF's ``triton.testing.do_bench`` median is kept beside as
-``hf_do_bench_ms`` (the anchor's method). HF runs first and is freed before our model is built (torch and JAX
-never hold the GPU together; JAX must not preallocate: XLA_PYTHON_CLIENT_PREALLOCATE=false, set here when JAX
-is not yet initialised).
+``hf_do_bench_ms`` (the anchor's method). Order: our rows first (JAX with XLA_PYTHON_CLIENT_PREALLOCATE=false,
+set here when JAX is not yet initialised), then HF in a child process (``--hf-only``: torch and JAX never share
+a process, and HF's memory is gone when the child exits; a hang is cut by the stage's time budget), then the
+compile measurement (a child process), then the parts.
 
 parts_ms (varlen16, T padded to the model's token bucket): each part of the model jitted alone with the model's
 own layer-0 parameters and backends, on random activations, timed like the rows:
@@ -157,7 +158,7 @@ def _cu(lens) -> np.ndarray:
 # ================================================================================================================
 # HF transformers (torch)
 # ================================================================================================================
-def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
+def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> dict:
     """HF Qwen3NextForCausalLM with ``config``'s dims: {"varlen", "long", "decode": {"ms", "do_bench_ms"}, "info"}.
     Frees the model and torch's cached GPU memory before returning."""
     import torch
@@ -172,24 +173,37 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
     cfg = Qwen3NextConfig(**_hf_kwargs(config))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"        # cpu: a smoke run of this code (tests)
+    info["device"] = dev
     t0 = time.time()
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(dev):
             hf = Qwen3NextForCausalLM(cfg).eval()
     finally:
         torch.set_default_dtype(old)
     info["init_s"] = round(time.time() - t0, 1)
+    log = log or (lambda m: None)
+    log(f"init {info}")
     info["experts_implementation"] = str(getattr(hf.config, "_experts_implementation", None))
+    try:   # which GDN / conv kernels HF's module resolved (FLA's when importable, else its torch fallbacks)
+        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+        info["hf_kernels"] = {k: str(getattr(v, "__module__", v)) for k, v in vars(mq).items()
+                              if any(w in k for w in ("gated_delta_rule", "conv1d", "fast_path", "FusedRMSNorm"))}
+    except Exception:  # pragma: no cover
+        pass
     info["attn_implementation"] = str(getattr(hf.config, "_attn_implementation", None))
     rng = np.random.default_rng(seed)
     out = {"info": info}
 
     def sync(_):
-        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda.synchronize()
 
     def do_bench(fn):
+        if dev != "cuda":
+            return None
         try:
             import triton
             return float(triton.testing.do_bench(fn, warmup=1, rep=1, return_mode="median"))
@@ -200,40 +214,47 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
         # ---- prefill rows ----
         name, lens = cases["varlen"]
         L = max(lens)
-        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (len(lens), L))).cuda()
-        mask = torch.zeros(len(lens), L, dtype=torch.long, device="cuda")
+        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (len(lens), L))).to(dev)
+        mask = torch.zeros(len(lens), L, dtype=torch.long, device=dev)
         for i, n in enumerate(lens):
             mask[i, L - n:] = 1                                                   # left padding, as HF generates
         prefill = {"varlen": lambda: hf(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)}
         _, (n1,) = cases["long"]
-        ids1 = torch.from_numpy(rng.integers(0, config.vocab_size, (1, n1))).cuda()
+        ids1 = torch.from_numpy(rng.integers(0, config.vocab_size, (1, n1))).to(dev)
         prefill["long"] = lambda: hf(input_ids=ids1, use_cache=False, logits_to_keep=1)
         for key, fn in prefill.items():
             try:
+                t1 = time.time()
                 fn()
-                torch.cuda.synchronize()
-                out[key] = {"ms": _median_ms(fn, sync, reps), "do_bench_ms": do_bench(fn)}
+                sync(None)
+                first = time.time() - t1
+                log(f"{key}: first call {first:.1f} s")
+                out[key] = {"ms": _median_ms(fn, sync, reps), "do_bench_ms": do_bench(fn), "first_call_s": first}
             except Exception as err:
                 out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            torch.cuda.empty_cache()
+            log(f"{key}: {out[key]}")
+            if dev == "cuda":
+                torch.cuda.empty_cache()
         # ---- decode: prefill the context with a cache, then time one-token steps ----
         _, n, ctx, _ = cases["decode"]
         try:
-            idsd = torch.from_numpy(rng.integers(0, config.vocab_size, (n, ctx))).cuda()
+            idsd = torch.from_numpy(rng.integers(0, config.vocab_size, (n, ctx))).to(dev)
             res = hf(input_ids=idsd, use_cache=True, logits_to_keep=1)
             pkv = res.past_key_values
             del res
-            nxt = torch.from_numpy(rng.integers(0, config.vocab_size, (n, 1))).cuda()
+            nxt = torch.from_numpy(rng.integers(0, config.vocab_size, (n, 1))).to(dev)
             step = lambda: hf(input_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1)  # noqa: E731
             step()
-            torch.cuda.synchronize()
+            sync(None)
             out["decode"] = {"ms": _median_ms(step, sync, max(reps, 5))}
+            log(f"decode: {out['decode']}")
             del pkv
         except Exception as err:
             out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     del hf, prefill
     gc.collect()
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -252,7 +273,7 @@ def _shared_cache_kwargs(cases: dict, reps: int) -> dict:
                 max_seq_len=seq)
 
 
-def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
+def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> dict:
     """{"varlen", "long", "decode": {"ms", "first_call_s"}} through the public API. The varlen and decode rows
     share one cache (the decode context is prefilled with the varlen program's bucket); the long row has its own
     (1 slot, max_seq_len = its length)."""
@@ -289,6 +310,8 @@ def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0) -> dict:
                 model.check(state["cache"])       # a refused step (out of pages) would have timed nothing
             prepare()
             out[key] = {"ms": ms, "first_call_s": first}
+            if log is not None:
+                log(f"ours {key}: {out[key]}")
         except Exception as err:
             out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
             traceback.print_exc()
@@ -497,67 +520,8 @@ def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0) -> 
 # ================================================================================================================
 # The section
 # ================================================================================================================
-def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
-                subprocess_compile: bool = None, budget_s: float = None, on_update=None) -> dict:
-    """Measures the section (see the module docstring). ``hf`` (default: not quick) runs HF transformers first;
-    ``compile_layers`` (default 48) the depth of the compile-time measurement (0: skip). ``budget_s``: stages
-    (parts, then the compile measurement) that would start past this many seconds are skipped and named in
-    "errors". ``on_update(section)`` is called after each stage (e.g. to save partial results)."""
-    start = time.time()
-
-    def out_of_time(stage: str, need: float) -> bool:
-        if budget_s is not None and time.time() - start + need > budget_s:
-            section["errors"].append(f"{stage}: skipped, {budget_s:.0f} s budget ({time.time() - start:.0f} s "
-                                     f"used, ~{need:.0f} s needed)")
-            return True
-        return False
-
-    def update(stage: str = None):
-        if stage is not None and not quick:
-            print(f"[bench_model] {stage} at {time.time() - start:.0f} s", flush=True)
-        if on_update is not None:
-            on_update(section)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # torch first, then JAX (no preallocation)
-    hf = (not quick) if hf is None else hf
-    compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
-    subprocess_compile = (not quick) if subprocess_compile is None else subprocess_compile
-    make_cfg = tiny_config if quick else qwen3_next_80b_config
-    cfg = make_cfg(LAYERS)
-    cases = _cases(quick)
-    section = {"layers": LAYERS, "quick": quick, "reps": reps, "rows": [], "parts_ms": {}, "errors": [],
-               "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
-                          "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
-               "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
-    hf_res = {}
-    update()
-    if hf:
-        try:
-            hf_res = hf_rows(cfg, cases, reps)
-            section["hf"] = hf_res.get("info")
-            section["hf_raw"] = {k: v for k, v in hf_res.items() if k != "info"}
-        except Exception as err:
-            section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
-            traceback.print_exc()
-    import jax
-    import jax.numpy as jnp
-    section["device"] = str(jax.devices()[0].device_kind if hasattr(jax.devices()[0], "device_kind")
-                            else jax.devices()[0])
-    ours = {}
-    model = None
-    try:
-        t0 = time.time()
-        if quick:   # host-made tiny weights (compiling the random generator costs more than the rest on a CPU)
-            from jax_gdn.checkpoint import random_model
-            model = random_model(cfg, seed=0, dtype=jnp.float32, backend="auto")
-        else:
-            model = random_device_model(cfg, jnp.bfloat16, "auto")
-        _jax_sync(model.params)
-        section["init_s"] = round(time.time() - t0, 1)
-        section["model"] = repr(model)
-        ours = our_rows(model, cases, reps)
-    except Exception as err:
-        section["errors"].append(f"ours: {type(err).__name__}: {str(err)[:300]}")
-        traceback.print_exc()
+def _rows(cases: dict, ours: dict, hf_res: dict) -> list:
+    rows = []
     for key, kind in (("varlen", "prefill"), ("long", "prefill"), ("decode", "decode")):
         case = cases[key]
         tokens = int(sum(case[1])) if kind == "prefill" else case[1]
@@ -576,28 +540,101 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
         for who, res in (("ours", o), ("hf", h)):
             if "error" in res:
                 row.setdefault("errors", {})[who] = res["error"]
-        section["rows"].append(row)
+        rows.append(row)
+    return rows
+
+
+def _hf_in_subprocess(reps: int, timeout: float) -> dict:
+    """hf_rows in a child process (its torch memory is gone when it exits; a hang is cut at ``timeout``). The
+    child's progress lines go to this process's stderr."""
+    cmd = [sys.executable, "-m", "jax_gdn.bench_model", "--hf-only", "--reps", str(reps)]
+    try:
+        r = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=None, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"HF subprocess cut at its {timeout:.0f} s time limit") from None
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"HF subprocess rc={r.returncode}, no result line: {r.stdout[-400:]}")
+
+
+def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
+                subprocess_compile: bool = None, budget_s: float = None, on_update=None) -> dict:
+    """Measures the section (see the module docstring). Order: our rows, then HF (a child process: its torch
+    memory never meets ours in one process), then the 48-layer compile (a child process), then the parts.
+    ``hf`` (default: not quick) runs HF transformers; ``compile_layers`` (default 48) the depth of the compile-time
+    measurement (0: skip). ``budget_s``: each stage after our rows gets at most what is left of this many seconds
+    (a stage that would not fit is skipped and named in "errors"). ``on_update(section)`` is called after each
+    stage (e.g. to save partial results)."""
+    start = time.time()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # HF runs beside us in a child process
+    hf = (not quick) if hf is None else hf
+    compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
+    subprocess_compile = (not quick) if subprocess_compile is None else subprocess_compile
+    make_cfg = tiny_config if quick else qwen3_next_80b_config
+    cfg = make_cfg(LAYERS)
+    cases = _cases(quick)
+    section = {"layers": LAYERS, "quick": quick, "reps": reps, "rows": [], "parts_ms": {}, "errors": [],
+               "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
+                          "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
+               "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
+
+    def left() -> float:
+        return float("inf") if budget_s is None else budget_s - (time.time() - start)
+
+    def out_of_time(stage: str, need: float) -> bool:
+        if left() < need:
+            section["errors"].append(f"{stage}: skipped, {budget_s:.0f} s budget ({time.time() - start:.0f} s "
+                                     f"used, ~{need:.0f} s needed)")
+            return True
+        return False
+
+    def update(stage: str = None):
+        if stage is not None and not quick:
+            print(f"[bench_model] {time.time() - start:6.0f} s  {stage}", file=sys.stderr, flush=True)
+        if on_update is not None:
+            on_update(section)
+
+    import jax
+    import jax.numpy as jnp
+    dev = jax.devices()[0]
+    section["device"] = str(getattr(dev, "device_kind", dev))
+    ours, hf_res = {}, {}
+    model = None
+    try:
+        t0 = time.time()
+        if quick:   # host-made tiny weights (compiling the random generator costs more than the rest on a CPU)
+            from jax_gdn.checkpoint import random_model
+            model = random_model(cfg, seed=0, dtype=jnp.float32, backend="auto")
+        else:
+            model = random_device_model(cfg, jnp.bfloat16, "auto")
+        _jax_sync(model.params)
+        section["init_s"] = round(time.time() - t0, 1)
+        section["model"] = repr(model)
+        update(f"model built: {section['model']}")
+        ours = our_rows(model, cases, reps, log=None if quick else update)
+    except Exception as err:
+        section["errors"].append(f"ours: {type(err).__name__}: {str(err)[:300]}")
+        traceback.print_exc()
+    section["rows"] = _rows(cases, ours, hf_res)
     section["compiled_programs"] = ours.get("compiled_programs")
-    update(f"rows done (hf {section.get('hf_raw')}, ours {ours})")
-    if model is not None and not out_of_time("parts", 20 if quick else 60):
+    update(f"our rows done: {ours}")
+
+    if hf and not out_of_time("hf", 30):
         try:
-            section["parts_ms"] = parts(model, cases["varlen"][1], reps)
-            section["parts_ms"]["case"] = cases["varlen"][0]
-            section["parts_ms"]["model"] = ours.get("varlen", {}).get("ms")
-            if section["parts_ms"].get("model_sum") and section["parts_ms"]["model"]:
-                section["parts_ms"]["other"] = section["parts_ms"]["model"] - section["parts_ms"]["model_sum"]
+            hf_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0))
+            section["hf"] = hf_res.get("info")
         except Exception as err:
-            section["errors"].append(f"parts: {type(err).__name__}: {str(err)[:300]}")
-            traceback.print_exc()
-    del model
-    gc.collect()
-    update(f"parts done ({section.get('parts_ms')})")
+            section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
+        section["rows"] = _rows(cases, ours, hf_res)
+        update(f"hf rows done: {hf_res}")
+
     section["compile_s_48_layers"] = None
-    if compile_layers and not out_of_time("compile", 10 if quick else 45):
+    if compile_layers and not out_of_time("compile", 10 if quick else 30):
         try:
             if subprocess_compile:
-                left = None if budget_s is None else max(30.0, budget_s - (time.time() - start))
-                c = _compile_in_subprocess(compile_layers, quick, timeout=left or 300.0)
+                c = _compile_in_subprocess(compile_layers, quick, timeout=min(left() - 5, 600.0))
             else:
                 c = compile_seconds(make_cfg(compile_layers), cases["varlen"][1],
                                     jnp.float32 if quick else jnp.bfloat16, "auto",
@@ -608,8 +645,23 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
         except Exception as err:
             section["errors"].append(f"compile: {type(err).__name__}: {str(err)[:300]}")
             traceback.print_exc()
+        update(f"compile done: {section.get('compile')}")
+
+    if model is not None and not out_of_time("parts", 10 if quick else 30):
+        try:
+            section["parts_ms"] = parts(model, cases["varlen"][1], reps)
+            section["parts_ms"]["case"] = cases["varlen"][0]
+            section["parts_ms"]["model"] = ours.get("varlen", {}).get("ms")
+            if section["parts_ms"].get("model_sum") and section["parts_ms"]["model"]:
+                section["parts_ms"]["other"] = section["parts_ms"]["model"] - section["parts_ms"]["model_sum"]
+        except Exception as err:
+            section["errors"].append(f"parts: {type(err).__name__}: {str(err)[:300]}")
+            traceback.print_exc()
+        update(f"parts done: {section.get('parts_ms')}")
+    del model
+    gc.collect()
     section["wall_s"] = round(time.time() - start, 1)
-    update(f"compile done ({section.get('compile')})")
+    update()
     return section
 
 
@@ -663,7 +715,13 @@ def main(argv=None):
     p.add_argument("--compile-only", action="store_true", help="print the compile-time JSON line and exit")
     p.add_argument("--layers", type=int, default=COMPILE_LAYERS, help="depth of --compile-only")
     p.add_argument("--json", default=None)
+    p.add_argument("--hf-only", action="store_true", help="print HF's rows as a JSON line and exit (a GPU)")
     a = p.parse_args(argv)
+    if a.hf_only:
+        res = hf_rows(tiny_config(LAYERS) if a.quick else qwen3_next_80b_config(LAYERS), _cases(a.quick), a.reps,
+                      log=lambda m: print(f"[hf] {m}", file=sys.stderr, flush=True))
+        print(json.dumps(res), flush=True)
+        return res
     if a.compile_only:
         import jax.numpy as jnp
         cfg = (tiny_config if a.quick else qwen3_next_80b_config)(a.layers)
