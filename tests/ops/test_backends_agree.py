@@ -1,5 +1,5 @@
 """Every backend that runs a named case (tests/gdn_harness.backends_for) against the float64 oracle, through the
-public op: dense odd lengths, grouped heads, varlen with empty and one-token sequences, fp32 and bf16.
+public op: varlen with empty and one-token sequences (fp32), grouped heads (bf16).
 Tolerances from the harness (relative RMS: fp32 2e-4, bf16 1e-2)."""
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from jax_gdn import cases
 from tests.gdn_harness import backends_for, make_inputs, oracle, rel_rms, run, tol
 
-CASES = [cases.CPU_DENSE[2], cases.CPU_GVA[1], cases.CPU_VARLEN]
-PARAMS = [(c, b, d) for c in CASES for b in backends_for(c) for d in (jnp.float32, jnp.bfloat16)]
+# the interpret-mode kernel runs every shape of jax_gdn.cases in tests/pallas_kernels; here each backend gets one
+# varlen case in fp32 and one grouped-heads case in bf16 (interpret mode costs ~7 s a shape on CI's CPU)
+PARAMS = ([(cases.CPU_VARLEN, b, jnp.float32) for b in backends_for(cases.CPU_VARLEN)]
+          + [(cases.CPU_GVA[1], b, jnp.bfloat16) for b in backends_for(cases.CPU_GVA[1])])
 
 
 @pytest.mark.parametrize("case,backend,dtype", PARAMS,

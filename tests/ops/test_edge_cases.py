@@ -88,22 +88,20 @@ def test_grad_through_pallas_names_the_xla_backend():
     assert grad.shape == xs[2].shape and np.isfinite(np.asarray(grad)).all()
 
 
-@pytest.mark.parametrize("dk,dv", [(100, 100), (24, 40)])
-def test_head_dims_outside_the_kernel_list_are_padded(dk, dv):
-    xs, h0 = _inputs(4, 1, 70, 1, 2, dk, dv)
-    h0 = h0[:1]
+def test_head_dims_outside_the_kernel_list_are_padded():
+    """K = 100 (FLA's test matrix) and V = 24: zero-padded to 128 / 32 inside the op, the pool copied back."""
+    dk, dv, t = 100, 24, 20
+    xs, h0 = _inputs(4, 1, t, 1, 2, dk, dv)
     o_ref, f_ref = gated_delta_rule_f64(*xs, initial_state=h0)
-    for backend in CHUNKED:
-        o, final = _call(backend, xs, initial_state=jnp.asarray(h0), output_final_state=True)
-        assert o.shape == (1, 70, 2, dv) and final.shape == (1, 2, dk, dv)
-        assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(final, f_ref) < FP32_TOL, backend
     pool = np.full((3, 2, dk, dv), np.nan, np.float32)
     pool[2] = h0[0]
-    o, new_pool = chunk_gated_delta_rule_slots(*map(jnp.asarray, xs), ssm_state=jnp.asarray(pool),
-                                               slot_ids=np.array([2]), has_initial_state=np.array([True]),
-                                               backend="pallas_interpret")
-    assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(np.asarray(new_pool)[2], f_ref[0]) < FP32_TOL
-    assert np.isnan(np.asarray(new_pool)[:2]).all()
+    for backend in CHUNKED:
+        o, new_pool = chunk_gated_delta_rule_slots(*map(jnp.asarray, xs), ssm_state=jnp.asarray(pool),
+                                                   slot_ids=np.array([2]), has_initial_state=np.array([True]),
+                                                   backend=backend)
+        assert o.shape == (1, t, 2, dv) and new_pool.shape == pool.shape
+        assert rel_rms(o, o_ref) < FP32_TOL and rel_rms(np.asarray(new_pool)[2], f_ref[0]) < FP32_TOL, backend
+        assert np.isnan(np.asarray(new_pool)[:2]).all()
 
 
 def test_head_dims_over_the_kernel_limit_are_refused_publicly():
@@ -121,20 +119,21 @@ def test_empty_batch_and_empty_rows(backend):
         o, final = _call(backend, xs, initial_state=jnp.asarray(h0), output_final_state=True)
         assert o.shape == (b, t, 2, 8) and final.shape == (b, 2, 16, 8)
         np.testing.assert_array_equal(np.asarray(final), h0)
-        pool = jnp.asarray(np.random.default_rng(7).standard_normal((3, 2, 16, 8)).astype(np.float32))
-        ids = np.arange(b, dtype=np.int32)
-        o, new_pool = chunk_gated_delta_rule_slots(*map(jnp.asarray, xs), ssm_state=pool, slot_ids=ids,
-                                                   has_initial_state=np.ones((b,), bool), backend=backend)
-        assert o.shape == (b, t, 2, 8)
-        np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(pool))
+    xs, _ = _inputs(6, 0, 10, 1, 2, 16, 8)
+    pool = jnp.asarray(np.random.default_rng(7).standard_normal((3, 2, 16, 8)).astype(np.float32))
+    o, new_pool = chunk_gated_delta_rule_slots(*map(jnp.asarray, xs), ssm_state=pool,
+                                               slot_ids=np.zeros((0,), np.int32),
+                                               has_initial_state=np.ones((0,), bool), backend=backend)
+    assert o.shape == (0, 10, 2, 8)
+    np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(pool))
 
 
 @pytest.mark.parametrize("backend", CHUNKED)
 def test_chunk_size_types(backend):
-    xs, _ = _inputs(8, 1, 40, 1, 1, 16, 16)
-    ref, _ = _call(backend, xs)
+    xs, _ = _inputs(8, 1, 20, 1, 1, 16, 16)
+    o_ref, _ = gated_delta_rule_f64(*xs)
     o, _ = _call(backend, xs, chunk_size=np.int64(64))
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
+    assert rel_rms(o, o_ref) < FP32_TOL
     for bad in (True, 0, 64.0, "64"):
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
             _call(backend, xs, chunk_size=bad)
@@ -142,7 +141,7 @@ def test_chunk_size_types(backend):
 
 def test_mixed_dtypes_agree_across_backends():
     """fp32 q, k with bf16 v (and bf16 beta): every backend runs it and o comes back in bf16."""
-    xs, h0 = _inputs(9, 1, 70, 1, 2, 16, 16)
+    xs, h0 = _inputs(9, 1, 20, 1, 2, 16, 16)
     xs[2] = np.asarray(jnp.asarray(xs[2], jnp.bfloat16).astype(jnp.float32))
     o_ref, _ = gated_delta_rule_f64(*xs, initial_state=h0[:1])
     args = [jnp.asarray(xs[0]), jnp.asarray(xs[1]), jnp.asarray(xs[2], jnp.bfloat16), jnp.asarray(xs[3]),

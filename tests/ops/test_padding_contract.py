@@ -89,6 +89,8 @@ def test_slots_out_of_range_ids_drop_their_writes_under_jit(backend):
     assert rel_rms(new_pool[2], f_ref[1]) < TOL and rel_rms(new_pool[3], f_ref[2]) < TOL
     np.testing.assert_array_equal(new_pool[0], pool[0])       # untouched
     assert np.isnan(new_pool[1]).all()                        # untouched NaN slot
+    if backend != "xla":
+        return
     # the same ids concrete (eager): allowed by the public check, same result
     o2, pool2 = chunk_gated_delta_rule_slots(*map(jnp.asarray, xs), ssm_state=jnp.asarray(pool),
                                              slot_ids=ids, has_initial_state=has, cu_seqlens=CU, backend=backend)
