@@ -76,8 +76,7 @@ def test_decode_bf16_inputs_and_default_has_initial_state():
     xs, pool = _case(3, 4, 1, 1, 2, 16, 16, 4, dtype=jnp.bfloat16)
     ids = np.array([3, 1, 0, 2], np.int32)
     o_ref, pool_ref = _expected(xs, pool, ids, [True] * 4, True)
-    args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4], jnp.bfloat16)]
-    args[4] = jnp.asarray(xs[4])
+    args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
     for backend in ("pallas_interpret", "xla"):
         o, new_pool = fused_recurrent_gated_delta_rule_slots(*args, ssm_state=jnp.asarray(pool), slot_ids=ids,
                                                              use_qk_l2norm=True, backend=backend)
@@ -95,6 +94,12 @@ def test_decode_errors():
     with pytest.raises(ValueError, match=r"ssm_state must have shape \[S, Hv, K, V\]"):
         fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=jnp.asarray(pool)[:, :, :8],
                                                slot_ids=np.array([0, 1]), backend="xla")
+    empty = [x[:0] for x in xs]                                  # N = 0 streams: nothing runs, pool unchanged
+    for backend in ("pallas_interpret", "xla"):
+        o, same = fused_recurrent_gated_delta_rule_slots(*empty, ssm_state=jnp.asarray(pool),
+                                                         slot_ids=np.zeros((0,), np.int32), backend=backend)
+        assert o.shape == (0, 1, 1, 16)
+        np.testing.assert_array_equal(np.asarray(same), pool)
     with pytest.raises(NotImplementedError, match="backend='xla'"):
         jax.grad(lambda p: jnp.sum(fused_recurrent_gated_delta_rule_slots(
             *xs, ssm_state=p, slot_ids=np.array([0, 1]), backend="pallas_interpret")[1]))(jnp.asarray(pool))
