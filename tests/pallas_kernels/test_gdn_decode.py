@@ -129,3 +129,13 @@ def test_gpu_decode_in_place(dtype):
     print(f"FIGURE decode {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e} "
           f"in_place={new_pool.unsafe_buffer_pointer() == ptr}")
     assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
+
+
+def test_bench_decode_section_smoke():
+    """jax_gdn.bench_decode's quick section (CPU: interpret mode, no FLA) has the JSON layout bench.py stores."""
+    from jax_gdn import bench_decode
+    section = bench_decode.run_section(quick=True)
+    row = section["rows"][0]
+    assert set(row) >= {"case", "N", "Hk", "Hv", "K", "V", "ms", "gbps"}
+    assert set(row["ms"]) == {"pallas", "xla", "fla", "copy"} and row["ms"]["xla"] > 0
+    bench_decode.print_section(section)
