@@ -568,6 +568,12 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     (a stage that would not fit is skipped and named in "errors"). ``on_update(section)`` is called after each
     stage (e.g. to save partial results)."""
     start = time.time()
+    preallocating = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in ("false", "0")
+    try:
+        from jax._src import xla_bridge
+        jax_up = xla_bridge.backends_are_initialized()
+    except Exception:  # pragma: no cover - private API moved: assume the worst only when told to preallocate
+        jax_up = False
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # HF runs beside us in a child process
     hf = (not quick) if hf is None else hf
     compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
@@ -579,6 +585,10 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
                "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
                           "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
                "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
+
+    if jax_up and preallocating and hf and not quick:
+        section["errors"].append("JAX was initialised with memory preallocation before this section: the HF child "
+                                 "process may run out of GPU memory; run with XLA_PYTHON_CLIENT_PREALLOCATE=false")
 
     def left() -> float:
         return float("inf") if budget_s is None else budget_s - (time.time() - start)
