@@ -75,6 +75,22 @@ def test_serving_loop_compiles_once_per_bucket(params):
     assert np.all(np.isfinite(np.asarray(logits)))
 
 
+def test_cache_is_donated_and_updated_in_place(params):
+    """prefill / decode / release donate the cache: the buffers passed in are consumed (no copy of the pools per
+    step; XLA aliases them to the returned cache)."""
+    model = HybridModel(CFG, params, dtype=jnp.float32, backend="xla")
+    cache = model.init_cache(max_seqs=2, max_tokens=64, page_size=8)
+    old = cache
+    _, cache = model.prefill(cache, np.arange(5, dtype=np.int32), np.array([0, 5], np.int32), [1])
+    assert old.gdn.ssm_state.is_deleted() and old.kv.k_pages.is_deleted()
+    old = cache
+    _, cache = model.decode(cache, np.array([2], np.int32), [1])
+    assert old.gdn.conv_state.is_deleted() and old.slot_lens.is_deleted()
+    old = cache
+    cache = model.release(cache, [1])
+    assert old.page_owner.is_deleted() and int(cache.slot_lens[1]) == 0
+
+
 def test_bucket_padding_changes_nothing_and_touches_no_other_slot(params):
     """The same 3 streams (1, 5, 19 tokens, permuted slots) through a model that pads nothing (exact token
     buckets, max_seqs = N = 3) and one that pads to T = 32, N = 4 with slot 3 poisoned with NaN: equal logits
