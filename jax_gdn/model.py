@@ -41,7 +41,7 @@ Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating 
 depth. Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]).
 
 backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
-(attention and MoE take "xla" when it is "xla", else "auto"); or a dict {op: name} for the ops of
+(attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for the ops of
 ``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit implementation
 that cannot run this model's dims on this platform is refused with the registry's reason.
 
@@ -430,7 +430,7 @@ def _resolve_backends(config: HybridConfig, dtype, backend) -> blk.Backends:
         names = dict(backend)
     else:
         validation.check_backend(backend)
-        other = "xla" if backend == "xla" else "auto"
+        other = backend if backend in ("xla", "pallas_interpret") else "auto"
         names = {"gated_delta_rule": backend, "paged_attention": other, "moe": other}
     cases = {"gated_delta_rule": dict(platform=platform, dtype=dtype, head_k_dim=config.linear_key_head_dim,
                                       head_v_dim=config.linear_value_head_dim,

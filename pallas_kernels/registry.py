@@ -4,8 +4,8 @@ Ops and their implementations, fastest first (the order ``"auto"`` tries them in
 
     "gated_delta_rule": "pallas" (Triton on a GPU), "xla"; and "pallas_interpret" (the same kernel in interpret
                         mode, any platform; never picked by "auto")
-    "paged_attention":  "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"
-    "moe":              "pallas" (pallas_kernels/moe/api.py when present), "xla" (lax.ragged_dot)
+    "paged_attention":  "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret"
+    "moe":              "pallas" (pallas_kernels/moe/api.py when present), "xla" (lax.ragged_dot); "pallas_interpret"
 
 Every implementation has ``supports(**case) -> Optional[str]``: ``None`` when it can run the case, else the
 reason it cannot (a sentence naming the limit). The case keywords per op:
@@ -73,8 +73,10 @@ def _gdn_pallas_interpret(**case):
 
 
 # ---- kernels other helpers provide (optional modules with their own supports) -----------------------------------
-def _external(module: str) -> Callable[..., Optional[str]]:
+def _external(module: str, interpret: bool = False) -> Callable[..., Optional[str]]:
     def supports(**case) -> Optional[str]:
+        if interpret:   # the module's own platform name for Pallas interpret mode
+            case = dict(case, platform="interpret")
         api, why = _import(module)
         if api is None:
             return why
@@ -88,11 +90,23 @@ def _external(module: str) -> Callable[..., Optional[str]]:
     return supports
 
 
+def _moe_interpret(*, dtype, **case) -> Optional[str]:
+    """pallas_kernels.moe in interpret mode: any dims, its kernels' dtypes (the module's supports() is the GPU's)."""
+    api, why = _import("pallas_kernels.moe.api")
+    if api is None:
+        return why
+    if jnp.dtype(dtype) not in api.GPU_DTYPES:
+        return f"pallas MoE (interpret) takes bfloat16, float16 or float32; got {jnp.dtype(dtype).name}"
+    return None
+
+
 #: op -> {implementation name: supports}, fastest first
 OPS = {
     "gated_delta_rule": {"pallas": _gdn_pallas, "xla": _always, "pallas_interpret": _gdn_pallas_interpret},
-    "paged_attention": {"pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always},
-    "moe": {"pallas": _external("pallas_kernels.moe.api"), "xla": _always},
+    "paged_attention": {"pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always,
+                        "pallas_interpret": _external("pallas_kernels.paged_attention.api", interpret=True)},
+    "moe": {"pallas": _external("pallas_kernels.moe.api"), "xla": _always,
+            "pallas_interpret": _moe_interpret},
 }
 
 #: implementations "auto" never picks (debug forms)

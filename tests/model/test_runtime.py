@@ -151,6 +151,9 @@ def test_backend_resolved_once_with_reasons():
     assert m.backends.gated_delta_rule == ("pallas" if jax.default_backend() == "gpu" else "xla")
     m = HybridModel.random(CFG, 0, dtype=jnp.float32, backend="pallas_interpret")
     assert m.backends.gated_delta_rule == "pallas_interpret" and "gdn=pallas_interpret" in repr(m)
+    assert m.backends.paged_attention == "pallas_interpret"          # every kernel in interpret mode (CPU CI)
+    assert HybridModel.random(dataclasses.replace(CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+                              0, dtype=jnp.float32, backend="pallas_interpret").backends.moe == "pallas_interpret"
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="backend 'pallas' cannot run gated_delta_rule here.*needs a GPU"):
             HybridModel.random(CFG, 0, dtype=jnp.float32, backend="pallas")
