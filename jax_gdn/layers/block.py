@@ -20,7 +20,10 @@ the input norm, phase1_conv1d_varlen, phase1_l2_batched, gdn_full_varlen, phase3
 residual); the decode step is ``gdn_layer_decode``. The attention block calls ``attention_layer``.
 
 ``Batch`` is the already-checked description of one call, built once per step by the model (jax_gdn.model) from
-host-checked inputs: the blocks trust it (no value checks, no device-to-host copies).
+host-checked inputs: the blocks trust it (no value checks, no device-to-host copies). The model keeps every
+layer's state in one flat pool per kind and hands each block a view of the batch addressing its own part (GDN:
+slot ids offset by layer * S, padding / refused streams out of range; attention: page ids offset by layer * P),
+so a block reads and writes the pools in place.
 """
 from __future__ import annotations
 
