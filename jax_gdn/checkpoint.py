@@ -1,14 +1,25 @@
-"""HF checkpoint directories -> HybridModel: config.json + safetensors (single file or sharded).
+"""HF checkpoint directories -> HybridModel: config.json + safetensors.
+
+Files read: the shards that ``model.safetensors.index.json`` maps tensors to (its ``weight_map``), else
+``model.safetensors``, else every ``*.safetensors`` of the directory (``read_state_dict``); each tensor goes to the
+device, cast, right after it is read, so the host holds one tensor at a time.
 
 model_type: qwen3_next (fused ``in_proj_qkvz`` / ``in_proj_ba``; MoE experts either fused
 ``experts.gate_up_proj [E, 2I, D]`` / ``experts.down_proj [E, D, I]`` or per expert ``experts.{e}.gate_proj`` ...),
 qwen3_5 / qwen3_5_moe (multimodal: the text part under ``model.language_model.*``, config under ``text_config``;
 ``model.visual.*`` skipped), qwen3_5_text / qwen3_5_moe_text (``model.*``). ``mtp.*`` is always skipped.
 
-Errors name the tensor or field: unknown model_type, a missing or unexpected tensor, a shape not matching the
-config. Parameters come out as one block dict per layer (jax_gdn.layers.block: input_norm, mixer, post_norm, ffn),
-every Linear weight transposed once to [in, out]; the GDN mixer keeps HF's names (the layer de-interleaves the
-fused Qwen3-Next projections itself).
+Parameters come out as one block dict per layer (jax_gdn.layers.block: input_norm, mixer, post_norm, ffn), every
+Linear weight transposed once to [in, out] (torch stores [out, in]). The GDN mixer keeps HF's names, and the fused
+Qwen3-Next projections stay fused (phase 1 of jax_gdn.layers.gdn splits them per key head); conv1d is squeezed to
+[C, Kc]; MoE experts are stacked to [E, D, 2I] / [E, I, D]. Norms, A_log and dt_bias are fp32, every other weight
+is in the model dtype.
+
+Errors are ValueError naming the file, tensor or field. From the safetensors headers, before any tensor is read:
+an index that is not JSON, has no ``weight_map`` or names a shard that is missing; a tensor stored in two files
+(never silently the last one); an integer or bool tensor (never cast to float silently); a file safetensors cannot
+open. Then: an unknown model_type or a missing config field, a missing or unexpected tensor, a shape not matching
+the config.
 
 Shape legend: D hidden, Vocab vocabulary, E experts, I (moe_)intermediate, Hk/Hv GDN key/value heads, K/V GDN head
 dims, H/Hkv attention heads, Dh attention head dim, C conv channels, Kc conv kernel.
