@@ -289,50 +289,72 @@ def _kv_view(batch: blk.Batch, ai, num_layers: int, p: int) -> blk.Batch:
     return batch.replace(token_page=tp, page_table=batch.page_table + ai * p)
 
 
+#: largest leaf (elements) seen as one flat pool: Pallas Triton kernels address their operands with int32 offsets
+FLAT_POOL_LIMIT = 2 ** 31 - 1
+
+
+def _slice_layer(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _put_layer(tree, new, i):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0), tree, new)
+
+
 def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: HybridConfig, plan: LayerPlan,
             backends: blk.Backends):
     """Every block: a scan over the R repeats of the period, then the tail. Returns (x, gdn_all, kv_all).
 
     The stacked states are seen as one flat pool per kind (GDN slots [Lg * S], KV pages [La * P]) and each layer
     addresses its own part through offset slot / page ids, so every layer reads and writes the pools in place:
-    no per-layer slice or copy of a state (a copy per layer cost 8 ms -> 1.56 s per decode step at S = 512 on
-    CPU)."""
+    no per-layer slice or copy of a state. A kind whose flat leaves would pass FLAT_POOL_LIMIT elements (int32
+    addressing in the kernels) runs per layer instead: dynamic slice, block, dynamic update (a copy of the layer's
+    state each way)."""
     kinds = plan.kinds
     p = plan.period
     pg = sum(k.mixer == "gdn" for k in kinds[:p])
     pa = p - pg
     lg, s = gdn_all.ssm_state.shape[:2]
     la, num_pages = kv_all.k_pages.shape[:2]
-    gdn_flat, kv_flat = _flat(gdn_all), _flat(kv_all)
+    flat_gdn = all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(gdn_all))
+    flat_kv = all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(kv_all))
+    gdn = _flat(gdn_all) if flat_gdn else gdn_all
+    kv = _flat(kv_all) if flat_kv else kv_all
 
-    def run_block(kind, bparams, x, gdn_flat, kv_flat, gi, ai):
+    def run_block(kind, bparams, x, gdn, kv, gi, ai):
         if kind.mixer == "gdn":
-            x, gdn_flat = blk.block(kind, bparams, x, gdn_flat, _gdn_view(batch, gi, lg, s), config=config,
-                                    backends=backends)
-        else:
-            x, kv_flat = blk.block(kind, bparams, x, kv_flat, _kv_view(batch, ai, la, num_pages), config=config,
+            if flat_gdn:
+                x, gdn = blk.block(kind, bparams, x, gdn, _gdn_view(batch, gi, lg, s), config=config,
                                    backends=backends)
-        return x, gdn_flat, kv_flat
+            else:
+                x, st = blk.block(kind, bparams, x, _slice_layer(gdn, gi), batch, config=config, backends=backends)
+                gdn = _put_layer(gdn, st, gi)
+        elif flat_kv:
+            x, kv = blk.block(kind, bparams, x, kv, _kv_view(batch, ai, la, num_pages), config=config,
+                              backends=backends)
+        else:
+            x, st = blk.block(kind, bparams, x, _slice_layer(kv, ai), batch, config=config, backends=backends)
+            kv = _put_layer(kv, st, ai)
+        return x, gdn, kv
 
     def body(carry, xs):
-        x, gdn_flat, kv_flat = carry
+        x, gdn, kv = carry
         r, pparams = xs
         gi, ai = r * pg, r * pa
         for j in range(p):
-            x, gdn_flat, kv_flat = run_block(kinds[j], pparams[j], x, gdn_flat, kv_flat, gi, ai)
+            x, gdn, kv = run_block(kinds[j], pparams[j], x, gdn, kv, gi, ai)
             if kinds[j].mixer == "gdn":
                 gi = gi + 1
             else:
                 ai = ai + 1
-        return (x, gdn_flat, kv_flat), None
+        return (x, gdn, kv), None
 
     if plan.repeats:
-        (x, gdn_flat, kv_flat), _ = jax.lax.scan(
-            body, (x, gdn_flat, kv_flat), (jnp.arange(plan.repeats, dtype=jnp.int32), params["period"]))
+        (x, gdn, kv), _ = jax.lax.scan(
+            body, (x, gdn, kv), (jnp.arange(plan.repeats, dtype=jnp.int32), params["period"]))
     for bparams, i in zip(params["tail"], plan.tail):
-        x, gdn_flat, kv_flat = run_block(kinds[i], bparams, x, gdn_flat, kv_flat, plan.gdn_index(i),
-                                         plan.attn_index(i))
-    return x, _unflat(gdn_flat, gdn_all), _unflat(kv_flat, kv_all)
+        x, gdn, kv = run_block(kinds[i], bparams, x, gdn, kv, plan.gdn_index(i), plan.attn_index(i))
+    return (x, _unflat(gdn, gdn_all) if flat_gdn else gdn, _unflat(kv, kv_all) if flat_kv else kv)
 
 
 def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
