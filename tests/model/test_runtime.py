@@ -124,14 +124,15 @@ def test_bucket_padding_changes_nothing_and_touches_no_other_slot(params):
 
 
 def test_per_layer_state_path_equals_flat_pools(params, monkeypatch):
-    """Pools too large to address as one flat array (FLAT_POOL_LIMIT) run per layer (slice / update): the same
-    logits and states as the flat-pool path (prefill with padding, then decode)."""
+    """Pools too large for the kernels to address as one flat array (FLAT_POOL_LIMIT) run per layer (slice /
+    update): the same logits and states as the flat-pool path (kernels in interpret mode; prefill with padding,
+    then decode)."""
     import jax_gdn.model as model_mod
     ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
     outs = []
     for limit in (model_mod.FLAT_POOL_LIMIT, 0):
         monkeypatch.setattr(model_mod, "FLAT_POOL_LIMIT", limit)
-        m = HybridModel(CFG, params, dtype=jnp.float32, backend="xla")
+        m = HybridModel(CFG, params, dtype=jnp.float32, backend="pallas_interpret")
         cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
         a, cache = m.prefill(cache, ids, cu, slots, return_all_logits=True)
         b, cache = m.decode(cache, ids[:2], slots)
