@@ -23,8 +23,8 @@ Check once, then no host sync: the public methods check their inputs on the host
 cache against the model: every leaf's shape and dtype) and raise ValueError before any state is touched. Then
 the call is padded to shape buckets (T up to ``token_buckets``: 16, 32, ..., 1024, then multiples of 1024;
 N up to a power of two, at most max_seqs; padding tokens sit past cu_seqlens[N], padding streams have zero length
-and slot id S) and runs as ONE compiled program per (bucket, kind): page allocation, the attention plan and
-every layer run on the device, nothing is read back. ``compiled_programs()`` counts the programs compiled so far.
+and slot id S) and runs as ONE compiled program per (bucket, kind): page allocation and every layer run on the
+device, nothing is read back. ``compiled_programs()`` counts the programs compiled so far.
 
 Running out of KV pages (or a slot growing past max_seq_len) is found on the device: that step writes nothing,
 returns zero logits and records the reason in ``cache.status`` (1: out of pages, 2: past max_seq_len). The status
@@ -38,12 +38,13 @@ the returned cache, never the one passed in.
 
 Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating period of ``layer_types`` (3 GDN
 + 1 attention for Qwen3-Next; see ``layer_plan``), a leftover tail unrolled; compile time does not grow with
-depth. Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]).
+depth. Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...])
+and each layer reads and writes them in place through offset slot / page ids (see ``_layers``).
 
 backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
-(attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for the ops of
-``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit implementation
-that cannot run this model's dims on this platform is refused with the registry's reason.
+(attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for
+the ops of ``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit
+implementation that cannot run this model's dims on this platform is refused with the registry's reason.
 
 Parameters (the model's layout; every Linear weight [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);

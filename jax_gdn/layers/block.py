@@ -31,7 +31,6 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from jax_gdn.config import HybridConfig

@@ -150,7 +150,8 @@ def test_layer_plan_and_stacked_init_params():
     assert (plan.period, plan.repeats, plan.tail) == (4, 2, (8, 9))
     p = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     assert len(p["period"]) == 4 and len(p["tail"]) == 2
-    assert p["period"][0]["mixer"]["out_proj"].shape[0] == 2 and p["period"][0]["mixer"]["out_proj"].dtype == jnp.bfloat16
+    out_proj = p["period"][0]["mixer"]["out_proj"]
+    assert out_proj.shape[0] == 2 and out_proj.dtype == jnp.bfloat16
     assert p["period"][3]["mixer"]["q_proj"].shape == (2, 16, 2 * 2 * 8)
     assert float(jnp.max(jnp.abs(p["period"][0]["input_norm"]))) == 0.0 and p["final_norm"].dtype == jnp.float32
     w = np.asarray(p["period"][0]["ffn"]["gate_proj"], np.float32)
