@@ -1,0 +1,220 @@
+"""Sharded vs one-device checks on tiny models, run by ``tests/model/test_sharding.py`` in ONE subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` and ``JAX_PLATFORMS=cpu`` set before jax is imported (the
+pytest process itself has one CPU device). By hand:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python tests/model/sharding_check.py
+
+Prints one ``RESULT {json}`` line (every measured error and check, named); the test asserts on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+if "jax" not in sys.modules:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_gdn.config import HybridConfig  # noqa: E402
+from jax_gdn.model import HybridModel, init_params  # noqa: E402
+from jax_gdn.sharding import ShardRules  # noqa: E402
+
+# Tiny configs whose counts divide a mesh of 4: GDN key heads 4 with value heads 8 (r = 2), attention heads 4 with
+# kv heads 2 (a mesh of 4 keeps a copy of each kv head on two devices). Layers [GDN, attention] x 2: the scan over
+# the period runs twice (stacked leaves [R=2, ...] are split too).
+COMMON = dict(vocab_size=66, hidden_size=32, num_hidden_layers=4,
+              layer_types=("linear_attention", "full_attention") * 2, intermediate_size=24,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=4,
+              linear_conv_kernel_dim=4)
+CONFIGS = {
+    # fused in_proj_qkvz / in_proj_ba; dense MLP in the GDN layers, MoE (6 experts, I = 8, shared expert 12) in
+    # the attention layers; untied LM head; vocab 66: split over 2 devices, replicated over 4
+    "qwen3_next": HybridConfig(model_type="qwen3_next", num_experts=6, num_experts_per_tok=2,
+                               moe_intermediate_size=8, shared_expert_intermediate_size=12, decoder_sparse_step=2,
+                               **COMMON),
+    # separate in_proj_qkv (split q | k | v by heads, device-major) / z / b / a; tied embeddings split over the
+    # vocabulary (64)
+    "qwen3_5": HybridConfig(model_type="qwen3_5_text", tie_word_embeddings=True, **{**COMMON, "vocab_size": 64}),
+}
+MESHES = {"qwen3_next": (1, 2, 4), "qwen3_5": (4,)}
+BUCKETS = (144,)        # every prefill of the script pads to one T bucket: one prefill program per model
+# The GDN rule runs the Pallas kernel in interpret mode: XLA's chunked form calls LAPACK's batched triangular
+# solve on CPU, whose parallel batch map deadlocks when 4 device programs run it at once (jaxlib 0.10, 2 cores).
+BACKEND = "pallas_interpret"
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _mesh(n: int):
+    return jax.make_mesh((n,), ("model",), devices=jax.devices()[:n])
+
+
+def _run(model: HybridModel, seed: int) -> list:
+    """(a) packed prefill of lengths 1, 5, 63, 65 in permuted slots; (b) chunked continuation of two streams with
+    a fresh one joining; (c) three decode steps of five streams; (d) release two slots, prefill them fresh.
+    Every prefill returns all logits. Returns each step's logits (NumPy)."""
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    cache = model.init_cache(max_seqs=6, max_tokens=512, page_size=8)
+    out = []
+
+    def prefill(cache, lens, slots):
+        ids = rng.integers(0, v, sum(lens)).astype(np.int32)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        logits, cache = model.prefill(cache, ids, cu, np.array(slots, np.int32), return_all_logits=True)
+        out.append(np.asarray(logits))
+        return cache
+
+    cache = prefill(cache, [1, 5, 63, 65], [3, 0, 5, 1])
+    cache = prefill(cache, [7, 2, 9], [0, 5, 2])
+    for _ in range(3):
+        logits, cache = model.decode(cache, rng.integers(0, v, 5).astype(np.int32), np.array([2, 3, 0, 5, 1]))
+        out.append(np.asarray(logits))
+    cache = model.release(cache, np.array([0, 3], np.int32))
+    cache = prefill(cache, [4, 5, 3], [3, 0, 4])
+    model.check(cache)
+    return out
+
+
+def check_equal(res: dict) -> None:
+    """Sharded prefill / continuation / decode == one device, per config and mesh."""
+    for name, cfg in CONFIGS.items():
+        params = init_params(cfg, jax.random.PRNGKey(7), jnp.float32, std=0.1)
+        ref = _run(HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS), 1)
+        for n in MESHES[name]:
+            model = HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS,
+                                mesh=_mesh(n))
+            got = _run(model, 1)
+            res[f"equal/{name}/mesh{n}"] = max(_rel(g, r) for g, r in zip(got, ref))
+            print(name, n, res[f"equal/{name}/mesh{n}"], file=sys.stderr, flush=True)
+            emb = model.params["embed"]
+            res[f"embed_split/{name}/mesh{n}"] = (not emb.sharding.is_fully_replicated) or n == 1
+            blk = model.params["period"][0]["mixer"]
+            big = "in_proj_qkvz" if "in_proj_qkvz" in blk else "in_proj_qkv"
+            res[f"gdn_local_cols/{name}/mesh{n}"] = [int(s.data.shape[2]) for s in blk[big].addressable_shards]
+
+
+def check_random_params(res: dict) -> None:
+    """init_params(mesh=) makes the sharded layout on the devices: accepted as is, equal to the placed one-device
+    init on the leaves the layout does not reorder, replicated kv heads are copies."""
+    cfg = CONFIGS["qwen3_next"]
+    mesh = _mesh(4)
+    rules = ShardRules(cfg, mesh)
+    sharded = init_params(cfg, jax.random.PRNGKey(3), jnp.float32, mesh=mesh)
+    placed = rules.place_params(jax.jit(lambda: init_params(cfg, jax.random.PRNGKey(3), jnp.float32))())
+    res["random/is_placed"] = rules.is_placed(sharded) and rules.is_placed(placed)
+    attn = sharded["period"][1]["mixer"]
+    res["random/q_proj_equal"] = bool(np.allclose(attn["q_proj"], placed["period"][1]["mixer"]["q_proj"],
+                                                  rtol=1e-6, atol=1e-8))     # jit vs jit: XLA fusions may differ
+    k = np.asarray(attn["k_proj"])                                         # [R, D, 4 * Dh]: heads 0, 0, 1, 1
+    res["random/kv_copies"] = bool(np.array_equal(k[..., :8], k[..., 8:16]) and
+                                   np.array_equal(k[..., 16:24], k[..., 24:]))
+    model = HybridModel(cfg, sharded, dtype=jnp.float32, backend="xla", mesh=mesh)
+    res["random/taken_as_is"] = model.params["period"][0]["mixer"]["in_proj_qkvz"] is \
+        sharded["period"][0]["mixer"]["in_proj_qkvz"]
+
+
+def check_errors(res: dict) -> None:
+    """A mesh that does not divide the heads: ValueError naming the mesh size and the counts, nothing placed."""
+    cfg = HybridConfig(model_type="qwen3_next", **{**COMMON, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                                                   "num_attention_heads": 6, "num_key_value_heads": 3})
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    try:
+        HybridModel(cfg, params, dtype=jnp.float32, backend="xla", mesh=_mesh(4))
+        res["error/message"] = None
+    except ValueError as err:
+        res["error/message"] = str(err)
+    try:
+        ShardRules(cfg, jax.make_mesh((2, 2), ("a", "b")))
+        res["error/two_axes"] = None
+    except ValueError as err:
+        res["error/two_axes"] = str(err)
+
+
+def check_hf(res: dict) -> None:
+    """HF parity under a mesh of 2: a tiny random Qwen3-Next saved by transformers, loaded with
+    load_pretrained(mesh=) (each device reads its slices), prefill + decode logits vs HF's forward."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        res["hf/skipped"] = "torch / transformers not installed"
+        return
+    from jax_gdn import load_pretrained
+    hf_cfg = transformers.Qwen3NextConfig(
+        vocab_size=98, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=12, intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=20, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(1)
+    hf = transformers.Qwen3NextForCausalLM(hf_cfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if pname.endswith("A_log"):
+                p.copy_(torch.log(0.5 + 3.5 * torch.rand(p.shape, generator=gen)))
+            elif pname.endswith("dt_bias"):
+                p.copy_(r * 0.5)
+            elif "linear_attn.norm" in pname:
+                p.copy_(1.0 + 0.2 * r)
+            elif "norm" in pname:
+                p.copy_(0.2 * r)
+            else:
+                p.copy_((0.5 if "embed_tokens" in pname else 0.15) * r)
+    with tempfile.TemporaryDirectory() as path:
+        hf.save_pretrained(path, max_shard_size="40KB")          # several files + index
+        model = load_pretrained(path, dtype=jnp.float32, backend=BACKEND, mesh=_mesh(2))
+    rng = np.random.default_rng(0)
+    lens = [1, 6, 37]
+    seqs = [list(rng.integers(0, 98, n)) for n in lens]
+    cache = model.init_cache(max_seqs=4, max_tokens=256, page_size=8)
+    cu = np.cumsum([0] + lens).astype(np.int32)
+    logits, cache = model.prefill(cache, np.concatenate(seqs).astype(np.int32), cu, np.array([2, 0, 3], np.int32))
+    errs = []
+
+    def hf_last(ids):
+        with torch.no_grad():
+            return hf(torch.tensor(np.asarray(ids, np.int64))[None]).logits[0, -1].float().numpy()
+    for i, s in enumerate(seqs):
+        errs.append(_rel(logits[i], hf_last(s)))
+    nxt = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+    for i in range(3):
+        seqs[i].append(int(nxt[i]))
+    logits, cache = model.decode(cache, nxt, np.array([2, 0, 3], np.int32))
+    for i, s in enumerate(seqs):
+        errs.append(_rel(logits[i], hf_last(s)))
+    res["hf/mesh2"] = max(errs)
+    res["hf/in_proj_qkvz_shards"] = [list(s.data.shape) for s in
+                                     model.params["period"][0]["mixer"]["in_proj_qkvz"].addressable_shards]
+
+
+def main() -> int:
+    res, times = {}, {}
+    for fn in (check_errors, check_random_params, check_equal, check_hf):
+        t0 = time.time()
+        fn(res)
+        times[fn.__name__] = round(time.time() - t0, 1)
+        print(fn.__name__, times[fn.__name__], "s", file=sys.stderr, flush=True)
+    res["seconds"] = times
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
