@@ -290,17 +290,217 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True):
-    """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`."""
+def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True, mesh=None):
+    """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`.
+
+    mesh: a one-axis jax.sharding.Mesh; each device then reads only its slices of the files
+    (``load_sharded_params``, rules of ``jax_gdn.sharding``) and the model runs split over the mesh."""
     from jax_gdn.model import HybridModel
     if not os.path.isdir(path):
         raise ValueError(f"load_pretrained: {path!r} is not a directory")
     config = HybridConfig.from_hf(read_hf_config(path))
+    if mesh is not None:
+        from jax_gdn.sharding import ShardRules
+        rules = ShardRules(config, mesh)                  # refuses a mesh that does not divide the heads first
+        params = load_sharded_params(path, config, dtype, rules)
+        return HybridModel(config, params, dtype=dtype, backend=backend, mesh=mesh)
     sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress,
                          dtype=dtype)
     params = params_from_state_dict(config, sd, dtype)
     del sd
     return HybridModel(config, params, dtype=dtype, backend=backend)
+
+
+# ================================================================================================================
+# Sharded loading: each device reads only its slices (safetensors get_slice), the host never holds the model
+# ================================================================================================================
+class _Src:
+    """A model-layout view of one stored tensor: model axis j is stored axis ``axes[j]``; stored axes not in
+    ``axes`` have size 1 and are squeezed (conv1d [C, 1, Kc] -> [C, Kc]). ``read(axis, a, b)`` reads only rows
+    [a, b) of model axis ``axis`` (the whole tensor with axis None) through safetensors' ``get_slice``."""
+
+    def __init__(self, files: dict, key: str, axes: tuple):
+        self.files, self.key, self.axes = files, key, axes
+        self.stored = tuple(files[key][1])
+        self.shape = tuple(self.stored[a] for a in axes)
+
+    def read(self, axis: Optional[int], a: int = 0, b: int = 0) -> np.ndarray:
+        handle = self.files[self.key][0]
+        cut = [slice(None)] * len(self.stored)
+        if axis is not None:
+            cut[self.axes[axis]] = slice(a, b)
+        x = np.asarray(handle.get_slice(self.key)[tuple(cut)])
+        x = np.squeeze(x, axis=tuple(i for i in range(x.ndim) if i not in self.axes))
+        kept = sorted(self.axes)                                            # stored order of the kept axes
+        return np.transpose(x, [kept.index(s) for s in self.axes])
+
+
+class _Cat:
+    """Model-layout concatenation of parts along ``axis`` (gate | up of one expert)."""
+
+    def __init__(self, parts: list, axis: int):
+        self.parts, self.axis = parts, axis
+        shape = list(parts[0].shape)
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        self.shape = tuple(shape)
+
+    def read(self, axis: Optional[int], a: int = 0, b: int = 0) -> np.ndarray:
+        if axis != self.axis:
+            return np.concatenate([p.read(axis, a, b) for p in self.parts], axis=self.axis)
+        out, off = [], 0
+        for p in self.parts:
+            size = p.shape[axis]
+            lo, hi = max(a, off), min(b, off + size)
+            if lo < hi:
+                out.append(p.read(axis, lo - off, hi - off))
+            off += size
+        return np.concatenate(out, axis=axis)
+
+
+class _Stack:
+    """A new leading axis over parts (experts of one layer, layers of one stacked leaf)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (len(parts),) + tuple(parts[0].shape)
+
+    def read(self, axis: Optional[int], a: int = 0, b: int = 0) -> np.ndarray:
+        if axis == 0:
+            return np.stack([p.read(None) for p in self.parts[a:b]])
+        return np.stack([p.read(None if axis is None else axis - 1, a, b) for p in self.parts])
+
+
+def _sources(config: HybridConfig, files: dict, prefix: str, gdn_transposed: bool) -> tuple:
+    """The model's one-device parameter layout (layers unstacked) as _Src / _Cat / _Stack views of the stored
+    tensors, and the set of tensor names they use. Raises ValueError naming a missing tensor."""
+    used = set()
+    c = config
+
+    def t(key, axes=(0,)):
+        if key not in files:
+            raise ValueError(f"checkpoint: missing tensor {key!r}")
+        used.add(key)
+        return _Src(files, key, axes)
+
+    def lin(key):                                        # torch Linear [out, in] -> [in, out]
+        return t(key, (1, 0))
+
+    def mlp(p):
+        return {"gate_proj": lin(p + "gate_proj.weight"), "up_proj": lin(p + "up_proj.weight"),
+                "down_proj": lin(p + "down_proj.weight")}
+
+    params = {"embed": t(prefix + "embed_tokens.weight", (0, 1)), "final_norm": t(prefix + "norm.weight")}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = lin("lm_head.weight")
+    elif "lm_head.weight" in files:
+        used.add("lm_head.weight")                       # tied: a saved copy is accepted and ignored
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        p = f"{prefix}layers.{i}."
+        layer = {"input_norm": t(p + "input_layernorm.weight"), "post_norm": t(p + "post_attention_layernorm.weight")}
+        if kind == "linear_attention":
+            q = p + "linear_attn."
+            gl = lin if gdn_transposed else (lambda key: t(key, (0, 1)))
+            names = ("in_proj_qkvz", "in_proj_ba") if c.gdn_layout == "qwen3_next" else (
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            mixer = {n: gl(q + n + ".weight") for n in names}
+            mixer.update(conv1d=t(q + "conv1d.weight", (0, 2)), dt_bias=t(q + "dt_bias"), A_log=t(q + "A_log"),
+                         norm=t(q + "norm.weight"), out_proj=gl(q + "out_proj.weight"))
+        else:
+            q = p + "self_attn."
+            mixer = {n: lin(q + n + ".weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            mixer.update(q_norm=t(q + "q_norm.weight"), k_norm=t(q + "k_norm.weight"))
+        layer["mixer"] = mixer
+        m = p + "mlp."
+        if c.layer_is_moe(i):
+            if m + "experts.gate_up_proj" in files:       # fused [E, 2I, D] / [E, D, I]
+                gate_up = t(m + "experts.gate_up_proj", (0, 2, 1))
+                down = t(m + "experts.down_proj", (0, 2, 1))
+            else:
+                gate_up = _Stack([_Cat([lin(f"{m}experts.{e}.gate_proj.weight"),
+                                        lin(f"{m}experts.{e}.up_proj.weight")], 1) for e in range(c.num_experts)])
+                down = _Stack([lin(f"{m}experts.{e}.down_proj.weight") for e in range(c.num_experts)])
+            ffn = {"router": lin(m + "gate.weight"), "experts_gate_up": gate_up, "experts_down": down}
+            if c.shared_expert_intermediate_size:
+                ffn["shared_expert"] = mlp(m + "shared_expert.")
+                ffn["shared_expert_gate"] = lin(m + "shared_expert_gate.weight")
+        else:
+            ffn = mlp(m)
+        layer["ffn"] = ffn
+        layers.append(layer)
+    return params, layers, used
+
+
+def load_sharded_params(path: str, config: HybridConfig, dtype, rules) -> dict:
+    """The model's stacked params placed on ``rules.mesh`` (a :class:`jax_gdn.sharding.ShardRules`) straight from
+    the safetensors files: every device's slice is read with ``get_slice`` (only its rows / columns, cast on the
+    host, sent to that device), so the host holds one slice of one leaf at a time, never the model. Shapes are
+    checked against the config before any tensor is read (ValueError naming the tensor); so are tensors stored in
+    two files, non-float tensors and tensors the model does not use."""
+    import jax
+    from jax.sharding import NamedSharding
+    from safetensors import SafetensorError, safe_open
+
+    from jax_gdn.model import init_params, layer_plan
+    from jax_gdn.sharding import _gdn_hidden_axis
+
+    files = {}                                             # tensor -> (handle, stored shape)
+    for fn in _safetensor_files(path):
+        full = os.path.join(path, fn)
+        try:
+            handle = safe_open(full, framework="np")
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"load_pretrained: {full!r} is not a readable safetensors file: {err}") from None
+        for key in handle.keys():
+            if any(rx.match(key) for rx in _SKIP):
+                continue
+            if key in files:
+                raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}")
+            sl = handle.get_slice(key)
+            if not sl.get_dtype().startswith(("F", "BF")):
+                raise ValueError(f"load_pretrained: tensor {key!r} in {full!r} is {sl.get_dtype()}; the model's "
+                                 f"parameters are floating point (a quantized checkpoint is not supported)")
+            files[key] = (handle, tuple(sl.get_shape()))
+    prefix = _text_prefix(files, config)
+    gdn_transposed = _gdn_hidden_axis(config.gdn_layout).get("out_proj", 1) == 1   # model keeps [in, out]
+    top, layers, used = _sources(config, files, prefix, gdn_transposed)
+    extra = sorted(set(files) - used)
+    if extra:
+        raise ValueError(f"checkpoint: unexpected tensor(s) for {config.model_type} with this config: {extra[:8]}"
+                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+    plan = layer_plan(config)
+    p, r = plan.period, plan.repeats
+    import jax.tree_util as jtu
+    leaf = lambda x: isinstance(x, (_Src, _Cat, _Stack))  # noqa: E731
+    period = tuple(jtu.tree_map(lambda *xs: _Stack(list(xs)), *[layers[k * p + j] for k in range(r)], is_leaf=leaf)
+                   for j in range(p))
+    sources = {**top, "period": period, "tail": tuple(layers[i] for i in plan.tail)}
+    want = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), dtype))
+
+    def check(kp, src, spec):
+        if tuple(src.shape) != tuple(spec.shape):
+            raise ValueError(f"checkpoint: parameter {jtu.keystr(kp)} reads shape {tuple(src.shape)} from the "
+                             f"checkpoint, the config implies {tuple(spec.shape)}")
+    jtu.tree_map_with_path(check, sources, want, is_leaf=leaf)
+
+    def place(kp, src):
+        name, lead = rules._leaf_name(kp)
+        cast = _param_dtype(name, dtype)
+        split = rules.split(name, tuple(src.shape[lead:]))
+        spec = rules._spec(name, src, lead)
+        sharding = NamedSharding(rules.mesh, spec)
+        if split is None:
+            return jax.make_array_from_callback(src.shape, sharding,
+                                                lambda index: np.asarray(src.read(None), cast))
+        ax = lead + split.axis
+        shape = list(src.shape)
+        shape[ax] = split.local_size * rules.n
+
+        def piece(index):
+            dev = (index[ax].start or 0) // split.local_size
+            return np.concatenate([np.asarray(src.read(ax, a, b), cast) for a, b in split.ranges[dev]], axis=ax)
+        return jax.make_array_from_callback(tuple(shape), sharding, piece)
+    return jtu.tree_map_with_path(place, sources, is_leaf=leaf)
 
 
 # ================================================================================================================
