@@ -70,7 +70,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_gdn import sharding as shd
 from jax_gdn.config import HybridConfig
 from jax_gdn.layers import block as blk
 from jax_gdn.layers import gdn as gdn_layer
@@ -84,6 +83,12 @@ __all__ = ["HybridModel", "OutOfKvPagesError", "LayerPlan", "layer_plan", "init_
            "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES", "STATUS_PAST_MAX_SEQ_LEN"]
 
 STATUS_OK, STATUS_OUT_OF_PAGES, STATUS_PAST_MAX_SEQ_LEN = 0, 1, 2
+
+
+def _shd():
+    """jax_gdn.sharding, imported when a mesh is used (one device needs none of it)."""
+    from jax_gdn import sharding
+    return sharding
 
 
 class OutOfKvPagesError(RuntimeError):
@@ -199,7 +204,7 @@ def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0
     if isinstance(key, int):
         key = jax.random.PRNGKey(key)
     if mesh is not None:
-        return shd.ShardRules(config, mesh).random_params(lambda: init_params(config, key, dtype, std=std))
+        return _shd().ShardRules(config, mesh).random_params(lambda: init_params(config, key, dtype, std=std))
     plan = layer_plan(config)
     counter = [0]
 
@@ -400,7 +405,8 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     batch = blk.Batch(meta=meta, token_pos=tok_pos, token_page=tok_page, token_offset=tok_pos % ps,
                       page_table=page_table, slot_lens=new_slot_lens, decode=decode, axis_name=axis_name)
 
-    x = shd.embed_lookup(params["embed"], input_ids, axis_name, vocab_split)       # [T, D]
+    x = (params["embed"][input_ids] if axis_name is None or not vocab_split                # [T, D]
+         else _shd().embed_lookup(params["embed"], input_ids, axis_name, vocab_split))
     x, gdn_all, kv_all = _layers(params, x, cache.gdn, cache.kv, batch, config=config, plan=plan,
                                  backends=backends)
     if not return_all_logits:
@@ -496,7 +502,7 @@ class HybridModel:
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
         self.mesh = mesh
-        self.shard_rules = None if mesh is None else shd.ShardRules(config, mesh)   # checks the mesh first
+        self.shard_rules = None if mesh is None else _shd().ShardRules(config, mesh)   # checks the mesh first
         self.dtype = jnp.dtype(dtype)
         self.plan = layer_plan(config)
         if "layers" in params:
