@@ -313,7 +313,7 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
     The stacked states are seen as one flat pool per kind (GDN slots [Lg * S], KV pages [La * P]) and each layer
     addresses its own part through offset slot / page ids, so every layer reads and writes the pools in place:
-    no per-layer slice or copy of a state. A kind run by a Pallas kernel whose flat leaves would pass
+    no per-layer slice or copy of a state. A kind run by a Pallas kernel (GDN: always) whose flat leaves would pass
     FLAT_POOL_LIMIT elements (int32 addressing in the kernels) runs per layer instead: dynamic slice, block,
     dynamic update (a copy of the layer's state each way: decode at S = 512 on CPU 4.7 ms flat, 90 ms per layer).
     At 80B dims that is past ~113 slots (GDN: 36 layers x 32 x 128 x 128 fp32 per slot) or ~350k KV tokens."""
@@ -323,8 +323,9 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
     pa = p - pg
     lg, s = gdn_all.ssm_state.shape[:2]
     la, num_pages = kv_all.k_pages.shape[:2]
-    # XLA addresses with 64-bit offsets: only the Pallas kernels need the limit
-    flat_gdn = backends.gated_delta_rule == "xla" or all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(gdn_all))
+    # XLA addresses with 64-bit offsets: only the Pallas kernels need the limit (GDN: always, the decode step picks
+    # its kernel itself)
+    flat_gdn = all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(gdn_all))
     flat_kv = backends.paged_attention == "xla" or all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(kv_all))
     gdn = _flat(gdn_all) if flat_gdn else gdn_all
     kv = _flat(kv_all) if flat_kv else kv_all
