@@ -2,7 +2,8 @@
 
 Files read: the shards that ``model.safetensors.index.json`` maps tensors to (its ``weight_map``), else
 ``model.safetensors``, else every ``*.safetensors`` of the directory (``read_state_dict``); each tensor goes to the
-device, cast, right after it is read, so the host holds one tensor at a time.
+device, cast, right after it is read, so the host holds one tensor at a time. With ``load_pretrained(...,
+mesh=)`` (``load_sharded_params``) each device reads only its slices of the files (rules of jax_gdn.sharding).
 
 model_type: qwen3_next (fused ``in_proj_qkvz`` / ``in_proj_ba``; MoE experts either fused
 ``experts.gate_up_proj [E, 2I, D]`` / ``experts.down_proj [E, D, I]`` or per expert ``experts.{e}.gate_proj`` ...),
