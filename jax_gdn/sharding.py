@@ -275,8 +275,9 @@ class ShardRules:
         return tuple(out)
 
     def place_params(self, params) -> dict:
-        """One-device params (host or device arrays) -> the sharded layout on the mesh: each device receives
-        only its slice (``jax.make_array_from_callback``; the device-major reorder is done per slice)."""
+        """One-device params -> the sharded layout on the mesh. Device arrays: reordered on their device (only
+        the leaves whose layout changes) and sent slice by slice with ``jax.device_put`` (device to device);
+        host arrays: each device receives only its slice (``jax.make_array_from_callback``, reorder per slice)."""
         def place(path, x):
             name, lead = self._leaf_name(path)
             s = self.split(name, tuple(x.shape[lead:]))
@@ -285,6 +286,10 @@ class ShardRules:
             if s is None:
                 return jax.device_put(x, sharding)
             ax = lead + s.axis
+            if isinstance(x, jax.Array):
+                if not s.is_identity(x.shape[ax]):
+                    x = jnp.take(x, jnp.asarray(s.index()), axis=ax)
+                return jax.device_put(x, sharding)
             shape = self.sharded_shape(name, tuple(x.shape), lead)
             local = s.local_size
 

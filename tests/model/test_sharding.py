@@ -59,6 +59,7 @@ def test_random_params_made_sharded(result):
     assert result["random/q_proj_equal"]
     assert result["random/kv_copies"]
     assert result["random/taken_as_is"]
+    assert result["random/host_path_equal"]                  # host arrays sliced per device == device arrays moved
 
 
 def test_hf_parity_under_a_mesh_of_two(result):
