@@ -69,7 +69,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_gdn.config import GdnDims, HybridConfig
 from jax_gdn.state import Cache
 
-__all__ = ["Split", "ShardRules", "embed_lookup", "psum_fn"]
+__all__ = ["Split", "ShardRules", "embed_lookup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +115,6 @@ def _gdn_hidden_axis(layout: str) -> dict:
                     conv_kernel_size=4, layout=layout)
     return {name: shape.index(_GDN_PROBE_HIDDEN) for name, shape in gdn_layer.param_shapes(probe).items()
             if len(shape) == 2 and _GDN_PROBE_HIDDEN in shape}
-
-
-def psum_fn(axis_name: Optional[str]) -> Callable:
-    """The reduction after a row-parallel projection: identity on one device, ``psum`` over the mesh axis."""
-    if axis_name is None:
-        return lambda y: y
-    return lambda y: jax.lax.psum(y, axis_name)
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array, axis_name: Optional[str], vocab_split: bool) -> jax.Array:

@@ -14,7 +14,8 @@ deadline skips what would not fit. Writes ``$OUT/h200x2.json`` after every model
 prints a table last.
 
     python benchmarks/gpu/shard_x2.py [--deadline 170] [--reps 3]
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu OUT=/tmp/x python benchmarks/gpu/shard_x2.py --quick
+    python benchmarks/gpu/shard_x2.py --quick      (CPU dry run at tiny dims: set XLA_FLAGS=
+        --xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu OUT=/tmp/x first)
     python benchmarks/gpu/shard_x2.py --child LAYERS DEVICES CASES   (one configuration; prints JSON lines)
 """
 from __future__ import annotations
