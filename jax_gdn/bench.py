@@ -22,7 +22,8 @@ Sections, each measured in the same run and stored under its own key of the same
   --model      "model"      the whole model at 80B dims against HF transformers (jax_gdn.bench_model)
   --all        every section above
 ``--no-kernels`` skips the gated delta rule rows (``--merge`` then keeps those of the existing JSON at --out);
-``--layers-only`` is ``--no-kernels --merge --layers``. ``--plot-only`` redraws the plot from the JSON.
+``--layers-only`` is ``--no-kernels --merge --layers``. ``--plot-only`` redraws the plot from the JSON;
+``--markdown`` prints it as the README's tables.
 """
 from __future__ import annotations
 
@@ -309,12 +310,87 @@ def plot(result, png_path):
     print("plot:", png_path)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# markdown tables (the README's tables are printed from the committed JSON with --markdown)
+# ----------------------------------------------------------------------------------------------------------------
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown_tables(result: dict) -> str:
+    """Markdown tables of every part of ``result`` (one JSON of this tool), in the README's layout."""
+    out = []
+    if result.get("rows"):
+        out.append("| case | pallas (ours) | xla (ours) | FLA | jax-linear-attention | pallas / FLA | pallas / jla |")
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in result["rows"]:
+            ms = r["ms"]
+            ratio = lambda a, b: _f(ms[a] / ms[b], "{:.2f}") if ms.get(a) and ms.get(b) else "-"
+            out.append(f"| {r['case']} | " + " | ".join(_f(ms.get(i)) for i in IMPLS)
+                       + f" | {ratio('pallas', 'fla')} | {ratio('pallas', 'jla')} |")
+        out.append("")
+    if result.get("layers"):
+        out.append("| backend | phase 1 | phase 2 | phase 3 | GDN layer | GDN tokens/s | attention layer "
+                   "| attention tokens/s |")
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for e in result["layers"]:
+            g, a = e["gdn"], e["attention"]
+            sh = g["share"]
+            out.append(f"| {e['backend']} | {g['phase1_ms']:.2f} ms ({sh['phase1']:.0%}) | {g['phase2_ms']:.2f} ms "
+                       f"({sh['phase2']:.0%}) | {g['phase3_ms']:.2f} ms ({sh['phase3']:.0%}) | {g['layer_ms']:.2f} ms | "
+                       f"{g['tokens_per_s'] / 1e6:.2f} M | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
+        out.append("")
+    if result.get("moe"):
+        out.append("| MoE layer | tokens | experts | top-k | pallas | xla | FLOP floor (700 TFLOP/s) | pallas / floor |")
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in result["moe"]["rows"]:
+            ms = r["ms"]
+            out.append(f"| {r['case']} | {r['tokens']} | {r['experts']} | {r['top_k']} | {_f(ms.get('pallas'))} | "
+                       f"{_f(ms.get('xla'))} | {_f(r['floor_ms'])} | "
+                       f"{_f(ms['pallas'] / r['floor_ms'], '{:.2f}') if ms.get('pallas') else '-'} |")
+        out.append("")
+    if result.get("attention"):
+        impls = ("pallas", "xla", "torch_sdpa", "cudnn")
+        out.append("| attention | kind | context | " + " | ".join(f"{i} ms" for i in impls)
+                   + " | pallas rate |")
+        out.append("| --- | --- | ---: | " + " | ".join("---:" for _ in impls) + " | ---: |")
+        for r in result["attention"]["rows"]:
+            ms = r["ms"]
+            rate = (f"{r['tflops']['pallas']:.0f} TFLOP/s" if r.get("tflops", {}).get("pallas")
+                    else f"{r['gbps']['pallas']:.0f} GB/s" if r.get("gbps", {}).get("pallas") else "-")
+            out.append(f"| {r['case']} | {r['kind']} | {r.get('context', '-')} | "
+                       + " | ".join(_f(ms.get(i)) for i in impls) + f" | {rate} |")
+        out.append("")
+    if result.get("decode"):
+        impls = ("pallas", "xla", "fla", "copy")
+        out.append("| GDN decode step | " + " | ".join(f"{i} ms (GB/s)" for i in impls) + " |")
+        out.append("| --- | " + " | ".join("---:" for _ in impls) + " |")
+        for r in result["decode"]["rows"]:
+            cells = [f"{r['ms'][i]:.3f} ({r['gbps'][i]:.0f})" if r["ms"].get(i) else "-" for i in impls]
+            out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+        out.append("")
+    if result.get("model"):
+        m = result["model"]
+        out.append("| model (%d layers) | kind | tokens | ours ms | HF ms | ours tokens/s | HF tokens/s | ours / HF |"
+                   % m["layers"])
+        out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in m["rows"]:
+            ms, tps = r["ms"], r["tokens_per_s"]
+            speed = _f(ms["hf"] / ms["ours"], "{:.2f}x") if ms.get("hf") and ms.get("ours") else "-"
+            out.append(f"| {r['case']} | {r['kind']} | {r['tokens']} | {_f(ms.get('ours'), '{:.1f}')} | "
+                       f"{_f(ms.get('hf'), '{:.1f}')} | {_f(tps.get('ours'), '{:,.0f}')} | "
+                       f"{_f(tps.get('hf'), '{:,.0f}')} | {speed} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>.json)")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the JSON at --out as the README's markdown tables")
     p.add_argument("--layers", action="store_true",
                    help="also time one GDN layer (phases 1-3) and one attention layer at 80B dims, key 'layers'")
     p.add_argument("--layers-only", action="store_true",
@@ -329,6 +405,10 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="sections at tiny sizes (CPU smoke run, not a measurement)")
     a = p.parse_args(argv)
     out = a.out or default_out_path()
+    if a.markdown:
+        with open(out) as f:
+            print(markdown_tables(json.load(f)))
+        return 0
     if a.plot_only:
         with open(out) as f:
             result = json.load(f)

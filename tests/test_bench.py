@@ -51,3 +51,15 @@ def test_a_failing_section_is_reported_and_the_others_still_run(monkeypatch, cap
     errors = bench.run_sections(result, ["bad", "good"], quick=True)
     assert result == {"good": {"rows": [{"case": "x"}]}}
     assert len(errors) == 1 and "section bad: RuntimeError: no GPU here" in errors[0]
+
+
+def test_markdown_tables_cover_every_section_of_the_committed_results():
+    data = json.loads(RESULTS.read_text())
+    text = bench.markdown_tables(data)
+    for heading in ("| case | pallas (ours)", "| backend | phase 1", "| MoE layer", "| attention |",
+                    "| GDN decode step", "| model ("):
+        assert heading in text, heading
+    # one table row per measured row of each part
+    assert text.count("\n| B") + text.count("\n| varlen16-T19027-") >= len(data["rows"])
+    for row in data["moe"]["rows"]:
+        assert f"| {row['case']} | {row['tokens']} |" in text
