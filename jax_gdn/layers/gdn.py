@@ -365,7 +365,8 @@ def varlen_eligibility(q, k, v, backend: str = "auto") -> tuple[bool, str]:
     """Whether ``gdn_full_varlen`` can run these inputs in one call, and why not.
 
     Eligible: the resolved backend is "xla" (any dims), or a Pallas backend whose kernel accepts these head
-    dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``: on the GPU K, V in {16, ..., 256}).
+    dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``: K, V up to 128, other dims zero-padded
+    to the kernel's sizes; over 128 refused).
     "auto" picks "pallas" only where the kernel accepts the inputs, else "xla", so it is always eligible.
     Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel is missing or rejects the inputs (the
     seed's ``Ok(false)``); ``gdn_layer_prefill`` then runs ``gdn_full_varlen`` with the "xla" backend (traceable),
