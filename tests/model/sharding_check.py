@@ -182,8 +182,9 @@ def check_hf(res: dict) -> None:
             else:
                 p.copy_((0.5 if "embed_tokens" in pname else 0.15) * r)
     with tempfile.TemporaryDirectory() as path:
-        hf.save_pretrained(path, max_shard_size="40KB")          # several files + index
+        hf.save_pretrained(path, max_shard_size="40KB")          # several files + index, experts one by one
         model = load_pretrained(path, dtype=jnp.float32, backend=BACKEND, mesh=_mesh(2))
+        res["hf/fused_experts_equal"] = _fused_experts_equal(path, model, hf_cfg.num_experts)
     rng = np.random.default_rng(0)
     lens = [1, 6, 37]
     seqs = [list(rng.integers(0, 98, n)) for n in lens]
@@ -206,6 +207,34 @@ def check_hf(res: dict) -> None:
     res["hf/mesh2"] = max(errs)
     res["hf/in_proj_qkvz_shards"] = [list(s.data.shape) for s in
                                      model.params["period"][0]["mixer"]["in_proj_qkvz"].addressable_shards]
+
+
+def _fused_experts_equal(path: str, model, num_experts: int) -> bool:
+    """The same checkpoint with every layer's experts fused (``experts.gate_up_proj [E, 2I, D]``,
+    ``experts.down_proj [E, D, I]``, transformers 5's layout) loads, sliced per device, to the same params."""
+    import glob
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jax_gdn import load_pretrained
+    sd = {}
+    for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        sd.update(load_file(fn))
+    for i in range(model.config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" not in sd:
+            continue
+        sd[p + "gate_up_proj"] = np.stack([np.concatenate([sd.pop(f"{p}{j}.gate_proj.weight"),
+                                                           sd.pop(f"{p}{j}.up_proj.weight")])
+                                           for j in range(num_experts)])
+        sd[p + "down_proj"] = np.stack([sd.pop(f"{p}{j}.down_proj.weight") for j in range(num_experts)])
+    with tempfile.TemporaryDirectory() as dst:
+        save_file(sd, os.path.join(dst, "model.safetensors"))
+        shutil.copy(os.path.join(path, "config.json"), dst)
+        fused = load_pretrained(dst, dtype=jnp.float32, backend=BACKEND, mesh=model.mesh)
+    return all(bool(np.array_equal(a, b)) and a.sharding == b.sharding
+               for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(fused.params)))
 
 
 def main() -> int:

@@ -13,7 +13,8 @@ process has one device); it prints every measured error and the test asserts on 
 * ``init_params(mesh=)`` is made on the devices in the sharded layout and taken as is, replicated kv heads are
   copies;
 * HF parity under a mesh of 2: a tiny transformers Qwen3-Next saved in several safetensors files, loaded with
-  ``load_pretrained(mesh=)`` (each device reads its slices), within 2e-4 of HF's logits;
+  ``load_pretrained(mesh=)`` (each device reads its slices), within 2e-4 of HF's logits; the same checkpoint with
+  fused experts (``experts.gate_up_proj``) loads to the same sharded params;
 * a mesh of 4 over 2 key heads / 6 attention heads / 3 kv heads: ValueError naming the mesh size and the counts.
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ def test_hf_parity_under_a_mesh_of_two(result):
     if "hf/skipped" in result:
         pytest.skip(result["hf/skipped"])
     assert result["hf/mesh2"] <= HF_TOL, result["hf/mesh2"]
+    assert result["hf/fused_experts_equal"]          # fused experts.gate_up_proj / down_proj: the same slices
     # in_proj_qkvz [R=1, D, Hk (2K + 2rV)] = [1, 32, 2 * 88]: one key-head group per device
     assert result["hf/in_proj_qkvz_shards"] == [[1, 32, 88], [1, 32, 88]]
 
