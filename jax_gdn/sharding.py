@@ -47,11 +47,15 @@ page_table, page_owner, page_index, slot_lens, status replicated (every device r
 
 Why tensor parallel inside the experts rather than expert parallel: every device routes every token itself (the
 router is replicated, so the routing is identical everywhere), runs the unchanged grouped-GEMM MoE kernel on its
-I/n columns of all E experts, and the partial sums join the mixer's reduction pattern (one psum per FFN): no
-all-to-all token exchange, no per-device capacity or load imbalance, exact same numerics as one device. It reads
-1/n of every expert's weights per step, which is what decode (weight-bandwidth bound) wants. Expert parallel would
-keep whole experts (better GEMM shapes at I = 512: each device's N-dim stays 2I instead of 2I/n) and should
-measure faster for long prefills on many devices; it needs a token all-to-all and is left for later.
+I/n columns of all E experts, and the partial sums join the block's reduction pattern (one psum per FFN): no
+token all-to-all, no per-device capacity or load imbalance, the same numerics as one device, simplest to get right
+now. Traffic per FFN for T tokens (Qwen3-Next-80B: D 2048, k 10 of E 512 experts, I 512): the psum (ring
+all-reduce) moves about 2 (n-1)/n T x D values per device; expert parallel sends each token to every device holding
+one of its k experts and back, up to min(k, n - 1) T x D each way, the same order at n = 2. Decode reads 1/n of
+every expert's weights per step (weight-bandwidth bound: balanced by construction). What expert parallel would win: whole experts keep the GEMM
+shapes of one device (gate_up N = 2I = 1024, down K = I = 512, instead of 2I/n, I/n), which should measure faster
+for long prefills once n grows past 2-4 (I/n = 128 at n = 4 starts to starve the row blocks); it needs the token
+exchange and is left for later.
 
 Errors: ``ShardRules(config, mesh)`` raises ValueError naming the mesh size and the head / intermediate counts it
 does not divide, before anything is placed.
