@@ -80,10 +80,18 @@ def make_inputs_np(case: Case, seed: int = 0):
     return q, k, v, g, beta, h0
 
 
-def time_jax(fn, args, *, warmup=3, groups=15, per_group=10):
+def time_jax(fn, args, *, warmup=3, groups=15, per_group=10, slow_ms=None):
+    """Median ms per call over ``groups`` groups of ``per_group`` back-to-back calls closed by block_until_ready,
+    after ``warmup`` calls. ``slow_ms``: if one more call takes longer than this, time 5 single calls instead
+    (for slow reference paths)."""
     import jax
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    if slow_ms is not None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        if (time.perf_counter() - t0) * 1e3 > slow_ms:
+            groups, per_group = min(groups, 5), 1
     times = []
     for _ in range(groups):
         t0 = time.perf_counter()

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
@@ -50,23 +48,10 @@ def _cases(small: bool):
             ("decode-256x1024", "decode", (1,) * 256, 1023)]
 
 
-def time_jax(fn, args, *, warmup=3, groups=15, per_group=10):
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    if time.perf_counter() - t0 > 0.02:                   # a slow path (the XLA reference): fewer calls
-        groups, per_group = min(groups, 5), 1
-    times = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(per_group):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / per_group * 1e3)
-    return statistics.median(times)
+def time_jax(fn, args, **kw):
+    """jax_gdn.bench.time_jax with its slow-path shortcut at 20 ms (the XLA reference: 5 single calls)."""
+    from jax_gdn.bench import time_jax as _time_jax
+    return _time_jax(fn, args, slow_ms=20.0, **kw)
 
 
 def build_case(lens, ctx, *, h, hkv, dh, dtype, seed=0):

@@ -43,7 +43,6 @@ def run_tests(out, deadline):
 
 
 def run_decode(deadline):
-    import jax
     from jax_gdn import bench_decode
     from jax_gdn.cases import DECODE_CASES
     from pallas_kernels.gated_delta_rule.decode import DecodeConfig
@@ -70,11 +69,7 @@ def run_decode(deadline):
 
 
 def run_prefill(deadline):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax_gdn import ops
-    from jax_gdn.bench import time_jax
+    from jax_gdn.bench import _jax_impl, make_inputs_np, time_jax
     from jax_gdn.cases import BENCH_CASES
     try:
         with open("benchmarks/results/h200.json") as f:
@@ -85,23 +80,7 @@ def run_prefill(deadline):
     for case in BENCH_CASES:
         if left(deadline) < 15:
             break
-        rng = np.random.default_rng(0)
-        b, t = case.B, case.T
-        q = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
-        k = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
-        q /= np.linalg.norm(q, axis=-1, keepdims=True)
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        v = rng.standard_normal((b, t, case.Hv, case.V), np.float32)
-        g = np.log(rng.uniform(0.9, 0.999, (b, t, case.Hv))).astype(np.float32)
-        beta = rng.uniform(0.05, 0.95, (b, t, case.Hv)).astype(np.float32)
-        h0 = (0.1 * rng.standard_normal((case.num_seqs, case.Hv, case.K, case.V))).astype(np.float32)
-        bf = jnp.bfloat16
-        args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
-                jnp.asarray(h0))
-        cu = case.cu_seqlens()
-        cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-        fn = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="pallas"))
+        fn, args = _jax_impl(case, make_inputs_np(case, 0), "pallas")   # the bench's own inputs and call
         try:
             ms = time_jax(fn, args)
         except Exception as e:
