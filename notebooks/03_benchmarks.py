@@ -268,5 +268,50 @@ else:
         print(f"{n}: GDN layer {e['gdn'].get('layer_ms', float('nan')):.2f} ms, shares "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sh.items()))
 
+# %% [markdown]
+# ## The other sections: MoE, attention, GDN decode, the whole model
+#
+# Sections measured by `python -m jax_gdn.bench --all` (or one flag each) sit under their own keys of the same
+# results file: `"moe"` (one MoE layer at 80B and Qwen3.5-35B-A3B dims), `"attention"` (paged attention prefill
+# and decode against torch SDPA and cuDNN), `"decode"` (the one-token GDN step over the state pool against FLA)
+# and `"model"` (the model at 80B dims, 8 layers, against HF transformers). The tables are
+# `jax_gdn.bench.markdown_tables`, which also prints the README's (`python -m jax_gdn.bench --markdown`). The
+# figure shows, per row, the time of the section's peer divided by ours (above 1: ours is faster).
+
+# %%
+from IPython.display import Markdown, display
+from jax_gdn.bench import markdown_tables
+
+SECTIONS = {"moe": ("pallas", "xla", "our XLA path"), "attention": ("pallas", "torch_sdpa", "torch SDPA"),
+            "decode": ("pallas", "fla", "FLA"), "model": ("ours", "hf", "HF transformers")}
+present = [name for name in SECTIONS if result.get(name)]
+missing = [name for name in SECTIONS if name not in present]
+if missing:
+    print("MISSING sections (run `python -m jax_gdn.bench --all` on the GPU):", ", ".join(missing))
+if present:
+    display(Markdown(markdown_tables({name: result[name] for name in present})))
+    labels, speedup, colors = [], [], []
+    for j, name in enumerate(present):
+        ours, peer, peer_name = SECTIONS[name]
+        for r in result[name].get("rows", []):
+            t_ours, t_peer = (r.get("ms") or {}).get(ours), (r.get("ms") or {}).get(peer)
+            labels.append(f"{name}: {r.get('case')} (vs {peer_name})")
+            speedup.append(t_peer / t_ours if t_ours and t_peer else np.nan)
+            colors.append(f"C{j}")
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(labels) + 1.2))
+    y = np.arange(len(labels))[::-1]
+    ax.barh(y, speedup, color=colors)
+    for yi, v in zip(y, speedup):
+        ax.text(v if np.isfinite(v) else 0, yi, f" {v:.2f}x" if np.isfinite(v) else " n/a", va="center", fontsize=8)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks([0.5, 1, 2, 4, 8], ["0.5", "1", "2", "4", "8"])
+    ax.set(xlabel="peer time / our time (above 1: ours is faster)",
+           title=f"the other sections, {result.get('device')}")
+    fig.tight_layout()
+    plt.show()
+
 # %%
 print(f"notebook ran in {time.perf_counter() - NOTEBOOK_T0:.1f} s")
