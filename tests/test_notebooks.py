@@ -7,13 +7,13 @@ from __future__ import annotations
 import difflib
 import pathlib
 
+# the test extra installs these: a missing one fails here rather than skipping the notebook checks unseen
+import ipykernel  # noqa: F401
+import jupytext
+import matplotlib  # noqa: F401
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-jupytext = pytest.importorskip("jupytext")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
 
 NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint"]
