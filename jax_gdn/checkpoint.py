@@ -446,6 +446,7 @@ def load_sharded_params(path: str, config: HybridConfig, dtype, rules) -> dict:
     from jax_gdn.sharding import _gdn_hidden_axis
 
     files = {}                                             # tensor -> (handle, stored shape)
+    file_of = {}                                           # tensor -> the file it was found in
     for fn in _safetensor_files(path):
         full = os.path.join(path, fn)
         try:
@@ -456,12 +457,14 @@ def load_sharded_params(path: str, config: HybridConfig, dtype, rules) -> dict:
             if any(rx.match(key) for rx in _SKIP):
                 continue
             if key in files:
-                raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}")
+                raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}: "
+                                 f"{file_of[key]!r} and {fn!r}")
             sl = handle.get_slice(key)
             if not sl.get_dtype().startswith(("F", "BF")):
                 raise ValueError(f"load_pretrained: tensor {key!r} in {full!r} is {sl.get_dtype()}; the model's "
                                  f"parameters are floating point (a quantized checkpoint is not supported)")
             files[key] = (handle, tuple(sl.get_shape()))
+            file_of[key] = fn
     prefix = _text_prefix(files, config)
     gdn_transposed = _gdn_hidden_axis(config.gdn_layout).get("out_proj", 1) == 1   # model keeps [in, out]
     top, layers, used = _sources(config, files, prefix, gdn_transposed)

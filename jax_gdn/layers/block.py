@@ -9,7 +9,7 @@ A block owns its pre-norm and its residual adds, for both mixers and for the FFN
     x = x + mixer(rmsnorm(x, input_norm))          mixer: Gated DeltaNet or gated attention
     x = x + ffn(rmsnorm(x, post_norm))             ffn: SwiGLU MLP or sparse MoE
 
-Block parameters (one dict layout for both mixers; weights [in, out] for attention and FFN, see below for GDN):
+Block parameters (one dict layout for both mixers; every Linear weight [in, out], GDN's included):
     input_norm [D], post_norm [D]      zero-centred RMSNorm weights (1 + w)
     mixer                              jax_gdn.layers.gdn params without ``input_layernorm`` (GDN), or
                                        jax_gdn.layers.attention params (attention)

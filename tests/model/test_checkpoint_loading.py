@@ -212,3 +212,15 @@ def test_load_pretrained_raises_naming_file_and_tensor(tmp_path, what):
     _checkpoint(tmp_path, sd)
     with pytest.raises(ValueError, match=match):
         load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False)
+
+
+def test_sharded_load_names_both_files_of_a_duplicate_tensor(tmp_path):
+    """The per-device loader (load_pretrained(mesh=...)) names the two files too (here a mesh of one device)."""
+    import jax
+    sd = random_state_dict(CFG, seed=0)
+    name = "model.layers.0.linear_attn.A_log"
+    save_file({name: sd[name]}, str(tmp_path / "extra.safetensors"))
+    _checkpoint(tmp_path, sd)
+    mesh = jax.make_mesh((1,), ("model",))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is stored in two files of .*: '.*' and '.*'"):
+        load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False, mesh=mesh)
