@@ -325,12 +325,18 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _header(cols, text_cols: int = 1) -> list:
+    """A markdown table's header and alignment lines: the first ``text_cols`` columns left, the rest right."""
+    return ["| " + " | ".join(cols) + " |",
+            "| " + " | ".join("---" if i < text_cols else "---:" for i in range(len(cols))) + " |"]
+
+
 def markdown_tables(result: dict) -> str:
     """Markdown tables of every part of ``result`` (one JSON of this tool), in the README's layout."""
     out = []
     if result.get("rows"):
-        out.append("| case | pallas (ours) | xla (ours) | FLA | jax-linear-attention | pallas / FLA | pallas / jla |")
-        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out += _header(["case", "pallas (ours)", "xla (ours)", "FLA", "jax-linear-attention", "pallas / FLA",
+                        "pallas / jla"])
         for r in result["rows"]:
             ms = r["ms"]
             ratio = lambda a, b: _f(ms[a] / ms[b], "{:.2f}") if ms.get(a) and ms.get(b) else "-"
@@ -338,9 +344,8 @@ def markdown_tables(result: dict) -> str:
                        + f" | {ratio('pallas', 'fla')} | {ratio('pallas', 'jla')} |")
         out.append("")
     if result.get("layers"):
-        out.append("| backend | phase 1 | phase 2 | phase 3 | GDN layer | GDN tokens/s | attention layer "
-                   "| attention tokens/s |")
-        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out += _header(["backend", "phase 1", "phase 2", "phase 3", "GDN layer", "GDN tokens/s", "attention layer",
+                        "attention tokens/s"])
         for e in result["layers"]:
             g, a = e["gdn"], e["attention"]
             sh = g["share"]
@@ -349,8 +354,8 @@ def markdown_tables(result: dict) -> str:
                        f"{g['tokens_per_s'] / 1e6:.2f} M | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
         out.append("")
     if result.get("moe"):
-        out.append("| MoE layer | tokens | experts | top-k | pallas | xla | FLOP floor (700 TFLOP/s) | pallas / floor |")
-        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out += _header(["MoE layer", "tokens", "experts", "top-k", "pallas", "xla", "FLOP floor (700 TFLOP/s)",
+                        "pallas / floor"])
         for r in result["moe"]["rows"]:
             ms = r["ms"]
             out.append(f"| {r['case']} | {r['tokens']} | {r['experts']} | {r['top_k']} | {_f(ms.get('pallas'))} | "
@@ -359,9 +364,7 @@ def markdown_tables(result: dict) -> str:
         out.append("")
     if result.get("attention"):
         impls = ("pallas", "xla", "torch_sdpa", "cudnn")
-        out.append("| attention | kind | context | " + " | ".join(f"{i} ms" for i in impls)
-                   + " | pallas rate |")
-        out.append("| --- | --- | ---: | " + " | ".join("---:" for _ in impls) + " | ---: |")
+        out += _header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + ["pallas rate"], text_cols=2)
         for r in result["attention"]["rows"]:
             ms = r["ms"]
             rate = (f"{r['tflops']['pallas']:.0f} TFLOP/s" if r.get("tflops", {}).get("pallas")
@@ -371,17 +374,15 @@ def markdown_tables(result: dict) -> str:
         out.append("")
     if result.get("decode"):
         impls = ("pallas", "xla", "fla", "copy")
-        out.append("| GDN decode step | " + " | ".join(f"{i} ms (GB/s)" for i in impls) + " |")
-        out.append("| --- | " + " | ".join("---:" for _ in impls) + " |")
+        out += _header(["GDN decode step"] + [f"{i} ms (GB/s)" for i in impls])
         for r in result["decode"]["rows"]:
             cells = [f"{r['ms'][i]:.3f} ({r['gbps'][i]:.0f})" if r["ms"].get(i) else "-" for i in impls]
             out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
         out.append("")
     if result.get("model"):
         m = result["model"]
-        out.append("| model (%d layers) | kind | tokens | ours ms | HF ms | ours tokens/s | HF tokens/s | ours / HF |"
-                   % m["layers"])
-        out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out += _header([f"model ({m['layers']} layers)", "kind", "tokens", "ours ms", "HF ms", "ours tokens/s",
+                        "HF tokens/s", "ours / HF"], text_cols=2)
         for r in m["rows"]:
             ms, tps = r["ms"], r["tokens_per_s"]
             speed = _f(ms["hf"] / ms["ours"], "{:.2f}x") if ms.get("hf") and ms.get("ours") else "-"
