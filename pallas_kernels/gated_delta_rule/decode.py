@@ -38,19 +38,36 @@ L2_EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the decode kernel: the value block of one program (a divisor of V, power of two),
-    its warps and pipelining stages. H200, 256 streams x 32 heads x 128 x 128 (NOTES.md): block_v 64 with 4 warps
-    0.330 ms; 32: 0.369; 128: 0.343; 2 or 8 warps slower."""
+    """Launch parameters of the decode kernel.
+
+    block_v: the value block of one program (a power of two; min(block_v, V) must divide V).
+    num_warps, num_stages: Triton's (one load per program: stages do not pipeline anything).
+    v_fastest: grid (V / BV, Hv, N), the value block varying fastest in launch order, so the programs in flight
+      together read neighbouring blocks of one slot (one contiguous [Hv, K, V] run of the pool); False: grid
+      (N, Hv, V / BV), stream fastest (each program's [K, BV] rows interleave with blocks read a wave later).
+    fused_output: o from the state as loaded, o = scale (a S^T q + (q . k) delta), so the two K reductions
+      (S^T k, S^T q) are independent and the store of the new state is last; False: o = S_new^T (scale q) after
+      the update (two reductions in a row).
+    """
     block_v: int = 64
     num_warps: int = 4
     num_stages: int = 1
+    v_fastest: bool = False
+    fused_output: bool = False
+
+
+def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
+    """The launch parameters for N streams x Hv heads x K x V (kernel dims), chosen at trace time."""
+    del n, hv, kdim, vdim
+    return DecodeConfig()
 
 
 def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
-                   group, block_v, scale, use_qk_l2norm, num_tokens):
-    n = pl.program_id(0)
-    h = pl.program_id(1)
-    vb = pl.program_id(2)
+                   group, block_v, scale, use_qk_l2norm, num_tokens, v_fastest, fused_output):
+    if v_fastest:
+        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     vs = pl.ds(vb * block_v, block_v)
     num_slots = pool_in_ref.shape[0]
@@ -67,12 +84,20 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool
             q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
             k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
         v = v_ref[n, t, h, vs].astype(jnp.float32)                              # [BV]
-        g = g_ref[n, t, h].astype(jnp.float32)
+        a = jnp.exp(g_ref[n, t, h].astype(jnp.float32))
         beta = beta_ref[n, t, h].astype(jnp.float32)
-        s = jnp.exp(g) * s
-        delta = beta * (v - jnp.sum(k[:, None] * s, axis=0))                    # [BV]
-        s = s + k[:, None] * delta[None, :]
-        o_ref[n, t, h, vs] = jnp.sum((scale * q)[:, None] * s, axis=0).astype(o_ref.dtype)
+        if fused_output:
+            sk = jnp.sum(k[:, None] * s, axis=0)                                # [BV]  S^T k
+            sq = jnp.sum(q[:, None] * s, axis=0)                                # [BV]  S^T q
+            delta = beta * (v - a * sk)
+            o = scale * (a * sq + jnp.sum(q * k) * delta)
+            s = a * s + k[:, None] * delta[None, :]
+        else:
+            s = a * s
+            delta = beta * (v - jnp.sum(k[:, None] * s, axis=0))                # [BV]
+            s = s + k[:, None] * delta[None, :]
+            o = jnp.sum((scale * q)[:, None] * s, axis=0)
+        o_ref[n, t, h, vs] = o.astype(o_ref.dtype)
         return s
 
     if num_tokens == 1:
@@ -86,20 +111,24 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool
 
 
 def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm,
-                          interpret, config: DecodeConfig = DecodeConfig()):
+                          interpret, config: DecodeConfig | None = None):
     """Runs the decode kernel (shapes in the module docstring; K, V powers of two >= 16, V % block_v == 0).
-    Returns (o [N, T, Hv, V] in v's dtype, the updated pool [S, Hv, K, V] fp32, aliased to ``pool``)."""
+    config: None picks ``decode_config`` for the shapes. Returns (o [N, T, Hv, V] in v's dtype, the updated pool
+    [S, Hv, K, V] fp32, aliased to ``pool``)."""
     n, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
+    config = config or decode_config(n, hv, kdim, vdim)
     block_v = min(config.block_v, vdim)
     if vdim % block_v:
         raise ValueError(f"DecodeConfig.block_v ({config.block_v}) must divide V = {vdim}")
     operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
                     q=q, k=k, v=v, g=g, beta=beta, pool=pool)
+    nvb = vdim // block_v
     call = pl.pallas_call(
         functools.partial(_decode_kernel, group=hv // hk, block_v=block_v, scale=float(scale),
-                          use_qk_l2norm=bool(use_qk_l2norm), num_tokens=t),
-        grid=(n, hv, vdim // block_v),
+                          use_qk_l2norm=bool(use_qk_l2norm), num_tokens=t, v_fastest=config.v_fastest,
+                          fused_output=config.fused_output),
+        grid=(nvb, hv, n) if config.v_fastest else (n, hv, nvb),
         out_shape=(jax.ShapeDtypeStruct((n, t, hv, vdim), v.dtype),
                    jax.ShapeDtypeStruct(pool.shape, jnp.float32)),
         input_output_aliases={list(operands).index("pool"): 1},
@@ -132,7 +161,7 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
     padded = (kp, vp) != (kdim, vdim)
     if padded:
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
-    cfg = config or DecodeConfig()
+    cfg = config or decode_config(n, hv, kp, vp)
 
     def kernel(q, k, v, g, beta, pool, slot_ids, has):
         return fused_recurrent_slots(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
+from pallas_kernels.gated_delta_rule import decode
 from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
 
 TOL = 1e-5
@@ -70,6 +71,43 @@ def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
     assert np.isnan(new_pool[2]).all()
     for untouched in (1, 3, 5):                           # -1 did not wrap onto slot 6, S did not clamp onto it
         np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+# every launch variant the sweep can pick (DecodeConfig): grid order, output form, value block (16: two blocks of
+# V = 32; 128: clamped to one block), straight through the kernel entry point in interpret mode
+CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf in (True, False)
+           for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}")
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_configs_interpret(config, t):
+    n, s, hk, hv, dk, dv = 4, 6, 1, 3, 16, 32
+    xs, pool = _case(40 + t, n, t, hk, hv, dk, dv, s)
+    xs[3][0, 0, 1] = -np.inf                              # a hard reset (a = 0) on one head of one stream
+    ids = np.array([5, s, 1, -1], np.int32)
+    has = np.array([True, True, False, True])
+    pool[1] = np.nan                                      # stale slot read as zeros (has False)
+    pool[3] = np.nan                                      # untouched: stays NaN
+    o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
+    fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, interpret=True,
+        config=config))
+    o, new_pool = fn([jnp.asarray(x) for x in xs], jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
+    assert rel_rms(new_pool[[1, 5]], pool_ref[[1, 5]]) < TOL
+    assert np.isnan(new_pool[3]).all()
+    for untouched in (0, 2, 4):                           # ids S and -1 wrote nowhere
+        np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+def test_decode_config_errors():
+    xs, pool = _case(6, 2, 1, 1, 1, 16, 48, 3)           # V = 48 runs padded to 64
+    with pytest.raises(ValueError, match=r"block_v \(24\) must divide V = 64"):
+        decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
+            has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(block_v=24))
 
 
 def test_decode_bf16_inputs_and_default_has_initial_state():
