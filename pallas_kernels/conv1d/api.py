@@ -1,0 +1,98 @@
+"""The fused causal conv1d + SiLU + q/k L2 norm of the Gated DeltaNet layer (varlen, conv-state slots): checks,
+backend pick, and the state update shared by the backends.
+
+Shape legend: T stacked tokens, Cs source columns, C = (2 Hk + Hv) D conv channels ([q | k | v]), D head dim
+(K == V), Kc kernel size, S slots, N streams.
+
+Backends: "xla" (reference.conv1d_l2_varlen, any platform), "pallas" (triton.conv1d_l2_pallas on a GPU),
+"pallas_interpret" (the same kernel in interpret mode, any platform; the CPU tests). Semantics, the padding
+contract and the source layout (``block_cols``) are reference.py's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.conv1d import reference
+from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots, token_streams
+
+__all__ = ["causal_conv1d_l2_varlen", "supports", "BACKENDS"]
+
+BACKENDS = ("xla", "pallas", "pallas_interpret")
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def supports(*, platform: str, dtype, head_k_dim: int, head_v_dim: int, interpret: bool = False) -> Optional[str]:
+    """None when the Pallas kernel can run this case, else the reason (a sentence naming the limit)."""
+    if jnp.dtype(dtype).name not in _DTYPES:
+        return f"pallas conv1d: dtype must be one of {_DTYPES}, got {jnp.dtype(dtype).name}"
+    if head_k_dim != head_v_dim:
+        return f"pallas conv1d: needs head_k_dim == head_v_dim (one head per channel block), got {head_k_dim}, " \
+               f"{head_v_dim}"
+    if head_k_dim > 256:
+        return f"pallas conv1d: head dim up to 256, got {head_k_dim}"
+    if not interpret and platform != "gpu":
+        return f"pallas conv1d needs a GPU (platform is {platform!r}); 'pallas_interpret' runs on CPU"
+    return None
+
+
+def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, cu_seqlens: jax.Array,
+                            slot_ids: jax.Array, has_initial_state: jax.Array, *, num_k_heads: int,
+                            num_v_heads: int, head_dim: int, block_cols=None, eps: float = 1e-6,
+                            backend: str = "xla", config=None):
+    """Causal conv1d + SiLU of N packed streams from their slots' conv states, then the L2 norm of every q and k
+    head.
+
+    x: [T, Cs] (channel c = b D + i read from source column ``block_cols[b] + i``; None: Cs == C, identity;
+    ``reference.qkvz_block_cols`` for Qwen3-Next's fused in_proj_qkvz output); w: [C, Kc]; conv_state_pool
+    [S, C, Kc - 1]; cu_seqlens [N + 1] int32 (cu[N] <= T: later tokens are padding, their rows zeros, no state
+    touched); slot_ids [N] int32 (ids outside [0, S): zeros read, write dropped); has_initial_state [N] bool.
+    Returns (q [T, Hk, D], k [T, Hk, D], v [T, Hv, D] in x.dtype; the pool with the N streams' states advanced).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if x.ndim != 2:
+        raise ValueError(f"causal_conv1d_l2_varlen: x must be [T, Cs], got shape {tuple(x.shape)}")
+    hk, hv, d = num_k_heads, num_v_heads, head_dim
+    c = (2 * hk + hv) * d
+    if w.ndim != 2 or w.shape[0] != c or w.shape[1] < 1:
+        raise ValueError(f"causal_conv1d_l2_varlen: w must be [C, Kc] with C = (2 Hk + Hv) D = {c}, "
+                         f"got shape {tuple(w.shape)}")
+    if block_cols is None:
+        if x.shape[1] != c:
+            raise ValueError(f"causal_conv1d_l2_varlen: x must be [T, C] = [T, {c}] when block_cols is None, "
+                             f"got shape {tuple(x.shape)}")
+    else:
+        cols = np.asarray(block_cols)
+        if cols.shape != (2 * hk + hv,) or cols.min() < 0 or cols.max() + d > x.shape[1]:
+            raise ValueError(f"causal_conv1d_l2_varlen: block_cols must hold 2 Hk + Hv = {2 * hk + hv} source "
+                             f"columns in [0, {x.shape[1] - d}], got {block_cols!r}")
+    kc = w.shape[1]
+    n = reference._check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
+                                   has_initial_state)
+    if backend == "xla":
+        return reference.conv1d_l2_varlen(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state,
+                                          num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=block_cols,
+                                          eps=eps)
+    why = supports(platform=jax.default_backend(), dtype=x.dtype, head_k_dim=d, head_v_dim=d,
+                   interpret=backend == "pallas_interpret")
+    if why is not None:
+        raise ValueError(why)
+    from pallas_kernels.conv1d.triton import conv1d_l2_pallas
+
+    t = x.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(jnp.float32)
+    seq, rel = token_streams(cu, t)
+    rel = jnp.where(jnp.arange(t, dtype=jnp.int32) < cu[n], rel, -1)                 # padding tokens: -1
+    cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
+    q, k, v = conv1d_l2_pallas(x, w, prev, seq, rel, jnp.asarray(cols), num_k_heads=hk, num_v_heads=hv,
+                               head_dim=d, eps=eps, interpret=backend == "pallas_interpret", config=config)
+    if kc == 1:
+        return q, k, v, conv_state_pool
+    src = None if block_cols is None else reference.channel_source_index(block_cols, d, c)
+    pool = scatter_slots(conv_state_pool, slot_ids, reference.new_conv_states(x, prev, cu, src))
+    return q, k, v, pool

@@ -1,0 +1,130 @@
+"""The fused conv1d + SiLU + q/k L2 norm (pallas_kernels/conv1d): the XLA reference and the Pallas kernel in
+interpret mode against a float64 NumPy oracle (per stream, from its slot's conv state).
+
+Cases: odd lengths (1, 63, 64, 65, 130), an empty stream, padding tokens past cu[N] and padding streams with slot
+id S, a negative slot id, fresh streams over NaN-poisoned slots, grouped heads (Hv = 2 Hk), the identity and the
+Qwen3-Next fused ``in_proj_qkvz`` source layouts (z columns NaN: never read). Tolerances: fp32 2e-5 abs (sums of
+Kc = 4 fp32 products and a normalisation); bf16 outputs 2e-2 abs (one bf16 rounding of values of order 1).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.conv1d import api, reference
+
+HK, HV, D, KC = 2, 4, 16, 4
+C = (2 * HK + HV) * D
+S = 6
+
+
+def _oracle(xc, w, pool, cu, slot_ids, has_init, t):
+    """float64: q, k (normalised), v [T, C] in channel order and the new pool."""
+    xc, w, pool = (np.asarray(a, np.float64) for a in (xc, w, pool))
+    y = np.zeros((t, C))
+    new_pool = pool.copy()
+    for n in range(len(cu) - 1):
+        s0, s1, sid = int(cu[n]), int(cu[n + 1]), int(slot_ids[n])
+        ok = 0 <= sid < S
+        prev = pool[sid] if (ok and has_init[n]) else np.zeros((C, KC - 1))
+        xs = np.concatenate([prev.T, xc[s0:s1]], 0)                                   # [Kc-1+L, C]
+        for i in range(s1 - s0):
+            acc = (xs[i:i + KC] * w.T).sum(0)
+            y[s0 + i] = acc / (1 + np.exp(-acc))
+        if ok:
+            new_pool[sid] = xs[-(KC - 1):].T
+    kd = HK * D
+    for lo, hi in ((0, kd), (kd, 2 * kd)):
+        h = y[:, lo:hi].reshape(t, -1, D)
+        y[:, lo:hi] = (h / np.sqrt((h * h).sum(-1, keepdims=True) + 1e-6)).reshape(t, -1)
+    return y, new_pool
+
+
+def _case(seed, lens, t_pad, slot_ids, has_init, layout, dtype):
+    rng = np.random.default_rng(seed)
+    t = t_pad
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    xc = rng.standard_normal((t, C)).astype(np.float32)
+    w = (rng.standard_normal((C, KC)) * 0.5).astype(np.float32)
+    pool = rng.standard_normal((S, C, KC - 1)).astype(np.float32)
+    for n, sid in enumerate(slot_ids):                      # fresh streams over NaN-poisoned slots
+        if 0 <= sid < S and not has_init[n]:
+            pool[sid] = np.nan
+    if layout == "qkvz":
+        cols = reference.qkvz_block_cols(HK, HV, D)
+        x = np.full((t, 2 * HK * D + 2 * HV * D), np.nan, np.float32)                  # z columns stay NaN
+        src = reference.channel_source_index(cols, D, C)
+        x[:, src] = xc
+    else:
+        cols, x = None, xc
+    x = jnp.asarray(x, dtype)
+    xc_rounded = np.asarray(jnp.asarray(xc, dtype).astype(jnp.float32))
+    return (x, jnp.asarray(w), jnp.asarray(pool), jnp.asarray(cu), jnp.asarray(slot_ids, jnp.int32),
+            jnp.asarray(has_init), cols, xc_rounded)
+
+
+CASES = [
+    # lens, padded T, slot ids, has_initial_state
+    ([1, 63, 64, 65, 130], 330, [0, 1, 2, 3, 4], [False, True, False, True, True]),
+    ([70, 0, 2, 5], 96, [5, 1, 6, -1], [True, True, False, True]),      # empty stream, padding slot S, no slot -1
+]
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("layout", ["flat", "qkvz"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_float64(backend, layout, case):
+    lens, t, slot_ids, has_init = CASES[case]
+    x, w, pool, cu, ids, hi, cols, xc = _case(case, lens, t, slot_ids, has_init, layout, jnp.float32)
+    want_y, want_pool = _oracle(xc, w, pool, np.asarray(cu), slot_ids, has_init, t)
+    q, k, v, new_pool = api.causal_conv1d_l2_varlen(x, w, pool, cu, ids, hi, num_k_heads=HK, num_v_heads=HV,
+                                                    head_dim=D, block_cols=cols, backend=backend)
+    got = np.concatenate([np.asarray(q).reshape(t, -1), np.asarray(k).reshape(t, -1),
+                          np.asarray(v).reshape(t, -1)], 1)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want_y, atol=2e-5, rtol=0)
+    assert not np.any(got[int(cu[-1]):]), "padding tokens must give zero rows"
+    touched = [s for s in slot_ids if 0 <= s < S]
+    for s in range(S):
+        if s in touched:
+            np.testing.assert_allclose(np.asarray(new_pool[s]), want_pool[s], atol=1e-6)
+        else:   # untouched slots keep their bytes (NaN included)
+            np.testing.assert_array_equal(np.asarray(new_pool[s]), np.asarray(pool[s]))
+
+
+def test_bf16_pallas_matches_reference_and_jits_once():
+    lens, t, slot_ids, has_init = CASES[0]
+    x, w, pool, cu, ids, hi, cols, xc = _case(7, lens, t, slot_ids, has_init, "qkvz", jnp.bfloat16)
+    pool = pool.astype(jnp.bfloat16)
+    want_y, _ = _oracle(xc, w, np.asarray(pool.astype(jnp.float32)), np.asarray(cu), slot_ids, has_init, t)
+    fn = jax.jit(lambda x, pool, cu: api.causal_conv1d_l2_varlen(
+        x, w, pool, cu, ids, hi, num_k_heads=HK, num_v_heads=HV, head_dim=D, block_cols=cols,
+        backend="pallas_interpret"))
+    q, k, v, _ = fn(x, pool, cu)
+    assert q.dtype == jnp.bfloat16 and v.shape == (t, HV, D)
+    got = np.concatenate([np.asarray(a.astype(jnp.float32)).reshape(t, -1) for a in (q, k, v)], 1)
+    np.testing.assert_allclose(got, want_y, atol=2e-2, rtol=0)
+    cu2 = jnp.asarray(np.concatenate([[0], np.cumsum([100, 1, 99, 64, 66])]).astype(np.int32))
+    fn(x, pool, cu2)                                       # other lengths, same T and N: no recompile
+    assert fn._cache_size() == 1
+
+
+def test_bad_arguments_raise():
+    x = jnp.zeros((8, C))
+    w = jnp.zeros((C, KC))
+    pool = jnp.zeros((S, C, KC - 1))
+    cu, ids, hi = jnp.array([0, 8], jnp.int32), jnp.array([0], jnp.int32), jnp.array([True])
+    kw = dict(num_k_heads=HK, num_v_heads=HV, head_dim=D)
+    with pytest.raises(ValueError, match="backend"):
+        api.causal_conv1d_l2_varlen(x, w, pool, cu, ids, hi, backend="cuda", **kw)
+    with pytest.raises(ValueError, match="w must be"):
+        api.causal_conv1d_l2_varlen(x, w[:-1], pool, cu, ids, hi, **kw)
+    with pytest.raises(ValueError, match="block_cols"):
+        api.causal_conv1d_l2_varlen(x, w, pool, cu, ids, hi, block_cols=(0,) * 3, **kw)
+    with pytest.raises(ValueError, match="conv_state_pool"):
+        api.causal_conv1d_l2_varlen(x, w, pool[:, :, :1], cu, ids, hi, **kw)
+    with pytest.raises(ValueError, match="slot_ids"):
+        api.causal_conv1d_l2_varlen(x, w, pool, cu, jnp.array([0, 1]), hi, **kw)
+    assert api.supports(platform="cpu", dtype=jnp.float32, head_k_dim=16, head_v_dim=16) is not None
+    assert api.supports(platform="gpu", dtype=jnp.float32, head_k_dim=16, head_v_dim=32) is not None
+    assert api.supports(platform="gpu", dtype=jnp.bfloat16, head_k_dim=128, head_v_dim=128) is None
