@@ -2,6 +2,12 @@
 Pallas grouped-GEMM kernels for a few launch configs, the per-kernel split, the XLA path, and peak memory.
 
     python benchmarks/gpu/moe_run.py [--configs c0,c1,...] [--tokens 19027,8192]
+    python benchmarks/gpu/moe_run.py --mode decode [--tokens 64,256,8,1,1024,8192] [--budget-s 70]
+        decode sizes: a config sweep per token count (the 16-row-block configs d16*, d32, m64 against the
+        prefill default c6; c6s split_partial and c6f fused combine at 8192), each against an fp32 oracle on a
+        token slice, then the whole layer (pallas with c6 and with the best config, xla) beside the bytes floor
+        (weights of the experts hit + router + shared expert at 4.8 TB/s). --dry: tiny dims in interpret mode
+        (a CPU check of the script).
 
 Writes $OUT/moe_run.json and prints a table last. Timing: jax_gdn.bench.time_jax (warm-up, then median of groups
 of back-to-back calls closed by block_until_ready).
@@ -46,8 +52,23 @@ CONFIGS = {
                     down_n=256, down_k=64, down_warps=8, down_stages=3),
     "c10": MoeConfig(**{**_C1, "gate_up_warps": 4, "down_warps": 4}),
     "c6s": MoeConfig(split_partial=True),        # the default + half tiles for partial blocks: not yet measured
+    "c6f": MoeConfig(fused_combine=True),        # the default + combine fused into the down epilogue (atomics)
+    # decode sizes (few rows per expert): 16 / 32-row blocks
+    "d16a": tr.DECODE_CONFIG,
+    "d16b": MoeConfig(block_m=16, gate_up_n=128, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                      down_n=256, down_k=64, down_warps=4, down_stages=4),
+    "d16c": MoeConfig(block_m=16, gate_up_n=32, gate_up_k=128, gate_up_warps=4, gate_up_stages=4,
+                      down_n=64, down_k=128, down_warps=4, down_stages=4),
+    "d16d": MoeConfig(block_m=16, gate_up_n=64, gate_up_k=128, gate_up_warps=4, gate_up_stages=3,
+                      down_n=128, down_k=128, down_warps=4, down_stages=3),
+    "d16e": MoeConfig(block_m=16, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=6,
+                      down_n=128, down_k=64, down_warps=4, down_stages=6),
+    "d16f": MoeConfig(**{**tr.DECODE_CONFIG.__dict__, "fused_combine": True}),
+    "d32": MoeConfig(**{**tr.DECODE_CONFIG.__dict__, "block_m": 32}),
+    "m64": tr.MID_CONFIG,
 }
 OUT = os.environ.get("OUT", "/tmp")
+BACKEND = "pallas"           # decode mode --dry: pallas_interpret
 LOG = []
 
 
@@ -104,13 +125,135 @@ def fp32_small_check():
         log(check="fp32_small_vs_f64", backend=be, rel_rms=rel(got, out))
 
 
+def hit_bytes_floor(top_i):
+    """(experts hit, bytes floor ms at 4.8 TB/s): the weights of the experts hit (gate_up + down), router,
+    shared expert (+ gate) and x in / out, bf16."""
+    hit = int(np.unique(np.asarray(top_i)).size)
+    t, e, d, inter, si = top_i.shape[0], E, D, I, SI
+    nbytes = 2 * (hit * 3 * d * inter + d * e + 3 * d * si + d + 2 * t * d)
+    return hit, nbytes / 4.8e12 * 1e3
+
+
+def sweep(p, t, names, table, deadline, split=(), layer_cfgs=(), xla=True):
+    """Routed experts at T tokens for each config (numerics on a slice + time), then the whole layer."""
+    x = jax.random.normal(jax.random.PRNGKey(t), (t, D), jnp.bfloat16)
+    top_w, top_i = jax.jit(lambda x: moe_route(p["router"], x, K, True))(x)
+    hit, bfloor = hit_bytes_floor(top_i)
+    flops = 2 * t * (D * E + K * 3 * D * I + 3 * D * SI + D)
+    log(tokens=t, experts_hit=hit, bytes_floor_ms=round(bfloor, 4), flop_floor_ms=round(flops / 700e12 * 1e3, 4),
+        selected=str(tr.select_config(t, K, E)))
+    rows = jnp.asarray(np.unique(np.linspace(0, t - 1, 16).astype(np.int32)))
+    orc = oracle_rows(x, top_w, top_i, p["experts_gate_up"], p["experts_down"], rows)
+    wgu, wd = p["experts_gate_up"], p["experts_down"]
+    reps = dict(warmup=2, groups=7, per_group=20 if t <= 256 else 5)
+    for name in names:
+        if time.perf_counter() > deadline:
+            log(tokens=t, impl=f"pallas {name}", skipped="deadline")
+            continue
+        cfg = CONFIGS[name]
+        row = {"tokens": t, "impl": f"pallas {name}", "floor_ms": round(max(bfloor, flops / 700e12 * 1e3), 4)}
+        try:
+            fn = jax.jit(lambda x, tw, ti, a, b, cfg=cfg: api.moe_experts(x, tw, ti, a, b, backend=BACKEND,
+                                                                          config=cfg))
+            t0 = time.perf_counter()
+            fn = fn.lower(x, top_w, top_i, wgu, wd).compile()
+            ma = fn.memory_analysis()
+            row["temp_MiB"] = round(ma.temp_size_in_bytes / 2 ** 20, 2) if ma is not None else None
+            out = jax.block_until_ready(fn(x, top_w, top_i, wgu, wd))
+            row["first_call_s"] = round(time.perf_counter() - t0, 1)
+            row["rel_rms_slice"] = rel(out[rows].astype(jnp.float32), orc)
+            row["finite"] = bool(jnp.all(jnp.isfinite(out)))
+            row["routed_ms"] = round(time_jax(fn, (x, top_w, top_i, wgu, wd), **reps), 4)
+            if name in split:
+                lay_fn = jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m))
+                lay = lay_fn(top_w, top_i)
+                itp = BACKEND != "pallas"
+                gu = jax.jit(lambda x, a, be, rt, cfg=cfg: tr.gate_up_silu(x, a, be, rt, config=cfg,
+                                                                          interpret=itp))
+                dn = jax.jit(lambda h, b, be, rt, rw, cfg=cfg: tr.down_weighted(h, b, be, rt, rw, num_tokens=t,
+                                                                               config=cfg, interpret=itp))
+                h = gu(x, wgu, lay.block_expert, lay.row_token)
+                y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
+                row["align_ms"] = round(time_jax(lay_fn, (top_w, top_i), **reps), 4)
+                row["gate_up_ms"] = round(time_jax(gu, (x, wgu, lay.block_expert, lay.row_token), **reps), 4)
+                row["down_ms"] = round(time_jax(dn, (h, wd, lay.block_expert, lay.row_token, lay.row_weight),
+                                                **reps), 4)
+                row["combine_ms"] = round(time_jax(jax.jit(lambda y, rp: ref.combine(y, rp, jnp.bfloat16)),
+                                                   (y, lay.row_pos), **reps), 4)
+                row["live_blocks"] = int(jnp.sum(lay.block_expert < E))
+        except Exception as ex:                                        # noqa: BLE001
+            row["err"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            traceback.print_exc()
+        log(**row)
+        table.append(row)
+    best = min((r for r in table if r["tokens"] == t and "routed_ms" in r), key=lambda r: r["routed_ms"],
+               default=None)
+    cfgs = list(layer_cfgs) + ([best["impl"].split()[1]] if best else [])
+    for be, name in [(BACKEND, n) for n in dict.fromkeys(cfgs)] + ([("xla", None)] if xla else []):
+        if time.perf_counter() > deadline + 15:
+            continue
+        row = {"tokens": t, "impl": f"layer {be}" + (f" {name}" if name else ""),
+               "floor_ms": round(max(bfloor, flops / 700e12 * 1e3), 4)}
+        try:
+            cfg = CONFIGS[name] if name else None
+            fn = jax.jit(lambda p, x, be=be, cfg=cfg: sparse_moe(p, x, top_k=K, norm_topk_prob=True, backend=be,
+                                                                 moe_config=cfg))
+            row["layer_ms"] = round(time_jax(fn, (p, x), **reps), 4)
+        except Exception as ex:                                        # noqa: BLE001
+            row["err"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            traceback.print_exc()
+        log(**row)
+        table.append(row)
+
+
+def decode_main(args):
+    global D, E, I, SI, BACKEND
+    if args.dry:
+        D, E, I, SI, BACKEND = 64, 32, 32, 32, "pallas_interpret"
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    log(device=jax.devices()[0].device_kind, jax=jax.__version__, mode="decode")
+    p = params_80b(jax.random.PRNGKey(0), e=E, d=D, inter=I, si=SI)
+    jax.block_until_ready(p)
+    table = []
+    plan = {  # tokens -> (configs swept, configs with a kernel split, configs of the layer rows)
+        64: ("d16a", "c6", "d16b", "d16c", "d16d", "d16e", "d32", "d16f"),
+        256: ("d16a", "c6", "d16d", "d32", "m64"),
+        8: ("d16a", "c6", "d16c"),
+        1: ("d16a", "c6", "d16c"),
+        1024: ("c6", "m64", "d32"),
+        8192: ("c6", "c6s", "c6f"),
+    }
+    for t in [int(v) for v in args.tokens.split(",")]:
+        sweep(p, t, plan.get(t, ("c6", "d16a")), table, deadline,
+              split=("c6", "d16a") if t == 64 else (), layer_cfgs=("c6",), xla=t <= 256)
+    with open(os.path.join(OUT, "moe_run.json"), "w") as f:
+        json.dump(LOG, f, indent=1)
+    print(f"\nwall {time.perf_counter() - t_start:.1f} s")
+    print("%-6s %-14s %9s %9s %8s %8s %8s %8s %9s %9s" % ("tokens", "impl", "routed", "layer", "gate_up", "down",
+                                                          "align", "combine", "floor", "rel_slice"))
+    for r in table:
+        print("%-6s %-14s %9s %9s %8s %8s %8s %8s %9s %9s" % (
+            r["tokens"], r["impl"], r.get("routed_ms", "-"), r.get("layer_ms", "-"), r.get("gate_up_ms", "-"),
+            r.get("down_ms", "-"), r.get("align_ms", "-"), r.get("combine_ms", "-"), r.get("floor_ms", "-"),
+            "%.1e" % r["rel_rms_slice"] if "rel_rms_slice" in r else r.get("err", "-")[:20]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="c0,c1,c2,c3")
     ap.add_argument("--tokens", default="19027,8192")
     ap.add_argument("--xla", type=int, default=1)
     ap.add_argument("--bench", type=int, default=0, help="then jax_gdn.bench_moe with the best config")
+    ap.add_argument("--mode", default="prefill", choices=("prefill", "decode"),
+                    help="decode: per-size config sweep (tokens default 64,256,8,1,1024,8192) and layer rows")
+    ap.add_argument("--budget-s", type=float, default=70.0, help="decode mode: stop sweeping after this")
+    ap.add_argument("--dry", action="store_true", help="decode mode: tiny dims, interpret mode (CPU)")
     args = ap.parse_args()
+    if args.mode == "decode":
+        if args.tokens == "19027,8192":
+            args.tokens = "64,256,8,1,1024,8192"
+        return decode_main(args)
     jax.config.update("jax_default_matmul_precision", "highest")       # fp32 checks: no TF32
     log(device=jax.devices()[0].device_kind, jax=jax.__version__)
     try:
@@ -150,10 +293,11 @@ def main():
                                                   per_group=5), 3)
                 # split: align / gate_up / down / combine
                 lay = jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m))(top_w, top_i)
+                itp = BACKEND != "pallas"
                 gu = jax.jit(lambda x, a, be, rt, cfg=cfg: tr.gate_up_silu(x, a, be, rt, config=cfg,
-                                                                          interpret=False))
+                                                                          interpret=itp))
                 dn = jax.jit(lambda h, b, be, rt, rw, cfg=cfg: tr.down_weighted(h, b, be, rt, rw, num_tokens=t,
-                                                                               config=cfg, interpret=False))
+                                                                               config=cfg, interpret=itp))
                 h = gu(x, wgu, lay.block_expert, lay.row_token)
                 y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
                 row["align_ms"] = round(time_jax(jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m)),
@@ -177,10 +321,9 @@ def main():
         for be in ("pallas", "xla") if args.xla else ("pallas",):
             row = {"tokens": t, "impl": f"layer {be}"}
             try:
-                if be == "pallas" and best is not None:
-                    import pallas_kernels.moe.api as _api
-                    _api.DEFAULT_CONFIG = CONFIGS[best["impl"].split()[1]]
-                fn = jax.jit(lambda p, x, be=be: sparse_moe(p, x, top_k=K, norm_topk_prob=True, backend=be))
+                cfg = CONFIGS[best["impl"].split()[1]] if be == "pallas" and best is not None else None
+                fn = jax.jit(lambda p, x, be=be, cfg=cfg: sparse_moe(p, x, top_k=K, norm_topk_prob=True,
+                                                                     backend=be, moe_config=cfg))
                 comp = fn.lower(p, x).compile()
                 ma = comp.memory_analysis()
                 row["temp_MiB"] = round(ma.temp_size_in_bytes / 2 ** 20, 1) if ma is not None else None
@@ -204,10 +347,8 @@ def main():
             table.append(row)
     if args.bench:
         best = min((r for r in table if "routed_ms" in r), key=lambda r: r["routed_ms"])
-        import pallas_kernels.moe.api as _api
         from jax_gdn import bench_moe
-        _api.DEFAULT_CONFIG = CONFIGS[best["impl"].split()[1]]
-        log(bench_config=best["impl"])
+        log(bench_config="select_config (per shape)")
         del p
         sec = bench_moe.run_section()
         log(bench_moe=sec)

@@ -21,11 +21,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import reference as _ref
 from pallas_kernels.moe import triton as _triton
-from pallas_kernels.moe.triton import MoeConfig
+from pallas_kernels.moe.triton import MoeConfig, select_config
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-DEFAULT_CONFIG = MoeConfig()
 
 
 def supports(*, platform: str, dtype, num_experts: int, hidden: int, inter: int) -> Optional[str]:
@@ -90,6 +89,10 @@ def _moe_experts(x, top_w, top_i, w_gate_up, w_down, *, backend, config):
     interpret = backend == "pallas_interpret"
     lay = _ref.moe_align(top_w, top_i, w_gate_up.shape[0], config.block_m)
     h = _triton.gate_up_silu(x, w_gate_up, lay.block_expert, lay.row_token, config=config, interpret=interpret)
+    if config.fused_combine:
+        out = _triton.down_combined(h, w_down, lay.block_expert, lay.row_token, lay.row_weight,
+                                    num_tokens=x.shape[0], config=config, interpret=interpret)
+        return out.astype(x.dtype)
     y = _triton.down_weighted(h, w_down, lay.block_expert, lay.row_token, lay.row_weight,
                               num_tokens=x.shape[0], config=config, interpret=interpret)
     return _ref.combine(y, lay.row_pos, x.dtype)
@@ -99,13 +102,17 @@ def moe_experts(x, top_w, top_i, w_gate_up, w_down, *, backend: str = "pallas",
                 config: Optional[MoeConfig] = None) -> jax.Array:
     """Routed experts of a sparse MoE (see module doc for shapes); [T, D] in x's dtype.
 
-    config: launch parameters of the Pallas kernels (block_m is also the XLA path's row block); None reads
-    the module's DEFAULT_CONFIG at call time.
+    config: launch parameters of the Pallas kernels (block_m is also the XLA path's row block); None picks one
+    from the static shapes with ``triton.select_config(T, k, E)`` (16-row blocks at decode sizes, 128 at
+    prefill sizes).
 
     Peak activation memory: Mp (I + D) itemsize for h and y plus T k D * 4 bytes for the fp32 combine, with
-    Mp = (ceil(T k / BM) + min(E, T k)) BM <= T k + E BM: O(T k (I + D)), never O(T E I).
+    Mp = (ceil(T k / BM) + min(E, T k)) BM <= T k + E BM: O(T k (I + D)), never O(T E I). With
+    ``config.fused_combine``: Mp I itemsize for h plus T D * 4 bytes for the fp32 output (no y).
     """
-    config = DEFAULT_CONFIG if config is None else config
+    if config is None:
+        config = select_config(x.shape[0], top_i.shape[1] if top_i.ndim == 2 else 1,
+                               w_gate_up.shape[0] if w_gate_up.ndim == 3 else 1)
     check_inputs(x, top_w, top_i, w_gate_up, w_down, backend=backend, config=config)
     if x.shape[0] == 0:
         return jnp.zeros(x.shape, x.dtype)

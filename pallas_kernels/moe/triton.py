@@ -38,10 +38,12 @@ class MoeConfig:
     gate_up_k: column / reduction blocks of kernel 1 (each program holds two [BM, BN] fp32 accumulators);
     down_n / down_k: the same for kernel 2; warps / stages per kernel (stages = Triton software pipelining of
     the reduction loop, cut to fit shared memory by ``fit_stages``); columns_fastest: launch order (``_grid``);
-    split_partial: blocks with at most BM / 2 live rows run a BM / 2-row tile (``_live_row_tiles``).
+    split_partial: blocks with at most BM / 2 live rows run a BM / 2-row tile (``_live_row_tiles``);
+    fused_combine: the down kernel's epilogue atomically adds routing-weighted rows into an fp32 [T, D] output
+    instead of writing y [Mp, D] for an XLA combine (``down_combined``; summation order not deterministic).
     A block larger than its dim is cut to the largest power of two dividing the dim. The defaults are the
     fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6" of benchmarks/gpu/moe_run.py;
-    NOTES.md)."""
+    NOTES.md); ``select_config`` picks smaller row blocks when there are few rows per expert (decode)."""
     block_m: int = 128
     gate_up_n: int = 128
     gate_up_k: int = 64
@@ -53,6 +55,26 @@ class MoeConfig:
     down_stages: int = 3
     columns_fastest: bool = True
     split_partial: bool = False      # BM / 2-row tiles for blocks at most half live; not yet measured on a GPU
+    fused_combine: bool = False      # down kernel adds its weighted rows into an fp32 [T, D] output (atomics)
+
+
+PREFILL_CONFIG = MoeConfig()
+# Few rows per expert (decode): 16-row blocks, so that an expert's rows mostly fit one block and every weight
+# tile is streamed once; narrower column blocks and 4 warps give more programs in flight (the layer is a
+# weight-streaming problem there, see NOTES.md "Decode sizes").
+DECODE_CONFIG = MoeConfig(block_m=16, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                          down_n=128, down_k=64, down_warps=4, down_stages=4)
+MID_CONFIG = MoeConfig(block_m=64, gate_up_n=128, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
+                       down_n=128, down_k=64, down_warps=4, down_stages=4)
+# (largest mean rows per expert T k / E, config): the first entry that holds is taken (``select_config``).
+CONFIG_LADDER = ((8.0, DECODE_CONFIG), (48.0, MID_CONFIG), (float("inf"), PREFILL_CONFIG))
+
+
+def select_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """Launch config from static shapes (trace time, never from the environment): the first CONFIG_LADDER entry
+    whose bound holds the mean rows per expert T k / E."""
+    rows = num_tokens * top_k / max(num_experts, 1)
+    return next(cfg for bound, cfg in CONFIG_LADDER if rows <= bound)
 
 
 def _grid(num_row_blocks: int, num_col_blocks: int, columns_fastest: bool):
@@ -144,15 +166,18 @@ def _gate_up_kernel(be_ref, tok_ref, x_ref, w_ref, h_ref, *, num_experts, num_to
                         compute=compute)
 
 
-def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, y_ref, *, num_experts, num_tokens, block_m, bn, bk,
-                 precision, pids, split_partial):
+def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, *out_refs, num_experts, num_tokens, block_m, bn, bk,
+                 precision, pids, split_partial, fused_combine, interpret):
+    """out_refs: (y_ref [Mp, D],) or, fused_combine, (aliased input, out_ref fp32 [T + 1, D])."""
     b, n = pids()
     e = be_ref[b]
     inter = h_ref.shape[1]
+    out_ref = out_refs[-1]
 
     def compute(m):
         rows = pl.ds(b * block_m, m)
-        valid = tok_ref[rows] < num_tokens                                    # [m]
+        tok = tok_ref[rows]                                                   # [m]
+        valid = tok < num_tokens
         vmask = jnp.broadcast_to(valid[:, None], (m, bk))
 
         def body(i, acc):
@@ -163,7 +188,15 @@ def _down_kernel(be_ref, tok_ref, wt_ref, h_ref, w_ref, y_ref, *, num_experts, n
 
         acc = lax.fori_loop(0, inter // bk, body, jnp.zeros((m, bn), jnp.float32))
         wt = jnp.where(valid, wt_ref[rows], 0.0)                              # [m] fp32
-        y_ref[rows, pl.ds(n * bn, bn)] = (acc * wt[:, None]).astype(y_ref.dtype)
+        if fused_combine:                                                     # out[tok] += weighted rows
+            # padding rows go to the spare row T (masked off on the GPU; interpret mode's atomic has no mask
+            # and adds their zeros there); a block holds each token at most once, so its rows never collide
+            cols = n * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+            mask = None if interpret else jnp.broadcast_to(valid[:, None], (m, bn))
+            plgpu.atomic_add(out_ref, (jnp.where(valid, tok, num_tokens)[:, None], cols), acc * wt[:, None],
+                             mask=mask)
+        else:
+            out_ref[rows, pl.ds(n * bn, bn)] = (acc * wt[:, None]).astype(out_ref.dtype)
 
     @pl.when(e < num_experts)
     def _():
@@ -192,21 +225,40 @@ def gate_up_silu(x, w_gate_up, block_expert, row_token, *, config: MoeConfig, in
     return call(block_expert, row_token, x, w_gate_up)
 
 
-def down_weighted(h, w_down, block_expert, row_token, row_weight, *, num_tokens: int, config: MoeConfig,
-                  interpret: bool):
-    """Kernel 2: y [Mp, D] = (h @ w_down[e]) * row_weight in h's dtype (rows of dead blocks unwritten)."""
+def _down_call(h, w_down, block_expert, *, num_tokens, config, interpret, out_shape, fused, name, **kw):
     e, inter, d = w_down.shape
     nb = block_expert.shape[0]
     bm = config.block_m
     bn, bk = fit_block(d, config.down_n), fit_block(inter, config.down_k)
     grid, pids = _grid(nb, d // bn, config.columns_fastest)
-    call = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_down_kernel, num_experts=e, num_tokens=num_tokens, block_m=bm, bn=bn, bk=bk,
-                          precision=_precision(h.dtype), pids=pids, split_partial=config.split_partial),
-        grid=grid,
-        out_shape=jax.ShapeDtypeStruct((nb * bm, d), h.dtype),
+                          precision=_precision(h.dtype), pids=pids, split_partial=config.split_partial,
+                          fused_combine=fused, interpret=interpret),
+        grid=grid, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
             num_warps=config.down_warps,
             num_stages=fit_stages(config.down_stages, (bm * bk + bk * bn) * h.dtype.itemsize)),
-        interpret=interpret, name="moe_down_weighted")
+        interpret=interpret, name=name, **kw)
+
+
+def down_weighted(h, w_down, block_expert, row_token, row_weight, *, num_tokens: int, config: MoeConfig,
+                  interpret: bool):
+    """Kernel 2: y [Mp, D] = (h @ w_down[e]) * row_weight in h's dtype (rows of dead blocks unwritten)."""
+    nb, d = block_expert.shape[0], w_down.shape[2]
+    call = _down_call(h, w_down, block_expert, num_tokens=num_tokens, config=config, interpret=interpret,
+                      out_shape=jax.ShapeDtypeStruct((nb * config.block_m, d), h.dtype), fused=False,
+                      name="moe_down_weighted")
     return call(block_expert, row_token, row_weight, h, w_down)
+
+
+def down_combined(h, w_down, block_expert, row_token, row_weight, *, num_tokens: int, config: MoeConfig,
+                  interpret: bool):
+    """Kernel 2 with the combine fused: out [T, D] fp32 = sum over each token's rows of (h @ w_down[e]) *
+    row_weight, added atomically by the epilogue (no y [Mp, D] buffer; fp32 adds in no fixed order)."""
+    d = w_down.shape[2]
+    out = jnp.zeros((num_tokens + 1, d), jnp.float32)                       # + a spare row for padding rows
+    call = _down_call(h, w_down, block_expert, num_tokens=num_tokens, config=config, interpret=interpret,
+                      out_shape=jax.ShapeDtypeStruct((num_tokens + 1, d), jnp.float32), fused=True,
+                      name="moe_down_combined", input_output_aliases={5: 0})
+    return call(block_expert, row_token, row_weight, h, w_down, out)[:num_tokens]
