@@ -11,6 +11,8 @@ Per layer (HF ``Qwen3NextAttention``):
 Parameters (one layer, a dict; linear weights stored [in, out] so that ``y = x @ W``):
   q_proj [D, H * 2 * Dh]  k_proj [D, Hkv * Dh]  v_proj [D, Hkv * Dh]  o_proj [H * Dh, D]
   q_norm [Dh]  k_norm [Dh]
+or, with the three projections in one GEMM (``fuse_qkv``), qkv_proj [D, H * 2 * Dh + 2 * Hkv * Dh] (columns:
+q_proj's, then k_proj's, then v_proj's) in place of q_proj / k_proj / v_proj.
 
 The cache side: new K/V are written to pool pages first (``write_kv_pages``), then every query attends to the
 keys of its own slot with position <= its own (``paged_attention``, or ``paged_attention_decode`` for one query
@@ -18,6 +20,11 @@ per stream): the earlier tokens of a continued stream come from the pages, the n
 live in ``pallas_kernels/paged_attention`` (api.py: checks and backend pick; reference.py: the XLA path;
 triton.py: the Pallas kernels). Nothing reads a value back to the host: the kernels' loop trip counts come
 from the device-side slot lengths, so one compiled program serves any lengths with the same (T, N).
+
+Prefill on the Pallas backends (``fused``, the default there): the q RMSNorm, q's RoPE and the output gate run
+inside the attention kernel (``paged_attention_gated``: it reads q_proj's raw output and writes o_proj's input),
+so the layer is GEMM -> k norm/RoPE + page writes -> one kernel -> GEMM. The XLA backend and decode take the
+unfused path (``attention_qkv``, the reference the fused one is tested against).
 """
 from __future__ import annotations
 
@@ -38,6 +45,35 @@ def attention_param_shapes(dims: AttnDims) -> dict:
             "o_proj": (h * dh, d), "q_norm": (dh,), "k_norm": (dh,)}
 
 
+def fuse_qkv(params: dict) -> dict:
+    """The same layer with q_proj, k_proj, v_proj concatenated once into qkv_proj [D, H 2 Dh + 2 Hkv Dh] (one
+    GEMM per call instead of three); the other entries are kept."""
+    out = {k: v for k, v in params.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    out["qkv_proj"] = jnp.concatenate([params["q_proj"], params["k_proj"], params["v_proj"]], axis=1)
+    return out
+
+
+def _project(params: dict, dims: AttnDims, hidden: jax.Array):
+    """hidden [T, D] -> (qg [T, C] with head h's [query | gate] at columns h 2 Dh .. (C >= H 2 Dh), k, v
+    [T, Hkv, Dh]); one GEMM with qkv_proj (qg is then the whole [T, H 2 Dh + 2 Hkv Dh] output), else three."""
+    t = hidden.shape[0]
+    h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    if "qkv_proj" in params:
+        y = hidden @ params["qkv_proj"]
+        q_cols = h * 2 * dh
+        k = y[:, q_cols:q_cols + hkv * dh].reshape(t, hkv, dh)
+        v = y[:, q_cols + hkv * dh:q_cols + 2 * hkv * dh].reshape(t, hkv, dh)
+        return y, k, v
+    k = (hidden @ params["k_proj"]).reshape(t, hkv, dh)
+    v = (hidden @ params["v_proj"]).reshape(t, hkv, dh)
+    return hidden @ params["q_proj"], k, v
+
+
+def _norm_rope_k(params: dict, dims: AttnDims, k: jax.Array, cos, sin):
+    k = rms_norm(k, params["k_norm"], dims.rms_norm_eps)
+    return apply_partial_rope(k, cos, sin) if dims.rotary_dim else k
+
+
 # ================================================================================================================
 # Stage 1: projections, q/k norms, RoPE
 # ================================================================================================================
@@ -48,18 +84,15 @@ def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: ja
     all in hidden's dtype.
     """
     t = hidden.shape[0]
-    h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    qg = (hidden @ params["q_proj"]).reshape(t, h, 2 * dh)           # per head [query | gate]
+    h, dh = dims.num_heads, dims.head_dim
+    y, k, v = _project(params, dims, hidden)
+    qg = y[:, :h * 2 * dh].reshape(t, h, 2 * dh)                     # per head [query | gate]
     q, gate = qg[..., :dh], qg[..., dh:]
-    k = (hidden @ params["k_proj"]).reshape(t, hkv, dh)
-    v = (hidden @ params["v_proj"]).reshape(t, hkv, dh)
     q = rms_norm(q, params["q_norm"], dims.rms_norm_eps)
-    k = rms_norm(k, params["k_norm"], dims.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, dims.rotary_dim, dims.rope_theta)
     if dims.rotary_dim:
-        cos, sin = rope_cos_sin(positions, dims.rotary_dim, dims.rope_theta)
         q = apply_partial_rope(q, cos, sin)
-        k = apply_partial_rope(k, cos, sin)
-    return q, k, v, gate
+    return q, _norm_rope_k(params, dims, k, cos, sin), v, gate
 
 
 # ================================================================================================================
@@ -102,7 +135,8 @@ def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slo
 # ================================================================================================================
 def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos: jax.Array,
                     token_page: jax.Array, token_offset: jax.Array, page_table: jax.Array, slot_lens: jax.Array,
-                    cu_seqlens: jax.Array, slot_ids: jax.Array, decode: bool = False, backend: str = "xla"):
+                    cu_seqlens: jax.Array, slot_ids: jax.Array, decode: bool = False, backend: str = "xla",
+                    fused: bool | None = None):
     """One gated attention layer over stacked tokens (prefill of N streams, or one decode step).
 
     hidden [T, D]; token_pos [T] int32 (absolute position, for RoPE); token_page / token_offset [T] int32 (where
@@ -111,6 +145,8 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     ``paged_attention`` for the padding contract). decode (static): one token per stream (T == N, token n is
     stream n's, cu_seqlens is then ignored) through ``paged_attention_decode``.
     backend: "xla" | "pallas" | "pallas_interpret" | "auto" (``pallas_kernels.paged_attention.api``).
+    fused (static): prefill through ``paged_attention_gated`` (q norm, RoPE and gate inside the kernel); None:
+    on the Pallas backends, not on "xla" (where it is the same math, unfused). Decode is always unfused.
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
@@ -120,9 +156,21 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     # metadata checks (values too when concrete) before anything is computed or written
     _pa.check_call(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=kv.num_pages, page_size=kv.page_size,
                    num_tokens=t, decode=decode)
+    scale = dims.head_dim ** -0.5
+    if fused is None:
+        fused = not decode and _pa.resolve_backend(
+            backend, dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads) in ("pallas", "pallas_interpret")
+    if fused and not decode:
+        y, k, v = _project(params, dims, hidden)
+        cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
+        kv = write_kv_pages(kv, _norm_rope_k(params, dims, k, cos, sin), v, token_page, token_offset)
+        o = _pa.paged_attention_gated(y, kv.k_pages, kv.v_pages, page_table, slot_lens, cu_seqlens, slot_ids,
+                                      q_norm=params["q_norm"], cos=cos, sin=sin, num_heads=dims.num_heads,
+                                      scale=scale, eps=dims.rms_norm_eps, backend=backend)   # [T, H * Dh]
+        return (o @ params["o_proj"]).astype(hidden.dtype), kv
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
     kv = write_kv_pages(kv, k, v, token_page, token_offset)
-    scale = dims.head_dim ** -0.5
     if decode:
         o = paged_attention_decode(q, kv, page_table, slot_lens, slot_ids, scale=scale, backend=backend)
     else:

@@ -5,12 +5,17 @@ Shape legend: T tokens, H heads, Dh head dim, R = rotary dims (the first ``Dh * 
 NeoX ("rotate half") layout: the rotary part is split into halves ``[x1 | x2]`` and rotated as
 ``[x1 cos - x2 sin | x2 cos + x1 sin]``; the remaining ``Dh - R`` dims pass through unchanged.
 Frequencies, cos and sin are fp32 (``inv_freq = 1 / theta^(2i/R)``, as HF computes them).
+``apply_partial_rope(x [T, H, Dh], cos, sin [T, R])`` lives in pallas_kernels.paged_attention.reference (the gated
+prefill kernel applies the same rotation to its query tile) and is re-exported here.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# one definition, beside the gated prefill kernel whose prologue applies the same rotation
+from pallas_kernels.paged_attention.reference import apply_partial_rope  # noqa: F401
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
@@ -27,18 +32,3 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float):
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)                           # [T, R]
     return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates the first R dims of ``x [T, H, Dh]`` with ``cos, sin [T, R]``; computed in fp32, returned in x.dtype."""
-    r = cos.shape[-1]
-    if x.ndim != 3 or cos.shape != (x.shape[0], r) or r > x.shape[-1]:
-        raise ValueError(f"apply_partial_rope: x must be [T, H, Dh] and cos/sin [T, R<=Dh]; got x "
-                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}")
-    x32 = x.astype(jnp.float32)
-    x_rot, x_pass = x32[..., :r], x32[..., r:]
-    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
-    return out.astype(x.dtype)

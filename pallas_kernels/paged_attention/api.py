@@ -7,6 +7,10 @@ reads kv head h // G), Dh head dim, P pages in the pool, Ps tokens per page, W p
                     cu_seqlens [N + 1] int32, slot_ids [N] int32, *, scale, backend="xla") -> o [T, H, Dh]
     paged_attention_decode(q [N, H, Dh], k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale,
                            backend="xla") -> o [N, H, Dh]
+    paged_attention_gated(qg [T, C], k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,
+                          q_norm [Dh], cos [T, R], sin [T, R], num_heads, scale, eps, backend="xla")
+        -> o [T, H * Dh]   (Qwen3-Next's gated attention prefill: q RMSNorm + partial RoPE on the raw q_proj
+                            output, attention, * sigmoid(gate); one kernel on the Pallas backends)
 
 slot_lens are the tokens each slot holds AFTER this call's K/V were written: query j of stream n (token
 cu[n] + j) sits at position slot_lens[slot] - (cu[n+1] - cu[n]) + j and attends causally to its slot's keys
@@ -241,6 +245,62 @@ def _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_id
     from pallas_kernels.paged_attention import triton as _triton
     return _triton.paged_attention_prefill(q, k_pages, v_pages, *args, scale=scale,
                                            interpret=backend == "pallas_interpret", config=config)
+
+
+def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, q_norm, cos, sin,
+                          num_heads: int, scale: float, eps: float = 1e-6, backend: str = "xla", config=None):
+    """Gated attention prefill from q_proj's raw output (reference.py's module docstring).
+
+    qg [T, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh ..; further columns, e.g. the k and v of a
+    fused projection, are not read); q_norm [Dh] (zero-centred RMSNorm weight); cos, sin [T, R] (R even, <= Dh;
+    R = 0: no RoPE) at each token's position; the rest as ``paged_attention``. Returns o [T, H * Dh] in qg's
+    dtype: sigmoid(gate) * attention(RoPE(RMSNorm(query))). On "pallas" / "pallas_interpret" the norm and RoPE
+    run on the kernel's query tile and the gate on its output tile (no pass over q or o outside the kernel)."""
+    if not hasattr(qg, "ndim") or qg.ndim != 2:
+        raise ValueError(f"qg must be [T, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [P, Ps, Hkv, Dh], got shape {list(k_pages.shape)}")
+    t, c = qg.shape
+    dh = k_pages.shape[3]
+    if num_heads < 1 or c < num_heads * 2 * dh:
+        raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
+                         f"[query | gate])")
+    _check_pool(jnp.zeros((0, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
+                "[T, H, Dh]")
+    if not hasattr(q_norm, "shape") or tuple(q_norm.shape) != (dh,):
+        raise ValueError(f"q_norm must have shape [Dh] = [{dh}], got {list(getattr(q_norm, 'shape', ()))}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if not hasattr(x, "shape") or x.ndim != 2 or x.shape[0] != t or x.shape != cos.shape:
+            raise ValueError(f"{name} must be [T, R] = [{t}, R] like cos, got {list(getattr(x, 'shape', ()))}")
+    r = cos.shape[1]
+    if r % 2 or r > dh:
+        raise ValueError(f"cos/sin: the rotary dims R={r} must be even and at most Dh={dh}")
+    if not hasattr(slot_ids, "shape") or len(slot_ids.shape) != 1:
+        raise ValueError(f"slot_ids must be int32 [N], got shape {list(getattr(slot_ids, 'shape', ()))}")
+    n = slot_ids.shape[0]
+    _check_int(slot_ids, "slot_ids", (n,), "[N]")
+    _check_int(cu_seqlens, "cu_seqlens", (n + 1,), "[N + 1]")
+    _check_values(cu_seqlens, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], t)
+    backend = resolve_backend(backend, dtype=qg.dtype, head_dim=dh, num_heads=num_heads,
+                              num_kv_heads=k_pages.shape[2], sizes={"qg": qg.size, "k_pages": k_pages.size})
+    if t == 0:
+        return jnp.zeros((0, num_heads * dh), qg.dtype)
+    return _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin,
+                      num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "scale", "backend", "config"))
+def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, *, num_heads,
+               eps, scale, backend, config):
+    args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
+    cos, sin = jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32)
+    if backend == "xla":
+        return reference.paged_attention_gated_xla(qg, k_pages, v_pages, *args, q_norm, cos, sin,
+                                                   num_heads=num_heads, eps=eps, scale=scale)
+    from pallas_kernels.paged_attention import triton as _triton
+    return _triton.paged_attention_prefill_gated(qg, k_pages, v_pages, *args, q_norm, cos, sin,
+                                                 num_heads=num_heads, eps=eps, scale=scale,
+                                                 interpret=backend == "pallas_interpret", config=config)
 
 
 def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale: float,

@@ -14,6 +14,12 @@ Semantics (both paths, and every kernel):
   outside [0, P) read nothing; such queries get zeros. Keys at positions >= slot_lens[s] (stale page tails, NaN or
   not) are never used.
 
+Gated prefill (``paged_attention_gated_xla``, Qwen3-Next / Qwen3.5 attention): the queries come as q_proj's raw
+output qg [T, C] (head h's [query | gate] at columns h 2 Dh ..); each query is RMS-normed over Dh (zero-centred
+weight: x / rms(x) * (1 + w), fp32, rounded to qg's dtype), its first R dims rotated by the partial NeoX RoPE
+(``apply_partial_rope``, fp32, rounded), then attended as above, and the output multiplied by sigmoid(gate):
+o [T, H * Dh] = o_proj's input.
+
 This module imports only jax.
 """
 from __future__ import annotations
@@ -144,6 +150,54 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, 
     dest = jnp.where(rows[None, :] < blocks.count[:, None], blocks.tok0[:, None] + rows[None, :], t)
     o = jnp.zeros((t + 1, h, dh), q.dtype).at[dest.reshape(-1)].set(out.reshape(-1, h, dh), mode="drop")
     return o[:t]
+
+
+def rms_norm_zc(x, w, eps: float):
+    """Zero-centred RMSNorm over the last axis, ``x / rms(x) * (1 + w)`` in fp32, returned in x's dtype (the
+    formula of jax_gdn.ops.norms.rms_norm, which the layers use)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_partial_rope(x, cos, sin):
+    """Rotates the first R dims of ``x [T, H, Dh]`` with ``cos, sin [T, R]`` (NeoX rotate-half: the rotary part
+    split into halves [x1 | x2] becomes [x1 cos - x2 sin | x2 cos + x1 sin]; dims R.. pass through); computed in
+    fp32, returned in x's dtype. (jax_gdn.layers.rope re-exports it.)"""
+    r = cos.shape[-1]
+    if x.ndim != 3 or cos.shape != (x.shape[0], r) or r > x.shape[-1]:
+        raise ValueError(f"apply_partial_rope: x must be [T, H, Dh] and cos/sin [T, R<=Dh]; got x "
+                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}")
+    x32 = x.astype(jnp.float32)
+    x_rot, x_pass = x32[..., :r], x32[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
+    return out.astype(x.dtype)
+
+
+def gated_query(qg, q_norm, cos, sin, *, num_heads: int, head_dim: int, eps: float):
+    """qg [T, C] (head h's [query | gate] at columns h 2 Dh ..) -> (q [T, H, Dh] normed and rotated, gate
+    [T, H, Dh]), both in qg's dtype."""
+    t = qg.shape[0]
+    x = qg[:, :num_heads * 2 * head_dim].reshape(t, num_heads, 2 * head_dim)
+    q, gate = x[..., :head_dim], x[..., head_dim:]
+    q = rms_norm_zc(q, q_norm, eps)
+    if cos.shape[-1]:
+        q = apply_partial_rope(q, cos, sin)
+    return q, gate
+
+
+def paged_attention_gated_xla(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin,
+                              *, num_heads: int, eps: float, scale: float):
+    """Gated prefill (module docstring): qg [T, C] -> o [T, H * Dh] in qg's dtype, = sigmoid(gate) *
+    attention(RoPE(RMSNorm(query))); zeros for padding tokens."""
+    dh = k_pages.shape[-1]
+    q, gate = gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+    o = paged_attention_xla(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, scale=scale)
+    o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return o.reshape(qg.shape[0], num_heads * dh)
 
 
 def paged_attention_decode_xla(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale: float):

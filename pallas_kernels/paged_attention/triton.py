@@ -142,8 +142,19 @@ def _online_step(carry, q, k, v, scale_log2, precision, *, mask=None, key_ok=Non
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill
 # ----------------------------------------------------------------------------------------------------------------
-def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
-                    group, block_q, block_m, block_k, page_size, num_pages, width, num_heads, scale, precision):
+@dataclasses.dataclass(frozen=True)
+class GatedQ:
+    """The gated prefill's prologue / epilogue (static). head_stride: columns per head in qg (2 Dh: [query |
+    gate]); rotary_dim: R, the rotated leading dims of each head (0: no RoPE); eps: the q RMSNorm's epsilon."""
+    head_stride: int
+    rotary_dim: int
+    eps: float
+
+
+def _prefill_kernel(*refs, group, block_q, block_m, block_k, page_size, num_pages, width, num_heads, scale,
+                    precision, head_stride, gated: GatedQ | None):
+    tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q_ref, k_ref, v_ref = refs[:9]
+    o_ref = refs[-1]
     hk = pl.program_id(0)
     b = pl.program_id(1)
     tok0 = tok0_ref[b]
@@ -151,15 +162,19 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
     slot = slot_ref[b]
     pos0 = pos0_ref[b]
     klen = klen_ref[b]
-    dh = q_ref.shape[-1]
+    dh = k_ref.shape[-1]
     scale_log2 = scale * _LOG2E
 
     i = _iota((block_m,), 0)
     tok = i // group
     row_ok = (i < block_q * group) & (tok < count)
-    qrow = (tok0 + tok) * num_heads + hk * group + i % group      # distinct rows (masked ones too: no clash)
+    trow = tok0 + tok                                             # query token of each row
+    head = hk * group + i % group
+    qcol = head * head_stride                                     # first column of the row's query in q_ref
     cols = _iota((1, dh), 1)
-    q = plgpu.load(q_ref.at[qrow[:, None], cols], mask=row_ok[:, None], other=0)     # [M, Dh]
+    q = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + cols], mask=row_ok[:, None], other=0)   # [M, Dh]
+    if gated is not None:
+        q = _gated_prologue(refs[9:-1], q_ref, q, trow, qcol, row_ok, gated, dh)
     qpos = pos0 + tok                                                                 # [M]
 
     def below(j, carry):            # key block entirely at or before the block's first query: no causal mask
@@ -180,17 +195,48 @@ def _prefill_kernel(tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q
     carry = lax.fori_loop(0, full, below, carry)
     _, l_i, acc = lax.fori_loop(full, steps, diagonal, carry)
     o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-    plgpu.store(o_ref.at[qrow[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
+    if gated is not None:           # o * sigmoid(gate): the gate sits Dh columns after the row's query
+        g = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + dh + cols], mask=row_ok[:, None], other=0)
+        o = o / (1.0 + jnp.exp2(g.astype(jnp.float32) * -_LOG2E))
+        o = jnp.where((l_i > 0)[:, None], o, 0.0)
+    ocol = head * dh
+    plgpu.store(o_ref.at[trow[:, None], ocol[:, None] + cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale,
-                            interpret=False, config: PrefillConfig | None = None):
-    """q [T, H, Dh]; k/v_pages [P, Ps, Hkv, Dh]; page_table [S, W], slot_lens [S], cu_seqlens [N + 1], slot_ids
-    [N] int32 -> o [T, H, Dh] in q's dtype (semantics: reference.py). Every output row is written (zeros for
-    padding tokens and streams with no slot)."""
-    config = config or prefill_config(q.dtype, q.shape[-1])
-    t, h, dh = q.shape
-    p, ps, hkv, _ = k_pages.shape
+def _gated_prologue(extra_refs, q_ref, q, trow, qcol, row_ok, gated: GatedQ, dh):
+    """q [M, Dh] (raw rows of q_proj's output) -> RoPE(RMSNorm(q)) in q's dtype, rounded where the XLA path
+    rounds (after the norm, after the rotation). extra_refs: (q_norm [Dh], and cos, sin [T, R] when R > 0)."""
+    qn_ref = extra_refs[0]
+    cols1 = _iota((dh,), 0)
+    x = q.astype(jnp.float32)
+    rs = lax.rsqrt(jnp.sum(x * x, axis=1) / dh + gated.eps)                          # [M]
+    w1 = 1.0 + plgpu.load(qn_ref.at[cols1]).astype(jnp.float32)                       # zero-centred weight
+    xn = (x * rs[:, None] * w1[None, :]).astype(q.dtype)
+    r = gated.rotary_dim
+    if not r:
+        return xn
+    cos_ref, sin_ref = extra_refs[1], extra_refs[2]
+    half = r // 2
+    pc1 = jnp.where(cols1 < half, cols1 + half, jnp.where(cols1 < r, cols1 - half, cols1))   # rotate-half partner
+    xp = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + pc1[None, :]], mask=row_ok[:, None], other=0)
+    wp = 1.0 + plgpu.load(qn_ref.at[pc1]).astype(jnp.float32)
+    xpn = (xp.astype(jnp.float32) * rs[:, None] * wp[None, :]).astype(q.dtype)
+    rot = cols1 < r
+    cidx = jnp.where(rot, cols1, 0)[None, :]
+    trow_c = jnp.where(row_ok, trow, 0)[:, None]
+    m2 = row_ok[:, None] & rot[None, :]
+    c = plgpu.load(cos_ref.at[trow_c, cidx], mask=m2, other=1.0)
+    s = plgpu.load(sin_ref.at[trow_c, cidx], mask=m2, other=0.0)
+    sign = jnp.where(cols1 < half, -1.0, 1.0)[None, :]
+    out = xn.astype(jnp.float32) * c + sign * xpn.astype(jnp.float32) * s
+    return out.astype(q.dtype)
+
+
+def _prefill_call(q2d, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, extra, *, num_heads,
+                  head_stride, gated, scale, interpret, config, out_dtype):
+    t = q2d.shape[0]
+    p, ps, hkv, dh = k_pages.shape
+    h = num_heads
     group = h // hkv
     block_m = max(16, _pow2(config.block_m), _pow2(group))
     block_q = block_m // group
@@ -202,14 +248,46 @@ def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqle
     nb = blocks.tok0.shape[0]
     kernel = functools.partial(
         _prefill_kernel, group=group, block_q=block_q, block_m=block_m, block_k=block_k, page_size=ps,
-        num_pages=p, width=page_table.shape[1], num_heads=h, scale=float(scale), precision=_precision(q.dtype))
+        num_pages=p, width=page_table.shape[1], num_heads=h, scale=float(scale),
+        precision=_precision(k_pages.dtype), head_stride=head_stride, gated=gated)
     call = pl.pallas_call(
-        kernel, grid=(hkv, nb), out_shape=jax.ShapeDtypeStruct((t * h, dh), q.dtype),
+        kernel, grid=(hkv, nb), out_shape=jax.ShapeDtypeStruct((t, h * dh), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name="paged_attention_prefill")
-    o = call(blocks.tok0, blocks.count, blocks.slot, blocks.pos0, blocks.klen, page_table,
-             q.reshape(t * h, dh), k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh))
+        interpret=interpret, name="paged_attention_prefill" + ("_gated" if gated else ""))
+    return call(blocks.tok0, blocks.count, blocks.slot, blocks.pos0, blocks.klen, page_table, q2d,
+                k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh), *extra)
+
+
+def paged_attention_prefill(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale,
+                            interpret=False, config: PrefillConfig | None = None):
+    """q [T, H, Dh]; k/v_pages [P, Ps, Hkv, Dh]; page_table [S, W], slot_lens [S], cu_seqlens [N + 1], slot_ids
+    [N] int32 -> o [T, H, Dh] in q's dtype (semantics: reference.py). Every output row is written (zeros for
+    padding tokens and streams with no slot)."""
+    config = config or prefill_config(q.dtype, q.shape[-1])
+    t, h, dh = q.shape
+    o = _prefill_call(q.reshape(t, h * dh), k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, (),
+                      num_heads=h, head_stride=dh, gated=None, scale=scale, interpret=interpret, config=config,
+                      out_dtype=q.dtype)
     return o.reshape(t, h, dh)
+
+
+def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos,
+                                  sin, *, num_heads, eps, scale, interpret=False,
+                                  config: PrefillConfig | None = None):
+    """The gated attention's prefill in one kernel (semantics: reference.paged_attention_gated_xla).
+
+    qg [T, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh .. h 2 Dh + 2 Dh - 1: q_proj's output, or
+    the first columns of a fused q/k/v projection); q_norm [Dh]; cos, sin [T, R] fp32 (R = 0: no RoPE);
+    k/v_pages, page_table, slot_lens, cu_seqlens, slot_ids as ``paged_attention_prefill``.
+    Prologue: the [M, Dh] query tile is RMS-normed (zero-centred weight) and rotated (partial NeoX RoPE);
+    epilogue: o * sigmoid(gate). Returns o [T, H * Dh] in qg's dtype (o_proj's input)."""
+    dh = k_pages.shape[-1]
+    config = config or prefill_config(qg.dtype, dh)
+    r = cos.shape[1]
+    extra = (q_norm,) + ((cos.astype(jnp.float32), sin.astype(jnp.float32)) if r else ())
+    return _prefill_call(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, extra,
+                         num_heads=num_heads, head_stride=2 * dh, scale=scale, interpret=interpret, config=config,
+                         gated=GatedQ(head_stride=2 * dh, rotary_dim=int(r), eps=float(eps)), out_dtype=qg.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.config import AttnDims
-from jax_gdn.layers.attention import attention_layer, write_kv_pages
+from jax_gdn.layers.attention import attention_layer, fuse_qkv, write_kv_pages
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
 from jax_gdn.state import KvPages
 from tests.numpy_reference import rel_rms
@@ -133,6 +133,38 @@ def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
         x = jnp.stack([xs[0][old[0]], xs[1][old[1]]])
         o, kv = _call(params, dims, kv, x, slots, old, [1, 1], page_table, ps, decode=True, backend=backend)
         np.testing.assert_allclose(np.asarray(o), ref[[old[0], 70 + old[1]]], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_fused_layer_matches_unfused(dtype, tol):
+    """The prefill with q norm, RoPE and gate inside the kernel (pallas_interpret, fused by default there), with
+    three projections or one fused qkv_proj, against the unfused XLA layer: same outputs, same pages written.
+    Streams of 1, 63, 64, 65 and 130 new tokens, two of them continuing, plus padding tokens."""
+    rng, dims, params = _layer_setup(3, dtype=dtype)
+    params = {k: v.astype(dtype) for k, v in params.items()}
+    ps, w, s = 8, 24, 6
+    page_table = rng.permutation(s * w).astype(np.int32).reshape(s, w)
+    kv0 = KvPages(jnp.full((s * w, ps, 2, 16), jnp.nan, dtype), jnp.full((s * w, ps, 2, 16), jnp.nan, dtype))
+    slots, old, new = [3, 0, 5, 1, 2], [0, 7, 0, 40, 0], [1, 63, 64, 65, 130]
+    # the context of the continued streams, written by an earlier (unfused) call
+    ctx_x = jnp.asarray(rng.standard_normal((47, 32)), dtype)
+    _, kv0 = _call(params, dims, kv0, ctx_x, [0, 1], [0, 0], [7, 40], page_table, ps, num_slots=s)
+    x = jnp.asarray(rng.standard_normal((sum(new) + 5, 32)), dtype)
+    ref, kv_ref = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s)
+    ref = np.asarray(ref.astype(jnp.float32))
+    for p in (params, fuse_qkv(params)):
+        out, kv = _call(p, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                        backend="pallas_interpret")
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.all(np.isfinite(out))
+        assert rel_rms(out[:sum(new)], ref[:sum(new)]) <= tol, sorted(p)
+        live = np.isfinite(np.asarray(kv_ref.k_pages.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.isfinite(np.asarray(kv.k_pages.astype(jnp.float32))), live)
+        np.testing.assert_allclose(np.asarray(kv.k_pages.astype(jnp.float32))[live],
+                                   np.asarray(kv_ref.k_pages.astype(jnp.float32))[live], rtol=tol, atol=tol)
+    # the XLA backend with the fused weight: the same (unfused) math
+    out, _ = _call(fuse_qkv(params), dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s)
+    assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
 
 
 def test_layer_rejects_bad_metadata_before_writing():
