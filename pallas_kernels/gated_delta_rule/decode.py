@@ -8,8 +8,11 @@ and writes the block back to the same slot (the pool is aliased: donated, it is 
 
     S = exp(g_t) S;   S = S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T (scale q_t)
 
-optionally with q_t, k_t L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``). The state bytes (read once,
-written once) are the whole cost: 256 streams x 32 heads x 128 x 128 fp32 is 0.54 GB each way.
+optionally with q_t, k_t L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``). With
+``DecodeConfig.fused_output`` (the default) it is computed from the loaded S as a = exp(g_t),
+delta = beta_t (v_t - a S^T k_t), o_t = scale (a S^T q_t + (q_t . k_t) delta), S = a S + k_t delta^T: the same
+numbers up to fp32 rounding, with two independent K reductions. The state bytes (read once, written once) are the
+whole cost: 256 streams x 32 heads x 128 x 128 fp32 is 0.54 GB each way.
 
 Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads, K / V head dims (powers of two
 >= 16: the entry point pads), BV value block.
@@ -44,20 +47,27 @@ class DecodeConfig:
     num_warps, num_stages: Triton's (one load per program: stages do not pipeline anything).
     v_fastest: grid (V / BV, Hv, N), the value block varying fastest in launch order, so the programs in flight
       together read neighbouring blocks of one slot (one contiguous [Hv, K, V] run of the pool); False: grid
-      (N, Hv, V / BV), stream fastest (each program's [K, BV] rows interleave with blocks read a wave later).
+      (N, Hv, V / BV), stream fastest.
     fused_output: o from the state as loaded, o = scale (a S^T q + (q . k) delta), so the two K reductions
-      (S^T k, S^T q) are independent and the store of the new state is last; False: o = S_new^T (scale q) after
-      the update (two reductions in a row).
+      (S^T k, S^T q) are independent and the new state's store does not wait on the second; False: o = S_new^T
+      (scale q) after the update (two reductions in a row).
+
+    Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
+    XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
+    default (BV 64 / 4 warps / stream fastest / unfused) 0.331; BV 128 / 8 warps 0.330; BV 32 0.34-0.36;
+    BV 16 0.43-0.44; BV 8 / 1 warp (FLA's shape) 0.546. Qwen3.5-397B heads (N64-Hv64): 0.170 against 0.194.
     """
     block_v: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 1
-    v_fastest: bool = False
-    fused_output: bool = False
+    v_fastest: bool = True
+    fused_output: bool = True
 
 
 def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
-    """The launch parameters for N streams x Hv heads x K x V (kernel dims), chosen at trace time."""
+    """The launch parameters for N streams x Hv heads x K x V (kernel dims), chosen at trace time: one config
+    measured best or within noise at every size swept (N 1 / 64 / 256, Hv 32 / 64, K = V = 128); for V < 64 the
+    value block is V (``fused_recurrent_slots`` clamps it)."""
     del n, hv, kdim, vdim
     return DecodeConfig()
 
