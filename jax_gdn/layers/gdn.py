@@ -217,12 +217,16 @@ class Phase1Proj(NamedTuple):
     z         [T, Hv, V]     output gate, activation dtype
     beta      [T, Hv]        sigmoid(b), fp32
     g         [T, Hv]        -exp(A_log) * softplus(a + dt_bias), fp32 log-decay (<= 0)
+    qkvz      [T, 2 Hk K + 2 Hv V] or None: qwen3_next's fused projection as it comes out of the matmul (grouped per
+              key head); mixed_qkv and z are views of it that ``phase1_conv1d_l2_varlen`` and ``phase3`` read in
+              place under jit (mixed_qkv is then never materialised). None for qwen3_5.
     """
 
     mixed_qkv: jax.Array
     z: jax.Array
     beta: jax.Array
     g: jax.Array
+    qkvz: Optional[jax.Array] = None
 
 
 def _linear(x, w):  # x [T, in], w [in, out] -> [T, out]
@@ -230,12 +234,14 @@ def _linear(x, w):  # x [T, in], w [in, out] -> [T, out]
 
 
 def _project(params: dict, dims: GdnDims, x: jax.Array):
-    """Normed hidden x [T, D] -> (mixed_qkv [T, conv_dim], z [T, Hv, V], b [T, Hv], a [T, Hv])."""
+    """Normed hidden x [T, D] -> (mixed_qkv [T, conv_dim], z [T, Hv, V], b [T, Hv], a [T, Hv], qkvz [T, 2 Hk K +
+    2 Hv V] for qwen3_next else None)."""
     t = x.shape[0]
     hk, hv, dk, dv, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.head_ratio
     if dims.layout == "qwen3_next":
         # per key head: [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)]  (HF fix_query_key_value_ordering)
-        qkvz = _linear(x, params["in_proj_qkvz"]).reshape(t, hk, 2 * dk + 2 * r * dv)
+        qkvz_flat = _linear(x, params["in_proj_qkvz"])
+        qkvz = qkvz_flat.reshape(t, hk, 2 * dk + 2 * r * dv)
         ba = _linear(x, params["in_proj_ba"]).reshape(t, hk, 2 * r)
         q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
         v, z = qkvz[..., 2 * dk:2 * dk + r * dv], qkvz[..., 2 * dk + r * dv:]
@@ -243,10 +249,11 @@ def _project(params: dict, dims: GdnDims, x: jax.Array):
         mixed_qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
         z = z.reshape(t, hv, dv)
     else:
+        qkvz_flat = None
         mixed_qkv = _linear(x, params["in_proj_qkv"])
         z = _linear(x, params["in_proj_z"]).reshape(t, hv, dv)
         b, a = _linear(x, params["in_proj_b"]), _linear(x, params["in_proj_a"])
-    return mixed_qkv, z, b, a
+    return mixed_qkv, z, b, a, qkvz_flat
 
 
 def _gates(params: dict, b, a):
@@ -263,9 +270,9 @@ def phase1_proj_batched(params: dict, dims: GdnDims, hidden: jax.Array) -> Phase
     """
     _check_hidden(hidden, dims)
     x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
-    mixed_qkv, z, b, a = _project(params, dims, x)
+    mixed_qkv, z, b, a, qkvz = _project(params, dims, x)
     beta, g = _gates(params, b, a)
-    return Phase1Proj(mixed_qkv, z, beta, g)
+    return Phase1Proj(mixed_qkv, z, beta, g, qkvz)
 
 
 def phase1_conv1d_one(params: dict, dims: GdnDims, mixed_qkv: jax.Array, slots: GdnSlots, slot,
@@ -314,6 +321,54 @@ def phase1_l2_batched(dims: GdnDims, conv_out: jax.Array) -> tuple[jax.Array, ja
     k = conv_out[:, kd:2 * kd].reshape(t, dims.num_k_heads, dims.head_k_dim)
     v = conv_out[:, 2 * kd:].reshape(t, dims.num_v_heads, dims.head_v_dim)
     return l2norm(q), l2norm(k), v
+
+
+def conv_l2_backend(backend: str, dims: GdnDims, dtype) -> str:
+    """The implementation of the fused conv + SiLU + L2 norm (``pallas_kernels.conv1d``) that goes with the GDN
+    backend ``backend``: "pallas" -> the Triton kernel when it takes these dims on this platform, "pallas_interpret"
+    -> its interpret mode (when it takes the dims), anything else (or a refusal) -> "xla". Static."""
+    from pallas_kernels.conv1d import api as conv_api
+    resolved = gdn_ops.resolve_backend(backend)
+    if resolved not in ("pallas", "pallas_interpret"):
+        return "xla"
+    why = conv_api.supports(platform=jax.default_backend(), dtype=dtype, head_k_dim=dims.head_k_dim,
+                            head_v_dim=dims.head_v_dim, interpret=resolved == "pallas_interpret")
+    return resolved if why is None else "xla"
+
+
+def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: GdnSlots, meta: BatchMeta, *,
+                            backend: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array, GdnSlots]:
+    """``phase1_conv1d_varlen`` then ``phase1_l2_batched`` in one pass: causal conv + SiLU of all requests from
+    their slots' conv states, then the L2 norm of each q and k head taken of the fp32 conv output (the two-step
+    form rounds the conv output to the activation dtype first).
+
+    p1: phase1_proj_batched's output (qwen3_next with K == V: the fused projection ``p1.qkvz`` is read in place,
+    no [T, conv_dim] reorder); meta: cu_seqlens [N+1], slot_ids [N], has_initial_state [N].
+    backend: "xla", "pallas" (Triton kernel, GPU) or "pallas_interpret" (``conv_l2_backend`` maps a GDN backend to
+    one of them). Returns (q [T, Hk, K], k [T, Hk, K], v [T, Hv, V] in the activation dtype, slots with the N
+    streams' conv states advanced).
+    """
+    from pallas_kernels.conv1d import api as conv_api
+    from pallas_kernels.conv1d.reference import qkvz_block_cols
+    num_slots = _check_slots(slots, dims)
+    if jnp.ndim(p1.mixed_qkv) != 2 or jnp.shape(p1.mixed_qkv)[1] != dims.conv_dim:
+        raise ValueError(f"p1.mixed_qkv must have shape [T, conv_dim] with conv_dim = {dims.conv_dim}, "
+                         f"got {tuple(jnp.shape(p1.mixed_qkv))}")
+    t = p1.mixed_qkv.shape[0]
+    _check_meta(meta, t, num_slots)
+    hk, hv, dk, dv = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    if dk != dv:   # the fused op works per head block of one size: the two-step form
+        conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
+        q, k, v = phase1_l2_batched(dims, conv_out)
+        return q, k, v, slots
+    if p1.qkvz is not None:
+        src, cols = p1.qkvz, qkvz_block_cols(hk, hv, dk)
+    else:
+        src, cols = p1.mixed_qkv, None
+    q, k, v, pool = conv_api.causal_conv1d_l2_varlen(
+        src, params["conv1d"], slots.conv_state, meta.cu_seqlens, meta.slot_ids, meta.has_initial_state,
+        num_k_heads=hk, num_v_heads=hv, head_dim=dk, block_cols=cols, backend=backend)
+    return q, k, v, slots.replace(conv_state=pool)
 
 
 # ================================================================================================================
@@ -539,7 +594,7 @@ def gdn_layer_monolithic(params: dict, dims: GdnDims, hidden: jax.Array, slots: 
     has_init = jnp.asarray(has_initial_state, bool)
 
     x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
-    mixed_qkv, z, b, a = _project(params, dims, x)
+    mixed_qkv, z, b, a, _ = _project(params, dims, x)
     beta, g = _gates(params, b, a)
 
     # ---- causal depthwise conv: prefix the stream's last Kc-1 inputs, VALID conv, SiLU ----
