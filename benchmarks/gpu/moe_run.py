@@ -2,7 +2,7 @@
 Pallas grouped-GEMM kernels for a few launch configs, the per-kernel split, the XLA path, and peak memory.
 
     python benchmarks/gpu/moe_run.py [--configs c0,c1,...] [--tokens 19027,8192]
-    python benchmarks/gpu/moe_run.py --mode decode [--tokens 64,256,8,1,1024,8192] [--budget-s 70]
+    python benchmarks/gpu/moe_run.py --mode decode [--plan 1|2] [--tokens 64,256,...] [--budget-s 70]
         decode sizes: a config sweep per token count (the 16-row-block configs d16*, d32, m64 against the
         prefill default c6; c6s split_partial and c6f fused combine at 8192), each against an fp32 oracle on a
         token slice, then the whole layer (pallas with c6 and with the best config, xla) beside the bytes floor
@@ -150,7 +150,7 @@ def sweep(p, t, names, table, deadline, split=(), layer_cfgs=(), xla=True):
         if time.perf_counter() > deadline:
             log(tokens=t, impl=f"pallas {name}", skipped="deadline")
             continue
-        cfg = CONFIGS[name]
+        cfg = tr.select_config(t, K, E) if name == "sel" else CONFIGS[name]      # sel: what the api picks
         row = {"tokens": t, "impl": f"pallas {name}", "floor_ms": round(max(bfloor, flops / 700e12 * 1e3), 4)}
         try:
             fn = jax.jit(lambda x, tw, ti, a, b, cfg=cfg: api.moe_experts(x, tw, ti, a, b, backend=BACKEND,
@@ -195,7 +195,7 @@ def sweep(p, t, names, table, deadline, split=(), layer_cfgs=(), xla=True):
         row = {"tokens": t, "impl": f"layer {be}" + (f" {name}" if name else ""),
                "floor_ms": round(max(bfloor, flops / 700e12 * 1e3), 4)}
         try:
-            cfg = CONFIGS[name] if name else None
+            cfg = CONFIGS[name] if name and name != "sel" else None            # sel: moe_config=None
             fn = jax.jit(lambda p, x, be=be, cfg=cfg: sparse_moe(p, x, top_k=K, norm_topk_prob=True, backend=be,
                                                                  moe_config=cfg))
             row["layer_ms"] = round(time_jax(fn, (p, x), **reps), 4)
@@ -216,17 +216,22 @@ def decode_main(args):
     p = params_80b(jax.random.PRNGKey(0), e=E, d=D, inter=I, si=SI)
     jax.block_until_ready(p)
     table = []
-    plan = {  # tokens -> (configs swept, configs with a kernel split, configs of the layer rows)
-        64: ("d16a", "c6", "d16b", "d16c", "d16d", "d16e", "d32", "d16f"),
-        256: ("d16a", "c6", "d16d", "d32", "m64"),
-        8: ("d16a", "c6", "d16c"),
-        1: ("d16a", "c6", "d16c"),
-        1024: ("c6", "m64", "d32"),
-        8192: ("c6", "c6s", "c6f"),
-    }
+    # tokens -> (configs swept, configs with a kernel split, layer rows besides the best, xla layer row)
+    # run 1 (log benchmarks/logs/moe_h200_decode_run1.json): the first sweep at decode sizes
+    plan1 = {64: (("d16a", "c6", "d16b", "d16c", "d16d", "d16e", "d32", "d16f"), ("c6", "d16a"), ("c6",), True),
+             256: (("d16a", "c6", "d16d", "d32", "m64"), (), ("c6",), True),
+             8: (("d16a", "c6", "d16c"), (), ("c6",), True), 1: (("d16a", "c6", "d16c"), (), ("c6",), True),
+             1024: (("c6", "m64", "d32"), (), ("c6",), False), 8192: (("c6", "c6s", "c6f"), (), ("c6",), False)}
+    # run 2: "sel" = select_config's pick (align without the searchsorted loop), the ladder's crossovers, and
+    # split_partial / fused combine at prefill sizes
+    plan2 = {64: (("sel", "d16f", "c6"), ("sel",), ("c6", "sel"), False), 1: (("sel",), (), ("sel",), False),
+             8: (("sel",), (), ("sel",), False), 256: (("sel",), (), ("sel",), False),
+             2048: (("d32", "m64", "c6s"), (), (), False), 4096: (("m64", "c6s"), (), (), False),
+             8192: (("c6s",), (), (), False), 19027: (("c6", "c6s", "c6f"), (), ("sel",), False)}
+    plan = plan1 if args.plan == 1 else plan2
     for t in [int(v) for v in args.tokens.split(",")]:
-        sweep(p, t, plan.get(t, ("c6", "d16a")), table, deadline,
-              split=("c6", "d16a") if t == 64 else (), layer_cfgs=("c6",), xla=t <= 256)
+        names, split, layers, xla = plan.get(t, (("sel", "c6"), (), ("sel",), False))
+        sweep(p, t, names, table, deadline, split=split, layer_cfgs=layers, xla=xla)
     with open(os.path.join(OUT, "moe_run.json"), "w") as f:
         json.dump(LOG, f, indent=1)
     print(f"\nwall {time.perf_counter() - t_start:.1f} s")
@@ -249,10 +254,11 @@ def main():
                     help="decode: per-size config sweep (tokens default 64,256,8,1,1024,8192) and layer rows")
     ap.add_argument("--budget-s", type=float, default=70.0, help="decode mode: stop sweeping after this")
     ap.add_argument("--dry", action="store_true", help="decode mode: tiny dims, interpret mode (CPU)")
+    ap.add_argument("--plan", type=int, default=2, help="decode mode: 1 = run 1's sweep, 2 = run 2's")
     args = ap.parse_args()
     if args.mode == "decode":
         if args.tokens == "19027,8192":
-            args.tokens = "64,256,8,1,1024,8192"
+            args.tokens = "64,256,8,1,1024,8192" if args.plan == 1 else "64,1,8,256,2048,4096,8192,19027"
         return decode_main(args)
     jax.config.update("jax_default_matmul_precision", "highest")       # fp32 checks: no TF32
     log(device=jax.devices()[0].device_kind, jax=jax.__version__)

@@ -75,8 +75,12 @@ def moe_align(top_w: jax.Array, top_i: jax.Array, num_experts: int, block_m: int
     row_token = row_copy // k                                               # padding -> m // k == T
     w_ext = jnp.concatenate([top_w.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     row_weight = w_ext[row_copy]                                            # padding -> 0
-    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(nb, dtype=jnp.int32),
-                                    side="right").astype(jnp.int32)        # [NB], E past the live blocks
+    # block b belongs to the number of experts whose blocks end at or before b (E past the live blocks): a
+    # compare-and-count over [NB, E] (one fused reduction; jnp.searchsorted's default is a while loop, a chain
+    # of small kernels on the GPU)
+    ends = jnp.cumsum(blocks)                                               # [E]
+    block_expert = jnp.sum(ends[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None], axis=1,
+                           dtype=jnp.int32)                                 # [NB]
     row_pos = jnp.zeros((m,), jnp.int32).at[order].set(dest).reshape(t, k)
     return MoeLayout(row_token, row_weight, block_expert, row_pos)
 

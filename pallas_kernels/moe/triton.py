@@ -54,20 +54,23 @@ class MoeConfig:
     down_warps: int = 8
     down_stages: int = 3
     columns_fastest: bool = True
-    split_partial: bool = False      # BM / 2-row tiles for blocks at most half live; not yet measured on a GPU
+    split_partial: bool = False      # BM / 2-row tiles for blocks at most half live (on in PREFILL_CONFIG)
     fused_combine: bool = False      # down kernel adds its weighted rows into an fp32 [T, D] output (atomics)
 
 
-PREFILL_CONFIG = MoeConfig()
+# Launch configs by mean rows per expert r = T k / E (H200 sweeps of benchmarks/gpu/moe_run.py --mode decode,
+# NOTES.md "Decode sizes"). Many rows per expert (prefill): c6 + half tiles for an expert's partial last block.
+PREFILL_CONFIG = MoeConfig(split_partial=True)
 # Few rows per expert (decode): 16-row blocks, so that an expert's rows mostly fit one block and every weight
 # tile is streamed once; narrower column blocks and 4 warps give more programs in flight (the layer is a
-# weight-streaming problem there, see NOTES.md "Decode sizes").
+# weight-streaming problem there).
 DECODE_CONFIG = MoeConfig(block_m=16, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                           down_n=128, down_k=64, down_warps=4, down_stages=4)
+D32_CONFIG = dataclasses.replace(DECODE_CONFIG, block_m=32)
 MID_CONFIG = MoeConfig(block_m=64, gate_up_n=128, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                        down_n=128, down_k=64, down_warps=4, down_stages=4)
-# (largest mean rows per expert T k / E, config): the first entry that holds is taken (``select_config``).
-CONFIG_LADDER = ((8.0, DECODE_CONFIG), (48.0, MID_CONFIG), (float("inf"), PREFILL_CONFIG))
+# (largest r, config): the first entry whose bound holds is taken (``select_config``).
+CONFIG_LADDER = ((8.0, DECODE_CONFIG), (32.0, D32_CONFIG), (96.0, MID_CONFIG), (float("inf"), PREFILL_CONFIG))
 
 
 def select_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
