@@ -51,6 +51,9 @@ class DecodeConfig:
     fused_output: o from the state as loaded, o = scale (a S^T q + (q . k) delta), so the two K reductions
       (S^T k, S^T q) are independent and the new state's store does not wait on the second; False: o = S_new^T
       (scale q) after the update (two reductions in a row).
+    programs: 0, one program per (stream, head, value block); P > 0, a persistent grid of P programs, each
+      running every P-th block with the next block's state load issued before the current block's store
+      (v_fastest does not apply: blocks are numbered value block fastest). Not measured yet: off by default.
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -62,6 +65,7 @@ class DecodeConfig:
     num_stages: int = 1
     v_fastest: bool = True
     fused_output: bool = True
+    programs: int = 0
 
 
 def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
@@ -72,20 +76,10 @@ def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
     return DecodeConfig()
 
 
-def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
-                   group, block_v, scale, use_qk_l2norm, num_tokens, v_fastest, fused_output):
-    if v_fastest:
-        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // group
-    vs = pl.ds(vb * block_v, block_v)
-    num_slots = pool_in_ref.shape[0]
-    slot = slot_ref[n]
-    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
-    read_slot = jnp.clip(slot, 0, num_slots - 1)
-    s = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                    # [K, BV]
-    s = jnp.where((has_ref[n] != 0) & in_pool, s, 0.0)                          # select: a stale NaN never leaks
+def _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, *, n, h, hk, vs, scale, use_qk_l2norm, num_tokens,
+                fused_output, o_mask=None):
+    """The T tokens of stream n on value head h's [K, BV] state block ``s`` (columns ``vs``); stores o (masked by
+    ``o_mask`` [BV] when given) and returns the new block."""
 
     def token(t, s):
         q = q_ref[n, t, hk, :].astype(jnp.float32)                              # [K]
@@ -107,17 +101,76 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool
             delta = beta * (v - jnp.sum(k[:, None] * s, axis=0))                # [BV]
             s = s + k[:, None] * delta[None, :]
             o = jnp.sum((scale * q)[:, None] * s, axis=0)
-        o_ref[n, t, h, vs] = o.astype(o_ref.dtype)
+        if o_mask is None:
+            o_ref[n, t, h, vs] = o.astype(o_ref.dtype)
+        else:
+            plgpu.store(o_ref.at[n, jnp.int32(t), h, vs], o.astype(o_ref.dtype), mask=o_mask)   # int: interpret
         return s
 
     if num_tokens == 1:
-        s = token(0, s)
+        return token(0, s)
+    return lax.fori_loop(0, num_tokens, token, s)
+
+
+def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
+                   group, block_v, v_fastest, **token_args):
+    """One program per (stream, value head, value block)."""
+    if v_fastest:
+        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:
-        s = lax.fori_loop(0, num_tokens, token, s)
+        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    num_slots = pool_in_ref.shape[0]
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
+    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    s = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                    # [K, BV]
+    s = jnp.where((has_ref[n] != 0) & in_pool, s, 0.0)                          # select: a stale NaN never leaks
+    s = _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, n=n, h=h, hk=h // group, vs=vs, **token_args)
 
     @pl.when(in_pool)
     def _():
         pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+
+def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref,
+                              pool_out_ref, *, group, block_v, num_programs, trips, **token_args):
+    """P programs; program p runs blocks b = p, p + P, p + 2P, ... (b -> (n, h, vb), vb fastest) and loads block
+    b + P's state before storing block b's, so one block's load is in flight while the previous one computes.
+    Blocks past the last (b >= N Hv V / BV) are masked: no load, no store."""
+    _, _, hv, vdim = v_ref.shape
+    num_slots, _, kdim, _ = pool_in_ref.shape
+    nvb = vdim // block_v
+    total = slot_ref.shape[0] * hv * nvb
+
+    def locate(b):
+        valid = b < total
+        b = jnp.minimum(b, total - 1)
+        n, h, vb = b // (nvb * hv), (b // nvb) % hv, b % nvb
+        slot = slot_ref[n]
+        in_pool = valid & (slot >= 0) & (slot < num_slots)
+        return valid, n, h, pl.ds(vb * block_v, block_v), in_pool, jnp.clip(slot, 0, num_slots - 1)
+
+    def load(b):
+        _, n, h, vs, in_pool, read_slot = locate(b)
+        fresh_or_none = jnp.logical_not(in_pool & (has_ref[n] != 0))           # masked: zeros, no bytes read
+        return plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(~fresh_or_none,
+                                                                                     (kdim, block_v)),
+                          other=0.0).astype(jnp.float32)
+
+    pid = pl.program_id(0)                              # read outside the loop (interpret mode needs it there)
+
+    def block(i, s):
+        b = pid + i * num_programs
+        s_next = load(b + num_programs)                                        # issued before this block's stores
+        valid, n, h, vs, in_pool, read_slot = locate(b)
+        s = _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, n=n, h=h, hk=h // group, vs=vs,
+                        o_mask=jnp.broadcast_to(valid, (block_v,)), **token_args)
+        plgpu.store(pool_out_ref.at[read_slot, h, :, vs], s.astype(pool_out_ref.dtype),
+                    mask=jnp.broadcast_to(in_pool, (kdim, block_v)))
+        return s_next
+
+    lax.fori_loop(0, trips, block, load(pid))
 
 
 def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm,
@@ -134,11 +187,20 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
     operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
                     q=q, k=k, v=v, g=g, beta=beta, pool=pool)
     nvb = vdim // block_v
+    common = dict(group=hv // hk, block_v=block_v, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                  num_tokens=t, fused_output=config.fused_output)
+    total = n * hv * nvb
+    if config.programs:
+        programs = min(config.programs, total)
+        kernel = functools.partial(_decode_persistent_kernel, num_programs=programs, trips=-(-total // programs),
+                                   **common)
+        grid = (programs,)
+    else:
+        kernel = functools.partial(_decode_kernel, v_fastest=config.v_fastest, **common)
+        grid = (nvb, hv, n) if config.v_fastest else (n, hv, nvb)
     call = pl.pallas_call(
-        functools.partial(_decode_kernel, group=hv // hk, block_v=block_v, scale=float(scale),
-                          use_qk_l2norm=bool(use_qk_l2norm), num_tokens=t, v_fastest=config.v_fastest,
-                          fused_output=config.fused_output),
-        grid=(nvb, hv, n) if config.v_fastest else (n, hv, nvb),
+        kernel,
+        grid=grid,
         out_shape=(jax.ShapeDtypeStruct((n, t, hv, vdim), v.dtype),
                    jax.ShapeDtypeStruct(pool.shape, jnp.float32)),
         input_output_aliases={list(operands).index("pool"): 1},

@@ -76,17 +76,18 @@ def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
 # every launch variant the sweep can pick (DecodeConfig): grid order, output form, value block (16: two blocks of
 # V = 32; 128: clamped to one block), straight through the kernel entry point in interpret mode
 CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf in (True, False)
-           for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)]
+           for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)] + [
+           decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)]      # persistent: 5 divides no count
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}")
 @pytest.mark.parametrize("t", [1, 3])
 def test_decode_configs_interpret(config, t):
     n, s, hk, hv, dk, dv = 4, 6, 1, 3, 16, 32
     xs, pool = _case(40 + t, n, t, hk, hv, dk, dv, s)
     xs[3][0, 0, 1] = -np.inf                              # a hard reset (a = 0) on one head of one stream
-    ids = np.array([5, s, 1, -1], np.int32)
-    has = np.array([True, True, False, True])
+    ids = np.array([1, s, -1, 5], np.int32)              # the last block is a real one (a persistent grid's
+    has = np.array([False, True, True, True])            # masked extra trip would clobber it)
     pool[1] = np.nan                                      # stale slot read as zeros (has False)
     pool[3] = np.nan                                      # untouched: stays NaN
     o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
