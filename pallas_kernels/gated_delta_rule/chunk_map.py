@@ -53,6 +53,16 @@ class ChunkMap(NamedTuple):
     token_offset: jax.Array
 
 
+def count_le(ends: jax.Array, size: int) -> jax.Array:
+    """[size] int32: for each i in [0, size), how many entries of the non-decreasing int array ``ends`` are <= i
+    (``jnp.searchsorted(ends, arange(size), side="right")``), as one scatter-add and one cumsum: no loop, where
+    searchsorted's binary search is a while loop of log2(len(ends)) steps (a serial chain of small kernels on
+    the GPU)."""
+    ends = jnp.asarray(ends).astype(jnp.int32)
+    marks = jnp.zeros((size + 1,), jnp.int32).at[jnp.clip(ends, 0, size)].add(1)
+    return jnp.cumsum(marks[:size], dtype=jnp.int32)
+
+
 def token_streams(cu_seqlens: jax.Array, total_len: int) -> tuple[jax.Array, jax.Array]:
     """Per token of a packed row: (stream [T] int32, position inside its stream [T] int32).
 
@@ -61,7 +71,7 @@ def token_streams(cu_seqlens: jax.Array, total_len: int) -> tuple[jax.Array, jax
     cu = cu_seqlens.astype(jnp.int32)
     n = cu.shape[0] - 1
     t = jnp.arange(total_len, dtype=jnp.int32)
-    stream = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    stream = jnp.clip(count_le(cu, total_len) - 1, 0, n - 1)      # searchsorted(cu, t, "right") - 1
     return stream, t - cu[stream]
 
 
@@ -107,8 +117,7 @@ def build_chunk_map(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64)
 
     c = jnp.arange(nc, dtype=jnp.int32)
     valid = c < chunk_end[-1]
-    seq = jnp.searchsorted(chunk_end, c, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, n - 1)
+    seq = jnp.minimum(count_le(chunk_end, nc), n - 1)          # searchsorted(chunk_end, c, "right")
     j = c - seq_first_chunk[seq]                                # chunk index inside its sequence
     start = cu[seq] + j * chunk_size
     length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, chunk_size), 0)
@@ -142,6 +151,12 @@ def dense_chunk_map(batch: int, seq_len: int, chunk_size: int = 64):
         start, length = np.zeros(1), np.zeros(1)
     i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
     return i32(start), i32(length), i32(first), i32(num)
+
+
+def launch_order(seq_num_chunks: jax.Array) -> jax.Array:
+    """[N] int32: the sequences by decreasing chunk count (ties in index order), the order in which the state pass
+    launches them: the longest serial loops start first and the short ones fill in behind them."""
+    return jnp.argsort(-jnp.asarray(seq_num_chunks).astype(jnp.int32), stable=True).astype(jnp.int32)
 
 
 def kernel_chunk_map(batch: int, seq_len: int, cu_seqlens, chunk_size: int = 64, chunk_map: ChunkMap = None):

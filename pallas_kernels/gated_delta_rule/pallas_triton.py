@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
+from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map, launch_order
 # log-decays below G_FLOOR (-128) are raised to it on load in 1a: exp(g) is 0 in fp32 below -104 either way, and
 # the floor keeps the chunk's cumulative gates finite (g = -inf, a hard reset, would give -inf - -inf = NaN)
 from pallas_kernels.gated_delta_rule.reference import G_FLOOR, floor_log_decay  # noqa: F401
@@ -54,14 +54,16 @@ class LaunchConfig:
     """Launch parameters of the three pallas_calls (H200 measurements in NOTES.md chose the defaults).
 
     solve_warps / solve_block_k: stage 1a's warps and the k columns it reads per step; wu_warps: stage 1b;
-    block_v / state_warps / state_stages: stage 2's value block (None: chosen from the program count by
-    api._block_v), warps and software-pipelining depth."""
+    fused_intra: stages 1a and 1b as one pallas_call (``gdn_intra_fused``, 16-row blocks, solve_warps warps,
+    T never leaves the chip); block_v / state_warps / state_stages: stage 2's value block (None: chosen from the
+    program count by _block_v), warps and software-pipelining depth (None: chosen by launch_config)."""
     solve_warps: int = 1
     solve_block_k: int = 128
     wu_warps: int = 4
+    fused_intra: bool = False
     block_v: int | None = None
     state_warps: int = 4
-    state_stages: int = 3
+    state_stages: int | None = None
 
 
 def _compiler_params(num_warps, num_stages):
@@ -102,10 +104,19 @@ def _kkt_solve_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, t_ref, gcum_re
     1-2 warps so that the row reductions of the forward substitution stay inside a warp). k is read block_k
     columns at a time. Writes T in the input dtype (zeros above the diagonal) and G fp32."""
     c = pl.program_id(0)
-    h = pl.program_id(1)
-    hk = h // group
-    start = start_ref[c]
+    h = pl.program_id(1)          # (program ids read outside pl.when: interpret mode cannot read them inside)
     length = len_ref[c]
+
+    @pl.when(length > 0)          # padding chunk slots (length 0) are never read: compute and store nothing
+    def _():
+        _kkt_solve_body(c, h, start_ref[c], length, k_ref, g_ref, beta_ref, t_ref, gcum_ref,
+                        chunk=chunk, group=group, dtype=dtype, precision=precision,
+                        merge_precision=merge_precision, block_k=block_k)
+
+
+def _kkt_solve_body(c, h, start, length, k_ref, g_ref, beta_ref, t_ref, gcum_ref, *, chunk, group, dtype,
+                    precision, merge_precision, block_k):
+    hk = h // group
     nb = chunk // SUB
     kdim = k_ref.shape[-1]
 
@@ -162,12 +173,20 @@ def _kkt_solve_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, t_ref, gcum_re
 def _wu_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_ref, w_ref, u_ref, aqk_ref, *,
                chunk, group, scale, dtype, precision):
     """Stage 1b, grid (NC, Hv), whole-chunk tiles: w = T (beta e^G k), u = T (beta v),
-    Aqk = scale (q k^T) e^(G_i - G_j) (lower, diagonal included)."""
+    Aqk = scale (q k^T) e^(G_i - G_j) (lower, diagonal included). Padding chunk slots (length 0) store nothing."""
     c = pl.program_id(0)
     h = pl.program_id(1)
-    hk = h // group
-    start = start_ref[c]
     length = len_ref[c]
+
+    @pl.when(length > 0)
+    def _():
+        _wu_body(c, h, start_ref[c], length, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_ref, w_ref,
+                 u_ref, aqk_ref, chunk=chunk, group=group, scale=scale, dtype=dtype, precision=precision)
+
+
+def _wu_body(c, h, start, length, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_ref, w_ref, u_ref, aqk_ref, *,
+             chunk, group, scale, dtype, precision):
+    hk = h // group
     kdim = k_ref.shape[-1]
     vdim = v_ref.shape[-1]
     sl = pl.ds(start, chunk)
@@ -191,15 +210,118 @@ def _wu_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_re
     aqk_ref[c, h, :, :] = (scale * _dot(q, k, tb=True, precision=precision) * decay).astype(aqk_ref.dtype)
 
 
+def _intra_fused_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
+                        gcum_ref, *, chunk, group, scale, dtype, precision, merge_precision, block_k):
+    """Stages 1a + 1b in one program per (chunk, value head), all in 16-row blocks so that it runs on 1-2 warps
+    (the forward substitution's row reductions stay inside a warp): G, A and T = (I + A)^-1 as in 1a (k k^T and
+    q k^T share the k loads), then Aqk by blocks and w, u one 16-row block at a time
+    (w_i = sum_{j <= i} T_ij (beta e^G k)_j, u_i = sum_{j <= i} T_ij (beta v)_j). T never leaves the chip."""
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    length = len_ref[c]
+
+    @pl.when(length > 0)          # padding chunk slots are never read
+    def _():
+        _intra_fused_body(c, h, start_ref[c], length, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref,
+                          aqk_ref, gcum_ref, chunk=chunk, group=group, scale=scale, dtype=dtype,
+                          precision=precision, merge_precision=merge_precision, block_k=block_k)
+
+
+def _intra_fused_body(c, h, start, length, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, gcum_ref,
+                      *, chunk, group, scale, dtype, precision, merge_precision, block_k):
+    hk = h // group
+    nb = chunk // SUB
+    kdim = k_ref.shape[-1]
+    vdim = v_ref.shape[-1]
+    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
+    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+    valid, bb, gb = [], [], []
+    off = jnp.float32(0.0)
+    for b in range(nb):
+        ok = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0) < length
+        sl = pl.ds(start + b * SUB, SUB)
+        bb.append(plgpu.load(beta_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
+        g = floor_log_decay(plgpu.load(g_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
+        gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)
+        off = off + jnp.sum(g)
+        gb.append(gc)
+        valid.append(ok)
+        gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
+
+    # ---- k k^T and q k^T in 16 x 16 blocks (lower block triangle), block_k columns at a time ----
+    kk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
+    qk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
+    for kc in range(0, kdim, block_k):
+        bk = min(block_k, kdim - kc)
+        rows = lambda ref, b: plgpu.load(ref.at[pl.ds(start + b * SUB, SUB), hk, pl.ds(kc, bk)],
+                                         mask=jnp.broadcast_to(valid[b][:, None], (SUB, bk)), other=0).astype(dtype)
+        kb = [rows(k_ref, b) for b in range(nb)]
+        qb = [rows(q_ref, b) for b in range(nb)]
+        for i in range(nb):
+            for j in range(i + 1):
+                kk[i, j] = kk[i, j] + _dot(kb[i], kb[j], tb=True, precision=precision)
+                qk[i, j] = qk[i, j] + _dot(qb[i], kb[j], tb=True, precision=precision)
+
+    # ---- A, T = (I + A)^-1 (as in 1a) and Aqk = scale q k^T e^(G_i - G_j) (lower, diagonal included) ----
+    a_blk = {}
+    zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+    for i in range(nb):
+        for j in range(nb):
+            rs, cs = pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
+            if j > i:
+                aqk_ref[c, h, rs, cs] = zero
+                continue
+            diff = gb[i][:, None] - gb[j][None, :]
+            dec = jnp.exp(jnp.where(strict16, diff, -jnp.inf)) if i == j else jnp.exp(diff)
+            a_blk[i, j] = bb[i][:, None] * kk[i, j] * dec
+            qdec = jnp.exp(jnp.where(tri16, diff, -jnp.inf)) if i == j else dec
+            aqk_ref[c, h, rs, cs] = (scale * qk[i, j] * qdec).astype(aqk_ref.dtype)
+    mp = merge_precision
+    t_blk = {}
+    for i in range(nb):
+        t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
+    for d in range(1, nb):
+        for j in range(nb - d):
+            i = j + d
+            acc = _dot(a_blk[i, j], t_blk[j, j], precision=mp)
+            for m in range(j + 1, i):
+                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=mp)
+            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=mp)
+    t_in = {key: blk.astype(dtype) for key, blk in t_blk.items()}      # T in the input dtype, as 1b reads it
+
+    # ---- w, u by 16-row blocks: the (beta e^G k)_j, (beta v)_j rows are re-read per block (cache hits) ----
+    for i in range(nb):
+        w_acc = jnp.zeros((SUB, kdim), jnp.float32)
+        u_acc = jnp.zeros((SUB, vdim), jnp.float32)
+        for j in range(i + 1):
+            sl = pl.ds(start + j * SUB, SUB)
+            kj = plgpu.load(k_ref.at[sl, hk, :], mask=jnp.broadcast_to(valid[j][:, None], (SUB, kdim)),
+                            other=0).astype(jnp.float32)
+            vj = plgpu.load(v_ref.at[sl, h, :], mask=jnp.broadcast_to(valid[j][:, None], (SUB, vdim)),
+                            other=0).astype(jnp.float32)
+            kbeta = (kj * (bb[j] * jnp.exp(gb[j]))[:, None]).astype(dtype)
+            vbeta = (vj * bb[j][:, None]).astype(dtype)
+            w_acc = w_acc + _dot(t_in[i, j], kbeta, precision=precision)
+            u_acc = u_acc + _dot(t_in[i, j], vbeta, precision=precision)
+        w_ref[c, h, pl.ds(i * SUB, SUB), :] = w_acc.astype(w_ref.dtype)
+        u_ref[c, h, pl.ds(i * SUB, SUB), :] = u_acc.astype(u_ref.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: serial state pass over each sequence's chunks, output fused
 # ----------------------------------------------------------------------------------------------------------------
-def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has_ref,
+def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, slot_ref, has_ref,
                        q_ref, k_ref, w_ref, u_ref, aqk_ref, gcum_ref, pool_in_ref,
-                       o_ref, pool_out_ref, *, chunk, group, block_v, scale, dtype, precision):
-    n = pl.program_id(0)
+                       o_ref, pool_out_ref, *, chunk, group, block_v, scale, dtype, precision, final):
+    """Grid (V / BV, Hv, N): the V blocks of one (sequence, head) are neighbours in launch order (they read the same
+    q, k, w, Aqk tiles), and the sequence axis goes slowest through ``order`` (longest first), so that the long
+    serial loops start first and short ones fill in behind them instead of one long loop running alone at the end.
+    ``final``: where the final state goes: "slot" pool_out[slot] (the pool, aliased; ids outside [0, S) drop it),
+    "seq" pool_out[n] (a fresh [N, Hv, K, V] array: the plain API, whose initial states are not donated, so that
+    aliasing them would cost XLA a copy of the whole pool), "none" nowhere (output_final_state=False)."""
+    vblk = pl.program_id(0)
     h = pl.program_id(1)
-    vblk = pl.program_id(2)
+    n = order_ref[pl.program_id(2)]
     hk = h // group
     kdim = k_ref.shape[-1]
     vs = pl.ds(vblk * block_v, block_v)
@@ -243,9 +365,12 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, slot_ref, has
 
     s = lax.fori_loop(0, count, body, s0)
 
-    @pl.when(in_pool)
-    def _():
-        pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+    if final == "slot":
+        @pl.when(in_pool)
+        def _():
+            pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+    elif final == "seq":
+        pool_out_ref[n, h, :, vs] = s.astype(pool_out_ref.dtype)
 
 
 def _zero_tail_kernel(cu_last_ref, o_in_ref, o_ref, *, chunk, total):
@@ -291,20 +416,22 @@ def _precisions(dtype):
 
 def gated_delta_rule_fwd_packed(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state,
                                 chunk_start, chunk_len, seq_first_chunk, seq_num_chunks, chunk,
-                                interpret, config: LaunchConfig):
+                                interpret, config: LaunchConfig, seq_order=None, final="slot"):
     """Runs the three stages on packed tokens.
 
     q, k [T', Hk, K]; v [T', Hv, V]; g, beta [T', Hv] (T' >= T: interpret mode pads C rows so that no masked
-    slice runs past the end); pool [S, Hv, K, V] fp32 (aliased to the returned pool); slot_ids,
-    has_initial_state [N] int32; chunk_start, chunk_len [NC]; seq_first_chunk, seq_num_chunks [N].
-    config.block_v must be set. Returns o [T', Hv, V] in v's dtype and the updated pool.
+    slice runs past the end); pool [S, Hv, K, V] fp32; slot_ids, has_initial_state [N] int32; chunk_start,
+    chunk_len [NC]; seq_first_chunk, seq_num_chunks, seq_order [N] (launch order, see ``state_pass``).
+    config.block_v must be set. Returns o [T', Hv, V] in v's dtype and the final states as ``state_pass``'s
+    ``final`` says: the updated pool [S, Hv, K, V] (aliased, "slot"), a fresh [N, Hv, K, V] ("seq"), or a
+    placeholder ("none").
     """
     w, u, aqk, gcum = intra_chunk(q, k, v, g, beta, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
                                   chunk=chunk, interpret=interpret, config=config)
     return state_pass(q, k, w, u, aqk, gcum, scale=scale, pool=pool, slot_ids=slot_ids,
                       has_initial_state=has_initial_state, chunk_start=chunk_start, chunk_len=chunk_len,
                       seq_first_chunk=seq_first_chunk, seq_num_chunks=seq_num_chunks, chunk=chunk,
-                      interpret=interpret, config=config)
+                      interpret=interpret, config=config, seq_order=seq_order, final=final)
 
 
 def kkt_solve(k, g, beta, *, chunk_start, chunk_len, chunk, num_v_heads, interpret, config: LaunchConfig):
@@ -341,8 +468,33 @@ def wu_aqk(q, k, v, beta, t, gcum, *, scale, chunk_start, chunk_len, chunk, inte
     return call(chunk_start, chunk_len, q, k, v, beta, t, gcum)
 
 
+def intra_fused(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
+    """Stages 1a + 1b in one pallas_call (grid (NC, Hv), config.solve_warps warps): returns w [NC, Hv, C, K],
+    u [NC, Hv, C, V], Aqk [NC, Hv, C, C] (v's dtype) and G [NC, Hv, C] fp32, as ``intra_chunk``."""
+    hk, kdim = q.shape[1], q.shape[2]
+    hv, vdim = v.shape[1], v.shape[2]
+    nc = chunk_start.shape[0]
+    dtype = v.dtype
+    precision, merge_precision = _precisions(dtype)
+    call = pl.pallas_call(
+        functools.partial(_intra_fused_kernel, chunk=chunk, group=hv // hk, scale=scale, dtype=dtype,
+                          precision=precision, merge_precision=merge_precision,
+                          block_k=min(config.solve_block_k, kdim)),
+        grid=(nc, hv),
+        out_shape=(jax.ShapeDtypeStruct((nc, hv, chunk, kdim), dtype),       # w
+                   jax.ShapeDtypeStruct((nc, hv, chunk, vdim), dtype),       # u
+                   jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dtype),      # Aqk
+                   jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)),      # G
+        compiler_params=_compiler_params(config.solve_warps, 1), interpret=interpret, name="gdn_intra_fused")
+    return call(chunk_start, chunk_len, q, k, v, g, beta)
+
+
 def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
-    """Stages 1a + 1b: returns w, u, Aqk (v's dtype) and G [NC, Hv, C] fp32."""
+    """Stages 1a + 1b (one fused call when config.fused_intra): returns w, u, Aqk (v's dtype) and
+    G [NC, Hv, C] fp32."""
+    if config.fused_intra:
+        return intra_fused(q, k, v, g, beta, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
+                           chunk=chunk, interpret=interpret, config=config)
     t, gcum = kkt_solve(k, g, beta, chunk_start=chunk_start, chunk_len=chunk_len, chunk=chunk,
                         num_v_heads=v.shape[1], interpret=interpret, config=config)
     w, u, aqk = wu_aqk(q, k, v, beta, t, gcum, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
@@ -351,8 +503,13 @@ def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, inter
 
 
 def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_state, chunk_start, chunk_len,
-               seq_first_chunk, seq_num_chunks, chunk, interpret, config: LaunchConfig):
-    """Stage 2: returns (o [T', Hv, V], updated pool [S, Hv, K, V]); the pool is aliased in place."""
+               seq_first_chunk, seq_num_chunks, chunk, interpret, config: LaunchConfig, seq_order=None,
+               final: str = "slot"):
+    """Stage 2: returns (o [T', Hv, V], final states). Sequence n reads pool[slot_ids[n]] (zeros where
+    has_initial_state[n] is 0 or the id is outside [0, S)). ``final``: "slot" the pool [S, Hv, K, V] updated in
+    place (input_output_aliases); "seq" a fresh [N, Hv, K, V] array of the N final states; "none" no final
+    state (a [1, 1, 1, 1] placeholder). ``seq_order`` [N] int32: the order in which sequences are launched (a
+    permutation; default 0..N-1; ``chunk_map.launch_order`` gives longest first)."""
     tp, hk, kdim = q.shape
     hv, vdim = u.shape[1], u.shape[3]
     n = slot_ids.shape[0]
@@ -361,18 +518,24 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
     block_v = config.block_v
     if block_v is None or vdim % block_v:
         raise ValueError(f"config.block_v must divide V={vdim}; got {block_v}")
+    if seq_order is None:
+        seq_order = jnp.arange(n, dtype=jnp.int32)
     operands = dict(chunk_start=chunk_start, chunk_len=chunk_len, seq_first_chunk=seq_first_chunk,
-                    seq_num_chunks=seq_num_chunks, slot_ids=slot_ids, has_initial_state=has_initial_state,
-                    q=q, k=k, w=w, u=u, aqk=aqk, gcum=gcum, pool=pool)           # the kernel's ref order
+                    seq_num_chunks=seq_num_chunks, seq_order=seq_order, slot_ids=slot_ids,
+                    has_initial_state=has_initial_state, q=q, k=k, w=w, u=u, aqk=aqk, gcum=gcum,
+                    pool=pool)                                                   # the kernel's ref order
+    if final not in ("slot", "seq", "none"):
+        raise ValueError(f"final must be 'slot', 'seq' or 'none'; got {final!r}")
+    final_shape = {"slot": pool.shape, "seq": (n,) + pool.shape[1:], "none": (1, 1, 1, 1)}[final]
     call = pl.pallas_call(
         functools.partial(_state_pass_kernel, chunk=chunk, group=hv // hk, block_v=block_v, scale=scale,
-                          dtype=dtype, precision=precision),
-        grid=(n, hv, vdim // block_v),
+                          dtype=dtype, precision=precision, final=final),
+        grid=(vdim // block_v, hv, n),
         out_shape=(
             jax.ShapeDtypeStruct((tp, hv, vdim), dtype),
-            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+            jax.ShapeDtypeStruct(final_shape, pool.dtype),
         ),
-        input_output_aliases={list(operands).index("pool"): 1},     # the pool is updated in place
+        input_output_aliases={list(operands).index("pool"): 1} if final == "slot" else {},   # pool in place
         compiler_params=_compiler_params(config.state_warps, config.state_stages),
         interpret=interpret,
         name="gdn_state_pass",
@@ -467,16 +630,25 @@ def _block_v(vdim: int, programs_per_vblock: int) -> int:
     return min(bv, vdim)
 
 
-def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base: LaunchConfig = None) -> LaunchConfig:
+def _state_stages(dtype, chunks_per_seq: float) -> int:
+    """Software-pipelining depth of the state pass: 3 for bf16 / fp16 (B1-T8192: 0.313 -> 0.200 ms over 2), 2 for
+    fp32 (3 stages of fp32 tiles need 257 KB of shared memory, over the H200's 227 KB). ``chunks_per_seq``
+    (T / (N C), the mean loop length) is unused until the H200 sweep on short mixes says where fewer stages win."""
+    del chunks_per_seq
+    return 2 if jnp.dtype(dtype).itemsize > 2 else 3
+
+
+def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base: LaunchConfig = None,
+                  chunks_per_seq: float = float("inf")) -> LaunchConfig:
     """The launch parameters of one call, fixed when the call is built (never read from the environment while
-    tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` where base leaves it None, and a
-    2-stage state pass for fp32 inputs where base keeps the default 3 (3 stages of fp32 tiles need 257 KB of
-    shared memory, over the H200's 227 KB). Tuning scripts (benchmarks/stages.py) pass their own ``base``."""
+    tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` and state_stages from
+    ``_state_stages`` where base leaves them None. ``chunks_per_seq``: T / (N C), static. Tuning scripts
+    (benchmarks/stages.py, benchmarks/gpu/gdn_run.py) pass their own ``base``."""
     cfg = base or LaunchConfig()
     if cfg.block_v is None:
         cfg = dataclasses.replace(cfg, block_v=_block_v(vdim, programs_per_vblock))
-    if jnp.dtype(dtype).itemsize > 2 and cfg.state_stages == LaunchConfig.state_stages:
-        cfg = dataclasses.replace(cfg, state_stages=2)
+    if cfg.state_stages is None:
+        cfg = dataclasses.replace(cfg, state_stages=_state_stages(dtype, chunks_per_seq))
     return cfg
 
 
@@ -485,7 +657,8 @@ def pad_last(x, size):
 
 
 def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqlens, chunk_map, chunk_size,
-         interpret, config):
+         interpret, config, final="slot"):
+    """The entry points' common path; ``final`` as in ``state_pass`` (the returned state is None for "none")."""
     b, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     if chunk_size % SUB != 0:
@@ -495,7 +668,7 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
     n = slot_ids.shape[0]
     out_dtype = v.dtype
     if b == 0:           # no rows, no sequences: nothing to run, the pool is unchanged
-        return jnp.zeros(v.shape, out_dtype), pool
+        return jnp.zeros(v.shape, out_dtype), (None if final == "none" else pool[:n] if final == "seq" else pool)
     dtype = compute_dtype(q, v)
     kp, vp = kernel_head_dim(kdim), kernel_head_dim(vdim)
     q, k = pad_last(q.astype(dtype), kp), pad_last(k.astype(dtype), kp)
@@ -504,6 +677,8 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
     if padded_pool:
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
     start, length, first, num = kernel_chunk_map(b, t, cu_seqlens, chunk_size, chunk_map)
+    # varlen: longest sequences first (dense rows are all equal: the identity)
+    order = jnp.arange(n, dtype=jnp.int32) if cu_seqlens is None else launch_order(num)
     tt = b * t
     qf = q.reshape(tt, hk, kp)
     kf = k.reshape(tt, hk, kp)
@@ -515,15 +690,15 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
         # rows so that every chunk's [start, start + C) slice is in range. On the GPU masked loads need no pad.
         pad = lambda x: jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))
         qf, kf, vf, gf, bf = (pad(x) for x in (qf, kf, vf, gf, bf))
-    config = launch_config(vp, n * hv, dtype, base=config)
+    config = launch_config(vp, n * hv, dtype, base=config, chunks_per_seq=tt / max(n, 1) / chunk_size)
     varlen = cu_seqlens is not None
     cu_last = cu_seqlens[-1:].astype(jnp.int32) if varlen else jnp.full((1,), tt, jnp.int32)
 
-    def kernels(qf, kf, vf, gf, bf, pool, slot_ids, has, start, length, first, num, cu_last):
+    def kernels(qf, kf, vf, gf, bf, pool, slot_ids, has, start, length, first, num, order, cu_last):
         o, new_pool = gated_delta_rule_fwd_packed(
             qf, kf, vf, gf, bf, scale=float(scale), pool=pool, slot_ids=slot_ids, has_initial_state=has,
             chunk_start=start, chunk_len=length, seq_first_chunk=first, seq_num_chunks=num, chunk=chunk_size,
-            interpret=interpret, config=config)
+            interpret=interpret, config=config, seq_order=order, final=final)
         if varlen and tt > 0:
             # tokens past cu_seqlens[N] are padding: no chunk holds them, so no program stored their rows
             o = zero_tail(o, cu_last, total=tt, chunk=chunk_size, interpret=interpret)
@@ -531,8 +706,10 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
 
     o, new_pool = no_autodiff(kernels)(
         qf, kf, vf, gf, bf, pool, slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), start, length,
-        first, num, cu_last)
+        first, num, order, cu_last)
     o = o[:tt].reshape(b, t, hv, vp)[..., :vdim].astype(out_dtype)
+    if final == "none":
+        return o, None
     if padded_pool:
         new_pool = new_pool[:, :, :kdim, :vdim]
     return o, new_pool
@@ -548,15 +725,16 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seq
     hv, vdim = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is None:
-        pool = jnp.zeros((n, hv, kdim, vdim), jnp.float32)
+        # no start state to read: a one-slot placeholder (ids 1.. name no slot, has = 0 reads zeros anyway)
+        pool = jnp.zeros((min(n, 1), hv, kdim, vdim), jnp.float32)
         has = jnp.zeros((n,), jnp.int32)
     else:
         pool = initial_state.astype(jnp.float32)
         has = jnp.ones((n,), jnp.int32)
-    o, final = _run(q, k, v, g, beta, scale=scale, pool=pool, slot_ids=jnp.arange(n, dtype=jnp.int32),
-                    has_initial_state=has, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
-                    interpret=interpret, config=config)
-    return o, (final if output_final_state else None)
+    # the final states go to a fresh array (aliasing a non-donated initial_state would cost a copy of all of it)
+    return _run(q, k, v, g, beta, scale=scale, pool=pool, slot_ids=jnp.arange(n, dtype=jnp.int32),
+                has_initial_state=has, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
+                interpret=interpret, config=config, final="seq" if output_final_state else "none")
 
 
 def chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,

@@ -84,3 +84,16 @@ def test_build_chunk_map_is_traceable_without_retrace():
 def test_dense_cu_seqlens():
     np.testing.assert_array_equal(dense_cu_seqlens(3, 5), [0, 5, 10, 15])
     assert dense_cu_seqlens(3, 5).dtype == jnp.int32
+
+
+def test_count_le_equals_searchsorted_and_launch_order():
+    """count_le (the loop-free lookup of build_chunk_map / token_streams) is searchsorted(side="right") on
+    non-decreasing ends with repeats, zeros and ends past the range; launch_order puts the longest first, ties in
+    index order."""
+    from pallas_kernels.gated_delta_rule.chunk_map import count_le, launch_order
+    rng = np.random.default_rng(5)
+    for size in (1, 7, 64, 130):
+        ends = np.sort(rng.integers(0, size + 5, rng.integers(1, 12))).astype(np.int32)
+        got = np.asarray(jax.jit(count_le, static_argnums=1)(jnp.asarray(ends), size))
+        np.testing.assert_array_equal(got, np.searchsorted(ends, np.arange(size), side="right"))
+    np.testing.assert_array_equal(launch_order(jnp.array([1, 3, 0, 3, 2])), [1, 3, 4, 0, 2])

@@ -32,10 +32,11 @@ def run_fwd(case, dtype, seed, *, interpret, lens=None, with_h0=True, fwd=None):
     return rel_rms(np.asarray(o, np.float64), ref_o), rel_rms(np.asarray(s), ref_s)
 
 
-def _fwd(q, k, v, g, beta, h0, cu, *, interpret):
+def _fwd(q, k, v, g, beta, h0, cu, *, interpret, config=None):
     cmap = None if cu is None else build_chunk_map(cu, q.shape[1], 64)
     return pallas_triton.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu,
-                                                    chunk_map=cmap, output_final_state=True, interpret=interpret)
+                                                    chunk_map=cmap, output_final_state=True, interpret=interpret,
+                                                    config=config)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,6 +72,15 @@ def test_interpret_varlen_initial_states_and_no_recompile():
         eo, es = run_fwd(case, jnp.float32, seed=seed, interpret=True, lens=lens, fwd=fwd)
         assert eo < tol(jnp.float32) and es < tol(jnp.float32), (lens, eo, es)
     assert len(traces) == 1, "a second packing with the same T and N must reuse the compiled program"
+
+
+def test_interpret_fused_intra():
+    """LaunchConfig(fused_intra=True) (stages 1a + 1b as one kernel) against the float64 loop: varlen with a
+    zero-length and a one-token sequence, lengths 5 / 64 / 70, grouped heads (Hk 1, Hv 2), initial states."""
+    cfg = pallas_triton.LaunchConfig(fused_intra=True)
+    fwd = jax.jit(lambda *a: _fwd(*a, interpret=True, config=cfg))
+    eo, es = run_fwd(cases.CPU_VARLEN, jnp.float32, seed=17, interpret=True, fwd=fwd)
+    assert eo < tol(jnp.float32) and es < tol(jnp.float32), (eo, es)
 
 
 def test_interpret_slots_permuted_stale_and_poisoned():
