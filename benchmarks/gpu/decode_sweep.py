@@ -1,6 +1,8 @@
 """One device run: the GDN decode kernel's launch variants (DecodeConfig), checked and timed (issue 14, decode).
 
-    PYTHONPATH=$PWD python benchmarks/gpu/decode_sweep.py OUT_DIR [deadline_s]
+    PYTHONPATH=$PWD python benchmarks/gpu/decode_sweep.py OUT_DIR [deadline_s] [persistent]
+
+("persistent": N256-Hv32 only, the default against DecodeConfig.programs > 0 launches; no in-place floor, no HLO.)
 
 For each case (N streams x Hk / Hv heads x 128 x 128 fp32 state, bf16 q/k/v/beta, fp32 g, fused q/k L2 norm) and
 each config: one call on a fresh copy of the pool checked against the op's XLA backend (fp32, matmul precision
@@ -32,9 +34,9 @@ def main():
     from jax_gdn.cases import Case
     from pallas_kernels.gated_delta_rule import decode
 
-    def DC(block_v, num_warps, v_fastest=True, fused_output=True):
+    def DC(block_v, num_warps, v_fastest=True, fused_output=True, programs=0):
         return decode.DecodeConfig(block_v=block_v, num_warps=num_warps, v_fastest=v_fastest,
-                                   fused_output=fused_output)
+                                   fused_output=fused_output, programs=programs)
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -54,10 +56,16 @@ def main():
                     DC(32, 4), DC(32, 2), DC(32, 1),
                     DC(16, 1), DC(16, 2), DC(16, 4),
                     DC(64, 2), DC(64, 8), DC(8, 1)]
+    persistent = len(sys.argv) > 3 and sys.argv[3] == "persistent"
+    if persistent:                                    # second run: the persistent grid against the default only
+        cases = cases[:1]
+        main_configs = [decode.DecodeConfig(), DC(64, 4, programs=512), DC(64, 4, programs=1024),     # P divides
+                        DC(32, 2, programs=1024), DC(128, 8, programs=256), DC(128, 8, programs=512)]  # the blocks
     result = {"rows": [], "hlo": None}
 
     def name(c):
-        return f"bv{c.block_v}-w{c.num_warps}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}"
+        return (f"bv{c.block_v}-w{c.num_warps}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}"
+                + (f"-p{c.programs}" if c.programs else ""))
 
     def run_case(case, configs):
         host = bench_decode.make_inputs_np(case)
@@ -71,7 +79,8 @@ def main():
         o_ref, p_ref = np.asarray(o_ref, np.float32), np.asarray(p_ref)
         floors = {"copy": bench_decode.time_copy(case, host, **timing)}
         inplace = jax.jit(lambda p: p * 1.0001, donate_argnums=0)
-        floors["copy_inplace"] = bench_decode._time_threaded(inplace, jnp.asarray(pool), **timing)
+        floors["copy_inplace"] = (float("nan") if persistent else
+                                  bench_decode._time_threaded(inplace, jnp.asarray(pool), **timing))
         print(f"{case.name} floors {floors}", flush=True)
         for cfg in configs:
             if time.time() - T0 > deadline:
@@ -83,7 +92,8 @@ def main():
             row = {"case": case.name, "config": name(cfg), "N": case.B, "Hv": case.Hv, **floors}
             try:
                 p0 = jnp.asarray(pool)
-                if result["hlo"] is None and cfg == decode.decode_config(case.B, case.Hv, case.K, case.V):
+                default = decode.decode_config(case.B, case.Hv, case.K, case.V)
+                if result["hlo"] is None and not persistent and cfg == default:
                     txt = fn.lower(p0).compile().as_text()
                     pool_copy = r"^.*= f32\[\d+,\d+,\d+,\d+\]\S* copy(?:-start)?\(.*$"     # a [S, Hv, K, V] copy
                     result["hlo"] = {"config": name(cfg), "copies": re.findall(pool_copy, txt, re.M)[:5]}
@@ -102,13 +112,15 @@ def main():
 
     rows = run_case(cases[0], main_configs)
     best = [r["config"] for r in sorted(rows, key=lambda r: r["ms"])[:3]]
+    if persistent:
+        cases = cases[:1]
     by_name = {name(c): c for c in main_configs}
     others = [old] + [by_name[b] for b in best if by_name[b] != old]
     for case in cases[1:]:
         if time.time() - T0 > deadline:
             break
         run_case(case, others)
-    with open(os.path.join(out, "decode_sweep.json"), "w") as f:
+    with open(os.path.join(out, "decode_persistent.json" if persistent else "decode_sweep.json"), "w") as f:
         json.dump(result, f, indent=1)
     print("\n==== decode sweep (median ms, GB/s of state bytes; floors: XLA copy / in-place copy) ====")
     for r in result["rows"]:
