@@ -138,6 +138,169 @@ def _jax_sync(x):
 
 
 # ================================================================================================================
+# Floors: what each part would take at the GPU's peak (formulas from the config and the token counts)
+# ================================================================================================================
+PEAK_TFLOPS = 700.0   # dense bf16 matmul rate of the floors (as bench_moe's): H200 ~990 peak, ~700 reachable
+PEAK_TBPS = 4.8       # H200 HBM bandwidth, TB/s
+CHUNK = 64            # the chunked GDN rule's chunk (the formula's C)
+
+
+def _roof(flop: float, nbytes: float) -> dict:
+    """{"ms": max(flop at PEAK_TFLOPS, bytes at PEAK_TBPS), "flop", "bytes", "bound"}."""
+    f_ms, b_ms = flop / (PEAK_TFLOPS * 1e9), nbytes / (PEAK_TBPS * 1e9)
+    return {"ms": max(f_ms, b_ms), "flop": flop, "bytes": nbytes, "bound": "flop" if f_ms >= b_ms else "bytes"}
+
+
+def _dims(config, dtype_bytes: int) -> dict:
+    c, b = config, dtype_bytes
+    g = c.gdn_dims
+    nk, nv = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+    return dict(b=b, d=c.hidden_size, nk=nk, nv=nv, hv=g.num_v_heads, hk=g.num_k_heads, kd=g.head_k_dim,
+                vd=g.head_v_dim, w=g.conv_kernel_size, conv=2 * nk + nv, hq=c.num_attention_heads,
+                hkv=c.num_key_value_heads, dh=c.head_dim, e=c.num_experts, k=c.num_experts_per_tok,
+                i=c.moe_intermediate_size, si=c.shared_expert_intermediate_size, vocab=c.vocab_size,
+                ffn_i=c.intermediate_size)
+
+
+def _ffn_roof(x: dict, t: int, moe: bool, weights_touched: float) -> dict:
+    """MoE (router + top-k routed SwiGLU experts + shared expert and its gate; bench_moe's FLOP formula) or MLP over
+    t tokens; bytes: ``weights_touched`` routed experts' weights + router + shared expert + x in / out."""
+    d, b = x["d"], x["b"]
+    if not moe:
+        return _roof(2.0 * t * 3 * d * x["ffn_i"], b * (3 * d * x["ffn_i"] + 2 * t * d))
+    flop = 2.0 * t * (d * x["e"] + x["k"] * 3 * d * x["i"] + 3 * d * x["si"] + d)
+    nbytes = b * (weights_touched * 3 * d * x["i"] + 3 * d * x["si"] + d * x["e"] + d + 2 * t * d)
+    return _roof(flop, nbytes)
+
+
+def prefill_floors(config, lens, dtype_bytes: int = 2, peers: dict = None) -> dict:
+    """Floor per part of one layer (and embed_logits) for a fresh prefill of ``lens`` (T = sum tokens, N streams),
+    every formula a roofline max(FLOPs / 700 TFLOP/s, bytes / 4.8 TB/s) with b bytes per activation / weight,
+    D hidden, nk = Hk K, nv = Hv V, Hq, Hkv, Dh attention heads, E experts, k top-k, I / Is expert / shared
+    widths, Vocab:
+      gdn_phase1   FLOP 2 T D (2 nk + 2 nv + 2 Hv) (in_proj_qkvz + in_proj_ba); bytes: those weights, the conv
+                   weights, x in, q k v z out (b) and g, beta out (fp32): the conv and the L2 norms fused away
+      gdn_phase2   the kernel bench's fastest time for this exact case (peers' "rows", same lens and heads) when
+                   there is one; else FLOP T Hv (2 C (3 K + 2 V) + 6 K V) (chunked form, C = 64), bytes q k
+                   (Hk), v, o (Hv), g, beta, the N states read + written (fp32)
+      gdn_phase3   FLOP 2 T nv D (out_proj); bytes: out_proj weights, o and z in, x in and out
+      attention    projections: FLOP 2 T D (2 Hq Dh + 2 Hkv Dh) (q with its gate, k, v) + 2 T Hq Dh D (o_proj),
+                   bytes their weights + x in / out; plus the core: torch SDPA (flash attention) of the attention
+                   bench for this case (peers' "attention" row prefill-varlen16, same lens and dims) when there is
+                   one, else its FLOPs 4 Hq Dh sum_n L_n (L_n + 1) / 2 at 700 TFLOP/s
+      moe          FLOP 2 T (D E + k 3 D I + 3 D Is + D) (bench_moe's); bytes all E experts' weights + shared
+      embed_logits FLOP 2 N D Vocab; bytes lm_head D Vocab, T embedding rows, N Vocab fp32 logits
+    Returns {part: {"ms", "basis", "roofline": {"ms", "flop", "bytes", "bound"}}}."""
+    x = _dims(config, dtype_bytes)
+    b, d, nk, nv, hv = x["b"], x["d"], x["nk"], x["nv"], x["hv"]
+    t, n = int(sum(lens)), len(lens)
+    peers = peers or {}
+    out = {}
+
+    def put(name, roof, basis, ms=None):
+        out[name] = {"ms": roof["ms"] if ms is None else ms, "basis": basis, "roofline": roof}
+
+    proj = 2 * nk + 2 * nv + 2 * hv
+    put("gdn_phase1", _roof(2.0 * t * d * proj, b * (d * proj + x["conv"] * x["w"] + t * d + t * (2 * nk + 2 * nv))
+                            + 4 * t * 2 * hv), "matmul FLOPs at 700 TFLOP/s (roofline)")
+    per_tok = 2 * CHUNK * (3 * x["kd"] + 2 * x["vd"]) + 6 * x["kd"] * x["vd"]
+    roof2 = _roof(1.0 * t * hv * per_tok,
+                  b * t * (2 * nk + 2 * nv) + 4 * t * 2 * hv + 4 * 2 * n * hv * x["kd"] * x["vd"])
+    row = next((r for r in peers.get("rows", []) if r.get("lens") and list(r["lens"]) == list(lens)
+                and (r["Hk"], r["Hv"], r["K"], r["V"]) == (x["hk"], hv, x["kd"], x["vd"])), None)
+    best = min(((v, k) for k, v in (row or {}).get("ms", {}).items() if v), default=None)
+    if best:
+        put("gdn_phase2", roof2, f"kernel bench {row['case']}: {best[1]} (fastest column)", best[0])
+    else:
+        put("gdn_phase2", roof2, "chunked-rule FLOPs / bytes roofline (no kernel bench row for this case)")
+    put("gdn_phase3", _roof(2.0 * t * nv * d, b * (nv * d + 2 * t * nv + 2 * t * d)), "matmul FLOPs at 700 TFLOP/s")
+    qkv = 2 * x["hq"] * x["dh"] + 2 * x["hkv"] * x["dh"]
+    proj_a = _roof(2.0 * t * d * qkv + 2.0 * t * x["hq"] * x["dh"] * d,
+                   b * (d * qkv + x["hq"] * x["dh"] * d + 2 * t * d + t * qkv))
+    core_flop = 4.0 * x["hq"] * x["dh"] * sum(m * (m + 1) / 2 for m in lens)
+    arow = next((r for r in (peers.get("attention") or {}).get("rows", []) if r.get("kind") == "prefill"
+                 and not r.get("context") and list(r.get("lens") or []) == list(lens)
+                 and r.get("gflop") and abs(r["gflop"] * 1e9 - core_flop) < 1e-6 * core_flop), None)
+    sdpa = (arow or {}).get("ms", {}).get("torch_sdpa")
+    roof_a = _roof(proj_a["flop"] + core_flop, proj_a["bytes"])
+    if sdpa:
+        put("attention", roof_a, f"projections' roofline + torch SDPA of the attention bench ({arow['case']})",
+            proj_a["ms"] + sdpa)
+    else:
+        put("attention", roof_a, "projections' roofline + causal core FLOPs at 700 TFLOP/s (no attention bench row)",
+            proj_a["ms"] + core_flop / (PEAK_TFLOPS * 1e9))
+    moe = bool(config.num_experts)
+    put("moe" if moe else "mlp", _ffn_roof(x, t, moe, x["e"]), "matmul FLOPs at 700 TFLOP/s (roofline)")
+    put("embed_logits", _roof(2.0 * n * d * x["vocab"], b * (d * x["vocab"] + 2 * t * d) + 4 * n * x["vocab"]),
+        "lm_head bytes at 4.8 TB/s (roofline)")
+    return out
+
+
+def decode_floors(config, n: int, ctx: int, dtype_bytes: int = 2) -> dict:
+    """Floor per part of one decode step of ``n`` streams holding ``ctx`` tokens each (same notation as
+    ``prefill_floors``; all bound by bytes at 4.8 TB/s):
+      gdn_decode        weights in_proj_qkvz / ba, conv, out_proj; the N recurrent states read + written (fp32
+                        N Hv K V 4 x 2); the conv states read + written (N conv_dim (Kc - 1) b x 2); x in / out
+      attention_decode  weights q (with gate) / k / v / o_proj; the K and V of ctx + 1 tokens read (N (ctx + 1)
+                        Hkv Dh 2 b); the new token's K / V written; x in / out
+      moe               the routed experts a step touches: E (1 - (1 - k / E)^N) expected distinct experts under
+                        uniform routing, 3 D I b each; router, shared expert; FLOPs as in prefill with T = N
+      embed_logits      lm_head D Vocab b; N Vocab fp32 logits
+    Returns {part: {"ms", "basis", "roofline"}}."""
+    x = _dims(config, dtype_bytes)
+    b, d, nk, nv, hv = x["b"], x["d"], x["nk"], x["nv"], x["hv"]
+    proj = 2 * nk + 2 * nv + 2 * hv
+    out = {}
+
+    def put(name, roof, basis):
+        out[name] = {"ms": roof["ms"], "basis": basis, "roofline": roof}
+    put("gdn_decode", _roof(2.0 * n * d * (proj + nv) + 6.0 * n * hv * x["kd"] * x["vd"],
+                            b * (d * proj + x["conv"] * x["w"] + nv * d + 2 * n * d)
+                            + 2 * 4 * n * hv * x["kd"] * x["vd"] + 2 * b * n * x["conv"] * (x["w"] - 1)),
+        "weights + recurrent / conv states read and written, at 4.8 TB/s")
+    qkv = 2 * x["hq"] * x["dh"] + 2 * x["hkv"] * x["dh"]
+    kv = 2 * x["hkv"] * x["dh"] * b
+    put("attention_decode", _roof(2.0 * n * d * qkv + 2.0 * n * x["hq"] * x["dh"] * d
+                                  + 4.0 * n * x["hq"] * x["dh"] * (ctx + 1),
+                                  b * (d * qkv + x["hq"] * x["dh"] * d + 2 * n * d) + n * (ctx + 1) * kv + n * kv),
+        "weights + K/V of the context read, at 4.8 TB/s")
+    moe = bool(config.num_experts)
+    touched = x["e"] * (1 - (1 - x["k"] / x["e"]) ** n) if moe else 0
+    put("moe" if moe else "mlp", _ffn_roof(x, n, moe, touched),
+        f"weights of ~{touched:.0f} experts touched (uniform routing) + shared, at 4.8 TB/s" if moe
+        else "MLP weights at 4.8 TB/s")
+    put("embed_logits", _roof(2.0 * n * d * x["vocab"], b * (d * x["vocab"] + 2 * n * d) + 4 * n * x["vocab"]),
+        "lm_head bytes at 4.8 TB/s")
+    return out
+
+
+def _with_floors(parts_ms: dict, floors: dict) -> None:
+    """Adds "floor_ms", "floor_ratio" (part / floor) and "floor_basis" per part to ``parts_ms`` in place."""
+    parts_ms["floor_ms"] = {k: f["ms"] for k, f in floors.items()}
+    parts_ms["floor_ratio"] = {k: (parts_ms[k] / f["ms"] if parts_ms.get(k) and f["ms"] else None)
+                               for k, f in floors.items()}
+    parts_ms["floor_basis"] = {k: f["basis"] for k, f in floors.items()}
+    parts_ms["roofline"] = {k: f["roofline"] for k, f in floors.items()}
+
+
+def load_peers(device_kind: str, path: str = None) -> dict:
+    """The results JSON of this device (``jax_gdn.bench``'s default path, e.g. benchmarks/results/h200.json) when
+    it exists and was measured on ``device_kind``: its kernel rows and attention section give the GDN core's and
+    the attention core's floors. {} otherwise."""
+    try:
+        from jax_gdn.bench import RESULTS_DIR, device_file_name
+        path = path or os.path.join(RESULTS_DIR, device_file_name(device_kind) + ".json")
+        with open(path) as f:
+            res = json.load(f)
+        if res.get("device") != device_kind:
+            return {}
+        return {"rows": res.get("rows") or [], "attention": res.get("attention") or {}, "path": path,
+                "date": res.get("date")}
+    except (OSError, ValueError, ImportError):
+        return {}
+
+
+# ================================================================================================================
 # Cases
 # ================================================================================================================
 def _cases(quick: bool) -> dict:
@@ -156,44 +319,276 @@ def _cu(lens) -> np.ndarray:
 
 
 # ================================================================================================================
-# HF transformers (torch)
+# HF transformers on FLA's kernels (its "fast path")
 # ================================================================================================================
-def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> dict:
-    """HF Qwen3NextForCausalLM with ``config``'s dims: {"varlen", "long", "decode": {"ms", "do_bench_ms"}, "info"}.
-    Frees the model and torch's cached GPU memory before returning."""
-    import torch
-    import transformers
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    info = {"transformers": transformers.__version__, "torch": torch.__version__}
+#: the module-level callables of transformers' qwen3_next modeling module that its GatedDeltaNet layer calls
+#: (looked up at call time, so assigning the module attribute redirects every layer)
+HF_GDN_CALLABLES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+def _runs(fn) -> str:
+    """What a callable of transformers' qwen3_next module really runs, as "module.name". transformers 5.x wraps
+    each of them in ``use_kernel_func_from_hub_with_fallback``, which uses ``functools.wraps`` (so ``__module__`` is
+    transformers' own whatever runs) and keeps the implementation it resolved at import in its closure; our
+    adapters name what they call in ``_runs``."""
+    if getattr(fn, "_runs", None):
+        return fn._runs
+    impl = fn
     try:
-        import fla  # noqa: F401
-        info["fla"] = getattr(fla, "__version__", "importable")
-    except Exception as err:  # pragma: no cover - reported, HF falls back to its torch GDN path
-        info["fla"] = f"not importable: {type(err).__name__}"
+        import inspect
+        impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn)
+    except (TypeError, ValueError):
+        pass
+    return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', getattr(impl, '__name__', repr(impl)))}"
+
+
+def _kwargs_filter(fn, name: str):
+    """``fn`` called with only the keyword arguments its signature names (what transformers' wrapper does: HF's
+    GDN layer passes its attention kwargs down to every kernel)."""
+    import functools
+    import inspect
+    params = inspect.signature(fn).parameters
+    named = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in named})
+    call._runs = name
+    return call
+
+
+def fla_kernels(fla=None) -> dict:
+    """The callables HF's Qwen3-Next GDN layer needs for its fast path, made from FLA 0.6 (``fla``: a namespace
+    with FLA's ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, ``causal_conv1d``,
+    ``causal_conv1d_update`` and ``FusedRMSNormGated``; default: the installed FLA, whose Triton kernels need a
+    GPU). Returns {HF's module-level name: callable} plus "gated_norm": a factory of the gated RMSNorm module.
+
+    The GDN rule: FLA's functions have HF's signature (q, k, v [B, T, H, K|V], g, beta [B, T, H], initial_state
+    [B, H, K, V] fp32, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens). The conv: HF calls the
+    ``causal_conv1d`` package's ``causal_conv1d_fn(x [B, D, T], weight [D, W], bias, activation)`` ->
+    [B, D, T] and ``causal_conv1d_update(x [B, D, T], conv_state [B, D, W], weight, bias, activation)`` -> [B, D, T]
+    (conv_state advanced in place, holding the last W inputs); FLA's ``causal_conv1d(x [B, T, D], weight, bias,
+    activation=)`` -> (y [B, T, D], None) and ``causal_conv1d_update(x [N, D], cache [N, D, W], weight=, bias=,
+    activation=)`` -> (y [N, D], cache) (cache shifted by one column and the new input written last, in place;
+    a copy when the cache is not contiguous) are adapted to those (transposes are views; the update runs token by
+    token when T > 1). The gated norm: FLA's ``FusedRMSNormGated(V, eps=, activation="silu")`` (fp32 inside;
+    HF's torch module rounds the normalised x to the input dtype before the weight: a bf16 rounding apart)."""
+    if fla is None:
+        import types
+
+        from fla.modules import FusedRMSNormGated
+        from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        fla = types.SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule,
+                                    fused_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule,
+                                    causal_conv1d=causal_conv1d, causal_conv1d_update=causal_conv1d_update,
+                                    FusedRMSNormGated=FusedRMSNormGated)
+
+    def name(f):
+        return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', getattr(f, '__name__', '?'))}"
+    conv, update = fla.causal_conv1d, fla.causal_conv1d_update
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                         final_states_out=None, activation=None, **_):
+        if seq_idx is not None or initial_states is not None or return_final_states or final_states_out is not None:
+            raise NotImplementedError("the FLA adapter of causal_conv1d_fn takes no seq_idx / initial_states / "
+                                      "final states (HF's Qwen3-Next passes none)")
+        y, _ = conv(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+        return y.transpose(1, 2)
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                             conv_state_indices=None, **_):
+        if cache_seqlens is not None or conv_state_indices is not None:
+            raise NotImplementedError("the FLA adapter of causal_conv1d_update takes no cache_seqlens / "
+                                      "conv_state_indices (HF's Qwen3-Next passes none)")
+        outs = []
+        for t in range(x.shape[-1]):
+            y, state = update(x[:, :, t], conv_state, weight=weight, bias=bias, activation=activation)
+            if state is not None and state.data_ptr() != conv_state.data_ptr():
+                conv_state.copy_(state)                       # FLA made the cache contiguous: write it back
+            outs.append(y)
+        return outs[0][:, :, None] if len(outs) == 1 else __import__("torch").stack(outs, dim=-1)
+
+    causal_conv1d_fn._runs = name(conv) + " (adapted: x [B, D, T] <-> [B, T, D])"
+    causal_conv1d_update._runs = name(update) + " (adapted: x [B, D, T] <-> [B, D] per token)"
+    norm_cls = fla.FusedRMSNormGated
+
+    def gated_norm(old):
+        """FLA's fused gated RMSNorm with the weights and eps of HF's module ``old``."""
+        import torch
+        new = norm_cls(old.weight.shape[0], eps=old.variance_epsilon, activation=getattr(old, "activation", "silu"),
+                       device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+        return new
+    gated_norm._runs = name(norm_cls)
+    return {"torch_chunk_gated_delta_rule": _kwargs_filter(fla.chunk_gated_delta_rule,
+                                                           name(fla.chunk_gated_delta_rule)),
+            "torch_recurrent_gated_delta_rule": _kwargs_filter(fla.fused_recurrent_gated_delta_rule,
+                                                               name(fla.fused_recurrent_gated_delta_rule)),
+            "causal_conv1d_fn": causal_conv1d_fn, "causal_conv1d_update": causal_conv1d_update,
+            "gated_norm": gated_norm}
+
+
+def hf_kernel_report(model=None, mq=None) -> dict:
+    """{HF's name: what runs} for the GDN callables of transformers' qwen3_next module (and the gated norm class
+    of ``model``'s GDN layers)."""
+    if mq is None:
+        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+    out = {k: _runs(getattr(mq, k)) for k in HF_GDN_CALLABLES if hasattr(mq, k)}
+    if model is not None:
+        for m in model.modules():
+            if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+                out["gated_norm"] = f"{type(m.norm).__module__}.{type(m.norm).__qualname__}"
+                break
+    return out
+
+
+def use_hf_kernels(model, kernels: dict, mq=None):
+    """Points HF's Qwen3-Next at ``kernels`` (``fla_kernels()``): assigns the module-level callables of
+    transformers' qwen3_next module (which its GDN layer looks up at every call) and swaps the gated norm module of
+    each GDN layer of ``model`` (``kernels["gated_norm"](old) -> new``). Returns ``undo()``, which puts back what
+    was there (the module's callables and the model's norms)."""
+    if mq is None:
+        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+    missing = [k for k in HF_GDN_CALLABLES if not hasattr(mq, k)]
+    if missing:
+        raise RuntimeError(f"transformers' qwen3_next module has no {missing}: this transformers version calls its "
+                           f"GDN kernels by other names; read its modeling_qwen3_next.py")
+    old_fns = {k: getattr(mq, k) for k in HF_GDN_CALLABLES}
+    old_norms = []
+    if kernels.get("gated_norm") is not None:
+        for m in model.modules():
+            if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+                old_norms.append((m, m.norm))
+                m.norm = kernels["gated_norm"](m.norm)
+    for k in HF_GDN_CALLABLES:
+        setattr(mq, k, kernels[k])
+
+    def undo():
+        for k, f in old_fns.items():
+            setattr(mq, k, f)
+        for m, norm in old_norms:
+            m.norm = norm
+    return undo
+
+
+def hf_model(config, dtype=None, device: str = "cpu", seed: int = 0):
+    """HF ``Qwen3NextForCausalLM`` with ``config``'s dims and random weights (``dtype`` default bfloat16, SDPA
+    attention, eval mode)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     cfg = Qwen3NextConfig(**_hf_kwargs(config))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"        # cpu: a smoke run of this code (tests)
-    info["device"] = dev
-    t0 = time.time()
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype or torch.bfloat16)
     try:
-        with torch.device(dev):
-            hf = Qwen3NextForCausalLM(cfg).eval()
+        with torch.device(device):
+            return Qwen3NextForCausalLM(cfg).eval()
     finally:
         torch.set_default_dtype(old)
+
+
+def _past(res):
+    """The cache of an HF output (``past_key_values`` in transformers 5.17, ``cache`` from about 5.2x)."""
+    for k in ("past_key_values", "cache"):
+        try:
+            v = res[k]
+        except (KeyError, TypeError):
+            continue
+        if v is not None:
+            return v
+    return None
+
+
+def hf_kernel_check(model, kernels: dict, lens=(173, 300), steps: int = 3, seed: int = 0, mq=None) -> dict:
+    """HF's logits on its own torch GDN path against the same model on ``kernels`` (``use_hf_kernels``): a
+    left-padded prefill of ``lens`` (all positions' logits: the chunked rule, the conv, the gated norm, the padding
+    mask) then ``steps`` decode steps through the cache (the recurrent rule, the conv update, the conv state
+    written in place). Returns {"prefill": {"max_abs", "ref_max", "rel"}, "decode": {...}, "kernels": report,
+    "torch": report}."""
+    import torch
+    if mq is None:
+        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    L, b = max(lens), len(lens)
+    ids = torch.randint(0, vocab, (b, L), generator=g).to(dev)
+    mask = torch.zeros(b, L, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, L - n:] = 1
+    mask = mask.to(dev)
+    nxt = torch.randint(0, vocab, (steps, b, 1), generator=g).to(dev)
+
+    def run():
+        with torch.no_grad():
+            res = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            pre = res.logits.float() * mask[..., None]                    # padding rows: not compared
+            pkv, m, dec = _past(res), mask, []
+            for s in range(steps):
+                m = torch.cat([m, torch.ones(b, 1, dtype=m.dtype, device=dev)], 1)
+                res = model(input_ids=nxt[s], attention_mask=m, past_key_values=pkv, use_cache=True)
+                pkv = _past(res)
+                dec.append(res.logits[:, -1].float())
+        return pre, torch.stack(dec, 1)
+
+    torch_report = hf_kernel_report(model, mq)
+    for k in HF_GDN_CALLABLES:            # the reference: transformers' own torch functions, whatever it resolved
+        f = getattr(mq, k)
+        torch_report[k] = _runs(getattr(f, "__wrapped__", f))
+    torch_fns = {k: getattr(getattr(mq, k), "__wrapped__", getattr(mq, k)) for k in HF_GDN_CALLABLES}
+    undo = use_hf_kernels(model, dict(torch_fns, gated_norm=None), mq)
+    try:
+        ref = run()
+    finally:
+        undo()
+    undo = use_hf_kernels(model, kernels, mq)
+    try:
+        report = hf_kernel_report(model, mq)
+        got = run()
+    finally:
+        undo()
+    out = {"kernels": report, "torch": torch_report, "lens": list(lens), "steps": steps,
+           "dtype": str(next(model.parameters()).dtype)}
+    for key, r, o in (("prefill", ref[0], got[0]), ("decode", ref[1], got[1])):
+        err = (o - r).abs().max().item()
+        top = r.abs().max().item()
+        out[key] = {"max_abs": err, "ref_max": top, "rel": err / max(top, 1e-30),
+                    "finite": bool(torch.isfinite(o).all().item())}
+    return out
+
+
+def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None, fla: bool = None) -> dict:
+    """HF Qwen3NextForCausalLM with ``config``'s dims: {"varlen", "long", "decode": {"ms", "do_bench_ms"}, "info"}.
+    ``fla`` (default: on a GPU) runs HF's GDN layers on FLA's kernels (``fla_kernels`` / ``use_hf_kernels``); off,
+    or when FLA cannot be imported, HF runs its torch fallbacks and "info" says so. Frees the model and torch's
+    cached GPU memory before returning."""
+    import torch
+    import transformers
+    info = {"transformers": transformers.__version__, "torch": torch.__version__}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"        # cpu: a smoke run of this code (tests)
+    info["device"] = dev
+    fla = (dev == "cuda") if fla is None else fla
+    t0 = time.time()
+    hf = hf_model(config, torch.bfloat16, dev, seed)
     info["init_s"] = round(time.time() - t0, 1)
     log = log or (lambda m: None)
-    log(f"init {info}")
+    info["hf_kernels_resolved"] = hf_kernel_report(hf)       # what transformers picked by itself at import
+    undo = None
+    if fla:
+        try:
+            import fla as fla_pkg
+            info["fla"] = getattr(fla_pkg, "__version__", "importable")
+            undo = use_hf_kernels(hf, fla_kernels())
+        except Exception as err:  # pragma: no cover - reported, HF runs its torch fallbacks
+            info["fla_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    info["hf_kernels"] = hf_kernel_report(hf)                   # what the timed calls run
     info["experts_implementation"] = str(getattr(hf.config, "_experts_implementation", None))
-    try:   # which GDN / conv kernels HF's module resolved (FLA's when importable, else its torch fallbacks)
-        import transformers.models.qwen3_next.modeling_qwen3_next as mq
-        info["hf_kernels"] = {k: str(getattr(v, "__module__", v)) for k, v in vars(mq).items()
-                              if any(w in k for w in ("gated_delta_rule", "conv1d", "fast_path", "FusedRMSNorm"))}
-    except Exception:  # pragma: no cover
-        pass
     info["attn_implementation"] = str(getattr(hf.config, "_attn_implementation", None))
+    log(f"init {info}")
     rng = np.random.default_rng(seed)
     out = {"info": info}
 
@@ -210,47 +605,51 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> d
         except Exception:  # pragma: no cover
             return None
 
-    with torch.no_grad():
-        # ---- prefill rows ----
-        name, lens = cases["varlen"]
-        L = max(lens)
-        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (len(lens), L))).to(dev)
-        mask = torch.zeros(len(lens), L, dtype=torch.long, device=dev)
-        for i, n in enumerate(lens):
-            mask[i, L - n:] = 1                                                   # left padding, as HF generates
-        prefill = {"varlen": lambda: hf(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)}
-        _, (n1,) = cases["long"]
-        ids1 = torch.from_numpy(rng.integers(0, config.vocab_size, (1, n1))).to(dev)
-        prefill["long"] = lambda: hf(input_ids=ids1, use_cache=False, logits_to_keep=1)
-        for key, fn in prefill.items():
+    try:
+        with torch.no_grad():
+            # ---- prefill rows ----
+            name, lens = cases["varlen"]
+            L = max(lens)
+            ids = torch.from_numpy(rng.integers(0, config.vocab_size, (len(lens), L))).to(dev)
+            mask = torch.zeros(len(lens), L, dtype=torch.long, device=dev)
+            for i, n in enumerate(lens):
+                mask[i, L - n:] = 1                                                   # left padding, as HF generates
+            prefill = {"varlen": lambda: hf(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)}
+            _, (n1,) = cases["long"]
+            ids1 = torch.from_numpy(rng.integers(0, config.vocab_size, (1, n1))).to(dev)
+            prefill["long"] = lambda: hf(input_ids=ids1, use_cache=False, logits_to_keep=1)
+            for key, fn in prefill.items():
+                try:
+                    t1 = time.time()
+                    fn()
+                    sync(None)
+                    first = time.time() - t1
+                    log(f"{key}: first call {first:.1f} s")
+                    out[key] = {"ms": _median_ms(fn, sync, reps), "do_bench_ms": do_bench(fn), "first_call_s": first}
+                except Exception as err:
+                    out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                log(f"{key}: {out[key]}")
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            # ---- decode: prefill the context with a cache, then time one-token steps ----
+            _, n, ctx, _ = cases["decode"]
             try:
-                t1 = time.time()
-                fn()
+                idsd = torch.from_numpy(rng.integers(0, config.vocab_size, (n, ctx))).to(dev)
+                res = hf(input_ids=idsd, use_cache=True, logits_to_keep=1)
+                pkv = _past(res)
+                del res
+                nxt = torch.from_numpy(rng.integers(0, config.vocab_size, (n, 1))).to(dev)
+                step = lambda: hf(input_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1)  # noqa: E731
+                step()
                 sync(None)
-                first = time.time() - t1
-                log(f"{key}: first call {first:.1f} s")
-                out[key] = {"ms": _median_ms(fn, sync, reps), "do_bench_ms": do_bench(fn), "first_call_s": first}
+                out["decode"] = {"ms": _median_ms(step, sync, max(reps, 5))}
+                log(f"decode: {out['decode']}")
+                del pkv
             except Exception as err:
-                out[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            log(f"{key}: {out[key]}")
-            if dev == "cuda":
-                torch.cuda.empty_cache()
-        # ---- decode: prefill the context with a cache, then time one-token steps ----
-        _, n, ctx, _ = cases["decode"]
-        try:
-            idsd = torch.from_numpy(rng.integers(0, config.vocab_size, (n, ctx))).to(dev)
-            res = hf(input_ids=idsd, use_cache=True, logits_to_keep=1)
-            pkv = res.past_key_values
-            del res
-            nxt = torch.from_numpy(rng.integers(0, config.vocab_size, (n, 1))).to(dev)
-            step = lambda: hf(input_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1)  # noqa: E731
-            step()
-            sync(None)
-            out["decode"] = {"ms": _median_ms(step, sync, max(reps, 5))}
-            log(f"decode: {out['decode']}")
-            del pkv
-        except Exception as err:
-            out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    finally:
+        if undo is not None:
+            undo()
     del hf, prefill
     gc.collect()
     if dev == "cuda":
@@ -358,6 +757,20 @@ def _block0(model, mixer: str):
     return None, None
 
 
+def _embed_logits(cfg):
+    """The model's ends as one function: embedding gather [T] + final RMSNorm + lm_head on each stream's last token
+    (cu [N + 1]) -> [N, Vocab] fp32."""
+    import jax.numpy as jnp
+    from jax_gdn.ops.norms import rms_norm
+
+    def embed_logits(embed, final_norm, head, ids, cu):
+        h = embed[ids]
+        h = h[jnp.maximum(cu[1:] - 1, 0)]
+        h = rms_norm(h, final_norm, cfg.rms_norm_eps)
+        return jnp.matmul(h, head if head is not None else embed.T, preferred_element_type=jnp.float32)
+    return embed_logits
+
+
 def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
     """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone."""
     import jax
@@ -452,13 +865,7 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
     # ---- embeddings + logits ----
     ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, tb).astype(np.int32))
     p = model.params
-
-    def embed_logits(embed, final_norm, head, ids, cu):
-        h = embed[ids]
-        h = h[jnp.maximum(cu[1:] - 1, 0)]
-        h = rms_norm(h, final_norm, cfg.rms_norm_eps)
-        return jnp.matmul(h, head if head is not None else embed.T, preferred_element_type=jnp.float32)
-    timed("embed_logits", embed_logits, p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
+    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
 
     ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
     nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
@@ -471,6 +878,123 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
     except (KeyError, TypeError):
         out["model_sum"] = None
     out["layers"] = {"gdn": ng, "attention": na, "moe": nm}
+    return out
+
+
+def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0) -> dict:
+    """Per-part ms of one decode step of ``n`` streams each holding ``ctx`` tokens (see the module docstring),
+    each part jitted alone with the model's layer-0 parameters and backends; the state a part advances (GDN slots,
+    KV pages) is donated and carried from call to call, as the model's step does."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.layers import block as blk
+    from jax_gdn.layers import gdn
+    from jax_gdn.layers.attention import attention_layer
+    from jax_gdn.ops.norms import rms_norm
+    from jax_gdn.state import GdnSlots, KvPages
+
+    cfg, dt = model.config, model.dtype
+    be = model.backends
+    x = jax.random.normal(jax.random.PRNGKey(seed + 1), (n, cfg.hidden_size), jnp.float32).astype(dt)
+    slot_ids = jnp.arange(n, dtype=jnp.int32)
+    cu = jnp.arange(n + 1, dtype=jnp.int32)
+    out = {"streams": n, "context": ctx}
+
+    def timed(name, fn, *args, state=None):
+        """Median ms of fn(*args[, state]); with ``state`` fn returns (y, new_state) and the state is donated."""
+        try:
+            if state is None:
+                f = jax.jit(fn)
+                call = lambda: f(*args)                                       # noqa: E731
+            else:
+                f = jax.jit(fn, donate_argnums=(len(args),))
+                box = {"s": state}
+
+                def call():
+                    y, box["s"] = f(*args, box["s"])
+                    return y
+            _jax_sync(call())
+            out[name] = _median_ms(call, _jax_sync, max(reps, 5))
+        except Exception as err:
+            out[name] = None
+            out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
+            traceback.print_exc()
+
+    gp, gkind = _block0(model, "gdn")
+    if gp is not None:
+        dims = cfg.gdn_dims
+        mixer = dict(gp["mixer"], input_layernorm=gp["input_norm"])
+        timed("gdn_decode", lambda mixer, x, slots: gdn.gdn_layer_decode(
+            mixer, dims, x, slots, slot_ids, jnp.ones((n,), bool)), mixer, x, state=GdnSlots.zeros(dims, n, dt))
+    ap, akind = _block0(model, "attention")
+    if ap is not None:
+        ps = 16
+        pp = -(-(ctx + 1) // ps)                                              # pages per stream after the step
+        table = jnp.arange(n * pp, dtype=jnp.int32).reshape(n, pp)
+        tok_pos = jnp.full((n,), ctx, jnp.int32)
+        tok_page = table[:, ctx // ps]
+        slot_lens = jnp.full((n,), ctx + 1, jnp.int32)
+        kv = KvPages.zeros(n * pp, ps, cfg.num_key_value_heads, cfg.head_dim, dt)
+
+        def attn(mp, norm, x, kv):
+            h = rms_norm(x, norm, cfg.rms_norm_eps)
+            h, kv = attention_layer(mp, cfg.attn_dims, h, kv, token_pos=tok_pos, token_page=tok_page,
+                                    token_offset=tok_pos % ps, page_table=table, slot_lens=slot_lens,
+                                    cu_seqlens=cu, slot_ids=slot_ids, decode=True, backend=be.paged_attention)
+            return x + h, kv
+        timed("attention_decode", attn, ap["mixer"], ap["input_norm"], x, state=kv)
+        del kv
+    fp = gp if gp is not None else ap
+    fkind = gkind if gp is not None else akind
+    ffn_name = "moe" if fkind is not None and fkind.moe else "mlp"
+    if fp is not None:
+        timed(ffn_name, lambda f, norm, x: x + blk.ffn(f, rms_norm(x, norm, cfg.rms_norm_eps), config=cfg,
+                                                       moe=fkind.moe, backend=be.moe), fp["ffn"], fp["post_norm"], x)
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32))
+    p = model.params
+    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
+
+    ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
+    nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    nf = cfg.num_hidden_layers if ffn_name == "moe" else cfg.num_hidden_layers - nm
+    try:
+        split = {"gdn": ng * out["gdn_decode"] if ng else 0.0, "attention": na * out["attention_decode"] if na else 0.0,
+                 ffn_name: nf * out[ffn_name], "embed_logits": out["embed_logits"]}
+        out["model_sum"] = sum(split.values())
+        out["model_sum_split"] = split
+    except (KeyError, TypeError):
+        out["model_sum"] = None
+    out["layers"] = {"gdn": ng, "attention": na, ffn_name: nf}
+    return out
+
+
+def measure_parts(model, cases: dict, reps: int = REPS, ours: dict = None, peers: dict = None, log=None) -> dict:
+    """parts_ms of the section: the varlen prefill's parts (``parts``) with their floors (``prefill_floors``) and,
+    under "decode", the decode step's parts (``decode_parts``) with theirs (``decode_floors``); "model" and
+    "other" from ``ours`` (our rows) when given. ``peers``: ``load_peers``' kernel and attention rows."""
+    import jax.numpy as jnp
+    ours = ours or {}
+    cfg = model.config
+    nbytes = jnp.dtype(model.dtype).itemsize
+    name, lens = cases["varlen"]
+    out = parts(model, lens, reps)
+    out["case"] = name
+    out["model"] = ours.get("varlen", {}).get("ms")
+    if out.get("model_sum") and out["model"]:
+        out["other"] = out["model"] - out["model_sum"]
+    _with_floors(out, prefill_floors(cfg, lens, nbytes, peers))
+    out["floor_source"] = ({"path": peers.get("path"), "date": peers.get("date")} if peers and peers.get("path")
+                           else None)
+    if log is not None:
+        log(f"prefill parts: {out}")
+    dname, dn, dctx, _ = cases["decode"]
+    dec = decode_parts(model, dn, dctx, reps)
+    dec["case"] = dname
+    dec["model"] = ours.get("decode", {}).get("ms")
+    if dec.get("model_sum") and dec["model"]:
+        dec["other"] = dec["model"] - dec["model_sum"]
+    _with_floors(dec, decode_floors(cfg, dn, dctx, nbytes))
+    out["decode"] = dec
     return out
 
 
@@ -544,10 +1068,11 @@ def _rows(cases: dict, ours: dict, hf_res: dict) -> list:
     return rows
 
 
-def _hf_in_subprocess(reps: int, timeout: float) -> dict:
+def _hf_in_subprocess(reps: int, timeout: float, quick: bool = False) -> dict:
     """hf_rows in a child process (its torch memory is gone when it exits; a hang is cut at ``timeout``). The
     child's progress lines go to this process's stderr."""
-    cmd = [sys.executable, "-m", "jax_gdn.bench_model", "--hf-only", "--reps", str(reps)]
+    cmd = [sys.executable, "-m", "jax_gdn.bench_model", "--hf-only", "--reps", str(reps)] + (["--quick"] if quick
+                                                                                            else [])
     try:
         r = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=None, text=True,
                            timeout=timeout)
@@ -633,7 +1158,7 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
 
     if hf and not out_of_time("hf", 30):
         try:
-            hf_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0))
+            hf_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick)
             section["hf"] = hf_res.get("info")
         except Exception as err:
             section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
@@ -659,11 +1184,9 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
 
     if model is not None and not out_of_time("parts", 10 if quick else 30):
         try:
-            section["parts_ms"] = parts(model, cases["varlen"][1], reps)
-            section["parts_ms"]["case"] = cases["varlen"][0]
-            section["parts_ms"]["model"] = ours.get("varlen", {}).get("ms")
-            if section["parts_ms"].get("model_sum") and section["parts_ms"]["model"]:
-                section["parts_ms"]["other"] = section["parts_ms"]["model"] - section["parts_ms"]["model_sum"]
+            peers = {} if quick else load_peers(section["device"])
+            section["parts_ms"] = measure_parts(model, cases, reps, ours, peers,
+                                                log=None if quick else update)
         except Exception as err:
             section["errors"].append(f"parts: {type(err).__name__}: {str(err)[:300]}")
             traceback.print_exc()
@@ -673,6 +1196,23 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     section["wall_s"] = round(time.time() - start, 1)
     update()
     return section
+
+
+def _print_parts(p: dict, names) -> None:
+    """One line per part: ms, floor ms, part / floor, the floor's basis; then the sum over the model's layers."""
+    def f(x, fmt="{:.3f}"):
+        return "-" if x is None else fmt.format(x)
+    fl, ra, ba = p.get("floor_ms") or {}, p.get("floor_ratio") or {}, p.get("floor_basis") or {}
+    print(f"  {'part':<17} {'ms':>8} {'floor ms':>9} {'x floor':>8}  floor basis")
+    for k in names:
+        if k in p:
+            print(f"  {k:<17} {f(p.get(k)):>8} {f(fl.get(k), '{:.3g}'):>9} {f(ra.get(k), '{:.2f}'):>8}  {ba.get(k, '')}")
+    split = p.get("model_sum_split") or {}
+    print(f"  model sum {f(p.get('model_sum'), '{:.2f}')} ms ("
+          + ", ".join(f"{k} {f(v, '{:.2f}')}" for k, v in split.items())
+          + f"); model measured {f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms")
+    for k, v in (p.get("errors") or {}).items():
+        print(f"    {k}: {v[:160]}")
 
 
 def print_section(section: dict) -> None:
@@ -689,21 +1229,31 @@ def print_section(section: dict) -> None:
               f"{f(r['speedup']):>6} | {f(r.get('first_call_s'), '{:.1f}'):>10}")
         for who, err in r.get("errors", {}).items():
             print(f"    {who}: {err[:160]}")
+    hf = section.get("hf") or {}
+    if hf:
+        k = hf.get("hf_kernels") or {}
+        print(f"HF: transformers {hf.get('transformers')}, torch {hf.get('torch')}, FLA {hf.get('fla', '-')}; its GDN "
+              "layer ran: " + ", ".join(f"{n} -> {v.split(' (')[0]}" for n, v in k.items())
+              + (f"; FLA error: {hf['fla_error']}" if hf.get("fla_error") else ""))
     p = section.get("parts_ms") or {}
     if p:
         lay = p.get("layers", {})
-        print(f"parts ({p.get('case')}, T={p.get('tokens')} padded to {p.get('padded_tokens')}; ms per layer, "
+        print(f"parts, prefill {p.get('case')} (T={p.get('tokens')} padded to {p.get('padded_tokens')}; ms per layer, "
               f"x {lay.get('gdn')} GDN / {lay.get('attention')} attention / {lay.get('moe')} MoE layers):")
-        print("  " + "  ".join(f"{k} {f(p.get(k))}" for k in ("gdn_phase1", "gdn_phase2", "gdn_phase3", "attention",
-                                                              "moe", "embed_logits") if k in p))
-        split = p.get("model_sum_split") or {}
-        print(f"  model sum {f(p.get('model_sum'))} ms (" + ", ".join(f"{k} {f(v)}" for k, v in split.items())
-              + f"); model measured {f(p.get('model'))} ms; other {f(p.get('other'))} ms")
-        for k, v in (p.get("errors") or {}).items():
-            print(f"    {k}: {v[:160]}")
+        _print_parts(p, ("gdn_phase1", "gdn_phase2", "gdn_phase3", "attention", "moe", "mlp", "embed_logits"))
+        d = p.get("decode") or {}
+        if d:
+            print(f"parts, decode {d.get('case')} ({d.get('streams')} streams x {d.get('context')} tokens; ms per "
+                  f"layer):")
+            _print_parts(d, ("gdn_decode", "attention_decode", "moe", "mlp", "embed_logits"))
+        over = [f"{k} {v:.2f}" for q in (p, d) for k, v in (q.get("floor_ratio") or {}).items() if v and v > 2]
+        if p.get("floor_ratio") and not section.get("quick"):
+            print("targets (issue 9): each part within 2x of its floor: "
+                  + ("met" if not over else "NOT met: " + ", ".join(over)))
     c = section.get("compile") or {}
     if c:
-        print(f"compile of the {c.get('layers')}-layer prefill (abstract weights, fresh process): {f(c.get('s'), '{:.1f}')} s "
+        print(f"compile of the {c.get('layers')}-layer prefill (abstract weights, fresh process): "
+              f"{f(c.get('s'), '{:.1f}')} s "
               f"(trace+lower {f(c.get('lower_s'), '{:.1f}')} s, compile {f(c.get('compile_s'), '{:.1f}')} s)")
     sp = [r["speedup"] for r in section.get("rows", []) if r.get("speedup")]
     if sp:
@@ -716,6 +1266,25 @@ def print_section(section: dict) -> None:
         print(f"  error: {e[:200]}")
 
 
+def check_config(quick: bool = False):
+    """The GPU check's config: 2 layers, one GDN and one attention, at 80B dims (tiny dims when ``quick``)."""
+    import dataclasses
+    cfg = (tiny_config if quick else qwen3_next_80b_config)(2)
+    return dataclasses.replace(cfg, layer_types=("linear_attention", "full_attention"))
+
+
+def hf_check(quick: bool = False, lens=(173, 300), steps: int = 3) -> dict:
+    """``hf_kernel_check`` of FLA's kernels (``fla_kernels()``) on a bf16 HF model of ``check_config`` on the GPU:
+    HF's torch path against HF on FLA, the same weights and inputs."""
+    import torch
+    t0 = time.time()
+    model = hf_model(check_config(quick), torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+    res = hf_kernel_check(model, fla_kernels(), lens=lens, steps=steps)
+    res["resolved_by_transformers"] = hf_kernel_report(model)
+    res["s"] = round(time.time() - t0, 1)
+    return res
+
+
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -726,7 +1295,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=COMPILE_LAYERS, help="depth of --compile-only")
     p.add_argument("--json", default=None)
     p.add_argument("--hf-only", action="store_true", help="print HF's rows as a JSON line and exit (a GPU)")
+    p.add_argument("--hf-check", action="store_true",
+                   help="print a JSON line: HF on FLA's kernels against HF's torch path, 2 layers (GDN + attention) "
+                        "at 80B dims (--quick: tiny dims); needs FLA and a GPU")
     a = p.parse_args(argv)
+    if a.hf_check:
+        res = hf_check(a.quick)
+        print(json.dumps(res), flush=True)
+        return res
     if a.hf_only:
         res = hf_rows(tiny_config(LAYERS) if a.quick else qwen3_next_80b_config(LAYERS), _cases(a.quick), a.reps,
                       log=lambda m: print(f"[hf] {m}", file=sys.stderr, flush=True))
