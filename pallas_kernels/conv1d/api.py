@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.conv1d import reference
-from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots, token_streams
+from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots
 
 __all__ = ["causal_conv1d_l2_varlen", "supports", "BACKENDS"]
 
@@ -83,16 +83,16 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
         raise ValueError(why)
     from pallas_kernels.conv1d.triton import conv1d_l2_pallas
 
-    t = x.shape[0]
     cu = cu_seqlens.astype(jnp.int32)
-    prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(jnp.float32)
-    seq, rel = token_streams(cu, t)
-    rel = jnp.where(jnp.arange(t, dtype=jnp.int32) < cu[n], rel, -1)                 # padding tokens: -1
     cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
-    q, k, v = conv1d_l2_pallas(x, w, prev, seq, rel, jnp.asarray(cols), num_k_heads=hk, num_v_heads=hv,
-                               head_dim=d, eps=eps, interpret=backend == "pallas_interpret", config=config)
+    if backend == "pallas" and (cols % 16).any():
+        raise ValueError(f"pallas conv1d: block_cols must be multiples of 16 on a GPU, got {block_cols!r}")
+    q, k, v = conv1d_l2_pallas(x, w, cu[n], jnp.asarray(cols), num_k_heads=hk, num_v_heads=hv, head_dim=d, eps=eps,
+                               interpret=backend == "pallas_interpret", config=config)
     if kc == 1:
         return q, k, v, conv_state_pool
+    prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(jnp.float32)
     src = None if block_cols is None else reference.channel_source_index(block_cols, d, c)
+    q, k, v = reference.fix_boundaries(q, k, v, x, w, prev, cu, src, eps=eps)
     pool = scatter_slots(conv_state_pool, slot_ids, reference.new_conv_states(x, prev, cu, src))
     return q, k, v, pool

@@ -30,7 +30,8 @@ from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slot
 _F32 = jnp.float32
 _ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
 
-__all__ = ["causal_conv1d_varlen", "conv1d_l2_varlen", "qkvz_block_cols", "channel_source_index", "select_channels", "new_conv_states"]
+__all__ = ["causal_conv1d_varlen", "conv1d_l2_varlen", "qkvz_block_cols", "channel_source_index", "select_channels",
+           "boundary_rows", "fix_boundaries", "new_conv_states"]
 
 
 def _activation(name):
@@ -97,13 +98,13 @@ def _conv_taps(x32, w32, prev, cu, n):
     tok = jnp.arange(t, dtype=jnp.int32)
     tok_seq, rel = token_streams(cu, t)                                                            # [T], [T]
     valid = tok < cu[n]
-    # lag L = Kc - 1 - j reads x[t - L] inside the stream (a static shift: pad + slice, one fused pass over x,
-    # no row gather of x), else the state's column Kc - 1 - L + rel (a gather of the tiny start states)
+    # lag L = Kc - 1 - j reads x[t - L] inside the stream, else the state's column Kc - 1 - L + rel (a row gather
+    # per tap: measured 0.49 ms at 80B dims on the H200 against 0.57 ms for static shifts, NOTES_gdn_phases.md)
     y = w32[:, kc - 1] * x32
     for j in range(kc - 1):
         lag = kc - 1 - j
         inside = rel >= lag
-        from_x = jnp.pad(x32, ((lag, 0), (0, 0)))[:t]                                              # [T, C]
+        from_x = x32[jnp.maximum(tok - lag, 0)]                                                    # [T, C]
         col = jnp.clip(kc - 1 - lag + rel, 0, kc - 2)
         from_state = prev[tok_seq, :, col]                                                         # [T, C]
         y = y + w32[:, j] * jnp.where(inside[:, None], from_x, from_state)
@@ -120,8 +121,7 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     slot_ids: [N] int32 (distinct inside [0, S); an id outside [0, S) names no slot: that stream starts from zeros
     and its new state is dropped, e.g. S for a zero-length padding stream); has_initial_state: [N] bool.
     Returns (y [T, C] in x.dtype, new pool [S, C, Kc - 1]): the slots of the N streams are rewritten, others kept.
-    One pass over x (static shifts; the start states gathered per token); no host sync, traceable with T and N
-    static. Arithmetic in fp32.
+    One gather per tap; no host sync, traceable with T and N static. Arithmetic in fp32.
     """
     _check_x_w("causal_conv1d_varlen", x, w)
     c, kc = w.shape
@@ -141,16 +141,63 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     return y, pool
 
 
+def _finish(y, hk: int, hv: int, d: int, eps: float, dtype):
+    """Pre-activation y [R, C] fp32 -> SiLU, split, L2 norm of each q / k head -> (q [R, Hk, D], k, v [R, Hv, D])."""
+    r = y.shape[0]
+    y = jax.nn.silu(y)
+    kd = hk * d
+
+    def l2(a):
+        return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + eps)
+    return (l2(y[:, :kd].reshape(r, hk, d)).astype(dtype), l2(y[:, kd:2 * kd].reshape(r, hk, d)).astype(dtype),
+            y[:, 2 * kd:].reshape(r, hv, d).astype(dtype))
+
+
+def boundary_rows(x: jax.Array, w: jax.Array, prev: jax.Array, cu: jax.Array, src_index=None):
+    """The first Kc - 1 tokens of every stream, whose taps reach into its start state.
+
+    x [T, Cs]; w [C, Kc]; prev [N, C, Kc - 1] fp32 start states; cu [N + 1] int32; src_index [C] (None: identity).
+    Returns (rows [N (Kc - 1)] int32, T where the stream is shorter: a dropped write; y [N (Kc - 1), C] fp32, the
+    pre-activation conv of those tokens). Tiny: N (Kc - 1) rows.
+    """
+    n, c, km1 = prev.shape
+    t = x.shape[0]
+    lens = cu[1:] - cu[:-1]
+    i = jnp.arange(km1, dtype=jnp.int32)
+    rows = cu[:-1, None] + i[None, :]                                                              # [N, Kc-1]
+    xr = x[jnp.clip(rows, 0, t - 1)]                                                               # [N, Kc-1, Cs]
+    if src_index is not None:
+        xr = xr[:, :, jnp.asarray(src_index)]
+    xs = jnp.concatenate([jnp.swapaxes(prev, 1, 2), xr.astype(_F32)], axis=1)                     # [N, 2(Kc-1), C]
+    w32 = w.astype(_F32)
+    y = sum(w32[:, j] * xs[:, j:j + km1] for j in range(km1 + 1))                                  # [N, Kc-1, C]
+    rows = jnp.where(i[None, :] < lens[:, None], rows, t)
+    return rows.reshape(-1), y.reshape(n * km1, c)
+
+
+def fix_boundaries(q, k, v, x, w, prev, cu, src_index, *, eps: float):
+    """q, k, v with the rows of ``boundary_rows`` replaced (a scatter of N (Kc - 1) rows, set not add, so whatever
+    the stream-blind pass wrote there, NaN included, is gone)."""
+    hk, d = q.shape[1], q.shape[2]
+    rows, yb = boundary_rows(x, w, prev, cu, src_index)
+    qb, kb, vb = _finish(yb, hk, v.shape[1], d, eps, q.dtype)
+    return (q.at[rows].set(qb, mode="drop"), k.at[rows].set(kb, mode="drop"), v.at[rows].set(vb, mode="drop"))
+
+
 def conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, cu_seqlens: jax.Array,
                      slot_ids: jax.Array, has_initial_state: jax.Array, *, num_k_heads: int, num_v_heads: int,
                      head_dim: int, block_cols=None, eps: float = 1e-6):
-    """Causal conv1d + SiLU + L2 norm of each q and k head, varlen with conv-state slots (the XLA reference of the
-    fused kernel, and its ``"xla"`` backend).
+    """Causal conv1d + SiLU + L2 norm of each q and k head, varlen with conv-state slots (the ``"xla"`` backend of
+    the fused op; ``causal_conv1d_varlen`` + a split + ``l2norm`` is the two-step form it is tested against).
 
     x: [T, Cs] (channel c read from column ``channel_source_index(block_cols)[c]``); w: [C, Kc] with
     C = (2 Hk + Hv) head_dim; conv_state_pool [S, C, Kc - 1]; cu_seqlens [N + 1]; slot_ids, has_initial_state [N].
     Returns (q [T, Hk, K], k [T, Hk, K] L2-normalised, v [T, Hv, V], all in x.dtype; new pool). The L2 norm is
     taken of the fp32 conv output (``y * rsqrt(sum(y^2) + eps)``); padding tokens give zeros.
+
+    Two passes, neither gathering per token: the conv of the stacked tokens as if they were one stream (static
+    shifts of x, fused by XLA with SiLU and the L2 norm into one read of x and one write of q, k, v), then the
+    first Kc - 1 tokens of each stream recomputed from its start state and scattered over (``fix_boundaries``).
     """
     c, kc = w.shape
     hk, hv, d = num_k_heads, num_v_heads, head_dim
@@ -159,26 +206,21 @@ def conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, cu_
                          f"got shape {tuple(w.shape)}")
     n = _check_pool_meta("conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids, has_initial_state)
     src = None if block_cols is None else channel_source_index(block_cols, d, c)
-    xc = select_channels(x, block_cols, d, c)                                                      # [T, C]
+    xc = select_channels(x, block_cols, d, c).astype(_F32)                                         # [T, C]
     cu = cu_seqlens.astype(jnp.int32)
-    prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(_F32)
     t = x.shape[0]
+    w32 = w.astype(_F32)
+    y = w32[:, kc - 1] * xc
+    for j in range(kc - 1):
+        y = y + w32[:, j] * jnp.pad(xc, ((kc - 1 - j, 0), (0, 0)))[:t]                             # x[t - lag]
+    valid = jnp.arange(t, dtype=jnp.int32) < cu[n]
+    q, k, v = _finish(jnp.where(valid[:, None], y, 0.0), hk, hv, d, eps, x.dtype)   # padding: silu(0) = 0
     if kc == 1:
-        y = xc.astype(_F32) * w[:, 0].astype(_F32)
-        valid = jnp.arange(t, dtype=jnp.int32) < cu[n]
-        pool = conv_state_pool
-    else:
-        y, valid = _conv_taps(xc.astype(_F32), w.astype(_F32), prev, cu, n)
-        pool = scatter_slots(conv_state_pool, slot_ids, new_conv_states(x, prev, cu, src))
-    y = jnp.where(valid[:, None], jax.nn.silu(y), 0.0)
-    kd = hk * d
-    q = y[:, :kd].reshape(t, hk, d)
-    k = y[:, kd:2 * kd].reshape(t, hk, d)
-    v = y[:, 2 * kd:].reshape(t, hv, d)
-
-    def l2(a):
-        return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + eps)
-    return l2(q).astype(x.dtype), l2(k).astype(x.dtype), v.astype(x.dtype), pool
+        return q, k, v, conv_state_pool
+    prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(_F32)
+    q, k, v = fix_boundaries(q, k, v, x, w, prev, cu, src, eps=eps)
+    pool = scatter_slots(conv_state_pool, slot_ids, new_conv_states(x, prev, cu, src))
+    return q, k, v, pool
 
 
 def _check_x_w(fn: str, x, w):

@@ -1,8 +1,8 @@
 """The fused conv1d + SiLU + q/k L2 norm (pallas_kernels/conv1d): the XLA reference and the Pallas kernel in
 interpret mode against a float64 NumPy oracle (per stream, from its slot's conv state).
 
-Cases: odd lengths (1, 63, 64, 65, 130), an empty stream, padding tokens past cu[N] and padding streams with slot
-id S, a negative slot id, fresh streams over NaN-poisoned slots, grouped heads (Hv = 2 Hk), the identity and the
+Cases: odd lengths (1, 63, 64, 65, 130), an empty stream, NaN padding tokens past cu[N] and padding streams with
+slot id S, a negative slot id, fresh streams over NaN-poisoned slots, grouped heads (Hv = 2 Hk), the identity and the
 Qwen3-Next fused ``in_proj_qkvz`` source layouts (z columns NaN: never read). Tolerances: fp32 2e-5 abs (sums of
 Kc = 4 fp32 products and a normalisation); bf16 outputs 2e-2 abs (one bf16 rounding of values of order 1).
 """
@@ -45,6 +45,7 @@ def _case(seed, lens, t_pad, slot_ids, has_init, layout, dtype):
     t = t_pad
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     xc = rng.standard_normal((t, C)).astype(np.float32)
+    xc[int(cu[-1]):] = np.nan                               # padding tokens: never read into a stream's rows
     w = (rng.standard_normal((C, KC)) * 0.5).astype(np.float32)
     pool = rng.standard_normal((S, C, KC - 1)).astype(np.float32)
     for n, sid in enumerate(slot_ids):                      # fresh streams over NaN-poisoned slots
@@ -58,7 +59,7 @@ def _case(seed, lens, t_pad, slot_ids, has_init, layout, dtype):
     else:
         cols, x = None, xc
     x = jnp.asarray(x, dtype)
-    xc_rounded = np.asarray(jnp.asarray(xc, dtype).astype(jnp.float32))
+    xc_rounded = np.nan_to_num(np.asarray(jnp.asarray(xc, dtype).astype(jnp.float32)))
     return (x, jnp.asarray(w), jnp.asarray(pool), jnp.asarray(cu), jnp.asarray(slot_ids, jnp.int32),
             jnp.asarray(has_init), cols, xc_rounded)
 
