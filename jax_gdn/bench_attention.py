@@ -7,6 +7,7 @@ head dim 256, bf16), all implementations in one run on one GPU.
 Cases:
   prefill-varlen16        the 16 streams of ``jax_gdn.cases.VARLEN16_LENS`` (19027 tokens), fresh
   prefill-varlen16-ctx2k  the same streams, each continuing 2048 tokens already in its pages
+  prefill-32k             one fresh stream of 32768 tokens (the long-prompt case: 8.8 TFLOP causal per layer)
   decode-64x4096          64 streams, one query each against 4096 tokens of context
   decode-256x1024         256 streams x 1024 tokens of context
 Columns (median ms; null where an implementation cannot run the case):
@@ -41,9 +42,11 @@ def _cases(small: bool):
     if small:
         lens = (70, 1, 33, 130)
         return [("prefill-varlen16", "prefill", lens, 0), ("prefill-varlen16-ctx2k", "prefill", lens, 40),
+                ("prefill-32k", "prefill", (257,), 0),
                 ("decode-64x4096", "decode", (1,) * 8, 100), ("decode-256x1024", "decode", (1,) * 16, 30)]
     return [("prefill-varlen16", "prefill", tuple(VARLEN16_LENS), 0),
             ("prefill-varlen16-ctx2k", "prefill", tuple(VARLEN16_LENS), 2048),
+            ("prefill-32k", "prefill", (32768,), 0),
             ("decode-64x4096", "decode", (1,) * 64, 4095),
             ("decode-256x1024", "decode", (1,) * 256, 1023)]
 

@@ -2,7 +2,11 @@
 sweep, the attention bench section and the attention layer (pallas vs xla). Each step is printed as it finishes
 and appended to $OUT/attn_run.json, so a cut run still leaves what it measured; a short table is printed last.
 
-    python benchmarks/gpu/attn_run.py [steps...]     steps: check sweep decode section layer (default: all)
+    python benchmarks/gpu/attn_run.py [steps...]
+    steps: check sweep decode tests section layer (default: those), and (v3) layerv (the attention layer fused /
+    unfused / fused qkv, its GEMMs and its core alone, fused vs unfused numerics, copies in the HLO), long (one
+    32768-token stream: pallas launch configs, torch SDPA, cuDNN), gtests (the gpu tests of both paged-attention
+    test files)
 
 Timing: jax over groups of back-to-back calls closed by block_until_ready (median), as jax_gdn.bench.
 """
@@ -45,6 +49,176 @@ def step_tests():
     print(tail, flush=True)
     save("tests", {"rc": r.returncode, "tail": tail, "s": time.time() - t0})
     SUMMARY.append(f"gpu tests rc={r.returncode} ({time.time() - t0:.0f} s)")
+
+
+def step_gtests():
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu", "-p", "no:randomly", "-p",
+                        "no:cacheprovider", "tests/pallas_kernels/test_paged_attention_gated.py"]
+                       + (["tests/pallas_kernels/test_paged_attention.py"] if os.environ.get("ATTN_ALL_TESTS") else []),
+                       capture_output=True, text=True, timeout=240)
+    tail = (r.stdout + r.stderr)[-2500:]
+    print(tail, flush=True)
+    save("gtests", {"rc": r.returncode, "tail": tail, "s": time.time() - t0})
+    SUMMARY.append(f"gpu tests rc={r.returncode} ({time.time() - t0:.0f} s): "
+                   + (r.stdout.strip().splitlines() or ["?"])[-1])
+
+
+def _layer_inputs(small, seed=0):
+    """The bench_layers attention inputs: varlen16 at the 80B dims (or small), empty pool of shuffled pages."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.bench_layers import _dims
+    from jax_gdn.state import KvPages
+    _, adims, lens = _dims(small)
+    t, n = sum(lens), len(lens)
+    ps = 16
+    pages_per = [-(-x // ps) for x in lens]
+    num_pages = sum(pages_per)
+    ak = jax.random.split(jax.random.PRNGKey(seed), 7)
+    d, h, hkv, dh = adims.hidden_size, adims.num_heads, adims.num_kv_heads, adims.head_dim
+    dt = jnp.bfloat16
+
+    def w(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[0])).astype(dt)
+    params = {"q_proj": w(ak[0], (d, h * 2 * dh)), "k_proj": w(ak[1], (d, hkv * dh)),
+              "v_proj": w(ak[2], (d, hkv * dh)), "o_proj": w(ak[3], (h * dh, d)),
+              "q_norm": 0.1 * jax.random.normal(ak[4], (dh,)), "k_norm": 0.1 * jax.random.normal(ak[5], (dh,))}
+    hidden = jax.random.normal(ak[6], (t, d), jnp.float32).astype(dt)
+    order = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    first = np.cumsum([0] + pages_per[:-1])
+    pt = np.zeros((n, max(pages_per)), np.int32)
+    for i, (f, p) in enumerate(zip(first, pages_per)):
+        pt[i, :p] = order[f:f + p]
+    tok_slot = np.concatenate([[i] * x for i, x in enumerate(lens)]).astype(np.int32)
+    tok_pos = np.concatenate([np.arange(x) for x in lens]).astype(np.int32)
+    meta = tuple(jnp.asarray(x) for x in (tok_pos, pt[tok_slot, tok_pos // ps].astype(np.int32), tok_pos % ps, pt,
+                                          np.asarray(lens, np.int32), np.cumsum([0] + lens).astype(np.int32),
+                                          np.arange(n, dtype=np.int32)))
+    kv = KvPages.zeros(num_pages, ps, hkv, dh, dt)
+    return adims, params, hidden, kv, meta, lens
+
+
+def step_layerv():
+    """The attention layer's variants and parts at varlen16 (same timing for all: jax_gdn.bench.time_jax): the
+    unfused layer, the fused one (fused qkv weight) with the q prologue in each place (triton.PrefillConfig
+    .q_prologue), the GEMMs alone (3 or 1 + o_proj), the cores alone; fused vs unfused numerics; HLO op counts."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.bench_attention import time_jax
+    from jax_gdn.layers import attention as A
+    from jax_gdn.layers.rope import rope_cos_sin
+    from pallas_kernels.paged_attention import api
+    from pallas_kernels.paged_attention import triton as tr
+    adims, params, hidden, kv, meta, lens = _layer_inputs(DRY)
+    reps = dict(warmup=2, groups=3, per_group=2) if DRY else dict(warmup=3, groups=10, per_group=5)
+    h, hkv, dh = adims.num_heads, adims.num_kv_heads, adims.head_dim
+    fparams = A.fuse_qkv(params)
+    base = tr.prefill_config(jnp.bfloat16, dh)
+
+    def layer(fused):
+        def f(p, x, kv, tp, tpg, tof, pt, sl, cu, ids):
+            return A.attention_layer(p, adims, x, kv, token_pos=tp, token_page=tpg, token_offset=tof,
+                                     page_table=pt, slot_lens=sl, cu_seqlens=cu, slot_ids=ids, backend=PALLAS,
+                                     fused=fused)
+        return jax.jit(f)
+    out = {}
+    outs = {}
+    tp, tpg, tof, pt, sl, cu, ids = meta
+    q, k, v, gate = jax.jit(lambda p, x, tp: A.attention_qkv(p, adims, x, tp))(params, hidden, tp)
+    kvw = A.write_kv_pages(kv, k, v, tpg, tof)
+    core = jax.jit(lambda q, kp, vp, pt, sl, cu, ids: api.paged_attention(q, kp, vp, pt, sl, cu, ids,
+                                                                          scale=dh ** -0.5, backend=PALLAS))
+    out["core"] = time_jax(core, (q, kvw.k_pages, kvw.v_pages, pt, sl, cu, ids), **reps)
+    y = hidden @ fparams["qkv_proj"]
+    cos, sin = rope_cos_sin(tp, adims.rotary_dim, adims.rope_theta)
+    variants = [("unfused", False, params, None)]
+    for mode in ("reload", "xla", "kernel"):
+        variants.append((f"fused_qkv_{mode}", True, fparams, mode))
+    variants.append(("fused_3proj_reload", True, params, "reload"))
+    for name, fused, p, mode in variants:
+        tr.DEFAULT_PREFILL = None if mode is None else dataclasses.replace(base, q_prologue=mode)
+        api._gated_jit.clear_cache()
+        api._prefill_jit.clear_cache()
+        try:
+            fn = layer(fused)
+            args = (p, hidden, kv) + meta
+            outs[name] = np.asarray(fn(*args)[0].astype(jnp.float32))
+            out[name] = time_jax(fn, args, **reps)
+            if mode is not None and not name.startswith("fused_3"):
+                gated = jax.jit(lambda y, kp, vp, pt, sl, cu, ids, qn, c, s_: api.paged_attention_gated(
+                    y, kp, vp, pt, sl, cu, ids, q_norm=qn, cos=c, sin=s_, num_heads=h, scale=dh ** -0.5,
+                    backend=PALLAS))
+                out[f"core_gated_{mode}"] = time_jax(
+                    gated, (y, kvw.k_pages, kvw.v_pages, pt, sl, cu, ids, params["q_norm"], cos, sin), **reps)
+            if name == "fused_qkv_reload":
+                hlo = fn.lower(*args).compile().as_text()
+                out["hlo_fused_qkv_reload"] = {k: hlo.count(k) for k in (" copy(", " transpose(", "custom-call(",
+                                                                         "fusion(")}
+            if name != "unfused":
+                out[f"rel_rms_{name}_vs_unfused"] = rel_rms(outs[name], outs["unfused"])
+        except Exception as err:
+            out[name] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(name, {k: v for k, v in out.items() if name in k}, flush=True)
+        save("layerv", out)
+    tr.DEFAULT_PREFILL = None
+    api._gated_jit.clear_cache()
+    o_in = jnp.zeros((hidden.shape[0], h * dh), hidden.dtype)
+    gemm3 = jax.jit(lambda x, p, o: (x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"], o @ p["o_proj"]))
+    gemm1 = jax.jit(lambda x, p, o: (x @ p["qkv_proj"], o @ p["o_proj"]))
+    out["gemms_3"] = time_jax(gemm3, (hidden, params, o_in), **reps)
+    out["gemms_fused"] = time_jax(gemm1, (hidden, fparams, o_in), **reps)
+    print(out, flush=True)
+    save("layerv", out)
+    SUMMARY.append("layer varlen16 ms: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()
+                                                   if isinstance(v, float) and not k.startswith("rel")))
+    SUMMARY.append("rel rms vs unfused: " + " ".join(f"{k[8:-11]}={v:.1e}" for k, v in out.items()
+                                                     if k.startswith("rel")))
+    SUMMARY.append(f"hlo {out.get('hlo_fused_qkv_reload')}")
+    SUMMARY.extend(f"{k}: {v}" for k, v in out.items() if isinstance(v, str))
+
+
+def step_long():
+    """One 32768-token stream (fresh): pallas launch configs, torch SDPA (flash), cuDNN; same timing per column."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import bench_attention as ba
+    from pallas_kernels.paged_attention import api
+    from pallas_kernels.paged_attention import triton as tr
+    kind, lens, ctx, args = _case("prefill-32k")
+    q, kp, vp, pt, sl, cu, ids = args
+    dims = ba.SMALL if DRY else dict(h=ba.H, hkv=ba.HKV, dh=ba.DH)
+    flop = ba.prefill_flop(lens, ctx, dims["h"], dims["dh"])
+    reps = dict(warmup=1, groups=3, per_group=2) if DRY else dict(warmup=2, groups=5, per_group=3)
+    out = {"gflop": flop / 1e9, "ms": {}}
+    for cfg in ((128, 64, 8, 2), (128, 128, 8, 1), (128, 32, 8, 3)):
+        c = tr.PrefillConfig(*cfg)
+        try:
+            fn = jax.jit(lambda *x, c=c: api.paged_attention(*x, scale=dims["dh"] ** -0.5, backend=PALLAS, config=c))
+            out["ms"][f"pallas{list(cfg)}"] = ba.time_jax(fn, args, **reps)
+        except Exception as err:
+            out["ms"][f"pallas{list(cfg)}"] = f"{type(err).__name__}: {str(err)[:200]}"
+        print(out, flush=True)
+        save("long", out)
+    if not DRY:
+        kp_np, vp_np = np.asarray(kp), np.asarray(vp)
+        page_table = np.asarray(pt)
+        dense = [(ba._dense_kv(kp_np, page_table[i], x), ba._dense_kv(vp_np, page_table[i], x))
+                 for i, x in enumerate(lens)]
+        for name, f in (("torch_sdpa", lambda: ba._time_torch(np.asarray(q.astype(jnp.float32)), dense, lens, 0,
+                                                              False, dims["dh"] ** -0.5)),
+                        ("cudnn", lambda: ba._time_cudnn(q, dense, lens, False, dims["h"], dims["hkv"],
+                                                         dims["dh"], dims["dh"] ** -0.5, reps))):
+            try:
+                out["ms"][name] = f()
+            except Exception as err:
+                out["ms"][name] = f"{type(err).__name__}: {str(err)[:200]}"
+            print(out, flush=True)
+            save("long", out)
+    SUMMARY.append("32k stream: " + " ".join(
+        f"{k}={v:.2f}ms({flop / v / 1e9:.0f}TF/s)" if isinstance(v, float) else f"{k}={v}"
+        for k, v in out["ms"].items()))
 
 
 def _case(name):
@@ -175,7 +349,8 @@ def main(argv):
         t1 = time.time()
         try:
             {"tests": step_tests, "check": step_check, "sweep": step_sweep, "decode": step_decode_sweep,
-             "section": step_section, "layer": step_layer}[s]()
+             "section": step_section, "layer": step_layer, "layerv": step_layerv, "long": step_long,
+             "gtests": step_gtests}[s]()
         except Exception as err:
             SUMMARY.append(f"{s}: FAILED {type(err).__name__}: {str(err)[:300]}")
             print(SUMMARY[-1], flush=True)

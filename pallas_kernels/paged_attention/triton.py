@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.reference import build_query_blocks
+from pallas_kernels.paged_attention.reference import build_query_blocks, gated_query
 
 _NEG = -1e30
 _LOG2E = 1.4426950408889634
@@ -43,11 +43,21 @@ _LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """block_m: query rows per tile (Bq tokens x G heads, a power of two >= 16); block_k: keys per step (a
-    multiple of the page size or a divisor of it); num_warps / num_stages: Triton launch parameters."""
+    multiple of the page size or a divisor of it); num_warps / num_stages: Triton launch parameters.
+    q_prologue (gated prefill only): where the q RMSNorm + RoPE run: "kernel" (on the query tile, which then
+    feeds the QK^T dot from registers), "reload" (on the tile, stored to the program's own output rows and loaded
+    back, so that the dot reads it like a loaded tile), "xla" (one XLA pass before the kernel; the kernel still
+    applies the gate)."""
     block_m: int = 64
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    q_prologue: str = "reload"
+
+    def __post_init__(self):
+        if self.q_prologue not in ("kernel", "reload", "xla"):
+            raise ValueError(f"PrefillConfig.q_prologue must be 'kernel', 'reload' or 'xla', got "
+                             f"{self.q_prologue!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +154,17 @@ def _online_step(carry, q, k, v, scale_log2, precision, *, mask=None, key_ok=Non
 # ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GatedQ:
-    """The gated prefill's prologue / epilogue (static). head_stride: columns per head in qg (2 Dh: [query |
-    gate]); rotary_dim: R, the rotated leading dims of each head (0: no RoPE); eps: the q RMSNorm's epsilon."""
-    head_stride: int
+    """The gated prefill's prologue / epilogue (static). gate_stride: columns per head in qg (2 Dh: [query |
+    gate]; the gate at column h * gate_stride + Dh); rotary_dim: R, the rotated leading dims of each head (0: no
+    RoPE); eps: the q RMSNorm's epsilon; prologue: PrefillConfig.q_prologue."""
+    gate_stride: int
     rotary_dim: int
     eps: float
+    prologue: str
 
 
 def _prefill_kernel(*refs, group, block_q, block_m, block_k, page_size, num_pages, width, num_heads, scale,
-                    precision, head_stride, gated: GatedQ | None):
+                    precision, head_stride, gated: GatedQ | None, interpret: bool):
     tok0_ref, count_ref, slot_ref, pos0_ref, klen_ref, pt_ref, q_ref, k_ref, v_ref = refs[:9]
     o_ref = refs[-1]
     hk = pl.program_id(0)
@@ -173,8 +185,14 @@ def _prefill_kernel(*refs, group, block_q, block_m, block_k, page_size, num_page
     qcol = head * head_stride                                     # first column of the row's query in q_ref
     cols = _iota((1, dh), 1)
     q = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + cols], mask=row_ok[:, None], other=0)   # [M, Dh]
-    if gated is not None:
+    ocol = head * dh
+    if gated is not None and gated.prologue != "xla":
         q = _gated_prologue(refs[9:-1], q_ref, q, trow, qcol, row_ok, gated, dh)
+        if gated.prologue == "reload":      # through the program's own output rows (overwritten at the end)
+            plgpu.store(o_ref.at[trow[:, None], ocol[:, None] + cols], q, mask=row_ok[:, None])
+            if not interpret:           # (interpret mode runs the program's rows in order: nothing to wait for)
+                plgpu.debug_barrier()
+            q = plgpu.load(o_ref.at[trow[:, None], ocol[:, None] + cols], mask=row_ok[:, None], other=0)
     qpos = pos0 + tok                                                                 # [M]
 
     def below(j, carry):            # key block entirely at or before the block's first query: no causal mask
@@ -195,11 +213,12 @@ def _prefill_kernel(*refs, group, block_q, block_m, block_k, page_size, num_page
     carry = lax.fori_loop(0, full, below, carry)
     _, l_i, acc = lax.fori_loop(full, steps, diagonal, carry)
     o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-    if gated is not None:           # o * sigmoid(gate): the gate sits Dh columns after the row's query
-        g = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + dh + cols], mask=row_ok[:, None], other=0)
+    if gated is not None:           # o * sigmoid(gate): the gate sits Dh columns after the row's query in qg
+        g_ref = refs[9] if gated.prologue == "xla" else q_ref
+        gcol = head * gated.gate_stride + dh
+        g = plgpu.load(g_ref.at[trow[:, None], gcol[:, None] + cols], mask=row_ok[:, None], other=0)
         o = o / (1.0 + jnp.exp2(g.astype(jnp.float32) * -_LOG2E))
         o = jnp.where((l_i > 0)[:, None], o, 0.0)
-    ocol = head * dh
     plgpu.store(o_ref.at[trow[:, None], ocol[:, None] + cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
@@ -249,7 +268,7 @@ def _prefill_call(q2d, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot
     kernel = functools.partial(
         _prefill_kernel, group=group, block_q=block_q, block_m=block_m, block_k=block_k, page_size=ps,
         num_pages=p, width=page_table.shape[1], num_heads=h, scale=float(scale),
-        precision=_precision(k_pages.dtype), head_stride=head_stride, gated=gated)
+        precision=_precision(k_pages.dtype), head_stride=head_stride, gated=gated, interpret=bool(interpret))
     call = pl.pallas_call(
         kernel, grid=(hkv, nb), out_shape=jax.ShapeDtypeStruct((t, h * dh), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -279,15 +298,23 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
     qg [T, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh .. h 2 Dh + 2 Dh - 1: q_proj's output, or
     the first columns of a fused q/k/v projection); q_norm [Dh]; cos, sin [T, R] fp32 (R = 0: no RoPE);
     k/v_pages, page_table, slot_lens, cu_seqlens, slot_ids as ``paged_attention_prefill``.
-    Prologue: the [M, Dh] query tile is RMS-normed (zero-centred weight) and rotated (partial NeoX RoPE);
-    epilogue: o * sigmoid(gate). Returns o [T, H * Dh] in qg's dtype (o_proj's input)."""
+    Prologue (config.q_prologue, "kernel" / "reload"): the [M, Dh] query tile is RMS-normed (zero-centred weight)
+    and rotated (partial NeoX RoPE); "xla": the same by reference.gated_query before the kernel. Epilogue:
+    o * sigmoid(gate). Returns o [T, H * Dh] in qg's dtype (o_proj's input)."""
+    t = qg.shape[0]
     dh = k_pages.shape[-1]
     config = config or prefill_config(qg.dtype, dh)
     r = cos.shape[1]
+    gated = GatedQ(gate_stride=2 * dh, rotary_dim=int(r), eps=float(eps), prologue=config.q_prologue)
+    if config.q_prologue == "xla":
+        q, _ = gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+        return _prefill_call(q.reshape(t, num_heads * dh), k_pages, v_pages, page_table, slot_lens, cu_seqlens,
+                             slot_ids, (qg,), num_heads=num_heads, head_stride=dh, scale=scale,
+                             interpret=interpret, config=config, gated=gated, out_dtype=qg.dtype)
     extra = (q_norm,) + ((cos.astype(jnp.float32), sin.astype(jnp.float32)) if r else ())
     return _prefill_call(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, extra,
                          num_heads=num_heads, head_stride=2 * dh, scale=scale, interpret=interpret, config=config,
-                         gated=GatedQ(head_stride=2 * dh, rotary_dim=int(r), eps=float(eps)), out_dtype=qg.dtype)
+                         gated=gated, out_dtype=qg.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

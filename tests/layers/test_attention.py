@@ -192,7 +192,7 @@ def test_bench_attention_section_shape_on_cpu(capsys):
     from jax_gdn import bench_attention
     sec = bench_attention.run_section(quick=True)
     assert sec["small"] and [r["case"] for r in sec["rows"]] == [
-        "prefill-varlen16", "prefill-varlen16-ctx2k", "decode-64x4096", "decode-256x1024"]
+        "prefill-varlen16", "prefill-varlen16-ctx2k", "prefill-32k", "decode-64x4096", "decode-256x1024"]
     for r in sec["rows"]:
         assert set(r["ms"]) == {"pallas", "xla", "torch_sdpa", "cudnn"}
         assert r["ms"]["pallas"] > 0 and r["ms"]["xla"] > 0 and r["ms"]["torch_sdpa"] is None

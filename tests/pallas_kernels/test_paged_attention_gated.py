@@ -9,12 +9,14 @@ Tolerances (relative RMS against float64, per stream): fp32 1e-5, bf16 2e-2 (tes
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import api
+from pallas_kernels.paged_attention import api, triton
 from tests.pallas_kernels.test_paged_attention import (CPU_BACKENDS, STREAMS_ODD, TOL, _round, make_case, oracle,
                                                        rel_rms)
 
@@ -55,11 +57,11 @@ def gated_oracle(case, qg, q_norm, cos, sin, *, h, dh, scale):
     return o.reshape(t, h * dh)
 
 
-def run_and_check(case, qg, q_norm, cos, sin, *, h, dh, scale, dtype, backend):
+def run_and_check(case, qg, q_norm, cos, sin, *, h, dh, scale, dtype, backend, config=None):
     q, kp, vp, pt, sl, cu, ids = case.args(dtype)
     out = api.paged_attention_gated(jnp.asarray(qg, dtype), kp, vp, pt, sl, cu, ids, q_norm=jnp.asarray(q_norm),
                                     cos=jnp.asarray(cos), sin=jnp.asarray(sin), num_heads=h, scale=scale, eps=EPS,
-                                    backend=backend)
+                                    backend=backend, config=config)
     assert out.shape == (qg.shape[0], h * dh) and out.dtype == jnp.dtype(dtype)
     out = np.asarray(out.astype(jnp.float32), np.float64)
     ref = gated_oracle(case, qg, q_norm, cos, sin, h=h, dh=dh, scale=scale)
@@ -80,6 +82,19 @@ def test_gated_prefill_odd_lengths_continued_streams(backend, dtype):
     case = make_case(rng, streams=STREAMS_ODD, hkv=2, group=4, dh=32, dtype=dtype)
     qg, qn, cos, sin = gated_inputs(rng, case, dh=32, group=4, hkv=2, rotary=8, dtype=dtype)
     run_and_check(case, qg, qn, cos, sin, h=8, dh=32, scale=32 ** -0.5, dtype=dtype, backend=backend)
+
+
+@pytest.mark.parametrize("prologue", ["kernel", "xla"])
+def test_gated_prefill_q_prologue_modes(prologue):
+    """The other two places of the q norm + RoPE (the default, "reload", runs in every other test)."""
+    rng = np.random.default_rng(4)
+    case = make_case(rng, streams=STREAMS_ODD, hkv=2, group=4, dh=32, dtype=jnp.bfloat16)
+    qg, qn, cos, sin = gated_inputs(rng, case, dh=32, group=4, hkv=2, rotary=8, dtype=jnp.bfloat16)
+    cfg = dataclasses.replace(triton.prefill_config(jnp.bfloat16, 32), q_prologue=prologue)
+    run_and_check(case, qg, qn, cos, sin, h=8, dh=32, scale=32 ** -0.5, dtype=jnp.bfloat16,
+                  backend="pallas_interpret", config=cfg)
+    with pytest.raises(ValueError, match="q_prologue must be"):
+        triton.PrefillConfig(q_prologue="smem")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -117,13 +132,17 @@ def test_gated_prefill_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("dh,group,rotary", [(256, 8, 64), (128, 4, 128)])
-def test_gpu_gated_prefill_matches_f64(dtype, dh, group, rotary):
-    """The compiled kernel at the Qwen3-Next dims (Dh 256, 8 heads per kv head, R 64) and at Dh 128."""
+@pytest.mark.parametrize("dtype,dh,group,rotary,prologue", [
+    (jnp.bfloat16, 256, 8, 64, None), (jnp.float32, 256, 8, 64, None), (jnp.bfloat16, 128, 4, 128, None),
+    (jnp.bfloat16, 256, 8, 64, "kernel"), (jnp.bfloat16, 256, 8, 64, "xla")])
+def test_gpu_gated_prefill_matches_f64(dtype, dh, group, rotary, prologue):
+    """The compiled kernel at the Qwen3-Next dims (Dh 256, 8 heads per kv head, R 64) and at Dh 128; the q
+    prologue in each of its three places at the 80B dims."""
     jax.config.update("jax_default_matmul_precision", "highest")
     rng = np.random.default_rng(dh + group)
     case = make_case(rng, streams=STREAMS_ODD + [(4, 300, 257)], hkv=2, group=group, dh=dh, num_slots=7,
                      dtype=dtype)
     qg, qn, cos, sin = gated_inputs(rng, case, dh=dh, group=group, hkv=2, rotary=rotary, dtype=dtype)
-    run_and_check(case, qg, qn, cos, sin, h=2 * group, dh=dh, scale=dh ** -0.5, dtype=dtype, backend="pallas")
+    cfg = None if prologue is None else dataclasses.replace(triton.prefill_config(dtype, dh), q_prologue=prologue)
+    run_and_check(case, qg, qn, cos, sin, h=2 * group, dh=dh, scale=dh ** -0.5, dtype=dtype, backend="pallas",
+                  config=cfg)
