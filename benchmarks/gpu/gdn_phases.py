@@ -7,11 +7,12 @@ varlen16 (jax_gdn.cases.VARLEN16_LENS, T = 19027 padded to the model's bucket 19
 Two timings: ``med`` = median of 10 calls each closed by block_until_ready (the bench's method), ``pipe`` = 20
 calls queued back to back then one block, divided by 20 (no per-call launch gap; used for the pieces).
 Phase 1 variants return what phases 2 and 3 need (q, k, v, g, beta, z, slots):
-  p1_old          proj + the gather conv of the previous commit + l2 (two steps)
-  p1_new          proj + the static-shift conv + l2 (two steps, the protocol functions)
+  p1_old          proj + the row-gather conv + l2 (the two-step protocol functions, as the model ran them)
   p1_fused_xla    proj + phase1_conv1d_l2_varlen(backend="xla")  (reads p1.qkvz in place)
-  p1_fused_pallas proj + phase1_conv1d_l2_varlen(backend="pallas") (Triton kernel)
-Phase 3: phase3 as it is, and its pieces (gated norm, out_proj, out_proj + residual), plus variants.
+  p1_fused_pallas proj + phase1_conv1d_l2_varlen(backend="pallas") (Triton kernel, reads p1.qkvz in place)
+  p1_split_*      the same with gdn.SPLIT_QKVZ_DOT (two matmuls over a per-call regrouped weight)
+p13_*: phase 1 and phase 3 in one jit (v standing in for phase 2's o), z read as the model reads it.
+Phase 3: phase3 as it is, and its pieces (gated norm, out_proj, out_proj + residual).
 Also: numerics of the Pallas conv kernel against the XLA form at these dims (fp32 and bf16), a launch sweep, and
 summaries of the compiled HLO (fusions, custom calls, copies, transposes, gathers) in OUT_DIR/*.hlo.txt.
 """
@@ -160,31 +161,33 @@ def main():
                                   m.has_initial_state)
         return ret(a, *gdn.phase1_l2_batched(dims, y), s.replace(conv_state=pool))
 
-    def p1_old_as_bench(p, x, s, m):   # what bench_model.parts returned (the whole Phase1Proj)
-        a = gdn.phase1_proj_batched(p, dims, x)
-        y, pool = old_gather_conv(a.mixed_qkv, p["conv1d"], s.conv_state, m.cu_seqlens, m.slot_ids,
-                                  m.has_initial_state)
-        return a._replace(qkvz=None), s.replace(conv_state=pool), gdn.phase1_l2_batched(dims, y)
-
-    def p1_new(p, x, s, m):
-        a = gdn.phase1_proj_batched(p, dims, x)
-        y, s2 = gdn.phase1_conv1d_varlen(p, dims, a.mixed_qkv, s, m)
-        return ret(a, *gdn.phase1_l2_batched(dims, y), s2)
-
-    def p1_fused(backend):
+    def p1_fused(backend, split=False):
         def f(p, x, s, m):
-            a = gdn.phase1_proj_batched(p, dims, x)
-            q, k, v, s2 = gdn.phase1_conv1d_l2_varlen(p, dims, a, s, m, backend=backend)
+            gdn.SPLIT_QKVZ_DOT = split                       # read at trace time
+            try:
+                a = gdn.phase1_proj_batched(p, dims, x)
+                q, k, v, s2 = gdn.phase1_conv1d_l2_varlen(p, dims, a, s, m, backend=backend)
+            finally:
+                gdn.SPLIT_QKVZ_DOT = False
             return ret(a, q, k, v, s2)
         return f
 
+    def p13(p1fn):   # phases 1 and 3 in one jit, v standing in for phase 2's o (same shape): the model's view
+        def f(p, x, s, m):
+            q, k, v, g_, b_, z, s2 = p1fn(p, x, s, m)
+            return gdn.phase3(p, dims, v, z, x), q, k, g_, b_, s2
+        return f
+
     args = (params, x, slots, meta)
-    for name, fn in (("p1_old", p1_old), ("p1_new", p1_new),
-                     ("p1_fused_xla", p1_fused("xla")), ("p1_fused_pallas", p1_fused(PALLAS))):
+    variants = (("p1_old", p1_old), ("p1_fused_xla", p1_fused("xla")), ("p1_fused_pallas", p1_fused(PALLAS)),
+                ("p1_split_pallas", p1_fused(PALLAS, True)), ("p1_split_xla", p1_fused("xla", True)))
+    for name, fn in variants:
         f = timed(name, fn, args, both=True)
-        if f is not None and name != "p1_old_as_bench":
+        if f is not None and name in ("p1_old", "p1_fused_pallas", "p1_fused_xla"):
             hlo_summary(name, f, args)
         print(name, RES["ms"][name], RES["hlo"].get(name), flush=True)
+    for name, fn in variants[:4]:
+        timed("p13" + name[2:], p13(fn), args, both=True)
 
     # ---- phase 1 pieces ----
     xn = jax.jit(lambda x, w: rms_norm(x, w, dims.rms_norm_eps))(x, params["input_layernorm"])
@@ -193,27 +196,26 @@ def main():
     qkvz = a.qkvz
     timed("rmsnorm", lambda x, w: rms_norm(x, w, dims.rms_norm_eps), (x, params["input_layernorm"]))
     timed("dot_qkvz", lambda x, w: x @ w, (xn, params["in_proj_qkvz"]))
+    timed("dot_qkv_z_split", lambda x, w: [x @ u for u in gdn.split_qkvz_weight(w, dims)],
+          (xn, params["in_proj_qkvz"]))
+
     def ba_gates(p, x):
         ba = (x @ p["in_proj_ba"]).reshape(t, hk, 2 * r)
         return gdn._gates(p, ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv))
     timed("dot_ba_gates", ba_gates, (params, xn))
     timed("proj_raw", lambda p, x: (lambda a: (a.qkvz, a.beta, a.g))(gdn.phase1_proj_batched(p, dims, x)),
           (params, x))
-    timed("proj_mixed_z", lambda p, x: (lambda a: (a.mixed_qkv, a.z, a.beta, a.g))(
-        gdn.phase1_proj_batched(p, dims, x)), (params, x))
-    timed("concat_mixed_qkv", lambda q: jnp.concatenate(
-        [q.reshape(t, hk, g)[..., :d].reshape(t, -1), q.reshape(t, hk, g)[..., d:2 * d].reshape(t, -1),
-         q.reshape(t, hk, g)[..., 2 * d:2 * d + r * d].reshape(t, -1)], -1), (qkvz,))
     cargs = (mixed, params["conv1d"], slots.conv_state, cu, meta.slot_ids, meta.has_initial_state)
     timed("conv_old_gather", old_gather_conv, cargs)
-    timed("conv_new_shift", causal_conv1d_varlen, cargs)
     conv_out = jax.jit(causal_conv1d_varlen)(*cargs)[0]
     timed("l2_split", lambda c: gdn.phase1_l2_batched(dims, c), (conv_out,))
     for be in ("xla", PALLAS):
         timed(f"conv_l2_{be}_from_qkvz", lambda q, w, pool, cu, ids, hi, be=be: conv_api.causal_conv1d_l2_varlen(
             q, w, pool, cu, ids, hi, num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=cols, backend=be),
             (qkvz,) + cargs[1:])
-    for bt, nw in ((32, 4), (128, 4), (64, 8), (128, 8)):
+        timed(f"conv_l2_{be}_from_mixed", lambda q, w, pool, cu, ids, hi, be=be: conv_api.causal_conv1d_l2_varlen(
+            q, w, pool, cu, ids, hi, num_k_heads=hk, num_v_heads=hv, head_dim=d, backend=be), cargs)
+    for bt, nw in ((32, 4), (128, 4), (32, 8), (64, 8), (128, 8)):
         cfg = Conv1dConfig(block_t=bt, num_warps=nw)
         try:
             f = jax.jit(lambda q, w, pool, cu, ids, hi, cfg=cfg: conv_api.causal_conv1d_l2_varlen(
@@ -239,6 +241,11 @@ def main():
         finite = all(bool(jnp.isfinite(a.astype(jnp.float32)).all()) for a in outs[PALLAS])
         RES["numerics"][dtn] = {"max_abs_q_k_v_pool": diffs, "finite": finite,
                                 "pad_rows_zero": bool((outs[PALLAS][0][t_real:] == 0).all())}
+    two = jax.jit(p1_old)(*args)
+    for name in ("p1_fused_xla", "p1_fused_pallas"):
+        fused = jax.jit(dict(variants)[name])(*args)
+        RES["numerics"][name + "_vs_old_bf16"] = [float(jnp.max(jnp.abs(u.astype(jnp.float32) - w_.astype(jnp.float32))))
+                                                   for u, w_ in zip(two[:3], fused[:3])]
     print("numerics", RES["numerics"], flush=True)
 
     # ---- phase 3 ----
@@ -259,7 +266,6 @@ def main():
     f3 = timed("p3", lambda p, o, z, r: gdn.phase3(p, dims, o, z, r), p3_args, both=True)
     if f3 is not None:
         hlo_summary("p3", f3, p3_args)
-    timed("p3_f32out", p3_f32out, p3_args, both=True)
     timed("p3_from_qkvz", p3_from_qkvz, (params, o, qkvz, x), both=True)
     timed("gated_norm", lambda o, z, w: gated_rms_norm(o, z, w, dims.rms_norm_eps), (o, z, params["norm"]))
     timed("dot_out", lambda y, w: y @ w, (y, params["out_proj"]))

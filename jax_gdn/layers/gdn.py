@@ -69,6 +69,9 @@ __all__ = [
     "phase1_conv1d_one",
     "phase1_conv1d_varlen",
     "phase1_l2_batched",
+    "phase1_conv1d_l2_varlen",
+    "phase1_varlen",
+    "conv_l2_backend",
     "gdn_full",
     "gdn_full_batched",
     "gdn_full_varlen",
@@ -233,11 +236,32 @@ def _linear(x, w):  # x [T, in], w [in, out] -> [T, out]
     return x @ w.astype(x.dtype)
 
 
+#: Measurement switch (benchmarks/gpu/gdn_phases.py): qwen3_next's in_proj_qkvz as two matmuls, [q|k|v] and z, over
+#: its columns regrouped per call (a 50 MB weight copy) instead of one matmul read in place. Off: see
+#: NOTES_gdn_phases.md.
+SPLIT_QKVZ_DOT = False
+
+
+def split_qkvz_weight(w: jax.Array, dims: GdnDims) -> tuple[jax.Array, jax.Array]:
+    """qwen3_next's fused in_proj_qkvz [D, 2 Hk K + 2 Hv V] (per key head [q | k | v*r | z*r]) ->
+    (w_qkv [D, conv_dim] in [q | k | v] order, w_z [D, Hv V])."""
+    hk, dk, dv, r = dims.num_k_heads, dims.head_k_dim, dims.head_v_dim, dims.head_ratio
+    w3 = w.reshape(w.shape[0], hk, 2 * dk + 2 * r * dv)
+    parts = (w3[..., :dk], w3[..., dk:2 * dk], w3[..., 2 * dk:2 * dk + r * dv])
+    w_qkv = jnp.concatenate([a.reshape(w.shape[0], -1) for a in parts], axis=1)
+    return w_qkv, w3[..., 2 * dk + r * dv:].reshape(w.shape[0], -1)
+
+
 def _project(params: dict, dims: GdnDims, x: jax.Array):
     """Normed hidden x [T, D] -> (mixed_qkv [T, conv_dim], z [T, Hv, V], b [T, Hv], a [T, Hv], qkvz [T, 2 Hk K +
     2 Hv V] for qwen3_next else None)."""
     t = x.shape[0]
     hk, hv, dk, dv, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.head_ratio
+    if dims.layout == "qwen3_next" and SPLIT_QKVZ_DOT:
+        w_qkv, w_z = split_qkvz_weight(params["in_proj_qkvz"], dims)
+        ba = _linear(x, params["in_proj_ba"]).reshape(t, hk, 2 * r)
+        return (_linear(x, w_qkv), _linear(x, w_z).reshape(t, hv, dv), ba[..., :r].reshape(t, hv),
+                ba[..., r:].reshape(t, hv), None)
     if dims.layout == "qwen3_next":
         # per key head: [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)]  (HF fix_query_key_value_ordering)
         qkvz_flat = _linear(x, params["in_proj_qkvz"])
@@ -369,6 +393,18 @@ def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: 
         src, params["conv1d"], slots.conv_state, meta.cu_seqlens, meta.slot_ids, meta.has_initial_state,
         num_k_heads=hk, num_v_heads=hv, head_dim=dk, block_cols=cols, backend=backend)
     return q, k, v, slots.replace(conv_state=pool)
+
+
+def phase1_varlen(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
+                  backend: str = "xla") -> tuple[Phase1Proj, jax.Array, jax.Array, jax.Array, GdnSlots]:
+    """All of phase 1 for N packed streams, as the model runs it: ``phase1_proj_batched`` then
+    ``phase1_conv1d_l2_varlen`` with the conv implementation that goes with the GDN backend ``backend``
+    (``conv_l2_backend``). hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3), q, k [T, Hk, K],
+    v [T, Hv, V], slots with the N streams' conv states advanced)."""
+    p1 = phase1_proj_batched(params, dims, hidden)
+    q, k, v, slots = phase1_conv1d_l2_varlen(params, dims, p1, slots, meta,
+                                             backend=conv_l2_backend(backend, dims, hidden.dtype))
+    return p1, q, k, v, slots
 
 
 # ================================================================================================================
@@ -539,9 +575,7 @@ def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: Gdn
     check_params(params, dims)
     t = _check_hidden(hidden, dims)
     _check_meta(meta, t, _check_slots(slots, dims))
-    p1 = phase1_proj_batched(params, dims, hidden)
-    conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
-    q, k, v = phase1_l2_batched(dims, conv_out)
+    p1, q, k, v, slots = phase1_varlen(params, dims, hidden, slots, meta, backend=backend)
     o, new_slots, ok = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend=backend, chunk_size=chunk_size)
     if not ok:  # the kernel refuses these dims: the XLA chunked varlen path (traceable, any dims)
         o, new_slots, _ = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend="xla",
