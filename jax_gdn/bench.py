@@ -354,8 +354,8 @@ def markdown_tables(result: dict) -> str:
                        f"{g['tokens_per_s'] / 1e6:.2f} M | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
         out.append("")
     if result.get("moe"):
-        out += _header(["MoE layer", "tokens", "experts", "top-k", "pallas", "xla", "FLOP floor (700 TFLOP/s)",
-                        "pallas / floor"])
+        out += _header(["MoE layer", "tokens", "experts", "top-k", "pallas", "xla",
+                        "floor (FLOPs at 700 TFLOP/s; decode: bytes at 4.8 TB/s)", "pallas / floor"])
         for r in result["moe"]["rows"]:
             ms = r["ms"]
             out.append(f"| {r['case']} | {r['tokens']} | {r['experts']} | {r['top_k']} | {_f(ms.get('pallas'))} | "

@@ -11,9 +11,12 @@ Two pallas_calls over the padded sorted rows of ``reference.moe_align`` (vLLM fu
    in steps of BK, the routing weight fused in the epilogue); padding rows load h as zeros (whatever the buffer
    holds: NaN there never leaks) and carry weight 0.
        y [Mp, D]
-The combine ``out[t] = sum_j y[row_pos[t, j]]`` (fp32) is a gather + sum in XLA (reference.combine).
+The combine ``out[t] = sum_j y[row_pos[t, j]]`` (fp32) is a gather + sum in XLA (reference.combine); with
+``MoeConfig.fused_combine`` kernel 2 is ``down_combined`` instead: its epilogue atomically adds the weighted rows
+into an fp32 [T, D] output (no y buffer; off by default: no faster at decode sizes, not deterministic).
 With ``MoeConfig.split_partial`` a row block with at most BM / 2 live rows (an expert's partial last block) runs
-both kernels on a BM / 2-row tile instead (off by default until measured on a GPU).
+both kernels on a BM / 2-row tile instead (on in PREFILL_CONFIG). ``select_config`` picks the launch config from
+the static shapes: the row block shrinks to 16 when there are few rows per expert (decode sizes).
 
 Shape legend: T tokens, D hidden, I per-expert intermediate, E experts, NB row blocks, BM rows per block,
 Mp = NB * BM padded rows, BN / BK column / reduction blocks.
@@ -58,19 +61,22 @@ class MoeConfig:
     fused_combine: bool = False      # down kernel adds its weighted rows into an fp32 [T, D] output (atomics)
 
 
-# Launch configs by mean rows per expert r = T k / E (H200 sweeps of benchmarks/gpu/moe_run.py --mode decode,
-# NOTES.md "Decode sizes"). Many rows per expert (prefill): c6 + half tiles for an expert's partial last block.
-PREFILL_CONFIG = MoeConfig(split_partial=True)
-# Few rows per expert (decode): 16-row blocks, so that an expert's rows mostly fit one block and every weight
-# tile is streamed once; narrower column blocks and 4 warps give more programs in flight (the layer is a
-# weight-streaming problem there).
+# Launch configs by mean rows per expert r = T k / E, from the H200 runs of benchmarks/gpu/moe_run.py --mode decode
+# (NOTES.md "Decode sizes"; Qwen3-Next-80B dims, r = T / 51.2). Measured routed-expert times, ms:
+#   r 1.25 (T 64): 16-row 0.60, c6 0.74 | r 5 (T 256): 16-row 0.87, c6 1.04 | r 20 (T 1024): 32-row 1.00,
+#   64-row 1.10, c6 1.19 | r 40 (T 2048): 64-row 1.00, c6s 1.04, 32-row 1.27 | r 80 (T 4096): c6s 1.20, 64-row
+#   1.41 | r 160 (T 8192): c6s 1.69, c6 1.98. The bounds between measured points (8, 32, 48) are interpolated.
+# Few rows per expert (decode): 16-row blocks, so that an expert's rows mostly fit one block and every weight tile
+# is streamed once; narrower column blocks and 4 warps give more programs in flight (weight streaming).
 DECODE_CONFIG = MoeConfig(block_m=16, gate_up_n=64, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                           down_n=128, down_k=64, down_warps=4, down_stages=4)
 D32_CONFIG = dataclasses.replace(DECODE_CONFIG, block_m=32)
 MID_CONFIG = MoeConfig(block_m=64, gate_up_n=128, gate_up_k=64, gate_up_warps=4, gate_up_stages=4,
                        down_n=128, down_k=64, down_warps=4, down_stages=4)
+# Many rows per expert (prefill): c6 + half tiles for an expert's partial last block ("c6s").
+PREFILL_CONFIG = MoeConfig(split_partial=True)
 # (largest r, config): the first entry whose bound holds is taken (``select_config``).
-CONFIG_LADDER = ((8.0, DECODE_CONFIG), (32.0, D32_CONFIG), (96.0, MID_CONFIG), (float("inf"), PREFILL_CONFIG))
+CONFIG_LADDER = ((8.0, DECODE_CONFIG), (32.0, D32_CONFIG), (48.0, MID_CONFIG), (float("inf"), PREFILL_CONFIG))
 
 
 def select_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:

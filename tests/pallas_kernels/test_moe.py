@@ -7,6 +7,8 @@ an fp32 oracle and the peak memory of one MoE layer.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,95 @@ def test_split_partial_half_tiles(backend):
         api.moe_experts(x, tw, ti_j, wgu, wd, backend=backend, config=MoeConfig(block_m=16, split_partial=True))
 
 
+DECODE_FUSED = dataclasses.replace(tr.DECODE_CONFIG, fused_combine=True)
+
+
+@pytest.mark.parametrize("t,dtype,fused", [(1, jnp.float32, False), (7, jnp.bfloat16, False),
+                                           (64, jnp.float32, False), (64, jnp.bfloat16, True),
+                                           (7, jnp.float32, True)])
+def test_decode_sizes_small_row_blocks_match_f64(t, dtype, fused):
+    """Decode sizes (few rows per expert: T k / E <= 8) take select_config's 16-row blocks (DECODE_CONFIG, here
+    with several column blocks in both kernels), with the XLA combine or the combine fused into the down kernel
+    (atomic adds into fp32 [T, D]); against float64. A NaN token row (a padding token past cu_seqlens[N])
+    stays in its own output row."""
+    rng = np.random.default_rng(t * 10 + fused)
+    d, inter, e, k = 256, 128, 64, 4
+    assert tr.select_config(t, k, e) is tr.DECODE_CONFIG
+    cfg = DECODE_FUSED if fused else None                                     # None: the api's own pick
+    x, tw, ti, wgu, wd, f64, ti_np = _inputs(rng, t, d, e, inter, k, dtype)
+    want = _routed_f64(*f64[:2], ti_np, *f64[2:])
+    out = api.moe_experts(x, tw, ti, wgu, wd, backend="pallas_interpret", config=cfg)
+    assert out.shape == (t, d) and out.dtype == dtype
+    assert rel_rms(np.asarray(out.astype(jnp.float32)), want) <= TOL[dtype]
+    if t > 1:
+        out = np.asarray(api.moe_experts(x.at[t // 2].set(jnp.nan), tw, ti, wgu, wd, backend="pallas_interpret",
+                                         config=cfg).astype(jnp.float32))
+        ok = np.arange(t) != t // 2
+        assert np.all(np.isnan(out[t // 2])) and np.all(np.isfinite(out[ok]))
+        assert rel_rms(out[ok], want[ok]) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_one_expert_empty_experts_and_poisoned_h(fused):
+    """16-row blocks: every token on one expert (64 rows = 4 full blocks, k = 1), then 2 of 64 experts used (62
+    empty) with 7 tokens; NaN written into h's padding rows and dead blocks before the down kernel (the XLA
+    combine's and the fused combine's) never reaches the output; fp32 against float64 (1e-5)."""
+    rng = np.random.default_rng(21 + fused)
+    d, inter, e = 64, 32, 64
+    cfg = DECODE_FUSED if fused else tr.DECODE_CONFIG
+    for t, ti in ((64, np.full((64, 1), 5, np.int32)),
+                  (7, np.stack([np.full(7, 3), np.full(7, 60)], axis=1).astype(np.int32))):
+        x, tw, ti_j, wgu, wd, f64, _ = _inputs(rng, t, d, e, inter, ti.shape[1], jnp.float32, ti=ti)
+        want = _routed_f64(*f64[:2], ti, *f64[2:])
+        out = api.moe_experts(x, tw, ti_j, wgu, wd, backend="pallas_interpret", config=cfg)
+        assert rel_rms(np.asarray(out), want) <= 1e-5
+        lay = ref.moe_align(tw, ti_j, e, cfg.block_m)
+        assert int(jnp.sum(lay.block_expert < e)) == -(-t // 16) * ti.shape[1]   # each used expert: ceil(t / 16)
+        h = tr.gate_up_silu(x, wgu, lay.block_expert, lay.row_token, config=cfg, interpret=True)
+        live_row = np.zeros(h.shape[0], bool)
+        live_row[np.asarray(lay.row_pos).reshape(-1)] = True
+        assert (~live_row).sum() > 0 or t == 64
+        h = jnp.where(jnp.asarray(live_row)[:, None], h, jnp.nan)
+        if fused:
+            got = tr.down_combined(h, wd, lay.block_expert, lay.row_token, lay.row_weight, num_tokens=t,
+                                   config=cfg, interpret=True)
+        else:
+            got = ref.combine(tr.down_weighted(h, wd, lay.block_expert, lay.row_token, lay.row_weight,
+                                               num_tokens=t, config=cfg, interpret=True), lay.row_pos, x.dtype)
+        assert rel_rms(np.asarray(got), want) <= 1e-5
+
+
+def test_select_config_ladder_and_buffer_size():
+    """select_config picks by mean rows per expert T k / E (static): 16-row blocks at the 80B decode sizes, 32,
+    64, then the prefill config (c6 + split_partial); the padded rows Mp (h and y) shrink with the row block:
+    64 tokens at 80B dims hold 552 x 16 rows instead of 517 x 128. moe_experts(config=None) traces with the
+    pick (h of [Mp, I] in the jaxpr)."""
+    e, k = 512, 10
+    assert [tr.select_config(t, k, e).block_m for t in (1, 64, 256, 409, 410, 1638, 1639, 2457, 2458, 19027)] == \
+        [16, 16, 16, 16, 32, 32, 64, 64, 128, 128]
+    assert tr.select_config(8192, k, e) is tr.PREFILL_CONFIG and tr.PREFILL_CONFIG.split_partial
+    assert ref.num_row_blocks(64, k, e, 16) * 16 == 8832 < ref.num_row_blocks(64, k, e, 128) * 128 == 66176
+    d, inter, t = 32, 16, 64
+    args = (jnp.zeros((t, d)), jnp.ones((t, k)), jnp.zeros((t, k), jnp.int32), jnp.zeros((e, d, 2 * inter)),
+            jnp.zeros((e, inter, d)))
+    jaxpr = jax.make_jaxpr(lambda *a: api.moe_experts(*a, backend="pallas_interpret"))(*args)
+    shapes = _all_shapes(jaxpr.jaxpr)
+    assert (8832, inter) in shapes and (66176, inter) not in shapes
+
+
+def test_block_expert_count_matches_searchsorted():
+    """moe_align's block_expert (a compare-and-count, no while loop) equals searchsorted over the experts' block
+    ends, on random routings and with empty experts."""
+    rng = np.random.default_rng(4)
+    for t, k, e, bm in ((64, 10, 512, 16), (130, 4, 16, 32), (5, 2, 64, 16)):
+        ti = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+        lay = jax.jit(ref.moe_align, static_argnums=(2, 3))(jnp.ones((t, k)), jnp.asarray(ti), e, bm)
+        counts = np.bincount(ti.reshape(-1), minlength=e)
+        ends = np.cumsum(-(-counts // bm))
+        nb = ref.num_row_blocks(t, k, e, bm)
+        np.testing.assert_array_equal(np.asarray(lay.block_expert), np.searchsorted(ends, np.arange(nb), "right"))
+
+
 def test_layout_invariants():
     """moe_align: each copy once, each block one expert, padding rows weight 0 / token T, dead blocks = E,
     copies of one expert in token order, the static block bound holds even in the worst case."""
@@ -191,6 +282,19 @@ def test_sparse_moe_top_k_ties_and_qwen35_routing(backend):
     assert rel_rms(np.asarray(out), want) <= 1e-5
 
 
+def _all_shapes(jaxpr) -> set:
+    """Shapes of every equation output of the jaxpr, sub-jaxprs included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars}
+        for prm in eqn.params.values():
+            for j in (prm if isinstance(prm, (tuple, list)) else (prm,)):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    out |= _all_shapes(inner)
+    return out
+
+
 def _max_intermediate_size(jaxpr) -> int:
     """Largest array any equation of the jaxpr (sub-jaxprs of scan / jit / pallas_call included) produces."""
     best = 0
@@ -218,16 +322,19 @@ def test_no_intermediate_scales_with_tokens_times_experts(backend):
     assert biggest < t * e * inter // 8, biggest
 
 
-@pytest.mark.parametrize("split_partial", [False, True])
-def test_pallas_kernels_lower_to_triton_on_cpu(split_partial):
-    """The GPU path's Triton IR is generated on CPU too (lowering for "cuda" needs no GPU): both kernels of the
-    default launch config (and of split_partial) become Triton custom calls at the 80B block sizes. Compiling
-    that IR to PTX and running it is the GPU test's job."""
+@pytest.mark.parametrize("name", ["c6", "prefill", "decode", "decode_fused", "prefill_fused"])
+def test_pallas_kernels_lower_to_triton_on_cpu(name):
+    """The GPU path's Triton IR is generated on CPU too (lowering for "cuda" needs no GPU): both kernels of each
+    config of the ladder (c6; PREFILL_CONFIG = c6 + split_partial; DECODE_CONFIG's 16-row blocks) and of the
+    fused combine (atomic adds) become Triton custom calls at the 80B block sizes. Compiling that IR to PTX and
+    running it is the GPU test's job."""
     t, d, inter, e, k = 300, 2048, 512, 64, 4
     sds = jax.ShapeDtypeStruct
     args = (sds((t, d), jnp.bfloat16), sds((t, k), jnp.bfloat16), sds((t, k), jnp.int32),
             sds((e, d, 2 * inter), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16))
-    cfg = MoeConfig(split_partial=split_partial)
+    cfg = {"c6": MoeConfig(), "prefill": tr.PREFILL_CONFIG, "decode": tr.DECODE_CONFIG,
+           "decode_fused": dataclasses.replace(tr.DECODE_CONFIG, fused_combine=True),
+           "prefill_fused": dataclasses.replace(tr.PREFILL_CONFIG, fused_combine=True)}[name]
     fn = jax.jit(lambda *a: api._moe_experts(*a, backend="pallas", config=cfg))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 2
@@ -271,7 +378,8 @@ def test_supports():
 def test_moe_80b_dims_on_gpu():
     """Qwen3-Next-80B MoE (D 2048, 512 experts top-10, I 512, shared 512, bf16, 8192 tokens) through
     sparse_moe(backend="pallas"): routed part of 16 tokens against an fp32 oracle (2e-2), whole layer against
-    the XLA path (2e-2), and the layer's peak memory. Weights are filled 64 experts at a time into donated
+    the XLA path (2e-2), and the layer's peak memory; then 64 tokens (decode: 16-row blocks, and the fused
+    combine) against the oracle on 32 rows (2e-2). Weights are filled 64 experts at a time into donated
     buffers so that the peak before the call is weights + one slice; the call itself must add under 2 GiB
     (the dense ragged_dot expansion needed 160 GiB; the layer's h + y + combine need about 0.75 GiB)."""
     d, e, k, inter, si, t = 2048, 512, 10, 512, 512, 8192
@@ -307,24 +415,42 @@ def test_moe_80b_dims_on_gpu():
     routed = api.moe_experts(x, tw, ti, p["experts_gate_up"], p["experts_down"], backend="pallas")
     rows = jnp.asarray(np.linspace(0, t - 1, 16).astype(np.int32))
     hp = jax.lax.Precision.HIGHEST
-    xs, tis = x[rows].astype(jnp.float32), ti[rows]
-    gu = jnp.einsum("rd,rkdn->rkn", xs, p["experts_gate_up"][tis].astype(jnp.float32), precision=hp)
-    h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
-    y = jnp.einsum("rki,rkid->rkd", h, p["experts_down"][tis].astype(jnp.float32), precision=hp)
-    want = jnp.sum(y * tw[rows].astype(jnp.float32)[..., None], axis=1)
-    assert rel_rms(np.asarray(routed[rows].astype(jnp.float32)), np.asarray(want)) <= 2e-2
+
+    def oracle(x, tw, ti, rows):
+        xs, tis = x[rows].astype(jnp.float32), ti[rows]
+        gu = jnp.einsum("rd,rkdn->rkn", xs, p["experts_gate_up"][tis].astype(jnp.float32), precision=hp)
+        h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+        y = jnp.einsum("rki,rkid->rkd", h, p["experts_down"][tis].astype(jnp.float32), precision=hp)
+        return np.asarray(jnp.sum(y * tw[rows].astype(jnp.float32)[..., None], axis=1))
+    assert rel_rms(np.asarray(routed[rows].astype(jnp.float32)), oracle(x, tw, ti, rows)) <= 2e-2
     out_xla = jax.jit(lambda p, x: sparse_moe(p, x, top_k=k, norm_topk_prob=True, backend="xla"))(p, x)
     assert rel_rms(np.asarray(out.astype(jnp.float32)), np.asarray(out_xla.astype(jnp.float32))) <= 2e-2
+    # decode size: 64 tokens take select_config's 16-row blocks; the fused combine too (every other row checked)
+    xd = x[:64]
+    twd, tid = moe_route(p["router"], xd, k, True)
+    rows = jnp.arange(0, 64, 2)
+    want = oracle(xd, twd, tid, rows)
+    for cfg in (None, dataclasses.replace(tr.DECODE_CONFIG, fused_combine=True)):
+        got = api.moe_experts(xd, twd, tid, p["experts_gate_up"], p["experts_down"], backend="pallas", config=cfg)
+        assert rel_rms(np.asarray(got[rows].astype(jnp.float32)), want) <= 2e-2, cfg
 
 
 def test_bench_moe_quick_section_format():
-    """jax_gdn.bench_moe's section at tiny dims: the JSON row format the bench writes; pallas null off a GPU."""
+    """jax_gdn.bench_moe's section at tiny dims: the JSON row format the bench writes (prefill rows: FLOP floor;
+    decode rows: bytes floor of the experts hit); pallas null off a GPU."""
     from jax_gdn import bench_moe
     sec = bench_moe.run_section(quick=True)
-    (row,) = sec["rows"]
+    row, drow = sec["rows"]
     assert set(row) == {"case", "tokens", "experts", "top_k", "ms", "floor_ms"} and set(row["ms"]) == {"pallas", "xla"}
-    assert row["ms"]["xla"] is not None and row["ms"]["xla"] > 0 and row["floor_ms"] > 0
-    if jax.devices()[0].platform == "cpu":
-        assert row["ms"]["pallas"] is None
+    assert set(drow) == set(row) | {"floor", "experts_hit"} and drow["floor"] == "bytes"
+    for r in (row, drow):
+        assert r["ms"]["xla"] is not None and r["ms"]["xla"] > 0 and r["floor_ms"] > 0
+        if jax.devices()[0].platform == "cpu":
+            assert r["ms"]["pallas"] is None
+    case = bench_moe.QUICK_CASES[1]                                           # 4 tokens x top-4 of 16 experts
+    assert 4 <= drow["experts_hit"] <= 16
+    assert drow["floor_ms"] == pytest.approx(case.bytes(drow["experts_hit"]) / 4.8e12 * 1e3, rel=1e-3)
     case80 = bench_moe.CASES[1]
     assert case80.tokens == 19027 and abs(case80.flops() / 700e12 * 1e3 - 1.938) < 1e-3   # NOTES.md's floor
+    dec64 = next(c for c in bench_moe.CASES if c.name == "qwen3_next_80b_decode_t64")
+    assert abs(dec64.bytes(370) / 4.8e12 * 1e3 - 0.4868) < 1e-3                 # moe_run.py's floor, 370 hit
