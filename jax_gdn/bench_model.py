@@ -12,9 +12,21 @@ Rows (``kind``, ``tokens``):
                             as 4 calls of 16 x 1189 tokens, the varlen16 program's shape bucket)
 Ours: ``model.prefill`` / ``model.decode`` (public API: host checks, bucket padding, one program); a prefill row
 releases its slots before every call (release not timed). HF: ``Qwen3NextForCausalLM`` of the same config (torch
-bf16, SDPA attention, its default experts implementation, FLA's kernels when importable: put the FLA wheels on
-PYTHONPATH), ``use_cache=False, logits_to_keep=1``; varlen16 as a left-padded [16, 4000] batch with its attention
-mask (HF takes no packed streams); decode through its ``past_key_values`` after a [64, 1189] prefill.
+bf16, SDPA attention, its default experts implementation), ``use_cache=False, logits_to_keep=1``; varlen16 as a
+left-padded [16, 4000] batch with its attention mask (HF takes no packed streams); decode through its cache after
+a [64, 1189] prefill.
+HF on its fast GDN path: transformers 5.17's qwen3_next module resolves, at import, each of its four GDN callables
+(``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``: FLA's when ``fla`` imports;
+``causal_conv1d_fn``, ``causal_conv1d_update``: the ``causal_conv1d`` package's, absent on the GPU machine, so
+its torch conv) and has no fused gated norm (torch ``Qwen3NextRMSNormGated``). ``hf_rows`` therefore assigns all
+four module attributes, which the GDN layer looks up at each call, to FLA 0.6's kernels (``fla_kernels``: FLA's
+two gated delta rules as they are, kwargs filtered as transformers' wrapper does; FLA's Triton
+``fla.modules.causal_conv1d.causal_conv1d`` / ``causal_conv1d_update`` adapted to causal_conv1d's signatures and
+[B, D, T] layout) and swaps each GDN layer's gated norm for FLA's ``FusedRMSNormGated`` (``use_hf_kernels``).
+``info["hf_kernels"]`` names what the timed calls ran and ``info["hf_kernels_resolved"]`` what transformers had
+picked by itself (read from the wrappers' closures: their ``__module__`` is transformers' whatever runs). Checked
+against HF's own torch path by ``hf_kernel_check`` (CPU tests with FLA-contract stand-ins; on the GPU
+``benchmarks/gpu/model_bench.py --check``).
 Timing, the same for both columns: wall clock of one call closed by a device sync (``jax.block_until_ready`` /
 ``torch.cuda.synchronize``), median of ``reps`` calls after one warm-up call (ours: the warm-up is the first call,
 its time is ``first_call_s``: compile + run). HF's ``triton.testing.do_bench`` median is kept beside as
@@ -33,6 +45,16 @@ own layer-0 parameters and backends, on random activations, timed like the rows:
   embed_logits embedding gather [T] + final RMSNorm + lm_head on the N last tokens
   model_sum    layers x each part + embed_logits (GDN layers x phases 1-3, attention layers, MoE layers)
   model        the varlen16 row (ours); "other" = model - model_sum (scan, slicing of the stacked cache, ...)
+  floor_ms, floor_ratio (part / floor), floor_basis, roofline: per part, ``prefill_floors`` (matmul FLOPs at 700
+               TFLOP/s or bytes at 4.8 TB/s, whichever is larger; the GDN core at the kernel bench's fastest time
+               and the attention core at the attention bench's torch SDPA time for this case, read from this
+               device's results JSON when it has them: ``floor_source``); the formulas are in the docstrings
+  decode       the decode row's step (64 streams x 1189 tokens), same layout: gdn_decode (the whole GDN mixer
+               of one layer, gdn_layer_decode: norm, projections, conv, recurrent step, gated norm, out_proj,
+               residual), attention_decode (input norm + attention_layer at decode against 1189 tokens of paged
+               K/V), moe (post norm + MoE on 64 tokens + residual), embed_logits (64 tokens); the GDN slots and
+               KV pages donated and carried between calls as in the model's step; floors: ``decode_floors``
+               (bytes at 4.8 TB/s: weights read + states / K/V read and written)
 compile_s_48_layers: the 48-layer config's prefill (varlen16 bucket), traced, lowered and compiled with abstract
 parameters and cache (``jax.ShapeDtypeStruct``: no weights), in a fresh process (a first call: no in-process
 caches), through the public ``HybridModel.prefill`` wrapped in ``jax.jit``.
@@ -40,7 +62,8 @@ caches), through the public ``HybridModel.prefill`` wrapped in ``jax.jit``.
     run_section(quick=False) -> {"layers", "config", "device", "rows": [{"case", "kind", "tokens", "ms": {"ours",
         "hf"}, "tokens_per_s": {"ours", "hf"}, "speedup", "first_call_s", ...}], "parts_ms": {...},
         "compile_s_48_layers", "compile": {"layers", "s"}, "errors": [...]}
-``quick``: tiny dims on any device (a CPU smoke run of the code path, not a measurement; HF skipped).
+``quick``: tiny dims on any device (a CPU smoke run of the code path, not a measurement; HF skipped unless
+``hf=True``, then on torch's CPU fallbacks).
 """
 from __future__ import annotations
 
@@ -507,8 +530,11 @@ def hf_kernel_check(model, kernels: dict, lens=(173, 300), steps: int = 3, seed:
     """HF's logits on its own torch GDN path against the same model on ``kernels`` (``use_hf_kernels``): a
     left-padded prefill of ``lens`` (all positions' logits: the chunked rule, the conv, the gated norm, the padding
     mask) then ``steps`` decode steps through the cache (the recurrent rule, the conv update, the conv state
-    written in place). Returns {"prefill": {"max_abs", "ref_max", "rel"}, "decode": {...}, "kernels": report,
-    "torch": report}."""
+    written in place). Returns {"prefill": {"max_abs", "ref_max", "rel", "cos_min", "cos_median", "top1_agree",
+    "positions"}, "decode": {...}, "kernels": report, "torch": report}: per position (real tokens only) the cosine of
+    the two logit vectors and whether their argmax agrees. In bf16 a random model's max-based "rel" is large even
+    for rounding-level differences (HF's torch gated norm rounds to bf16 where FLA's stays fp32: rel ~0.1-0.3 at
+    80B dims, a near-tie of the top-10 router flips an expert); a layout error gives cosines near 0."""
     import torch
     if mq is None:
         import transformers.models.qwen3_next.modeling_qwen3_next as mq
@@ -553,11 +579,15 @@ def hf_kernel_check(model, kernels: dict, lens=(173, 300), steps: int = 3, seed:
         undo()
     out = {"kernels": report, "torch": torch_report, "lens": list(lens), "steps": steps,
            "dtype": str(next(model.parameters()).dtype)}
-    for key, r, o in (("prefill", ref[0], got[0]), ("decode", ref[1], got[1])):
+    for key, r, o, keep in (("prefill", ref[0], got[0], mask.bool()), ("decode", ref[1], got[1], None)):
         err = (o - r).abs().max().item()
         top = r.abs().max().item()
+        r2, o2 = (r[keep], o[keep]) if keep is not None else (r.flatten(0, 1), o.flatten(0, 1))   # [positions, V]
+        cos = torch.nn.functional.cosine_similarity(o2, r2, dim=-1)
         out[key] = {"max_abs": err, "ref_max": top, "rel": err / max(top, 1e-30),
-                    "finite": bool(torch.isfinite(o).all().item())}
+                    "cos_min": cos.min().item(), "cos_median": cos.median().item(),
+                    "top1_agree": (o2.argmax(-1) == r2.argmax(-1)).float().mean().item(),
+                    "positions": int(r2.shape[0]), "finite": bool(torch.isfinite(o).all().item())}
     return out
 
 
@@ -1206,13 +1236,30 @@ def _print_parts(p: dict, names) -> None:
     print(f"  {'part':<17} {'ms':>8} {'floor ms':>9} {'x floor':>8}  floor basis")
     for k in names:
         if k in p:
-            print(f"  {k:<17} {f(p.get(k)):>8} {f(fl.get(k), '{:.3g}'):>9} {f(ra.get(k), '{:.2f}'):>8}  {ba.get(k, '')}")
+            print(f"  {k:<17} {f(p.get(k)):>8} {f(fl.get(k), '{:.3g}'):>9} {f(ra.get(k), '{:.2f}'):>8}  "
+                  f"{ba.get(k, '')}")
     split = p.get("model_sum_split") or {}
     print(f"  model sum {f(p.get('model_sum'), '{:.2f}')} ms ("
           + ", ".join(f"{k} {f(v, '{:.2f}')}" for k, v in split.items())
           + f"); model measured {f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms")
     for k, v in (p.get("errors") or {}).items():
         print(f"    {k}: {v[:160]}")
+
+
+def parts_markdown(parts_ms: dict) -> list:
+    """Markdown lines of a parts_ms with floors (``jax_gdn.bench --markdown``): one row per part of the prefill and
+    of the decode step, ms per layer, its floor, the ratio and the floor's basis; [] without floors."""
+    from jax_gdn.bench import _f, _header
+    if not parts_ms or not parts_ms.get("floor_ms"):
+        return []
+    out = _header(["part (ms per layer)", "step", "floor", "ms", "floor ms", "part / floor"], text_cols=3)
+    for q, step in ((parts_ms, "prefill"), (parts_ms.get("decode") or {}, "decode")):
+        ratio, basis = q.get("floor_ratio") or {}, q.get("floor_basis") or {}
+        for k, fl in (q.get("floor_ms") or {}).items():
+            out.append(f"| {k} | {step} {q.get('case', '')} | {basis.get(k, '')} | {_f(q.get(k))} | {_f(fl)} | "
+                       f"{_f(ratio.get(k), '{:.2f}')} |")
+    out.append("")
+    return out
 
 
 def print_section(section: dict) -> None:

@@ -167,6 +167,8 @@ def test_hf_on_fla_kernels_matches_hf_torch_path():
     for part in ("prefill", "decode"):
         assert res[part]["finite"] and res[part]["ref_max"] > 0
         assert res[part]["rel"] < 1e-5, res                                            # fp32: same maths
+        assert res[part]["cos_min"] > 1 - 1e-6 and res[part]["top1_agree"] == 1.0
+    assert res["prefill"]["positions"] == 75 and res["decode"]["positions"] == 6          # real tokens only
     assert calls.count("chunk") == 1 and calls.count("conv") == 1                      # prefill: 1 GDN layer
     assert calls.count("recurrent") == 3 and calls.count("update") == 3                # one per decode step
     assert calls.count("norm") == 4
@@ -187,8 +189,14 @@ def test_hf_fla_adapter_is_checked_against_a_wrong_kernel():
     bad = types.SimpleNamespace(**vars(fake))
     bad.causal_conv1d = lambda x, **kw: conv(x, **dict(kw, activation=None))
     bad.causal_conv1d_update = lambda x, cache, **kw: upd(x, cache, **dict(kw, activation=None))
-    res = hf_kernel_check(_tiny_hf(), fla_kernels(bad), lens=(9,), steps=1)
+    model = _tiny_hf()
+    res = hf_kernel_check(model, fla_kernels(bad), lens=(9,), steps=1)
     assert res["prefill"]["rel"] > 1e-3 and res["decode"]["rel"] > 1e-3
+    # a conv update that leaves the state where it was: the prefill agrees, the second decode step does not
+    stale = types.SimpleNamespace(**vars(fake))
+    stale.causal_conv1d_update = lambda x, cache, **kw: (upd(x, cache.clone(), **kw)[0], cache)
+    res = hf_kernel_check(model, fla_kernels(stale), lens=(9,), steps=2)
+    assert res["prefill"]["rel"] < 1e-5 and res["decode"]["rel"] > 1e-3
 
 
 def test_fla_conv_adapter_refuses_what_it_does_not_translate():
