@@ -53,13 +53,23 @@ def fuse_qkv(params: dict) -> dict:
     return out
 
 
+# From this many tokens (static T) the layer concatenates q_proj, k_proj, v_proj at call time and runs ONE GEMM:
+# on the H200 at varlen16 (T 19027, 80B dims) the three GEMMs + o_proj took 1.60 ms, one fused + o_proj 1.43 ms
+# (NOTES.md, run 3), while the weight copy is ~38 MB read + written (~0.02 ms, estimated, not measured). Below it
+# (decode, short chunks: the GEMMs are weight-bandwidth bound) the copy would cost about what it saves. A model
+# holding qkv_proj (``fuse_qkv``) skips the copy at any T.
+QKV_CONCAT_MIN_TOKENS = 8192
+
+
 def _project(params: dict, dims: AttnDims, hidden: jax.Array):
     """hidden [T, D] -> (qg [T, C] with head h's [query | gate] at columns h 2 Dh .. (C >= H 2 Dh), k, v
-    [T, Hkv, Dh]); one GEMM with qkv_proj (qg is then the whole [T, H 2 Dh + 2 Hkv Dh] output), else three."""
+    [T, Hkv, Dh]); one GEMM with qkv_proj (qg is then the whole [T, H 2 Dh + 2 Hkv Dh] output) or, from
+    QKV_CONCAT_MIN_TOKENS tokens, with the three weights concatenated; else three GEMMs."""
     t = hidden.shape[0]
     h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    if "qkv_proj" in params:
-        y = hidden @ params["qkv_proj"]
+    if "qkv_proj" in params or t >= QKV_CONCAT_MIN_TOKENS:
+        w = params["qkv_proj"] if "qkv_proj" in params else fuse_qkv(params)["qkv_proj"]
+        y = hidden @ w
         q_cols = h * 2 * dh
         k = y[:, q_cols:q_cols + hkv * dh].reshape(t, hkv, dh)
         v = y[:, q_cols + hkv * dh:q_cols + 2 * hkv * dh].reshape(t, hkv, dh)

@@ -52,7 +52,7 @@ class PrefillConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    q_prologue: str = "reload"
+    q_prologue: str = "xla"
 
     def __post_init__(self):
         if self.q_prologue not in ("kernel", "reload", "xla"):

@@ -136,7 +136,7 @@ def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_fused_layer_matches_unfused(dtype, tol):
+def test_fused_layer_matches_unfused(dtype, tol, monkeypatch):
     """The prefill with q norm, RoPE and gate inside the kernel (pallas_interpret, fused by default there), with
     three projections or one fused qkv_proj, against the unfused XLA layer: same outputs, same pages written.
     Streams of 1, 63, 64, 65 and 130 new tokens, two of them continuing, plus padding tokens."""
@@ -162,8 +162,13 @@ def test_fused_layer_matches_unfused(dtype, tol):
         np.testing.assert_array_equal(np.isfinite(np.asarray(kv.k_pages.astype(jnp.float32))), live)
         np.testing.assert_allclose(np.asarray(kv.k_pages.astype(jnp.float32))[live],
                                    np.asarray(kv_ref.k_pages.astype(jnp.float32))[live], rtol=tol, atol=tol)
-    # the XLA backend with the fused weight: the same (unfused) math
+    # the XLA backend with the fused weight, and the three weights concatenated per call (long calls): the same
     out, _ = _call(fuse_qkv(params), dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s)
+    assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
+    import jax_gdn.layers.attention as attention_mod
+    monkeypatch.setattr(attention_mod, "QKV_CONCAT_MIN_TOKENS", 16)
+    out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                   backend="pallas_interpret")
     assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
 
 
