@@ -390,6 +390,8 @@ def markdown_tables(result: dict) -> str:
                        f"{_f(ms.get('hf'), '{:.1f}')} | {_f(tps.get('ours'), '{:,.0f}')} | "
                        f"{_f(tps.get('hf'), '{:,.0f}')} | {speed} |")
         out.append("")
+        from jax_gdn.bench_model import parts_markdown   # each part against its floor (prefill and decode)
+        out += parts_markdown(m.get("parts_ms"))
     return "\n".join(out)
 
 

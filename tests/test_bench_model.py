@@ -277,3 +277,22 @@ def test_hf_rows_on_cpu_torch_path():
         assert res[key].get("ms", 0) > 0, res[key]
     rows = _rows(cases, {k: {"ms": 1.0} for k in ("varlen", "long", "decode")}, res)
     assert all(r["speedup"] == pytest.approx(r["ms"]["hf"]) and "errors" not in r for r in rows)
+
+
+def test_markdown_has_each_part_against_its_floor():
+    """bench --markdown: the model section's parts (prefill and decode) with floor, ratio and basis, from the H200
+    check run's parts; a parts_ms without floors (older results) adds no table."""
+    import pathlib
+
+    from jax_gdn import bench
+    log = pathlib.Path(__file__).parent.parent / "benchmarks" / "logs" / "model_check_h200_run1.json"
+    parts = json.loads(log.read_text())["parts_ms"]
+    text = bench.markdown_tables({"model": {"layers": 2, "rows": [], "parts_ms": parts}})
+    assert "| part (ms per layer) | step | floor | ms | floor ms | part / floor |" in text
+    assert "| gdn_phase2 | prefill varlen16-T19027 | kernel bench varlen16-T19027-Hk16-Hv32: pallas" in text
+    lines = [x for x in text.splitlines() if x.startswith(("| gdn_", "| attention", "| moe", "| embed_logits"))]
+    assert len(lines) == 10 and sum("| decode decode-N64-ctx1189 |" in x for x in lines) == 4
+    r = parts["decode"]["floor_ratio"]["moe"]
+    assert f"| {r:.2f} |" in next(x for x in lines if x.startswith("| moe | decode"))
+    old = {k: v for k, v in parts.items() if not k.startswith("floor")}
+    assert "part (ms per layer)" not in bench.markdown_tables({"model": {"layers": 2, "rows": [], "parts_ms": old}})
