@@ -6,7 +6,8 @@
 Cases: ``jax_gdn.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
 q / k L2-normalised inside each implementation). Columns (median ms; null where an implementation cannot run):
   pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the decode kernel over a pool
-          of S = N slots in a shuffled order, the pool donated (updated in place)
+          of S = N slots in a shuffled order, the pool donated (updated in place); its launch parameters
+          (``decode.decode_config`` for the case) are stored in the row as "pallas_config"
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing)
@@ -18,6 +19,7 @@ of the groups); torch with triton.testing.do_bench (median), as in ``jax_gdn.ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -124,6 +126,7 @@ def _has_gpu() -> bool:
 def run_section(quick: bool = False) -> dict:
     """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, xla, fla, copy}, "gbps": {...}}], "note"}.
     ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
+    from pallas_kernels.gated_delta_rule import decode
     gpu = _has_gpu()
     cases = CPU_DECODE if quick or not gpu else DECODE_CASES
     timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}
@@ -145,8 +148,9 @@ def run_section(quick: bool = False) -> dict:
                 print(f"decode {case.name} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
                 ms[impl] = None
         nbytes = state_bytes(case)
+        launch = dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
         rows.append({"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
-                     "state_bytes": nbytes, "ms": ms,
+                     "state_bytes": nbytes, "ms": ms, "pallas_config": launch,
                      "gbps": {k: (None if t is None else nbytes / t / 1e6) for k, t in ms.items()}})
     return {"rows": rows, "note": "gbps = state bytes read + written (2 N Hv K V 4) / time; "
                                   + ("CPU smoke run, not a measurement" if quick or not gpu else "")}

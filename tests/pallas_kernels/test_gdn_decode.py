@@ -9,6 +9,8 @@ Tolerances (relative RMS vs float64): fp32 inputs 1e-5 (no chunking: fp32 roundi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +82,11 @@ CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf
            decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)]      # persistent: 5 divides no count
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}")
+def _config_id(c):
+    return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("t", [1, 3])
 def test_decode_configs_interpret(config, t):
     n, s, hk, hv, dk, dv = 4, 6, 1, 3, 16, 32
@@ -177,4 +183,5 @@ def test_bench_decode_section_smoke():
     row = section["rows"][0]
     assert set(row) >= {"case", "N", "Hk", "Hv", "K", "V", "ms", "gbps"}
     assert set(row["ms"]) == {"pallas", "xla", "fla", "copy"} and row["ms"]["xla"] > 0
+    assert row["pallas_config"] == dataclasses.asdict(decode.decode_config(row["N"], row["Hv"], row["K"], row["V"]))
     bench_decode.print_section(section)
