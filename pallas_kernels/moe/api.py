@@ -8,7 +8,9 @@ Shape legend: T tokens, D hidden, I per-expert intermediate size, E experts, k e
 
 Backends: "xla" (reference.routed_experts_xla, runs anywhere), "pallas" (triton.py on a CUDA GPU),
 "pallas_interpret" (the same kernels in Pallas interpret mode, any platform). Both Pallas backends and the XLA
-path share ``reference.moe_align``'s on-device layout: work and memory scale with T * k, never with T * E.
+path share ``reference.moe_align``'s on-device layout: work and memory scale with T * k, never with T * E. The
+launch config (row block and tiles; the XLA path uses its row block) is picked from the static shapes by
+``triton.select_config`` unless given: 16-row blocks at decode sizes, 128-row blocks at prefill sizes.
 Expert ids outside [0, E) are not checked (values are traced); the router never produces them.
 """
 from __future__ import annotations

@@ -43,7 +43,8 @@ class MoeConfig:
     the reduction loop, cut to fit shared memory by ``fit_stages``); columns_fastest: launch order (``_grid``);
     split_partial: blocks with at most BM / 2 live rows run a BM / 2-row tile (``_live_row_tiles``);
     fused_combine: the down kernel's epilogue atomically adds routing-weighted rows into an fp32 [T, D] output
-    instead of writing y [Mp, D] for an XLA combine (``down_combined``; summation order not deterministic).
+    instead of writing y [Mp, D] for an XLA combine (``down_combined``; summation order not deterministic;
+    Pallas backends only: the XLA path always combines by gather + sum).
     A block larger than its dim is cut to the largest power of two dividing the dim. The defaults are the
     fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6" of benchmarks/gpu/moe_run.py;
     NOTES.md); ``select_config`` picks smaller row blocks when there are few rows per expert (decode)."""
