@@ -635,6 +635,7 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None, fla:
         except Exception:  # pragma: no cover
             return None
 
+    prefill = {}
     try:
         with torch.no_grad():
             # ---- prefill rows ----
