@@ -53,7 +53,8 @@ class DecodeConfig:
       (scale q) after the update (two reductions in a row).
     programs: 0, one program per (stream, head, value block); P > 0, a persistent grid of P programs, each
       running every P-th block with the next block's state load issued before the current block's store
-      (v_fastest does not apply: blocks are numbered value block fastest). Not measured yet: off by default.
+      (v_fastest does not apply: blocks are numbered value block fastest). Interpret-tested only, never
+      compiled on a GPU yet: off by default.
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -153,9 +154,8 @@ def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, bet
 
     def load(b):
         _, n, h, vs, in_pool, read_slot = locate(b)
-        fresh_or_none = jnp.logical_not(in_pool & (has_ref[n] != 0))           # masked: zeros, no bytes read
-        return plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(~fresh_or_none,
-                                                                                     (kdim, block_v)),
+        read = in_pool & (has_ref[n] != 0)              # else masked: zeros, no bytes read, a stale NaN never leaks
+        return plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
                           other=0.0).astype(jnp.float32)
 
     pid = pl.program_id(0)                              # read outside the loop (interpret mode needs it there)
