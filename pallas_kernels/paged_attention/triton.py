@@ -13,11 +13,18 @@ Prefill (``paged_attention_prefill``), grid (Hkv, NB) (kv head fastest), blocks 
   wholly at or before the block's first query skip the causal mask (first loop); the rest take it (second).
   Online softmax in fp32, base 2 (running max m, sum l, accumulator [M, Dh]); keys past the block's causal bound, past
   the slot's length or on a page id outside [0, P) are masked on load (never read) and in the scores.
+Gated prefill (``paged_attention_prefill_gated``, Qwen3-Next's attention): the same program, reading the queries
+  and gates from q_proj's raw output qg [T, C] (head h's [query | gate] at columns h 2 Dh ..) and writing o
+  [T, H * Dh] (o_proj's input) = o * sigmoid(gate), the gate read in the epilogue. The q RMSNorm + partial RoPE
+  run where PrefillConfig.q_prologue says: "xla" (default: one XLA fusion before the kernel, which then loads a
+  plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, NOTES.md) or "reload" (on the
+  tile, stored to the program's own output rows and loaded back after a CTA barrier).
 Decode (``paged_attention_decode``), grid (N, Hkv, NS) (flash decoding):
   the G heads of one kv head in one tile (rows padded to 16, the smallest dot), the context cut into NS splits of
   a static length; each program writes its partial (m, l, unnormalised o); a small XLA combine merges them.
 
-q and o are addressed as [T * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load
+Prefill q is addressed as [T, C] (token row, per-head column offset: C = H Dh, or the gated qg), o as
+[T, H * Dh], decode q / o as [N * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load
 is one gather of whole rows with a mask. Interpret mode (CPU) runs the same kernel bodies.
 
 This module imports only jax.
