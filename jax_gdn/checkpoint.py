@@ -291,20 +291,22 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True, mesh=None):
+def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True, mesh=None,
+                    moe_sharding: str = "tensor"):
     """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`.
 
     mesh: a one-axis jax.sharding.Mesh; each device then reads only its slices of the files
-    (``load_sharded_params``, rules of ``jax_gdn.sharding``) and the model runs split over the mesh."""
+    (``load_sharded_params``, rules of ``jax_gdn.sharding``) and the model runs split over the mesh;
+    moe_sharding: "tensor" (expert columns split) or "expert" (whole experts split), as ``HybridModel``."""
     from jax_gdn.model import HybridModel
     if not os.path.isdir(path):
         raise ValueError(f"load_pretrained: {path!r} is not a directory")
     config = HybridConfig.from_hf(read_hf_config(path))
     if mesh is not None:
         from jax_gdn.sharding import ShardRules
-        rules = ShardRules(config, mesh)                  # refuses a mesh that does not divide the heads first
+        rules = ShardRules(config, mesh, moe_sharding)    # refuses a mesh that does not divide the heads first
         params = load_sharded_params(path, config, dtype, rules)
-        return HybridModel(config, params, dtype=dtype, backend=backend, mesh=mesh)
+        return HybridModel(config, params, dtype=dtype, backend=backend, mesh=mesh, moe_sharding=moe_sharding)
     sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress,
                          dtype=dtype)
     params = params_from_state_dict(config, sd, dtype)

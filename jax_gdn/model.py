@@ -57,7 +57,9 @@ Several devices: ``HybridModel(config, params, mesh=jax.make_mesh((2,), ("model"
 mesh=)``, ``init_params(..., mesh=)``) splits heads, expert columns and the vocabulary over a one-axis mesh by the
 rules of ``jax_gdn.sharding``: params and cache are placed with NamedSharding and each step runs per device in
 ``jax.shard_map`` (kernels included) with one psum per row-parallel projection; logits come back split over the
-vocabulary. mesh=None (default): one device, unchanged.
+vocabulary. mesh=None (default): one device, unchanged. ``moe_sharding="expert"`` splits the routed experts
+whole over the mesh (expert parallel, ``jax_gdn.layers.moe_ep``) instead of their columns ("tensor", default);
+params already placed on the mesh must have been placed with the same moe_sharding (one-device params: any).
 """
 from __future__ import annotations
 
@@ -195,16 +197,18 @@ def _random_leaf(key, name: str, shape: tuple, dtype, std: float, conv_kernel: i
     return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
 
 
-def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0.02, mesh=None) -> dict:
+def init_params(config: HybridConfig, key, dtype=jnp.bfloat16, *, std: float = 0.02, mesh=None,
+                moe_sharding: str = "tensor") -> dict:
     """Random parameters made directly on the default device in the model's stacked layout (no host copy):
     weights N(0, std) in ``dtype``, norms at their neutral value, A_log / dt_bias / norms fp32.
 
     mesh: made on the mesh's devices already split (``jax_gdn.sharding``; each device generates its slice), in
-    the sharded layout ``HybridModel(..., mesh=mesh)`` takes as is."""
+    the sharded layout ``HybridModel(..., mesh=mesh, moe_sharding=moe_sharding)`` takes as is."""
     if isinstance(key, int):
         key = jax.random.PRNGKey(key)
     if mesh is not None:
-        return _shd().ShardRules(config, mesh).random_params(lambda: init_params(config, key, dtype, std=std))
+        return _shd().ShardRules(config, mesh, moe_sharding).random_params(
+            lambda: init_params(config, key, dtype, std=std))
     plan = layer_plan(config)
     counter = [0]
 
@@ -367,12 +371,14 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
 
 def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
-         backends: blk.Backends, decode: bool, return_all_logits: bool, axis_name=None, vocab_split: bool = False):
+         backends: blk.Backends, decode: bool, return_all_logits: bool, axis_name=None, vocab_split: bool = False,
+         expert_parallel: bool = False):
     """Prefill (or decode: one token per stream) of N (padded) streams over T (padded) tokens, inputs already
     checked: input_ids [T] int32, cu_seqlens [N + 1] int32 (cu[N] <= T; padding streams of zero length last),
     slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache).
     Under shard_map (jax_gdn.sharding): axis_name is the mesh axis, config the per-device config, params / cache
-    the device's slices, and the logits the device's vocabulary columns when vocab_split."""
+    the device's slices, and the logits the device's vocabulary columns when vocab_split; expert_parallel: the
+    params hold whole experts split over axis_name (jax_gdn.layers.moe_ep)."""
     t = input_ids.shape[0]
     n = slot_ids.shape[0]
     s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
@@ -404,7 +410,8 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     meta = BatchMeta(cu_seqlens=cu_seqlens, slot_ids=jnp.where(go, slot_ids, s), has_initial_state=old_lens > 0,
                      positions=old_lens)
     batch = blk.Batch(meta=meta, token_pos=tok_pos, token_page=tok_page, token_offset=tok_pos % ps,
-                      page_table=page_table, slot_lens=new_slot_lens, decode=decode, axis_name=axis_name)
+                      page_table=page_table, slot_lens=new_slot_lens, decode=decode, axis_name=axis_name,
+                      expert_axis=axis_name if expert_parallel else None)
 
     x = (params["embed"][input_ids] if axis_name is None or not vocab_split                # [T, D]
          else _shd().embed_lookup(params["embed"], input_ids, axis_name, vocab_split))
@@ -498,12 +505,14 @@ class HybridModel:
     """
 
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
-                 token_buckets: Optional[Sequence[int]] = None, strict: bool = False, mesh=None):
+                 token_buckets: Optional[Sequence[int]] = None, strict: bool = False, mesh=None,
+                 moe_sharding: str = "tensor"):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
         self.mesh = mesh
-        self.shard_rules = None if mesh is None else _shd().ShardRules(config, mesh)   # checks the mesh first
+        self.shard_rules = (None if mesh is None                                    # checks the mesh first
+                            else _shd().ShardRules(config, mesh, moe_sharding))
         self.dtype = jnp.dtype(dtype)
         self.plan = layer_plan(config)
         if "layers" in params:
@@ -530,7 +539,8 @@ class HybridModel:
         self._traces = 0
         kw = dict(config=config, plan=self.plan, backends=self.backends)
         if self.shard_rules is not None:
-            kw.update(config=self.shard_rules.local_config, vocab_split=self.shard_rules.vocab_split)
+            kw.update(config=self.shard_rules.local_config, vocab_split=self.shard_rules.vocab_split,
+                      expert_parallel=self.shard_rules.expert_parallel)
 
         def traced(fn):
             def wrapped(*args, **kwargs):
@@ -563,8 +573,9 @@ class HybridModel:
     def random(cls, config: HybridConfig, key=0, *, dtype=jnp.bfloat16, backend="auto", std: float = 0.02,
                **kwargs) -> "HybridModel":
         """A model with ``init_params`` weights (made on the device; on the mesh's devices, split, with mesh=)."""
-        return cls(config, init_params(config, key, dtype, std=std, mesh=kwargs.get("mesh")), dtype=dtype,
-                   backend=backend, **kwargs)
+        return cls(config, init_params(config, key, dtype, std=std, mesh=kwargs.get("mesh"),
+                                       moe_sharding=kwargs.get("moe_sharding", "tensor")),
+                   dtype=dtype, backend=backend, **kwargs)
 
     def compiled_programs(self) -> int:
         """How many XLA programs this model's prefill / decode / release have compiled so far."""

@@ -73,7 +73,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_gdn.config import GdnDims, HybridConfig
 from jax_gdn.state import Cache
 
-__all__ = ["Split", "ShardRules", "embed_lookup"]
+__all__ = ["Split", "ShardRules", "embed_lookup", "MOE_SHARDINGS"]
+
+#: how the routed experts are split: "tensor" (columns of every expert) or "expert" (whole experts)
+MOE_SHARDINGS = ("tensor", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +139,16 @@ def embed_lookup(table: jax.Array, ids: jax.Array, axis_name: Optional[str], voc
 class ShardRules:
     """The mesh rules for one model config on one mesh (see the module docstring).
 
-    mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). Raises ValueError when the mesh has more than one axis
-    or when its size does not divide the head / intermediate counts the model splits.
+    mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). moe_sharding: "tensor" (default: every device holds
+    I / n columns of every expert) or "expert" (device i holds the whole experts [i E / n, (i + 1) E / n);
+    ``jax_gdn.layers.moe_ep``). Raises ValueError when the mesh has more than one axis, when moe_sharding is
+    neither, or when the mesh size does not divide the head / intermediate / expert counts the model splits.
     """
 
-    def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh):
+    def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh, moe_sharding: str = "tensor"):
+        if moe_sharding not in MOE_SHARDINGS:
+            raise ValueError(f"moe_sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
+        self.moe_sharding = moe_sharding
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((2,), ('model',))), got "
                              f"{type(mesh).__name__}")
@@ -165,7 +173,10 @@ class ShardRules:
                            f"then each device keeps a copy of the kv head its query heads read)")
         kinds = [c.layer_is_moe(i) for i in range(c.num_hidden_layers)]
         if any(kinds):
-            if c.moe_intermediate_size % n:
+            if moe_sharding == "expert" and c.num_experts % n:
+                bad.append(f"experts num_experts={c.num_experts} (expert parallel: E / n whole experts per "
+                           f"device)")
+            if moe_sharding == "tensor" and c.moe_intermediate_size % n:
                 bad.append(f"MoE intermediate size moe_intermediate_size={c.moe_intermediate_size} (tensor "
                            f"parallel inside each of the {c.num_experts} experts)")
             if c.shared_expert_intermediate_size % n:
@@ -183,6 +194,11 @@ class ShardRules:
 
     # ---- configs ---------------------------------------------------------------------------------------------
     @property
+    def expert_parallel(self) -> bool:
+        """True when the routed experts are split whole over the axis (moe_sharding "expert")."""
+        return self.moe_sharding == "expert"
+
+    @property
     def local_config(self) -> HybridConfig:
         """The config each device's program runs: head, intermediate and vocabulary counts divided by n."""
         c, n = self.config, self.n
@@ -193,8 +209,9 @@ class ShardRules:
             kw.update(num_attention_heads=c.num_attention_heads // n, num_key_value_heads=self.kv_heads // n)
         if c.intermediate_size % n == 0:
             kw["intermediate_size"] = c.intermediate_size // n
-        if c.num_experts:
-            kw.update(moe_intermediate_size=c.moe_intermediate_size // n,
+        if c.num_experts:   # expert parallel: whole experts (I unchanged), E stays the router's width
+            kw.update(moe_intermediate_size=(c.moe_intermediate_size if self.expert_parallel
+                                             else c.moe_intermediate_size // n),
                       shared_expert_intermediate_size=c.shared_expert_intermediate_size // n)
         if self.vocab_split:
             kw["vocab_size"] = c.vocab_size // n
@@ -230,6 +247,8 @@ class ShardRules:
             if n <= hkv:
                 return Split(1, _contiguous(shape[1], n))
             return Split(1, tuple((((i * hkv // n) * dh, (i * hkv // n + 1) * dh),) for i in range(n)))
+        if name in ("experts_gate_up", "experts_down") and self.expert_parallel:
+            return Split(0, _contiguous(shape[0], n))                           # whole experts
         if name == "experts_gate_up":
             i2 = shape[2]
             return Split(2, _segments([i2 // 2, i2 // 2], n))
@@ -378,4 +397,4 @@ class ShardRules:
 
     def __repr__(self):
         return (f"ShardRules(axis={self.axis!r}, n={self.n}, vocab_split={self.vocab_split}, "
-                f"kv_heads={self.kv_heads})")
+                f"kv_heads={self.kv_heads}, moe_sharding={self.moe_sharding!r})")

@@ -37,6 +37,7 @@ from jax_gdn.config import HybridConfig
 from jax_gdn.layers.attention import attention_layer
 from jax_gdn.layers import gdn
 from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
+from jax_gdn.layers.moe_ep import sparse_moe_expert_parallel
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.state import BatchMeta, GdnSlots, KvPages
 
@@ -58,6 +59,8 @@ class Batch:
     axis_name:    static: the mesh axis the heads / expert columns are split over when the step runs per device
                   inside ``shard_map`` (jax_gdn.sharding); the row-parallel projections' partial sums are then
                   ``psum``-ed before each residual add. None: one device, no reduction.
+    expert_axis:  static: the mesh axis the routed experts are split over whole (expert parallel,
+                  jax_gdn.layers.moe_ep); None: every device holds every expert (whole, or its columns).
     """
 
     meta: BatchMeta
@@ -68,6 +71,7 @@ class Batch:
     slot_lens: jax.Array
     decode: bool = struct.field(pytree_node=False, default=False)
     axis_name: Optional[str] = struct.field(pytree_node=False, default=None)
+    expert_axis: Optional[str] = struct.field(pytree_node=False, default=None)
 
     def reduce(self, y: jax.Array) -> jax.Array:
         """Sum of a row-parallel projection's partial results over the mesh axis (identity on one device)."""
@@ -93,8 +97,14 @@ class Backends:
 
 
 
-def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend: str = "xla") -> jax.Array:
-    """The block's FFN on already-normed x [T, D] -> [T, D] (no residual)."""
+def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend: str = "xla",
+        expert_axis: Optional[str] = None) -> jax.Array:
+    """The block's FFN on already-normed x [T, D] -> [T, D] (no residual). expert_axis: the routed experts are
+    split whole over that mesh axis (this device's partial sum; jax_gdn.layers.moe_ep)."""
+    if moe and expert_axis is not None:
+        return sparse_moe_expert_parallel(params, x, top_k=config.num_experts_per_tok,
+                                          norm_topk_prob=config.norm_topk_prob, axis_name=expert_axis,
+                                          num_experts=config.num_experts, backend=backend)
     if moe:
         return sparse_moe(params, x, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                           backend=backend)
@@ -104,7 +114,7 @@ def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend:
 def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str, batch: Batch):
     def hook(h):
         return h + batch.reduce(ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps),
-                                    config=config, moe=moe, backend=backend))
+                                    config=config, moe=moe, backend=backend, expert_axis=batch.expert_axis))
     return hook
 
 

@@ -8,6 +8,7 @@ Prints one ``RESULT {json}`` line (every measured error and check, named); the t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -35,9 +36,9 @@ COMMON = dict(vocab_size=66, hidden_size=32, num_hidden_layers=4,
               linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=4,
               linear_conv_kernel_dim=4)
 CONFIGS = {
-    # fused in_proj_qkvz / in_proj_ba; dense MLP in the GDN layers, MoE (6 experts, I = 8, shared expert 12) in
+    # fused in_proj_qkvz / in_proj_ba; dense MLP in the GDN layers, MoE (8 experts, I = 8, shared expert 12) in
     # the attention layers; untied LM head; vocab 66: split over 2 devices, replicated over 4
-    "qwen3_next": HybridConfig(model_type="qwen3_next", num_experts=6, num_experts_per_tok=2,
+    "qwen3_next": HybridConfig(model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
                                moe_intermediate_size=8, shared_expert_intermediate_size=12, decoder_sparse_step=2,
                                **COMMON),
     # separate in_proj_qkv (split q | k | v by heads, device-major) / z / b / a; tied embeddings split over the
@@ -45,6 +46,11 @@ CONFIGS = {
     "qwen3_5": HybridConfig(model_type="qwen3_5_text", tie_word_embeddings=True, **{**COMMON, "vocab_size": 64}),
 }
 MESHES = {"qwen3_next": (1, 2, 4), "qwen3_5": (4,)}
+# Expert parallel (moe_sharding="expert"): the whole model on meshes of 2 and 4 against the same one-device run;
+# mesh 4 runs the MoE kernels in interpret mode (2 experts per device; the other devices' copies go to a trash
+# expert whose blocks the kernels skip, and their unwritten rows are NaN in interpret mode: the masked combine
+# is checked)
+EP_MESHES = {2: "xla", 4: "pallas_interpret"}
 BUCKETS = (144,)        # every prefill of the script pads to one T bucket: one prefill program per model
 # The GDN rule runs its Pallas kernel in interpret mode: XLA's chunked form calls LAPACK's batched triangular
 # solve on CPU, whose parallel batch map deadlocks when several device programs run it at once (jaxlib 0.10).
@@ -106,6 +112,52 @@ def check_equal(res: dict) -> None:
             blk = model.params["period"][0]["mixer"]
             big = "in_proj_qkvz" if "in_proj_qkvz" in blk else "in_proj_qkv"
             res[f"gdn_local_cols/{name}/mesh{n}"] = [int(s.data.shape[2]) for s in blk[big].addressable_shards]
+        if name != "qwen3_next":
+            continue
+        for n, moe in EP_MESHES.items():
+            model = HybridModel(cfg, params, dtype=jnp.float32, backend=dict(BACKEND, moe=moe),
+                                token_buckets=BUCKETS, mesh=_mesh(n), moe_sharding="expert")
+            res[f"equal/{name}/ep_mesh{n}"] = max(_rel(g, r) for g, r in zip(_run(model, 1), ref))
+            print(name, "ep", n, res[f"equal/{name}/ep_mesh{n}"], file=sys.stderr, flush=True)
+            ffn = model.params["period"][1]["ffn"]
+            res[f"ep_local_experts/mesh{n}"] = [int(s.data.shape[1]) for s in ffn["experts_gate_up"].addressable_shards]
+            res[f"ep_expert_width/mesh{n}"] = int(ffn["experts_gate_up"].shape[-1])
+
+
+def check_moe_ep_layer(res: dict) -> None:
+    """The expert-parallel MoE layer alone (jax_gdn.layers.moe_ep) in shard_map over meshes of 1, 2 and 4 against
+    the one-device sparse_moe (fp32): T = 1, 63, 130 tokens, 8 experts, top 3 (more than the 2 local experts of a
+    mesh of 4), XLA and the Pallas kernels in interpret mode; the result's psum equals the one-device MoE."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_gdn.layers.ffn import sparse_moe
+    from jax_gdn.layers.moe_ep import sparse_moe_expert_parallel
+    d, e, i, si, k = 32, 8, 16, 12, 3
+    rng = np.random.default_rng(5)
+    w = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)   # noqa: E731
+    params = {"router": w(d, e), "experts_gate_up": w(e, d, 2 * i), "experts_down": w(e, i, d),
+              "shared_expert": {"gate_proj": w(d, si), "up_proj": w(d, si), "down_proj": w(si, d)},
+              "shared_expert_gate": w(d, 1)}
+    errs = {}
+    for n in (1, 2, 4):
+        specs = {"router": P(), "experts_gate_up": P("model"), "experts_down": P("model"),
+                 "shared_expert": {"gate_proj": P(None, "model"), "up_proj": P(None, "model"),
+                                   "down_proj": P("model")}, "shared_expert_gate": P()}
+        for backend in ("xla", "pallas_interpret"):
+            def part(p, x, backend=backend):
+                y = sparse_moe_expert_parallel(p, x, top_k=k, norm_topk_prob=True, axis_name="model",
+                                               num_experts=e, backend=backend)
+                return jax.lax.psum(y, "model")
+            mesh = _mesh(n)
+            fn = jax.jit(jax.shard_map(part, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))
+            placed = jax.tree.map(lambda a, sp: jax.device_put(a, jax.sharding.NamedSharding(mesh, sp)), params,
+                                  specs)
+            for t in ((1, 63, 130) if backend == "xla" else (1, 65)):
+                x = w(t, d)
+                want = sparse_moe(params, x, top_k=k, norm_topk_prob=True, backend="xla")
+                got = fn(placed, jax.device_put(x, jax.sharding.NamedSharding(mesh, P())))
+                errs[f"{backend}/mesh{n}/T{t}"] = _rel(got, want)
+    res["moe_ep_layer"] = errs
 
 
 def check_random_params(res: dict) -> None:
@@ -146,6 +198,13 @@ def check_errors(res: dict) -> None:
         res["error/two_axes"] = None
     except ValueError as err:
         res["error/two_axes"] = str(err)
+    ep_cfg = dataclasses.replace(CONFIGS["qwen3_next"], num_experts=6)
+    for key, kw in (("error/ep_experts", dict(moe_sharding="expert")), ("error/moe_sharding", dict(moe_sharding="x"))):
+        try:
+            ShardRules(ep_cfg, _mesh(4), **kw)
+            res[key] = None
+        except ValueError as err:
+            res[key] = str(err)
 
 
 def check_hf(res: dict) -> None:
@@ -185,6 +244,14 @@ def check_hf(res: dict) -> None:
         hf.save_pretrained(path, max_shard_size="40KB")          # several files + index, experts one by one
         model = load_pretrained(path, dtype=jnp.float32, backend=BACKEND, mesh=_mesh(2))
         res["hf/fused_experts_equal"] = _fused_experts_equal(path, model, hf_cfg.num_experts)
+        # expert parallel: each device reads whole experts; the global arrays are the one-device layout
+        ep = load_pretrained(path, dtype=jnp.float32, backend=BACKEND, mesh=_mesh(2), moe_sharding="expert")
+        one = load_pretrained(path, dtype=jnp.float32, backend=BACKEND)
+        moe_j = [j for j, kd in enumerate(one.plan.kinds[:one.plan.period]) if kd.moe][0]
+        res["hf/ep_experts_equal"] = all(
+            bool(np.array_equal(ep.params["period"][moe_j]["ffn"][nm], one.params["period"][moe_j]["ffn"][nm]))
+            and [s.data.shape[1] for s in ep.params["period"][moe_j]["ffn"][nm].addressable_shards] == [3, 3]
+            for nm in ("experts_gate_up", "experts_down"))
     rng = np.random.default_rng(0)
     lens = [1, 6, 37]
     seqs = [list(rng.integers(0, 98, n)) for n in lens]
@@ -239,7 +306,7 @@ def _fused_experts_equal(path: str, model, num_experts: int) -> bool:
 
 def main() -> int:
     res, times = {}, {}
-    for fn in (check_errors, check_random_params, check_equal, check_hf):
+    for fn in (check_errors, check_random_params, check_moe_ep_layer, check_equal, check_hf):
         t0 = time.time()
         fn(res)
         times[fn.__name__] = round(time.time() - t0, 1)

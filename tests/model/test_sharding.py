@@ -15,7 +15,12 @@ process has one device); it prints every measured error and the test asserts on 
 * HF parity under a mesh of 2: a tiny transformers Qwen3-Next saved in several safetensors files, loaded with
   ``load_pretrained(mesh=)`` (each device reads its slices), within 2e-4 of HF's logits; the same checkpoint with
   fused experts (``experts.gate_up_proj``) loads to the same sharded params;
-* a mesh of 4 over 2 key heads / 6 attention heads / 3 kv heads: ValueError naming the mesh size and the counts.
+* a mesh of 4 over 2 key heads / 6 attention heads / 3 kv heads: ValueError naming the mesh size and the counts;
+* expert parallel (``moe_sharding="expert"``, jax_gdn.layers.moe_ep): the whole tiny Qwen3-Next on meshes of 2
+  (XLA MoE) and 4 (MoE kernels in interpret mode) against the same one-device run (1e-5), each device holding
+  E / n whole experts; the MoE layer alone in shard_map on meshes of 1, 2 and 4 (T 1 / 63 / 65 / 130, top 3 of
+  8 experts: more than a device's 2) against the one-device layer; a checkpoint loads whole experts per device;
+  8 experts on 4 devices pass, 6 are refused naming num_experts.
 """
 from __future__ import annotations
 
@@ -63,11 +68,27 @@ def test_random_params_made_sharded(result):
     assert result["random/host_path_equal"]                  # host arrays sliced per device == device arrays moved
 
 
+def test_expert_parallel_logits_equal_one_device(result):
+    for n in (2, 4):
+        assert result[f"equal/qwen3_next/ep_mesh{n}"] <= TOL, result[f"equal/qwen3_next/ep_mesh{n}"]
+        # experts_gate_up [R, E, D, 2I] = [2, 8, 32, 16]: E / n whole experts (full width 2I) per device
+        assert result[f"ep_local_experts/mesh{n}"] == [8 // n] * n
+        assert result[f"ep_expert_width/mesh{n}"] == 16
+
+
+def test_expert_parallel_moe_layer(result):
+    errs = result["moe_ep_layer"]
+    assert len(errs) == 15, sorted(errs)              # meshes 1, 2, 4 x (xla: T 1, 63, 130; interpret: T 1, 65)
+    for key, err in errs.items():
+        assert err <= TOL, (key, err)
+
+
 def test_hf_parity_under_a_mesh_of_two(result):
     if "hf/skipped" in result:
         pytest.skip(result["hf/skipped"])
     assert result["hf/mesh2"] <= HF_TOL, result["hf/mesh2"]
     assert result["hf/fused_experts_equal"]          # fused experts.gate_up_proj / down_proj: the same slices
+    assert result["hf/ep_experts_equal"]             # expert parallel: 3 of the 6 experts per device, unchanged
     # in_proj_qkvz [R=1, D, Hk (2K + 2rV)] = [1, 32, 2 * 88]: one key-head group per device
     assert result["hf/in_proj_qkvz_shards"] == [[1, 32, 88], [1, 32, 88]]
 
@@ -78,3 +99,5 @@ def test_mesh_that_does_not_divide_the_heads(result):
     for part in ("4 devices", "linear_num_key_heads=2", "num_attention_heads=6", "num_key_value_heads=3"):
         assert part in msg, msg
     assert result["error/two_axes"] is not None and "one axis" in result["error/two_axes"]
+    assert result["error/ep_experts"] is not None and "num_experts=6" in result["error/ep_experts"]
+    assert result["error/moe_sharding"] is not None and "moe_sharding" in result["error/moe_sharding"]
