@@ -265,7 +265,7 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     if num_heads < 1 or c < num_heads * 2 * dh:
         raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
                          f"[query | gate])")
-    _check_pool(jnp.zeros((0, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
+    _check_pool(jax.ShapeDtypeStruct((t, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
                 "[T, H, Dh]")
     if not hasattr(q_norm, "shape") or tuple(q_norm.shape) != (dh,):
         raise ValueError(f"q_norm must have shape [Dh] = [{dh}], got {list(getattr(q_norm, 'shape', ()))}")
