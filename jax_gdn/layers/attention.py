@@ -21,9 +21,11 @@ live in ``pallas_kernels/paged_attention`` (api.py: checks and backend pick; ref
 triton.py: the Pallas kernels). Nothing reads a value back to the host: the kernels' loop trip counts come
 from the device-side slot lengths, so one compiled program serves any lengths with the same (T, N).
 
-Prefill on the Pallas backends (``fused``, the default there): the q RMSNorm, q's RoPE and the output gate run
-inside the attention kernel (``paged_attention_gated``: it reads q_proj's raw output and writes o_proj's input),
-so the layer is GEMM -> k norm/RoPE + page writes -> one kernel -> GEMM. The XLA backend and decode take the
+Prefill on the Pallas backends (``fused``, the default there) goes through ``paged_attention_gated``: it takes
+the projection's raw output (no slicing), applies the output gate in the kernel's epilogue and writes o_proj's
+input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (or on the kernel's query tile:
+``PrefillConfig.q_prologue``, pallas_kernels/paged_attention/NOTES.md says why not by default). From
+``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM. The XLA backend and decode take the
 unfused path (``attention_qkv``, the reference the fused one is tested against).
 """
 from __future__ import annotations
@@ -155,8 +157,9 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     ``paged_attention`` for the padding contract). decode (static): one token per stream (T == N, token n is
     stream n's, cu_seqlens is then ignored) through ``paged_attention_decode``.
     backend: "xla" | "pallas" | "pallas_interpret" | "auto" (``pallas_kernels.paged_attention.api``).
-    fused (static): prefill through ``paged_attention_gated`` (q norm, RoPE and gate inside the kernel); None:
-    on the Pallas backends, not on "xla" (where it is the same math, unfused). Decode is always unfused.
+    fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
+    RoPE before it or in it); None: on the Pallas backends, not on "xla" (the same math, unfused). Decode is
+    always unfused.
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
