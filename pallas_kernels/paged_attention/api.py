@@ -10,7 +10,7 @@ reads kv head h // G), Dh head dim, P pages in the pool, Ps tokens per page, W p
     paged_attention_gated(qg [T, C], k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,
                           q_norm [Dh], cos [T, R], sin [T, R], num_heads, scale, eps, backend="xla")
         -> o [T, H * Dh]   (Qwen3-Next's gated attention prefill: q RMSNorm + partial RoPE on the raw q_proj
-                            output, attention, * sigmoid(gate); one kernel on the Pallas backends)
+                            output, attention, * sigmoid(gate) in the kernel's epilogue on the Pallas backends)
 
 slot_lens are the tokens each slot holds AFTER this call's K/V were written: query j of stream n (token
 cu[n] + j) sits at position slot_lens[slot] - (cu[n+1] - cu[n]) + j and attends causally to its slot's keys
@@ -254,8 +254,9 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     qg [T, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh ..; further columns, e.g. the k and v of a
     fused projection, are not read); q_norm [Dh] (zero-centred RMSNorm weight); cos, sin [T, R] (R even, <= Dh;
     R = 0: no RoPE) at each token's position; the rest as ``paged_attention``. Returns o [T, H * Dh] in qg's
-    dtype: sigmoid(gate) * attention(RoPE(RMSNorm(query))). On "pallas" / "pallas_interpret" the norm and RoPE
-    run on the kernel's query tile and the gate on its output tile (no pass over q or o outside the kernel)."""
+    dtype: sigmoid(gate) * attention(RoPE(RMSNorm(query))). On "pallas" / "pallas_interpret" the gate runs on
+    the kernel's output tile (no slice of qg, no pass over o outside the kernel) and the norm + RoPE where
+    config.q_prologue says (triton.PrefillConfig: one XLA fusion before the kernel by default)."""
     if not hasattr(qg, "ndim") or qg.ndim != 2:
         raise ValueError(f"qg must be [T, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
     if k_pages.ndim != 4:
