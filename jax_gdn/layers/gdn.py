@@ -46,6 +46,7 @@ zeros whatever (stale, NaN) its slot holds. Bad shapes raise ValueError before a
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -395,15 +396,31 @@ def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: 
     return q, k, v, slots.replace(conv_state=pool)
 
 
+#: How ``phase1_varlen`` runs the conv and the L2 norm: "two_step" (``phase1_conv1d_varlen`` then
+#: ``phase1_l2_batched``: the form measured on the H200) or "fused" (``phase1_conv1d_l2_varlen`` with
+#: ``conv_l2_backend``: the Pallas kernel on a GPU, not yet timed in its final form, NOTES_gdn_phases.md).
+#: Environment override at import: JAX_GDN_PHASE1_CONV=fused.
+PHASE1_CONV = os.environ.get("JAX_GDN_PHASE1_CONV", "two_step")
+PHASE1_CONVS = ("two_step", "fused")
+
+
 def phase1_varlen(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
-                  backend: str = "xla") -> tuple[Phase1Proj, jax.Array, jax.Array, jax.Array, GdnSlots]:
-    """All of phase 1 for N packed streams, as the model runs it: ``phase1_proj_batched`` then
-    ``phase1_conv1d_l2_varlen`` with the conv implementation that goes with the GDN backend ``backend``
-    (``conv_l2_backend``). hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3), q, k [T, Hk, K],
-    v [T, Hv, V], slots with the N streams' conv states advanced)."""
+                  backend: str = "xla", conv: Optional[str] = None
+                  ) -> tuple[Phase1Proj, jax.Array, jax.Array, jax.Array, GdnSlots]:
+    """All of phase 1 for N packed streams, as the model runs it: ``phase1_proj_batched``, then the conv + L2 norm
+    as ``conv`` says (None: ``PHASE1_CONV``; "fused" picks the implementation that goes with the GDN backend
+    ``backend`` through ``conv_l2_backend``). hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3),
+    q, k [T, Hk, K], v [T, Hv, V], slots with the N streams' conv states advanced)."""
+    conv = PHASE1_CONV if conv is None else conv
+    if conv not in PHASE1_CONVS:
+        raise ValueError(f"conv must be one of {PHASE1_CONVS}, got {conv!r}")
     p1 = phase1_proj_batched(params, dims, hidden)
-    q, k, v, slots = phase1_conv1d_l2_varlen(params, dims, p1, slots, meta,
-                                             backend=conv_l2_backend(backend, dims, hidden.dtype))
+    if conv == "two_step":
+        conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
+        q, k, v = phase1_l2_batched(dims, conv_out)
+    else:
+        q, k, v, slots = phase1_conv1d_l2_varlen(params, dims, p1, slots, meta,
+                                                 backend=conv_l2_backend(backend, dims, hidden.dtype))
     return p1, q, k, v, slots
 
 

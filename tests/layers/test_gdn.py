@@ -357,3 +357,72 @@ def test_bad_input_raises_before_touching_state():
         p1 = gdn.phase1_proj_batched(params, dims, h)
         q, k, v = gdn.phase1_l2_batched(dims, p1.mixed_qkv)
         gdn.gdn_full_batched(q, k, v, p1.g, p1.beta, slots, jnp.asarray([0, 1, 2]), jnp.ones(3, bool))
+
+
+# ---- phase 1 fused (conv + SiLU + L2 in one op, pallas_kernels/conv1d) against the two-step protocol ----------
+DIMS_KV = {   # the fused op needs K == V; both projection layouts, GVA ratio 2
+    "next_kv": GdnDims(24, 2, 4, 16, 16, layout="qwen3_next"),
+    "q35_kv": GdnDims(24, 2, 4, 16, 16, layout="qwen3_5"),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "backend", "conv"))
+def _phase1_varlen_jit(params, dims, hidden, slots, meta, backend, conv):
+    p1, q, k, v, slots = gdn.phase1_varlen(params, dims, hidden, slots, meta, backend=backend, conv=conv)
+    return q, k, v, p1.z, p1.g, p1.beta, slots
+
+
+@pytest.mark.parametrize("name", sorted(DIMS_KV))
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_phase1_fused_equals_two_step(name, backend):
+    """fp32: q, k, v within 1e-5 abs (the fused op normalises the fp32 conv output, the two-step form the same
+    values rounded to fp32 once more); padding tokens (past cu[N], NaN hidden rows) give zero rows; a padding stream
+    with slot id S and a stream with id -1 touch no slot; NaN-poisoned slots of fresh streams are never read."""
+    dims = DIMS_KV[name]
+    params = _params(dims)
+    meta, slots, slot_ids, has_init = _packed_case(dims, LENGTHS)
+    n, s_count, total = len(LENGTHS), slots.conv_state.shape[0], sum(LENGTHS)
+    extra_ids = np.array([s_count, -1], np.int32)                     # a padding stream and a "no slot" stream
+    cu = np.concatenate([np.asarray(meta.cu_seqlens), [total, total + 3]]).astype(np.int32)
+    meta = BatchMeta(cu_seqlens=jnp.asarray(cu), slot_ids=jnp.asarray(np.concatenate([slot_ids, extra_ids])),
+                     has_initial_state=jnp.asarray(np.concatenate([has_init, [False, True]])),
+                     positions=jnp.zeros((n + 2,), jnp.int32))
+    t = total + 3 + 6
+    hidden = np.array(_hidden(t, dims))
+    hidden[total + 3:] = np.nan                                       # padding tokens
+    hidden = jnp.asarray(hidden)
+    two = _phase1_varlen_jit(params, dims, hidden, slots, meta, backend, "two_step")
+    fused = _phase1_varlen_jit(params, dims, hidden, slots, meta, backend, "fused")
+    tv = total + 3
+    for a, b in zip(two[:3], fused[:3]):
+        np.testing.assert_allclose(np.asarray(b[:tv]), np.asarray(a[:tv]), atol=1e-5, rtol=0)
+        assert not np.any(np.asarray(b[tv:])), "padding tokens give zero rows"
+    np.testing.assert_array_equal(np.asarray(fused[-1].conv_state), np.asarray(two[-1].conv_state))
+    untouched = sorted(set(range(s_count)) - set(slot_ids.tolist()))
+    assert np.isnan(np.asarray(fused[-1].conv_state)[untouched]).all(), "slots not named keep their contents"
+
+
+def test_split_qkvz_dot_equals_fused_projection(monkeypatch):
+    dims = DIMS_KV["next_kv"]
+    params, hidden = _params(dims), _hidden(70, dims)
+    want = gdn.phase1_proj_batched(params, dims, hidden)
+    monkeypatch.setattr(gdn, "SPLIT_QKVZ_DOT", True)
+    got = gdn.phase1_proj_batched(params, dims, hidden)
+    assert got.qkvz is None
+    for a, b in ((want.mixed_qkv, got.mixed_qkv), (want.z, got.z), (want.g, got.g), (want.beta, got.beta)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_prefill_fused_conv_equals_two_step(monkeypatch):
+    dims = DIMS_KV["next_kv"]
+    params = _params(dims)
+    meta, slots, _, _ = _packed_case(dims, [65, 1, 63])
+    hidden = _hidden(129, dims)
+    want, want_slots = prefill_jit(params, dims, hidden, slots, meta, backend="xla")
+    monkeypatch.setattr(gdn, "PHASE1_CONV", "fused")
+    got, got_slots = jit(gdn.gdn_layer_prefill)(params, dims, hidden, slots, meta, backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_slots.ssm_state), np.asarray(want_slots.ssm_state), atol=2e-5,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="conv must be one of"):
+        gdn.phase1_varlen(params, dims, hidden, slots, meta, conv="fast")
