@@ -1,6 +1,6 @@
 """Pallas (Triton lowering) kernels for the chunked gated delta rule forward.
 
-Three pallas_calls, in the order the algorithm reads (chunk C = 64, sub-blocks of 16):
+Three pallas_calls (four for varlen), in the order the algorithm reads (chunk C = 64, sub-blocks of 16):
 
 1a. ``kkt_solve``   grid (NC, Hv), parallel, 1 warp (row reductions stay inside the warp), 16 x 16 blocks:
      G   = cumsum(g) inside the chunk                                   [C]      fp32
@@ -11,11 +11,15 @@ Three pallas_calls, in the order the algorithm reads (chunk C = 64, sub-blocks o
      w   = T (beta exp(G) k)                                            [C, K]   input dtype
      u   = T (beta v)                                                   [C, V]   input dtype
      Aqk = scale (q_i . k_j) exp(G_i - G_j), j <= i                     [C, C]   input dtype
-2.  ``state_pass``  grid (N, Hv, V / BV), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
-    the output fused in, 3-stage software pipeline on the tile loads:
+    (``intra_fused``, behind LaunchConfig.fused_intra, off: 1a + 1b as one kernel on 1-2 warps; slower on the
+    H200, NOTES.md v5.) Both skip padding chunk slots (chunk_len 0).
+2.  ``state_pass``  grid (V / BV, Hv, N), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
+    the output fused in, 3-stage software pipeline on the tile loads (2 for fp32); sequences launched longest
+    first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API):
      v_new = u - w S
      o     = scale exp(G) (q S) + Aqk v_new
      S     = exp(G_last) S + k^T (exp(G_last - G) v_new)
+3.  ``zero_tail``   varlen only: zeros the output rows of padding tokens (past cu_seqlens[N]).
 
 Chunks never straddle a sequence boundary: chunk c covers tokens [chunk_start[c], chunk_start[c] + chunk_len[c])
 of the packed token axis; rows past chunk_len are masked on load (zeros) and on store. A sequence's chunks are
@@ -630,25 +634,18 @@ def _block_v(vdim: int, programs_per_vblock: int) -> int:
     return min(bv, vdim)
 
 
-def _state_stages(dtype, chunks_per_seq: float) -> int:
-    """Software-pipelining depth of the state pass: 3 for bf16 / fp16 (B1-T8192: 0.313 -> 0.200 ms over 2), 2 for
-    fp32 (3 stages of fp32 tiles need 257 KB of shared memory, over the H200's 227 KB). ``chunks_per_seq``
-    (T / (N C), the mean loop length) is unused until the H200 sweep on short mixes says where fewer stages win."""
-    del chunks_per_seq
-    return 2 if jnp.dtype(dtype).itemsize > 2 else 3
-
-
-def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base: LaunchConfig = None,
-                  chunks_per_seq: float = float("inf")) -> LaunchConfig:
+def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base: LaunchConfig = None) -> LaunchConfig:
     """The launch parameters of one call, fixed when the call is built (never read from the environment while
-    tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` and state_stages from
-    ``_state_stages`` where base leaves them None. ``chunks_per_seq``: T / (N C), static. Tuning scripts
-    (benchmarks/stages.py, benchmarks/gpu/gdn_run.py) pass their own ``base``."""
+    tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` where base leaves it None, and
+    state_stages, where base leaves it None, 3 for bf16 / fp16 inputs and 2 for fp32 (3 stages of fp32 tiles need
+    257 KB of shared memory, over the H200's 227 KB). 1 or 2 stages did not win on short sequences either
+    (serve256 state pass, BV 64: 1.19 / 1.36 / 1.19 ms for 1 / 2 / 3 stages; NOTES.md v5). Tuning scripts
+    (benchmarks/stages.py, benchmarks/gpu/gdn_prefill.py) pass their own ``base``."""
     cfg = base or LaunchConfig()
     if cfg.block_v is None:
         cfg = dataclasses.replace(cfg, block_v=_block_v(vdim, programs_per_vblock))
     if cfg.state_stages is None:
-        cfg = dataclasses.replace(cfg, state_stages=_state_stages(dtype, chunks_per_seq))
+        cfg = dataclasses.replace(cfg, state_stages=2 if jnp.dtype(dtype).itemsize > 2 else 3)
     return cfg
 
 
@@ -690,7 +687,7 @@ def _run(q, k, v, g, beta, *, scale, pool, slot_ids, has_initial_state, cu_seqle
         # rows so that every chunk's [start, start + C) slice is in range. On the GPU masked loads need no pad.
         pad = lambda x: jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))
         qf, kf, vf, gf, bf = (pad(x) for x in (qf, kf, vf, gf, bf))
-    config = launch_config(vp, n * hv, dtype, base=config, chunks_per_seq=tt / max(n, 1) / chunk_size)
+    config = launch_config(vp, n * hv, dtype, base=config)
     varlen = cu_seqlens is not None
     cu_last = cu_seqlens[-1:].astype(jnp.int32) if varlen else jnp.full((1,), tt, jnp.int32)
 
