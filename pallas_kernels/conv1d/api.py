@@ -36,6 +36,8 @@ def supports(*, platform: str, dtype, head_k_dim: int, head_v_dim: int, interpre
         return f"pallas conv1d: head dim up to 256, got {head_k_dim}"
     if not interpret and platform != "gpu":
         return f"pallas conv1d needs a GPU (platform is {platform!r}); 'pallas_interpret' runs on CPU"
+    if not interpret and head_k_dim % 16:
+        return f"pallas conv1d on a GPU: head dim must be a multiple of 16 (aligned loads), got {head_k_dim}"
     return None
 
 

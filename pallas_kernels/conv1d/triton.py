@@ -47,19 +47,23 @@ def _kernel(tv_ref, cols_ref, src_ref, w_ref, q_ref, k_ref, v_ref, *, t: int, hk
     rows = pid_t * block_t + jnp.arange(block_t, dtype=jnp.int32)                   # [BT]
     live = rows < tv_ref[0]
     ci = jnp.arange(dp, dtype=jnp.int32)                                            # [Dp]
-    c_ok = ci < d
+    c_ok = ci < d if dp != d else None              # no column mask when D is a power of two: vectorised access
     src_c = pl.multiple_of(cols_ref[b], 16) + ci                                    # [Dp] source columns
     chan = b * d + ci                                                               # [Dp] conv channels
+
+    def mask2(row_mask):
+        return row_mask[:, None] if c_ok is None else row_mask[:, None] & c_ok[None, :]
+
     acc = jnp.zeros((block_t, dp), _F32)
     for j in range(kc):
         lag = kc - 1 - j
         r = rows - lag
-        xr = plgpu.load(src_ref.at[r[:, None], src_c[None, :]], mask=((r >= 0) & live)[:, None] & c_ok[None, :],
-                        other=0).astype(_F32)
-        acc += plgpu.load(w_ref.at[j, chan], mask=c_ok, other=0)[None, :] * xr
+        xr = plgpu.load(src_ref.at[r[:, None], src_c[None, :]], mask=mask2((r >= 0) & live), other=0)
+        wj = plgpu.load(w_ref.at[j, chan]) if c_ok is None else plgpu.load(w_ref.at[j, chan], mask=c_ok, other=0)
+        acc += wj[None, :] * xr.astype(_F32)
     y = acc * jax.nn.sigmoid(acc)                                                   # SiLU (0 on padding rows)
     y_qk = y * jax.lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + eps)
-    out_mask = (rows < t)[:, None] & c_ok[None, :]
+    out_mask = mask2(rows < t)
 
     @pl.when(b < hk)
     def _():

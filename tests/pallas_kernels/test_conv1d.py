@@ -129,3 +129,20 @@ def test_bad_arguments_raise():
     assert api.supports(platform="cpu", dtype=jnp.float32, head_k_dim=16, head_v_dim=16) is not None
     assert api.supports(platform="gpu", dtype=jnp.float32, head_k_dim=16, head_v_dim=32) is not None
     assert api.supports(platform="gpu", dtype=jnp.bfloat16, head_k_dim=128, head_v_dim=128) is None
+    assert "multiple of 16" in api.supports(platform="gpu", dtype=jnp.bfloat16, head_k_dim=24, head_v_dim=24)
+    assert api.supports(platform="cpu", dtype=jnp.bfloat16, head_k_dim=24, head_v_dim=24, interpret=True) is None
+
+
+def test_head_dim_not_a_power_of_two(monkeypatch):
+    """D = 24: the kernel's tile is padded to 32 columns and masked."""
+    import sys
+    mod = sys.modules[__name__]
+    monkeypatch.setattr(mod, "D", 24)
+    monkeypatch.setattr(mod, "C", (2 * HK + HV) * 24)
+    lens, t, slot_ids, has_init = CASES[1]
+    x, w, pool, cu, ids, hi, cols, xc = _case(3, lens, t, slot_ids, has_init, "qkvz", jnp.float32)
+    want_y, _ = _oracle(xc, w, pool, np.asarray(cu), slot_ids, has_init, t)
+    q, k, v, _ = api.causal_conv1d_l2_varlen(x, w, pool, cu, ids, hi, num_k_heads=HK, num_v_heads=HV, head_dim=24,
+                                             block_cols=cols, backend="pallas_interpret")
+    got = np.concatenate([np.asarray(a).reshape(t, -1) for a in (q, k, v)], 1)
+    np.testing.assert_allclose(got, want_y, atol=2e-5, rtol=0)
