@@ -15,9 +15,10 @@ Block parameters (one dict layout for both mixers; every Linear weight [in, out]
                                        jax_gdn.layers.attention params (attention)
     ffn                                jax_gdn.layers.ffn MLP or MoE params
 
-The GDN block runs the seed's phase functions by name (jax_gdn.layers.gdn: phase1_proj_batched, which applies
-the input norm, phase1_conv1d_varlen, phase1_l2_batched, gdn_full_varlen, phase3 with the FFN hook, which adds the
-residual); the decode step is ``gdn_layer_decode``. The attention block calls ``attention_layer``.
+The GDN block runs the seed's phase functions by name (jax_gdn.layers.gdn: phase1_varlen = phase1_proj_batched,
+which applies the input norm, then phase1_conv1d_varlen + phase1_l2_batched or the fused phase1_conv1d_l2_varlen
+as gdn.PHASE1_CONV says; gdn_full_varlen; phase3 with the FFN hook, which adds the residual); the decode step is
+``gdn_layer_decode``. The attention block calls ``attention_layer``.
 
 ``Batch`` is the already-checked description of one call, built once per step by the model (jax_gdn.model) from
 host-checked inputs: the blocks trust it (no value checks, no device-to-host copies). The model keeps every
@@ -129,9 +130,7 @@ def gdn_block(params: dict, x: jax.Array, state: GdnSlots, batch: Batch, *, conf
     if batch.decode:
         return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook,
                                     reduce=reduce)
-    p1 = gdn.phase1_proj_batched(mixer, dims, x)
-    conv_out, state = gdn.phase1_conv1d_varlen(mixer, dims, p1.mixed_qkv, state, meta)
-    q, k, v = gdn.phase1_l2_batched(dims, conv_out)
+    p1, q, k, v, state = gdn.phase1_varlen(mixer, dims, x, state, meta, backend=backends.gated_delta_rule)
     o, state, _ = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, state, meta, backend=backends.gated_delta_rule)
     return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook, reduce=reduce), state
 
