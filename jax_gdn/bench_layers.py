@@ -10,7 +10,7 @@ Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4;
 
 GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
   phase1  input RMSNorm + in_proj (phase1_proj_batched), varlen causal conv (phase1_conv1d_varlen), q/k L2 norm
-          (phase1_l2_batched)
+          (phase1_l2_batched): gdn.phase1_varlen, as the model's GDN block runs it
   phase2  the chunked gated delta rule over the slot pool (gdn_full_varlen)
   phase3  gated RMSNorm, out_proj, residual (phase3)
   layer   gdn_layer_prefill, the three chained in one jit (what the model runs)
@@ -126,7 +126,7 @@ def _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps) -> d
     slots = GdnSlots.zeros(gdims, n, dtype)
     meta = BatchMeta.from_lengths(lens)
 
-    p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m))
+    p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m, backend))
     p1, conv_out_slots, (q, k, v) = p1_fn(params, hidden, slots, meta)
     p2_fn = jax.jit(lambda q, k, v, g, b, s, m: gdn.gdn_full_varlen(q, k, v, g, b, s, m, backend=backend)[:2])
     o, _ = p2_fn(q, k, v, p1.g, p1.beta, conv_out_slots, meta)
@@ -143,10 +143,10 @@ def _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps) -> d
             "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}}
 
 
-def _phase1(gdn, dims, params, hidden, slots, meta):
-    p1 = gdn.phase1_proj_batched(params, dims, hidden)
-    conv_out, slots = gdn.phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
-    return p1, slots, gdn.phase1_l2_batched(dims, conv_out)
+def _phase1(gdn, dims, params, hidden, slots, meta, backend):
+    """As the GDN block runs it (gdn.phase1_varlen); returns only what phases 2 and 3 read."""
+    p1, q, k, v, slots = gdn.phase1_varlen(params, dims, hidden, slots, meta, backend=backend)
+    return p1._replace(mixed_qkv=None, qkvz=None), slots, (q, k, v)
 
 
 def print_table(results) -> None:

@@ -37,7 +37,7 @@ compile measurement (a child process), then the parts.
 
 parts_ms (varlen16, T padded to the model's token bucket): each part of the model jitted alone with the model's
 own layer-0 parameters and backends, on random activations, timed like the rows:
-  gdn_phase1   input RMSNorm + in_proj + gates, varlen causal conv, q/k L2 norm (one GDN layer)
+  gdn_phase1   input RMSNorm + in_proj + gates, varlen causal conv, q/k L2 norm (one GDN layer; gdn.phase1_varlen)
   gdn_phase2   the chunked gated delta rule over the slot pool (gdn_full_varlen)
   gdn_phase3   gated RMSNorm, out_proj, residual (no FFN)
   attention    input RMSNorm + attention_layer (projections, RoPE, K/V page writes, paged attention, gate, o_proj)
@@ -843,10 +843,9 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
         mixer = dict(gp["mixer"], input_layernorm=gp["input_norm"])
         slots = GdnSlots.zeros(dims, s, dt)
 
-        def p1(mixer, x, slots, meta):
-            a = gdn.phase1_proj_batched(mixer, dims, x)
-            conv_out, slots = gdn.phase1_conv1d_varlen(mixer, dims, a.mixed_qkv, slots, meta)
-            return a, slots, gdn.phase1_l2_batched(dims, conv_out)
+        def p1(mixer, x, slots, meta):   # as the GDN block runs it; returns only what phases 2 and 3 read
+            a, q, k, v, slots = gdn.phase1_varlen(mixer, dims, x, slots, meta, backend=be.gated_delta_rule)
+            return a._replace(mixed_qkv=None, qkvz=None), slots, (q, k, v)
 
         def p2(q, k, v, g, b, st, meta):
             return gdn.gdn_full_varlen(q, k, v, g, b, st, meta, backend=be.gated_delta_rule)[:2]
