@@ -13,7 +13,9 @@ back-to-back calls):
               for f in pallas_triton chunk_map reference; do git show $B:pallas_kernels/gated_delta_rule/$f.py |
                 sed 's/pallas_kernels\.gated_delta_rule\./_gdn_v4./g' > benchmarks/gpu/_gdn_v4/$f.py; done
   stages    chunk map (loop-free vs v4's searchsorted), 1a kkt_solve, 1b wu_aqk, the fused 1a+1b, the state pass
-  fla       FLA's chunk_gated_delta_rule on the same inputs (triton.testing.do_bench median)
+  fla       FLA's chunk_gated_delta_rule on the same inputs (triton.testing.do_bench median), varlen cases, right
+            after the public op (run 1 left it last and its deadline cut it)
+  fresh     the op with initial_state None (new prompts: no state read), v5 and v4
 Numerics on the GPU: each variant's o and final state against the default's (relative RMS), and the default's
 against v4's. Everything lands in OUT_DIR/gdn_prefill.json; a short table is printed last.
 GDN_PREFILL_SMOKE=1: the same steps in interpret mode on a tiny varlen case (a CPU check of this script, no FLA).
@@ -63,17 +65,14 @@ def main():
     result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cases": {}}
     LC = kt.LaunchConfig
 
-    plan = [  # (case, op variants, state-pass variants)
-        ("serve256-T38567-Hk16-Hv32",
-         [LC(fused_intra=True), LC(fused_intra=True, solve_warps=2)],
-         [dict(state_stages=s, block_v=bv) for bv in (32, 64) for s in (1, 2, 3)]
-         + [dict(state_stages=1, block_v=64, state_warps=8), dict(state_stages=1, block_v=128, state_warps=8)]),
-        ("tiny64-T171-Hk16-Hv32", [LC(fused_intra=True)],
-         [dict(state_stages=s, block_v=bv) for bv in (32, 64, 128) for s in (1, 3)]),
-        ("varlen16-T19027-Hk16-Hv32", [LC(fused_intra=True)],
-         [dict(state_stages=s, block_v=64) for s in (1, 2, 3)]),
-        ("B1-T8192-Hk16-Hv32", [LC(fused_intra=True)],
-         [dict(state_stages=s, block_v=32) for s in (1, 3)]),
+    # (case, op variants, state-pass variants). Run 1 (benchmarks/logs/gdn_prefill_h200_run1.log) measured the
+    # fused intra and the serve256 stage / block sweep: what is left is what it did not reach.
+    plan = [
+        ("serve256-T38567-Hk16-Hv32", [], []),
+        ("tiny64-T171-Hk16-Hv32", [],
+         [dict(state_stages=s, block_v=bv) for bv, s in ((64, 1), (32, 3), (32, 1), (128, 3))]),
+        ("varlen16-T19027-Hk16-Hv32", [], [dict(state_stages=1, block_v=64)]),
+        ("B1-T8192-Hk16-Hv32", [], [dict(state_stages=1, block_v=32)]),
     ]
     if smoke:
         plan = [("cpu-varlen5-Hk1-Hv2-K16-V8", [LC(fused_intra=True)], [dict(state_stages=1, block_v=8)])]
@@ -99,14 +98,22 @@ def main():
         fn, args = _jax_impl(case, host, "pallas_interpret" if smoke else "pallas")
         ref = timed("public", fn, args, r["op"])
         q, k, v, g, beta, h0 = args
+        if not smoke and case.lens is not None and left(deadline) > 40:
+            try:                                   # FLA beside ours right away (its first call autotunes)
+                r["op"]["fla"] = round(_time_fla(case, host), 4)
+                print(f"  fla: {r['op']['fla']:.4f} ms", flush=True)
+            except Exception as e:
+                print(f"  fla: FAIL {type(e).__name__} {str(e)[:300]}", flush=True)
+
         cu = case.cu_seqlens()
         cu = None if cu is None else jnp.asarray(cu, jnp.int32)
 
-        def direct(mod, cmod, config):
+        def direct(mod, cmod, config, fresh=False):
             @jax.jit
             def f(q, k, v, g, beta, h0):
                 cmap = None if cu is None else cmod.build_chunk_map(cu, q.shape[1], 64)
-                return mod.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0,
+                return mod.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None,
+                                                      initial_state=None if fresh else h0,
                                                       cu_seqlens=cu, chunk_map=cmap, output_final_state=True,
                                                       config=config, interpret=smoke)
             return f
@@ -114,12 +121,17 @@ def main():
             o4 = timed("v4", direct(v4, v4map, None), args, r["op"])
             if o4 is not None and ref is not None:
                 r["numerics"]["public_vs_v4"] = [rel(ref[0], o4[0]), rel(ref[1], o4[1])]
+        cmod = sys.modules["pallas_kernels.gated_delta_rule.chunk_map"]
+        # fresh sequences (initial_state None: the state load masked off), as a serving prefill of new prompts
+        timed("fresh", direct(kt, cmod, None, fresh=True), args, r["op"])
+        if v4 is not None:
+            timed("fresh_v4", direct(v4, v4map, None, fresh=True), args, r["op"])
         for cfg in op_variants:
             if left(deadline) < 15:
                 break
             key = ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                            if getattr(cfg, f.name) != f.default)
-            o = timed(key, direct(kt, sys.modules["pallas_kernels.gated_delta_rule.chunk_map"], cfg), args, r["op"])
+            o = timed(key, direct(kt, cmod, cfg), args, r["op"])
             if o is not None and ref is not None:
                 r["numerics"][key] = [rel(o[0], ref[0]), rel(o[1], ref[1])]
 
@@ -148,7 +160,7 @@ def main():
             continue
         inter = timed("1b_wu_aqk", jax.jit(lambda *a: kt.wu_aqk(*a, scale=case.K ** -0.5, config=base, **mp)),
                       (qf, kf, vf, bf) + tuple(t_g), st)
-        for warps in (1, 2):
+        for warps in (1, 2) if any(c.fused_intra for c in op_variants) else ():
             timed(f"1ab_fused_w{warps}", jax.jit(lambda *a, w=warps: kt.intra_fused(
                 *a, scale=case.K ** -0.5, config=dataclasses.replace(base, solve_warps=w), **mp)),
                 (qf, kf, vf, gf, bf), st)
@@ -175,7 +187,7 @@ def main():
 
     # ---- FLA beside ours, same inputs (its first call autotunes) ----
     for name in ("serve256-T38567-Hk16-Hv32", "tiny64-T171-Hk16-Hv32", "varlen16-T19027-Hk16-Hv32"):
-        if smoke or left(deadline) < 25 or name not in result["cases"]:
+        if smoke or left(deadline) < 25 or name not in result["cases"] or "fla" in result["cases"][name]["op"]:
             continue
         try:
             os.environ.setdefault("FLA_FLASH_QLA", "0")

@@ -336,8 +336,10 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, sl
     in_pool = (slot >= 0) & (slot < pool_in_ref.shape[0])
     read_slot = jnp.clip(slot, 0, pool_in_ref.shape[0] - 1)
 
-    s0 = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                   # [K, BV]
-    s0 = jnp.where((has_ref[n] != 0) & in_pool, s0, 0.0)                        # never multiply a stale slot
+    # A fresh sequence (has_initial_state 0) or an id naming no slot loads nothing: the load is masked off (no
+    # memory traffic) and reads zeros, a select, so a NaN stale slot never enters (never a multiply).
+    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
+    s0 = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0).astype(jnp.float32)   # [K, BV]
 
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     # A sequence's chunks are consecutive slots covering consecutive tokens: read its start and length once, so
