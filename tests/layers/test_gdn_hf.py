@@ -31,9 +31,9 @@ def _fp32_matmuls():
         yield
 
 
-def _hf_layer(layout):
-    common = dict(hidden_size=D, linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=K,
-                  linear_value_head_dim=V, linear_conv_kernel_dim=KC, num_hidden_layers=1,
+def _hf_layer(layout, k=K, v=V):
+    common = dict(hidden_size=D, linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=k,
+                  linear_value_head_dim=v, linear_conv_kernel_dim=KC, num_hidden_layers=1,
                   layer_types=["linear_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                   vocab_size=16, intermediate_size=16, rms_norm_eps=1e-6)
     if layout == "qwen3_next":
@@ -63,7 +63,7 @@ def _hf_layer(layout):
     layer, norm = layer.float().eval(), norm.float().eval()
     sd = {n: p.detach().numpy() for n, p in layer.named_parameters()}
     params = gdn.params_from_hf(sd, norm.weight.detach().numpy())
-    dims = GdnDims(D, HK, HV, K, V, KC, rms_norm_eps=1e-6, layout=layout)
+    dims = GdnDims(D, HK, HV, k, v, KC, rms_norm_eps=1e-6, layout=layout)
     gdn.check_params(params, dims)
     return cfg, layer, norm, params, dims
 
@@ -142,3 +142,31 @@ def test_monolithic_matches_hf(hf_case):
     assert all(np.array_equal(mod.params()[n], params[n]) for n in params)
     out, _ = monolithic_jit(mod.params(), dims, jnp.asarray(x[0]), GdnSlots.zeros(dims, 1), 0, False, backend="xla")
     assert rel_rms(_np(out) - x[0], ref) < 2e-5
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_fused_conv_prefill_matches_hf(layout, monkeypatch, backend="xla"):
+    """K == V = 16 (the fused conv + SiLU + L2 op's case), gdn.PHASE1_CONV = "fused": HF's cache path for a fresh
+    stream of 70 tokens, the output and the conv state. (The op's Pallas kernel equals its XLA form in
+    tests/layers/test_gdn.py::test_phase1_fused_equals_two_step and tests/pallas_kernels/test_conv1d.py.)"""
+    from transformers.cache_utils import DynamicCache
+
+    cfg, layer, norm, params, dims = _hf_layer(layout, 16, 16)
+    x = np.random.default_rng(4).standard_normal((1, T_PREFILL, D)).astype(np.float32)
+    kw = "cache" if "cache" in inspect.signature(layer.forward).parameters else "cache_params"
+    with torch.no_grad():
+        cache = DynamicCache(config=cfg)
+        ref = layer(norm(torch.from_numpy(x)), **{kw: cache}).numpy()[0]
+        layer0 = getattr(cache, "layers", [None])[0]
+        conv = getattr(layer0, "conv_states", None)
+        hf_conv = None if conv is None or conv[0] is None else conv[0].numpy()[0]
+    monkeypatch.setattr(gdn, "PHASE1_CONV", "fused")
+    fn = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))    # traced here, with the switch on
+    slots = GdnSlots(conv_state=jnp.full((2, dims.conv_dim, KC - 1), jnp.nan),
+                     ssm_state=jnp.full((2, HV, 16, 16), jnp.nan))
+    out, slots = fn(params, dims, jnp.asarray(x[0]), slots, BatchMeta.from_lengths([T_PREFILL], slot_ids=[1]),
+                    backend=backend)
+    assert rel_rms(_np(out) - x[0], ref) < 2e-5
+    if hf_conv is not None:
+        assert rel_rms(slots.conv_state[1], hf_conv[:, 1:]) < 1e-6
+    assert np.isnan(np.asarray(slots.conv_state[0])).all()
