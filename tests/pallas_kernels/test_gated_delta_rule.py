@@ -83,6 +83,21 @@ def test_interpret_fused_intra():
     assert eo < tol(jnp.float32) and es < tol(jnp.float32), (eo, es)
 
 
+def test_interpret_no_final_state_unless_asked():
+    """output_final_state=False: the state pass writes no final state (None back), o is the same as with it."""
+    case = cases.CPU_DENSE[3]                              # T = 65: a full chunk and a one-token one
+    q, k, v, g, beta, h0, _ = make_inputs(case, 9)
+    xs = tuple(map(jnp.asarray, (q, k, v, g, beta)))
+    run = lambda want: pallas_triton.chunk_gated_delta_rule_fwd(
+        *xs, scale=None, initial_state=jnp.asarray(h0), cu_seqlens=None, chunk_map=None, output_final_state=want,
+        interpret=True)
+    o_without, none = run(False)
+    o_with, final = run(True)
+    assert none is None and final.shape == h0.shape
+    np.testing.assert_array_equal(np.asarray(o_without), np.asarray(o_with))
+    assert rel_rms(np.asarray(o_with), oracle(q, k, v, g, beta, h0)[0]) < tol(jnp.float32)
+
+
 def test_interpret_slots_permuted_stale_and_poisoned():
     """Sequences read permuted slots; a stale (NaN) slot with has_initial_state False reads as zeros; slots no
     sequence names keep their (NaN) contents bit for bit; written slots are finite and right."""
