@@ -62,6 +62,9 @@ class Batch:
                   ``psum``-ed before each residual add. None: one device, no reduction.
     expert_axis:  static: the mesh axis the routed experts are split over whole (expert parallel,
                   jax_gdn.layers.moe_ep); None: every device holds every expert (whole, or its columns).
+    expert_offset: [] int32 or None: the block's routed expert weights are an expert pool stacking the experts
+                  of several layers ([R E, ...], the model's scan over layers) and this layer's start here;
+                  None: the weights are this layer's own [E, ...].
     """
 
     meta: BatchMeta
@@ -73,6 +76,7 @@ class Batch:
     decode: bool = struct.field(pytree_node=False, default=False)
     axis_name: Optional[str] = struct.field(pytree_node=False, default=None)
     expert_axis: Optional[str] = struct.field(pytree_node=False, default=None)
+    expert_offset: Optional[jax.Array] = None
 
     def reduce(self, y: jax.Array) -> jax.Array:
         """Sum of a row-parallel projection's partial results over the mesh axis (identity on one device)."""
@@ -99,23 +103,26 @@ class Backends:
 
 
 def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend: str = "xla",
-        expert_axis: Optional[str] = None) -> jax.Array:
+        expert_axis: Optional[str] = None, expert_offset=None) -> jax.Array:
     """The block's FFN on already-normed x [T, D] -> [T, D] (no residual). expert_axis: the routed experts are
-    split whole over that mesh axis (this device's partial sum; jax_gdn.layers.moe_ep)."""
+    split whole over that mesh axis (this device's partial sum; jax_gdn.layers.moe_ep). expert_offset: the
+    routed expert weights are an expert pool of several layers and this layer's start there (Batch)."""
     if moe and expert_axis is not None:
         return sparse_moe_expert_parallel(params, x, top_k=config.num_experts_per_tok,
                                           norm_topk_prob=config.norm_topk_prob, axis_name=expert_axis,
-                                          num_experts=config.num_experts, backend=backend)
+                                          num_experts=config.num_experts, backend=backend,
+                                          expert_offset=expert_offset)
     if moe:
         return sparse_moe(params, x, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
-                          backend=backend)
+                          backend=backend, expert_offset=expert_offset)
     return swiglu_mlp(params, x)
 
 
 def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str, batch: Batch):
     def hook(h):
         return h + batch.reduce(ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps),
-                                    config=config, moe=moe, backend=backend, expert_axis=batch.expert_axis))
+                                    config=config, moe=moe, backend=backend, expert_axis=batch.expert_axis,
+                                    expert_offset=batch.expert_offset))
     return hook
 
 

@@ -51,7 +51,8 @@ def resolve_moe_backend(backend: str, x: jax.Array, w_gate_up: jax.Array) -> str
 
 
 def grouped_experts(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up: jax.Array,
-                    w_down: jax.Array, *, backend: str = "xla", moe_config=None) -> jax.Array:
+                    w_down: jax.Array, *, backend: str = "xla", moe_config=None, num_experts: int = None,
+                    expert_offset=None) -> jax.Array:
     """Sum over each token's k experts of ``weight * down(silu(gate) * up)`` with grouped matmuls.
 
     x [T, D]; top_w, top_i [T, k]; w_gate_up [E, D, 2I]; w_down [E, I, D] -> [T, D] in x's dtype. The T*k
@@ -61,16 +62,18 @@ def grouped_experts(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up:
     Work and memory scale with T * k, never with T * E. Activations are cast to the experts' dtype (the kernels
     take one dtype) and the result back to x's. moe_config: a ``pallas_kernels.moe.triton.MoeConfig`` (static);
     None lets the kernels pick one from the static shapes (16-row blocks at decode sizes, 128 at prefill sizes).
+    num_experts / expert_offset: the weights are an expert pool of several layers ([R E, ...]) and this layer's
+    E experts start at expert_offset (``pallas_kernels.moe.api.moe_experts``).
     """
     from pallas_kernels.moe import api as moe_api
     backend = resolve_moe_backend(backend, x, w_gate_up)
     out = moe_api.moe_experts(x.astype(w_gate_up.dtype), top_w, top_i, w_gate_up, w_down, backend=backend,
-                               config=moe_config)
+                               config=moe_config, num_experts=num_experts, expert_offset=expert_offset)
     return out.astype(x.dtype)
 
 
 def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, backend: str = "xla",
-               moe_config=None) -> jax.Array:
+               moe_config=None, expert_offset=None) -> jax.Array:
     """Routed experts plus the shared expert gated by ``sigmoid(x @ shared_expert_gate)``; x [T, D] -> [T, D].
 
     backend: "xla" | "pallas" (CUDA GPU) | "pallas_interpret" | "auto" (pallas where it runs, else xla) picks the
@@ -80,7 +83,8 @@ def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, 
     backend = resolve_moe_backend(backend, x, params["experts_gate_up"])     # checked before any work
     top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob)
     routed = grouped_experts(x, top_w, top_i, params["experts_gate_up"], params["experts_down"], backend=backend,
-                             moe_config=moe_config)
+                             moe_config=moe_config, num_experts=params["router"].shape[-1],
+                             expert_offset=expert_offset)
     if "shared_expert" in params:
         shared = swiglu_mlp(params["shared_expert"], x)
         gate = jax.nn.sigmoid((x @ params["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)

@@ -25,7 +25,8 @@ __all__ = ["local_routed_experts", "sparse_moe_expert_parallel"]
 
 
 def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, mine: jax.Array,
-                         w_gate_up: jax.Array, w_down: jax.Array, *, backend: str, num_experts: int) -> jax.Array:
+                         w_gate_up: jax.Array, w_down: jax.Array, *, backend: str, num_experts: int,
+                         num_local: int = None, expert_offset=None) -> jax.Array:
     """sum over the copies with ``mine`` of ``weight * down_e(silu(gate_e) * up_e)`` with e = local_i (this
     device's expert ids, [0, El) where mine); copies without ``mine`` contribute nothing.
 
@@ -36,19 +37,24 @@ def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, min
     ``moe_align`` (El + 1 experts); the kernels skip its blocks (expert >= El, nothing computed or written) and
     the combine masks their rows out. "xla": those copies run on expert 0 with weight 0 (the XLA path is the
     CPU check, not a fast path: its work is not cut by n).
+
+    Expert pool (the model's scan over layers): w_gate_up / w_down may stack R layers' local experts ([R El,
+    ...]); num_local = El and expert_offset (traced, r El) say where this layer's start (pallas_kernels.moe.api).
     """
     from pallas_kernels.moe import reference as moe_ref
     from pallas_kernels.moe import triton as moe_triton
 
     t, k = local_i.shape
-    el = w_gate_up.shape[0]
+    pool = w_gate_up.shape[0]
+    el = pool if num_local is None else num_local
     x = x.astype(w_gate_up.dtype)
     weights = jnp.where(mine, top_w, jnp.zeros((), top_w.dtype))
     config = moe_triton.select_config(t, k, num_experts)
     if backend == "xla":
         return moe_ref.routed_experts_xla(x, weights, jnp.where(mine, local_i, 0), w_gate_up, w_down,
-                                          block_m=config.block_m)
+                                          block_m=config.block_m, num_experts=el, expert_offset=expert_offset)
     lay = moe_ref.moe_align(weights, jnp.where(mine, local_i, el).astype(jnp.int32), el + 1, config.block_m)
+    lay = lay._replace(block_expert=moe_ref.pool_block_experts(lay.block_expert, el, expert_offset, pool))
     interpret = backend == "pallas_interpret"
     h = moe_triton.gate_up_silu(x, w_gate_up, lay.block_expert, lay.row_token, config=config, interpret=interpret)
     y = moe_triton.down_weighted(h, w_down, lay.block_expert, lay.row_token, lay.row_weight, num_tokens=t,
@@ -58,14 +64,18 @@ def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, min
 
 
 def sparse_moe_expert_parallel(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, axis_name: str,
-                               num_experts: int, backend: str = "xla") -> jax.Array:
+                               num_experts: int, backend: str = "xla", expert_offset=None) -> jax.Array:
     """This device's part of the sparse MoE (see the module docstring); x [T, D] (replicated) -> [T, D] partial
     sum in x's dtype, to be summed over ``axis_name`` by the caller (with the rest of the block's reduction).
 
     num_experts: E of the whole model (the router's width); this device holds ``params["experts_gate_up"]
-    .shape[0]`` = E / n of them, experts [i E / n, (i + 1) E / n) on the device of axis index i."""
+    .shape[0]`` = E / n of them, experts [i E / n, (i + 1) E / n) on the device of axis index i; or, with
+    expert_offset, a pool of R layers' local experts [R E / n, ...] with this layer's at expert_offset."""
     w_gate_up = params["experts_gate_up"]
-    el = w_gate_up.shape[0]
+    el = num_experts // jax.lax.axis_size(axis_name)
+    if expert_offset is None and w_gate_up.shape[0] != el or w_gate_up.shape[0] % max(el, 1):
+        raise ValueError(f"expert parallel: experts_gate_up [{w_gate_up.shape[0]}, ...] is not E / n = {el} "
+                         f"experts (or a pool of R x {el} with expert_offset)")
     if params["router"].shape[-1] != num_experts or el * jax.lax.axis_size(axis_name) != num_experts:
         raise ValueError(f"expert parallel: router [D, {params['router'].shape[-1]}] and experts_gate_up "
                          f"[{el}, ...] on {jax.lax.axis_size(axis_name)} devices do not make num_experts="
@@ -75,7 +85,7 @@ def sparse_moe_expert_parallel(params: dict, x: jax.Array, *, top_k: int, norm_t
     local_i = top_i - jax.lax.axis_index(axis_name).astype(jnp.int32) * el
     mine = (local_i >= 0) & (local_i < el)
     routed = local_routed_experts(x, top_w, local_i, mine, w_gate_up, params["experts_down"], backend=backend,
-                                  num_experts=num_experts)
+                                  num_experts=num_experts, num_local=el, expert_offset=expert_offset)
     if "shared_expert" in params:
         shared = swiglu_mlp(params["shared_expert"], x)                               # column-split: partial
         gate = jax.nn.sigmoid((x @ params["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)

@@ -85,6 +85,17 @@ def moe_align(top_w: jax.Array, top_i: jax.Array, num_experts: int, block_m: int
     return MoeLayout(row_token, row_weight, block_expert, row_pos)
 
 
+def pool_block_experts(block_expert: jax.Array, num_experts: int, expert_offset, pool_size: int) -> jax.Array:
+    """Block experts of a layout over ``num_experts`` local ids -> ids in an expert pool of ``pool_size`` experts
+    (the stacked experts of every layer of a scan, [R * E, ...], a free reshape): live blocks get
+    ``block_expert + expert_offset``, blocks past the live rows (id >= num_experts) get ``pool_size``, which every
+    kernel skips. Identity when the pool is one layer's experts and the offset 0."""
+    if expert_offset is None and pool_size == num_experts:
+        return block_expert
+    off = jnp.asarray(0 if expert_offset is None else expert_offset, jnp.int32)
+    return jnp.where(block_expert < num_experts, block_expert + off, pool_size).astype(jnp.int32)
+
+
 def combine(y: jax.Array, row_pos: jax.Array, out_dtype) -> jax.Array:
     """out[t] = sum_j y[row_pos[t, j]] (fp32 sum); y [Mp, D] already carries the routing weights."""
     return jnp.sum(y[row_pos].astype(jnp.float32), axis=1).astype(out_dtype)
@@ -97,19 +108,23 @@ def _group_size(num_blocks: int, d: int, inter: int, itemsize: int, budget_bytes
 
 
 def routed_experts_xla(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up: jax.Array,
-                       w_down: jax.Array, *, block_m: int = 64) -> jax.Array:
+                       w_down: jax.Array, *, block_m: int = 64, num_experts: int = None,
+                       expert_offset=None) -> jax.Array:
     """Sum over each token's k experts of ``weight * down(silu(gate) * up)``, XLA only.
 
     x [T, D]; top_w, top_i [T, k]; w_gate_up [E, D, 2I] (gate columns first); w_down [E, I, D] -> [T, D] in x's
     dtype. Rows are laid out by ``moe_align``; a ``lax.scan`` walks groups of G row blocks, gathers the G experts'
     weights ([G, D, 2I], at most 256 MiB) and runs batched [BM, D] x [D, 2I] and [BM, I] x [I, D] matmuls with
     fp32 accumulation. Work and memory scale with Mp = NB * BM rows, never with T * E. fp32 inputs use
-    Precision.HIGHEST.
+    Precision.HIGHEST. Expert pool: w_gate_up / w_down may hold the experts of several layers ([R * E, ...]);
+    top_i are then ids in [0, num_experts) of the layer whose experts start at ``expert_offset`` (traced).
     """
     t, d = x.shape
     e, _, two_i = w_gate_up.shape
     inter = two_i // 2
-    lay = moe_align(top_w, top_i, e, block_m)
+    num_experts = e if num_experts is None else num_experts
+    lay = moe_align(top_w, top_i, num_experts, block_m)
+    lay = lay._replace(block_expert=pool_block_experts(lay.block_expert, num_experts, expert_offset, e))
     nb = lay.block_expert.shape[0]
     g = _group_size(nb, d, inter, jnp.dtype(w_gate_up.dtype).itemsize)
     steps = math.ceil(nb / g)

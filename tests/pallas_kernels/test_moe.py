@@ -335,7 +335,46 @@ def test_pallas_kernels_lower_to_triton_on_cpu(name):
     cfg = {"c6": MoeConfig(), "prefill": tr.PREFILL_CONFIG, "decode": tr.DECODE_CONFIG,
            "decode_fused": dataclasses.replace(tr.DECODE_CONFIG, fused_combine=True),
            "prefill_fused": dataclasses.replace(tr.PREFILL_CONFIG, fused_combine=True)}[name]
-    fn = jax.jit(lambda *a: api._moe_experts(*a, backend="pallas", config=cfg))
+    fn = jax.jit(lambda *a: api._moe_experts(*a, jnp.int32(0), backend="pallas", config=cfg, num_experts=e))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("t", [1, 37])
+def test_expert_pool_equals_the_layers_own_experts(backend, t):
+    """The model's scan hands the MoE the stacked experts of R layers as one pool [R E, ...] and an offset r E:
+    the result equals the call on layer r's own [E, ...] experts (fp32, 1e-6), and blocks past the live rows never
+    read another layer's experts (their sentinel is the pool size, skipped)."""
+    d, inter, e, k, r = 32, 16, 6, 2, 3
+    ks = jax.random.split(jax.random.PRNGKey(t), 5)
+    x = jax.random.normal(ks[0], (t, d), jnp.float32)
+    tw = jax.nn.softmax(jax.random.normal(ks[1], (t, k)), -1)
+    ti = jnp.argsort(jax.random.normal(ks[2], (t, e)), -1)[:, :k].astype(jnp.int32)
+    wgu = jax.random.normal(ks[3], (r, e, d, 2 * inter), jnp.float32) / 8
+    wd = jax.random.normal(ks[4], (r, e, inter, d), jnp.float32) / 8
+    pool_gu, pool_d = wgu.reshape(r * e, d, 2 * inter), wd.reshape(r * e, inter, d)
+    for layer in range(r):
+        want = api.moe_experts(x, tw, ti, wgu[layer], wd[layer], backend=backend, config=SMALL)
+        got = jax.jit(lambda off: api.moe_experts(x, tw, ti, pool_gu, pool_d, backend=backend, config=SMALL,
+                                                  num_experts=e, expert_offset=off))(jnp.int32(layer * e))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="expert_offset"):
+        api.moe_experts(x, tw, ti, pool_gu, pool_d, backend=backend, config=SMALL, num_experts=e)
+    with pytest.raises(ValueError, match="num_experts=4 must divide"):
+        api.moe_experts(x, tw, ti, pool_gu, pool_d, backend=backend, config=SMALL, num_experts=4,
+                        expert_offset=0)
+
+
+def test_expert_pool_lowers_to_triton_on_cpu():
+    """A pool of 12 layers' experts at 80B dims (12.9e9 elements, past int32 element offsets): the kernels still
+    lower (Pallas Triton switches to 64-bit offsets for operands over 4 GiB)."""
+    t, d, inter, e, k, r = 64, 2048, 512, 512, 10, 12
+    sds = jax.ShapeDtypeStruct
+    args = (sds((t, d), jnp.bfloat16), sds((t, k), jnp.bfloat16), sds((t, k), jnp.int32),
+            sds((r * e, d, 2 * inter), jnp.bfloat16), sds((r * e, inter, d), jnp.bfloat16))
+    cfg = tr.select_config(t, k, e)
+    fn = jax.jit(lambda *a: api._moe_experts(*a, jnp.int32(5 * e), backend="pallas", config=cfg, num_experts=e))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 2
 
