@@ -62,7 +62,8 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
                  seed: int = 0, with_gdn: bool = True) -> dict:
     """Times one GDN layer (phases 1-3 and whole; skipped with with_gdn=False) and one attention layer
     prefill. Returns {"backend", "device", "T", "N", "lens", "gdn": {"phase1_ms", "phase2_ms", "phase3_ms",
-    "layer_ms", "tokens_per_s", "share": {"phase1", "phase2", "phase3"}} or None, "attention": {"ms",
+    "layer_ms", "tokens_per_s", "share": {"phase1", "phase2", "phase3"}, "other_conv": {"conv", "phase1_ms",
+    "layer_ms"}} or None, "attention": {"ms",
     "tokens_per_s", "page_table_width"}}."""
     from jax_gdn.layers import gdn
     from jax_gdn.layers.attention import attention_layer
@@ -140,7 +141,28 @@ def _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps) -> d
     total = ms1 + ms2 + ms3
     return {"phase1_ms": ms1, "phase2_ms": ms2, "phase3_ms": ms3, "layer_ms": ms_layer,
             "tokens_per_s": t / (ms_layer * 1e-3),
-            "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total}}
+            "share": {"phase1": ms1 / total, "phase2": ms2 / total, "phase3": ms3 / total},
+            "other_conv": _other_conv(gdn, gdims, backend, params, hidden, slots, meta, reps)}
+
+
+def _other_conv(gdn, gdims, backend, params, hidden, slots, meta, reps) -> dict:
+    """Phase 1 and the whole layer with the conv + L2 form that gdn.PHASE1_CONV does not select ("two_step" <->
+    "fused", jax_gdn/layers/NOTES_gdn_phases.md), timed the same way: {"conv", "phase1_ms", "layer_ms"} or
+    {"conv", "error"}."""
+    other = "fused" if gdn.PHASE1_CONV == "two_step" else "two_step"
+    saved = gdn.PHASE1_CONV
+    try:
+        gdn.PHASE1_CONV = other                        # read when each function is traced (its first call)
+        p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m, backend))
+        layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend))
+        jax.block_until_ready((p1_fn(params, hidden, slots, meta), layer_fn(params, hidden, slots, meta)))
+        gdn.PHASE1_CONV = saved
+        return {"conv": other, "phase1_ms": 1e3 * _median_time(p1_fn, (params, hidden, slots, meta), reps),
+                "layer_ms": 1e3 * _median_time(layer_fn, (params, hidden, slots, meta), reps)}
+    except Exception as err:  # noqa: BLE001  (reported beside the default form's row)
+        return {"conv": other, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    finally:
+        gdn.PHASE1_CONV = saved
 
 
 def _phase1(gdn, dims, params, hidden, slots, meta, backend):
@@ -163,6 +185,11 @@ def print_table(results) -> None:
               f"{g['phase1_ms']:7.2f}ms {g['phase2_ms']:7.2f}ms {g['phase3_ms']:7.2f}ms {g['layer_ms']:8.2f}ms "
               f"{g['tokens_per_s']:11.0f} | {a['ms']:7.2f}ms {a['tokens_per_s']:11.0f}")
         print(f"{'':>28}share {100 * s['phase1']:5.1f}% {100 * s['phase2']:7.1f}% {100 * s['phase3']:7.1f}%")
+        oc = g.get("other_conv") or {}
+        if "phase1_ms" in oc:
+            print(f"{'':>22}conv {oc['conv']:>8}: phase1 {oc['phase1_ms']:7.2f}ms, GDN layer {oc['layer_ms']:8.2f}ms")
+        elif oc:
+            print(f"{'':>22}conv {oc['conv']:>8}: {oc['error']}")
 
 
 def main(argv=None) -> list:
