@@ -11,6 +11,8 @@ The protocol (names from the serving engine the design comes from)::
     --phase1_conv1d_one / phase1_conv1d_varlen--> conv_out [T, conv_dim]   (causal depthwise conv + SiLU,
         conv state of each stream's slot advanced)
     --phase1_l2_batched--> q, k [T, Hk, K] (L2-normalised), v [T, Hv, V]
+        (or both in one op, phase1_conv1d_l2_varlen: pallas_kernels/conv1d, reading qwen3_next's fused projection
+        in place; phase1_varlen = proj + conv + L2 as the model runs it, the form chosen by PHASE1_CONV)
     --gdn_full / gdn_full_batched / gdn_full_varlen--> o [T, Hv, V]  (chunked gated delta rule over the slot pool)
     --phase3--> hidden + out_proj(w * rmsnorm(o) * silu(z)), then the FFN callable (if any)
 
