@@ -35,7 +35,7 @@ def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, min
 
     "pallas" / "pallas_interpret": the copies of other devices' experts go to a trash expert El sorted last by
     ``moe_align`` (El + 1 experts); the kernels skip its blocks (expert >= El, nothing computed or written) and
-    the combine masks their rows out. "xla": those copies run on expert 0 with weight 0 (the XLA path is the
+    the combine masks their rows out (gathering row 0 for them: the unwritten rows are never read). "xla": those copies run on expert 0 with weight 0 (the XLA path is the
     CPU check, not a fast path: its work is not cut by n).
 
     Expert pool (the model's scan over layers): w_gate_up / w_down may stack R layers' local experts ([R El,
@@ -59,7 +59,8 @@ def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, min
     h = moe_triton.gate_up_silu(x, w_gate_up, lay.block_expert, lay.row_token, config=config, interpret=interpret)
     y = moe_triton.down_weighted(h, w_down, lay.block_expert, lay.row_token, lay.row_weight, num_tokens=t,
                                  config=config, interpret=interpret)
-    rows = y[lay.row_pos].astype(jnp.float32)                                        # [T, k, D]
+    # other devices' copies read row 0 (then masked): one row served from L2, not T k / n rows from memory
+    rows = y[jnp.where(mine, lay.row_pos, 0)].astype(jnp.float32)                     # [T, k, D]
     return jnp.sum(jnp.where(mine[..., None], rows, 0.0), axis=1).astype(x.dtype)
 
 
