@@ -78,7 +78,7 @@ from jax_gdn.layers import gdn as gdn_layer
 from jax_gdn.layers.attention import attention_param_shapes
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
-from jax_gdn.ops.varlen import token_streams
+from jax_gdn.ops.varlen import count_le, token_streams
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
 __all__ = ["HybridModel", "OutOfKvPagesError", "LayerPlan", "layer_plan", "init_params", "stack_layers",
@@ -261,7 +261,7 @@ def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: in
     a = max(1, min(p, total_tokens // ps + n))                                     # static bound of new pages
     free_ids = jnp.nonzero(free, size=a, fill_value=p)[0].astype(jnp.int32)        # [A]
     j = jnp.arange(a, dtype=jnp.int32)
-    stream = jnp.minimum(jnp.searchsorted(new_end, j, side="right"), n - 1)
+    stream = jnp.minimum(count_le(new_end, a), n - 1)          # searchsorted(new_end, j, "right"), loop-free
     valid = (j < total) & ok
     slot_j = slot_ids[stream]
     idx_j = have[stream] + j - new_off[stream]

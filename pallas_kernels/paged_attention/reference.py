@@ -29,6 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta_rule.chunk_map import count_le
+
 _NEG = -1e30
 
 
@@ -75,7 +77,7 @@ def build_query_blocks(cu_seqlens: jax.Array, slot_ids: jax.Array, slot_lens: ja
     end = jnp.cumsum(per)
     first = end - per
     b = jnp.arange(nb, dtype=jnp.int32)
-    stream = jnp.minimum(jnp.searchsorted(end, b, side="right"), n - 1).astype(jnp.int32)
+    stream = jnp.minimum(count_le(end, nb), n - 1).astype(jnp.int32)   # searchsorted(end, b, "right"), loop-free
     live = b < end[-1]
     j = b - first[stream]
     tok0 = cu[stream] + j * bq
