@@ -8,9 +8,10 @@ the layer period (the leading axis of stacked leaves), S slots, P KV pages, Ps t
 The scheme is tensor parallelism over heads (Megatron style), run as ONE program per device: the model's whole
 step runs inside ``jax.shard_map`` over a one-axis mesh (any axis name, ``jax.make_mesh((2,), ("model",))``), each
 device holding its slice of every split leaf and running the unchanged block code (and the Pallas kernels) on a
-*local* config whose head / intermediate / vocabulary counts are divided by n (``ShardRules.local_config``). The
-only communication is one ``psum`` after each row-parallel projection (the mixer's out_proj / o_proj, the FFN's
-down projection: two per block) and one for the vocabulary-split embedding lookup.
+*local* config whose head / intermediate / vocabulary counts are divided by n (``ShardRules.local_config``; with
+expert parallel the experts' I is kept and each device holds E/n whole experts). The only communication is one
+``psum`` after each row-parallel projection (the mixer's out_proj / o_proj, the FFN's down projection or the
+experts' partial sums: two per block) and one for the vocabulary-split embedding lookup.
 
 Device i holds (ranges below are in the one-device layout; the sharded global array is the devices' slices
 concatenated, "device-major"):
@@ -33,9 +34,11 @@ attention q_proj          query heads [i H/n, ...) (per head ``[query|gate]``, c
 k_proj, v_proj            kv heads [i Hkv/n, ...); when n > Hkv (n a multiple of Hkv) device i holds a copy of
   [D, Hkv Dh]             the one kv head its query heads read, i Hkv // n (stored [D, n Dh]: replicated heads)
 o_proj [H Dh, D]          rows of its query heads (row-parallel, one psum)
-MoE experts_gate_up       tensor parallel inside every expert: columns [i I/n, ...) of gate AND of up (two
-  [E, D, 2I]              ranges; device-major ``[gate_i | up_i]``)
-experts_down [E, I, D]    rows [i I/n, ...) (row-parallel; the routed and the shared expert share one psum)
+MoE experts_gate_up       moe_sharding "tensor" (default): tensor parallel inside every expert: columns
+  [E, D, 2I]              [i I/n, ...) of gate AND of up (two ranges; device-major ``[gate_i | up_i]``);
+                          "expert": the whole experts [i E/n, (i+1) E/n) (expert parallel)
+experts_down [E, I, D]    "tensor": rows [i I/n, ...) (row-parallel; the routed and the shared expert share one
+                          psum); "expert": the whole experts [i E/n, ...) (their partial sums join the same psum)
 shared expert, dense MLP  gate_proj / up_proj columns, down_proj rows
 norms, router,            replicated
 shared_expert_gate
@@ -45,20 +48,22 @@ Cache: conv_state [Lg, S, C, Kc-1] split on C like conv1d (device-major), ssm_st
 k_pages / v_pages [La, P, Ps, Hkv', Dh] on the kv heads (Hkv' = max(Hkv, n): replicated heads when n > Hkv);
 page_table, page_owner, page_index, slot_lens, status replicated (every device runs the same allocation).
 
-Why tensor parallel inside the experts rather than expert parallel: every device routes every token itself (the
-router is replicated, so the routing is identical everywhere), runs the unchanged grouped-GEMM MoE kernel on its
-I/n columns of all E experts, and the partial sums join the block's reduction pattern (one psum per FFN): no
-token all-to-all, no per-device capacity or load imbalance, the same numerics as one device, simplest to get right
-now. Traffic per FFN for T tokens (Qwen3-Next-80B: D 2048, k 10 of E 512 experts, I 512): the psum (ring
-all-reduce) moves about 2 (n-1)/n T x D values per device; expert parallel sends each token to every device holding
-one of its k experts and back, up to min(k, n - 1) T x D each way, the same order at n = 2. Decode reads 1/n of
-every expert's weights per step (weight-bandwidth bound: balanced by construction). What expert parallel would win: whole experts keep the GEMM
-shapes of one device (gate_up N = 2I = 1024, down K = I = 512, instead of 2I/n, I/n), which should measure faster
-for long prefills once n grows past 2-4 (I/n = 128 at n = 4 starts to starve the row blocks); it needs the token
-exchange and is left for later.
+Two ways to split the routed experts (``moe_sharding``), both with no token exchange: after the mixer's psum the
+tokens are replicated, every device routes every token itself (the router is replicated, so the routing is the
+same everywhere) and the FFN's one psum joins the devices' partial sums.
+* "tensor" (default): every device runs the unchanged grouped-GEMM MoE on its I/n columns of all E experts: the
+  same rows on every device, balanced by construction, but the GEMMs run at width 2I/n, I/n and the sort, the
+  down projection's [T k, D] output and the combine's gather of it are repeated on every device in full.
+* "expert" (``jax_gdn.layers.moe_ep``): device i keeps the token copies routed to its E/n whole experts and runs
+  the grouped GEMMs at full width on them (the other copies go to a trash expert whose blocks the kernels skip):
+  GEMM work, the [T k, D] output and the combine halve with n; routing and the sort are still repeated; a device
+  whose experts are hot gets more rows (random weights: balanced; real checkpoints: hot experts decide).
+Which is faster at 80B dims on two H200s is measured by ``benchmarks/gpu/shard_x2.py`` (rows with moe_sharding
+"tensor" / "expert"); the analysis and predictions are in ``jax_gdn/SHARDING_NOTES.md``. Decode reads 1/n of the
+hit experts' bytes per device either way (weight-bandwidth bound).
 
-Errors: ``ShardRules(config, mesh)`` raises ValueError naming the mesh size and the head / intermediate counts it
-does not divide, before anything is placed.
+Errors: ``ShardRules(config, mesh, moe_sharding)`` raises ValueError naming the mesh size and the head /
+intermediate / expert counts it does not divide, before anything is placed.
 """
 from __future__ import annotations
 
