@@ -16,11 +16,11 @@ process has one device); it prints every measured error and the test asserts on 
   ``load_pretrained(mesh=)`` (each device reads its slices), within 2e-4 of HF's logits; the same checkpoint with
   fused experts (``experts.gate_up_proj``) loads to the same sharded params;
 * a mesh of 4 over 2 key heads / 6 attention heads / 3 kv heads: ValueError naming the mesh size and the counts;
-* expert parallel (``moe_sharding="expert"``, jax_gdn.layers.moe_ep): the whole tiny Qwen3-Next on meshes of 2
-  (XLA MoE) and 4 (MoE kernels in interpret mode) against the same one-device run (1e-5), each device holding
-  E / n whole experts; the MoE layer alone in shard_map on meshes of 1, 2 and 4 (T 1 / 63 / 65 / 130, top 3 of
+* expert parallel (``moe_sharding="expert"``, jax_gdn.layers.moe_ep): the whole tiny Qwen3-Next on a mesh of 4
+  (XLA MoE) against the same one-device run (1e-5), each device holding 2 of the 8 experts whole; the MoE layer
+  alone in shard_map on meshes of 1, 2 and 4 (XLA at T 1 / 130, the kernels in interpret mode at T 65; top 3 of
   8 experts: more than a device's 2) against the one-device layer; a checkpoint loads whole experts per device;
-  8 experts on 4 devices pass, 6 are refused naming num_experts.
+  6 experts on 4 devices are refused naming num_experts.
 """
 from __future__ import annotations
 
@@ -69,16 +69,15 @@ def test_random_params_made_sharded(result):
 
 
 def test_expert_parallel_logits_equal_one_device(result):
-    for n in (2, 4):
-        assert result[f"equal/qwen3_next/ep_mesh{n}"] <= TOL, result[f"equal/qwen3_next/ep_mesh{n}"]
-        # experts_gate_up [R, E, D, 2I] = [2, 8, 32, 16]: E / n whole experts (full width 2I) per device
-        assert result[f"ep_local_experts/mesh{n}"] == [8 // n] * n
-        assert result[f"ep_expert_width/mesh{n}"] == 16
+    assert result["equal/qwen3_next/ep_mesh4"] <= TOL, result["equal/qwen3_next/ep_mesh4"]
+    # experts_gate_up [R, E, D, 2I] = [2, 8, 32, 16]: E / n = 2 whole experts (full width 2I = 16) per device
+    assert result["ep_local_experts/mesh4"] == [2] * 4
+    assert result["ep_expert_width/mesh4"] == 16
 
 
 def test_expert_parallel_moe_layer(result):
     errs = result["moe_ep_layer"]
-    assert len(errs) == 15, sorted(errs)              # meshes 1, 2, 4 x (xla: T 1, 63, 130; interpret: T 1, 65)
+    assert len(errs) == 9, sorted(errs)               # meshes 1, 2, 4 x (xla: T 1, 130; interpret: T 65)
     for key, err in errs.items():
         assert err <= TOL, (key, err)
 
