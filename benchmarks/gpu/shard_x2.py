@@ -20,9 +20,12 @@ deadline skips what would not fit. Writes ``$OUT/h200x2.json`` after every model
 "rows": [{"case", "layers", "devices", "moe_sharding", "kind", "tokens", "ms", "mem_gb_per_device",
 "compile_s", ...}], "events": [...]}) and prints a table last.
 
-    python benchmarks/gpu/shard_x2.py [--deadline 240] [--reps 3] [--plan full|scaling]
+    python benchmarks/gpu/shard_x2.py [--deadline 240] [--reps 3] [--plan full|scaling|ep|check]
         full (default): 12-layer scaling (1 GPU, 2t, 2e), the check, 48-layer rows (about 230 s on 2 H200s)
         scaling: the check, then the 12-layer 2t / 2e rows (weights made split); no 1-GPU or 48-layer rows
+        ep: only the 12-layer 2t / 2e rows and the all-reduce timing (about 60 s: expert vs tensor parallel)
+        check: only the check (about 70 s)
+    (estimates from run 1: ~14 s per prefill compile, ~6 s per decode compile, ~16 s for 12-layer weights)
     python benchmarks/gpu/shard_x2.py --quick      (CPU dry run at tiny dims: set XLA_FLAGS=
         --xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu OUT=/tmp/x first)
     python benchmarks/gpu/shard_x2.py --child LAYERS SETUPS CASES   (one configuration; prints JSON lines;
@@ -42,7 +45,9 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 PLANS = {"full": [(12, "1,2t,2e", "varlen,decode"), (4, "1,2t,2e", "check"), (48, "2t", "varlen,decode,long")],
-         "scaling": [(4, "1,2t,2e", "check"), (12, "2t,2e", "varlen,decode")]}
+         "scaling": [(4, "1,2t,2e", "check"), (12, "2t,2e", "varlen,decode")],
+         "ep": [(12, "2t,2e", "varlen,decode")],
+         "check": [(4, "1,2t,2e", "check")]}
 QUICK_PLAN = [(8, "2t", "varlen,decode,long"), (4, "1,2t,2e", "varlen,decode"), (4, "1,2t,2e", "check")]
 CHECK_TOL = 1e-4       # fp32 ("highest"), 4 layers: 2 GPUs vs 1 GPU, max |diff| / max |logit| of the last tokens
 CHECK_LENS = (1, 63, 64, 65, 130, 7, 300, 2, 129, 31, 200, 5, 90, 250, 16, 130)     # 1483 tokens, 16 streams
