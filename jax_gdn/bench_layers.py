@@ -149,7 +149,10 @@ def _other_conv(gdn, gdims, backend, params, hidden, slots, meta, reps) -> dict:
     """Phase 1 and the whole layer with the conv + L2 form that gdn.PHASE1_CONV does not select ("two_step" <->
     "fused", jax_gdn/layers/NOTES_gdn_phases.md), timed the same way: {"conv", "phase1_ms", "layer_ms"} or
     {"conv", "error"}."""
-    other = "fused" if gdn.PHASE1_CONV == "two_step" else "two_step"
+    default = gdn.PHASE1_CONV
+    if default == "auto":                              # what "auto" resolves to for this backend
+        default = "fused" if gdn.conv_l2_backend(backend, gdims, hidden.dtype) == "pallas" else "two_step"
+    other = "fused" if default == "two_step" else "two_step"
     saved = gdn.PHASE1_CONV
     try:
         gdn.PHASE1_CONV = other                        # read when each function is traced (its first call)

@@ -399,11 +399,13 @@ def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: 
 
 
 #: How ``phase1_varlen`` runs the conv and the L2 norm: "two_step" (``phase1_conv1d_varlen`` then
-#: ``phase1_l2_batched``: the form measured on the H200) or "fused" (``phase1_conv1d_l2_varlen`` with
-#: ``conv_l2_backend``: the Pallas kernel on a GPU, not yet timed in its final form, NOTES_gdn_phases.md).
-#: Environment override at import: JAX_GDN_PHASE1_CONV=fused.
-PHASE1_CONV = os.environ.get("JAX_GDN_PHASE1_CONV", "two_step")
-PHASE1_CONVS = ("two_step", "fused")
+#: ``phase1_l2_batched``), "fused" (``phase1_conv1d_l2_varlen`` with ``conv_l2_backend``) or "auto": fused where
+#: ``conv_l2_backend`` picks the Pallas kernel (a GPU), else two_step. H200 layers bench at 80B dims (varlen16,
+#: benchmarks/results/h200.json "layers" -> gdn.other_conv): phase 1 2.63 -> 2.11 ms, GDN layer 3.90 -> 3.48 ms
+#: with the fused kernel; the XLA fused form gains nothing (2.99 -> 2.97 ms), so XLA keeps the two-step form.
+#: Environment override at import: JAX_GDN_PHASE1_CONV=two_step | fused | auto.
+PHASE1_CONV = os.environ.get("JAX_GDN_PHASE1_CONV", "auto")
+PHASE1_CONVS = ("auto", "two_step", "fused")
 
 
 def phase1_varlen(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
@@ -411,12 +413,14 @@ def phase1_varlen(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlot
                   ) -> tuple[Phase1Proj, jax.Array, jax.Array, jax.Array, GdnSlots]:
     """All of phase 1 for N packed streams, as the model runs it: ``phase1_proj_batched``, then the conv + L2 norm
     as ``conv`` says (None: ``PHASE1_CONV``; "fused" picks the implementation that goes with the GDN backend
-    ``backend`` through ``conv_l2_backend``). hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3),
+    ``backend`` through ``conv_l2_backend``; "auto": fused only where that is the Pallas kernel on a GPU). hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3),
     q, k [T, Hk, K], v [T, Hv, V], slots with the N streams' conv states advanced)."""
     conv = PHASE1_CONV if conv is None else conv
     if conv not in PHASE1_CONVS:
         raise ValueError(f"conv must be one of {PHASE1_CONVS}, got {conv!r}")
     p1 = phase1_proj_batched(params, dims, hidden)
+    if conv == "auto":
+        conv = "fused" if conv_l2_backend(backend, dims, hidden.dtype) == "pallas" else "two_step"
     if conv == "two_step":
         conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
         q, k, v = phase1_l2_batched(dims, conv_out)
