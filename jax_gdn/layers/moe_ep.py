@@ -35,8 +35,9 @@ def local_routed_experts(x: jax.Array, top_w: jax.Array, local_i: jax.Array, min
 
     "pallas" / "pallas_interpret": the copies of other devices' experts go to a trash expert El sorted last by
     ``moe_align`` (El + 1 experts); the kernels skip its blocks (expert >= El, nothing computed or written) and
-    the combine masks their rows out (gathering row 0 for them: the unwritten rows are never read). "xla": those copies run on expert 0 with weight 0 (the XLA path is the
-    CPU check, not a fast path: its work is not cut by n).
+    the combine masks their rows out (gathering row 0 for them: the unwritten rows are never read). "xla": those
+    copies run on expert 0 with weight 0 (the XLA path is the CPU check, not a fast path: its work is not cut by
+    n).
 
     Expert pool (the model's scan over layers): w_gate_up / w_down may stack R layers' local experts ([R El,
     ...]); num_local = El and expert_offset (traced, r El) say where this layer's start (pallas_kernels.moe.api).
