@@ -539,6 +539,8 @@ class HybridModel:
                  moe_sharding: str = "tensor"):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        if moe_sharding not in _shd().MOE_SHARDINGS:
+            raise ValueError(f"moe_sharding must be one of {_shd().MOE_SHARDINGS}, got {moe_sharding!r}")
         self.config = config
         self.mesh = mesh
         self.shard_rules = (None if mesh is None                                    # checks the mesh first
