@@ -20,16 +20,18 @@ deadline skips what would not fit. Writes ``$OUT/h200x2.json`` after every model
 "rows": [{"case", "layers", "devices", "moe_sharding", "kind", "tokens", "ms", "mem_gb_per_device",
 "compile_s", ...}], "events": [...]}) and prints a table last.
 
-    python benchmarks/gpu/shard_x2.py [--deadline 240] [--reps 3] [--plan full|scaling|ep|check]
+    python benchmarks/gpu/shard_x2.py [--deadline 240] [--reps 3] [--plan full|scaling|ep|check|profile]
         full (default): 12-layer scaling (1 GPU, 2t, 2e), the check, 48-layer rows (about 230 s on 2 H200s)
         scaling: the check, then the 12-layer 2t / 2e rows (weights made split); no 1-GPU or 48-layer rows
         ep: only the 12-layer 2t / 2e rows and the all-reduce timing (about 60 s: expert vs tensor parallel)
         check: only the check (about 70 s)
+        profile: the 12-layer varlen rows (1 GPU, 2t, 2e) and one profiled prefill each: GPU kernel time per
+        device by kind (event "profile": where 2-GPU prefill loses), about 90 s
     (estimates from run 1: ~14 s per prefill compile, ~6 s per decode compile, ~16 s for 12-layer weights)
     python benchmarks/gpu/shard_x2.py --quick      (CPU dry run at tiny dims: set XLA_FLAGS=
         --xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu OUT=/tmp/x first)
     python benchmarks/gpu/shard_x2.py --child LAYERS SETUPS CASES   (one configuration; prints JSON lines;
-        SETUPS: comma list of 1 | 2t | 2e; CASES: comma list of varlen | decode | long | check)
+        SETUPS: comma list of 1 | 2t | 2e; CASES: comma list of varlen | decode | long | profile | check)
 """
 from __future__ import annotations
 
@@ -44,11 +46,13 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
-PLANS = {"full": [(12, "1,2t,2e", "varlen,decode"), (4, "1,2t,2e", "check"), (48, "2t", "varlen,decode,long")],
-         "scaling": [(4, "1,2t,2e", "check"), (12, "2t,2e", "varlen,decode")],
+PLANS = {"full": [(12, "1,2t,2e", "varlen,decode,profile"), (4, "1,2t,2e", "check"),
+                  (48, "2t", "varlen,decode,long")],
+         "scaling": [(4, "1,2t,2e", "check"), (12, "2t,2e", "varlen,decode,profile")],
          "ep": [(12, "2t,2e", "varlen,decode")],
+         "profile": [(12, "1,2t,2e", "varlen,profile")],
          "check": [(4, "1,2t,2e", "check")]}
-QUICK_PLAN = [(8, "2t", "varlen,decode,long"), (4, "1,2t,2e", "varlen,decode"), (4, "1,2t,2e", "check")]
+QUICK_PLAN = [(8, "2t", "varlen,decode,long"), (4, "1,2t,2e", "varlen,decode,profile"), (4, "1,2t,2e", "check")]
 CHECK_TOL = 1e-4       # fp32 ("highest"), 4 layers: 2 GPUs vs 1 GPU, max |diff| / max |logit| of the last tokens
 CHECK_LENS = (1, 63, 64, 65, 130, 7, 300, 2, 129, 31, 200, 5, 90, 250, 16, 130)     # 1483 tokens, 16 streams
 QUICK_CHECK_LENS = (1, 63, 64, 65, 130, 7)
@@ -109,6 +113,8 @@ def child(layers: int, setups: str, cases: str, reps: int, quick: bool) -> None:
         for key in cases.split(","):
             if key == "decode":
                 decode(model, cfg, cs, rng, base, reps, emit, mem)
+            elif key == "profile":
+                profile(model, cfg, cs, rng, base, emit)
             else:
                 out = prefill(model, cfg, cs, key, rng, base, reps, emit, mem)
                 if key == "varlen" and out is not None:
@@ -124,6 +130,79 @@ def child(layers: int, setups: str, cases: str, reps: int, quick: bool) -> None:
                 emit(event="logits_1gpu_vs_2gpu", layers=layers, moe_sharding=_setup(tag)[1],
                      rel_max=float(np.max(np.abs(a - b)) / np.max(np.abs(a))),
                      argmax_agree=float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))))
+
+
+PROFILE_KINDS = (("collective", ("nccl", "all-reduce", "allreduce", "all_reduce")),
+                 ("moe kernels", ("moe_",)), ("gdn kernels", ("gdn_", "conv1d_silu")),
+                 ("attention kernels", ("paged_attention",)), ("sort", ("sort", "radix")),
+                 ("gemm", ("gemm", "cublas", "xmma", "cutlass", "matmul", "dot")), ("copy", ("memcpy", "copy")),
+                 ("xla fusion", ("fusion", "loop_", "input_", "reduce", "scatter", "gather")))
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in PROFILE_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile(model, cfg, cs, rng, base, emit) -> None:
+    """Event "profile": one varlen prefill (already compiled) under jax.profiler with a Perfetto trace; the GPU
+    kernels of each device (events on its "Stream" threads) summed by kind (collective, moe / gdn / attention
+    kernels, sort, gemm, copy, xla fusion, other) and the 8 costliest kernel names, in ms. The trace itself is
+    left in $OUT/trace_<layers>_<devices><moe>."""
+    import glob
+    import gzip
+
+    import jax
+    import numpy as np
+
+    from jax_gdn.bench_model import _cu, _jax_sync, _shared_cache_kwargs
+    name, lens = cs["varlen"]
+    cache = model.init_cache(**_shared_cache_kwargs(cs, 3))
+    ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)
+    cu, slots = _cu(lens), np.arange(len(lens), dtype=np.int32)
+    tag = f"{base['layers']}_{base['devices']}{(base.get('moe_sharding') or '')[:1]}"
+    out = os.path.join(os.environ.get("OUT", "/tmp"), f"trace_{tag}")
+    try:
+        logits, cache = model.prefill(cache, ids, cu, slots)           # warm (compiled by the varlen row)
+        _jax_sync(logits)
+        cache = _jax_sync(model.release(cache, slots))
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            logits, cache = model.prefill(cache, ids, cu, slots)
+            _jax_sync(logits)
+            wall = (time.perf_counter() - t0) * 1e3                  # the traced step (profiler overhead in)
+        files = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)
+        trace = json.load(gzip.open(sorted(files)[-1]))
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
+                 and e.get("name") == "process_name"}
+        threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events if e.get("ph") == "M"
+                   and e.get("name") == "thread_name"}
+        per_dev, top, lines = {}, {}, {}
+        for e in events:
+            if e.get("ph") != "X" or "dur" not in e:
+                continue
+            proc, thread = procs.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
+            if "gpu" not in proc.lower():
+                continue
+            line = f"{proc[-12:]}/{thread[:30]}"                    # every GPU trace line, in case no "Stream"
+            lines[line] = round(lines.get(line, 0.0) + e["dur"] / 1e3, 3)
+            if not thread.lower().startswith("stream"):
+                continue
+            dev = per_dev.setdefault(proc, {})
+            kind = _kind(e["name"])
+            dev[kind] = dev.get(kind, 0.0) + e["dur"] / 1e3
+            top[e["name"][:60]] = top.get(e["name"][:60], 0.0) + e["dur"] / 1e3
+        per_dev = {p: {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
+                   for p, d in per_dev.items()}
+        emit(event="profile", case=name, wall_ms=round(wall, 2), per_device_ms=per_dev, gpu_lines_ms=lines,
+             top_kernels_ms=dict(sorted(((k, round(v, 3)) for k, v in top.items()), key=lambda kv: -kv[1])[:8]),
+             **base)
+    except Exception as err:                      # noqa: BLE001 (reported in the event)
+        emit(event="profile", case=name, error=f"{type(err).__name__}: {str(err)[:300]}", **base)
 
 
 def allreduce(cfg, cs, emit, loops: int = 20) -> None:
@@ -359,6 +438,11 @@ def main() -> int:
         elif e.get("event") == "check":
             print(f"check {e['dtype']:8s} {e['setup']:2s} {e['layers']}-layer last-token logits rel_max "
                   f"{e['logits_rel_max']:.3g} argmax {e['argmax_agree']:.3f} ok {e['ok']}")
+        elif e.get("event") == "profile" and "per_device_ms" in e:
+            for dev, kinds in e["per_device_ms"].items():
+                print(f"profile {e['layers']}L {e['devices']} dev {str(e.get('moe_sharding') or '-'):6s} {dev[-12:]}: "
+                      f"busy {sum(kinds.values()):.1f} ms of {e['wall_ms']:.1f} wall | "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
         elif e.get("event") == "allreduce":
             print(f"all-reduce over 2 devices of {e['dtype']} {e['shape']}: {e['ms']:.3f} ms ({e['gb_per_s']} GB/s of "
                   f"the array)")
