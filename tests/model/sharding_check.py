@@ -185,7 +185,8 @@ def check_random_params(res: dict) -> None:
 
 
 def check_errors(res: dict) -> None:
-    """A mesh that does not divide the heads: ValueError naming the mesh size and the counts, nothing placed."""
+    """A mesh that does not divide the heads (or, expert parallel, the experts: 6 on 4 devices) and an unknown
+    moe_sharding: ValueError naming the mesh size and the counts (or the argument), nothing placed."""
     cfg = HybridConfig(model_type="qwen3_next", **{**COMMON, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
                                                    "num_attention_heads": 6, "num_key_value_heads": 3})
     try:
