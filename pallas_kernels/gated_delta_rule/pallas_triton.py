@@ -84,6 +84,22 @@ def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def _unit_lower_inverse_blocks(a_blk: dict, nb: int, precision) -> dict:
+    """T = (I + A)^-1 of a strictly lower-triangular A held as 16 x 16 blocks a_blk[i, j] (j <= i): the diagonal
+    blocks by forward substitution, then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj. Returns {(i, j): block}, j <= i."""
+    t_blk = {}
+    for i in range(nb):
+        t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
+    for d in range(1, nb):
+        for j in range(nb - d):
+            i = j + d
+            acc = _dot(a_blk[i, j], t_blk[j, j], precision=precision)
+            for m in range(j + 1, i):
+                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=precision)
+            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=precision)
+    return t_blk
+
+
 def _inv_unit_lower16(a):
     """(I + a)^-1 for a strictly lower triangular [16, 16] fp32 block, by forward substitution on registers.
 
@@ -158,16 +174,7 @@ def _kkt_solve_body(c, h, start, length, k_ref, g_ref, beta_ref, t_ref, gcum_ref
 
     # ---- T = (I + A)^-1: diagonal blocks by forward substitution, then T_ij = -T_ii sum_m A_im T_mj ----
     mp = merge_precision
-    t_blk = {}
-    for i in range(nb):
-        t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
-    for d in range(1, nb):
-        for j in range(nb - d):
-            i = j + d
-            acc = _dot(a_blk[i, j], t_blk[j, j], precision=mp)
-            for m in range(j + 1, i):
-                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=mp)
-            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=mp)
+    t_blk = _unit_lower_inverse_blocks(a_blk, nb, mp)
     for i in range(nb):
         for j in range(nb):
             blk = t_blk[i, j] if j <= i else jnp.zeros((SUB, SUB), jnp.float32)
@@ -281,16 +288,7 @@ def _intra_fused_body(c, h, start, length, q_ref, k_ref, v_ref, g_ref, beta_ref,
             qdec = jnp.exp(jnp.where(tri16, diff, -jnp.inf)) if i == j else dec
             aqk_ref[c, h, rs, cs] = (scale * qk[i, j] * qdec).astype(aqk_ref.dtype)
     mp = merge_precision
-    t_blk = {}
-    for i in range(nb):
-        t_blk[i, i] = _inv_unit_lower16(a_blk[i, i])
-    for d in range(1, nb):
-        for j in range(nb - d):
-            i = j + d
-            acc = _dot(a_blk[i, j], t_blk[j, j], precision=mp)
-            for m in range(j + 1, i):
-                acc = acc + _dot(a_blk[i, m], t_blk[m, j], precision=mp)
-            t_blk[i, j] = -_dot(t_blk[i, i], acc, precision=mp)
+    t_blk = _unit_lower_inverse_blocks(a_blk, nb, mp)
     t_in = {key: blk.astype(dtype) for key, blk in t_blk.items()}      # T in the input dtype, as 1b reads it
 
     # ---- w, u by 16-row blocks: the (beta e^G k)_j, (beta v)_j rows are re-read per block (cache hits) ----
