@@ -36,7 +36,19 @@ a process, and HF's memory is gone when the child exits; a hang is cut by the st
 compile measurement (a child process), then the parts.
 
 parts_ms (varlen16, T padded to the model's token bucket): each part of the model jitted alone with the model's
-own layer-0 parameters and backends, on random activations, timed like the rows:
+own layer-0 parameters and backends, on random activations, timed two ways on the same compiled function after a
+warm-up call (``_time_part``); the state a part advances (GDN slots: phases 1, 2 and gdn_decode; KV pages:
+attention) is donated and each call's new state feeds the next, as in the model:
+  <part> (ms)  pipelined: R = ``PIPE_CALLS`` (10) calls queued back to back with no sync in between, then one
+               ``block_until_ready`` of all their results; total / R, median of max(reps, 3) batches. The model runs
+               all its layers in one compiled program and pays no launch + sync gap per part; this timing neither
+               (each call's dispatch overlaps the device's work on the calls before it). The floor ratios and
+               model_sum use it.
+  ms_blocking  {part: ms}: each call closed by ``block_until_ready``, median of reps calls (decode parts:
+               max(reps, 5) calls and batches) (the rows' method; it
+               adds ~0.5 ms of launch + sync per call on the H200, jax_gdn/layers/NOTES_gdn_phases.md);
+               model_sum_blocking, other_blocking, floor_ratio_blocking beside; "timing" says all this.
+The parts:
   gdn_phase1   input RMSNorm + in_proj + gates, varlen causal conv, q/k L2 norm (one GDN layer; gdn.phase1_varlen)
   gdn_phase2   the chunked gated delta rule over the slot pool (gdn_full_varlen)
   gdn_phase3   gated RMSNorm, out_proj, residual (no FFN)
@@ -44,7 +56,8 @@ own layer-0 parameters and backends, on random activations, timed like the rows:
   moe          post RMSNorm + the sparse MoE (router, routed experts, shared expert) + residual
   embed_logits embedding gather [T] + final RMSNorm + lm_head on the N last tokens
   model_sum    layers x each part + embed_logits (GDN layers x phases 1-3, attention layers, MoE layers)
-  model        the varlen16 row (ours); "other" = model - model_sum (scan, slicing of the stacked cache, ...)
+  model        the varlen16 row (ours, blocking: the user's latency); "other" = model - model_sum (scan, slicing
+               of the stacked cache, ...)
   floor_ms, floor_ratio (part / floor), floor_basis, roofline: per part, ``prefill_floors`` (matmul FLOPs at 700
                TFLOP/s or bytes at 4.8 TB/s, whichever is larger; the GDN core at the kernel bench's fastest time
                and the attention core at the attention bench's torch SDPA time for this case, read from this
@@ -158,6 +171,54 @@ def _median_ms(call, sync, reps: int, prepare=None) -> float:
 def _jax_sync(x):
     import jax
     return jax.block_until_ready(x)
+
+
+PIPE_CALLS = 10   # R: the calls of one pipelined batch of a part (parts_ms "ms")
+
+
+def _pipelined_ms(call, sync, calls: int = PIPE_CALLS, batches: int = 3) -> float:
+    """Pipelined ms per call: ``calls`` calls of ``call()`` queued back to back with no sync in between, then ONE
+    ``sync`` of the list of all their results; the wall time of the batch / ``calls``, median over ``batches``
+    batches. No per-call launch + sync gap is paid, as inside the model's one compiled program (each call still
+    pays its own dispatch, overlapped with the device's work on the calls before it)."""
+    times = []
+    for _ in range(max(1, batches)):
+        t0 = time.perf_counter()
+        outs = [call() for _ in range(max(1, calls))]
+        sync(outs)
+        times.append((time.perf_counter() - t0) * 1e3 / max(1, calls))
+    return float(statistics.median(times))
+
+
+def _time_part(fn, args: tuple, state=None, *, reps: int = REPS, calls: int = PIPE_CALLS, sync=None) -> dict:
+    """{"ms": pipelined (``_pipelined_ms``: ``calls`` calls, one sync, median of ``max(reps, 3)`` batches),
+    "ms_blocking": each call closed by a sync (``_median_ms`` of ``reps`` calls: the rows' method)} of
+    ``jax.jit(fn)(*args)``, or with ``state`` of ``fn(*args, state) -> (y, new_state)`` jitted with the state
+    donated: every call's new state feeds the next call (both timings, as the model's step carries its slots and
+    pages), starting from a copy of ``state`` (the caller's arrays are never donated). One warm-up call (compile)
+    first; both timings run the same compiled function and differ only in where they sync. ``sync`` (default
+    ``jax.block_until_ready``) gets the call's result (pipelined: the list of the batch's results) and, with
+    ``state``, the current state beside it."""
+    import jax
+    import jax.numpy as jnp
+    sync_fn = sync or _jax_sync
+    if state is None:
+        f = jax.jit(fn)
+        call = lambda: f(*args)                                               # noqa: E731
+        done = sync_fn
+    else:
+        f = jax.jit(fn, donate_argnums=(len(args),))
+        box = {"s": jax.tree.map(jnp.copy, state)}
+
+        def call():
+            y, box["s"] = f(*args, box["s"])
+            return y
+
+        def done(y):
+            return sync_fn((y, box["s"]))
+    done(call())
+    blocking = _median_ms(call, done, reps)
+    return {"ms": _pipelined_ms(call, done, calls, max(reps, 3)), "ms_blocking": blocking}
 
 
 # ================================================================================================================
@@ -298,10 +359,15 @@ def decode_floors(config, n: int, ctx: int, dtype_bytes: int = 2) -> dict:
 
 
 def _with_floors(parts_ms: dict, floors: dict) -> None:
-    """Adds "floor_ms", "floor_ratio" (part / floor) and "floor_basis" per part to ``parts_ms`` in place."""
+    """Adds "floor_ms", "floor_ratio" (part / floor: the pipelined ms), "floor_ratio_blocking" (the blocking ms,
+    when ``parts_ms`` has "ms_blocking") and "floor_basis" per part to ``parts_ms`` in place."""
     parts_ms["floor_ms"] = {k: f["ms"] for k, f in floors.items()}
     parts_ms["floor_ratio"] = {k: (parts_ms[k] / f["ms"] if parts_ms.get(k) and f["ms"] else None)
                                for k, f in floors.items()}
+    if "ms_blocking" in parts_ms:
+        blk = parts_ms["ms_blocking"]
+        parts_ms["floor_ratio_blocking"] = {k: (blk[k] / f["ms"] if blk.get(k) and f["ms"] else None)
+                                            for k, f in floors.items()}
     parts_ms["floor_basis"] = {k: f["basis"] for k, f in floors.items()}
     parts_ms["roofline"] = {k: f["roofline"] for k, f in floors.items()}
 
@@ -802,8 +868,24 @@ def _embed_logits(cfg):
     return embed_logits
 
 
-def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
-    """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone."""
+def _sums(out: dict, split_of) -> None:
+    """"model_sum" / "model_sum_split" from the pipelined ms (``out[part]``) and "model_sum_blocking" from
+    ``out["ms_blocking"]``, in place; ``split_of(ms) -> {group: layers x part ms}`` (a part missing: None)."""
+    for key, ms in (("model_sum", out), ("model_sum_blocking", out.get("ms_blocking") or {})):
+        try:
+            split = split_of(ms)
+            out[key] = sum(split.values())
+            if key == "model_sum":
+                out["model_sum_split"] = split
+        except (KeyError, TypeError):
+            out[key] = None
+
+
+def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS) -> dict:
+    """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone and timed by
+    ``_time_part``: "<part>" the pipelined ms (``calls`` calls queued, one sync), "ms_blocking" {part: ms of a call
+    closed by its sync}; the GDN slots (phases 1, 2) and the KV pages (attention) donated and carried from call to
+    call."""
     import jax
     import jax.numpy as jnp
     from jax_gdn.layers import block as blk
@@ -827,14 +909,16 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
     out = {"tokens": t, "padded_tokens": tb, "backends": {"gated_delta_rule": be.gated_delta_rule,
                                                           "paged_attention": be.paged_attention, "moe": be.moe}}
 
-    def timed(name, fn, *args):
+    out["ms_blocking"] = {}
+
+    def timed(name, fn, *args, state=None):
         try:
-            f = jax.jit(fn)
-            _jax_sync(f(*args))
-            out[name] = _median_ms(lambda: f(*args), _jax_sync, reps)
+            t = _time_part(fn, args, state, reps=reps, calls=calls)
+            out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
         except Exception as err:
-            out[name] = None
+            out[name] = out["ms_blocking"][name] = None
             out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
+            traceback.print_exc()
 
     # ---- GDN phases ----
     gp, gkind = _block0(model, "gdn")
@@ -843,18 +927,18 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
         mixer = dict(gp["mixer"], input_layernorm=gp["input_norm"])
         slots = GdnSlots.zeros(dims, s, dt)
 
-        def p1(mixer, x, slots, meta):   # as the GDN block runs it; returns only what phases 2 and 3 read
+        def p1(mixer, x, meta, slots):   # as the GDN block runs it; returns only what phases 2 and 3 read
             a, q, k, v, slots = gdn.phase1_varlen(mixer, dims, x, slots, meta, backend=be.gated_delta_rule)
-            return a._replace(mixed_qkv=None, qkvz=None), slots, (q, k, v)
+            return (a._replace(mixed_qkv=None, qkvz=None), (q, k, v)), slots
 
-        def p2(q, k, v, g, b, st, meta):
+        def p2(q, k, v, g, b, meta, st):
             return gdn.gdn_full_varlen(q, k, v, g, b, st, meta, backend=be.gated_delta_rule)[:2]
-        a, slots1, (q, k, v) = jax.jit(p1)(mixer, x, slots, meta)
-        timed("gdn_phase1", p1, mixer, x, slots, meta)
-        timed("gdn_phase2", p2, q, k, v, a.g, a.beta, slots1, meta)
-        o, _ = jax.jit(p2)(q, k, v, a.g, a.beta, slots1, meta)
+        (a, (q, k, v)), slots1 = jax.jit(p1)(mixer, x, meta, slots)
+        o, _ = jax.jit(p2)(q, k, v, a.g, a.beta, meta, slots1)
+        timed("gdn_phase1", p1, mixer, x, meta, state=slots)
+        timed("gdn_phase2", p2, q, k, v, a.g, a.beta, meta, state=slots1)
         timed("gdn_phase3", lambda mixer, o, z, x: gdn.phase3(mixer, dims, o, z, x), mixer, o, a.z, x)
-        del a, slots1, q, k, v, o
+        del a, slots, slots1, q, k, v, o
     # ---- attention (fresh streams in a contiguous page layout) ----
     ap, akind = _block0(model, "attention")
     if ap is not None:
@@ -876,14 +960,14 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
         slot_lens = jnp.asarray(np.asarray(lens, np.int32))
         table = jnp.asarray(table)
 
-        def attn(mp, norm, x, kv, tok_pos, tok_page, table, slot_lens, cu, slot_ids):
+        def attn(mp, norm, x, tok_pos, tok_page, table, slot_lens, cu, slot_ids, kv):
             h = rms_norm(x, norm, cfg.rms_norm_eps)
             h, kv = attention_layer(mp, cfg.attn_dims, h, kv, token_pos=tok_pos, token_page=tok_page,
                                     token_offset=tok_pos % ps, page_table=table, slot_lens=slot_lens,
                                     cu_seqlens=cu, slot_ids=slot_ids, decode=False, backend=be.paged_attention)
             return x + h, kv
-        timed("attention", attn, ap["mixer"], ap["input_norm"], x, kv, tok_pos_p, tok_page_p, table, slot_lens,
-              cu, slot_ids)
+        timed("attention", attn, ap["mixer"], ap["input_norm"], x, tok_pos_p, tok_page_p, table, slot_lens,
+              cu, slot_ids, state=kv)
         del kv
     # ---- MoE (or MLP) of a block ----
     fp = gp if gp is not None else ap
@@ -899,22 +983,18 @@ def parts(model, lens, reps: int = REPS, seed: int = 0) -> dict:
 
     ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
     nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
-    try:
-        out["model_sum"] = (ng * (out["gdn_phase1"] + out["gdn_phase2"] + out["gdn_phase3"])
-                            + na * out["attention"] + nm * out.get("moe", out.get("mlp")) + out["embed_logits"])
-        out["model_sum_split"] = {"gdn": ng * (out["gdn_phase1"] + out["gdn_phase2"] + out["gdn_phase3"]),
-                                  "attention": na * out["attention"], "moe": nm * out.get("moe", out.get("mlp")),
-                                  "embed_logits": out["embed_logits"]}
-    except (KeyError, TypeError):
-        out["model_sum"] = None
+    _sums(out, lambda ms: {"gdn": ng * (ms["gdn_phase1"] + ms["gdn_phase2"] + ms["gdn_phase3"]),
+                           "attention": na * ms["attention"], "moe": nm * ms.get("moe", ms.get("mlp")),
+                           "embed_logits": ms["embed_logits"]})
     out["layers"] = {"gdn": ng, "attention": na, "moe": nm}
     return out
 
 
-def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0) -> dict:
+def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS) -> dict:
     """Per-part ms of one decode step of ``n`` streams each holding ``ctx`` tokens (see the module docstring),
     each part jitted alone with the model's layer-0 parameters and backends; the state a part advances (GDN slots,
-    KV pages) is donated and carried from call to call, as the model's step does."""
+    KV pages) is donated and carried from call to call, as the model's step does. Timed by ``_time_part`` as in
+    ``parts``: "<part>" pipelined, "ms_blocking" {part: blocking} (median of max(reps, 5) calls)."""
     import jax
     import jax.numpy as jnp
     from jax_gdn.layers import block as blk
@@ -928,25 +1008,15 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0) -> di
     x = jax.random.normal(jax.random.PRNGKey(seed + 1), (n, cfg.hidden_size), jnp.float32).astype(dt)
     slot_ids = jnp.arange(n, dtype=jnp.int32)
     cu = jnp.arange(n + 1, dtype=jnp.int32)
-    out = {"streams": n, "context": ctx}
+    out = {"streams": n, "context": ctx, "ms_blocking": {}}
 
     def timed(name, fn, *args, state=None):
-        """Median ms of fn(*args[, state]); with ``state`` fn returns (y, new_state) and the state is donated."""
+        """_time_part of fn(*args[, state]); with ``state`` fn returns (y, new_state) and the state is donated."""
         try:
-            if state is None:
-                f = jax.jit(fn)
-                call = lambda: f(*args)                                       # noqa: E731
-            else:
-                f = jax.jit(fn, donate_argnums=(len(args),))
-                box = {"s": state}
-
-                def call():
-                    y, box["s"] = f(*args, box["s"])
-                    return y
-            _jax_sync(call())
-            out[name] = _median_ms(call, _jax_sync, max(reps, 5))
+            t = _time_part(fn, args, state, reps=max(reps, 5), calls=calls)
+            out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
         except Exception as err:
-            out[name] = None
+            out[name] = out["ms_blocking"][name] = None
             out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
             traceback.print_exc()
 
@@ -987,42 +1057,54 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0) -> di
     ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
     nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
     nf = cfg.num_hidden_layers if ffn_name == "moe" else cfg.num_hidden_layers - nm
-    try:
-        split = {"gdn": ng * out["gdn_decode"] if ng else 0.0, "attention": na * out["attention_decode"] if na else 0.0,
-                 ffn_name: nf * out[ffn_name], "embed_logits": out["embed_logits"]}
-        out["model_sum"] = sum(split.values())
-        out["model_sum_split"] = split
-    except (KeyError, TypeError):
-        out["model_sum"] = None
+    _sums(out, lambda ms: {"gdn": ng * ms["gdn_decode"] if ng else 0.0,
+                           "attention": na * ms["attention_decode"] if na else 0.0,
+                           ffn_name: nf * ms[ffn_name], "embed_logits": ms["embed_logits"]})
     out["layers"] = {"gdn": ng, "attention": na, ffn_name: nf}
     return out
 
 
-def measure_parts(model, cases: dict, reps: int = REPS, ours: dict = None, peers: dict = None, log=None) -> dict:
+PARTS_TIMING = ("ms: pipelined, {calls} calls of the part queued back to back (state outputs donated and fed to "
+                "the next call), one block_until_ready, total / {calls}, median of batches; ms_blocking: each call "
+                "closed by block_until_ready, median of calls (the rows' method: it adds each call's launch + sync "
+                "gap, which the model's one program does not pay); floor_ratio and model_sum from the pipelined ms")
+
+
+def _other(q: dict) -> None:
+    """"other" = model - model_sum and "other_blocking" = model - model_sum_blocking, in place (when both exist)."""
+    for key, total in (("other", "model_sum"), ("other_blocking", "model_sum_blocking")):
+        if q.get(total) and q.get("model"):
+            q[key] = q["model"] - q[total]
+
+
+def measure_parts(model, cases: dict, reps: int = REPS, ours: dict = None, peers: dict = None, log=None,
+                  calls: int = PIPE_CALLS) -> dict:
     """parts_ms of the section: the varlen prefill's parts (``parts``) with their floors (``prefill_floors``) and,
     under "decode", the decode step's parts (``decode_parts``) with theirs (``decode_floors``); "model" and
-    "other" from ``ours`` (our rows) when given. ``peers``: ``load_peers``' kernel and attention rows."""
+    "other" from ``ours`` (our rows) when given. ``peers``: ``load_peers``' kernel and attention rows. Each part
+    twice (``_time_part``): "<part>" pipelined (``calls`` calls, one sync; the floor ratio's), "ms_blocking"
+    {part: each call synced}; "timing" says so."""
     import jax.numpy as jnp
     ours = ours or {}
     cfg = model.config
     nbytes = jnp.dtype(model.dtype).itemsize
     name, lens = cases["varlen"]
-    out = parts(model, lens, reps)
+    out = parts(model, lens, reps, calls=calls)
     out["case"] = name
+    out["timing"] = PARTS_TIMING.format(calls=calls)
+    out["pipe_calls"] = calls
     out["model"] = ours.get("varlen", {}).get("ms")
-    if out.get("model_sum") and out["model"]:
-        out["other"] = out["model"] - out["model_sum"]
+    _other(out)
     _with_floors(out, prefill_floors(cfg, lens, nbytes, peers))
     out["floor_source"] = ({"path": peers.get("path"), "date": peers.get("date")} if peers and peers.get("path")
                            else None)
     if log is not None:
         log(f"prefill parts: {out}")
     dname, dn, dctx, _ = cases["decode"]
-    dec = decode_parts(model, dn, dctx, reps)
+    dec = decode_parts(model, dn, dctx, reps, calls=calls)
     dec["case"] = dname
     dec["model"] = ours.get("decode", {}).get("ms")
-    if dec.get("model_sum") and dec["model"]:
-        dec["other"] = dec["model"] - dec["model_sum"]
+    _other(dec)
     _with_floors(dec, decode_floors(cfg, dn, dctx, nbytes))
     out["decode"] = dec
     return out
@@ -1139,7 +1221,9 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     section = {"layers": LAYERS, "quick": quick, "reps": reps, "rows": [], "parts_ms": {}, "errors": [],
                "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
                           "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
-               "timing": "wall clock per call closed by a device sync, median of reps after a warm-up call"}
+               "timing": "rows: wall clock per call closed by a device sync, median of reps after a warm-up call; "
+                         "parts_ms: each part pipelined (ms: calls queued back to back, one sync, total / calls) "
+                         "and blocking (ms_blocking: the rows' method); see parts_ms['timing']"}
 
     if jax_up and preallocating and hf and not quick:
         section["errors"].append("JAX was initialised with memory preallocation before this section: the HF child "
@@ -1229,35 +1313,54 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
 
 
 def _print_parts(p: dict, names) -> None:
-    """One line per part: ms, floor ms, part / floor, the floor's basis; then the sum over the model's layers."""
+    """One line per part: pipelined ms, blocking ms, floor ms, pipelined / floor, the floor's basis; then the sums
+    over the model's layers (both timings). Results older than the pipelined timing (no "ms_blocking") show their
+    one figure as blocking."""
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
     fl, ra, ba = p.get("floor_ms") or {}, p.get("floor_ratio") or {}, p.get("floor_basis") or {}
-    print(f"  {'part':<17} {'ms':>8} {'floor ms':>9} {'x floor':>8}  floor basis")
+    new = "ms_blocking" in p
+    blk = p["ms_blocking"] if new else {k: p.get(k) for k in names}
+    print(f"  {'part':<17} {'ms':>8} {'blocking':>9} {'floor ms':>9} {'x floor':>8}  floor basis")
     for k in names:
         if k in p:
-            print(f"  {k:<17} {f(p.get(k)):>8} {f(fl.get(k), '{:.3g}'):>9} {f(ra.get(k), '{:.2f}'):>8}  "
-                  f"{ba.get(k, '')}")
+            print(f"  {k:<17} {f(p.get(k) if new else None):>8} {f(blk.get(k)):>9} {f(fl.get(k), '{:.3g}'):>9} "
+                  f"{f(ra.get(k), '{:.2f}'):>8}  {ba.get(k, '')}")
     split = p.get("model_sum_split") or {}
     print(f"  model sum {f(p.get('model_sum'), '{:.2f}')} ms ("
           + ", ".join(f"{k} {f(v, '{:.2f}')}" for k, v in split.items())
-          + f"); model measured {f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms")
+          + f"){'; blocking ' + f(p.get('model_sum_blocking'), '{:.2f}') + ' ms' if new else ''}; model measured "
+          f"{f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms"
+          + (f" (blocking {f(p.get('other_blocking'), '{:.2f}')} ms)" if new else ""))
     for k, v in (p.get("errors") or {}).items():
         print(f"    {k}: {v[:160]}")
 
 
 def parts_markdown(parts_ms: dict) -> list:
     """Markdown lines of a parts_ms with floors (``jax_gdn.bench --markdown``): one row per part of the prefill and
-    of the decode step, ms per layer, its floor, the ratio and the floor's basis; [] without floors."""
+    of the decode step, ms per layer pipelined and blocking, its floor, the ratio (pipelined / floor) and the
+    floor's basis, then a line saying how each was timed; [] without floors. Results older than the pipelined
+    timing (no "ms_blocking": their one figure was blocking) show "-" as pipelined and their ratio (blocking)."""
     from jax_gdn.bench import _f, _header
     if not parts_ms or not parts_ms.get("floor_ms"):
         return []
-    out = _header(["part (ms per layer)", "step", "floor", "ms", "floor ms", "part / floor"], text_cols=3)
+    out = _header(["part (ms per layer)", "step", "floor", "ms", "blocking ms", "floor ms", "part / floor"],
+                  text_cols=3)
+    old = False
     for q, step in ((parts_ms, "prefill"), (parts_ms.get("decode") or {}, "decode")):
         ratio, basis = q.get("floor_ratio") or {}, q.get("floor_basis") or {}
+        blk = q.get("ms_blocking")
+        old = old or (blk is None and bool(q.get("floor_ms")))
         for k, fl in (q.get("floor_ms") or {}).items():
-            out.append(f"| {k} | {step} {q.get('case', '')} | {basis.get(k, '')} | {_f(q.get(k))} | {_f(fl)} | "
+            pipe, b = (q.get(k), blk.get(k)) if blk is not None else (None, q.get(k))
+            out.append(f"| {k} | {step} {q.get('case', '')} | {basis.get(k, '')} | {_f(pipe)} | {_f(b)} | {_f(fl)} | "
                        f"{_f(ratio.get(k), '{:.2f}')} |")
+    out.append("")
+    calls = parts_ms.get("pipe_calls") or PIPE_CALLS
+    out.append(f"ms: pipelined ({calls} calls of the part queued with no sync between, one sync, total / {calls}; "
+               "the model pays no per-call launch + sync gap); blocking ms: each call closed by a sync (the rows' "
+               "method); part / floor: "
+               + ("the blocking ms (these results predate the pipelined timing)" if old else "the pipelined ms") + ".")
     out.append("")
     return out
 
@@ -1293,6 +1396,8 @@ def print_section(section: dict) -> None:
             print(f"parts, decode {d.get('case')} ({d.get('streams')} streams x {d.get('context')} tokens; ms per "
                   f"layer):")
             _print_parts(d, ("gdn_decode", "attention_decode", "moe", "mlp", "embed_logits"))
+        if p.get("timing"):
+            print(f"  timing of the parts: {p['timing']}")
         over = [f"{k} {v:.2f}" for q in (p, d) for k, v in (q.get("floor_ratio") or {}).items() if v and v > 2]
         if p.get("floor_ratio") and not section.get("quick"):
             print("targets (issue 9): each part within 2x of its floor: "

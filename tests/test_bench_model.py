@@ -48,6 +48,16 @@ def test_quick_section_runs_on_cpu(capsys):
     assert p["model_sum"] == pytest.approx(sum(p["model_sum_split"].values()))
     assert p["model_sum_split"]["gdn"] == pytest.approx(6 * (p["gdn_phase1"] + p["gdn_phase2"] + p["gdn_phase3"]))
     assert p["other"] == pytest.approx(p["model"] - p["model_sum"])
+    # both timings of every part: "<part>" pipelined (the floor ratio's), "ms_blocking" each call synced
+    assert p["pipe_calls"] == 10 and "pipelined" in p["timing"] and "ms_blocking" in p["timing"]
+    assert "parts_ms" in sec["timing"] and "pipelined" in sec["timing"]
+    assert set(p["ms_blocking"]) == {"gdn_phase1", "gdn_phase2", "gdn_phase3", "attention", "moe", "embed_logits"}
+    for k, b in p["ms_blocking"].items():
+        assert b is not None and b > 0 and p["floor_ratio_blocking"][k] == pytest.approx(b / p["floor_ms"][k]), k
+    assert p["model_sum_blocking"] == pytest.approx(
+        6 * sum(p["ms_blocking"][f"gdn_phase{i}"] for i in (1, 2, 3)) + 2 * p["ms_blocking"]["attention"]
+        + 8 * p["ms_blocking"]["moe"] + p["ms_blocking"]["embed_logits"])
+    assert p["other_blocking"] == pytest.approx(p["model"] - p["model_sum_blocking"])
     # floors: one per part, the ratio is part / floor; quick: no peers (formula floors)
     assert set(p["floor_ms"]) == {"gdn_phase1", "gdn_phase2", "gdn_phase3", "attention", "moe", "embed_logits"}
     for k, fl in p["floor_ms"].items():
@@ -63,6 +73,8 @@ def test_quick_section_runs_on_cpu(capsys):
     assert d["model_sum"] == pytest.approx(6 * d["gdn_decode"] + 2 * d["attention_decode"] + 8 * d["moe"]
                                            + d["embed_logits"])
     assert d["model"] == rows["decode-N8-ctx26"]["ms"]["ours"]
+    assert set(d["ms_blocking"]) == {"gdn_decode", "attention_decode", "moe", "embed_logits"}
+    assert all(v > 0 for v in d["ms_blocking"].values()) and d["model_sum_blocking"] > 0
 
     c = sec["compile"]
     assert c["layers"] == 48 and c["s"] > 0 and c["s"] == pytest.approx(c["lower_s"] + c["compile_s"])
@@ -72,6 +84,64 @@ def test_quick_section_runs_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "varlen4-T107" in out and "decode-N8-ctx26" in out and "compile of the 48-layer" in out
     assert "parts, decode decode-N8-ctx26" in out and "attention_decode" in out and "x floor" in out
+    assert "blocking" in out and "timing of the parts: ms: pipelined, 10 calls" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("gdn_phase1"))
+    assert f"{p['gdn_phase1']:.3f}" in line and f"{p['ms_blocking']['gdn_phase1']:.3f}" in line
+
+
+# ---- the parts' two timings: pipelined (R calls, one sync) and blocking (a sync per call) ----
+def test_pipelined_timer_queues_r_calls_and_syncs_once(monkeypatch):
+    """A fake clock: each call costs 2 ms of host time, each sync 5 ms. Pipelined: R calls then ONE sync of all R
+    results per batch, ms = (2 R + 5) / R; blocking: a sync per call, ms = 7."""
+    import types
+
+    from jax_gdn import bench_model as bm
+    clock, calls, syncs = [0.0], [], []
+    monkeypatch.setattr(bm, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def call():
+        clock[0] += 2e-3
+        calls.append(1)
+        return len(calls)
+
+    def sync(x):
+        clock[0] += 5e-3
+        syncs.append(x)
+        return x
+    ms = bm._pipelined_ms(call, sync, calls=7, batches=3)
+    assert len(calls) == 21 and len(syncs) == 3                          # R calls per batch, one sync per batch
+    assert syncs == [list(range(1, 8)), list(range(8, 15)), list(range(15, 22))]   # each sync gets all R results
+    assert ms == pytest.approx((2 * 7 + 5) / 7)
+    calls.clear()
+    syncs.clear()
+    assert bm._median_ms(call, sync, 4) == pytest.approx(7.0)
+    assert len(calls) == len(syncs) == 4
+
+
+def test_time_part_carries_the_donated_state_through_both_timings():
+    """_time_part with a state: every call's new state feeds the next (warm-up, blocking calls, pipelined batches),
+    the caller's state is left alive (a copy is donated), and the pipelined sync gets one batch's R results."""
+    import jax.numpy as jnp
+
+    from jax_gdn.bench_model import _time_part
+    seen = []
+
+    def sync(x):
+        seen.append(x)
+        return x
+    state = jnp.zeros((3,), jnp.float32)
+    t = _time_part(lambda a, s: (s[0] * a, s + 1.0), (jnp.float32(2.0),), state, reps=2, calls=4, sync=sync)
+    assert t["ms"] > 0 and t["ms_blocking"] > 0
+    assert not state.is_deleted() and float(state.sum()) == 0.0
+    # 1 warm-up + 2 blocking calls + max(2, 3) batches x 4 calls: the state counts the calls
+    assert len(seen) == 1 + 2 + 3
+    assert float(seen[-1][1][0]) == 1 + 2 + 3 * 4
+    ys, _ = seen[-1]
+    assert [float(y) for y in ys] == [2.0 * c for c in range(11, 15)]       # the calls ran in order on the chain
+    # without a state: no state beside the results, the same counts
+    seen.clear()
+    t = _time_part(lambda a: a * 3.0, (jnp.float32(2.0),), reps=1, calls=2, sync=sync)
+    assert len(seen) == 1 + 1 + 3 and [float(y) for y in seen[-1]] == [6.0, 6.0]
 
 
 # ---- HF on FLA's kernels: the adapters and the patch, on CPU with stand-ins that follow FLA 0.6's contracts ----
@@ -288,11 +358,27 @@ def test_markdown_has_each_part_against_its_floor():
     log = pathlib.Path(__file__).parent.parent / "benchmarks" / "logs" / "model_check_h200_run1.json"
     parts = json.loads(log.read_text())["parts_ms"]
     text = bench.markdown_tables({"model": {"layers": 2, "rows": [], "parts_ms": parts}})
-    assert "| part (ms per layer) | step | floor | ms | floor ms | part / floor |" in text
+    assert "| part (ms per layer) | step | floor | ms | blocking ms | floor ms | part / floor |" in text
+    assert "part / floor: the blocking ms (these results predate the pipelined timing)" in text
     assert "| gdn_phase2 | prefill varlen16-T19027 | kernel bench varlen16-T19027-Hk16-Hv32: pallas" in text
     lines = [x for x in text.splitlines() if x.startswith(("| gdn_", "| attention", "| moe", "| embed_logits"))]
     assert len(lines) == 10 and sum("| decode decode-N64-ctx1189 |" in x for x in lines) == 4
     r = parts["decode"]["floor_ratio"]["moe"]
     assert f"| {r:.2f} |" in next(x for x in lines if x.startswith("| moe | decode"))
+    # the run predates the pipelined timing: its one figure is shown as blocking, pipelined "-"
+    b = parts["gdn_phase1"]
+    assert f"| gdn_phase1 | prefill varlen16-T19027 | {parts['floor_basis']['gdn_phase1']} | - | {b:.3f} |" in text
     old = {k: v for k, v in parts.items() if not k.startswith("floor")}
     assert "part (ms per layer)" not in bench.markdown_tables({"model": {"layers": 2, "rows": [], "parts_ms": old}})
+    # results with both timings: pipelined and blocking side by side, the ratio from the pipelined
+    def both(q):
+        q = dict(q, ms_blocking={k: q[k] for k in q["floor_ms"]})
+        q.update({k: 0.5 * q[k] for k in q["floor_ms"]})
+        q["floor_ratio"] = {k: q[k] / fl for k, fl in q["floor_ms"].items()}
+        return q
+    new = dict(both(parts), decode=both(parts["decode"]), pipe_calls=10)
+    text = bench.markdown_tables({"model": {"layers": 2, "rows": [], "parts_ms": new}})
+    row = next(x for x in text.splitlines() if x.startswith("| gdn_phase1 | prefill"))
+    assert f"| {0.5 * b:.3f} | {b:.3f} | {parts['floor_ms']['gdn_phase1']:.3f} | " \
+           f"{new['floor_ratio']['gdn_phase1']:.2f} |" in row
+    assert "part / floor: the pipelined ms." in text and "10 calls of the part queued" in text
