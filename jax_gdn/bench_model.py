@@ -42,8 +42,9 @@ attention) is donated and each call's new state feeds the next, as in the model:
   <part> (ms)  pipelined: R = ``PIPE_CALLS`` (10) calls queued back to back with no sync in between, then one
                ``block_until_ready`` of all their results; total / R, median of max(reps, 3) batches. The model runs
                all its layers in one compiled program and pays no launch + sync gap per part; this timing neither
-               (each call's dispatch overlaps the device's work on the calls before it). The floor ratios and
-               model_sum use it.
+               (each call's dispatch overlaps the device's work on the calls before it; a part faster on the
+               device than its host dispatch, tens of us, reads the dispatch time: an upper bound). The floor
+               ratios and model_sum use it.
   ms_blocking  {part: ms}: each call closed by ``block_until_ready``, median of reps calls (decode parts:
                max(reps, 5) calls and batches) (the rows' method; it
                adds ~0.5 ms of launch + sync per call on the H200, jax_gdn/layers/NOTES_gdn_phases.md);
@@ -180,13 +181,17 @@ def _pipelined_ms(call, sync, calls: int = PIPE_CALLS, batches: int = 3) -> floa
     """Pipelined ms per call: ``calls`` calls of ``call()`` queued back to back with no sync in between, then ONE
     ``sync`` of the list of all their results; the wall time of the batch / ``calls``, median over ``batches``
     batches. No per-call launch + sync gap is paid, as inside the model's one compiled program (each call still
-    pays its own dispatch, overlapped with the device's work on the calls before it)."""
+    pays its own host dispatch, overlapped with the device's work on the calls before it: a call whose device time
+    is below its dispatch time reads the dispatch time, an upper bound of what the model spends on it). All R
+    results are held until the sync (no reliance on one device queue's order); the batch's list is dropped before
+    the next batch."""
     times = []
     for _ in range(max(1, batches)):
         t0 = time.perf_counter()
         outs = [call() for _ in range(max(1, calls))]
         sync(outs)
         times.append((time.perf_counter() - t0) * 1e3 / max(1, calls))
+        del outs
     return float(statistics.median(times))
 
 
