@@ -45,10 +45,10 @@ attention) is donated and each call's new state feeds the next, as in the model:
                (each call's dispatch overlaps the device's work on the calls before it; a part faster on the
                device than its host dispatch, tens of us, reads the dispatch time: an upper bound). The floor
                ratios and model_sum use it.
-  ms_blocking  {part: ms}: each call closed by ``block_until_ready``, median of reps calls (decode parts:
-               max(reps, 5) calls and batches) (the rows' method; it
-               adds ~0.5 ms of launch + sync per call on the H200, jax_gdn/layers/NOTES_gdn_phases.md);
-               model_sum_blocking, other_blocking, floor_ratio_blocking beside; "timing" says all this.
+  ms_blocking  {part: ms}: each call closed by ``block_until_ready``, median of reps calls: the rows' method,
+               which adds ~0.5 ms of launch + sync per call on the H200 (jax_gdn/layers/NOTES_gdn_phases.md);
+               model_sum_blocking, other_blocking, floor_ratio_blocking beside; "timing" says all this. Decode
+               parts: max(reps, 5) calls and batches.
 The parts:
   gdn_phase1   input RMSNorm + in_proj + gates, varlen causal conv, q/k L2 norm (one GDN layer; gdn.phase1_varlen)
   gdn_phase2   the chunked gated delta rule over the slot pool (gdn_full_varlen)
