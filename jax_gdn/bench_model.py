@@ -195,6 +195,19 @@ def _pipelined_ms(call, sync, calls: int = PIPE_CALLS, batches: int = 3) -> floa
     return float(statistics.median(times))
 
 
+def _time_into(out: dict, name: str, fn, args: tuple, state, *, reps: int, calls: int) -> None:
+    """``_time_part`` of fn(*args[, state]) into out[name] (pipelined ms) and out["ms_blocking"][name]; with
+    ``state`` fn returns (y, new_state) and the state is donated. A failure records None and its error under
+    out["errors"][name] (the other parts still run)."""
+    try:
+        t = _time_part(fn, args, state, reps=reps, calls=calls)
+        out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
+    except Exception as err:  # noqa: BLE001  (reported in the section)
+        out[name] = out["ms_blocking"][name] = None
+        out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
+        traceback.print_exc()
+
+
 def _time_part(fn, args: tuple, state=None, *, reps: int = REPS, calls: int = PIPE_CALLS, sync=None) -> dict:
     """{"ms": pipelined (``_pipelined_ms``: ``calls`` calls, one sync, median of ``max(reps, 3)`` batches),
     "ms_blocking": each call closed by a sync (``_median_ms`` of ``reps`` calls: the rows' method)} of
@@ -917,13 +930,7 @@ def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS)
     out["ms_blocking"] = {}
 
     def timed(name, fn, *args, state=None):
-        try:
-            t = _time_part(fn, args, state, reps=reps, calls=calls)
-            out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
-        except Exception as err:
-            out[name] = out["ms_blocking"][name] = None
-            out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
-            traceback.print_exc()
+        _time_into(out, name, fn, args, state, reps=reps, calls=calls)
 
     # ---- GDN phases ----
     gp, gkind = _block0(model, "gdn")
@@ -1016,14 +1023,7 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls
     out = {"streams": n, "context": ctx, "ms_blocking": {}}
 
     def timed(name, fn, *args, state=None):
-        """_time_part of fn(*args[, state]); with ``state`` fn returns (y, new_state) and the state is donated."""
-        try:
-            t = _time_part(fn, args, state, reps=max(reps, 5), calls=calls)
-            out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
-        except Exception as err:
-            out[name] = out["ms_blocking"][name] = None
-            out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
-            traceback.print_exc()
+        _time_into(out, name, fn, args, state, reps=max(reps, 5), calls=calls)
 
     gp, gkind = _block0(model, "gdn")
     if gp is not None:
