@@ -134,14 +134,9 @@ def _kkt_solve_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, t_ref, gcum_re
                         merge_precision=merge_precision, block_k=block_k)
 
 
-def _kkt_solve_body(c, h, start, length, k_ref, g_ref, beta_ref, t_ref, gcum_ref, *, chunk, group, dtype,
-                    precision, merge_precision, block_k):
-    hk = h // group
-    nb = chunk // SUB
-    kdim = k_ref.shape[-1]
-
-    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)              # j <= i
-    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+def _gate_blocks(c, h, start, length, g_ref, beta_ref, gcum_ref, *, nb, tri16):
+    """A chunk's gates in 16-row blocks, rows past ``length`` masked to 0: (valid [nb] of [16] bool, beta [nb] of
+    [16] fp32, G [nb] of [16] fp32 cumulative log-decay over the chunk); G is also written to gcum_ref[c, h]."""
     valid, bb, gb = [], [], []
     off = jnp.float32(0.0)
     for b in range(nb):
@@ -154,6 +149,18 @@ def _kkt_solve_body(c, h, start, length, k_ref, g_ref, beta_ref, t_ref, gcum_ref
         gb.append(gc)
         valid.append(ok)
         gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
+    return valid, bb, gb
+
+
+def _kkt_solve_body(c, h, start, length, k_ref, g_ref, beta_ref, t_ref, gcum_ref, *, chunk, group, dtype,
+                    precision, merge_precision, block_k):
+    hk = h // group
+    nb = chunk // SUB
+    kdim = k_ref.shape[-1]
+
+    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)              # j <= i
+    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
+    valid, bb, gb = _gate_blocks(c, h, start, length, g_ref, beta_ref, gcum_ref, nb=nb, tri16=tri16)
 
     # ---- k k^T in 16 x 16 blocks (lower block triangle), block_k columns of k at a time ----
     kk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
@@ -246,18 +253,7 @@ def _intra_fused_body(c, h, start, length, q_ref, k_ref, v_ref, g_ref, beta_ref,
     vdim = v_ref.shape[-1]
     tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
     strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
-    valid, bb, gb = [], [], []
-    off = jnp.float32(0.0)
-    for b in range(nb):
-        ok = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0) < length
-        sl = pl.ds(start + b * SUB, SUB)
-        bb.append(plgpu.load(beta_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
-        g = floor_log_decay(plgpu.load(g_ref.at[sl, h], mask=ok, other=0).astype(jnp.float32))
-        gc = off + jnp.sum(jnp.where(tri16, g[None, :], 0.0), axis=1)
-        off = off + jnp.sum(g)
-        gb.append(gc)
-        valid.append(ok)
-        gcum_ref[c, h, pl.ds(b * SUB, SUB)] = gc
+    valid, bb, gb = _gate_blocks(c, h, start, length, g_ref, beta_ref, gcum_ref, nb=nb, tri16=tri16)
 
     # ---- k k^T and q k^T in 16 x 16 blocks (lower block triangle), block_k columns at a time ----
     kk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
