@@ -134,6 +134,28 @@ def hit_bytes_floor(top_i):
     return hit, nbytes / 4.8e12 * 1e3
 
 
+def split_times(cfg, x, wgu, wd, top_w, top_i, reps: dict, ndigits: int) -> dict:
+    """The routed experts' stages timed one by one (align / gate_up / down / combine, ms, time_jax with ``reps``)
+    with the live and padded row counts of the layout."""
+    t = x.shape[0]
+    lay_fn = jax.jit(lambda tw, ti: ref.moe_align(tw, ti, E, cfg.block_m))
+    lay = lay_fn(top_w, top_i)
+    itp = BACKEND != "pallas"
+    gu = jax.jit(lambda x, a, be, rt: tr.gate_up_silu(x, a, be, rt, config=cfg, interpret=itp))
+    dn = jax.jit(lambda h, b, be, rt, rw: tr.down_weighted(h, b, be, rt, rw, num_tokens=t, config=cfg,
+                                                           interpret=itp))
+    h = gu(x, wgu, lay.block_expert, lay.row_token)
+    y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
+    combine = jax.jit(lambda y, rp: ref.combine(y, rp, jnp.bfloat16))
+    return {"align_ms": round(time_jax(lay_fn, (top_w, top_i), **reps), ndigits),
+            "gate_up_ms": round(time_jax(gu, (x, wgu, lay.block_expert, lay.row_token), **reps), ndigits),
+            "down_ms": round(time_jax(dn, (h, wd, lay.block_expert, lay.row_token, lay.row_weight), **reps),
+                             ndigits),
+            "combine_ms": round(time_jax(combine, (y, lay.row_pos), **reps), ndigits),
+            "padded_rows": int(lay.block_expert.shape[0] * cfg.block_m),
+            "live_blocks": int(jnp.sum(lay.block_expert < E))}
+
+
 def sweep(p, t, names, table, deadline, split=(), layer_cfgs=(), xla=True):
     """Routed experts at T tokens for each config (numerics on a slice + time), then the whole layer."""
     x = jax.random.normal(jax.random.PRNGKey(t), (t, D), jnp.bfloat16)
@@ -165,22 +187,7 @@ def sweep(p, t, names, table, deadline, split=(), layer_cfgs=(), xla=True):
             row["finite"] = bool(jnp.all(jnp.isfinite(out)))
             row["routed_ms"] = round(time_jax(fn, (x, top_w, top_i, wgu, wd), **reps), 4)
             if name in split:
-                lay_fn = jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m))
-                lay = lay_fn(top_w, top_i)
-                itp = BACKEND != "pallas"
-                gu = jax.jit(lambda x, a, be, rt, cfg=cfg: tr.gate_up_silu(x, a, be, rt, config=cfg,
-                                                                          interpret=itp))
-                dn = jax.jit(lambda h, b, be, rt, rw, cfg=cfg: tr.down_weighted(h, b, be, rt, rw, num_tokens=t,
-                                                                               config=cfg, interpret=itp))
-                h = gu(x, wgu, lay.block_expert, lay.row_token)
-                y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
-                row["align_ms"] = round(time_jax(lay_fn, (top_w, top_i), **reps), 4)
-                row["gate_up_ms"] = round(time_jax(gu, (x, wgu, lay.block_expert, lay.row_token), **reps), 4)
-                row["down_ms"] = round(time_jax(dn, (h, wd, lay.block_expert, lay.row_token, lay.row_weight),
-                                                **reps), 4)
-                row["combine_ms"] = round(time_jax(jax.jit(lambda y, rp: ref.combine(y, rp, jnp.bfloat16)),
-                                                   (y, lay.row_pos), **reps), 4)
-                row["live_blocks"] = int(jnp.sum(lay.block_expert < E))
+                row.update(split_times(cfg, x, wgu, wd, top_w, top_i, reps, ndigits=4))
         except Exception as ex:                                        # noqa: BLE001
             row["err"] = f"{type(ex).__name__}: {str(ex)[:300]}"
             traceback.print_exc()
@@ -297,25 +304,8 @@ def main():
                 row["finite"] = bool(jnp.all(jnp.isfinite(out)))
                 row["routed_ms"] = round(time_jax(fn, (x, top_w, top_i, wgu, wd), warmup=2, groups=7,
                                                   per_group=5), 3)
-                # split: align / gate_up / down / combine
-                lay = jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m))(top_w, top_i)
-                itp = BACKEND != "pallas"
-                gu = jax.jit(lambda x, a, be, rt, cfg=cfg: tr.gate_up_silu(x, a, be, rt, config=cfg,
-                                                                          interpret=itp))
-                dn = jax.jit(lambda h, b, be, rt, rw, cfg=cfg: tr.down_weighted(h, b, be, rt, rw, num_tokens=t,
-                                                                               config=cfg, interpret=itp))
-                h = gu(x, wgu, lay.block_expert, lay.row_token)
-                y = dn(h, wd, lay.block_expert, lay.row_token, lay.row_weight)
-                row["align_ms"] = round(time_jax(jax.jit(lambda tw, ti, cfg=cfg: ref.moe_align(tw, ti, E, cfg.block_m)),
-                                                 (top_w, top_i), warmup=2, groups=5, per_group=5), 3)
-                row["gate_up_ms"] = round(time_jax(gu, (x, wgu, lay.block_expert, lay.row_token), warmup=2,
-                                                   groups=5, per_group=5), 3)
-                row["down_ms"] = round(time_jax(dn, (h, wd, lay.block_expert, lay.row_token, lay.row_weight),
-                                                warmup=2, groups=5, per_group=5), 3)
-                row["combine_ms"] = round(time_jax(jax.jit(lambda y, rp: ref.combine(y, rp, jnp.bfloat16)),
-                                                   (y, lay.row_pos), warmup=2, groups=5, per_group=5), 3)
-                row["padded_rows"] = int(lay.block_expert.shape[0] * cfg.block_m)
-                row["live_blocks"] = int(jnp.sum(lay.block_expert < E))
+                row.update(split_times(cfg, x, wgu, wd, top_w, top_i,
+                                       dict(warmup=2, groups=5, per_group=5), ndigits=3))
             except Exception as ex:                                    # noqa: BLE001
                 row["err"] = f"{type(ex).__name__}: {str(ex)[:400]}"
                 traceback.print_exc()
