@@ -793,7 +793,6 @@ def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> d
     (1 slot, max_seq_len = its length)."""
     cfg = model.config
     rng = np.random.default_rng(seed)
-    _, dn, dctx, dchunk = cases["decode"]
     n_long = cases["long"][1][0]
     caches = {"varlen": lambda: model.init_cache(**_shared_cache_kwargs(cases, reps)),
               "long": lambda: model.init_cache(max_seqs=1, max_tokens=n_long + 16, page_size=16,
@@ -831,32 +830,42 @@ def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> d
             traceback.print_exc()
 
     try:
-        slots = np.arange(dn, dtype=np.int32)
-        t0 = time.perf_counter()
-        for c in range(0, dn, dchunk):                                # the context: calls of dchunk streams
-            sl = slots[c:c + dchunk]
-            ids = rng.integers(0, cfg.vocab_size, len(sl) * dctx).astype(np.int32)
-            logits, state["cache"] = model.prefill(state["cache"], ids, _cu([dctx] * len(sl)), sl)
-        _jax_sync(logits)
-        fill = time.perf_counter() - t0
-        nxt = rng.integers(0, cfg.vocab_size, dn).astype(np.int32)
-
-        def step():
-            logits, state["cache"] = model.decode(state["cache"], nxt, slots)
-            return logits
-        t0 = time.perf_counter()
-        _jax_sync(step())
-        first = time.perf_counter() - t0
-        ms = _median_ms(step, _jax_sync, max(reps, 5))
-        if hasattr(model, "check"):
-            model.check(state["cache"])
-        out["decode"] = {"ms": ms, "first_call_s": first, "context_fill_s": fill}
+        out["decode"] = decode_row(model, cfg, cases, rng, reps, state)
     except Exception as err:
         out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         traceback.print_exc()
     out["compiled_programs"] = model.compiled_programs() if hasattr(model, "compiled_programs") else None
     del state
     return out
+
+
+def decode_row(model, cfg, cases: dict, rng, reps: int, state: dict) -> dict:
+    """The decode row: the context of cases["decode"] = (name, N, ctx, chunk) prefilled in calls of ``chunk``
+    streams (slots 0..N-1 of state["cache"], which is replaced as the model returns it), then the median of
+    max(reps, 5) one-token steps for the N streams after a first (compiling) step.
+    Returns {"ms", "first_call_s", "context_fill_s"}; model.check(cache) after the steps (a refused step would
+    have timed nothing)."""
+    _, dn, dctx, dchunk = cases["decode"]
+    slots = np.arange(dn, dtype=np.int32)
+    t0 = time.perf_counter()
+    for c in range(0, dn, dchunk):                                    # the context: calls of dchunk streams
+        sl = slots[c:c + dchunk]
+        ids = rng.integers(0, cfg.vocab_size, len(sl) * dctx).astype(np.int32)
+        logits, state["cache"] = model.prefill(state["cache"], ids, _cu([dctx] * len(sl)), sl)
+    _jax_sync(logits)
+    fill = time.perf_counter() - t0
+    nxt = rng.integers(0, cfg.vocab_size, dn).astype(np.int32)
+
+    def step():
+        logits, state["cache"] = model.decode(state["cache"], nxt, slots)
+        return logits
+    t0 = time.perf_counter()
+    _jax_sync(step())
+    first = time.perf_counter() - t0
+    ms = _median_ms(step, _jax_sync, max(reps, 5))
+    if hasattr(model, "check"):
+        model.check(state["cache"])
+    return {"ms": ms, "first_call_s": first, "context_fill_s": fill}
 
 
 def _block0(model, mixer: str):

@@ -336,31 +336,16 @@ def prefill(model, cfg, cs, key, rng, base, reps, emit, mem):
 
 
 def decode(model, cfg, cs, rng, base, reps, emit, mem):
-    """The 64-stream decode row: the context prefilled in calls of 16 streams (the varlen program), then steps."""
-    import numpy as np
-
-    from jax_gdn.bench_model import _cu, _jax_sync, _median_ms, _shared_cache_kwargs
-    name, dn, dctx, dchunk = cs["decode"]
+    """The 64-stream decode row: the context prefilled in calls of 16 streams (the varlen program), then steps
+    (jax_gdn.bench_model.decode_row, the one-GPU bench's own decode row)."""
+    from jax_gdn.bench_model import _shared_cache_kwargs, decode_row
+    name, dn, _, _ = cs["decode"]
     st = {"cache": model.init_cache(**_shared_cache_kwargs(cs, reps))}
-    slots = np.arange(dn, dtype=np.int32)
     try:
-        for c in range(0, dn, dchunk):
-            sl = slots[c:c + dchunk]
-            ids = rng.integers(0, cfg.vocab_size, len(sl) * dctx).astype(np.int32)
-            logits, st["cache"] = model.prefill(st["cache"], ids, _cu([dctx] * len(sl)), sl)
-        _jax_sync(logits)
-        nxt = rng.integers(0, cfg.vocab_size, dn).astype(np.int32)
-
-        def step():
-            logits, st["cache"] = model.decode(st["cache"], nxt, slots)
-            return logits
-        t1 = time.perf_counter()
-        _jax_sync(step())
-        first = time.perf_counter() - t1
-        ms = _median_ms(step, _jax_sync, max(reps, 5))
-        model.check(st["cache"])
+        r = decode_row(model, cfg, cs, rng, reps, st)
+        ms = r["ms"]
         emit(case=name, kind="decode", tokens=dn, ms=round(ms, 3), tokens_per_s=round(dn / ms * 1e3),
-             compile_s=round(first, 1), mem_gb_per_device=mem(), **base)
+             compile_s=round(r["first_call_s"], 1), mem_gb_per_device=mem(), **base)
     except Exception as err:                      # noqa: BLE001
         emit(case=name, kind="decode", error=f"{type(err).__name__}: {str(err)[:400]}", **base)
 
