@@ -25,6 +25,7 @@ deadline skips what would not fit. Writes ``$OUT/h200x2.json`` after every model
         scaling: the check, then the 12-layer 2t / 2e rows (weights made split); no 1-GPU or 48-layer rows
         ep: only the 12-layer 2t / 2e rows and the all-reduce timing (about 60 s: expert vs tensor parallel)
         check: only the check (about 70 s)
+        both: as full, with the 48-layer rows for expert parallel and tensor parallel experts (about 330 s)
         profile: the 12-layer varlen rows (1 GPU, 2t, 2e) and one profiled prefill each: GPU kernel time per
         device by kind (event "profile": where 2-GPU prefill loses), about 90 s
     (estimates from run 1: ~14 s per prefill compile, ~6 s per decode compile, ~16 s for 12-layer weights)
@@ -51,7 +52,9 @@ PLANS = {"full": [(12, "1,2t,2e", "varlen,decode,profile"), (4, "1,2t,2e", "chec
          "scaling": [(4, "1,2t,2e", "check"), (12, "2t,2e", "varlen,decode,profile")],
          "ep": [(12, "2t,2e", "varlen,decode")],
          "profile": [(12, "1,2t,2e", "varlen,profile")],
-         "check": [(4, "1,2t,2e", "check")]}
+         "check": [(4, "1,2t,2e", "check")],
+         "both": [(12, "1,2t,2e", "varlen,decode,profile"), (4, "1,2t,2e", "check"),
+                  (48, "2e,2t", "varlen,decode,long")]}
 QUICK_PLAN = [(8, "2t", "varlen,decode,long"), (4, "1,2t,2e", "varlen,decode,profile"), (4, "1,2t,2e", "check")]
 CHECK_TOL = 1e-4       # fp32 ("highest"), 4 layers: 2 GPUs vs 1 GPU, max |diff| / max |logit| of the last tokens
 CHECK_LENS = (1, 63, 64, 65, 130, 7, 300, 2, 129, 31, 200, 5, 90, 250, 16, 130)     # 1483 tokens, 16 streams
