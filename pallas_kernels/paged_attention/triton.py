@@ -2,7 +2,7 @@
 
 Shape legend: T stacked query tokens, N streams, S slots, H query heads, Hkv kv heads (G = H / Hkv), Dh head dim,
 P pages, Ps tokens per page, W pages per slot in the page table, NB query blocks (reference.num_query_blocks),
-M query rows per tile (block_m), Bk keys per step (block_k), NS decode splits.
+M query rows per tile (block_m), Bk keys per step (block_k), NS decode splits, R = N H decode rows.
 
 Prefill (``paged_attention_prefill``), grid (Hkv, NB) (kv head fastest), blocks sorted by the keys they read
 (longest first, so the longest programs launch first):
@@ -19,10 +19,11 @@ Gated prefill (``paged_attention_prefill_gated``, Qwen3-Next's attention): the s
   run where PrefillConfig.q_prologue says: "xla" (default: one XLA fusion before the kernel, which then loads a
   plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, NOTES.md) or "reload" (on the
   tile, stored to the program's own output rows and loaded back after a CTA barrier).
-Decode (``paged_attention_decode``), grid (N, Hkv, NS) (flash decoding):
-  the G heads of one kv head in one tile (rows padded to 16, the smallest dot), the context cut into NS splits of
-  a static length; each program writes its partial (m, l, unnormalised o); a small XLA combine merges them.
-
+Decode (``paged_attention_decode``), grid (N, Hkv / kv_per_prog, NS) (flash decoding):
+  the G heads of one kv head (or, pack_kv_heads, all H heads of the stream) in one tile (rows padded to 16, the
+  smallest dot); each stream's context cut into NS splits of ceil(len / NS) keys (the length read on the device:
+  one program for any lengths); each program writes its partial (m, l, unnormalised o) and a combine (one XLA
+  fusion or a small kernel) merges them; with NS == 1 the kernel writes o itself.
 Prefill q is addressed as [T, C] (token row, per-head column offset: C = H Dh, or the gated qg), o as
 [T, H * Dh], decode q / o as [N * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load
 is one gather of whole rows with a mask. Interpret mode (CPU) runs the same kernel bodies.
@@ -69,12 +70,31 @@ class PrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """block_k keys per step; num_splits: context splits per (stream, kv head) (None: enough programs to fill the
-    GPU, see ``_num_splits``); num_warps / num_stages: Triton launch parameters."""
+    """block_k: keys per step (a power of two >= 16); num_splits: context splits per (stream, kv head block)
+    (None: enough programs for ``waves`` waves of the GPU's SMs, see ``_num_splits``; 1: no combine, the kernel
+    writes o); num_warps / num_stages: Triton launch parameters; pack_kv_heads: one program per stream reads
+    every kv head (the pages' whole [Ps, Hkv Dh] rows, all H query heads in one tile) instead of one program per
+    kv head (taken where Hkv <= 4 and H <= 32, else ignored); dynamic_split: each stream's split length is ceil(len / NS) (read on the device) instead of
+    W Ps / NS (static: a stream shorter than the page table's width then leaves splits idle); combine: how the
+    splits merge: "xla" (one product + reduction), "pallas" (a second small kernel), "einsum" (fp32 einsum)."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    pack_kv_heads: bool = False
+    dynamic_split: bool = True
+    combine: str = "xla"
+    waves: int = 4
+
+    def __post_init__(self):
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"DecodeConfig.block_k must be a power of two >= 16, got {self.block_k}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"DecodeConfig.num_splits must be None or >= 1, got {self.num_splits}")
+        if self.combine not in ("xla", "pallas", "einsum"):
+            raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas' or 'einsum', got {self.combine!r}")
+        if self.waves < 1:
+            raise ValueError(f"DecodeConfig.waves must be >= 1, got {self.waves}")
 
 
 # Module-wide overrides (benchmarks): None picks by dtype and head dim below.
@@ -117,15 +137,23 @@ def _dot(a, b, *, tb=False, precision=None):
     return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _kv_tile(pt_ref, k_ref, v_ref, slot, start, limit, *, block_k, page_size, num_pages, width, hk, dh):
-    """Keys start .. start + Bk - 1 of a slot (through its page table row), masked past ``limit`` and on page ids
-    outside [0, P): returns (k [Bk, Dh], v [Bk, Dh], key positions [Bk], valid [Bk])."""
+def _kv_rows(pt_ref, slot, start, limit, *, block_k, page_size, num_pages, width):
+    """Keys start .. start + Bk - 1 of a slot through its page table row: (key positions [Bk], rows [Bk] of the
+    [P * Ps, Hkv, Dh] pool view (0 where invalid), valid [Bk]: before ``limit`` and on a page id in [0, P))."""
     kpos = start + _iota((block_k,), 0)
     pidx = kpos // page_size
     live = (kpos < limit) & (pidx < width)
     page = plgpu.load(pt_ref.at[slot, jnp.where(live, pidx, 0)], mask=live, other=-1)
     valid = live & (page >= 0) & (page < num_pages)
     row = jnp.where(valid, page * page_size + kpos % page_size, 0)
+    return kpos, row, valid
+
+
+def _kv_tile(pt_ref, k_ref, v_ref, slot, start, limit, *, block_k, page_size, num_pages, width, hk, dh):
+    """Keys start .. start + Bk - 1 of a slot (through its page table row), masked past ``limit`` and on page ids
+    outside [0, P): returns (k [Bk, Dh], v [Bk, Dh], key positions [Bk], valid [Bk])."""
+    kpos, row, valid = _kv_rows(pt_ref, slot, start, limit, block_k=block_k, page_size=page_size,
+                                num_pages=num_pages, width=width)
     cols = _iota((1, dh), 1)
     m2 = valid[:, None]
     k = plgpu.load(k_ref.at[row[:, None], hk, cols], mask=m2, other=0)
@@ -327,76 +355,167 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
 # ----------------------------------------------------------------------------------------------------------------
 # Decode (flash decoding: splits over the context, then a combine)
 # ----------------------------------------------------------------------------------------------------------------
-def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, group,
-                   block_m, block_k, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
-                   precision):
+def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, group, kv_per_prog,
+                   block_m, block_k, num_splits, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
+                   precision, direct):
+    """One program: stream n, kv heads hb * kv_per_prog .., split sp. Rows of the [M, Dh] query tile: the G heads
+    of each of its kv heads (row i: local kv head i // G); with several kv heads per program every key tile is
+    loaded once per kv head (together: the page's whole [Ps, Hkv Dh] rows when kv_per_prog == Hkv) and each row
+    keeps the scores of its own kv head."""
     n = pl.program_id(0)
-    hk = pl.program_id(1)
+    hb = pl.program_id(1)
     sp = pl.program_id(2)
     sid = slot_ids_ref[n]
     has_slot = (sid >= 0) & (sid < num_slots)
     slot = jnp.where(has_slot, sid, 0)
     ctx = jnp.where(has_slot, slot_lens_ref[slot], 0)
-    start = sp * split_len
-    stop = jnp.minimum(ctx, start + split_len)
+    if split_len is None:       # the stream's own length cut in num_splits parts, rounded up to block_k keys
+        per = (ctx + num_splits - 1) // num_splits
+        per = (per + block_k - 1) // block_k * block_k
+    else:                       # static: W * Ps keys cut in num_splits parts
+        per = split_len
+    start = sp * per
+    stop = jnp.minimum(ctx, start + per)
     dh = q_ref.shape[-1]
     scale_log2 = scale * _LOG2E
 
     i = _iota((block_m,), 0)
-    row_ok = i < group
-    row = n * num_heads + hk * group + i                          # distinct rows (masked ones too: no clash)
+    row_ok = i < group * kv_per_prog
+    kvl = i // group                                              # the row's kv head, local to the program
+    row = n * num_heads + hb * kv_per_prog * group + i            # distinct rows (masked ones too: no clash)
     cols = _iota((1, dh), 1)
     q = plgpu.load(q_ref.at[row[:, None], cols], mask=row_ok[:, None], other=0)        # [M, Dh]
+    heads = [hb * kv_per_prog + c for c in range(kv_per_prog)]
 
     def body(j, carry):
-        k, v, _, valid = _kv_tile(pt_ref, k_ref, v_ref, slot, start + j * block_k, stop, block_k=block_k,
-                                  page_size=page_size, num_pages=num_pages, width=width, hk=hk, dh=dh)
-        return _online_step(carry, q, k, v, scale_log2, precision, key_ok=valid)
+        m_i, l_i, acc = carry
+        _, rows, valid = _kv_rows(pt_ref, slot, start + j * block_k, stop, block_k=block_k, page_size=page_size,
+                                  num_pages=num_pages, width=width)
+        m2 = valid[:, None]
+        ks = [plgpu.load(k_ref.at[rows[:, None], hk, cols], mask=m2, other=0) for hk in heads]
+        vs = [plgpu.load(v_ref.at[rows[:, None], hk, cols], mask=m2, other=0) for hk in heads]
+        s = None
+        for c, k in enumerate(ks):
+            sc = _dot(q, k, tb=True, precision=precision)                              # [M, Bk] fp32
+            s = sc if s is None else jnp.where((kvl == c)[:, None], sc, s)
+        s = s * scale_log2 + jnp.where(valid, 0.0, _NEG)[None, :]
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        for c, v in enumerate(vs):
+            pc = p if kv_per_prog == 1 else jnp.where((kvl == c)[:, None], p, 0.0)
+            acc = acc + _dot(pc.astype(v.dtype), v, precision=precision)
+        return m_new, l_new, acc
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
     steps = jnp.maximum(stop - start + block_k - 1, 0) // block_k
     m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)
+    if direct:                  # one split: the normalised output in q's dtype, no combine
+        o_ref, = out_refs
+        o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        plgpu.store(o_ref.at[row[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
+        return
+    o_ref, m_ref, l_ref = out_refs
     plgpu.store(o_ref.at[row[:, None], sp, cols], acc, mask=row_ok[:, None])
     plgpu.store(m_ref.at[row, sp], m_i, mask=row_ok)
     plgpu.store(l_ref.at[row, sp], l_i, mask=row_ok)
 
 
-def _num_splits(num_streams: int, num_kv_heads: int, max_keys: int, block_k: int) -> int:
-    """Enough programs for ~4 waves of 132 SMs, never splits shorter than 4 steps of block_k keys."""
-    want = max(1, -(-4 * 132 // max(1, num_streams * num_kv_heads)))
+def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_rows):
+    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch)."""
+    r = pl.program_id(0) * rows + _iota((rows,), 0)
+    ok = r < num_rows
+    dh = o_ref.shape[-1]
+    cols = _iota((1, dh), 1)
+    m_all = jnp.full((rows,), _NEG, jnp.float32)
+    for s in range(num_splits):
+        m_all = jnp.maximum(m_all, plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG))
+    den = jnp.zeros((rows,), jnp.float32)
+    acc = jnp.zeros((rows, dh), jnp.float32)
+    for s in range(num_splits):
+        w = jnp.exp2(plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG) - m_all)
+        den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0)
+        acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0)
+    o = acc / jnp.where(den > 0, den, 1.0)[:, None]
+    plgpu.store(o_ref.at[r[:, None], cols], o.astype(o_ref.dtype), mask=ok[:, None])
+
+
+def _combine_xla(o_part, m_part, l_part, dtype, einsum: bool):
+    """o_part [R, NS, Dh] fp32 (unnormalised), m_part, l_part [R, NS] (m in log2 units) -> o [R, Dh] in dtype.
+    einsum: the weighted sum as an fp32 einsum (the session-4 form) instead of a product + reduction."""
+    m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [R, 1]
+    wgt = jnp.exp2(m_part - m_all)                                                   # [R, NS]
+    denom = jnp.sum(wgt * l_part, axis=1)
+    if einsum:
+        o = jnp.einsum("rs,rsd->rd", wgt, o_part, precision=lax.Precision.HIGHEST)
+    else:
+        o = jnp.sum(wgt[:, :, None] * o_part, axis=1)
+    return (o / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(dtype)
+
+
+def _sm_count() -> int:
+    try:
+        dev = jax.devices()[0]
+        return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+    except Exception:  # pragma: no cover
+        return 132
+
+
+def _num_splits(programs: int, max_keys: int, block_k: int, waves: int, sms: int = 132) -> int:
+    """Splits per (stream, kv head block) for ``programs`` of them: enough for ``waves`` waves of ``sms``
+    programs, never more than W Ps / (4 block_k) (no split of a full-width slot under 4 steps)."""
+    want = max(1, -(-waves * sms // max(1, programs)))
     return max(1, min(want, max_keys // (4 * block_k)))
 
 
 def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale, interpret=False,
                            config: DecodeConfig | None = None):
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
-    page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot)."""
+    page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot).
+
+    Grid (N, Hkv / kv_per_prog, NS); NS = config.num_splits or ``_num_splits``. With NS == 1 the kernel writes o
+    itself; else partials o_part [N H, NS, Dh] fp32, m, l [N H, NS] and a combine (config.combine)."""
     config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, w = page_table.shape
     group = h // hkv
-    block_m = max(16, _pow2(group))
+    kvp = hkv if config.pack_kv_heads and hkv <= 4 and h <= 32 else 1      # packing: at most 4 K/V tiles a step
+    block_m = max(16, _pow2(group * kvp))
     block_k = config.block_k
     max_keys = w * ps
-    ns = config.num_splits or _num_splits(n, hkv, max_keys, block_k)
-    split_len = block_k * math.ceil(math.ceil(max_keys / ns) / block_k)
+    ns = config.num_splits or _num_splits(n * (hkv // kvp), max_keys, block_k, config.waves, _sm_count())
+    split_len = None if config.dynamic_split else block_k * math.ceil(math.ceil(max_keys / ns) / block_k)
+    direct = ns == 1
     kernel = functools.partial(
-        _decode_kernel, group=group, block_m=block_m, block_k=block_k, split_len=split_len, page_size=ps,
-        num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale), precision=_precision(q.dtype))
+        _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
+        split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
+        precision=_precision(q.dtype), direct=direct)
+    if direct:
+        out_shape = jax.ShapeDtypeStruct((n * h, dh), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
+                     jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
+                     jax.ShapeDtypeStruct((n * h, ns), jnp.float32))
     call = pl.pallas_call(
-        kernel, grid=(n, hkv, ns),
-        out_shape=(jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
-                   jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
-                   jax.ShapeDtypeStruct((n * h, ns), jnp.float32)),
+        kernel, grid=(n, hkv // kvp, ns), out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_attention_decode")
-    o_part, m_part, l_part = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh),
-                                  k_pages.reshape(p * ps, hkv, dh), v_pages.reshape(p * ps, hkv, dh))
-    m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [N*H, 1]
-    wgt = jnp.exp2(m_part - m_all)                                 # [N*H, NS] (m is in log2 units)
-    denom = jnp.sum(wgt * l_part, axis=1)
-    o = jnp.einsum("rs,rsd->rd", wgt, o_part, precision=lax.Precision.HIGHEST)
-    o = o / jnp.where(denom > 0, denom, 1.0)[:, None]
-    return o.reshape(n, h, dh).astype(q.dtype)
+    out = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh), k_pages.reshape(p * ps, hkv, dh),
+               v_pages.reshape(p * ps, hkv, dh))
+    if direct:
+        return out.reshape(n, h, dh)
+    o_part, m_part, l_part = out
+    if config.combine == "pallas":
+        rows = 8
+        o = pl.pallas_call(
+            functools.partial(_combine_kernel, num_splits=ns, rows=rows, num_rows=n * h),
+            grid=(pl.cdiv(n * h, rows),), out_shape=jax.ShapeDtypeStruct((n * h, dh), q.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+            name="paged_attention_decode_combine")(m_part, l_part, o_part)
+    else:
+        o = _combine_xla(o_part, m_part, l_part, q.dtype, einsum=config.combine == "einsum")
+    return o.reshape(n, h, dh)

@@ -198,13 +198,14 @@ def test_prefill_reads_no_page_outside_its_slot_under_jit():
 # ----------------------------------------------------------------------------------------------------------------
 # decode
 # ----------------------------------------------------------------------------------------------------------------
-def decode_case(rng, ctx, *, group=4, hkv=2, dh=32, ps=16, dtype=jnp.float32, pad=1):
-    """One query per stream at the last position of a slot holding ctx[i] tokens (written already)."""
+def decode_case(rng, ctx, *, group=4, hkv=2, dh=32, ps=16, dtype=jnp.float32, pad=1, **kw):
+    """One query per stream at the last position of a slot holding ctx[i] tokens (written already); kw: make_case's
+    width / num_pages."""
     streams = [(i, c - 1, 1) for i, c in enumerate(ctx)]
     perm = rng.permutation(len(ctx) + 2)[:len(ctx)]               # permuted slots, two idle ones
     streams = [(int(perm[i]), o, n) for i, (_, o, n) in enumerate(streams)]
     return make_case(rng, streams=streams, hkv=hkv, group=group, dh=dh, ps=ps, num_slots=len(ctx) + 2,
-                     pad_tokens=0, pad_streams=pad, dtype=dtype)
+                     pad_tokens=0, pad_streams=pad, dtype=dtype, **kw)
 
 
 def decode_args(case, dtype):
@@ -237,6 +238,70 @@ def test_decode_gqa(backend, group, hkv):
     ref = oracle(case, 0.2)
     for i in range(3):
         assert rel_rms(out[i], ref[i]) <= 1e-5
+
+
+# every decode launch path (triton.DecodeConfig): dynamic / static split lengths, kv heads packed in one program,
+# one split (the kernel writes o, no combine), each combine; splits of 16-64 keys so that the short contexts of
+# the case cross several splits and leave some empty
+DECODE_CONFIGS = [
+    dict(num_splits=3, block_k=16),                                          # dynamic split, XLA combine
+    dict(num_splits=3, block_k=16, dynamic_split=False),                     # static split (session 4)
+    dict(num_splits=5, block_k=32, pack_kv_heads=True),                      # both kv heads per program
+    dict(num_splits=1, block_k=16),                                          # no combine
+    dict(num_splits=1, block_k=64, pack_kv_heads=True),
+    dict(num_splits=4, block_k=16, combine="pallas"),                        # combine kernel
+    dict(num_splits=6, block_k=32, combine="einsum", pack_kv_heads=True),
+]
+
+
+@pytest.mark.parametrize("cfg,dtype", [(c, jnp.float32) for c in DECODE_CONFIGS]       # bf16: 3 paths (CI time)
+                         + [(DECODE_CONFIGS[i], jnp.bfloat16) for i in (0, 2, 5)],
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict)
+                         else jnp.dtype(x).name)
+def test_decode_configs_interpret(cfg, dtype):
+    from pallas_kernels.paged_attention import triton as tr
+    rng = np.random.default_rng(17)
+    ctx = [1, 63, 64, 65, 130, 221]
+    case = decode_case(rng, ctx, group=4, hkv=2, dh=32, ps=8, dtype=dtype, pad=2)
+    out = api.paged_attention_decode(*decode_args(case, dtype), scale=0.3, backend="pallas_interpret",
+                                     config=tr.DecodeConfig(**cfg))
+    assert out.dtype == jnp.dtype(dtype)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    ref = oracle(case, 0.3)
+    assert np.all(np.isfinite(out))
+    for i in range(len(ctx)):
+        assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
+    np.testing.assert_array_equal(out[len(ctx):], 0.0)               # padding streams (slot id S): zeros
+
+
+def test_decode_one_program_for_any_lengths():
+    """The split lengths come from the device-side slot lengths: new contexts, same shapes, one compile."""
+    from pallas_kernels.paged_attention import triton as tr
+    rng = np.random.default_rng(4)
+    cfg = tr.DecodeConfig(num_splits=3, block_k=16)
+    api._decode_jit.clear_cache()
+    for ctx in ([5, 90, 33], [120, 1, 64]):
+        case = decode_case(rng, ctx, group=2, hkv=2, dh=32, ps=8, width=24, num_pages=40)
+        out = np.asarray(api.paged_attention_decode(*decode_args(case, jnp.float32), scale=0.2,
+                                                    backend="pallas_interpret", config=cfg))
+        ref = oracle(case, 0.2)
+        for i in range(len(ctx)):
+            assert rel_rms(out[i], ref[i]) <= 1e-5
+    assert api._decode_jit._cache_size() == 1
+
+
+def test_decode_config_errors():
+    from pallas_kernels.paged_attention import triton as tr
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        tr.DecodeConfig(block_k=48)
+    with pytest.raises(ValueError, match="num_splits must be None or >= 1"):
+        tr.DecodeConfig(num_splits=0)
+    with pytest.raises(ValueError, match="combine must be"):
+        tr.DecodeConfig(combine="cuda")
+    # the split rule: enough programs for the waves, never splits under 4 steps of a full-width slot
+    assert tr._num_splits(128, 4096, 64, waves=4, sms=132) == 5
+    assert tr._num_splits(512, 1024, 64, waves=4, sms=132) == 2
+    assert tr._num_splits(8, 256, 64, waves=4, sms=132) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,6 +411,24 @@ def test_gpu_decode_matches_f64(dtype, dh, group):
     ref = oracle(case, dh ** -0.5)
     for i in range(len(ctx)):
         assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
+    np.testing.assert_array_equal(out[len(ctx):], 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_gpu_decode_configs(cfg):
+    """Every decode launch path compiled at the 80B dims (Dh 256, G 8, Hkv 2), bf16, against float64."""
+    from pallas_kernels.paged_attention import triton as tr
+    jax.config.update("jax_default_matmul_precision", "highest")
+    rng = np.random.default_rng(5)
+    ctx = [1, 63, 64, 65, 130, 1000, 2500]
+    case = decode_case(rng, ctx, group=8, dh=256, dtype=jnp.bfloat16)
+    out = api.paged_attention_decode(*decode_args(case, jnp.bfloat16), scale=256 ** -0.5, backend="pallas",
+                                     config=tr.DecodeConfig(**cfg))
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    ref = oracle(case, 256 ** -0.5)
+    for i in range(len(ctx)):
+        assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(jnp.bfloat16)], f"stream {i} (context {ctx[i]})"
     np.testing.assert_array_equal(out[len(ctx):], 0.0)
 
 
