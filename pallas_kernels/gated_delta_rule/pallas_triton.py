@@ -15,7 +15,9 @@ Three pallas_calls (four for varlen), in the order the algorithm reads (chunk C 
     H200, NOTES.md v5.) Both skip padding chunk slots (chunk_len 0).
 2.  ``state_pass``  grid (V / BV, Hv, N), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
     the output fused in, 3-stage software pipeline on the tile loads (2 for fp32); sequences launched longest
-    first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API):
+    first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API);
+    (``state_pass_persistent``, behind LaunchConfig.state_programs, off: grid (P,), each program walking its share
+    of the longest-first items with the next item's start state loaded ahead):
      v_new = u - w S
      o     = scale exp(G) (q S) + Aqk v_new
      S     = exp(G_last) S + k^T (exp(G_last - G) v_new)
@@ -60,7 +62,11 @@ class LaunchConfig:
     solve_warps / solve_block_k: stage 1a's warps and the k columns it reads per step; wu_warps: stage 1b;
     fused_intra: stages 1a and 1b as one pallas_call (``gdn_intra_fused``, 16-row blocks, solve_warps warps,
     T never leaves the chip); block_v / state_warps / state_stages: stage 2's value block (None: chosen from the
-    program count by _block_v), warps and software-pipelining depth (None: chosen by launch_config)."""
+    program count by _block_v), warps and software-pipelining depth (None: chosen by launch_config);
+    state_programs: 0, one state-pass program per (value block, head, sequence) item; P > 0, a persistent state
+    pass of P programs over the longest-first item list (``gdn_state_pass_persistent``: program p runs items
+    p, 2P - 1 - p, 2P + p, ... (snake order, for balance) and loads the next item's start state before running the
+    current one's chunks). Interpret-tested; off until measured on the H200 (NOTES.md, v5 state pass)."""
     solve_warps: int = 1
     solve_block_k: int = 128
     wu_warps: int = 4
@@ -68,6 +74,7 @@ class LaunchConfig:
     block_v: int | None = None
     state_warps: int = 4
     state_stages: int | None = None
+    state_programs: int = 0
 
 
 def _compiler_params(num_warps, num_stages):
@@ -308,33 +315,13 @@ def _intra_fused_body(c, h, start, length, q_ref, k_ref, v_ref, g_ref, beta_ref,
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: serial state pass over each sequence's chunks, output fused
 # ----------------------------------------------------------------------------------------------------------------
-def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, slot_ref, has_ref,
-                       q_ref, k_ref, w_ref, u_ref, aqk_ref, gcum_ref, pool_in_ref,
-                       o_ref, pool_out_ref, *, chunk, group, block_v, scale, dtype, precision, final):
-    """Grid (V / BV, Hv, N): the V blocks of one (sequence, head) are neighbours in launch order (they read the same
-    q, k, w, Aqk tiles), and the sequence axis goes slowest through ``order`` (longest first), so that the long
-    serial loops start first and short ones fill in behind them instead of one long loop running alone at the end.
-    ``final``: where the final state goes: "slot" pool_out[slot] (the pool, aliased; ids outside [0, S) drop it),
-    "seq" pool_out[n] (a fresh [N, Hv, K, V] array: the plain API, whose initial states are not donated, so that
-    aliasing them would cost XLA a copy of the whole pool), "none" nowhere (output_final_state=False)."""
-    vblk = pl.program_id(0)
-    h = pl.program_id(1)
-    n = order_ref[pl.program_id(2)]
+def _run_sequence(h, vs, first, count, s, start_ref, len_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, gcum_ref,
+                  o_ref, *, chunk, group, scale, dtype, precision):
+    """The ``count`` chunks of one sequence (chunk slots first, first + 1, ...) on value head h's columns ``vs``
+    from the [K, BV] fp32 state ``s``: stores o's rows, returns the final state. count 0 returns ``s``."""
     hk = h // group
     kdim = k_ref.shape[-1]
-    vs = pl.ds(vblk * block_v, block_v)
-    slot = slot_ref[n]
-    first = first_ref[n]
-    count = nchunks_ref[n]
-    # an id outside [0, S) names no slot: read zeros, drop the write (never wrap, never clamp onto a slot)
-    in_pool = (slot >= 0) & (slot < pool_in_ref.shape[0])
-    read_slot = jnp.clip(slot, 0, pool_in_ref.shape[0] - 1)
-
-    # A fresh sequence (has_initial_state 0) or an id naming no slot loads nothing: the load is masked off (no
-    # memory traffic) and reads zeros, a select, so a NaN stale slot never enters (never a multiply).
-    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
-    s0 = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0).astype(jnp.float32)   # [K, BV]
-
+    block_v = s.shape[-1]
     rows = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     # A sequence's chunks are consecutive slots covering consecutive tokens: read its start and length once, so
     # that every address in the loop is affine in j (no scalar load on the path of the pipelined tile loads).
@@ -363,7 +350,35 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, sl
         vd = (v_new * jnp.exp(glast - gc)[:, None]).astype(dtype)
         return jnp.exp(glast) * s + _dot(kc, vd, ta=True, precision=precision)
 
-    s = lax.fori_loop(0, count, body, s0)
+    return lax.fori_loop(0, count, body, s)
+
+
+def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, slot_ref, has_ref,
+                       q_ref, k_ref, w_ref, u_ref, aqk_ref, gcum_ref, pool_in_ref,
+                       o_ref, pool_out_ref, *, chunk, group, block_v, scale, dtype, precision, final):
+    """Grid (V / BV, Hv, N): the V blocks of one (sequence, head) are neighbours in launch order (they read the same
+    q, k, w, Aqk tiles), and the sequence axis goes slowest through ``order`` (longest first), so that the long
+    serial loops start first and short ones fill in behind them instead of one long loop running alone at the end.
+    ``final``: where the final state goes: "slot" pool_out[slot] (the pool, aliased; ids outside [0, S) drop it),
+    "seq" pool_out[n] (a fresh [N, Hv, K, V] array: the plain API, whose initial states are not donated, so that
+    aliasing them would cost XLA a copy of the whole pool), "none" nowhere (output_final_state=False)."""
+    vblk = pl.program_id(0)
+    h = pl.program_id(1)
+    n = order_ref[pl.program_id(2)]
+    kdim = k_ref.shape[-1]
+    vs = pl.ds(vblk * block_v, block_v)
+    slot = slot_ref[n]
+    # an id outside [0, S) names no slot: read zeros, drop the write (never wrap, never clamp onto a slot)
+    in_pool = (slot >= 0) & (slot < pool_in_ref.shape[0])
+    read_slot = jnp.clip(slot, 0, pool_in_ref.shape[0] - 1)
+
+    # A fresh sequence (has_initial_state 0) or an id naming no slot loads nothing: the load is masked off (no
+    # memory traffic) and reads zeros, a select, so a NaN stale slot never enters (never a multiply).
+    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
+    s0 = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0).astype(jnp.float32)   # [K, BV]
+    s = _run_sequence(h, vs, first_ref[n], nchunks_ref[n], s0, start_ref, len_ref, q_ref, k_ref, w_ref, u_ref,
+                      aqk_ref, gcum_ref, o_ref, chunk=chunk, group=group, scale=scale, dtype=dtype,
+                      precision=precision)
 
     if final == "slot":
         @pl.when(in_pool)
@@ -371,6 +386,62 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, sl
             pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
     elif final == "seq":
         pool_out_ref[n, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+
+def persistent_item(p, r, num_programs):
+    """The item (index into the longest-first item list) that program p of ``num_programs`` runs in its round r:
+    snake order, r P + p in even rounds and r P + P - 1 - p in odd ones, so that over the rounds every program gets
+    a mix of long and short items (round robin would give program 0 the longest item of every round)."""
+    return r * num_programs + jnp.where(r % 2 == 0, p, num_programs - 1 - p)
+
+
+def _state_pass_persistent_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, slot_ref, has_ref,
+                                  q_ref, k_ref, w_ref, u_ref, aqk_ref, gcum_ref, pool_in_ref,
+                                  o_ref, pool_out_ref, *, chunk, group, block_v, scale, dtype, precision, final,
+                                  num_programs, rounds):
+    """Grid (P,): the items b = (sequence order[b // (Hv NVB)], head (b // NVB) % Hv, value block b % NVB) of the
+    longest-first list, program p running ``persistent_item(p, r, P)`` for r = 0 .. rounds - 1. Before running an
+    item's chunks it issues the masked load of its next item's start state, so that load (the whole cost of a
+    one-chunk item's first step, with one program per SM) is in flight while the current item computes. Items
+    past the end (the last round) are masked: no chunk, no load, no store. ``final`` as in _state_pass_kernel."""
+    num_slots, hv, kdim, vdim = pool_in_ref.shape
+    nvb = vdim // block_v
+    total = order_ref.shape[0] * hv * nvb
+    pid = pl.program_id(0)                      # read outside the loops (interpret mode needs it there)
+
+    def locate(r):
+        b = persistent_item(pid, r, num_programs)
+        valid = b < total
+        b = jnp.minimum(b, total - 1)
+        n = order_ref[b // (nvb * hv)]
+        h = (b // nvb) % hv
+        vs = pl.ds((b % nvb) * block_v, block_v)
+        slot = slot_ref[n]
+        in_pool = valid & (slot >= 0) & (slot < num_slots)   # an id outside [0, S): zeros in, no write
+        return valid, n, h, vs, in_pool, jnp.clip(slot, 0, num_slots - 1)
+
+    def load(r):
+        _, n, h, vs, in_pool, read_slot = locate(r)
+        read = in_pool & (has_ref[n] != 0)      # else masked: zeros, no bytes read, a stale NaN never enters
+        return plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
+                          other=0).astype(jnp.float32)
+
+    def item(r, s):
+        s_next = load(r + 1)                    # issued before this item's chunks and stores
+        valid, n, h, vs, in_pool, read_slot = locate(r)
+        count = jnp.where(valid, nchunks_ref[n], 0)
+        s = _run_sequence(h, vs, first_ref[n], count, s, start_ref, len_ref, q_ref, k_ref, w_ref, u_ref,
+                          aqk_ref, gcum_ref, o_ref, chunk=chunk, group=group, scale=scale, dtype=dtype,
+                          precision=precision)
+        if final == "slot":
+            plgpu.store(pool_out_ref.at[read_slot, h, :, vs], s.astype(pool_out_ref.dtype),
+                        mask=jnp.broadcast_to(in_pool, (kdim, block_v)))
+        elif final == "seq":
+            plgpu.store(pool_out_ref.at[n, h, :, vs], s.astype(pool_out_ref.dtype),
+                        mask=jnp.broadcast_to(valid, (kdim, block_v)))
+        return s_next
+
+    lax.fori_loop(0, rounds, item, load(0))
 
 
 def _zero_tail_kernel(cu_last_ref, o_in_ref, o_ref, *, chunk, total):
@@ -509,7 +580,9 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
     has_initial_state[n] is 0 or the id is outside [0, S)). ``final``: "slot" the pool [S, Hv, K, V] updated in
     place (input_output_aliases); "seq" a fresh [N, Hv, K, V] array of the N final states; "none" no final
     state (a [1, 1, 1, 1] placeholder). ``seq_order`` [N] int32: the order in which sequences are launched (a
-    permutation; default 0..N-1; ``chunk_map.launch_order`` gives longest first)."""
+    permutation; default 0..N-1; ``chunk_map.launch_order`` gives longest first). ``config.state_programs`` P > 0:
+    one persistent program per P items instead of one program per (value block, head, sequence) item (at most
+    N Hv V / BV programs), same results."""
     tp, hk, kdim = q.shape
     hv, vdim = u.shape[1], u.shape[3]
     n = slot_ids.shape[0]
@@ -527,10 +600,22 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
     if final not in ("slot", "seq", "none"):
         raise ValueError(f"final must be 'slot', 'seq' or 'none'; got {final!r}")
     final_shape = {"slot": pool.shape, "seq": (n,) + pool.shape[1:], "none": (1, 1, 1, 1)}[final]
+    common = dict(chunk=chunk, group=hv // hk, block_v=block_v, scale=scale, dtype=dtype, precision=precision,
+                  final=final)
+    items = n * hv * (vdim // block_v)
+    if config.state_programs < 0:
+        raise ValueError(f"config.state_programs must be >= 0; got {config.state_programs}")
+    if config.state_programs and items:
+        programs = min(config.state_programs, items)
+        kernel = functools.partial(_state_pass_persistent_kernel, num_programs=programs,
+                                   rounds=-(-items // programs), **common)
+        grid, name = (programs,), "gdn_state_pass_persistent"
+    else:
+        kernel = functools.partial(_state_pass_kernel, **common)
+        grid, name = (vdim // block_v, hv, n), "gdn_state_pass"
     call = pl.pallas_call(
-        functools.partial(_state_pass_kernel, chunk=chunk, group=hv // hk, block_v=block_v, scale=scale,
-                          dtype=dtype, precision=precision, final=final),
-        grid=(vdim // block_v, hv, n),
+        kernel,
+        grid=grid,
         out_shape=(
             jax.ShapeDtypeStruct((tp, hv, vdim), dtype),
             jax.ShapeDtypeStruct(final_shape, pool.dtype),
@@ -538,7 +623,7 @@ def state_pass(q, k, w, u, aqk, gcum, *, scale, pool, slot_ids, has_initial_stat
         input_output_aliases={list(operands).index("pool"): 1} if final == "slot" else {},   # pool in place
         compiler_params=_compiler_params(config.state_warps, config.state_stages),
         interpret=interpret,
-        name="gdn_state_pass",
+        name=name,
     )
     return call(*operands.values())
 
