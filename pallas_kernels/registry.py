@@ -4,7 +4,10 @@ Ops and their implementations, fastest first (the order ``"auto"`` tries them in
 
     "gated_delta_rule": "pallas" (Triton on a GPU), "xla"; and "pallas_interpret" (the same kernel in interpret
                         mode, any platform; never picked by "auto")
-    "paged_attention":  "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret"
+    "paged_attention":  "cudnn" (prefill through cuDNN's packed fused attention, decode on the Pallas kernel;
+                        picked by "auto" only while pallas_kernels/paged_attention/cudnn.py's AUTO is set),
+                        "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret",
+                        "cudnn_xla" (cudnn's packing with an XLA stand-in for the cuDNN call; never "auto")
     "moe":              "pallas" (pallas_kernels/moe/api.py when present), "xla" (lax.ragged_dot); "pallas_interpret"
 
 Every implementation has ``supports(**case) -> Optional[str]``: ``None`` when it can run the case, else the
@@ -100,17 +103,40 @@ def _moe_interpret(*, dtype, **case) -> Optional[str]:
     return None
 
 
+def _cudnn(xla_stand_in: bool = False) -> Callable[..., Optional[str]]:
+    def supports(**case) -> Optional[str]:
+        mod, why = _import("pallas_kernels.paged_attention.cudnn")
+        if mod is None:
+            return why
+        if xla_stand_in:
+            case = dict(case, platform="xla")
+        return mod.supports(**case)
+    return supports
+
+
 #: op -> {implementation name: supports}, fastest first
 OPS = {
     "gated_delta_rule": {"pallas": _gdn_pallas, "xla": _always, "pallas_interpret": _gdn_pallas_interpret},
-    "paged_attention": {"pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always,
-                        "pallas_interpret": _external("pallas_kernels.paged_attention.api", interpret=True)},
+    "paged_attention": {"cudnn": _cudnn(), "pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always,
+                        "pallas_interpret": _external("pallas_kernels.paged_attention.api", interpret=True),
+                        "cudnn_xla": _cudnn(xla_stand_in=True)},
     "moe": {"pallas": _external("pallas_kernels.moe.api"), "xla": _always,
             "pallas_interpret": _moe_interpret},
 }
 
 #: implementations "auto" never picks (debug forms)
-_NOT_AUTO = {"pallas_interpret"}
+_NOT_AUTO = {"pallas_interpret", "cudnn_xla"}
+
+
+def _auto_allowed(op: str, name: str) -> bool:
+    """Whether "auto" may pick ``name``: never the debug forms; the cuDNN attention prefill only while its
+    module's AUTO switch (set from the GPU measurement) is on."""
+    if name in _NOT_AUTO:
+        return False
+    if op == "paged_attention" and name == "cudnn":
+        mod, _ = _import("pallas_kernels.paged_attention.cudnn")
+        return bool(mod is not None and mod.AUTO)
+    return True
 
 
 def implementations(op: str) -> tuple:
@@ -135,7 +161,7 @@ def resolve(op: str, backend: str, **case) -> str:
     impls = implementations(op)
     if backend == "auto":
         for name in impls:
-            if name not in _NOT_AUTO and supports(op, name, **case) is None:
+            if _auto_allowed(op, name) and supports(op, name, **case) is None:
                 return name
         raise ValueError(f"registry: no implementation of {op} supports {case}")  # pragma: no cover (xla always)
     why = supports(op, backend, **case)

@@ -22,7 +22,10 @@ trip counts come from the device-side slot lengths, so one compiled program serv
 
 Backends: "xla" (reference.py: gathers every page of the slot, the CPU default and the oracle), "pallas" (the
 Pallas Triton kernels of triton.py, GPU), "pallas_interpret" (the same kernels in interpret mode, CPU),
-"auto" (pallas where ``supports`` accepts the inputs on a GPU, else xla).
+"cudnn" (prefill through cuDNN's packed fused attention, cudnn.py: bf16 / fp16 on a Hopper GPU; decode on
+this backend runs the Pallas decode kernel, or xla where that cannot run), "cudnn_xla" (cudnn.py's packing and
+merge with an XLA stand-in for the cuDNN call: any platform, for tests), "auto" (cudnn when ``cudnn.AUTO`` is set
+and it supports the inputs, else pallas where ``supports`` accepts the inputs on a GPU, else xla).
 
 Checks: shapes and dtypes always (ValueError naming the argument). When cu_seqlens, slot_ids, slot_lens and the
 page table are concrete (not traced), also their values: cu_seqlens non-decreasing from 0 to at most T, every
@@ -43,7 +46,7 @@ import numpy as np
 
 from pallas_kernels.paged_attention import reference
 
-BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+BACKENDS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn", "cudnn_xla")
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 GPU_HEAD_DIMS = (64, 128, 256)
 # "auto" picks the Pallas kernels on a GPU: checked there at the real dims against the float64 oracle (H200,
@@ -95,9 +98,18 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_k
     plat = _platform()
     dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
     too_big = _size_limit(sizes or {})
+    from pallas_kernels.paged_attention import cudnn as _cudnn
     if backend == "auto":
+        if _cudnn.AUTO and plat == "gpu" and _cudnn.supports(platform="gpu", **dims) is None:
+            return "cudnn"
         ok = AUTO_USES_PALLAS and plat == "gpu" and supports(platform="gpu", **dims) is None and too_big is None
         return "pallas" if ok else "xla"
+    if backend in ("cudnn", "cudnn_xla"):
+        why = _cudnn.supports(platform=plat if backend == "cudnn" else "xla", **dims)
+        if why is not None:
+            raise ValueError(f"paged attention backend {backend!r} cannot run here: {why}; use backend='pallas' "
+                             f"or 'xla' (or 'cudnn_xla' for the same packing with an XLA stand-in)")
+        return backend
     if too_big is not None and backend != "xla":
         raise ValueError(f"paged attention backend {backend!r}: {too_big}; use backend='xla'")
     if backend == "pallas":
@@ -221,7 +233,8 @@ def check_call(page_table, slot_lens, cu_seqlens, slot_ids, *, num_pages: int, p
 def paged_attention(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale: float,
                     backend: str = "xla", config=None):
     """Prefill of stacked streams against paged K/V (see the module docstring). Returns o [T, H, Dh] (q's dtype).
-    config: a triton.PrefillConfig for the Pallas backends (None: the default)."""
+    config: a triton.PrefillConfig for the Pallas backends, a cudnn.CudnnConfig for "cudnn" / "cudnn_xla" (None:
+    the default)."""
     _check_pool(q, k_pages, v_pages, page_table, slot_lens, "[T, H, Dh]")
     if not hasattr(slot_ids, "shape") or len(slot_ids.shape) != 1:
         raise ValueError(f"slot_ids must be int32 [N], got shape {list(getattr(slot_ids, 'shape', ()))}")
@@ -242,6 +255,10 @@ def _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_id
     args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
     if backend == "xla":
         return reference.paged_attention_xla(q, k_pages, v_pages, *args, scale=scale)
+    if backend in ("cudnn", "cudnn_xla"):
+        from pallas_kernels.paged_attention import cudnn as _cudnn
+        return _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config,
+                                                    impl="cudnn" if backend == "cudnn" else "xla")
     from pallas_kernels.paged_attention import triton as _triton
     return _triton.paged_attention_prefill(q, k_pages, v_pages, *args, scale=scale,
                                            interpret=backend == "pallas_interpret", config=config)
@@ -298,6 +315,14 @@ def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids
     if backend == "xla":
         return reference.paged_attention_gated_xla(qg, k_pages, v_pages, *args, q_norm, cos, sin,
                                                    num_heads=num_heads, eps=eps, scale=scale)
+    if backend in ("cudnn", "cudnn_xla"):      # XLA q norm + RoPE, the cuDNN core, the gate fused by XLA
+        from pallas_kernels.paged_attention import cudnn as _cudnn
+        dh = k_pages.shape[-1]
+        q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+        o = _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config,
+                                                 impl="cudnn" if backend == "cudnn" else "xla")
+        o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        return o.reshape(qg.shape[0], num_heads * dh)
     from pallas_kernels.paged_attention import triton as _triton
     return _triton.paged_attention_prefill_gated(qg, k_pages, v_pages, *args, q_norm, cos, sin,
                                                  num_heads=num_heads, eps=eps, scale=scale,
@@ -311,12 +336,29 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     _check_pool(q, k_pages, v_pages, page_table, slot_lens, "[N, H, Dh]")
     _check_int(slot_ids, "slot_ids", (q.shape[0],), "[N]")
     _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
-    backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
-                              num_kv_heads=k_pages.shape[2], sizes={"q": q.size, "k_pages": k_pages.size})
+    backend = decode_backend(resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
+                                             num_kv_heads=k_pages.shape[2],
+                                             sizes={"q": q.size, "k_pages": k_pages.size}),
+                             dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1], num_kv_heads=k_pages.shape[2],
+                             sizes={"q": q.size, "k_pages": k_pages.size})
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     return _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, scale=float(scale), backend=backend,
                        config=config)
+
+
+def decode_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                   sizes: Optional[dict] = None) -> str:
+    """The decode kernel of a resolved backend: the cuDNN backends are prefill only; their decode runs the
+    Pallas decode kernel ("cudnn" on a GPU where it can), else the XLA path (and always for "cudnn_xla")."""
+    if backend == "cudnn":
+        ok = (AUTO_USES_PALLAS and _platform() == "gpu" and _size_limit(sizes or {}) is None
+              and supports(platform="gpu", dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads) is None)
+        return "pallas" if ok else "xla"
+    if backend == "cudnn_xla":
+        return "xla"
+    return backend
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "config"))

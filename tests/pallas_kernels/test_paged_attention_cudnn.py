@@ -1,0 +1,213 @@
+"""The cuDNN prefill backend of paged attention (pallas_kernels/paged_attention/cudnn.py).
+
+On CPU: everything but the cuDNN call itself, through backend "cudnn_xla" (the same packing of the pages into one
+K/V buffer, the same per-segment offsets, the same two-call split and LSE merge, with ``segments_xla`` standing
+in for cuDNN; it leaves NaN on rows no segment covers, as cuDNN leaves them unwritten) against the float64 oracle
+of test_paged_attention.py: streams of 1, 63, 64, 65, 130 tokens continuing 0-300 tokens of context, GQA, pages in
+a shuffled order, NaN-poisoned free pages and page tails, padding tokens and streams. Also jax's conversion of our
+token offsets into cuDNN's element offsets (the GQA scaling jax applied before its fix), capacity overflow, page
+ids out of range under jit, the fresh-only switch, the decode and gated entries, the backend checks.
+On a GPU (``gpu`` marker): the real cuDNN call against the same oracle at head dim 256 / 128.
+Tolerances (relative RMS per stream, against float64): fp32 1e-5 (stand-in), bf16 / fp16 2e-2.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import registry
+from pallas_kernels.paged_attention import api, cudnn
+from pallas_kernels.paged_attention.cudnn import CudnnConfig
+from tests.pallas_kernels.test_paged_attention import (STREAMS_ODD, check_against_oracle, make_case, oracle,
+                                                       rel_rms)
+
+
+def _run(case, dtype, scale, **kw):
+    fn = jax.jit(lambda *a: cudnn.paged_attention_prefill_cudnn(*a, scale=scale, impl="xla", **kw))
+    return fn(*case.args(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_odd_lengths_continued_streams(dtype):
+    rng = np.random.default_rng(0)
+    case = make_case(rng, streams=STREAMS_ODD, hkv=2, group=4, dh=32, dtype=dtype)
+    out = api.paged_attention(*case.args(dtype), scale=32 ** -0.5, backend="cudnn_xla")
+    assert out.dtype == jnp.dtype(dtype)
+    check_against_oracle(case, out, 32 ** -0.5, dtype)
+
+
+@pytest.mark.parametrize("group,hkv,dh,align", [(1, 3, 64, 1), (8, 1, 32, 8), (4, 2, 16, 4)])
+def test_gqa_and_aligned_regions(group, hkv, dh, align):
+    """align = G is the layout used where jax scales kv offsets by the query heads (regions start at multiples
+    of G tokens); it must give the same answer."""
+    rng = np.random.default_rng(group + align)
+    case = make_case(rng, streams=[(4, 20, 33), (0, 0, 70), (1, 100, 2), (2, 0, 1)], hkv=hkv, group=group, dh=dh,
+                     ps=8)
+    out = _run(case, jnp.float32, 0.3, align=align)
+    check_against_oracle(case, out, 0.3, jnp.float32)
+
+
+def test_fresh_only_switch_gives_zero_rows_to_continued_streams():
+    rng = np.random.default_rng(2)
+    case = make_case(rng, streams=[(0, 0, 63), (1, 9, 20), (2, 0, 65)], group=2, dh=32)
+    out = np.asarray(_run(case, jnp.float32, 0.2, config=CudnnConfig(context=False)))
+    ref = oracle(case, 0.2)
+    for i, (s, o, n, _, _) in enumerate(case.streams):
+        rows = slice(case.cu[i], case.cu[i] + n)
+        if s >= 0 and n and o == 0:
+            assert rel_rms(out[rows], ref[rows]) <= 1e-5, i
+        elif n:
+            np.testing.assert_array_equal(out[rows], 0.0)
+    np.testing.assert_array_equal(out[case.cu[-1]:], 0.0)
+
+
+def test_one_program_for_any_lengths():
+    rng = np.random.default_rng(3)
+    api._prefill_jit.clear_cache()
+    for streams in ([(0, 0, 40), (1, 5, 24)], [(1, 70, 1), (0, 0, 63)]):
+        case = make_case(rng, streams=streams, group=2, dh=32, width=8, num_pages=14, pad_tokens=4)
+        out = api.paged_attention(*case.args(jnp.float32), scale=0.2, backend="cudnn_xla")
+        check_against_oracle(case, out, 0.2, jnp.float32)
+    assert api._prefill_jit._cache_size() == 1
+
+
+def test_capacity_overflow_gives_zero_rows_never_wrong_ones():
+    """Streams whose region would pass the buffer's K rows read nothing; those before them are exact."""
+    rng = np.random.default_rng(4)
+    case = make_case(rng, streams=[(0, 10, 20), (1, 50, 30)], group=2, dh=32, pad_streams=0, pad_tokens=0)
+    out = np.asarray(_run(case, jnp.float32, 0.2, config=CudnnConfig(kv_capacity=40)))
+    ref = oracle(case, 0.2)
+    assert rel_rms(out[:20], ref[:20]) <= 1e-5
+    np.testing.assert_array_equal(out[20:], 0.0)
+
+
+def test_out_of_range_pages_under_jit_are_zero_keys_and_read_no_other_slot():
+    """The documented deviation: a live key on a page id outside [0, P) is a zero vector (score 0, value 0)."""
+    rng = np.random.default_rng(5)
+    case = make_case(rng, streams=[(0, 30, 10), (1, 0, 20)], group=2, dh=32, ps=8)
+    case.page_table[0, 1] = case.k_pages.shape[0] + 4        # keys 8..15 of slot 0: no page
+    case.page_table[0, 2] = -1                                # keys 16..23
+    out = np.asarray(_run(case, jnp.float32, 0.2))
+    assert np.all(np.isfinite(out))
+    s, o, n, kk, vv = case.streams[0]
+    kk, vv = kk.copy(), vv.copy()
+    kk[8:24] = 0.0
+    vv[8:24] = 0.0
+    case.streams[0] = (s, o, n, kk, vv)
+    ref = oracle(case, 0.2)
+    assert rel_rms(out[:30], ref[:30]) <= 1e-5
+
+
+def test_jax_offsets_become_cudnn_element_offsets():
+    """Our segments through jax's own ``_fix_seqlen_offsets`` (the step before the custom call): every live
+    segment's q / kv element offset is its first token times H Dh / Hkv Dh, whichever way this jax scales kv."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    h, hkv, dh = 16, 2, 32
+    unit = cudnn.kv_offset_unit(h, hkv, dh)
+    assert unit in (1, h // hkv)
+    rng = np.random.default_rng(6)
+    case = make_case(rng, streams=[(0, 9, 5), (1, 0, 3), (2, 17, 11)], hkv=hkv, group=h // hkv, dh=dh, ps=8)
+    q, kp, vp, pt, sl, cu, ids = case.args(jnp.bfloat16)
+    cap = cudnn.default_capacity(q.shape[0], ids.shape[0], kp.shape[0], 8, pt.shape[1], unit, True)
+    assert cap % unit == 0
+    pk = jax.jit(lambda *a: cudnn.build_packing(*a, num_pages=kp.shape[0], page_size=8, capacity=cap,
+                                                align=unit, context=True))(pt, sl, cu, ids)
+    assert np.all(np.asarray(pk.kv_start) % unit == 0) and np.all(np.asarray(pk.ctx_pad) % unit == 0)
+    qs, ks = jax.ShapeDtypeStruct((1, q.shape[0], h, dh), q.dtype), jax.ShapeDtypeStruct((1, cap, hkv, dh), q.dtype)
+
+    @jax.jit
+    def fixed(pk, cu):
+        seg = cudnn._segments(pk.live, cu[:-1], pk.length, pk.kv_start + pk.ctx_pad, pk.length, m=4,
+                              q_end=q.shape[0], kv_end=cap)
+        kv_off = jnp.where(seg.kv_off >= 0, seg.kv_off // unit, -1)
+        return fa._fix_seqlen_offsets(seg.q_len, seg.kv_len, seg.q_off, kv_off, qs, ks)
+    q_len, kv_len, q_off, kv_el = fixed(pk, cu)
+    live = np.asarray(pk.live)
+    starts = np.asarray(cu[:-1])[live]
+    kv_starts = np.asarray(pk.kv_start + pk.ctx_pad)[live]
+    k = int(live.sum())
+    np.testing.assert_array_equal(np.asarray(q_len)[0, :k], np.asarray(pk.length)[live])
+    np.testing.assert_array_equal(np.asarray(q_off)[0, :k], starts * h * dh)
+    np.testing.assert_array_equal(np.asarray(kv_el)[0, :k], kv_starts * hkv * dh)
+    np.testing.assert_array_equal(np.asarray(q_len)[0, k:], 0)               # dropped: zero-length segments
+
+
+def test_gated_and_decode_entries():
+    rng = np.random.default_rng(8)
+    case = make_case(rng, streams=[(0, 12, 17), (2, 0, 64)], group=2, dh=16)
+    q, kp, vp, pt, sl, cu, ids = case.args(jnp.float32)
+    t, h, dh = q.shape
+    qg = jnp.asarray(rng.standard_normal((t, h * 2 * dh)), jnp.float32)
+    q_norm = jnp.asarray(0.1 * rng.standard_normal(dh), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    cos, sin = jnp.cos(pos[:, None] * 0.1 * jnp.ones((1, 8))), jnp.sin(pos[:, None] * 0.1 * jnp.ones((1, 8)))
+    args = (qg, kp, vp, pt, sl, cu, ids)
+    kw = dict(q_norm=q_norm, cos=cos, sin=sin, num_heads=h, scale=0.25)
+    ours = api.paged_attention_gated(*args, backend="cudnn_xla", **kw)
+    ref = api.paged_attention_gated(*args, backend="xla", **kw)
+    live = int(case.cu[-1])
+    assert rel_rms(ours[:live], ref[:live]) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(ours[live:]), 0.0)
+    # decode on this backend is the XLA / Pallas decode (the cuDNN path is prefill only)
+    qd = q[:2]
+    dec = api.paged_attention_decode(qd, kp, vp, pt, sl, ids[:2], scale=0.25, backend="cudnn_xla")
+    np.testing.assert_array_equal(np.asarray(dec), np.asarray(
+        api.paged_attention_decode(qd, kp, vp, pt, sl, ids[:2], scale=0.25, backend="xla")))
+    dims = dict(dtype=jnp.bfloat16, head_dim=256, num_heads=16, num_kv_heads=2)
+    assert api.decode_backend("cudnn_xla", **dims) == "xla"
+    assert api.decode_backend("cudnn", **dims) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+
+
+def test_supports_and_backend_checks(monkeypatch):
+    dims = dict(head_dim=256, num_heads=16, num_kv_heads=2)
+    assert "bfloat16 or float16" in cudnn.supports(platform="gpu", dtype=jnp.float32, **dims)
+    assert "multiples of 8 up to 256" in cudnn.supports(platform="gpu", dtype=jnp.bfloat16,
+                                                       **dict(dims, head_dim=320))
+    assert "needs a CUDA GPU" in cudnn.supports(platform="cpu", dtype=jnp.bfloat16, **dims)
+    assert "multiple of num_kv_heads" in cudnn.supports(platform="xla", dtype=jnp.float32,
+                                                       **dict(dims, num_kv_heads=3))
+    assert cudnn.supports(platform="xla", dtype=jnp.float32, **dims) is None
+    case = dict(platform=jax.default_backend(), dtype=jnp.bfloat16, **dims)
+    # "auto" never picks cuDNN while its switch is off, nor the stand-in ever
+    monkeypatch.setattr(cudnn, "AUTO", False)
+    assert registry.resolve("paged_attention", "auto", **case) in ("pallas", "xla")
+    assert registry.resolve("paged_attention", "cudnn_xla", **case) == "cudnn_xla"
+    if jax.default_backend() != "gpu":
+        monkeypatch.setattr(cudnn, "AUTO", True)
+        assert registry.resolve("paged_attention", "auto", **case) == "xla"
+        with pytest.raises(ValueError, match="backend 'cudnn' cannot run here.*CUDA GPU"):
+            api.resolve_backend("cudnn", dtype=jnp.bfloat16, **dims)
+        with pytest.raises(ValueError, match="cannot run paged_attention here"):
+            registry.resolve("paged_attention", "cudnn", **case)
+    with pytest.raises(ValueError, match="impl must be"):
+        cudnn.paged_attention_prefill_cudnn(*make_case(np.random.default_rng(0), streams=[(0, 0, 3)]).args(
+            jnp.float32), scale=1.0, impl="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: the real cuDNN call (skipped on CPU)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dh,group", [(256, 8), (128, 4)])
+def test_gpu_cudnn_matches_f64(dtype, dh, group):
+    rng = np.random.default_rng(dh + group)
+    case = make_case(rng, streams=STREAMS_ODD + [(4, 300, 257)], hkv=2, group=group, dh=dh, num_slots=7,
+                     dtype=dtype)
+    out = api.paged_attention(*case.args(dtype), scale=dh ** -0.5, backend="cudnn")
+    check_against_oracle(case, out, dh ** -0.5, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_fresh_only_and_single_stream():
+    rng = np.random.default_rng(11)
+    case = make_case(rng, streams=[(0, 0, 1), (1, 0, 64), (2, 0, 130)], hkv=2, group=8, dh=256,
+                     dtype=jnp.bfloat16)
+    out = api.paged_attention(*case.args(jnp.bfloat16), scale=256 ** -0.5, backend="cudnn",
+                              config=CudnnConfig(context=False))
+    check_against_oracle(case, out, 256 ** -0.5, jnp.bfloat16)
+    case = make_case(rng, streams=[(3, 0, 513)], hkv=2, group=8, dh=256, dtype=jnp.bfloat16, pad_streams=0)
+    out = api.paged_attention(*case.args(jnp.bfloat16), scale=256 ** -0.5, backend="cudnn")
+    check_against_oracle(case, out, 256 ** -0.5, jnp.bfloat16)
