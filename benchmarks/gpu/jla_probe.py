@@ -17,8 +17,10 @@ jax_gdn.bench.time_jax (median of groups of back-to-back jitted calls, the bench
   jla.fused      scalar_gate_fused.fused_fwd_wy     (warp-specialised state pass + WY + output, one kernel)
   jla.op_cpN     scalar_gate.run(..., cp=N): jla with its sequence split forced to N pieces (N = 2, 4 where its
                  policy picks 1): does splitting the serial pass pay on our dense rows?
-  mgpu.*         pallas_kernels.gated_delta_rule.mosaic_gpu (our Mosaic GPU port) if that module exists and
-                 exposes ``probe_rows(case, args, timer) -> dict``: compiled, checked, timed.
+  mgpu.fwd       pallas_kernels.gated_delta_rule.mosaic_gpu (our Mosaic GPU port, off by default): stage 1a
+                 (Triton) + the warp-specialised fused pass, checked against fp32 XLA and timed; mgpu.fused the
+                 Mosaic kernel alone. Run after every other row of every case (a hang or a CUDA error in a new
+                 kernel cannot cost the rows above), then once on an odd length (B2-T130-Hk1-Hv3-K64-V64).
 Numerics (first case only, and whatever the budget leaves): o and final state of ours and of jla against the XLA
 backend in fp32 on the same bf16-rounded inputs (matmul precision "highest"), relative RMS.
 
@@ -104,9 +106,11 @@ def main():
     hopper = jla is not None and not quick and jsg.is_hopper()
 
     core = 2 if not quick else 1          # the first two cases' core rows come before any case's optional rows
+    kept = {}                             # case name -> (case, args, reference): our port's rows run last
 
     for ci, case in enumerate(plan):
-        reserve = 22.0 * max(core - ci - 1, 0)          # seconds kept for the core rows of the cases still to come
+        # seconds kept for the core rows of the cases still to come, and for our port's rows run last
+        reserve = 22.0 * max(core - ci - 1, 0) + (15.0 if our_mgpu is not None and not quick else 0.0)
 
         def extra_ok(need=10.0):
             """Whether an optional row (variants) fits before the deadline, keeping the reserve."""
@@ -159,56 +163,8 @@ def main():
                         q, k, v, g, b, initial_state=h, output_final_state=True, backend="xla"))(*f32)))
             return ref_cache[0]
 
-        # ---------------- ours: the op, then each stage ----------------
-        backend = "pallas_interpret" if quick else "pallas"
-
-        @jax.jit
-        def ours_op(q, k, v, g, beta, h0):
-            return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                              backend=backend)
-        ours_out = timed("ours.op", ours_op, args)
-
-        tt = case.B * case.T
-        try:
-            start, length, first, nchunks = kernel_chunk_map(case.B, case.T, None, 64)
-            qf, kf = qd.reshape(tt, case.Hk, case.K), kd.reshape(tt, case.Hk, case.K)
-            vf, gf, bff = vd.reshape(tt, case.Hv, case.V), gd.reshape(tt, case.Hv), bd.reshape(tt, case.Hv)
-            if quick:     # interpret mode clamps the dynamic slices: pad C rows as pallas_triton._run does
-                pad = lambda x: jnp.pad(x, [(0, 64)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-                qf, kf, vf, gf, bff = (pad(x) for x in (qf, kf, vf, gf, bff))
-            n = case.num_seqs
-            base = kt.launch_config(case.V, n * case.Hv, bf)
-            info["ours_config"] = str(base)
-            mp = dict(chunk_start=start, chunk_len=length, chunk=64, interpret=quick)
-            tg = timed("ours.1a", jax.jit(lambda k_, g_, b_: kt.kkt_solve(
-                k_, g_, b_, num_v_heads=case.Hv, config=base, **mp)), (kf, gf, bff))
-            inter = None if tg is None else timed("ours.1b", jax.jit(lambda *a: kt.wu_aqk(
-                *a, scale=scale, config=base, **mp)), (qf, kf, vf, bff) + tuple(tg))
-            if inter is not None:
-                w, u, aqk = inter
-                slots = jnp.arange(n, dtype=jnp.int32)
-                has = jnp.ones((n,), jnp.int32)
-                timed("ours.2", jax.jit(lambda q_, k_, w_, u_, a_, g_, p_: kt.state_pass(
-                    q_, k_, w_, u_, a_, g_, pool=p_, scale=scale, slot_ids=slots, has_initial_state=has,
-                    seq_first_chunk=first, seq_num_chunks=nchunks, config=base, final="seq", **mp)),
-                    (qf, kf, w, u, aqk, tg[1], h0d))
-        except Exception as e:  # noqa: BLE001
-            log(f"  ours stages FAIL {type(e).__name__}: {str(e)[:400]}")
-            result["errors"].append(f"{case.name} ours stages: {e}")
-
-        # ---------------- our Mosaic GPU port, if present ----------------
-        if our_mgpu is not None and hasattr(our_mgpu, "probe_rows") and left() > 10:   # before the variants' reserve
-            try:
-                rows["mgpu"] = our_mgpu.probe_rows(case, args, timer, interpret=quick, log=log,
-                                                   reference=reference)
-                for key, val in rows["mgpu"].get("ms", {}).items():
-                    ms[f"mgpu.{key}"] = val
-            except Exception as e:  # noqa: BLE001
-                log(f"  mgpu FAIL {type(e).__name__}: {str(e)[:400]}")
-                result["errors"].append(f"{case.name} mgpu: {e}")
-
         # ---------------- jla: the op, its glue and each kernel ----------------
-        jla_out = None
+        jla_out = prep = None
         if jla is not None:
             try:
                 reason = jsg.unsupported_reason(qd, kd, vd, (gd, bd), dict(initial_state=h0d,
@@ -237,10 +193,6 @@ def main():
                     if prep is not None:
                         qp, kp, vp, g2, bt, h0t = prep
                         t0 = timed("jla.kkt", jax.jit(lambda k_, b_: jgdr.kkt_fwd(k_, b_)), (kp, bt))
-                        for cpc in (1, 2, 8):
-                            if info["jla_kkt_chunks_per_cta"] != cpc and extra_ok():
-                                timed(f"jla.kkt_cpc{cpc}", jax.jit(
-                                    lambda k_, b_, c=cpc: jgdr.kkt_fwd(k_, b_, chunks_per_cta=c)), (kp, bt))
                         starts = h0t
                         if t0 is not None and cp > 1:
                             cfg = jsg._Config(delta=True, gated=True, scale=float(scale), out_final=True,
@@ -254,17 +206,49 @@ def main():
                             timed("jla.fused", jax.jit(lambda q_, k_, v_, t_, g_, b_, h_: jsf.fused_fwd_wy(
                                 q_, k_, v_, t_, g_, b_, h_, scale=scale, out_final=True, out_dtype=bf, cp=cp)),
                                 (qp, kp, vp, t0, g2, bt, starts))
-                    # the sequence split forced on (jla's policy keeps cp = 1 above 32 CTAs)
-                    for cpf in (2, 4):
-                        if cpf != cp and extra_ok():
-                            timed(f"jla.op_cp{cpf}", jax.jit(lambda q_, k_, v_, g_, b_, h_, c=cpf: jsg.run(
-                                q_, k_, v_, g_, b_, delta=True, scale=None, initial_state=h_,
-                                output_final_state=True, cp=c)), args)
                 else:
                     log("  jla kernels: skipped (need a Hopper GPU; --quick checks the glue only)")
             except Exception as e:  # noqa: BLE001
                 log(f"  jla FAIL {type(e).__name__}: {str(e)[:400]}")
                 result["errors"].append(f"{case.name} jla: {e}")
+
+        # ---------------- ours: the op, then each stage ----------------
+        backend = "pallas_interpret" if quick else "pallas"
+
+        @jax.jit
+        def ours_op(q, k, v, g, beta, h0):
+            return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              backend=backend)
+        ours_out = timed("ours.op", ours_op, args)
+
+        # ---------------- ours, stage by stage ----------------
+        tt = case.B * case.T
+        try:
+            start, length, first, nchunks = kernel_chunk_map(case.B, case.T, None, 64)
+            qf, kf = qd.reshape(tt, case.Hk, case.K), kd.reshape(tt, case.Hk, case.K)
+            vf, gf, bff = vd.reshape(tt, case.Hv, case.V), gd.reshape(tt, case.Hv), bd.reshape(tt, case.Hv)
+            if quick:     # interpret mode clamps the dynamic slices: pad C rows as pallas_triton._run does
+                pad = lambda x: jnp.pad(x, [(0, 64)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+                qf, kf, vf, gf, bff = (pad(x) for x in (qf, kf, vf, gf, bff))
+            n = case.num_seqs
+            base = kt.launch_config(case.V, n * case.Hv, bf)
+            info["ours_config"] = str(base)
+            mp = dict(chunk_start=start, chunk_len=length, chunk=64, interpret=quick)
+            tg = timed("ours.1a", jax.jit(lambda k_, g_, b_: kt.kkt_solve(
+                k_, g_, b_, num_v_heads=case.Hv, config=base, **mp)), (kf, gf, bff))
+            inter = None if tg is None else timed("ours.1b", jax.jit(lambda *a: kt.wu_aqk(
+                *a, scale=scale, config=base, **mp)), (qf, kf, vf, bff) + tuple(tg))
+            if inter is not None:
+                w, u, aqk = inter
+                slots = jnp.arange(n, dtype=jnp.int32)
+                has = jnp.ones((n,), jnp.int32)
+                timed("ours.2", jax.jit(lambda q_, k_, w_, u_, a_, g_, p_: kt.state_pass(
+                    q_, k_, w_, u_, a_, g_, pool=p_, scale=scale, slot_ids=slots, has_initial_state=has,
+                    seq_first_chunk=first, seq_num_chunks=nchunks, config=base, final="seq", **mp)),
+                    (qf, kf, w, u, aqk, tg[1], h0d))
+        except Exception as e:  # noqa: BLE001
+            log(f"  ours stages FAIL {type(e).__name__}: {str(e)[:400]}")
+            result["errors"].append(f"{case.name} ours stages: {e}")
 
         # ---------------- numerics against the fp32 XLA backend ----------------
         if (ci == 0 or extra_ok(15)) and left() > 10 and (ours_out is not None or jla_out is not None):
@@ -280,6 +264,25 @@ def main():
             except Exception as e:  # noqa: BLE001
                 log(f"  numerics FAIL {type(e).__name__}: {str(e)[:300]}")
 
+        # ---------------- optional rows (when the deadline leaves room): jla's launch variants ----------------
+        if jla is not None and hopper:
+            try:
+                cp = info.get("jla_cp", 1)
+                if prep is not None:                      # kkt_fwd with other chunks-per-CTA counts
+                    kp_, bt_ = prep[1], prep[4]
+                    for cpc in (1, 2, 8):
+                        if info.get("jla_kkt_chunks_per_cta") != cpc and extra_ok():
+                            timed(f"jla.kkt_cpc{cpc}", jax.jit(
+                                lambda k_, b_, c=cpc: jgdr.kkt_fwd(k_, b_, chunks_per_cta=c)), (kp_, bt_))
+                for cpf in (2, 4):                        # the sequence split forced on (its policy: cp = 1 above
+                    if cpf != cp and extra_ok():          # 32 CTAs): would splitting pay on our dense rows?
+                        timed(f"jla.op_cp{cpf}", jax.jit(lambda q_, k_, v_, g_, b_, h_, c=cpf: jsg.run(
+                            q_, k_, v_, g_, b_, delta=True, scale=None, initial_state=h_,
+                            output_final_state=True, cp=c)), args)
+            except Exception as e:  # noqa: BLE001
+                log(f"  jla variants FAIL {type(e).__name__}: {str(e)[:400]}")
+
+        kept[case.name] = (case, args, reference)
         # per-stage sums (what the op costs beyond its kernels: glue, launches)
         g_ = lambda key: ms.get(key) or 0.0  # noqa: E731
         if ms.get("ours.1a") and ms.get("ours.1b") and ms.get("ours.2"):
@@ -287,6 +290,22 @@ def main():
         if ms.get("jla.kkt") and ms.get("jla.fused"):
             rows.setdefault("sums", {})["jla_stages"] = round(
                 g_("jla.glue") + g_("jla.kkt") + g_("jla.split") + g_("jla.fused"), 4)
+        _write(out_dir, result)
+
+    # ---------------- our Mosaic GPU port, last: a hang or a poisoned CUDA context cannot cost the rows above ------
+    _write(out_dir, result)
+    for name, (case, args, reference) in kept.items():
+        if our_mgpu is None or not hasattr(our_mgpu, "probe_rows") or left() < 8:
+            break
+        log(f"== {name}: our Mosaic GPU port ({left():.0f} s left)")
+        try:
+            mrow = result["cases"][name]["mgpu"] = our_mgpu.probe_rows(case, args, timer, interpret=quick, log=log,
+                                                                        reference=reference)
+            for key, val in mrow.get("ms", {}).items():
+                result["cases"][name]["ms"][f"mgpu.{key}"] = val
+        except Exception as e:  # noqa: BLE001
+            log(f"  mgpu FAIL {type(e).__name__}: {str(e)[:400]}")
+            result["errors"].append(f"{name} mgpu: {e}")
         _write(out_dir, result)
 
     # ---------------- our port on an odd length with grouped heads (zero-token padding inside), if time ----------
