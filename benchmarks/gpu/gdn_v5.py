@@ -4,8 +4,8 @@ persistent grid, each checked against an fp32 reference and timed against the de
     python benchmarks/gpu/gdn_v5.py [--quick] [--budget SECONDS]      (results under $OUT, default /tmp/out)
 
 Steps, each skipped when the deadline (``--budget``, default 100 s from start) would not fit it; run in the order
-prefill serve256, numerics serve256, decode N256, tiny64 (numerics, prefill), B1-T8192, decode N64, fp32 numerics,
-FLA:
+prefill serve256, numerics serve256, decode N256, tiny64 (numerics, prefill), B1-T8192, decode N64, serve256 with
+no initial state ("fresh"), fp32 numerics, FLA:
   numerics  the slots API (initial states read from a pool of N + 8 slots under permuted ids; every 5th sequence
             has_initial_state False over a NaN stale slot) on serve256 / tiny64 lengths, bf16 inputs, default
             LaunchConfig and each persistent variant, against the XLA backend in fp32 (the bf16-rounded inputs,
@@ -193,7 +193,7 @@ def main():
             save()
 
     # ---- prefill timing: plain API (what the public op runs), initial states in, final states out ----
-    def prefill(case, configs):
+    def prefill(case, configs, fresh=False):
         q, k, v, g, beta, h0 = make_inputs_np(case, 0)
         a = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
              jnp.asarray(h0))
@@ -209,10 +209,11 @@ def main():
             @jax.jit
             def f(q, k, v, g, beta, h0, cfg=cfg):
                 cmap = None if cu is None else build_chunk_map(cu, q.shape[1], 64)
-                return kt.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0,
+                return kt.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None,
+                                                     initial_state=None if fresh else h0,
                                                      cu_seqlens=cu, chunk_map=cmap, output_final_state=True,
                                                      interpret=interpret, config=cfg)
-            row = {"case": case.name, "config": name}
+            row = {"case": case.name + (" fresh" if fresh else ""), "config": name}
             try:
                 ms = tj(f, a)
                 row["ms"] = round(ms, 4)
@@ -274,6 +275,8 @@ def main():
     guarded("prefill B1-T8192", 12 * big, lambda: prefill(dense, persist[:1]))
     if len(dec_cases) > 1:
         guarded("decode N64", 8 * big, lambda: decode_rows(dec_cases[1], dec_cfgs[:2]))
+    # new prompts (initial_state None: every start-state load masked off; NOTES' "fresh" prediction)
+    guarded("prefill serve256 fresh", 12 * big, lambda: prefill(serve, persist[:1], fresh=True))
     guarded("numerics tiny64 fp32", 10 * big, lambda: numerics(tiny, persist[:1], jnp.float32, with_default=False))
     guarded("numerics serve256 fp32", 15 * big,
             lambda: numerics(serve, persist[:1], jnp.float32, with_default=False))
