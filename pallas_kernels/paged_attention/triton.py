@@ -76,7 +76,11 @@ class DecodeConfig:
     every kv head (the pages' whole [Ps, Hkv Dh] rows, all H query heads in one tile) instead of one program per
     kv head (taken where Hkv <= 4 and H <= 32, else ignored); dynamic_split: each stream's split length is ceil(len / NS) (read on the device) instead of
     W Ps / NS (static: a stream shorter than the page table's width then leaves splits idle); combine: how the
-    splits merge: "xla" (one product + reduction), "pallas" (a second small kernel), "einsum" (fp32 einsum)."""
+    splits merge: "xla" (one product + reduction), "pallas" (a second small kernel), "einsum" (fp32 einsum);
+    waves: programs wanted per SM when num_splits is None; prefetch_pages: the page ids of step j + 1 are loaded
+    in step j (carried), so that no K/V address waits on a page-table load of its own step; heads_fastest: the
+    grid's fastest axis is the kv head block (the programs reading the other halves of the same pages run side
+    by side) instead of the stream."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
@@ -85,6 +89,8 @@ class DecodeConfig:
     dynamic_split: bool = True
     combine: str = "xla"
     waves: int = 4
+    prefetch_pages: bool = False
+    heads_fastest: bool = False
 
     def __post_init__(self):
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
@@ -357,13 +363,13 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
 # ----------------------------------------------------------------------------------------------------------------
 def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, group, kv_per_prog,
                    block_m, block_k, num_splits, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
-                   precision, direct):
+                   precision, direct, prefetch, heads_fastest):
     """One program: stream n, kv heads hb * kv_per_prog .., split sp. Rows of the [M, Dh] query tile: the G heads
     of each of its kv heads (row i: local kv head i // G); with several kv heads per program every key tile is
     loaded once per kv head (together: the page's whole [Ps, Hkv Dh] rows when kv_per_prog == Hkv) and each row
     keeps the scores of its own kv head."""
-    n = pl.program_id(0)
-    hb = pl.program_id(1)
+    n = pl.program_id(1 if heads_fastest else 0)
+    hb = pl.program_id(0 if heads_fastest else 1)
     sp = pl.program_id(2)
     sid = slot_ids_ref[n]
     has_slot = (sid >= 0) & (sid < num_slots)
@@ -387,11 +393,21 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
     q = plgpu.load(q_ref.at[row[:, None], cols], mask=row_ok[:, None], other=0)        # [M, Dh]
     heads = [hb * kv_per_prog + c for c in range(kv_per_prog)]
 
-    def body(j, carry):
-        m_i, l_i, acc = carry
+    def rows_of(j):             # pool rows of step j's keys, -1 where invalid
         _, rows, valid = _kv_rows(pt_ref, slot, start + j * block_k, stop, block_k=block_k, page_size=page_size,
                                   num_pages=num_pages, width=width)
+        return jnp.where(valid, rows, -1)
+
+    def body(j, carry):
+        if prefetch:
+            m_i, l_i, acc, rows = carry
+            nxt = rows_of(j + 1)
+        else:
+            m_i, l_i, acc = carry
+            rows = rows_of(j)
+        valid = rows >= 0
         m2 = valid[:, None]
+        rows = jnp.maximum(rows, 0)
         ks = [plgpu.load(k_ref.at[rows[:, None], hk, cols], mask=m2, other=0) for hk in heads]
         vs = [plgpu.load(v_ref.at[rows[:, None], hk, cols], mask=m2, other=0) for hk in heads]
         s = None
@@ -407,12 +423,14 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         for c, v in enumerate(vs):
             pc = p if kv_per_prog == 1 else jnp.where((kvl == c)[:, None], p, 0.0)
             acc = acc + _dot(pc.astype(v.dtype), v, precision=precision)
-        return m_new, l_new, acc
+        return (m_new, l_new, acc, nxt) if prefetch else (m_new, l_new, acc)
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
+    if prefetch:
+        carry = carry + (rows_of(0),)
     steps = jnp.maximum(stop - start + block_k - 1, 0) // block_k
-    m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)
+    m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)[:3]
     if direct:                  # one split: the normalised output in q's dtype, no combine
         o_ref, = out_refs
         o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
@@ -476,7 +494,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
     page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot).
 
-    Grid (N, Hkv / kv_per_prog, NS); NS = config.num_splits or ``_num_splits``. With NS == 1 the kernel writes o
+    Grid (N, Hkv / kv_per_prog, NS) (the first two swapped with heads_fastest); NS = config.num_splits or ``_num_splits``. With NS == 1 the kernel writes o
     itself; else partials o_part [N H, NS, Dh] fp32, m, l [N H, NS] and a combine (config.combine)."""
     config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
@@ -493,7 +511,8 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     kernel = functools.partial(
         _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
         split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
-        precision=_precision(q.dtype), direct=direct)
+        precision=_precision(q.dtype), direct=direct, prefetch=config.prefetch_pages,
+        heads_fastest=config.heads_fastest)
     if direct:
         out_shape = jax.ShapeDtypeStruct((n * h, dh), q.dtype)
     else:
@@ -501,7 +520,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32))
     call = pl.pallas_call(
-        kernel, grid=(n, hkv // kvp, ns), out_shape=out_shape,
+        kernel, grid=(hkv // kvp, n, ns) if config.heads_fastest else (n, hkv // kvp, ns), out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_attention_decode")
     out = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh), k_pages.reshape(p * ps, hkv, dh),

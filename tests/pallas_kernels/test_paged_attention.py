@@ -241,7 +241,7 @@ def test_decode_gqa(backend, group, hkv):
 
 
 # every decode launch path (triton.DecodeConfig): dynamic / static split lengths, kv heads packed in one program,
-# one split (the kernel writes o, no combine), each combine; splits of 16-64 keys so that the short contexts of
+# one split (the kernel writes o, no combine), each combine, page ids prefetched, kv-head-fastest grid; splits of 16-64 keys so that the short contexts of
 # the case cross several splits and leave some empty
 DECODE_CONFIGS = [
     dict(num_splits=3, block_k=16),                                          # dynamic split, XLA combine
@@ -251,11 +251,13 @@ DECODE_CONFIGS = [
     dict(num_splits=1, block_k=64, pack_kv_heads=True),
     dict(num_splits=4, block_k=16, combine="pallas"),                        # combine kernel
     dict(num_splits=6, block_k=32, combine="einsum", pack_kv_heads=True),
+    dict(num_splits=3, block_k=16, prefetch_pages=True, heads_fastest=True),  # page ids one step ahead
+    dict(num_splits=2, block_k=32, prefetch_pages=True, pack_kv_heads=True),
 ]
 
 
 @pytest.mark.parametrize("cfg,dtype", [(c, jnp.float32) for c in DECODE_CONFIGS]       # bf16: 3 paths (CI time)
-                         + [(DECODE_CONFIGS[i], jnp.bfloat16) for i in (0, 2, 5)],
+                         + [(DECODE_CONFIGS[i], jnp.bfloat16) for i in (0, 2, 5, 7)],
                          ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict)
                          else jnp.dtype(x).name)
 def test_decode_configs_interpret(cfg, dtype):
