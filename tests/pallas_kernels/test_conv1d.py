@@ -153,8 +153,10 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
 def test_80b_dims_on_gpu(dtype):
     """Qwen3-Next-80B GDN dims (16 / 32 heads x 128, conv 4, fused in_proj_qkvz source), varlen16 lengths padded to
     19456 tokens with NaN padding rows, half the streams continuing from random states: the compiled kernel against
-    the XLA form (fp32: 1e-5 abs; bf16: 1.6e-2 abs, two bf16 roundings of values <= 1) and, for the first 2000
-    tokens, against the float64 oracle; padding rows zero; the pools equal."""
+    the XLA form and, for the first 2000 tokens, against the float64 oracle (fp32: 1e-5 abs; bf16: 1.6e-2 abs +
+    8e-3 relative: q, k are L2-normed (<= 1) but v is SiLU of the conv, up to ~9 here, where one bf16 ulp is
+    0.0625, so an absolute bound alone fails on correct values: the first H200 run had 6 of 16.1M elements
+    1 ulp off, 3.3e-3 relative); padding rows zero; the pools equal."""
     from jax_gdn.cases import VARLEN16_LENS
     hk, hv, d, kc = 16, 32, 128, 4
     c = (2 * hk + hv) * d
@@ -173,11 +175,11 @@ def test_80b_dims_on_gpu(dtype):
     outs = {be: jax.jit(lambda x, pool, be=be: api.causal_conv1d_l2_varlen(
         x, w, pool, jnp.asarray(cu), ids, hi, num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=cols,
         backend=be))(x, pool) for be in ("xla", "pallas")}
-    tol = 1e-5 if dtype == "float32" else 1.6e-2
+    tol = dict(atol=1e-5, rtol=0) if dtype == "float32" else dict(atol=1.6e-2, rtol=8e-3)
     for a, b in zip(outs["xla"][:3], outs["pallas"][:3]):
         a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
         assert np.isfinite(b).all() and not b[cu[-1]:].any()
-        np.testing.assert_allclose(b, a, atol=tol, rtol=0)
+        np.testing.assert_allclose(b, a, **tol)
     np.testing.assert_array_equal(np.asarray(outs["xla"][3].astype(jnp.float32)),
                                   np.asarray(outs["pallas"][3].astype(jnp.float32)))
     # float64 oracle on the first streams (up to 2000 tokens)
@@ -197,4 +199,4 @@ def test_80b_dims_on_gpu(dtype):
         y[:, lo:hi_] = (h / np.sqrt((h * h).sum(-1, keepdims=True) + 1e-6)).reshape(len(y), -1)
     got = np.concatenate([np.asarray(a.astype(jnp.float32))[:cu[m]].reshape(cu[m], -1) for a in outs["pallas"][:3]],
                          1)
-    np.testing.assert_allclose(got, y, atol=1e-5 if dtype == "float32" else 1.6e-2, rtol=0)
+    np.testing.assert_allclose(got, y, **tol)
