@@ -49,6 +49,25 @@ def test_gqa_and_aligned_regions(group, hkv, dh, align):
     check_against_oracle(case, out, 0.3, jnp.float32)
 
 
+def test_cudnn_impl_path_with_the_call_stood_in(monkeypatch):
+    """impl="cudnn" end to end on CPU with only the custom call replaced: jax's offset unit (G on jax before PR
+    39521), the G-aligned regions, the kv offsets passed in units, then the stand-in reading them back."""
+    seen = {}
+
+    def fake(q, k, v, seg, *, causal, scale, unit):
+        seen["unit"] = unit
+        kv_off = jnp.where(seg.kv_off >= 0, seg.kv_off // unit, -1)            # what segments_cudnn passes on
+        back = jnp.where(kv_off >= 0, kv_off * unit, -1)                        # what cuDNN then addresses
+        return cudnn.segments_xla(q, k, v, seg._replace(kv_off=back), causal=causal, scale=scale)
+    monkeypatch.setattr(cudnn, "segments_cudnn", fake)
+    rng = np.random.default_rng(12)
+    case = make_case(rng, streams=[(0, 13, 63), (2, 0, 1), (1, 64, 65)], hkv=2, group=8, dh=32)
+    out = jax.jit(lambda *a: cudnn.paged_attention_prefill_cudnn(*a, scale=0.2, impl="cudnn"))(
+        *case.args(jnp.bfloat16))
+    assert seen["unit"] == cudnn.kv_offset_unit(16, 2, 32)
+    check_against_oracle(case, out, 0.2, jnp.bfloat16)
+
+
 def test_fresh_only_switch_gives_zero_rows_to_continued_streams():
     rng = np.random.default_rng(2)
     case = make_case(rng, streams=[(0, 0, 63), (1, 9, 20), (2, 0, 65)], group=2, dh=32)
