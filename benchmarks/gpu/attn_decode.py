@@ -87,20 +87,23 @@ def variants(tr):
         ("s4", D(dynamic_split=False, combine="einsum")),            # the session-4 kernel (baseline)
         ("dyn", D()),                                                # dynamic split, one-reduction combine
         ("cmb-pallas", D(combine="pallas")),                         # combine in a second small kernel
-        ("ns1", D(num_splits=1)),                                    # no combine
+        ("pf2", D(prefetch_pages=2)),                                # page ids two steps ahead
+        ("pf1", D(prefetch_pages=1)),                                # ... one step ahead
         ("pack", D(pack_kv_heads=True)),                             # both kv heads per program
+        ("pack-pf2", D(pack_kv_heads=True, prefetch_pages=2)),
+        ("ns1", D(num_splits=1)),                                    # no combine
         ("pack-ns1", D(pack_kv_heads=True, num_splits=1)),
         ("hkfast", D(heads_fastest=True)),                           # kv head the fastest grid axis
-        ("pf", D(prefetch_pages=True)),                              # page ids one step ahead
-        ("pf-s3", D(prefetch_pages=True, num_stages=3)),
+        ("bk32-s2", D(block_k=32)),                                  # 64 KB of smem: 3 programs per SM
+        ("bk16-s2", D(block_k=16)),
+        ("pf2-bk32", D(block_k=32, prefetch_pages=2)),
         ("bk32-s3", D(block_k=32, num_stages=3)),
         ("bk64-s3", D(num_stages=3)),
+        ("pf2-s3", D(prefetch_pages=2, num_stages=3)),
         ("waves2", D(waves=2)),
-        ("pack-pf", D(pack_kv_heads=True, prefetch_pages=True)),
-        ("pack-bk32-s3", D(pack_kv_heads=True, block_k=32, num_stages=3)),
-        ("bk32-s4", D(block_k=32, num_stages=4)),
+        ("pf2-waves8", D(prefetch_pages=2, waves=8)),
+        ("pack-pf2-bk32", D(pack_kv_heads=True, prefetch_pages=2, block_k=32)),
         ("w8", D(num_warps=8)),
-        ("pack-waves2", D(pack_kv_heads=True, waves=2)),
     ]
 
 

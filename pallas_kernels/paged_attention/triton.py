@@ -77,8 +77,9 @@ class DecodeConfig:
     kv head (taken where Hkv <= 4 and H <= 32, else ignored); dynamic_split: each stream's split length is ceil(len / NS) (read on the device) instead of
     W Ps / NS (static: a stream shorter than the page table's width then leaves splits idle); combine: how the
     splits merge: "xla" (one product + reduction), "pallas" (a second small kernel), "einsum" (fp32 einsum);
-    waves: programs wanted per SM when num_splits is None; prefetch_pages: the page ids of step j + 1 are loaded
-    in step j (carried), so that no K/V address waits on a page-table load of its own step; heads_fastest: the
+    waves: programs wanted per SM when num_splits is None; prefetch_pages: d > 0: the page ids of step j + d are
+    loaded in step j and carried, so that no K/V address waits on a page-table load of its own step (Triton's
+    2-stage pipeline otherwise issues the next tile's copies only after that load returns); heads_fastest: the
     grid's fastest axis is the kv head block (the programs reading the other halves of the same pages run side
     by side) instead of the stream."""
     block_k: int = 64
@@ -89,7 +90,7 @@ class DecodeConfig:
     dynamic_split: bool = True
     combine: str = "xla"
     waves: int = 4
-    prefetch_pages: bool = False
+    prefetch_pages: int = 0
     heads_fastest: bool = False
 
     def __post_init__(self):
@@ -101,6 +102,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas' or 'einsum', got {self.combine!r}")
         if self.waves < 1:
             raise ValueError(f"DecodeConfig.waves must be >= 1, got {self.waves}")
+        if not 0 <= int(self.prefetch_pages) <= 3:
+            raise ValueError(f"DecodeConfig.prefetch_pages must be 0 .. 3 steps ahead, got {self.prefetch_pages}")
 
 
 # Module-wide overrides (benchmarks): None picks by dtype and head dim below.
@@ -399,11 +402,10 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         return jnp.where(valid, rows, -1)
 
     def body(j, carry):
-        if prefetch:
-            m_i, l_i, acc, rows = carry
-            nxt = rows_of(j + 1)
+        m_i, l_i, acc = carry[:3]
+        if prefetch:            # carry[3:]: rows of steps j .. j + d - 1
+            rows, pending = carry[3], carry[4:] + (rows_of(j + prefetch),)
         else:
-            m_i, l_i, acc = carry
             rows = rows_of(j)
         valid = rows >= 0
         m2 = valid[:, None]
@@ -423,12 +425,11 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         for c, v in enumerate(vs):
             pc = p if kv_per_prog == 1 else jnp.where((kvl == c)[:, None], p, 0.0)
             acc = acc + _dot(pc.astype(v.dtype), v, precision=precision)
-        return (m_new, l_new, acc, nxt) if prefetch else (m_new, l_new, acc)
+        return (m_new, l_new, acc) + (pending if prefetch else ())
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
-    if prefetch:
-        carry = carry + (rows_of(0),)
+    carry = carry + tuple(rows_of(d) for d in range(prefetch))
     steps = jnp.maximum(stop - start + block_k - 1, 0) // block_k
     m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)[:3]
     if direct:                  # one split: the normalised output in q's dtype, no combine
@@ -511,7 +512,7 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     kernel = functools.partial(
         _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
         split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
-        precision=_precision(q.dtype), direct=direct, prefetch=config.prefetch_pages,
+        precision=_precision(q.dtype), direct=direct, prefetch=int(config.prefetch_pages),
         heads_fastest=config.heads_fastest)
     if direct:
         out_shape = jax.ShapeDtypeStruct((n * h, dh), q.dtype)

@@ -251,8 +251,8 @@ DECODE_CONFIGS = [
     dict(num_splits=1, block_k=64, pack_kv_heads=True),
     dict(num_splits=4, block_k=16, combine="pallas"),                        # combine kernel
     dict(num_splits=6, block_k=32, combine="einsum", pack_kv_heads=True),
-    dict(num_splits=3, block_k=16, prefetch_pages=True, heads_fastest=True),  # page ids one step ahead
-    dict(num_splits=2, block_k=32, prefetch_pages=True, pack_kv_heads=True),
+    dict(num_splits=3, block_k=16, prefetch_pages=1, heads_fastest=True),     # page ids 1 / 2 steps ahead
+    dict(num_splits=2, block_k=32, prefetch_pages=2, pack_kv_heads=True),
 ]
 
 
@@ -300,6 +300,8 @@ def test_decode_config_errors():
         tr.DecodeConfig(num_splits=0)
     with pytest.raises(ValueError, match="combine must be"):
         tr.DecodeConfig(combine="cuda")
+    with pytest.raises(ValueError, match="prefetch_pages must be 0 .. 3"):
+        tr.DecodeConfig(prefetch_pages=5)
     # the split rule: enough programs for the waves, never splits under 4 steps of a full-width slot
     assert tr._num_splits(128, 4096, 64, waves=4, sms=132) == 5
     assert tr._num_splits(512, 1024, 64, waves=4, sms=132) == 2
