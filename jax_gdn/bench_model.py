@@ -195,16 +195,38 @@ def _pipelined_ms(call, sync, calls: int = PIPE_CALLS, batches: int = 3) -> floa
     return float(statistics.median(times))
 
 
-def _time_into(out: dict, name: str, fn, args: tuple, state, *, reps: int, calls: int) -> None:
-    """``_time_part`` of fn(*args[, state]) into out[name] (pipelined ms) and out["ms_blocking"][name]; with
+def _time_into(out: dict, name: str, fn, args: tuple, state, *, reps: int, calls: int, feed=(), iters: int = 0,
+               deadline: float = None) -> None:
+    """The three timings of fn(*args[, state]) into ``out``: ``_time_part`` (pipelined ms into
+    out["ms_pipelined"][name] and, until ``choose_figures`` decides, out[name]; blocking into
+    out["ms_blocking"][name]) and, with ``feed`` (the indices of the args the loop feeds back: x for a part that
+    returns the residual stream) and ``iters`` > 0, ``_in_program`` (out["ms_in_program"][name], its details under
+    out["in_program"][name]); skipped once ``time.time()`` passes ``deadline`` (said in out["errors"]). With
     ``state`` fn returns (y, new_state) and the state is donated. A failure records None and its error under
     out["errors"][name] (the other parts still run)."""
+    for key in ("ms_pipelined", "ms_blocking", "ms_in_program", "in_program", "compiles"):
+        out.setdefault(key, {})
     try:
         t = _time_part(fn, args, state, reps=reps, calls=calls)
-        out[name], out["ms_blocking"][name] = t["ms"], t["ms_blocking"]
+        out[name] = out["ms_pipelined"][name] = t["ms"]
+        out["ms_blocking"][name] = t["ms_blocking"]
+        out["compiles"][name] = t["compiles"]
     except Exception as err:  # noqa: BLE001  (reported in the section)
-        out[name] = out["ms_blocking"][name] = None
+        out[name] = out["ms_pipelined"][name] = out["ms_blocking"][name] = None
         out.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:300]}"
+        traceback.print_exc()
+    out["ms_in_program"][name] = None
+    if not feed or iters <= 0:
+        return
+    if deadline is not None and time.time() > deadline:
+        out.setdefault("errors", {})[name + " (in-program)"] = "skipped: past the time budget"
+        return
+    try:
+        r = _in_program(fn, args, state, feed, iters=iters, batches=max(reps, 3))
+        out["ms_in_program"][name] = r["ms"]
+        out["in_program"][name] = {k: r[k] for k in ("wall_ms", "iters", "carried_copies", "copies", "compile_s")}
+    except Exception as err:  # noqa: BLE001
+        out.setdefault("errors", {})[name + " (in-program)"] = f"{type(err).__name__}: {str(err)[:300]}"
         traceback.print_exc()
 
 
@@ -236,7 +258,148 @@ def _time_part(fn, args: tuple, state=None, *, reps: int = REPS, calls: int = PI
             return sync_fn((y, box["s"]))
     done(call())
     blocking = _median_ms(call, done, reps)
-    return {"ms": _pipelined_ms(call, done, calls, max(reps, 3)), "ms_blocking": blocking}
+    out = {"ms": _pipelined_ms(call, done, calls, max(reps, 3)), "ms_blocking": blocking}
+    size = getattr(f, "_cache_size", None)
+    out["compiles"] = size() if callable(size) else None     # 1: no call retraced (the carried state kept its type)
+    return out
+
+
+# ---- in-program timing: the part R times inside one compiled program, as the model's scan runs its layers ----
+LOOP_ITERS = 10   # R of a prefill part's in-program loop (decode parts: 2 R); the slope times R and 2 R iterations
+
+
+def _nudge(a, s):
+    """``a`` with its first element made to depend on the fp32 scalar ``s`` (a one-element in-place update, so the
+    next iteration's work reads this iteration's outputs and nothing is loop-invariant): floats get s * 1e-6 added
+    (a no-op in value at bf16, which XLA cannot know), integers (token ids) take a[0] or a[-1] by the sign of s (a
+    valid id either way)."""
+    import jax.numpy as jnp
+    idx = (0,) * a.ndim
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return a.at[idx].set(jnp.where(s > 0, a[idx], a[(-1,) * a.ndim]))
+    return a.at[idx].add((s * 1e-6).astype(a.dtype))
+
+
+def _hlo_shape(x) -> str:
+    """The HLO spelling of an array's type, e.g. "bf16[19456,2048]"."""
+    import jax.numpy as jnp
+    names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int32": "s32",
+             "int64": "s64", "int8": "s8", "uint8": "u8", "uint32": "u32", "bool": "pred"}
+    dt = jnp.dtype(x.dtype).name
+    return f"{names.get(dt, dt)}[{','.join(str(int(d)) for d in x.shape)}]"
+
+
+_HLO_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "s64": 8, "s8": 1, "u8": 1, "u32": 4, "pred": 1}
+
+
+def loop_copies(hlo_text: str, carried=(), min_bytes: int = 1 << 20) -> list:
+    """Copies inside the while-loop bodies of a compiled module's HLO text (``compiled.as_text()``): every top-level
+    ``copy`` / ``copy-start`` instruction of a computation some ``while`` names as its body (fusions' insides are not
+    copies of buffers), of at least ``min_bytes``. Returns [{"shape", "bytes", "carried"}], "carried" when the
+    copy's shape is one of ``carried`` (HLO spellings, ``_hlo_shape``): a carried buffer copied every iteration,
+    time a model's scan would not spend on it unless it copies too."""
+    import re
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    out, cur = [], None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            cur = head.group(1)
+            continue
+        if cur not in bodies or "=" not in line or not re.search(r"\bcopy(?:-start)?\(", line):
+            continue
+        m = re.search(r"([a-z]+\d*)\[([\d,]*)\]", line.split("=", 1)[1])
+        if not m:
+            continue
+        n = 1
+        for d in filter(None, m.group(2).split(",")):
+            n *= int(d)
+        nbytes = n * _HLO_BYTES.get(m.group(1), 4)
+        shape = f"{m.group(1)}[{m.group(2)}]"
+        if nbytes >= min_bytes:
+            out.append({"shape": shape, "bytes": nbytes, "carried": shape in set(carried)})
+    return out
+
+
+def _loop_program(fn, args: tuple, state=None, feed=(0,), iters: int = LOOP_ITERS):
+    """The compiled loop of ``_in_program`` (see there) and its inputs: (compiled, rest, carry), called as
+    ``carry = compiled(rest, carry, np.int32(n))`` for n iterations (the carry donated). ``carry`` = (the fed args,
+    a copy of the state, y or None) starts from copies (the caller's arrays are never donated)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    feed = tuple(feed)
+    if not feed:
+        raise ValueError("feed must name at least one argument to feed back (e.g. (index of x,))")
+    has_state = state is not None
+    y_spec = jax.eval_shape(fn, *(args + ((state,) if has_state else ())))
+    if has_state:
+        y_spec = y_spec[0]
+    y_leaves = jax.tree.leaves(y_spec)
+    residual = (len(feed) == 1 and len(y_leaves) == 1 and y_leaves[0].shape == args[feed[0]].shape
+                and y_leaves[0].dtype == args[feed[0]].dtype)
+    rest = tuple(None if i in feed else a for i, a in enumerate(args))
+
+    def loop(rest, carry, n):
+        def body(_, c):
+            fed, s, _y = c
+            full = list(rest)
+            for i, v in zip(feed, fed):
+                full[i] = v
+            r = fn(*full, s) if has_state else fn(*full)
+            y, s = r if has_state else (r, None)
+            if residual:
+                return (jax.tree.leaves(y)[0],), s, None
+            sc = sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(y))
+            return tuple(_nudge(v, sc) for v in fed), s, y
+        return lax.fori_loop(0, n, body, carry)
+
+    y0 = None if residual else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), y_spec)
+    carry = (tuple(jnp.copy(args[i]) for i in feed), jax.tree.map(jnp.copy, state) if has_state else None, y0)
+    compiled = jax.jit(loop, donate_argnums=(1,)).lower(rest, carry, np.int32(max(1, iters))).compile()
+    return compiled, rest, carry
+
+
+def _in_program(fn, args: tuple, state=None, feed=(0,), *, iters: int = LOOP_ITERS, batches: int = 3,
+                sync=None) -> dict:
+    """The part ``fn(*args[, state]) -> y | (y, new_state)`` run ``n`` times inside ONE jitted program
+    (``lax.fori_loop`` with a device-side trip count ``n``: one compile for every n; ``_loop_program``), the carry
+    donated:
+      carry = (the args named by ``feed``, the state, y): each iteration's new state feeds the next; when y is one
+      array shaped like the one fed arg (the residual stream x) y IS the next x (the model's own data flow);
+      otherwise y is carried whole (it leaves the loop, so none of it is dead) and each fed arg gets one element
+      nudged by a scalar read from every output leaf (``_nudge``), so no iteration's work is loop-invariant
+      (nothing can be hoisted) and the iterations form one dependency chain (no overlap between them).
+    Timing: per batch, one call with n = R and one with n = 2 R, each closed by one ``sync`` (default
+    ``jax.block_until_ready``, given the carry); ms = (median t(2R) - median t(R)) / R over ``batches`` batches:
+    the per-iteration device time, the program's fixed launch + sync cost cancelled. "wall_ms" = median t(2R) / 2R
+    beside it (that cost not cancelled). The compiled HLO's while bodies are searched for copies (``loop_copies``,
+    >= 1 MiB): "copies", and "carried_copies" the count of those with a carried leaf's shape (0 for a sound
+    figure). Returns {"ms", "wall_ms", "iters", "copies", "carried_copies", "compile_s"}."""
+    import jax
+    sync_fn = sync or _jax_sync
+    r = int(max(1, iters))
+    t0 = time.perf_counter()
+    compiled, rest, carry = _loop_program(fn, args, state, feed, r)
+    compile_s = time.perf_counter() - t0
+    shapes = {_hlo_shape(a) for a in jax.tree.leaves(carry)}
+    try:
+        copies = loop_copies(compiled.as_text(), shapes)
+    except Exception as err:  # noqa: BLE001  (a text format we cannot read: say so, do not guess)
+        copies = [{"error": f"{type(err).__name__}: {err}"}]
+    carry = compiled(rest, carry, np.int32(r))                              # warm-up
+    sync_fn(carry)
+    t = {r: [], 2 * r: []}
+    for _ in range(max(1, batches)):
+        for n in (r, 2 * r):
+            t0 = time.perf_counter()
+            carry = compiled(rest, carry, np.int32(n))
+            sync_fn(carry)
+            t[n].append((time.perf_counter() - t0) * 1e3)
+    lo, hi = statistics.median(t[r]), statistics.median(t[2 * r])
+    del carry
+    return {"ms": (hi - lo) / r, "wall_ms": hi / (2 * r), "iters": r, "copies": copies,
+            "carried_copies": sum(1 for c in copies if c.get("carried")), "compile_s": compile_s}
 
 
 # ================================================================================================================
@@ -308,7 +471,7 @@ def prefill_floors(config, lens, dtype_bytes: int = 2, peers: dict = None) -> di
     per_tok = 2 * CHUNK * (3 * x["kd"] + 2 * x["vd"]) + 6 * x["kd"] * x["vd"]
     roof2 = _roof(1.0 * t * hv * per_tok,
                   b * t * (2 * nk + 2 * nv) + 4 * t * 2 * hv + 4 * 2 * n * hv * x["kd"] * x["vd"])
-    row = next((r for r in peers.get("rows", []) if r.get("lens") and list(r["lens"]) == list(lens)
+    row = next((r for r in peers.get("rows", []) if _bench_lens(r) == [int(m) for m in lens]
                 and (r["Hk"], r["Hv"], r["K"], r["V"]) == (x["hk"], hv, x["kd"], x["vd"])), None)
     best = min(((v, k) for k, v in (row or {}).get("ms", {}).items() if v), default=None)
     if best:
@@ -331,11 +494,23 @@ def prefill_floors(config, lens, dtype_bytes: int = 2, peers: dict = None) -> di
     else:
         put("attention", roof_a, "projections' roofline + causal core FLOPs at 700 TFLOP/s (no attention bench row)",
             proj_a["ms"] + core_flop / (PEAK_TFLOPS * 1e9))
+    measured = {k: v for k, v in ((arow or {}).get("ms") or {}).items() if v}
+    out["attention"].update(proj_ms=proj_a["ms"], core_flop=core_flop, core_ms=out["attention"]["ms"] - proj_a["ms"],
+                            core_measured_ms=measured)
     moe = bool(config.num_experts)
     put("moe" if moe else "mlp", _ffn_roof(x, t, moe, x["e"]), "matmul FLOPs at 700 TFLOP/s (roofline)")
     put("embed_logits", _roof(2.0 * n * d * x["vocab"], b * (d * x["vocab"] + 2 * t * d) + 4 * n * x["vocab"]),
         "lm_head bytes at 4.8 TB/s (roofline)")
     return out
+
+
+def _bench_lens(r: dict):
+    """The stream lengths of a kernel bench row: its "lens", or B streams of T tokens (rows like B1-T32768)."""
+    if r.get("lens"):
+        return [int(m) for m in r["lens"]]
+    if r.get("B") and r.get("T"):
+        return [int(r["T"])] * int(r["B"])
+    return None
 
 
 def decode_floors(config, n: int, ctx: int, dtype_bytes: int = 2) -> dict:
@@ -376,15 +551,83 @@ def decode_floors(config, n: int, ctx: int, dtype_bytes: int = 2) -> dict:
     return out
 
 
+def _layer_counts(config) -> dict:
+    """{"gdn", "attention", "moe", "mlp"}: how many layers of the config run each part (the FFN of a layer is MoE or
+    MLP by ``config.layer_is_moe``)."""
+    n = config.num_hidden_layers
+    nm = sum(bool(config.num_experts) and config.layer_is_moe(i) for i in range(n))
+    return {"gdn": len(config.gdn_layers), "attention": len(config.attn_layers), "moe": nm, "mlp": n - nm}
+
+
+def row_floor(config, kind: str, case: tuple, dtype_bytes: int = 2, peers: dict = None, hf_ms: float = None,
+              ours_ms: float = None) -> dict:
+    """The floor of a whole row: the sum over the model's parts of (how many layers run it) x (its floor), i.e.
+    what the row would take if every part ran at its floor and nothing else ran (no glue, no launch gaps).
+    kind "prefill", case (name, lens): ``prefill_floors`` of lens, terms gdn_phase1/2/3 x GDN layers, attention x
+    attention layers, moe (mlp) x MoE (MLP) layers, embed_logits once; kind "decode", case (name, N, ctx, _):
+    ``decode_floors``, terms gdn_decode, attention_decode, moe, embed_logits. Two sums:
+      row_floor_ms           each term at the parts' floor (the GDN core at the kernel bench's fastest column, the
+                             attention core at the attention bench's torch SDPA, when ``peers`` has those rows;
+                             matmuls at 700 TFLOP/s, bytes at 4.8 TB/s): the floor the parts' ratios use
+      row_floor_roofline_ms  every term at its pure roofline max(FLOPs / 700 TFLOP/s, bytes / 4.8 TB/s), no
+                             measured kernel in it (the GDN and attention cores at their FLOPs): a lower bound of
+                             any implementation on this GPU at those rates
+    With ``hf_ms``: "hf_over_floor" = hf_ms / row_floor_ms and "hf_over_roofline" = hf_ms / row_floor_roofline_ms,
+    the largest speed-up over HF any implementation could reach at those floors; "target_3x_within_floor": whether
+    3x HF (hf_ms / 3) is at or above the row floor. With ``ours_ms``: "ours_over_floor". Returns {"case", "kind",
+    "tokens", "layers", "terms": {part: {"count", "floor_ms", "ms", "roofline_ms", "flop", "bytes", "basis"}},
+    "row_floor_ms", "row_floor_roofline_ms", ...}."""
+    c = _layer_counts(config)
+    if kind == "prefill":
+        lens = case[1]
+        f = prefill_floors(config, lens, dtype_bytes, peers)
+        counts = {"gdn_phase1": c["gdn"], "gdn_phase2": c["gdn"], "gdn_phase3": c["gdn"],
+                  "attention": c["attention"], "moe": c["moe"], "mlp": c["mlp"], "embed_logits": 1}
+        tokens = int(sum(lens))
+    else:
+        _, n, ctx = case[:3]
+        f = decode_floors(config, n, ctx, dtype_bytes)
+        counts = {"gdn_decode": c["gdn"], "attention_decode": c["attention"], "moe": c["moe"], "mlp": c["mlp"],
+                  "embed_logits": 1}
+        tokens = int(n)
+    terms = {k: {"count": m, "floor_ms": f[k]["ms"], "ms": m * f[k]["ms"], "roofline_ms": f[k]["roofline"]["ms"],
+                 "flop": m * f[k]["roofline"]["flop"], "bytes": m * f[k]["roofline"]["bytes"], "basis": f[k]["basis"]}
+             for k, m in counts.items() if m and k in f}
+    out = {"case": case[0], "kind": kind, "tokens": tokens, "layers": config.num_hidden_layers, "terms": terms,
+           "row_floor_ms": sum(t["ms"] for t in terms.values()),
+           "row_floor_roofline_ms": sum(t["count"] * t["roofline_ms"] for t in terms.values())}
+    if hf_ms:
+        out.update(hf_ms=hf_ms, hf_over_floor=hf_ms / out["row_floor_ms"],
+                   hf_over_roofline=hf_ms / out["row_floor_roofline_ms"],
+                   target_3x_within_floor=hf_ms / 3 >= out["row_floor_ms"])
+    if ours_ms:
+        out.update(ours_ms=ours_ms, ours_over_floor=ours_ms / out["row_floor_ms"])
+    return out
+
+
+def row_floors(config, cases: dict, rows: list = (), peers: dict = None, dtype_bytes: int = 2) -> list:
+    """``row_floor`` of the three rows of ``cases`` (varlen, long, decode), with the HF and our ms of ``rows`` (the
+    section's rows, matched by case name) when they have them."""
+    by = {r.get("case"): r for r in rows or ()}
+    out = []
+    for key, kind in (("varlen", "prefill"), ("long", "prefill"), ("decode", "decode")):
+        ms = (by.get(cases[key][0]) or {}).get("ms") or {}
+        out.append(row_floor(config, kind, cases[key], dtype_bytes, peers, hf_ms=ms.get("hf"),
+                             ours_ms=ms.get("ours")))
+    return out
+
+
 def _with_floors(parts_ms: dict, floors: dict) -> None:
-    """Adds "floor_ms", "floor_ratio" (part / floor: the pipelined ms), "floor_ratio_blocking" (the blocking ms,
-    when ``parts_ms`` has "ms_blocking") and "floor_basis" per part to ``parts_ms`` in place."""
+    """Adds "floor_ms", "floor_ratio" (part / floor: the figure of record ``parts_ms[part]``),
+    "floor_ratio_<timing>" for each of "ms_pipelined", "ms_blocking", "ms_in_program" that ``parts_ms`` has, and
+    "floor_basis" per part to ``parts_ms`` in place."""
     parts_ms["floor_ms"] = {k: f["ms"] for k, f in floors.items()}
     parts_ms["floor_ratio"] = {k: (parts_ms[k] / f["ms"] if parts_ms.get(k) and f["ms"] else None)
                                for k, f in floors.items()}
-    if "ms_blocking" in parts_ms:
-        blk = parts_ms["ms_blocking"]
-        parts_ms["floor_ratio_blocking"] = {k: (blk[k] / f["ms"] if blk.get(k) and f["ms"] else None)
+    for t in ("pipelined", "blocking", "in_program"):
+        if f"ms_{t}" in parts_ms:
+            ms = parts_ms[f"ms_{t}"]
+            parts_ms[f"floor_ratio_{t}"] = {k: (ms[k] / f["ms"] if ms.get(k) and ms[k] > 0 and f["ms"] else None)
                                             for k, f in floors.items()}
     parts_ms["floor_basis"] = {k: f["basis"] for k, f in floors.items()}
     parts_ms["roofline"] = {k: f["roofline"] for k, f in floors.items()}
@@ -393,7 +636,8 @@ def _with_floors(parts_ms: dict, floors: dict) -> None:
 def load_peers(device_kind: str, path: str = None) -> dict:
     """The results JSON of this device (``jax_gdn.bench``'s default path, e.g. benchmarks/results/h200.json) when
     it exists and was measured on ``device_kind``: its kernel rows and attention section give the GDN core's and
-    the attention core's floors. {} otherwise."""
+    the attention core's floors; its model section's rows ("model_rows", of a "model_layers"-layer model) give
+    HF's ms to a row floor when this run has none. {} otherwise."""
     try:
         from jax_gdn.bench import RESULTS_DIR, device_file_name
         path = path or os.path.join(RESULTS_DIR, device_file_name(device_kind) + ".json")
@@ -402,7 +646,8 @@ def load_peers(device_kind: str, path: str = None) -> dict:
         if res.get("device") != device_kind:
             return {}
         return {"rows": res.get("rows") or [], "attention": res.get("attention") or {}, "path": path,
-                "date": res.get("date")}
+                "date": res.get("date"), "model_rows": (res.get("model") or {}).get("rows") or [],
+                "model_layers": (res.get("model") or {}).get("layers")}
     except (OSError, ValueError, ImportError):
         return {}
 
@@ -787,10 +1032,10 @@ def _shared_cache_kwargs(cases: dict, reps: int) -> dict:
                 max_seq_len=seq)
 
 
-def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> dict:
-    """{"varlen", "long", "decode": {"ms", "first_call_s"}} through the public API. The varlen and decode rows
-    share one cache (the decode context is prefilled with the varlen program's bucket); the long row has its own
-    (1 slot, max_seq_len = its length)."""
+def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None, keys=("long", "varlen", "decode")) -> dict:
+    """{"varlen", "long", "decode": {"ms", "first_call_s"}} through the public API (``keys``: which of them). The
+    varlen and decode rows share one cache (the decode context is prefilled with the varlen program's bucket); the
+    long row has its own (1 slot, max_seq_len = its length)."""
     cfg = model.config
     rng = np.random.default_rng(seed)
     n_long = cases["long"][1][0]
@@ -800,7 +1045,7 @@ def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> d
     out = {}
     state = {}
 
-    for key in ("long", "varlen"):                 # varlen last: its cache goes on to the decode row
+    for key in [k for k in ("long", "varlen") if k in keys]:     # varlen last: its cache goes on to the decode row
         state.pop("cache", None)
         state["cache"] = caches[key]()
         _, lens = cases[key]
@@ -830,7 +1075,10 @@ def our_rows(model, cases: dict, reps: int = REPS, seed: int = 0, log=None) -> d
             traceback.print_exc()
 
     try:
-        out["decode"] = decode_row(model, cfg, cases, rng, reps, state)
+        if "decode" in keys:
+            if "cache" not in state:
+                state["cache"] = caches["varlen"]()
+            out["decode"] = decode_row(model, cfg, cases, rng, reps, state)
     except Exception as err:
         out["decode"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         traceback.print_exc()
@@ -896,9 +1144,11 @@ def _embed_logits(cfg):
 
 
 def _sums(out: dict, split_of) -> None:
-    """"model_sum" / "model_sum_split" from the pipelined ms (``out[part]``) and "model_sum_blocking" from
-    ``out["ms_blocking"]``, in place; ``split_of(ms) -> {group: layers x part ms}`` (a part missing: None)."""
-    for key, ms in (("model_sum", out), ("model_sum_blocking", out.get("ms_blocking") or {})):
+    """"model_sum" / "model_sum_split" from the figure of record (``out[part]``) and "model_sum_<timing>" from
+    ``out["ms_<timing>"]`` (pipelined, blocking, in_program), in place; ``split_of(ms) -> {group: layers x part
+    ms}`` (a part missing: None)."""
+    for key, ms in (("model_sum", out),) + tuple((f"model_sum_{k}", out.get(f"ms_{k}") or {})
+                                                  for k in ("pipelined", "blocking", "in_program")):
         try:
             split = split_of(ms)
             out[key] = sum(split.values())
@@ -908,11 +1158,31 @@ def _sums(out: dict, split_of) -> None:
             out[key] = None
 
 
-def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS) -> dict:
-    """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone and timed by
-    ``_time_part``: "<part>" the pipelined ms (``calls`` calls queued, one sync), "ms_blocking" {part: ms of a call
-    closed by its sync}; the GDN slots (phases 1, 2) and the KV pages (attention) donated and carried from call to
-    call."""
+def _prefill_split(layers: dict):
+    """split_of for ``_sums`` of the prefill parts: GDN layers x phases 1-3, attention layers, MoE (or MLP) layers,
+    embed_logits once."""
+    ng, na, nm = layers["gdn"], layers["attention"], layers["moe"]
+    return lambda ms: {"gdn": ng * (ms["gdn_phase1"] + ms["gdn_phase2"] + ms["gdn_phase3"]) if ng else 0.0,
+                       "attention": na * ms["attention"] if na else 0.0,
+                       "moe": nm * (ms["moe"] if "moe" in ms else ms["mlp"]), "embed_logits": ms["embed_logits"]}
+
+
+def _decode_split(layers: dict):
+    """split_of for ``_sums`` of the decode parts."""
+    ffn = "moe" if "moe" in layers else "mlp"
+    return lambda ms: {"gdn": layers["gdn"] * ms["gdn_decode"] if layers["gdn"] else 0.0,
+                       "attention": layers["attention"] * ms["attention_decode"] if layers["attention"] else 0.0,
+                       ffn: layers[ffn] * ms[ffn], "embed_logits": ms["embed_logits"]}
+
+
+def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS, iters: int = LOOP_ITERS,
+          deadline: float = None) -> dict:
+    """Per-part ms of one varlen prefill (see the module docstring), each part jitted alone and timed three ways
+    by ``_time_into``: "ms_pipelined" ({part: ms}, ``calls`` calls queued, one sync), "ms_blocking" (a sync per
+    call), "ms_in_program" (``iters`` and 2 ``iters`` iterations inside one program, 0: not timed); "<part>" the
+    pipelined ms until ``choose_figures`` picks; the GDN slots (phases 1, 2) and the KV pages (attention) donated
+    and carried from call to call and from iteration to iteration; in the loop x (or every activation input of a
+    part that does not return the residual stream) is fed back."""
     import jax
     import jax.numpy as jnp
     from jax_gdn.layers import block as blk
@@ -936,10 +1206,8 @@ def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS)
     out = {"tokens": t, "padded_tokens": tb, "backends": {"gated_delta_rule": be.gated_delta_rule,
                                                           "paged_attention": be.paged_attention, "moe": be.moe}}
 
-    out["ms_blocking"] = {}
-
-    def timed(name, fn, *args, state=None):
-        _time_into(out, name, fn, args, state, reps=reps, calls=calls)
+    def timed(name, fn, *args, state=None, feed=()):
+        _time_into(out, name, fn, args, state, reps=reps, calls=calls, feed=feed, iters=iters, deadline=deadline)
 
     # ---- GDN phases ----
     gp, gkind = _block0(model, "gdn")
@@ -956,9 +1224,10 @@ def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS)
             return gdn.gdn_full_varlen(q, k, v, g, b, st, meta, backend=be.gated_delta_rule)[:2]
         (a, (q, k, v)), slots1 = jax.jit(p1)(mixer, x, meta, slots)
         o, _ = jax.jit(p2)(q, k, v, a.g, a.beta, meta, slots1)
-        timed("gdn_phase1", p1, mixer, x, meta, state=slots)
-        timed("gdn_phase2", p2, q, k, v, a.g, a.beta, meta, state=slots1)
-        timed("gdn_phase3", lambda mixer, o, z, x: gdn.phase3(mixer, dims, o, z, x), mixer, o, a.z, x)
+        timed("gdn_phase1", p1, mixer, x, meta, state=slots, feed=(1,))
+        timed("gdn_phase2", p2, q, k, v, a.g, a.beta, meta, state=slots1, feed=(0, 1, 2, 3, 4))
+        timed("gdn_phase3", lambda mixer, o, z, x: gdn.phase3(mixer, dims, o, z, x), mixer, o, a.z, x,
+              feed=(1, 2, 3))
         del a, slots, slots1, q, k, v, o
     # ---- attention (fresh streams in a contiguous page layout) ----
     ap, akind = _block0(model, "attention")
@@ -988,7 +1257,7 @@ def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS)
                                     cu_seqlens=cu, slot_ids=slot_ids, decode=False, backend=be.paged_attention)
             return x + h, kv
         timed("attention", attn, ap["mixer"], ap["input_norm"], x, tok_pos_p, tok_page_p, table, slot_lens,
-              cu, slot_ids, state=kv)
+              cu, slot_ids, state=kv, feed=(2,))
         del kv
     # ---- MoE (or MLP) of a block ----
     fp = gp if gp is not None else ap
@@ -996,26 +1265,26 @@ def parts(model, lens, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS)
     if fp is not None:
         timed("moe" if fkind.moe else "mlp", lambda f, norm, x: x + blk.ffn(
             f, rms_norm(x, norm, cfg.rms_norm_eps), config=cfg, moe=fkind.moe, backend=be.moe), fp["ffn"],
-            fp["post_norm"], x)
+            fp["post_norm"], x, feed=(2,))
     # ---- embeddings + logits ----
     ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, tb).astype(np.int32))
     p = model.params
-    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
+    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu, feed=(3,))
 
     ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
     nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
-    _sums(out, lambda ms: {"gdn": ng * (ms["gdn_phase1"] + ms["gdn_phase2"] + ms["gdn_phase3"]),
-                           "attention": na * ms["attention"], "moe": nm * ms.get("moe", ms.get("mlp")),
-                           "embed_logits": ms["embed_logits"]})
     out["layers"] = {"gdn": ng, "attention": na, "moe": nm}
+    _sums(out, _prefill_split(out["layers"]))
     return out
 
 
-def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS) -> dict:
+def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls: int = PIPE_CALLS,
+                 iters: int = 2 * LOOP_ITERS, deadline: float = None) -> dict:
     """Per-part ms of one decode step of ``n`` streams each holding ``ctx`` tokens (see the module docstring),
     each part jitted alone with the model's layer-0 parameters and backends; the state a part advances (GDN slots,
-    KV pages) is donated and carried from call to call, as the model's step does. Timed by ``_time_part`` as in
-    ``parts``: "<part>" pipelined, "ms_blocking" {part: blocking} (median of max(reps, 5) calls)."""
+    KV pages) is donated and carried from call to call, as the model's step does. Timed by ``_time_into`` as in
+    ``parts`` (blocking: median of max(reps, 5) calls; in-program: ``iters`` and 2 ``iters`` iterations, x fed
+    back)."""
     import jax
     import jax.numpy as jnp
     from jax_gdn.layers import block as blk
@@ -1029,17 +1298,19 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls
     x = jax.random.normal(jax.random.PRNGKey(seed + 1), (n, cfg.hidden_size), jnp.float32).astype(dt)
     slot_ids = jnp.arange(n, dtype=jnp.int32)
     cu = jnp.arange(n + 1, dtype=jnp.int32)
-    out = {"streams": n, "context": ctx, "ms_blocking": {}}
+    out = {"streams": n, "context": ctx}
 
-    def timed(name, fn, *args, state=None):
-        _time_into(out, name, fn, args, state, reps=max(reps, 5), calls=calls)
+    def timed(name, fn, *args, state=None, feed=()):
+        _time_into(out, name, fn, args, state, reps=max(reps, 5), calls=calls, feed=feed, iters=iters,
+                   deadline=deadline)
 
     gp, gkind = _block0(model, "gdn")
     if gp is not None:
         dims = cfg.gdn_dims
         mixer = dict(gp["mixer"], input_layernorm=gp["input_norm"])
         timed("gdn_decode", lambda mixer, x, slots: gdn.gdn_layer_decode(
-            mixer, dims, x, slots, slot_ids, jnp.ones((n,), bool)), mixer, x, state=GdnSlots.zeros(dims, n, dt))
+            mixer, dims, x, slots, slot_ids, jnp.ones((n,), bool)), mixer, x, state=GdnSlots.zeros(dims, n, dt),
+            feed=(1,))
     ap, akind = _block0(model, "attention")
     if ap is not None:
         ps = 16
@@ -1056,70 +1327,126 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls
                                     token_offset=tok_pos % ps, page_table=table, slot_lens=slot_lens,
                                     cu_seqlens=cu, slot_ids=slot_ids, decode=True, backend=be.paged_attention)
             return x + h, kv
-        timed("attention_decode", attn, ap["mixer"], ap["input_norm"], x, state=kv)
+        timed("attention_decode", attn, ap["mixer"], ap["input_norm"], x, state=kv, feed=(2,))
         del kv
     fp = gp if gp is not None else ap
     fkind = gkind if gp is not None else akind
     ffn_name = "moe" if fkind is not None and fkind.moe else "mlp"
     if fp is not None:
         timed(ffn_name, lambda f, norm, x: x + blk.ffn(f, rms_norm(x, norm, cfg.rms_norm_eps), config=cfg,
-                                                       moe=fkind.moe, backend=be.moe), fp["ffn"], fp["post_norm"], x)
+                                                       moe=fkind.moe, backend=be.moe), fp["ffn"], fp["post_norm"], x,
+              feed=(2,))
     ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32))
     p = model.params
-    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu)
+    timed("embed_logits", _embed_logits(cfg), p["embed"], p["final_norm"], p.get("lm_head"), ids, cu, feed=(3,))
 
     ng, na = len(cfg.gdn_layers), len(cfg.attn_layers)
     nm = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
     nf = cfg.num_hidden_layers if ffn_name == "moe" else cfg.num_hidden_layers - nm
-    _sums(out, lambda ms: {"gdn": ng * ms["gdn_decode"] if ng else 0.0,
-                           "attention": na * ms["attention_decode"] if na else 0.0,
-                           ffn_name: nf * ms[ffn_name], "embed_logits": ms["embed_logits"]})
     out["layers"] = {"gdn": ng, "attention": na, ffn_name: nf}
+    _sums(out, _decode_split(out["layers"]))
     return out
 
 
-PARTS_TIMING = ("ms: pipelined, {calls} calls of the part queued back to back (state outputs donated and fed to "
-                "the next call), one block_until_ready, total / {calls}, median of batches; ms_blocking: each call "
-                "closed by block_until_ready, median of calls (the rows' method: it adds each call's launch + sync "
-                "gap, which the model's one program does not pay); floor_ratio and model_sum from the pipelined ms")
+PARTS_TIMING = (
+    "three timings of each part (jitted alone, layer-0 params, its state donated and carried): ms_in_program: the "
+    "part R times inside ONE compiled program (lax.fori_loop, device-side trip count; x, or every activation input, "
+    "fed back so nothing is hoisted; state carried), ms = (median wall of 2R iterations - median wall of R) / R, "
+    "R = {iters} (decode {diters}): the device time per layer as the model's scan runs it, with no per-part "
+    "dispatch, launch or sync; ms_pipelined: {calls} separate calls queued back to back, one block_until_ready, "
+    "total / {calls}, median of batches (pays one host dispatch per call: a part shorter on the device than its "
+    "dispatch reads the dispatch); ms_blocking: each call closed by block_until_ready, median of calls (the rows' "
+    "method: adds ~0.5 ms launch + sync per call). '<part>' (the figure of record: floor_ratio, model_sum) is "
+    "ms_in_program when sound (measured, > 0, no copy of a carried buffer in the loop body, >= 0.9 x its floor, "
+    "<= 1.25 x min(pipelined, blocking)), else ms_pipelined; ms_source says which and in_program_unsound why")
+
+
+def choose_figures(q: dict) -> None:
+    """In place: q[part] (the figure of record) := q["ms_in_program"][part] when it is sound, else
+    q["ms_pipelined"][part]; q["ms_source"] = {part: "in_program" | "pipelined"}, q["in_program_unsound"] = {part:
+    why}; q["suspect"] = {part: why} for a pipelined figure above 1.15 x its blocking one (queued calls cannot be
+    slower than synced ones on an idle GPU: another process on the GPU, or a bug) or a part compiled more than once
+    (q["compiles"]: a retrace while timing). Reads q["floor_ms"] when
+    present (the floor check). Then the sums (``_sums``) again from the chosen figures."""
+    floors = q.get("floor_ms") or {}
+    q["ms_source"], q["in_program_unsound"], q["suspect"] = {}, {}, {}
+    for k, pipe in (q.get("ms_pipelined") or {}).items():
+        ip = (q.get("ms_in_program") or {}).get(k)
+        blk = (q.get("ms_blocking") or {}).get(k)
+        info = (q.get("in_program") or {}).get(k) or {}
+        fl = floors.get(k)
+        sep = min(v for v in (pipe, blk, float("inf")) if v is not None)
+        why = None
+        if ip is None:
+            why = "not measured"
+        elif ip <= 0:
+            why = f"slope {ip:.4f} ms <= 0 (timing noise above the part's time)"
+        elif info.get("carried_copies"):
+            why = f"{info['carried_copies']} copies of carried buffers per iteration in the loop body"
+        elif fl and ip < 0.9 * fl:
+            why = f"{ip:.4f} ms is below 0.9 x its floor {fl:.4f} ms (work elided?)"
+        elif sep < float("inf") and ip > 1.25 * sep:
+            why = f"{ip:.4f} ms is above 1.25 x the separately dispatched call ({sep:.4f} ms)"
+        if why is None:
+            q[k], q["ms_source"][k] = ip, "in_program"
+        else:
+            q[k], q["ms_source"][k] = pipe, "pipelined"
+            q["in_program_unsound"][k] = why
+        sus = []
+        if pipe is not None and blk is not None and pipe > 1.15 * blk:
+            sus.append(f"pipelined {pipe:.3f} ms > 1.15 x blocking {blk:.3f} ms: queued calls cannot be slower "
+                       "than synced ones on an idle GPU (another process on the GPU?)")
+        nc = (q.get("compiles") or {}).get(k)
+        if nc is not None and nc > 1:
+            sus.append(f"its jitted function compiled {nc} times: a call retraced (the carried state changed type)")
+        if sus:
+            q["suspect"][k] = "; ".join(sus)
+    if "layers" in q:
+        _sums(q, (_decode_split if "streams" in q else _prefill_split)(q["layers"]))
 
 
 def _other(q: dict) -> None:
-    """"other" = model - model_sum and "other_blocking" = model - model_sum_blocking, in place (when both exist)."""
-    for key, total in (("other", "model_sum"), ("other_blocking", "model_sum_blocking")):
+    """"other" = model - model_sum and "other_<timing>" = model - model_sum_<timing>, in place (when both exist)."""
+    for key, total in (("other", "model_sum"), ("other_pipelined", "model_sum_pipelined"),
+                       ("other_blocking", "model_sum_blocking"), ("other_in_program", "model_sum_in_program")):
         if q.get(total) and q.get("model"):
             q[key] = q["model"] - q[total]
 
 
 def measure_parts(model, cases: dict, reps: int = REPS, ours: dict = None, peers: dict = None, log=None,
-                  calls: int = PIPE_CALLS) -> dict:
+                  calls: int = PIPE_CALLS, iters: int = LOOP_ITERS, deadline: float = None) -> dict:
     """parts_ms of the section: the varlen prefill's parts (``parts``) with their floors (``prefill_floors``) and,
     under "decode", the decode step's parts (``decode_parts``) with theirs (``decode_floors``); "model" and
     "other" from ``ours`` (our rows) when given. ``peers``: ``load_peers``' kernel and attention rows. Each part
-    twice (``_time_part``): "<part>" pipelined (``calls`` calls, one sync; the floor ratio's), "ms_blocking"
-    {part: each call synced}; "timing" says so."""
+    three ways (``_time_into``; ``iters`` 0: no in-program timing; ``deadline``: in-program timings stop at that
+    ``time.time()``), the figure of record picked by ``choose_figures``; "timing" says all this."""
     import jax.numpy as jnp
     ours = ours or {}
     cfg = model.config
     nbytes = jnp.dtype(model.dtype).itemsize
     name, lens = cases["varlen"]
-    out = parts(model, lens, reps, calls=calls)
+    out = parts(model, lens, reps, calls=calls, iters=iters, deadline=deadline)
     out["case"] = name
-    out["timing"] = PARTS_TIMING.format(calls=calls)
+    out["timing"] = PARTS_TIMING.format(calls=calls, iters=iters, diters=2 * iters)
     out["pipe_calls"] = calls
+    out["loop_iters"] = iters
     out["model"] = ours.get("varlen", {}).get("ms")
-    _other(out)
     _with_floors(out, prefill_floors(cfg, lens, nbytes, peers))
+    choose_figures(out)
+    _with_floors(out, prefill_floors(cfg, lens, nbytes, peers))          # the ratios of the chosen figures
+    _other(out)
     out["floor_source"] = ({"path": peers.get("path"), "date": peers.get("date")} if peers and peers.get("path")
                            else None)
     if log is not None:
         log(f"prefill parts: {out}")
     dname, dn, dctx, _ = cases["decode"]
-    dec = decode_parts(model, dn, dctx, reps, calls=calls)
+    dec = decode_parts(model, dn, dctx, reps, calls=calls, iters=2 * iters, deadline=deadline)
     dec["case"] = dname
     dec["model"] = ours.get("decode", {}).get("ms")
-    _other(dec)
     _with_floors(dec, decode_floors(cfg, dn, dctx, nbytes))
+    choose_figures(dec)
+    _with_floors(dec, decode_floors(cfg, dn, dctx, nbytes))
+    _other(dec)
     out["decode"] = dec
     return out
 
@@ -1310,9 +1637,10 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
             traceback.print_exc()
         update(f"compile done: {section.get('compile')}")
 
+    peers = {} if quick else load_peers(section["device"])
+    add_row_floors(section, cfg, cases, peers, jnp.dtype(jnp.float32 if quick else jnp.bfloat16).itemsize)
     if model is not None and not out_of_time("parts", 10 if quick else 30):
         try:
-            peers = {} if quick else load_peers(section["device"])
             section["parts_ms"] = measure_parts(model, cases, reps, ours, peers,
                                                 log=None if quick else update)
         except Exception as err:
@@ -1326,55 +1654,138 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     return section
 
 
+def add_row_floors(section: dict, config, cases: dict, peers: dict = None, dtype_bytes: int = 2,
+                   stored_rows: list = None) -> None:
+    """section["row_floors"] = ``row_floors`` of the section's rows (HF and our ms from section["rows"]; where a row
+    has no HF ms, from ``stored_rows`` (e.g. the results JSON's model rows, peers["model_rows"]) when given, the
+    source named in "hf_source"), and each row of section["rows"] gets "row_floor_ms", "row_floor_roofline_ms",
+    "hf_over_floor", "hf_over_roofline" (None without HF ms). ``config``: the rows' model (its layer counts)."""
+    own = {r["case"]: r for r in section.get("rows") or []}
+    stored = {r.get("case"): r for r in stored_rows or []}
+    merged = []
+    for key in ("varlen", "long", "decode"):
+        name = cases[key][0]
+        ms = dict((own.get(name) or {}).get("ms") or {})
+        src = "this run" if ms.get("hf") else None
+        if not ms.get("hf") and (stored.get(name) or {}).get("ms", {}).get("hf"):
+            ms["hf"], src = stored[name]["ms"]["hf"], "stored"
+            ms.setdefault("ours", None)
+            if not ms.get("ours"):
+                ms["ours"] = stored[name]["ms"].get("ours")
+        merged.append({"case": name, "ms": ms, "hf_source": src})
+    floors = row_floors(config, cases, merged, peers, dtype_bytes)
+    for f, m in zip(floors, merged):
+        f["hf_source"] = m["hf_source"]
+    section["row_floors"] = floors
+    for r in section.get("rows") or []:
+        f = next((x for x in floors if x["case"] == r["case"]), None)
+        if f is not None:
+            r.update({k: f.get(k) for k in ("row_floor_ms", "row_floor_roofline_ms", "hf_over_floor",
+                                            "hf_over_roofline")})
+
+
+def _print_row_floors(floors: list, note: str = "") -> None:
+    """The row floors (``row_floor``): per row its floor (parts' basis) and pure roofline, ours and HF against them,
+    whether 3x HF lies above the floor; then each prefill row's terms (count x part floor)."""
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+    if not floors:
+        return
+    print(f"row floors{note} (sum over parts of layers x floor; roofline: every term at max(FLOPs / 700 TFLOP/s, "
+          f"bytes / 4.8 TB/s)):")
+    print(f"  {'case':<22} {'ours ms':>8} {'HF ms':>8} {'floor ms':>9} {'roofline':>9} {'ours/floor':>10} "
+          f"{'HF/floor':>9} {'HF/roofl':>9}  3x HF within the floor?")
+    for r in floors:
+        ok = r.get("target_3x_within_floor")
+        print(f"  {r['case']:<22} {f(r.get('ours_ms')):>8} {f(r.get('hf_ms')):>8} {f(r['row_floor_ms']):>9} "
+              f"{f(r['row_floor_roofline_ms']):>9} {f(r.get('ours_over_floor')):>10} {f(r.get('hf_over_floor')):>9} "
+              f"{f(r.get('hf_over_roofline')):>9}  "
+              + ("-" if ok is None else "yes" if ok else "NO: 3x HF is beyond the floors")
+              + (" (HF ms stored)" if r.get("hf_source") == "stored" else ""))
+    for r in floors:
+        if r["kind"] == "prefill":
+            print(f"    {r['case']}: " + ", ".join(f"{k} {t['count']} x {t['floor_ms']:.3g} = {t['ms']:.2f}"
+                                                     for k, t in r["terms"].items()))
+
+
 def _print_parts(p: dict, names) -> None:
-    """One line per part: pipelined ms, blocking ms, floor ms, pipelined / floor, the floor's basis; then the sums
-    over the model's layers (both timings). Results older than the pipelined timing (no "ms_blocking") show their
-    one figure as blocking."""
+    """One line per part: the figure of record (in-program when sound, else pipelined: its source), the three
+    timings, floor ms, record / floor, the floor's basis; then the sums over the model's layers (each timing)
+    against the model's measured row, the unsound in-program figures, the suspect pipelined ones and the carried
+    copies found. Results older than the in-program timing show "-" there; older than the pipelined timing (no
+    "ms_blocking"), their one figure as blocking."""
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
     fl, ra, ba = p.get("floor_ms") or {}, p.get("floor_ratio") or {}, p.get("floor_basis") or {}
     new = "ms_blocking" in p
     blk = p["ms_blocking"] if new else {k: p.get(k) for k in names}
-    print(f"  {'part':<17} {'ms':>8} {'blocking':>9} {'floor ms':>9} {'x floor':>8}  floor basis")
+    pipe = p.get("ms_pipelined") or ({k: p.get(k) for k in names} if new else {})
+    ip, src = p.get("ms_in_program") or {}, p.get("ms_source") or {}
+    print(f"  {'part':<17} {'ms':>8} {'(of)':<4} {'in-prog':>8} {'pipelined':>9} {'blocking':>9} {'floor ms':>9} "
+          f"{'x floor':>8}  floor basis")
     for k in names:
         if k in p:
-            print(f"  {k:<17} {f(p.get(k) if new else None):>8} {f(blk.get(k)):>9} {f(fl.get(k), '{:.3g}'):>9} "
-                  f"{f(ra.get(k), '{:.2f}'):>8}  {ba.get(k, '')}")
+            rec = p.get(k) if new else None
+            print(f"  {k:<17} {f(rec):>8} {src.get(k, 'pipe' if new else '-')[:4]:<4} {f(ip.get(k)):>8} "
+                  f"{f(pipe.get(k)):>9} {f(blk.get(k)):>9} {f(fl.get(k), '{:.3g}'):>9} {f(ra.get(k), '{:.2f}'):>8}  "
+                  f"{ba.get(k, '')}")
     split = p.get("model_sum_split") or {}
     print(f"  model sum {f(p.get('model_sum'), '{:.2f}')} ms ("
-          + ", ".join(f"{k} {f(v, '{:.2f}')}" for k, v in split.items())
-          + f"){'; blocking ' + f(p.get('model_sum_blocking'), '{:.2f}') + ' ms' if new else ''}; model measured "
-          f"{f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms"
-          + (f" (blocking {f(p.get('other_blocking'), '{:.2f}')} ms)" if new else ""))
+          + ", ".join(f"{k} {f(v, '{:.2f}')}" for k, v in split.items()) + ")"
+          + "".join(f"; {t.replace('_', '-')} {f(p.get('model_sum_' + t), '{:.2f}')}"
+                    for t in ("in_program", "pipelined", "blocking") if ("model_sum_" + t) in p)
+          + f" | model measured {f(p.get('model'), '{:.2f}')} ms; other {f(p.get('other'), '{:.2f}')} ms")
+    for k, why in (p.get("in_program_unsound") or {}).items():
+        if why != "not measured":
+            print(f"    in-program {k} not used: {why}")
+    for k, why in (p.get("suspect") or {}).items():
+        print(f"    SUSPECT {k}: {why}")
+    for k, info in (p.get("in_program") or {}).items():
+        for c in info.get("copies") or []:
+            print(f"    copy in {k}'s loop body: {c}")
     for k, v in (p.get("errors") or {}).items():
         print(f"    {k}: {v[:160]}")
 
 
 def parts_markdown(parts_ms: dict) -> list:
     """Markdown lines of a parts_ms with floors (``jax_gdn.bench --markdown``): one row per part of the prefill and
-    of the decode step, ms per layer pipelined and blocking, its floor, the ratio (pipelined / floor) and the
-    floor's basis, then a line saying how each was timed; [] without floors. Results older than the pipelined
-    timing (no "ms_blocking": their one figure was blocking) show "-" as pipelined and their ratio (blocking)."""
+    of the decode step: the figure of record (ms) and which timing it is, the in-program, pipelined and blocking ms
+    per layer, its floor, the ratio (figure of record / floor) and the floor's basis; then a line saying how each
+    was timed; [] without floors. Older results: without "ms_pipelined" their "<part>" figure was the pipelined
+    one (in-program "-"); without "ms_blocking" their one figure was blocking (pipelined "-", the ratio blocking)."""
     from jax_gdn.bench import _f, _header
     if not parts_ms or not parts_ms.get("floor_ms"):
         return []
-    out = _header(["part (ms per layer)", "step", "floor", "ms", "blocking ms", "floor ms", "part / floor"],
-                  text_cols=3)
-    old = False
+    out = _header(["part (ms per layer)", "step", "floor", "ms", "of", "in-program ms", "pipelined ms", "blocking ms",
+                   "floor ms", "part / floor"], text_cols=3)
+    eras = set()
     for q, step in ((parts_ms, "prefill"), (parts_ms.get("decode") or {}, "decode")):
         ratio, basis = q.get("floor_ratio") or {}, q.get("floor_basis") or {}
-        blk = q.get("ms_blocking")
-        old = old or (blk is None and bool(q.get("floor_ms")))
+        blk, pipe, ip = q.get("ms_blocking"), q.get("ms_pipelined"), q.get("ms_in_program") or {}
+        if q.get("floor_ms"):
+            eras.add("blocking" if blk is None else "pipelined" if pipe is None else "new")
         for k, fl in (q.get("floor_ms") or {}).items():
-            pipe, b = (q.get(k), blk.get(k)) if blk is not None else (None, q.get(k))
-            out.append(f"| {k} | {step} {q.get('case', '')} | {basis.get(k, '')} | {_f(pipe)} | {_f(b)} | {_f(fl)} | "
-                       f"{_f(ratio.get(k), '{:.2f}')} |")
+            if blk is None:
+                rec, of, p_, b = None, "-", None, q.get(k)
+            elif pipe is None:
+                rec, of, p_, b = q.get(k), "pipelined", q.get(k), blk.get(k)
+            else:
+                rec, of, p_, b = q.get(k), (q.get("ms_source") or {}).get(k, "-"), pipe.get(k), blk.get(k)
+            out.append(f"| {k} | {step} {q.get('case', '')} | {basis.get(k, '')} | {_f(rec)} | {of} | "
+                       f"{_f(ip.get(k))} | {_f(p_)} | {_f(b)} | {_f(fl)} | {_f(ratio.get(k), '{:.2f}')} |")
     out.append("")
     calls = parts_ms.get("pipe_calls") or PIPE_CALLS
-    out.append(f"ms: pipelined ({calls} calls of the part queued with no sync between, one sync, total / {calls}; "
-               "the model pays no per-call launch + sync gap); blocking ms: each call closed by a sync (the rows' "
-               "method); part / floor: "
-               + ("the blocking ms (these results predate the pipelined timing)" if old else "the pipelined ms") + ".")
+    iters = parts_ms.get("loop_iters") or LOOP_ITERS
+    ratio_of = ("the blocking ms (these results predate the pipelined timing)" if "blocking" in eras else
+                "the pipelined ms (these results predate the in-program timing)" if "pipelined" in eras else
+                "ms, the figure of record")
+    out.append(f"in-program ms: the part {iters} and {2 * iters} times (decode {2 * iters} and {4 * iters}) inside one "
+               "compiled loop, x fed back and state carried, (t(2R) - t(R)) / R: the device time per layer as the "
+               f"model's one program runs it; pipelined ms: {calls} calls of the part queued with no sync between, "
+               f"one sync, total / {calls} (pays a host dispatch per call); blocking ms: each call closed by a sync "
+               "(the rows' method); ms: the in-program figure when sound (no carried-buffer copy in the loop, "
+               "between 0.9 x its floor and 1.25 x the separate call), else the pipelined one (\"of\" says which); "
+               f"part / floor: {ratio_of}.")
     out.append("")
     return out
 
@@ -1416,6 +1827,7 @@ def print_section(section: dict) -> None:
         if p.get("floor_ratio") and not section.get("quick"):
             print("targets (issue 9): each part within 2x of its floor: "
                   + ("met" if not over else "NOT met: " + ", ".join(over)))
+    _print_row_floors(section.get("row_floors"), f" of the {section.get('layers', '?')}-layer rows")
     c = section.get("compile") or {}
     if c:
         print(f"compile of the {c.get('layers')}-layer prefill (abstract weights, fresh process): "

@@ -7,11 +7,22 @@ limit keeps what it measured) and prints the table last.
     export PYTHONPATH=/tmp/site:$PWD FLA_FLASH_QLA=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
     python benchmarks/gpu/model_bench.py --budget 380 2>&1 | tee $OUT/log.txt      # no grep in the pipe: it buffers
 
-``--check`` (a short correctness run, not a measurement): HF on FLA's kernels against HF's torch path (a child
-process: ``python -m jax_gdn.bench_model --hf-check``, 2 layers at 80B dims, bf16) while this process runs the
-parts (prefill varlen16 and decode 64 x 1189, with floors) on a 2-layer model (one GDN, one attention layer) at
-80B dims; writes $OUT/model_check.json. ``--check --quick``: the same at tiny dims (a CPU dry run of the script;
-the HF check then reports that FLA's kernels need a GPU).
+``--check`` (a short run, <= ``--budget`` s, default 130 with ``--check``): on a 2-layer model (one GDN, one
+attention layer) at 80B dims, in order, nothing else on the GPU meanwhile:
+  1. the parts (prefill varlen16, decode 64 x 1189) each timed three ways (in-program loop, pipelined, blocking:
+     jax_gdn.bench_model.PARTS_TIMING), against their floors, with the copies found in each loop body;
+  2. the 2-layer model's own varlen16 and decode rows (public API): "model measured" beside "model sum" (the parts
+     x their layer counts) for each timing;
+  3. the row floors (jax_gdn.bench_model.row_floor) of the 8-layer bench rows (varlen16, B1-T32768, decode), HF's
+     and our ms read from this device's results JSON (benchmarks/results/<device>.json, its "model" rows), and of
+     the 2-layer rows just measured;
+  4. unless ``--no-hf``: HF on FLA's kernels against HF's torch path (a child process AFTER the parts: the first
+     check ran it beside the parts and its Triton autotuning shared the GPU with their timing).
+Writes $OUT/model_check.json (after each stage) and $OUT/model_check.log (stdout) and prints the tables last.
+``--check --quick``: the same at tiny dims (a CPU dry run of the script; the HF check then reports that FLA's
+kernels need a GPU).
+
+    timeout 160 python benchmarks/gpu/model_bench.py --check --no-hf
 """
 import argparse
 import json
@@ -24,57 +35,131 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("FLA_FLASH_QLA", "0")
 
 
-def check(out_dir: str, reps: int, quick: bool = False) -> dict:
+def check(out_dir: str, reps: int, quick: bool = False, hf: bool = True, budget: float = 130.0) -> dict:
     t0 = time.time()
-    hf = subprocess.Popen([sys.executable, "-m", "jax_gdn.bench_model", "--hf-check"] + (["--quick"] if quick else []),
-                          stdout=subprocess.PIPE, stderr=None, text=True)
-    res = {}
-    try:
-        import jax.numpy as jnp
+    path = os.path.join(out_dir, "model_check.json")
+    res = {"budget_s": budget, "stages": {}}
 
-        from jax_gdn.bench_model import (_cases, check_config, load_peers, measure_parts, print_section,
-                                         random_device_model)
-        model = random_device_model(check_config(quick), jnp.float32 if quick else jnp.bfloat16, "auto")
-        import jax
-        dev = str(jax.devices()[0].device_kind)
+    def left() -> float:
+        return budget - (time.time() - t0)
+
+    def save():
+        res["wall_s"] = round(time.time() - t0, 1)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    def stage(name):
+        res["stages"][name] = round(time.time() - t0, 1)
+        print(f"[check] {time.time() - t0:5.0f} s  {name}", flush=True)
+        save()
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_gdn import bench_model as bm
+    cases = bm._cases(quick)
+    dev = str(jax.devices()[0].device_kind)
+    res["device"] = dev
+    peers = bm.load_peers(dev)
+    dtype = jnp.float32 if quick else jnp.bfloat16
+    nbytes = jnp.dtype(dtype).itemsize
+    model = None
+    try:
+        model = bm.random_device_model(bm.check_config(quick), dtype, "auto")
         res["model"] = repr(model)
-        res["parts_ms"] = measure_parts(model, _cases(quick), reps, peers=load_peers(dev))
-        res["parts_s"] = round(time.time() - t0, 1)
-        print(f"[check] parts done at {time.time() - t0:.0f} s", flush=True)
+        stage("model built")
+        # the parts first, on an otherwise idle GPU; in-program timings stop at 60 % of the budget (the rows next)
+        res["parts_ms"] = bm.measure_parts(model, cases, reps, peers=peers, deadline=t0 + 0.6 * budget)
+        stage("parts done")
     except Exception as err:
         import traceback
         traceback.print_exc()
         res["parts_error"] = f"{type(err).__name__}: {str(err)[:400]}"
-    try:
-        stdout, _ = hf.communicate(timeout=max(10.0, 300 - (time.time() - t0)))
-        line = next((x for x in reversed(stdout.splitlines()) if x.startswith("{")), None)
-        res["hf_check"] = json.loads(line) if line else {"error": f"rc={hf.returncode}: {stdout[-400:]}"}
-    except subprocess.TimeoutExpired:
-        hf.kill()
-        res["hf_check"] = {"error": "HF check cut at its time limit"}
-    res["wall_s"] = round(time.time() - t0, 1)
-    with open(os.path.join(out_dir, "model_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    if "parts_ms" in res:
-        print_section({"model": res["model"], "device": dev, "rows": [], "parts_ms": res["parts_ms"], "quick": quick})
-    h = res["hf_check"]
-    print("HF check:", json.dumps({k: h.get(k) for k in ("prefill", "decode", "kernels", "s", "error")}, indent=1))
+    ours = {}
+    if model is not None and left() > (5 if quick else 35):
+        try:
+            ours = bm.our_rows(model, cases, reps, keys=("varlen", "decode"))
+            res["rows"] = bm._rows(cases, ours, {})
+            p = res.get("parts_ms") or {}
+            if p:
+                p["model"] = (ours.get("varlen") or {}).get("ms")
+                if p.get("decode"):
+                    p["decode"]["model"] = (ours.get("decode") or {}).get("ms")
+                    bm._other(p["decode"])
+                bm._other(p)
+            stage("2-layer rows done")
+        except Exception as err:
+            import traceback
+            traceback.print_exc()
+            res["rows_error"] = f"{type(err).__name__}: {str(err)[:400]}"
+    elif model is not None:
+        res["rows_error"] = f"skipped: {left():.0f} s of the {budget:.0f} s budget left"
+    # row floors: the 8-layer bench rows (HF / ours from the results JSON) and the 2-layer rows just measured
+    big = (bm.tiny_config if quick else bm.qwen3_next_80b_config)(bm.LAYERS)
+    sec8 = {"rows": [], "layers": bm.LAYERS}
+    bm.add_row_floors(sec8, big, cases, peers, nbytes, stored_rows=peers.get("model_rows"))
+    res["row_floors"] = sec8["row_floors"]
+    res["row_floors_source"] = {"path": peers.get("path"), "date": peers.get("date"),
+                                "model_layers": peers.get("model_layers")} if peers else None
+    sec2 = {"rows": res.get("rows") or [], "layers": 2}
+    bm.add_row_floors(sec2, bm.check_config(quick), cases, peers, nbytes)
+    res["row_floors_2_layers"] = sec2["row_floors"]
+    del model
+    stage("row floors done")
+    if hf:
+        # after the parts and rows: never beside them on the GPU
+        try:
+            r = subprocess.run([sys.executable, "-m", "jax_gdn.bench_model", "--hf-check"] + (["--quick"] if quick
+                                                                                               else []),
+                               stdout=subprocess.PIPE, stderr=None, text=True, timeout=max(30.0, left() + 60))
+            line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith("{")), None)
+            res["hf_check"] = json.loads(line) if line else {"error": f"rc={r.returncode}: {r.stdout[-400:]}"}
+        except subprocess.TimeoutExpired:
+            res["hf_check"] = {"error": "HF check cut at its time limit"}
+        stage("hf check done")
+    save()
+    bm.print_section({"model": res.get("model"), "device": dev, "rows": res.get("rows") or [], "layers": 2,
+                      "parts_ms": res.get("parts_ms") or {}, "quick": quick, "row_floors": res["row_floors_2_layers"]})
+    src = res["row_floors_source"] or {}
+    bm._print_row_floors(res["row_floors"], f" of the {bm.LAYERS}-layer bench rows (HF and ours: "
+                                            f"{src.get('path') or 'none stored'} {src.get('date') or ''})")
+    for k in ("parts_error", "rows_error"):
+        if k in res:
+            print(f"  {k}: {res[k]}")
+    if "hf_check" in res:
+        h = res["hf_check"]
+        print("HF check:", json.dumps({k: h.get(k) for k in ("prefill", "decode", "kernels", "s", "error")}, indent=1))
+    print(f"check wall {time.time() - t0:.0f} s (budget {budget:.0f} s)")
     return res
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--budget", type=float, default=380.0, help="seconds for all stages (later ones are skipped)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all stages, later ones skipped (default 380; with --check 130)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--check", action="store_true", help="the short correctness run (see the docstring)")
     p.add_argument("--quick", action="store_true", help="--check at tiny dims (a CPU dry run of the script)")
     a = p.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp")
+    out_dir = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out_dir, exist_ok=True)
     if a.check:
-        check(out_dir, min(a.reps, 3), a.quick)
+        log = open(os.path.join(out_dir, "model_check.log"), "w")
+
+        class Tee:                      # the printed tables also land in $OUT/model_check.log
+            def write(self, x):
+                log.write(x)
+                log.flush()
+                return sys.__stdout__.write(x)
+
+            def flush(self):
+                sys.__stdout__.flush()
+        sys.stdout = Tee()
+        check(out_dir, min(a.reps, 3), a.quick, hf=not a.no_hf, budget=a.budget or 130.0)
         return
+    a.budget = a.budget or 380.0
     path = os.path.join(out_dir, "model.json")
 
     def save(section):
