@@ -20,6 +20,9 @@ Columns (median ms; null where an implementation cannot run the case):
   cudnn       ``jax.nn.dot_product_attention(implementation="cudnn")`` on dense K/V padded to the longest
               stream (fresh prefill and decode; null for the continued prefill, whose lower-right causal mask
               it does not take)
+  cudnn_packed  the same op, backend "cudnn" (pallas_kernels/paged_attention/cudnn.py: the pages gathered into
+              one packed K/V buffer, cuDNN's packed layout, a causal call on the new tokens + a non-causal one on
+              the context merged by LSE); prefill only (null for decode); "cudnn_xla" (its XLA stand-in) on CPU
 tflops (prefill): the causal FLOPs needed, 4 H Dh sum_n (L_n (L_n + 1) / 2 + L_n ctx), over each time;
 gbps (decode): the K/V bytes a decode must read, N ctx Hkv Dh 2 (K and V) * 2 bytes, over each time.
 Timing as in ``jax_gdn.bench``: jax over groups of back-to-back calls closed by block_until_ready (median of
@@ -131,6 +134,10 @@ def run_section(quick: bool = False, small=None) -> dict:
             return jax.jit(lambda *a: api.paged_attention(*a, scale=scale, backend=backend)), args
 
         impls = {"pallas": lambda: ours("pallas" if on_gpu else "pallas_interpret"), "xla": lambda: ours("xla")}
+        if not decode:
+            impls["cudnn_packed"] = lambda: ours("cudnn" if on_gpu else "cudnn_xla")
+        else:
+            row["ms"]["cudnn_packed"] = None
         for impl, make in impls.items():
             try:
                 fn, a = make()
@@ -238,7 +245,7 @@ def _time_torch(q, dense, lens, ctx, decode, scale):
 
 
 def print_section(section: dict) -> None:
-    cols = ("pallas", "xla", "torch_sdpa", "cudnn")
+    cols = ("pallas", "cudnn_packed", "xla", "torch_sdpa", "cudnn")
     print(f"attention ({section.get('device', '?')}, dims {section.get('dims')})")
     print(f"{'case':>24} | " + " ".join(f"{c:>11}" for c in cols) + " | " + " ".join(f"{c:>10}" for c in cols))
     for r in section["rows"]:

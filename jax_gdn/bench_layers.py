@@ -17,7 +17,9 @@ GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
 Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K/V page writes, paged causal
 attention, gate, o_proj) into an empty pool of 16-token pages handed out in a shuffled order, the page table
 [N, W] as wide as the longest stream needs; the paged attention runs the layer's backend
-(pallas_kernels.paged_attention: "pallas" the Triton kernel, "xla" the reference gathering all W pages per block).
+(pallas_kernels.paged_attention: "pallas" the Triton kernel, "xla" the reference gathering all W pages per block,
+"cudnn" cuDNN's packed fused attention with the layer's unfused q norm / RoPE / gate; the GDN layer is not timed
+for "cudnn" / "cudnn_xla", attention-only backends).
 
 Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
 Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.
@@ -77,7 +79,7 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
 
     # ---- GDN layer ------------------------------------------------------------------------------------------------
     gdn_row = None
-    if with_gdn:
+    if with_gdn and backend not in ("cudnn", "cudnn_xla"):     # the cuDNN backends are attention-only
         gdn_row = _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps)
 
     # ---- attention layer ------------------------------------------------------------------------------------------
@@ -198,7 +200,8 @@ def print_table(results) -> None:
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=None,
-                        help="comma list of xla / pallas / pallas_interpret (default: pallas,xla on a GPU, xla else)")
+                        help="comma list of xla / pallas / pallas_interpret / cudnn / cudnn_xla (default: pallas,xla "
+                             "on a GPU, xla else)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--small", action="store_true", help="tiny dims and lens (CPU smoke test)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -25,8 +25,11 @@ Prefill on the Pallas backends (``fused``, the default there) goes through ``pag
 the projection's raw output (no slicing), applies the output gate in the kernel's epilogue and writes o_proj's
 input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (or on the kernel's query tile:
 ``PrefillConfig.q_prologue``, pallas_kernels/paged_attention/NOTES.md says why not by default). From
-``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM. The XLA backend and decode take the
-unfused path (``attention_qkv``, the reference the fused one is tested against).
+``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM. The XLA backend, the cuDNN backends
+("cudnn": the prefill core through cuDNN's packed fused attention, pallas_kernels/paged_attention/cudnn.py, with
+XLA's q norm / RoPE before it and the gate fused by XLA into its merge; "cudnn_xla" its CPU stand-in) and decode
+take the unfused path (``attention_qkv``, the reference the fused one is tested against); decode on the cuDNN
+backends runs the Pallas decode kernel (or XLA).
 """
 from __future__ import annotations
 
@@ -156,10 +159,11 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     the pool *after* this call's allocation and writes; cu_seqlens [N + 1], slot_ids [N] the streams (see
     ``paged_attention`` for the padding contract). decode (static): one token per stream (T == N, token n is
     stream n's, cu_seqlens is then ignored) through ``paged_attention_decode``.
-    backend: "xla" | "pallas" | "pallas_interpret" | "auto" (``pallas_kernels.paged_attention.api``).
+    backend: "xla" | "pallas" | "pallas_interpret" | "cudnn" | "cudnn_xla" | "auto"
+    (``pallas_kernels.paged_attention.api``).
     fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
-    RoPE before it or in it); None: on the Pallas backends, not on "xla" (the same math, unfused). Decode is
-    always unfused.
+    RoPE before it or in it); None: on the Pallas backends, not on "xla" or the cuDNN ones (the same math,
+    unfused). Decode is always unfused.
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]

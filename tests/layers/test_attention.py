@@ -1,6 +1,6 @@
 """Gated attention layer: partial NeoX RoPE and the whole layer against HF's Qwen3NextAttention; the layer's
-split calls (prefill in two chunks, then decode steps) against one prefill of every token, per backend, with
-padding tokens and a padding stream (slot id S). The paged-attention op itself is tested against a float64 oracle
+split calls (prefill in two chunks, then decode steps) against one prefill of every token, per backend (the
+cuDNN backend through its XLA stand-in "cudnn_xla" on CPU), with padding tokens and a padding stream (slot id S). The paged-attention op itself is tested against a float64 oracle
 in tests/pallas_kernels/test_paged_attention.py."""
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _call(params, dims, kv, x, slot_ids, old_lens, new_lens, page_table, ps, *, 
         decode=decode, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret", "cudnn_xla"])
 def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
     """Streams of 70 and 9 tokens: prefill 40 + 5, then 27 + 2 (with 3 padding tokens), then 3 decode steps,
     equals one prefill of all 70 + 9 at once (stale NaN pages everywhere else)."""
@@ -199,8 +199,9 @@ def test_bench_attention_section_shape_on_cpu(capsys):
     assert sec["small"] and [r["case"] for r in sec["rows"]] == [
         "prefill-varlen16", "prefill-varlen16-ctx2k", "prefill-32k", "decode-64x4096", "decode-256x1024"]
     for r in sec["rows"]:
-        assert set(r["ms"]) == {"pallas", "xla", "torch_sdpa", "cudnn"}
+        assert set(r["ms"]) == {"pallas", "xla", "torch_sdpa", "cudnn", "cudnn_packed"}
         assert r["ms"]["pallas"] > 0 and r["ms"]["xla"] > 0 and r["ms"]["torch_sdpa"] is None
+        assert (r["ms"]["cudnn_packed"] is None) == (r["kind"] == "decode")
         assert set(r["tflops" if r["kind"] == "prefill" else "gbps"]) == set(r["ms"])
     bench_attention.print_section(sec)
     assert "decode-256x1024" in capsys.readouterr().out
