@@ -84,9 +84,13 @@ def kv_offset_unit(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     k = _Shape((1, 8, num_kv_heads, head_dim))
     lens = np.asarray([[1, 1]], np.int32)
     offs = np.asarray([[0, 1, 2]], np.int32)
+    import inspect
+    extra = {}
+    if "layout" in inspect.signature(fa._fix_seqlen_offsets).parameters:     # a later jax may take the layout
+        extra["layout"] = fa.AttentionLayout.BTNH.value
     with jax.ensure_compile_time_eval():
         _, _, qo, ko = fa._fix_seqlen_offsets(jnp.asarray(lens), jnp.asarray(lens), jnp.asarray(offs),
-                                              jnp.asarray(offs), q, k)
+                                              jnp.asarray(offs), q, k, **extra)
         q_unit, k_unit = int(np.asarray(qo)[0, 1]), int(np.asarray(ko)[0, 1])
     if q_unit != num_heads * head_dim:
         raise ValueError(f"jax scales packed q offsets by {q_unit}, expected H Dh = {num_heads * head_dim}")
