@@ -1375,15 +1375,16 @@ def decode_parts(model, n: int, ctx: int, reps: int = REPS, seed: int = 0, calls
 
 PARTS_TIMING = (
     "three timings of each part (jitted alone, layer-0 params, its state donated and carried): ms_in_program: the "
-    "part R times inside ONE compiled program (lax.fori_loop, static trip count; x, or every activation input, "
-    "fed back so nothing is hoisted; state carried), ms = (median wall of 2 programs queued + one sync - median "
-    "wall of 1 program + sync) / R, R = {iters} (decode {diters}): the device time per layer as the model's scan "
-    "runs it, with no per-part dispatch, launch or sync; ms_pipelined: {calls} separate calls queued back to "
-    "back, one block_until_ready, total / {calls}, median of batches (pays one host dispatch per call: a part "
-    "shorter on the device than its dispatch reads the dispatch); ms_blocking: each call closed by block_until_ready, median of calls (the rows' "
-    "method: adds ~0.5 ms launch + sync per call). '<part>' (the figure of record: floor_ratio, model_sum) is "
-    "ms_in_program when sound (measured, > 0, no copy of a carried buffer in the loop body, >= 0.6 x its roofline, "
-    "<= 1.25 x min(pipelined, blocking)), else ms_pipelined; ms_source says which and in_program_unsound why")
+    "part R times inside ONE compiled program (lax.fori_loop, static trip count; x, or every activation input, fed "
+    "back so nothing is hoisted; state carried), ms = (median wall of 2 programs queued + one sync - median wall of "
+    "1 program + sync) / R, R = {iters} (decode {diters}): the device time per layer as the model's scan runs it, "
+    "with no per-part dispatch, launch or sync; ms_pipelined: {calls} separate calls queued back to back, one "
+    "block_until_ready, total / {calls}, median of batches (pays one host dispatch per call: a part shorter on the "
+    "device than its dispatch reads the dispatch); ms_blocking: each call closed by block_until_ready, median of "
+    "calls (the rows' method: adds ~0.5 ms launch + sync per call). '<part>' (the figure of record: floor_ratio, "
+    "model_sum) is ms_in_program when sound (measured, > 0, no copy of a carried buffer in the loop body, >= 0.6 x "
+    "its roofline, <= 1.25 x min(pipelined, blocking)), else ms_pipelined; ms_source says which and "
+    "in_program_unsound why")
 
 
 def choose_figures(q: dict) -> None:
