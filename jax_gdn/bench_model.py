@@ -432,6 +432,7 @@ def _in_program(fn, args: tuple, state=None, feed=(0,), *, iters: int = LOOP_ITE
 # ================================================================================================================
 PEAK_TFLOPS = 700.0   # dense bf16 matmul rate of the floors (as bench_moe's): H200 ~990 peak, ~700 reachable
 PEAK_TBPS = 4.8       # H200 HBM bandwidth, TB/s
+HW_PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 tensor-core peak (the row floors' hardware bound beside the 700)
 CHUNK = 64            # the chunked GDN rule's chunk (the formula's C)
 
 
@@ -596,12 +597,14 @@ def row_floor(config, kind: str, case: tuple, dtype_bytes: int = 2, peers: dict 
                              matmuls at 700 TFLOP/s, bytes at 4.8 TB/s): the floor the parts' ratios use
       row_floor_roofline_ms  every term at its pure roofline max(FLOPs / 700 TFLOP/s, bytes / 4.8 TB/s), no
                              measured kernel in it (the GDN and attention cores at their FLOPs): a lower bound of
-                             any implementation on this GPU at those rates
-    With ``hf_ms``: "hf_over_floor" = hf_ms / row_floor_ms and "hf_over_roofline" = hf_ms / row_floor_roofline_ms,
-    the largest speed-up over HF any implementation could reach at those floors; "target_3x_within_floor": whether
-    3x HF (hf_ms / 3) is at or above the row floor. With ``ours_ms``: "ours_over_floor". Returns {"case", "kind",
+                             any implementation at those rates (issue 9's floor rates)
+      row_floor_hw_peak_ms   the same at the H200's dense bf16 peak, max(FLOPs / 989 TFLOP/s, bytes / 4.8 TB/s):
+                             the hardware's own bound (no implementation runs a whole row at it)
+    With ``hf_ms``: "hf_over_floor" = hf_ms / row_floor_ms, "hf_over_roofline", "hf_over_hw_peak": the largest
+    speed-up over HF any implementation could reach at those floors; "target_3x_within_floor": whether 3x HF
+    (hf_ms / 3) is at or above the row floor. With ``ours_ms``: "ours_over_floor". Returns {"case", "kind",
     "tokens", "layers", "terms": {part: {"count", "floor_ms", "ms", "roofline_ms", "flop", "bytes", "basis"}},
-    "row_floor_ms", "row_floor_roofline_ms", ...}."""
+    "row_floor_ms", "row_floor_roofline_ms", "row_floor_hw_peak_ms", ...}."""
     c = _layer_counts(config)
     if kind == "prefill":
         lens = case[1]
@@ -620,10 +623,13 @@ def row_floor(config, kind: str, case: tuple, dtype_bytes: int = 2, peers: dict 
              for k, m in counts.items() if m and k in f}
     out = {"case": case[0], "kind": kind, "tokens": tokens, "layers": config.num_hidden_layers, "terms": terms,
            "row_floor_ms": sum(t["ms"] for t in terms.values()),
-           "row_floor_roofline_ms": sum(t["count"] * t["roofline_ms"] for t in terms.values())}
+           "row_floor_roofline_ms": sum(t["count"] * t["roofline_ms"] for t in terms.values()),
+           "row_floor_hw_peak_ms": sum(max(t["flop"] / (HW_PEAK_TFLOPS * 1e9), t["bytes"] / (PEAK_TBPS * 1e9))
+                                       for t in terms.values())}
     if hf_ms:
         out.update(hf_ms=hf_ms, hf_over_floor=hf_ms / out["row_floor_ms"],
                    hf_over_roofline=hf_ms / out["row_floor_roofline_ms"],
+                   hf_over_hw_peak=hf_ms / out["row_floor_hw_peak_ms"],
                    target_3x_within_floor=hf_ms / 3 >= out["row_floor_ms"])
     if ours_ms:
         out.update(ours_ms=ours_ms, ours_over_floor=ours_ms / out["row_floor_ms"])
@@ -1709,8 +1715,8 @@ def add_row_floors(section: dict, config, cases: dict, peers: dict = None, dtype
     for r in section.get("rows") or []:
         f = next((x for x in floors if x["case"] == r["case"]), None)
         if f is not None:
-            r.update({k: f.get(k) for k in ("row_floor_ms", "row_floor_roofline_ms", "hf_over_floor",
-                                            "hf_over_roofline")})
+            r.update({k: f.get(k) for k in ("row_floor_ms", "row_floor_roofline_ms", "row_floor_hw_peak_ms",
+                                            "hf_over_floor", "hf_over_roofline", "hf_over_hw_peak")})
 
 
 def _print_row_floors(floors: list, note: str = "") -> None:
@@ -1721,14 +1727,15 @@ def _print_row_floors(floors: list, note: str = "") -> None:
     if not floors:
         return
     print(f"row floors{note} (sum over parts of layers x floor; roofline: every term at max(FLOPs / 700 TFLOP/s, "
-          f"bytes / 4.8 TB/s)):")
-    print(f"  {'case':<22} {'ours ms':>8} {'HF ms':>8} {'floor ms':>9} {'roofline':>9} {'ours/floor':>10} "
-          f"{'HF/floor':>9} {'HF/roofl':>9}  3x HF within the floor?")
+          f"bytes / 4.8 TB/s); hw peak: the same at 989 TFLOP/s):")
+    print(f"  {'case':<22} {'ours ms':>8} {'HF ms':>8} {'floor ms':>9} {'roofline':>9} {'hw peak':>8} "
+          f"{'ours/floor':>10} {'HF/floor':>9} {'HF/roofl':>9} {'HF/peak':>8}  3x HF within the floor?")
     for r in floors:
         ok = r.get("target_3x_within_floor")
         print(f"  {r['case']:<22} {f(r.get('ours_ms')):>8} {f(r.get('hf_ms')):>8} {f(r['row_floor_ms']):>9} "
-              f"{f(r['row_floor_roofline_ms']):>9} {f(r.get('ours_over_floor')):>10} {f(r.get('hf_over_floor')):>9} "
-              f"{f(r.get('hf_over_roofline')):>9}  "
+              f"{f(r['row_floor_roofline_ms']):>9} {f(r.get('row_floor_hw_peak_ms')):>8} "
+              f"{f(r.get('ours_over_floor')):>10} {f(r.get('hf_over_floor')):>9} {f(r.get('hf_over_roofline')):>9} "
+              f"{f(r.get('hf_over_hw_peak')):>8}  "
               + ("-" if ok is None else "yes" if ok else "NO: 3x HF is beyond the floors")
               + (" (HF ms stored)" if r.get("hf_source") == "stored" else ""))
     for r in floors:

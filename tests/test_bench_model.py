@@ -607,6 +607,10 @@ def test_row_floor_of_the_32k_stream_term_by_term():
     assert r["row_floor_ms"] == pytest.approx(total) and 105 < total < 120
     assert r["hf_over_floor"] == pytest.approx(224.6 / total) and not r["target_3x_within_floor"]
     assert r["row_floor_roofline_ms"] < r["row_floor_ms"] and r["hf_over_roofline"] < 3     # even at the roofline
+    flop = sum(x["flop"] for x in r["terms"].values())
+    assert r["row_floor_hw_peak_ms"] == pytest.approx(flop / 989e9 + t["embed_logits"]["ms"]      # lm_head: bytes
+                                                      - t["embed_logits"]["flop"] / 989e9, rel=1e-6)
+    assert r["hf_over_hw_peak"] > 3                                     # the hardware's own bound is below HF / 3
     assert r["ours_over_floor"] == pytest.approx(154.4 / total)
     # the three rows together; the varlen16 row's attention core (no bench row here) at its FLOPs
     rows = [{"case": "varlen16-T19027", "ms": {"hf": 417.4, "ours": 61.2}}]
