@@ -10,6 +10,8 @@ Parameters (dicts; weights stored [in, out] so that ``y = x @ W``):
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -20,20 +22,31 @@ def swiglu_mlp(params: dict, x: jax.Array) -> jax.Array:
     return (h @ params["down_proj"]).astype(x.dtype)
 
 
-def moe_route(router_w: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool):
+def moe_route(router_w: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, backend: str = "xla"):
     """fp32 softmax over all experts, top-k, optional renormalisation (HF ``Qwen3NextTopKRouter``).
 
-    x [T, D], router_w [D, E]. Returns (weights [T, k] in x's dtype, expert ids [T, k] int32).
+    x [T, D], router_w [D, E]. Returns (weights [T, k] in x's dtype, expert ids [T, k] int32). backend: the MoE
+    backend ("xla" | "pallas" | "pallas_interpret"): the Pallas ones run softmax + top-k as one kernel
+    (``pallas_kernels.moe.api.route``; XLA's top-k over [T, E] is slow on the GPU).
     """
+    from pallas_kernels.moe import api as moe_api
     logits = x @ router_w                                                  # [T, E] (activation dtype, as HF)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return top_w.astype(x.dtype), top_i.astype(jnp.int32)
+    top_w, top_i = moe_api.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                 backend=backend if backend in moe_api.BACKENDS else "xla")
+    return top_w.astype(x.dtype), top_i
 
 
 MOE_BACKENDS = ("xla", "pallas", "pallas_interpret", "auto")
+
+#: Route with the Pallas softmax + top-k kernel when the experts run on a Pallas backend (``routing_backend``).
+#: Read once at import; environment override JAX_GDN_PALLAS_ROUTING=0 | 1.
+PALLAS_ROUTING = os.environ.get("JAX_GDN_PALLAS_ROUTING", "1") != "0"
+
+
+def routing_backend(moe_backend: str) -> str:
+    """The router's backend for a resolved MoE backend: the same Pallas backend when ``PALLAS_ROUTING``, else
+    "xla"."""
+    return moe_backend if PALLAS_ROUTING and moe_backend in ("pallas", "pallas_interpret") else "xla"
 
 
 def resolve_moe_backend(backend: str, x: jax.Array, w_gate_up: jax.Array) -> str:
@@ -78,10 +91,10 @@ def sparse_moe(params: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, 
 
     backend: "xla" | "pallas" (CUDA GPU) | "pallas_interpret" | "auto" (pallas where it runs, else xla) picks the
     routed experts' grouped matmuls (``grouped_experts``; moe_config: its launch config, None = picked from the
-    shapes); routing and the shared expert are plain XLA.
+    shapes); the router runs on the same Pallas backend (``routing_backend``), the shared expert in XLA.
     """
     backend = resolve_moe_backend(backend, x, params["experts_gate_up"])     # checked before any work
-    top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob)
+    top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob, backend=routing_backend(backend))
     routed = grouped_experts(x, top_w, top_i, params["experts_gate_up"], params["experts_down"], backend=backend,
                              moe_config=moe_config, num_experts=params["router"].shape[-1],
                              expert_offset=expert_offset)

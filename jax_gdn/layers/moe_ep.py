@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_gdn.layers.ffn import moe_route, resolve_moe_backend, swiglu_mlp
+from jax_gdn.layers.ffn import moe_route, resolve_moe_backend, routing_backend, swiglu_mlp
 
 __all__ = ["local_routed_experts", "sparse_moe_expert_parallel"]
 
@@ -83,7 +83,8 @@ def sparse_moe_expert_parallel(params: dict, x: jax.Array, *, top_k: int, norm_t
                          f"[{el}, ...] on {jax.lax.axis_size(axis_name)} devices do not make num_experts="
                          f"{num_experts}")
     backend = resolve_moe_backend(backend, x, w_gate_up)
-    top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob)            # every token, global ids
+    top_w, top_i = moe_route(params["router"], x, top_k, norm_topk_prob,           # every token, global ids
+                             backend=routing_backend(backend))
     local_i = top_i - jax.lax.axis_index(axis_name).astype(jnp.int32) * el
     mine = (local_i >= 0) & (local_i < el)
     routed = local_routed_experts(x, top_w, local_i, mine, w_gate_up, params["experts_down"], backend=backend,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import reference as _ref
+from pallas_kernels.moe import routing_triton as _routing
 from pallas_kernels.moe import triton as _triton
 from pallas_kernels.moe.triton import MoeConfig, select_config
 
@@ -138,3 +139,24 @@ def moe_experts(x, top_w, top_i, w_gate_up, w_down, *, backend: str = "pallas",
     offset = jnp.zeros((), jnp.int32) if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
     return _moe_experts(x, top_w, top_i.astype(jnp.int32), w_gate_up, w_down, offset, backend=backend,
                         config=config, num_experts=num_experts)
+
+
+def route(logits, *, top_k: int, norm_topk_prob: bool, backend: str = "xla"):
+    """The MoE router after its matmul: logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32 in [0, E)): fp32
+    softmax over all experts, top-k (ties: lowest id first), renormalised when norm_topk_prob.
+
+    backend: "xla" (``reference.route_xla``: softmax + ``lax.top_k``), "pallas" (``routing_triton.route``: one
+    kernel on a CUDA GPU), "pallas_interpret" (the same kernel in interpret mode). A Pallas backend falls back to
+    "xla" where the kernel does not take the sizes (E not a power of two in [2, 1024]): the routing is the same
+    function either way, so the fallback is exact up to fp32 rounding. Bad shapes: ValueError naming the
+    argument."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [T, E]; got shape {logits.shape}")
+    if not 1 <= int(top_k) <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, E={logits.shape[1]}]; got {top_k}")
+    if backend == "xla" or _routing.supports(num_experts=logits.shape[1], top_k=top_k) is not None:
+        return _ref.route_xla(logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    return _routing.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                          interpret=backend == "pallas_interpret")

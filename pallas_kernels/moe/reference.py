@@ -35,6 +35,17 @@ class MoeLayout(NamedTuple):
     row_pos: jax.Array        # [T, k] int32
 
 
+def route_xla(logits: jax.Array, *, top_k: int, norm_topk_prob: bool):
+    """The router after its matmul (HF ``Qwen3NextTopKRouter``): fp32 softmax over all E experts, ``lax.top_k``,
+    ``w / sum(w)`` when norm_topk_prob. logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32). The reference
+    of ``routing_triton.route``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_w, top_i = lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_w, top_i.astype(jnp.int32)
+
+
 def num_row_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
     """Static bound NB = ceil(T k / BM) + min(E, T k) on the row blocks of the padded sorted rows."""
     m = num_tokens * top_k
