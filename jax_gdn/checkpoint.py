@@ -292,12 +292,13 @@ def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtyp
 
 
 def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", progress: bool = True, mesh=None,
-                    moe_sharding: str = "tensor"):
+                    moe_sharding: str = "auto"):
     """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`.
 
     mesh: a one-axis jax.sharding.Mesh; each device then reads only its slices of the files
     (``load_sharded_params``, rules of ``jax_gdn.sharding``) and the model runs split over the mesh;
-    moe_sharding: "tensor" (expert columns split) or "expert" (whole experts split), as ``HybridModel``."""
+    moe_sharding: "tensor" (expert columns split), "expert" (whole experts split) or "auto" (default: expert where
+    the mesh divides the experts), as ``HybridModel``."""
     from jax_gdn.model import HybridModel
     if not os.path.isdir(path):
         raise ValueError(f"load_pretrained: {path!r} is not a directory")

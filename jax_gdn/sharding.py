@@ -34,9 +34,9 @@ attention q_proj          query heads [i H/n, ...) (per head ``[query|gate]``, c
 k_proj, v_proj            kv heads [i Hkv/n, ...); when n > Hkv (n a multiple of Hkv) device i holds a copy of
   [D, Hkv Dh]             the one kv head its query heads read, i Hkv // n (stored [D, n Dh]: replicated heads)
 o_proj [H Dh, D]          rows of its query heads (row-parallel, one psum)
-MoE experts_gate_up       moe_sharding "tensor" (default): tensor parallel inside every expert: columns
+MoE experts_gate_up       moe_sharding "tensor": tensor parallel inside every expert: columns
   [E, D, 2I]              [i I/n, ...) of gate AND of up (two ranges; device-major ``[gate_i | up_i]``);
-                          "expert": the whole experts [i E/n, (i+1) E/n) (expert parallel)
+                          "expert" (the default "auto" where n divides E): the whole experts [i E/n, (i+1) E/n)
 experts_down [E, I, D]    "tensor": rows [i I/n, ...) (row-parallel; the routed and the shared expert share one
                           psum); "expert": the whole experts [i E/n, ...) (their partial sums join the same psum)
 shared expert, dense MLP  gate_proj / up_proj columns, down_proj rows
@@ -51,15 +51,16 @@ page_table, page_owner, page_index, slot_lens, status replicated (every device r
 Two ways to split the routed experts (``moe_sharding``), both with no token exchange: after the mixer's psum the
 tokens are replicated, every device routes every token itself (the router is replicated, so the routing is the
 same everywhere) and the FFN's one psum joins the devices' partial sums.
-* "tensor" (default): every device runs the unchanged grouped-GEMM MoE on its I/n columns of all E experts: the
+* "tensor": every device runs the unchanged grouped-GEMM MoE on its I/n columns of all E experts: the
   same rows on every device, balanced by construction, but the GEMMs run at width 2I/n, I/n and the sort, the
   down projection's [T k, D] output and the combine's gather of it are repeated on every device in full.
 * "expert" (``jax_gdn.layers.moe_ep``): device i keeps the token copies routed to its E/n whole experts and runs
   the grouped GEMMs at full width on them (the other copies go to a trash expert whose blocks the kernels skip):
   GEMM work, the [T k, D] output and the combine halve with n; routing and the sort are still repeated; a device
   whose experts are hot gets more rows (random weights: balanced; real checkpoints: hot experts decide).
-Which is faster at 80B dims on two H200s is measured by ``benchmarks/gpu/shard_x2.py`` (rows with moe_sharding
-"tensor" / "expert"); the analysis and predictions are in ``jax_gdn/SHARDING_NOTES.md``. Decode reads 1/n of the
+"auto" (the default) picks "expert" where the mesh divides the experts, "tensor" otherwise: on two H200s at 80B
+dims expert parallel measured 5% faster on prefill and the same on decode (``benchmarks/gpu/shard_x2.py``, rows
+with moe_sharding "tensor" / "expert" in benchmarks/results/h200x2.json; ``jax_gdn/SHARDING_NOTES.md``). Decode reads 1/n of the
 hit experts' bytes per device either way (weight-bandwidth bound).
 
 Errors: ``ShardRules(config, mesh, moe_sharding)`` raises ValueError naming the mesh size and the head /
@@ -78,10 +79,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_gdn.config import GdnDims, HybridConfig
 from jax_gdn.state import Cache
 
-__all__ = ["Split", "ShardRules", "embed_lookup", "MOE_SHARDINGS"]
+__all__ = ["Split", "ShardRules", "embed_lookup", "MOE_SHARDINGS", "resolve_moe_sharding"]
 
 #: how the routed experts are split: "tensor" (columns of every expert) or "expert" (whole experts)
-MOE_SHARDINGS = ("tensor", "expert")
+MOE_SHARDINGS = ("auto", "tensor", "expert")
+
+
+def resolve_moe_sharding(config: HybridConfig, n: int, moe_sharding: str) -> str:
+    """"auto" (the default) -> "expert" when the model has MoE layers and ``n`` divides num_experts, else
+    "tensor"; "tensor" / "expert" as given. Measured on two H200s at Qwen3-Next-80B dims, 12 layers
+    (benchmarks/results/h200x2.json, run 2): varlen16 prefill 61.3 ms expert / 64.8 ms tensor (1 GPU: 91.0),
+    decode 64 streams 9.31 / 9.24 ms (1 GPU: 12.39): expert parallel halves the grouped GEMMs' work and their
+    [T k, D] output per device, tensor parallel repeats both at half width."""
+    if moe_sharding not in MOE_SHARDINGS:
+        raise ValueError(f"moe_sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
+    if moe_sharding != "auto":
+        return moe_sharding
+    has_moe = any(config.layer_is_moe(i) for i in range(config.num_hidden_layers))
+    return "expert" if has_moe and config.num_experts % n == 0 else "tensor"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,16 +159,16 @@ def embed_lookup(table: jax.Array, ids: jax.Array, axis_name: Optional[str], voc
 class ShardRules:
     """The mesh rules for one model config on one mesh (see the module docstring).
 
-    mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). moe_sharding: "tensor" (default: every device holds
-    I / n columns of every expert) or "expert" (device i holds the whole experts [i E / n, (i + 1) E / n);
-    ``jax_gdn.layers.moe_ep``). Raises ValueError when the mesh has more than one axis, when moe_sharding is
+    mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). moe_sharding: "tensor" (every device holds I / n
+    columns of every expert), "expert" (device i holds the whole experts [i E / n, (i + 1) E / n);
+    ``jax_gdn.layers.moe_ep``) or "auto" (default: ``resolve_moe_sharding``, expert where n divides E); the
+    resolved choice is ``self.moe_sharding``. Raises ValueError when the mesh has more than one axis, when moe_sharding is
     neither, or when the mesh size does not divide the head / intermediate / expert counts the model splits.
     """
 
-    def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh, moe_sharding: str = "tensor"):
+    def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh, moe_sharding: str = "auto"):
         if moe_sharding not in MOE_SHARDINGS:
             raise ValueError(f"moe_sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
-        self.moe_sharding = moe_sharding
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((2,), ('model',))), got "
                              f"{type(mesh).__name__}")
@@ -164,6 +179,7 @@ class ShardRules:
         self.mesh = mesh
         self.axis = mesh.axis_names[0]
         n = self.n = int(mesh.shape[self.axis])
+        moe_sharding = self.moe_sharding = resolve_moe_sharding(config, n, moe_sharding)
         c = config
         bad = []
         if c.gdn_layers and c.linear_num_key_heads % n:

@@ -101,8 +101,10 @@ def check_equal(res: dict) -> None:
         params = init_params(cfg, jax.random.PRNGKey(7), jnp.float32, std=0.1)
         ref = _run(HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS), 1)
         for n in MESHES[name]:
+            # tensor-parallel experts named explicitly: the default "auto" takes expert parallel where the mesh
+            # divides the experts (checked below with EP_MESHES and in check_errors)
             model = HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS,
-                                mesh=_mesh(n))
+                                mesh=_mesh(n), moe_sharding="tensor")
             got = _run(model, 1)
             res[f"equal/{name}/mesh{n}"] = max(_rel(g, r) for g, r in zip(got, ref))
             print(name, n, res[f"equal/{name}/mesh{n}"], file=sys.stderr, flush=True)
@@ -186,7 +188,8 @@ def check_random_params(res: dict) -> None:
 
 def check_errors(res: dict) -> None:
     """A mesh that does not divide the heads (or, expert parallel, the experts: 6 on 4 devices) and an unknown
-    moe_sharding: ValueError naming the mesh size and the counts (or the argument), nothing placed."""
+    moe_sharding: ValueError naming the mesh size and the counts (or the argument), nothing placed; what the
+    default moe_sharding "auto" resolves to with 8 and with 6 experts on 4 devices."""
     cfg = HybridConfig(model_type="qwen3_next", **{**COMMON, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
                                                    "num_attention_heads": 6, "num_key_value_heads": 3})
     try:
@@ -200,6 +203,9 @@ def check_errors(res: dict) -> None:
     except ValueError as err:
         res["error/two_axes"] = str(err)
     ep_cfg = dataclasses.replace(CONFIGS["qwen3_next"], num_experts=6)
+    # "auto" (the default): expert parallel where the mesh divides the experts (8 on 4), tensor where not (6 on 4)
+    res["auto/8_experts_mesh4"] = ShardRules(CONFIGS["qwen3_next"], _mesh(4)).moe_sharding
+    res["auto/6_experts_mesh4"] = ShardRules(ep_cfg, _mesh(4)).moe_sharding
     for key, kw in (("error/ep_experts", dict(moe_sharding="expert")), ("error/moe_sharding", dict(moe_sharding="x"))):
         try:
             ShardRules(ep_cfg, _mesh(4), **kw)

@@ -5,7 +5,7 @@ The checks run in ONE subprocess (``tests/model/sharding_check.py``) that sets
 process has one device); it prints every measured error and the test asserts on them:
 
 * tiny Qwen3-Next (fused in_proj_qkvz, dense + MoE layers, untied head, vocab 66: split on 2 devices and
-  replicated on 4) on meshes of 1, 2, 4 and tiny Qwen3.5 (separate in_proj_qkv, tied head split over the
+  replicated on 4; tensor-parallel experts) on meshes of 1, 2, 4 and tiny Qwen3.5 (separate in_proj_qkv, tied head split over the
   vocabulary) on 4; the GDN rule runs the Pallas kernel in interpret mode inside shard_map: packed prefill of
   1 / 5 / 63 / 65 tokens in permuted slots, chunked continuation with a fresh stream joining, three decode steps,
   release + fresh prefill: every logit within 1e-5 of the one-device model (fp32, max |diff| / max |logit|);
@@ -20,7 +20,8 @@ process has one device); it prints every measured error and the test asserts on 
   (XLA MoE) against the same one-device run (1e-5), each device holding 2 of the 8 experts whole; the MoE layer
   alone in shard_map on meshes of 1, 2 and 4 (XLA at T 1 / 130, the kernels in interpret mode at T 65; top 3 of
   8 experts: more than a device's 2) against the one-device layer; a checkpoint loads whole experts per device;
-  6 experts on 4 devices are refused naming num_experts.
+  6 experts on 4 devices are refused naming num_experts; the default moe_sharding "auto" resolves to "expert"
+  for 8 experts on 4 devices and to "tensor" for 6.
 """
 from __future__ import annotations
 
@@ -107,3 +108,5 @@ def test_mesh_that_does_not_divide_the_heads(result):
     assert result["error/two_axes"] is not None and "one axis" in result["error/two_axes"]
     assert result["error/ep_experts"] is not None and "num_experts=6" in result["error/ep_experts"]
     assert result["error/moe_sharding"] is not None and "moe_sharding" in result["error/moe_sharding"]
+    assert result["auto/8_experts_mesh4"] == "expert"        # the default: expert parallel where n divides E
+    assert result["auto/6_experts_mesh4"] == "tensor"
