@@ -5,7 +5,7 @@ persistent grid, each checked against an fp32 reference and timed against the de
 
 Steps, each skipped when the deadline (``--budget``, default 100 s from start) would not fit it; run in the order
 prefill serve256, numerics serve256, decode N256, tiny64 (numerics, prefill), B1-T8192, decode N64, serve256 with
-no initial state ("fresh"), fp32 numerics, FLA:
+no initial state ("fresh"), the state pass alone, fp32 numerics, FLA:
   numerics  the slots API (initial states read from a pool of N + 8 slots under permuted ids; every 5th sequence
             has_initial_state False over a NaN stale slot) on serve256 / tiny64 lengths, bf16 inputs, default
             LaunchConfig and each persistent variant, against the XLA backend in fp32 (the bf16-rounded inputs,
@@ -18,6 +18,9 @@ no initial state ("fresh"), fp32 numerics, FLA:
             norm): the default DecodeConfig and persistent grids (programs = P), each checked against the XLA step
             (fp32, highest) and timed as jax_gdn.bench_decode does (donated pool threaded through the calls); the
             XLA copy of the pool as the floor.
+  state     serve256's state pass alone (kt.state_pass on intermediates from the intra stages): grid and
+            persistent, each also with no start-state load (has 0) and the grid with no final store: what an item's
+            fixed cost is made of.
   fla       FLA's chunk_gated_delta_rule on serve256 and tiny64 (same inputs, triton do_bench median), last.
 Writes $OUT/gdn_v5.json and $OUT/gdn_v5.log; prints a table last.
 --quick: the same steps in interpret mode on CPU at tiny sizes (a check of this script; no FLA).
@@ -265,6 +268,44 @@ def main():
             res["decode"].append(row)
             save()
 
+    # ---- where the state pass's per-item time goes: the state pass alone on precomputed intermediates ----
+    def state_attribution(case, pcfg):
+        from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map, launch_order
+        q, k, v, g, beta, h0 = make_inputs_np(case, 0)
+        tt, n = case.B * case.T, case.num_seqs
+        cu = jnp.asarray(case.cu_seqlens(), jnp.int32)
+        pad = (lambda x: jnp.pad(x, [(0, 64)] + [(0, 0)] * (x.ndim - 1))) if interpret else (lambda x: x)
+        qf, kf = (pad(jnp.asarray(x, bf).reshape(tt, case.Hk, case.K)) for x in (q, k))
+        vf = pad(jnp.asarray(v, bf).reshape(tt, case.Hv, case.V))
+        gf, bfb = pad(jnp.asarray(g).reshape(tt, case.Hv)), pad(jnp.asarray(beta, bf).reshape(tt, case.Hv))
+        start, length, first, num = kernel_chunk_map(1, case.T, cu, 64)
+        order = launch_order(num)
+        base = kt.launch_config(case.V, n * case.Hv, bf)
+        mp = dict(chunk_start=start, chunk_len=length, chunk=64, interpret=interpret)
+        w, u, aqk, gcum = jax.jit(lambda *x: kt.intra_chunk(*x, scale=case.K ** -0.5, config=base, **mp))(
+            qf, kf, vf, gf, bfb)
+        h0d = jnp.asarray(h0)
+        rows = [("grid", base, 1, "seq"), ("grid has0", base, 0, "seq"), ("grid final none", base, 1, "none"),
+                ("persistent", dataclasses.replace(base, state_programs=pcfg.state_programs), 1, "seq"),
+                ("persistent has0", dataclasses.replace(base, state_programs=pcfg.state_programs), 0, "seq")]
+        res.setdefault("state_pass", [])
+        for label, cfg, has, final in rows:
+            if left() < (4 if quick else 8):
+                res["skipped"].append(f"state_pass {case.name} {label}")
+                continue
+            hasv = jnp.full((n,), has, jnp.int32)
+            fn = jax.jit(lambda *x, cfg=cfg, hasv=hasv, final=final: kt.state_pass(
+                *x[:6], pool=x[6], scale=case.K ** -0.5, slot_ids=jnp.arange(n, dtype=jnp.int32), has_initial_state=hasv,
+                seq_first_chunk=first, seq_num_chunks=num, config=cfg, seq_order=order, final=final, **mp))
+            row = {"case": case.name, "state_pass": label, "config": str(cfg)}
+            try:
+                row["ms"] = round(tj(fn, (qf, kf, w, u, aqk, gcum, h0d)), 4)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            log("state_pass", row)
+            res["state_pass"].append(row)
+            save()
+
     big = 0 if quick else 1
     # timing of the main row first (its variant-vs-default check comes with it), then its fp32-reference check
     guarded("prefill serve256", 15 * big, lambda: prefill(serve, persist))
@@ -277,6 +318,7 @@ def main():
         guarded("decode N64", 8 * big, lambda: decode_rows(dec_cases[1], dec_cfgs[:2]))
     # new prompts (initial_state None: every start-state load masked off; NOTES' "fresh" prediction)
     guarded("prefill serve256 fresh", 12 * big, lambda: prefill(serve, persist[:1], fresh=True))
+    guarded("state pass serve256", 15 * big, lambda: state_attribution(serve, persist[0]))
     guarded("numerics tiny64 fp32", 10 * big, lambda: numerics(tiny, persist[:1], jnp.float32, with_default=False))
     guarded("numerics serve256 fp32", 15 * big,
             lambda: numerics(serve, persist[:1], jnp.float32, with_default=False))
@@ -297,6 +339,10 @@ def main():
         log(f"  {r['case']:28s} {r['config']:40s} {r.get('ms', r.get('error'))}{extra}")
     for name, ms in res["fla"].items():
         log(f"  {name:28s} {'FLA chunk_gated_delta_rule':40s} {ms}")
+    if res.get("state_pass"):
+        log("state pass alone (serve256 intermediates; has0: no start-state load; final none: no final store):")
+        for r in res["state_pass"]:
+            log(f"  {r['case']:28s} {r['state_pass']:40s} {r.get('ms', r.get('error'))}")
     log("numerics (slots API vs XLA fp32 highest):")
     for r in res["numerics"]:
         if "error" in r:
