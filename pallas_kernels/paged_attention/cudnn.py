@@ -55,6 +55,10 @@ from pallas_kernels.gated_delta_rule.chunk_map import count_le, token_streams
 #: set from the H200 measurement (NOTES.md, "cuDNN prefill backend").
 AUTO = False
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+#: where the statistics of a packed call keep a query's LSE: "segment" (stats[m, h, j], j the row inside segment m:
+#: cuDNN's [B, H, S_q, 1] stats with one batch row per segment, as XLA declares them) or "packed" (stats[m, h, t],
+#: t the query's index in the packed rows). benchmarks/gpu/attn_cudnn.py's probe measures which one cuDNN writes.
+STATS_ROWS = "segment"
 _NAN_FREE = 0.0
 
 
@@ -266,9 +270,13 @@ def segments_xla(q, k, v, seg: Segments, *, causal: bool, scale: float):
                    preferred_element_type=jnp.float32)
     lse = (mx_safe + jnp.log(den)).reshape(t, h)                                              # -inf: no key
     o = jnp.where(covered[:, None, None], o.reshape(t, h, dh), jnp.nan).astype(q.dtype)
-    # stats [M, H, T]: row j of segment m is token q_off[m] + j
-    tok = q_off[:, None] + rows[None]                                                         # [M, T]
-    ok = rows[None] < q_len[:, None]
+    # stats [M, H, T]: row j of segment m is token q_off[m] + j ("segment"), or row t is token t ("packed")
+    if STATS_ROWS == "segment":
+        tok = q_off[:, None] + rows[None]                                                     # [M, T]
+        ok = rows[None] < q_len[:, None]
+    else:
+        tok = jnp.broadcast_to(rows[None], (m, t))
+        ok = (rows[None] >= q_off[:, None]) & (rows[None] < (q_off + q_len)[:, None])
     stats = jnp.take(lse, jnp.clip(tok, 0, t - 1), axis=0)                                    # [M, T, H]
     stats = jnp.where(ok[..., None], stats, jnp.nan)
     return o, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)
@@ -289,10 +297,12 @@ def segments_cudnn(q, k, v, seg: Segments, *, causal: bool, scale: float, unit: 
 # The op
 # ----------------------------------------------------------------------------------------------------------------
 def _row_lse(stats, rank, stream, j):
-    """stats [M, H, T] -> [T, H] for token rows (segment rank[stream], row j)."""
+    """stats [M, H, T] -> [T, H] for token rows (segment rank[stream], row j inside it, or the token's own index:
+    ``STATS_ROWS``)."""
     m, _, t = stats.shape
     seg = jnp.clip(rank[stream], 0, m - 1)
-    return stats[seg, :, jnp.clip(j, 0, t - 1)]
+    row = jnp.clip(j, 0, t - 1) if STATS_ROWS == "segment" else jnp.arange(t, dtype=jnp.int32)
+    return stats[seg, :, row]
 
 
 def paged_attention_prefill_cudnn(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,

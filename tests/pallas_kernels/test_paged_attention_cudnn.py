@@ -29,8 +29,12 @@ def _run(case, dtype, scale, **kw):
     return fn(*case.args(dtype))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_odd_lengths_continued_streams(dtype):
+@pytest.mark.parametrize("dtype,stats_rows", [(jnp.float32, "segment"), (jnp.bfloat16, "segment"),
+                                              (jnp.float32, "packed")])
+def test_odd_lengths_continued_streams(dtype, stats_rows, monkeypatch):
+    """Also with the other statistics layout (``cudnn.STATS_ROWS``: LSE rows at the packed token index)."""
+    monkeypatch.setattr(cudnn, "STATS_ROWS", stats_rows)
+    api._prefill_jit.clear_cache()
     rng = np.random.default_rng(0)
     case = make_case(rng, streams=STREAMS_ODD, hkv=2, group=4, dh=32, dtype=dtype)
     out = api.paged_attention(*case.args(dtype), scale=32 ** -0.5, backend="cudnn_xla")
