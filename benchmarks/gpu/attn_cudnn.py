@@ -172,7 +172,10 @@ def probe(ctx):
     info["lse_max_abs_err_if_rows_absolute"] = err_abs
     if not err_ln < 5e-2 and err_abs < 5e-2:       # cuDNN keeps the LSE at the packed row: follow it for this run
         cudnn.STATS_ROWS = "packed"
+    if not err_ln < 5e-2 and err_l2 < 5e-2:        # a log2 LSE: convert for this run
+        cudnn.STATS_TO_LN = float(np.log(2))
     info["stats_rows_used"] = cudnn.STATS_ROWS
+    info["stats_to_ln_used"] = cudnn.STATS_TO_LN
     log("probe:", json.dumps(info, default=str))
     save("probe", info)
     TABLE.append(f"probe: jax {info['jax']}, cuDNN {info.get('cudnn_version')}, kv unit {unit}, LSE err ln "

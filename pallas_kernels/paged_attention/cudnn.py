@@ -59,6 +59,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: cuDNN's [B, H, S_q, 1] stats with one batch row per segment, as XLA declares them) or "packed" (stats[m, h, t],
 #: t the query's index in the packed rows). benchmarks/gpu/attn_cudnn.py's probe measures which one cuDNN writes.
 STATS_ROWS = "segment"
+#: factor from the stats cuDNN returns to a natural-log LSE (1: natural log, as cuDNN documents; ln 2 if a build
+#: returned log2; the GPU probe measures it)
+STATS_TO_LN = 1.0
 _NAN_FREE = 0.0
 
 
@@ -302,7 +305,8 @@ def _row_lse(stats, rank, stream, j):
     m, _, t = stats.shape
     seg = jnp.clip(rank[stream], 0, m - 1)
     row = jnp.clip(j, 0, t - 1) if STATS_ROWS == "segment" else jnp.arange(t, dtype=jnp.int32)
-    return stats[seg, :, row]
+    lse = stats[seg, :, row]
+    return lse if STATS_TO_LN == 1.0 else lse * STATS_TO_LN
 
 
 def paged_attention_prefill_cudnn(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,
