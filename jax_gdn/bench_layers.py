@@ -200,8 +200,8 @@ def print_table(results) -> None:
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=None,
-                        help="comma list of xla / pallas / pallas_interpret / cudnn / cudnn_xla (default: pallas,xla "
-                             "on a GPU, xla else)")
+                        help="comma list of xla / pallas / pallas_interpret / cudnn / cudnn_xla (default: "
+                             "pallas,cudnn,xla on a GPU, xla else)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--small", action="store_true", help="tiny dims and lens (CPU smoke test)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -209,7 +209,7 @@ def main(argv=None) -> list:
     parser.add_argument("--attention-only", action="store_true", help="time only the attention layer")
     args = parser.parse_args(argv)
     backends = (args.backends.split(",") if args.backends
-                else (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
+                else (["pallas", "cudnn", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
     results = []
     for backend in backends:
         try:
