@@ -214,3 +214,37 @@ def test_write_kv_pages_drops_out_of_range_and_negative_pages():
     kp = np.asarray(out.k_pages)[:, :, 0, 0]
     np.testing.assert_array_equal(kp, [[0, 1], [0, 0], [4, 0]])      # page 3 (== P) and page -1 dropped
     np.testing.assert_array_equal(np.asarray(out.v_pages)[:, :, 0, 0], -kp)
+
+
+def test_model_on_the_cudnn_backend_stand_in_matches_xla():
+    """The whole model with paged attention on "cudnn_xla" (the cuDNN backend's packing, offsets and LSE merge with
+    an XLA stand-in for the cuDNN call): chunked prefill of two streams (the second chunk continues them, with
+    the model's bucket padding: padding tokens, a padding stream of slot id S, the layers' flat KV pool), then
+    a decode step (the Pallas / XLA decode on this backend): the same logits as the XLA backend."""
+    from jax_gdn import HybridConfig, HybridModel
+    from jax_gdn.checkpoint import params_from_state_dict, random_state_dict
+    cfg = HybridConfig(model_type="qwen3_next", vocab_size=37, hidden_size=16, num_hidden_layers=2,
+                       layer_types=("linear_attention", "full_attention"), intermediate_size=16,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+                       linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8)
+    params = params_from_state_dict(cfg, random_state_dict(cfg, seed=5), jnp.float32)
+    outs = {}
+    for backend in ("xla", "cudnn_xla"):
+        model = HybridModel(cfg, params, dtype=jnp.float32, backend={"paged_attention": backend})
+        assert model.backends.paged_attention == backend
+        cache = model.init_cache(max_seqs=3, max_tokens=256, page_size=8, max_seq_len=128)
+        got = []
+        ids = np.random.default_rng(1).integers(0, 37, 60).astype(np.int32)
+        logits, cache = model.prefill(cache, ids[:25], np.array([0, 20, 25], np.int32), np.array([2, 0], np.int32))
+        got.append(np.asarray(logits))
+        logits, cache = model.prefill(cache, ids[25:45], np.array([0, 13, 20], np.int32),
+                                      np.array([2, 0], np.int32))
+        got.append(np.asarray(logits))
+        logits, cache = model.decode(cache, ids[45:47], np.array([2, 0], np.int32))
+        got.append(np.asarray(logits))
+        model.check(cache)
+        outs[backend] = got
+    for a, b in zip(outs["xla"], outs["cudnn_xla"]):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5)
