@@ -1826,8 +1826,8 @@ def parts_markdown(parts_ms: dict) -> list:
     return out
 
 
-def print_section(section: dict) -> None:
-    """A short table of the section."""
+def print_section(section: dict, summary: bool = True) -> None:
+    """A short table of the section; with ``summary`` the ``summary_lines`` last."""
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
     print(f"model: {section.get('model', '?')} on {section.get('device', '?')}"
@@ -1878,6 +1878,47 @@ def print_section(section: dict) -> None:
                                      f"({c48:.1f} s)")
     for e in section.get("errors", []):
         print(f"  error: {e[:200]}")
+    if summary:
+        for line in summary_lines(section):
+            print(line)
+
+
+def summary_lines(section: dict, extra_floors: list = None) -> list:
+    """At most 12 lines that say the section's essentials, printed last (a run whose output comes back as its last
+    lines only keeps them): a header, one line per prefill part and per decode part ("P"/"D" name: in-program |
+    pipelined | blocking | floor ms, figure of record / floor and its source; flags: S suspect, C carried copies in
+    the loop, U in-program unsound), then one line of sums (model sum of each timing against the measured row) and
+    row floors (HF / floor, HF / roofline, HF / hw peak per prefill row; ``extra_floors`` instead of the section's
+    when given)."""
+    def f(x, fmt="{:.3f}"):
+        return "-" if x is None else fmt.format(x)
+    p = section.get("parts_ms") or {}
+    out = []
+    if p.get("ms_pipelined"):
+        out.append("SUMMARY part ms/layer: in-program | pipelined | blocking | floor | record/floor (source) flags")
+        for tag, q in (("P", p), ("D", p.get("decode") or {})):
+            for k in (q.get("ms_pipelined") or {}):
+                ip = (q.get("ms_in_program") or {}).get(k)
+                flags = ("S" if k in (q.get("suspect") or {}) else "") + (
+                    "C" if ((q.get("in_program") or {}).get(k) or {}).get("carried_copies") else "") + (
+                    "U" if (q.get("in_program_unsound") or {}).get(k, "not measured") != "not measured" else "")
+                out.append(f"{tag} {k:<16} {f(ip):>7} | {f(q['ms_pipelined'].get(k)):>7} | "
+                           f"{f((q.get('ms_blocking') or {}).get(k)):>7} | {f((q.get('floor_ms') or {}).get(k)):>7} | "
+                           f"{f((q.get('floor_ratio') or {}).get(k), '{:.2f}'):>5} "
+                           f"({(q.get('ms_source') or {}).get(k, '-')[:4]}) {flags}")
+    bits = []
+    for tag, q in (("prefill", p), ("decode", p.get("decode") or {})):
+        if q.get("model_sum") is not None:
+            bits.append(f"{tag} sum in/pipe/blk {f(q.get('model_sum_in_program'), '{:.2f}')}/"
+                        f"{f(q.get('model_sum_pipelined'), '{:.2f}')}/{f(q.get('model_sum_blocking'), '{:.2f}')} "
+                        f"vs measured {f(q.get('model'), '{:.2f}')}")
+    for r in extra_floors if extra_floors is not None else section.get("row_floors") or []:
+        if r.get("kind") == "prefill" and r.get("hf_ms"):
+            bits.append(f"{r['case']} floor {r['row_floor_ms']:.1f} ms HF/floor {r['hf_over_floor']:.2f} "
+                        f"/roofl {r['hf_over_roofline']:.2f} /peak {r['hf_over_hw_peak']:.2f}")
+    if bits:
+        out.append("; ".join(bits))
+    return out[:12]
 
 
 def check_config(quick: bool = False):

@@ -102,6 +102,12 @@ def test_quick_section_runs_on_cpu(capsys):
     assert "row floors of the 8-layer rows" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("gdn_phase1"))
     assert f"{p['gdn_phase1']:.3f}" in line and f"{p['ms_blocking']['gdn_phase1']:.3f}" in line
+    # the summary comes last (a run returning only its output's last 12 lines keeps it): header, 6 + 4 parts, sums
+    tail = out.strip().splitlines()[-12:]
+    assert tail[0].startswith("SUMMARY part ms/layer") and len(tail) == 12
+    assert [x.split()[:2] for x in tail[1:11]] == [["P", k] for k in p["ms_pipelined"]] + [
+        ["D", k] for k in p["decode"]["ms_pipelined"]]
+    assert f"{p['ms_blocking']['attention']:.3f}" in tail[4] and "prefill sum in/pipe/blk" in tail[11]
 
 
 # ---- the parts' two timings: pipelined (R calls, one sync) and blocking (a sync per call) ----
@@ -627,7 +633,7 @@ def test_row_floor_of_the_32k_stream_term_by_term():
 def test_check_runs_the_hf_check_after_the_parts(monkeypatch, tmp_path):
     """benchmarks/gpu/model_bench.py --check: the first H200 check started HF's check (FLA's Triton autotuning)
     in a child process BEFORE timing the parts, so both shared the GPU (the pipelined attention read 1.9x its
-    blocking figure). Now the parts and the 2-layer rows come first and the HF child only after them; --no-hf
+    blocking figure). Now the 2-layer rows and the parts come first and the HF child only after them; --no-hf
     starts no child; the row floors of the 8-layer rows take HF's ms from the stored results."""
     import importlib.util
     import pathlib
@@ -643,7 +649,8 @@ def test_check_runs_the_hf_check_after_the_parts(monkeypatch, tmp_path):
     cfg = bm.check_config(True)
     fake_model = types.SimpleNamespace(config=cfg)
     monkeypatch.setattr(bm, "random_device_model", lambda *a, **k: order.append("model") or fake_model)
-    monkeypatch.setattr(bm, "measure_parts", lambda *a, **k: order.append("parts") or {"decode": {}})
+    monkeypatch.setattr(bm, "measure_parts", lambda *a, **k: order.append("parts") or {
+        "decode": {}, "model": k["ours"]["varlen"]["ms"]})
     monkeypatch.setattr(bm, "our_rows", lambda *a, **k: order.append("rows") or {"varlen": {"ms": 2.0},
                                                                                  "decode": {"ms": 0.5}})
     stored = [{"case": "B1-T200", "ms": {"hf": 9.0, "ours": 6.0}}]
@@ -658,7 +665,7 @@ def test_check_runs_the_hf_check_after_the_parts(monkeypatch, tmp_path):
     monkeypatch.setattr(subprocess, "run", run)
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("no child beside the parts"))
     res = mb.check(str(tmp_path), 1, quick=True, hf=True, budget=100)
-    assert order == ["model", "parts", "rows", "hf"]
+    assert order == ["model", "rows", "parts", "hf"]
     assert res["parts_ms"]["model"] == 2.0 and res["hf_check"]["s"] == 1
     lg = next(r for r in res["row_floors"] if r["case"] == "B1-T200")
     assert lg["hf_ms"] == 9.0 and lg["hf_source"] == "stored" and lg["hf_over_floor"] == pytest.approx(
@@ -666,4 +673,4 @@ def test_check_runs_the_hf_check_after_the_parts(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "model_check.json").read_text())["stages"]
     order.clear()
     mb.check(str(tmp_path), 1, quick=True, hf=False, budget=100)
-    assert order == ["model", "parts", "rows"]
+    assert order == ["model", "rows", "parts"]

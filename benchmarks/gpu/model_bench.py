@@ -9,16 +9,18 @@ limit keeps what it measured) and prints the table last.
 
 ``--check`` (a short run, <= ``--budget`` s, default 130 with ``--check``): on a 2-layer model (one GDN, one
 attention layer) at 80B dims, in order, nothing else on the GPU meanwhile:
-  1. the parts (prefill varlen16, decode 64 x 1189) each timed three ways (in-program loop, pipelined, blocking:
-     jax_gdn.bench_model.PARTS_TIMING), against their floors, with the copies found in each loop body;
-  2. the 2-layer model's own varlen16 and decode rows (public API): "model measured" beside "model sum" (the parts
+  1. the 2-layer model's own varlen16 and decode rows (public API): "model measured" beside "model sum" (the parts
      x their layer counts) for each timing;
+  2. the parts (prefill varlen16, decode 64 x 1189) each timed three ways (in-program loop, pipelined, blocking:
+     jax_gdn.bench_model.PARTS_TIMING; no in-program timing starts in the budget's last 15 s), against their
+     floors, with the copies found in each loop body;
   3. the row floors (jax_gdn.bench_model.row_floor) of the 8-layer bench rows (varlen16, B1-T32768, decode), HF's
      and our ms read from this device's results JSON (benchmarks/results/<device>.json, its "model" rows), and of
      the 2-layer rows just measured;
   4. unless ``--no-hf``: HF on FLA's kernels against HF's torch path (a child process AFTER the parts: the first
      check ran it beside the parts and its Triton autotuning shared the GPU with their timing).
-Writes $OUT/model_check.json (after each stage) and $OUT/model_check.log (stdout) and prints the tables last.
+Writes $OUT/model_check.json (after each stage) and $OUT/model_check.log (stdout), prints the tables, then a
+summary of at most 12 lines last (``summary_lines``: a run that returns only its output's tail keeps it).
 ``--check --quick``: the same at tiny dims (a CPU dry run of the script; the HF check then reports that FLA's
 kernels need a GPU).
 
@@ -68,32 +70,30 @@ def check(out_dir: str, reps: int, quick: bool = False, hf: bool = True, budget:
         model = bm.random_device_model(bm.check_config(quick), dtype, "auto")
         res["model"] = repr(model)
         stage("model built")
-        # the parts first, on an otherwise idle GPU; in-program timings stop at 60 % of the budget (the rows next)
-        res["parts_ms"] = bm.measure_parts(model, cases, reps, peers=peers, deadline=t0 + 0.6 * budget)
-        stage("parts done")
     except Exception as err:
         import traceback
         traceback.print_exc()
-        res["parts_error"] = f"{type(err).__name__}: {str(err)[:400]}"
+        res["model_error"] = f"{type(err).__name__}: {str(err)[:400]}"
     ours = {}
-    if model is not None and left() > (5 if quick else 35):
+    if model is not None:
+        # the 2-layer model's own rows first (~15 s on the H200): "model measured" beside the parts' sums
         try:
             ours = bm.our_rows(model, cases, reps, keys=("varlen", "decode"))
             res["rows"] = bm._rows(cases, ours, {})
-            p = res.get("parts_ms") or {}
-            if p:
-                p["model"] = (ours.get("varlen") or {}).get("ms")
-                if p.get("decode"):
-                    p["decode"]["model"] = (ours.get("decode") or {}).get("ms")
-                    bm._other(p["decode"])
-                bm._other(p)
             stage("2-layer rows done")
         except Exception as err:
             import traceback
             traceback.print_exc()
             res["rows_error"] = f"{type(err).__name__}: {str(err)[:400]}"
-    elif model is not None:
-        res["rows_error"] = f"skipped: {left():.0f} s of the {budget:.0f} s budget left"
+        try:
+            # the parts, on an otherwise idle GPU; no in-program timing starts in the budget's last 15 s
+            res["parts_ms"] = bm.measure_parts(model, cases, reps, ours=ours, peers=peers,
+                                               deadline=t0 + budget - 15)
+            stage("parts done")
+        except Exception as err:
+            import traceback
+            traceback.print_exc()
+            res["parts_error"] = f"{type(err).__name__}: {str(err)[:400]}"
     # row floors: the 8-layer bench rows (HF / ours from the results JSON) and the 2-layer rows just measured
     big = (bm.tiny_config if quick else bm.qwen3_next_80b_config)(bm.LAYERS)
     sec8 = {"rows": [], "layers": bm.LAYERS}
@@ -118,18 +118,21 @@ def check(out_dir: str, reps: int, quick: bool = False, hf: bool = True, budget:
             res["hf_check"] = {"error": "HF check cut at its time limit"}
         stage("hf check done")
     save()
-    bm.print_section({"model": res.get("model"), "device": dev, "rows": res.get("rows") or [], "layers": 2,
-                      "parts_ms": res.get("parts_ms") or {}, "quick": quick, "row_floors": res["row_floors_2_layers"]})
+    sec = {"model": res.get("model"), "device": dev, "rows": res.get("rows") or [], "layers": 2,
+           "parts_ms": res.get("parts_ms") or {}, "quick": quick, "row_floors": res["row_floors_2_layers"]}
+    bm.print_section(sec, summary=False)
     src = res["row_floors_source"] or {}
     bm._print_row_floors(res["row_floors"], f" of the {bm.LAYERS}-layer bench rows (HF and ours: "
                                             f"{src.get('path') or 'none stored'} {src.get('date') or ''})")
-    for k in ("parts_error", "rows_error"):
+    for k in ("model_error", "parts_error", "rows_error"):
         if k in res:
             print(f"  {k}: {res[k]}")
     if "hf_check" in res:
         h = res["hf_check"]
         print("HF check:", json.dumps({k: h.get(k) for k in ("prefill", "decode", "kernels", "s", "error")}, indent=1))
-    print(f"check wall {time.time() - t0:.0f} s (budget {budget:.0f} s)")
+    print(f"check wall {time.time() - t0:.0f} s (budget {budget:.0f} s); the last lines: the summary")
+    for line in bm.summary_lines(sec, extra_floors=res["row_floors"]):      # last: a run's tail keeps them
+        print(line)
     return res
 
 
