@@ -392,7 +392,7 @@ def persistent_item(p, r, num_programs):
     """The item (index into the longest-first item list) that program p of ``num_programs`` runs in its round r:
     snake order, r P + p in even rounds and r P + P - 1 - p in odd ones, so that over the rounds every program gets
     a mix of long and short items (round robin would give program 0 the longest item of every round)."""
-    return r * num_programs + jnp.where(r % 2 == 0, p, num_programs - 1 - p)
+    return r * num_programs + jnp.where(lax.rem(r, 2) == 0, p, num_programs - 1 - p)   # r >= 0: rem, not %
 
 
 def _state_pass_persistent_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, slot_ref, has_ref,

@@ -2,7 +2,7 @@
 against the float64 per-token loop and against the default grid, in interpret mode on CPU.
 
 P is chosen so that the last round is partial (masked items) and the snake order reverses (P = 5, 7 against 8-48
-items), and P >= the item count (one item per program). Tolerances (relative RMS vs float64, tests/gdn_harness.py):
+items), and P >= the item count (one item per program). The kernel is also cross-lowered to Triton IR for CUDA. Tolerances (relative RMS vs float64, tests/gdn_harness.py):
 fp32 2e-4; against the default grid kernel the same arithmetic runs per item, so 1e-6.
 """
 from __future__ import annotations
@@ -53,8 +53,7 @@ def test_persistent_dense_odd_lengths(case):
     assert rel_rms(np.asarray(s), ref_s) < tol(jnp.float32)
 
 
-@pytest.mark.parametrize("programs", [7, 1000], ids=["p7", "p1000"])
-def test_persistent_slots_varlen_grouped_poisoned(programs):
+def test_persistent_slots_varlen_grouped_poisoned(programs=7):
     """Varlen lengths 1 / 63 / 0 / 64 / 65 / 130 plus padding tokens past cu_seqlens[N], grouped heads (Hk 2,
     Hv 4), two value blocks per head (V 16, BV 8): 48 items. Slots permuted; a stale NaN slot with
     has_initial_state False reads as zeros; an id of -1 on a real sequence reads zeros and writes nowhere; the
@@ -107,12 +106,13 @@ def test_persistent_slots_varlen_grouped_poisoned(programs):
 
 
 def test_persistent_no_initial_state_and_no_final_state():
-    """Grouped heads (Hk 1, Hv 3), T 70, no initial state (every start-state load masked off): final states out
-    match the float64 loop; with output_final_state False o is the same and no state comes back."""
+    """Grouped heads (Hk 1, Hv 3), T 70, no initial state (every start-state load masked off), P = 1000 >= the 3
+    items (one item per program, P clamped): final states out match the float64 loop; with output_final_state
+    False o is the same and no state comes back."""
     case = cases.CPU_GVA[1]
     q, k, v, g, beta, _, _ = make_inputs(case, 61, with_h0=False)
     ref_o, ref_s = oracle(q, k, v, g, beta)
-    cfg = LC(state_programs=2)
+    cfg = LC(state_programs=1000)
     xs = tuple(map(jnp.asarray, (q, k, v, g, beta)))
     o, s = jax.jit(lambda *a: _plain(*a, None, None, config=cfg))(*xs)
     o2, none = jax.jit(lambda *a: _plain(*a, None, None, config=cfg, final=False))(*xs)
@@ -127,3 +127,24 @@ def test_persistent_config_error():
     with pytest.raises(ValueError, match="state_programs must be >= 0"):
         _plain(*map(jnp.asarray, (q, k, v, g, beta, h0)), None, config=LC(state_programs=-1))
     assert dataclasses.replace(LC()).state_programs == 0          # off by default
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["final", "no-final"])
+def test_persistent_lowers_to_triton(final):
+    """The persistent kernel lowers to Triton IR (cross-lowered for CUDA on any machine: interpret mode runs the
+    kernel's jaxpr, not the Triton lowering, and the H200 run of commit f792283 failed there, on a jnp ``%`` whose
+    Triton lowering met an i1 operand: AssertionError ('i32', 'i1'))."""
+    lens = (1, 63, 0, 64, 65, 130)
+    t, n = sum(lens) + 5, len(lens)
+    q = jnp.zeros((1, t, 1, 16), jnp.bfloat16)
+    v = jnp.zeros((1, t, 2, 16), jnp.bfloat16)
+    g, beta = jnp.zeros((1, t, 2)), jnp.zeros((1, t, 2), jnp.bfloat16)
+    cu = jnp.asarray(cu_of(lens))
+    h0 = jnp.zeros((n, 2, 16, 16))
+
+    def f(q, v, g, beta, h0):
+        return pallas_triton.chunk_gated_delta_rule_fwd(
+            q, q, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu, chunk_map=build_chunk_map(cu, t, 64),
+            output_final_state=final, interpret=False, config=LC(state_programs=5))
+    text = jax.jit(f).trace(q, v, g, beta, h0).lower(lowering_platforms=("cuda",)).as_text()
+    assert "gdn_state_pass_persistent" in text
