@@ -79,11 +79,16 @@ def timeit(fn, sync, *, warmup=3, groups=7, per_group=20):
     return statistics.median(times)
 
 
-# the variants, in the order they are run (the deadline cuts from the end); predictions: NOTES.md "Decode
-# (session 5)"
+# the variants, in the order they are run (the deadline cuts from the end); predictions and run 1's measurements:
+# NOTES.md "Decode (session 5)". Each names every field that differs from run 1's base (waves 4, XLA combine), so
+# the names keep their run-1 meaning now that DecodeConfig's defaults are run 1's pick ("default").
 def variants(tr):
-    D = tr.DecodeConfig
+    import jax.numpy as jnp
+
+    def D(**kw):
+        return tr.DecodeConfig(**{"waves": 4, "combine": "xla", **kw})
     return [
+        ("default", tr.decode_config(jnp.bfloat16, 256)),            # the op's default (run 1's pick)
         ("s4", D(dynamic_split=False, combine="einsum")),            # the session-4 kernel (baseline)
         ("dyn", D()),                                                # dynamic split, one-reduction combine
         ("cmb-pallas", D(combine="pallas")),                         # combine in a second small kernel
@@ -181,7 +186,7 @@ def main():
     RESULT.update(device=str(jax.devices()[0]), jax=jax.__version__, dims=dims, quick=quick)
     all_variants = variants(tr)
     if quick:
-        all_variants = all_variants[:9]
+        all_variants = all_variants[:10]
     # time reserved for the model case (best 4 + baseline) and the layer profile
     reserve = 0.0 if quick else 28.0
 
@@ -218,7 +223,7 @@ def main():
             if vname not in names:
                 continue
             left = budget - reserve - elapsed() if not name.startswith("model") else budget - 12 - elapsed()
-            if left < 2.5 and vname not in ("s4", "dyn"):
+            if left < 2.5 and vname not in ("default", "s4", "dyn"):
                 log(f"deadline: {name} {vname} skipped")
                 RESULT["notes"].append(f"{name} {vname} skipped (deadline)")
                 continue
@@ -232,7 +237,7 @@ def main():
                 row["ms"] = timeit(lambda: fn(*args), jax.block_until_ready, **reps)
                 row["gbps"] = nbytes / row["ms"] / 1e6
                 row["pct_hbm"] = 100 * row["gbps"] * 1e9 / HBM
-                if name == cases[0][0] and vname in ("s4", "dyn", "pack"):   # kernel vs combine time
+                if name == cases[0][0] and vname in ("default", "s4", "dyn"):   # kernel vs combine time
                     tk = trace_kernels(lambda: fn(*args), 5, f"op_{vname}")
                     row["kernels_ms"] = tk["kernels_ms"][:6]
                     row["kernels_sum_ms"] = tk["kernels_sum_ms"]
@@ -258,13 +263,14 @@ def main():
     ranked = sorted((v for v in score if len(score[v]) == 2), key=lambda v: -np.mean(score[v]))
     RESULT["ranked_issue_cases"] = [(v, float(np.mean(score[v]))) for v in ranked]
     name, n, keys, width = cases[2]
-    run_case(name, n, keys, width, ["s4", "dyn"] + ranked[:4])
-    # the layer: timed with the session-4 kernel and with the best variant, profiled with the best
+    run_case(name, n, keys, width, ["default", "s4", "dyn"] + [v for v in ranked[:4] if v != "default"])
+    # the layer: timed with the session-4 kernel, the best variant and the default, profiled with the default
     best = ranked[0] if ranked else "dyn"
     RESULT["best"] = best
     by_name = dict(all_variants)
     if elapsed() < budget or quick:
-        layer_profile(quick, backend, {"s4": by_name["s4"], best: by_name[best]}, best)
+        layer_profile(quick, backend, {"s4": by_name["s4"], best: by_name[best], "default": by_name["default"]},
+                      "default")
     if not quick and budget - elapsed() > 20:
         gpu_tests(budget - elapsed())
     table()
@@ -427,7 +433,7 @@ def table():
         for key in ("torch_sdpa_ms", "read_floor_ms"):
             if key in an:
                 ms = an[key]
-                log(f"   {key[:-3]:14s} {ms:8.4f} ms {mb / ms / 1e3:7.0f} GB/s {100 * mb / ms / 1e3 / 4800:5.1f}%"
+                log(f"   {key[:-3]:14s} {ms:8.4f} ms {mb / ms:7.0f} GB/s {100 * mb / ms / 4800:5.1f}%"
                     + (f"  rel {an['torch_sdpa_rel']:.1e}" if key == "torch_sdpa_ms" and "torch_sdpa_rel" in an
                        else ""))
             elif key[:-3] + "_err" in an:

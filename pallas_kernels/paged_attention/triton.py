@@ -70,26 +70,28 @@ class PrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """block_k: keys per step (a power of two >= 16); num_splits: context splits per (stream, kv head block)
-    (None: enough programs for ``waves`` waves of the GPU's SMs, see ``_num_splits``; 1: no combine, the kernel
-    writes o); num_warps / num_stages: Triton launch parameters; pack_kv_heads: one program per stream reads
-    every kv head (the pages' whole [Ps, Hkv Dh] rows, all H query heads in one tile) instead of one program per
-    kv head (taken where Hkv <= 4 and H <= 32, else ignored); dynamic_split: each stream's split length is ceil(len / NS) (read on the device) instead of
-    W Ps / NS (static: a stream shorter than the page table's width then leaves splits idle); combine: how the
-    splits merge: "xla" (one product + reduction), "pallas" (a second small kernel), "einsum" (fp32 einsum);
-    waves: programs wanted per SM when num_splits is None; prefetch_pages: d > 0: the page ids of step j + d are
-    loaded in step j and carried, so that no K/V address waits on a page-table load of its own step (Triton's
-    2-stage pipeline otherwise issues the next tile's copies only after that load returns); heads_fastest: the
-    grid's fastest axis is the kv head block (the programs reading the other halves of the same pages run side
-    by side) instead of the stream."""
+    """Decode launch; the defaults are the H200 sweep's pick (NOTES.md "Decode (session 5)"), ``decode_config``
+    adapts block_k to the dtype.
+
+    block_k: keys per step (a power of two >= 16). num_splits: context splits per (stream, kv head block); None:
+    enough programs for ``waves`` programs per SM (``_num_splits``); 1: no combine, the kernel writes o.
+    num_warps / num_stages: Triton launch parameters. dynamic_split: each stream's split length is ceil(len / NS)
+    (its length read on the device) instead of W Ps / NS (static: a stream shorter than the page table's width
+    leaves splits idle). combine: how the splits merge: "pallas" (one small kernel), "xla" (one product +
+    reduction fusion), "einsum" (the session-4 fp32 einsum). Measured no faster on the H200, kept as options
+    (off): pack_kv_heads (one program per stream reads every kv head: whole [Ps, Hkv Dh] page rows, all H query
+    heads in one tile; taken where Hkv <= 4 and H <= 32), heads_fastest (the kv head block is the grid's fastest
+    axis), prefetch_pages (d > 0: the page ids of step j + d are loaded in step j and carried, so that no K/V
+    address waits on its own step's page-table load; 4-33% SLOWER, inferred: Triton then no longer pipelines the
+    K/V copies)."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
     pack_kv_heads: bool = False
     dynamic_split: bool = True
-    combine: str = "xla"
-    waves: int = 4
+    combine: str = "pallas"
+    waves: int = 2
     prefetch_pages: int = 0
     heads_fastest: bool = False
 
@@ -122,6 +124,9 @@ def prefill_config(dtype, head_dim: int) -> PrefillConfig:
 
 
 def decode_config(dtype, head_dim: int) -> DecodeConfig:
+    """Decode launch (H200 sweep, NOTES.md "Decode (session 5)"): Bk 64, 4 warps, 2 stages, dynamic split, NS
+    for ~2 programs per SM (one split, no combine, from ~264 (stream, kv head) pairs), the Pallas combine;
+    fp32 at Dh 256 halves Bk (2 stages of K and V in shared memory)."""
     if DEFAULT_DECODE is not None:
         return DEFAULT_DECODE
     if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
@@ -444,20 +449,32 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
 
 
 def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_rows):
-    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch)."""
+    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch). The
+    split loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
     r = pl.program_id(0) * rows + _iota((rows,), 0)
     ok = r < num_rows
     dh = o_ref.shape[-1]
     cols = _iota((1, dh), 1)
-    m_all = jnp.full((rows,), _NEG, jnp.float32)
-    for s in range(num_splits):
-        m_all = jnp.maximum(m_all, plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG))
-    den = jnp.zeros((rows,), jnp.float32)
-    acc = jnp.zeros((rows, dh), jnp.float32)
-    for s in range(num_splits):
-        w = jnp.exp2(plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG) - m_all)
+
+    def loop(body, carry):
+        if num_splits <= 16:
+            for s in range(num_splits):
+                carry = body(s, carry)
+            return carry
+        return lax.fori_loop(0, num_splits, body, carry)
+
+    def m_of(s):
+        return plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG)
+
+    m_all = loop(lambda s, m: jnp.maximum(m, m_of(s)), jnp.full((rows,), _NEG, jnp.float32))
+
+    def merge(s, carry):
+        den, acc = carry
+        w = jnp.exp2(m_of(s) - m_all)
         den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0)
         acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0)
+        return den, acc
+    den, acc = loop(merge, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dh), jnp.float32)))
     o = acc / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(o_ref.at[r[:, None], cols], o.astype(o_ref.dtype), mask=ok[:, None])
 

@@ -244,15 +244,16 @@ def test_decode_gqa(backend, group, hkv):
 # one split (the kernel writes o, no combine), each combine, page ids prefetched, kv-head-fastest grid; splits of 16-64 keys so that the short contexts of
 # the case cross several splits and leave some empty
 DECODE_CONFIGS = [
-    dict(num_splits=3, block_k=16),                                          # dynamic split, XLA combine
-    dict(num_splits=3, block_k=16, dynamic_split=False),                     # static split (session 4)
+    dict(num_splits=3, block_k=16, combine="xla"),                           # dynamic split, XLA combine
+    dict(num_splits=3, block_k=16, dynamic_split=False, combine="xla"),      # static split (session 4)
     dict(num_splits=5, block_k=32, pack_kv_heads=True),                      # both kv heads per program
     dict(num_splits=1, block_k=16),                                          # no combine
     dict(num_splits=1, block_k=64, pack_kv_heads=True),
-    dict(num_splits=4, block_k=16, combine="pallas"),                        # combine kernel
+    dict(num_splits=4, block_k=16, combine="pallas"),                        # combine kernel (the default)
     dict(num_splits=6, block_k=32, combine="einsum", pack_kv_heads=True),
     dict(num_splits=3, block_k=16, prefetch_pages=1, heads_fastest=True),     # page ids 1 / 2 steps ahead
     dict(num_splits=2, block_k=32, prefetch_pages=2, pack_kv_heads=True),
+    dict(num_splits=20, block_k=16),                                         # combine kernel's loop (> 16)
 ]
 
 
@@ -302,7 +303,11 @@ def test_decode_config_errors():
         tr.DecodeConfig(combine="cuda")
     with pytest.raises(ValueError, match="prefetch_pages must be 0 .. 3"):
         tr.DecodeConfig(prefetch_pages=5)
-    # the split rule: enough programs for the waves, never splits under 4 steps of a full-width slot
+    # the split rule: enough programs for the waves, never splits under 4 steps of a full-width slot; the default
+    # (2 programs per SM) runs 256 x 1024 at 80B dims (512 pairs) in one split, 64 x 4096 (128) in 3
+    assert tr.DecodeConfig().waves == 2 and tr.DecodeConfig().combine == "pallas"
+    assert tr._num_splits(512, 1024, 64, waves=2, sms=132) == 1
+    assert tr._num_splits(128, 4096, 64, waves=2, sms=132) == 3
     assert tr._num_splits(128, 4096, 64, waves=4, sms=132) == 5
     assert tr._num_splits(512, 1024, 64, waves=4, sms=132) == 2
     assert tr._num_splits(8, 256, 64, waves=4, sms=132) == 1
