@@ -4,7 +4,7 @@ the Pallas Triton kernel in the same process, the same way. Budget: 120 s (stage
 and say so). Each stage is appended to $OUT/attn_cudnn.json as it finishes; the log is $OUT/attn_cudnn.log; a
 short table is printed last.
 
-    python benchmarks/gpu/attn_cudnn.py [--quick] [--budget 120]
+    python benchmarks/gpu/attn_cudnn.py [--quick] [--budget 120] [--stages probe,numerics,...]
     --quick: CPU, tiny dims, the XLA stand-in ("cudnn_xla") and Pallas interpret mode: the script end to end.
 
 Stages (in this order; numerics (b), (c) run last):
@@ -21,6 +21,8 @@ Stages (in this order; numerics (b), (c) run last):
             K/V gather alone)
   layer     jax_gdn.bench_layers' attention layer at varlen16 (80B dims): pallas (fused gated kernel) vs cudnn
             (XLA q norm / RoPE, cuDNN core, gate fused by XLA into the merge), and the two outputs compared
+  model, layer_grouped (not in the default list; run 2): the model with attention on cudnn vs pallas (4 layers,
+            80B attention dims, chunked prefill + decode, logits compared); the layer timed in groups of calls
 Timing: jax_gdn.bench.time_jax (groups of back-to-back calls closed by block_until_ready, median) for the core;
 bench_layers' own harness (median of single calls) for the layer, as in the earlier runs.
 """
@@ -267,6 +269,8 @@ def numerics_80b(ctx):
 
 def _numerics_line():
     res = RESULT.get("numerics", {})
+    if not res:
+        return "numerics: not run"
     return (f"numerics: {'PASS' if res.get('all_ok') else 'FAIL'} ("
             + ", ".join(f"{k} {v.get('max_rel_rms', v.get('rel_rms', v.get('cudnn_max_rel_rms'))):.1e}"
                         for k, v in res.items() if isinstance(v, dict)) + ")")
@@ -371,6 +375,71 @@ def layer(ctx):
         save("layer", res)
 
 
+@stage
+def model(ctx):
+    """The model with paged attention on cudnn vs pallas (same random weights): 4 layers (3 GDN + 1 attention) at
+    the 80B attention / GDN dims, 8 experts, bf16; a chunked prefill of 3 streams (padding to buckets, a padding
+    stream, the flat KV pool), a continuing chunk, a decode step; logits compared."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import HybridModel
+    from jax_gdn.bench_model import qwen3_next_80b_config, tiny_config
+    if not ctx.fits(45, "model"):
+        return
+    cfg = tiny_config(4) if ctx.quick else dataclasses.replace(
+        qwen3_next_80b_config(4), num_experts=8, vocab_size=1024)
+    res = {}
+    logits = {}
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 4000).astype(np.int32)
+    for backend in (ctx.pallas, ctx.cudnn):
+        t = time.time()
+        m = HybridModel.random(cfg, 0, dtype=jnp.bfloat16, backend={"paged_attention": backend})
+        cache = m.init_cache(max_seqs=4, max_tokens=8192, page_size=16, max_seq_len=4096)
+        got = []
+        lg, cache = m.prefill(cache, ids[:1001], np.array([0, 700, 701, 1001], np.int32), np.array([2, 0, 1]))
+        got.append(np.asarray(lg, np.float32))
+        lg, cache = m.prefill(cache, ids[1001:1694], np.array([0, 500, 564, 693], np.int32), np.array([2, 0, 1]))
+        got.append(np.asarray(lg, np.float32))
+        lg, cache = m.decode(cache, ids[1694:1697], np.array([2, 0, 1], np.int32))
+        got.append(np.asarray(lg, np.float32))
+        m.check(cache)
+        logits[backend] = got
+        res[f"{backend}_s"] = time.time() - t
+        res[f"{backend}_backends"] = repr(m.backends)
+    errs = [rel_rms(a, b) for a, b in zip(logits[ctx.cudnn], logits[ctx.pallas])]
+    agree = [float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))) for a, b in zip(logits[ctx.cudnn],
+                                                                                 logits[ctx.pallas])]
+    res.update(rel_rms_per_step=errs, argmax_agree=agree,
+               finite=all(bool(np.all(np.isfinite(x))) for x in logits[ctx.cudnn]),
+               ok=max(errs) <= 5e-2 and all(bool(np.all(np.isfinite(x))) for x in logits[ctx.cudnn]))
+    save("model", res)
+    log("model cudnn vs pallas:", res)
+    TABLE.append(f"model (4 layers, 80B attention dims) cudnn vs pallas logits rel rms {['%.1e' % e for e in errs]},"
+                 f" argmax agree {agree}: {'PASS' if res['ok'] else 'FAIL'}")
+
+
+@stage
+def layer_grouped(ctx):
+    """The attention layer at varlen16 timed in groups of back-to-back calls (jax_gdn.bench.time_jax, as the core)
+    for pallas and cudnn: without the single-call dispatch that bench_layers' harness includes."""
+    import jax
+    from benchmarks.gpu.attn_run import _layer_inputs
+    from jax_gdn.bench import time_jax
+    from jax_gdn.layers.attention import attention_layer
+    adims, params, hidden, kv, meta, lens = _layer_inputs(ctx.quick)
+    res = RESULT.get("layer", {})
+    for backend in (ctx.pallas, ctx.cudnn):
+        if not ctx.fits(15, f"layer_grouped_{backend}"):
+            continue
+        def f(p, x, kv, tp, tpg, tof, pt, sl, cu, ids, b=backend):
+            return attention_layer(p, adims, x, kv, token_pos=tp, token_page=tpg, token_offset=tof,
+                                   page_table=pt, slot_lens=sl, cu_seqlens=cu, slot_ids=ids, backend=b)
+        res[f"{backend}_grouped_ms"] = time_jax(jax.jit(f), (params, hidden, kv) + tuple(meta), **ctx.reps)
+        log(f"layer grouped {backend}: {res[f'{backend}_grouped_ms']:.3f} ms")
+        save("layer", res)
+
+
 def table():
     core = RESULT.get("core", {})
     lay = RESULT.get("layer", {})
@@ -403,17 +472,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=120.0)
+    ap.add_argument("--stages", default="probe,numerics,core,layer,numerics_80b",
+                    help="comma list of probe, numerics, core, layer, numerics_80b, model, layer_grouped (run 2: "
+                         "probe,model,layer_grouped,core)")
     a = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     _LOG = open(os.path.join(OUT, "attn_cudnn.log"), "w")
     if a.quick:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     ctx = Ctx(a.quick, a.budget)
-    probe(ctx)
-    numerics(ctx)
-    core(ctx)
-    layer(ctx)
-    numerics_80b(ctx)
+    stages = {"probe": probe, "numerics": numerics, "core": core, "layer": layer, "numerics_80b": numerics_80b,
+              "model": model, "layer_grouped": layer_grouped}
+    for name in a.stages.split(","):
+        stages[name](ctx)
     table()
 
 
