@@ -283,6 +283,9 @@ def _time_part(fn, args: tuple, state=None, *, reps: int = REPS, calls: int = PI
 
 # ---- in-program timing: the part R times inside one compiled program, as the model's scan runs its layers ----
 LOOP_ITERS = 10   # R of a prefill part's in-program loop (decode parts: 2 R): one program of R iterations
+#: which timing a part's figure of record (floor_ratio, model_sum) may be: "in_program" (when ``choose_figures``
+#: finds it sound, else pipelined) or "pipelined" (always; the in-program figure still measured and shown beside)
+FIGURE_OF_RECORD = "in_program"
 
 
 def _nudge(a, s):
@@ -1394,8 +1397,8 @@ PARTS_TIMING = (
 
 
 def choose_figures(q: dict) -> None:
-    """In place: q[part] (the figure of record) := q["ms_in_program"][part] when it is sound, else
-    q["ms_pipelined"][part]; q["ms_source"] = {part: "in_program" | "pipelined"}, q["in_program_unsound"] = {part:
+    """In place: q[part] (the figure of record) := q["ms_in_program"][part] when it is sound (and
+    ``FIGURE_OF_RECORD`` is "in_program"), else q["ms_pipelined"][part]; q["ms_source"] = {part: "in_program" | "pipelined"}, q["in_program_unsound"] = {part:
     why}; q["suspect"] = {part: why} for a pipelined figure above 1.15 x its blocking one (queued calls cannot be
     slower than synced ones on an idle GPU: another process on the GPU, or a bug) or a part compiled more than once
     (q["compiles"]: a retrace while timing). Sound: measured, > 0, no copy of a carried buffer in the loop body, at
@@ -1413,6 +1416,8 @@ def choose_figures(q: dict) -> None:
         why = None
         if ip is None:
             why = "not measured"
+        elif FIGURE_OF_RECORD != "in_program":
+            why = f"FIGURE_OF_RECORD is {FIGURE_OF_RECORD!r}"
         elif ip <= 0:
             why = f"slope {ip:.4f} ms <= 0 (timing noise above the part's time)"
         elif info.get("carried_copies"):

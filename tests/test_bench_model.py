@@ -550,7 +550,7 @@ def test_loop_copies_finds_a_carried_buffer_copy():
     assert bool(jnp.all(jnp.isfinite(xn))) and float(jnp.abs(kvn.k_pages).sum()) > 0   # K/V written in the loop
 
 
-def test_choose_figures_takes_the_in_program_figure_only_when_sound():
+def test_choose_figures_takes_the_in_program_figure_only_when_sound(monkeypatch):
     """choose_figures: the in-program ms is the figure of record when measured, positive, copy-free, >= 0.6 x the
     roofline and <= 1.25 x the separate call; otherwise the pipelined ms with the reason; a pipelined figure above
     1.15 x blocking (the first H200 check's attention, timed while HF's check shared the GPU) or a retraced part is
@@ -578,6 +578,12 @@ def test_choose_figures_takes_the_in_program_figure_only_when_sound():
     assert q["model_sum"] == pytest.approx(1.8 + 1.0 + 0.6 + 3.6 + 2 * 3.7 + 0.17)
     assert q["model_sum_pipelined"] == pytest.approx(2.0 + 1.0 + 0.6 + 7.67 + 2 * 3.7 + 0.17)
     assert q["model_sum_in_program"] == pytest.approx(1.8 - 0.01 + 0.55 + 3.6 + 2 * 5.0 + 0.09)
+    # the switch: the pipelined figure always, the in-program one beside
+    import jax_gdn.bench_model as bm
+    monkeypatch.setattr(bm, "FIGURE_OF_RECORD", "pipelined")
+    choose_figures(q)
+    assert set(q["ms_source"].values()) == {"pipelined"} and q["attention"] == 7.67
+    assert "FIGURE_OF_RECORD" in q["in_program_unsound"]["gdn_phase1"]
 
 
 def test_row_floor_of_the_32k_stream_term_by_term():
