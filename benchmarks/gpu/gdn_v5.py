@@ -1,7 +1,9 @@
 """One device run (issue 14, GDN kernel v5): the persistent state pass on serving mixes and the decode kernel's
 persistent grid, each checked against an fp32 reference and timed against the default in the same process.
 
-    python benchmarks/gpu/gdn_v5.py [--quick] [--budget SECONDS]      (results under $OUT, default /tmp/out)
+    python benchmarks/gpu/gdn_v5.py [--quick] [--budget SECONDS] [--steps LABELS]   (results under $OUT, default /tmp/out)
+
+``--steps 'prefill serve256,numerics serve256 bf16'`` runs only the steps whose labels start with one of those.
 
 Steps, each skipped when the deadline (``--budget``, default 100 s from start) would not fit it; run in the order
 prefill serve256, numerics serve256, decode N256, tiny64 (numerics, prefill), B1-T8192, decode N64, serve256 with
@@ -50,6 +52,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=100.0)
+    ap.add_argument("--steps", default="", help="comma-separated step labels (prefixes, e.g. 'prefill serve256,"
+                    "numerics serve256 bf16') to run only those; default all")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out, exist_ok=True)
@@ -99,7 +103,11 @@ def main():
         with open(os.path.join(out, "gdn_v5.log"), "w") as f:
             f.write("\n".join(LOG) + "\n")
 
+    only = [x.strip() for x in args.steps.split(",") if x.strip()]
+
     def guarded(label, need, fn):
+        if only and not any(label.startswith(x) for x in only):
+            return None
         if left() < need:
             res["skipped"].append(label)
             log(f"skip {label} ({left():.0f} s left, needs ~{need})")

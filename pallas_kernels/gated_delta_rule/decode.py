@@ -53,8 +53,9 @@ class DecodeConfig:
       (scale q) after the update (two reductions in a row).
     programs: 0, one program per (stream, head, value block); P > 0, a persistent grid of P programs, each
       running every P-th block with the next block's state load issued before the current block's store
-      (v_fastest does not apply: blocks are numbered value block fastest). Interpret-tested only, never
-      compiled on a GPU yet: off by default.
+      (v_fastest does not apply: blocks are numbered value block fastest). Compiles and is right on the H200,
+      but slower at every P tried (N256-Hv32: 0.359 / 0.407 / 0.432 ms for BV 64 P 264, BV 64 P 396, BV 32 P 660
+      against the default's 0.335 in the same run; NOTES.md): off.
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous

@@ -16,7 +16,7 @@ Three pallas_calls (four for varlen), in the order the algorithm reads (chunk C 
 2.  ``state_pass``  grid (V / BV, Hv, N), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
     the output fused in, 3-stage software pipeline on the tile loads (2 for fp32); sequences launched longest
     first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API);
-    (``state_pass_persistent``, behind LaunchConfig.state_programs, off: grid (P,), each program walking its share
+    (``gdn_state_pass_persistent``, behind LaunchConfig.state_programs, off, never run on a GPU: grid (P,), each program walking its share
     of the longest-first items with the next item's start state loaded ahead):
      v_new = u - w S
      o     = scale exp(G) (q S) + Aqk v_new
@@ -66,7 +66,8 @@ class LaunchConfig:
     state_programs: 0, one state-pass program per (value block, head, sequence) item; P > 0, a persistent state
     pass of P programs over the longest-first item list (``gdn_state_pass_persistent``: program p runs items
     p, 2P - 1 - p, 2P + p, ... (snake order, for balance) and loads the next item's start state before running the
-    current one's chunks). Interpret-tested; off until measured on the H200 (NOTES.md, v5 state pass)."""
+    current one's chunks). Interpret-tested and cross-lowered to Triton IR on CPU; never run on a GPU (the H200 run
+    of f792283 failed in its lowering, fixed since): off until measured (NOTES.md, v5 state pass)."""
     solve_warps: int = 1
     solve_block_k: int = 128
     wu_warps: int = 4
