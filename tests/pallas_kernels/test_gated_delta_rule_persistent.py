@@ -129,22 +129,56 @@ def test_persistent_config_error():
     assert dataclasses.replace(LC()).state_programs == 0          # off by default
 
 
-@pytest.mark.parametrize("final", [True, False], ids=["final", "no-final"])
+@pytest.mark.parametrize("final", ["seq", "none", "slot"])
 def test_persistent_lowers_to_triton(final):
-    """The persistent kernel lowers to Triton IR (cross-lowered for CUDA on any machine: interpret mode runs the
-    kernel's jaxpr, not the Triton lowering, and the H200 run of commit f792283 failed there, on a jnp ``%`` whose
-    Triton lowering met an i1 operand: AssertionError ('i32', 'i1'))."""
+    """The persistent kernel lowers to Triton IR for each final-state mode (cross-lowered for CUDA on any machine:
+    interpret mode runs the kernel's jaxpr, not the Triton lowering, and the H200 run of commit f792283 failed
+    there, on a jnp ``%`` whose Triton lowering met an i1 operand: AssertionError ('i32', 'i1'))."""
     lens = (1, 63, 0, 64, 65, 130)
     t, n = sum(lens) + 5, len(lens)
     q = jnp.zeros((1, t, 1, 16), jnp.bfloat16)
     v = jnp.zeros((1, t, 2, 16), jnp.bfloat16)
     g, beta = jnp.zeros((1, t, 2)), jnp.zeros((1, t, 2), jnp.bfloat16)
     cu = jnp.asarray(cu_of(lens))
-    h0 = jnp.zeros((n, 2, 16, 16))
+    pool = jnp.zeros((n + 2, 2, 16, 16))
+    kw = dict(scale=None, cu_seqlens=cu, chunk_map=build_chunk_map(cu, t, 64), interpret=False,
+              config=LC(state_programs=5))
 
-    def f(q, v, g, beta, h0):
-        return pallas_triton.chunk_gated_delta_rule_fwd(
-            q, q, v, g, beta, scale=None, initial_state=h0, cu_seqlens=cu, chunk_map=build_chunk_map(cu, t, 64),
-            output_final_state=final, interpret=False, config=LC(state_programs=5))
-    text = jax.jit(f).trace(q, v, g, beta, h0).lower(lowering_platforms=("cuda",)).as_text()
+    def f(q, v, g, beta, pool):
+        if final == "slot":
+            return pallas_triton.chunk_gated_delta_rule_slots_fwd(
+                q, q, v, g, beta, ssm_state=pool, slot_ids=jnp.arange(n, dtype=jnp.int32),
+                has_initial_state=jnp.ones((n,), bool), **kw)
+        return pallas_triton.chunk_gated_delta_rule_fwd(q, q, v, g, beta, initial_state=pool[:n],
+                                                        output_final_state=final == "seq", **kw)
+    text = jax.jit(f).trace(q, v, g, beta, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_state_pass_persistent" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_persistent_matches_f64_and_grid(dtype):
+    """On the GPU (K = V = 128, varlen6-Hk2-Hv6: lengths 65 / 1 / 0 / 200 / 63 / 130): the persistent state pass
+    (P = 5: partial, reversed rounds; P = 132: one per SM) against the float64 loop (tolerances of the harness)
+    and against the default grid (the same arithmetic per item: 1e-6)."""
+    case = cases.GPU_TEST_CASES[-1]
+    q, k, v, g, beta, h0, cu = make_inputs(case, 71, dtype, lens=case.lens)
+    ref_o, ref_s = oracle(q, k, v, g, beta, h0, cu)
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g), jnp.asarray(beta),
+            jnp.asarray(h0))
+
+    def run(config):
+        def f(q, k, v, g, beta, h0):
+            return pallas_triton.chunk_gated_delta_rule_fwd(
+                q, k, v, g, beta, scale=None, initial_state=h0, cu_seqlens=jnp.asarray(cu),
+                chunk_map=build_chunk_map(jnp.asarray(cu), q.shape[1], 64), output_final_state=True,
+                interpret=False, config=config)
+        o, s = jax.jit(f)(*args)
+        return np.asarray(o, np.float64), np.asarray(s)
+    o_grid, s_grid = run(None)
+    for programs in (5, 132):
+        o, s = run(LC(state_programs=programs))
+        eo, es = rel_rms(o, ref_o), rel_rms(s, ref_s)
+        print(f"FIGURE persistent P{programs} {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} state_rel_rms={es:.3e}")
+        assert eo < tol(dtype) and es < tol(dtype)
+        assert rel_rms(o, o_grid) < 1e-6 and rel_rms(s, s_grid) < 1e-6
