@@ -92,6 +92,8 @@ def variants(tr):
         ("s4", D(dynamic_split=False, combine="einsum")),            # the session-4 kernel (baseline)
         ("dyn", D()),                                                # dynamic split, one-reduction combine
         ("cmb-pallas", D(combine="pallas")),                         # combine in a second small kernel
+        ("fused", D(combine="fused")),                               # the last split merges (not run yet)
+        ("waves2-fused", D(waves=2, combine="fused")),
         ("pf2", D(prefetch_pages=2)),                                # page ids two steps ahead
         ("pf1", D(prefetch_pages=1)),                                # ... one step ahead
         ("pack", D(pack_kv_heads=True)),                             # both kv heads per program
@@ -186,7 +188,7 @@ def main():
     RESULT.update(device=str(jax.devices()[0]), jax=jax.__version__, dims=dims, quick=quick)
     all_variants = variants(tr)
     if quick:
-        all_variants = all_variants[:10]
+        all_variants = all_variants[:12]
     # time reserved for the model case (best 4 + baseline) and the layer profile
     reserve = 0.0 if quick else 28.0
 

@@ -78,12 +78,13 @@ class DecodeConfig:
     num_warps / num_stages: Triton launch parameters. dynamic_split: each stream's split length is ceil(len / NS)
     (its length read on the device) instead of W Ps / NS (static: a stream shorter than the page table's width
     leaves splits idle). combine: how the splits merge: "pallas" (one small kernel), "xla" (one product +
-    reduction fusion), "einsum" (the session-4 fp32 einsum). Measured no faster on the H200, kept as options
-    (off): pack_kv_heads (one program per stream reads every kv head: whole [Ps, Hkv Dh] page rows, all H query
-    heads in one tile; taken where Hkv <= 4 and H <= 32), heads_fastest (the kv head block is the grid's fastest
-    axis), prefetch_pages (d > 0: the page ids of step j + d are loaded in step j and carried, so that no K/V
-    address waits on its own step's page-table load; 4-33% SLOWER, inferred: Triton then no longer pipelines the
-    K/V copies)."""
+    reduction fusion), "einsum" (the session-4 fp32 einsum), "fused" (the last split program of each (stream,
+    kv head block) merges, through an atomic counter: no second launch; NOT run on a GPU yet, off).
+    Measured no faster on the H200, kept as options (off): pack_kv_heads (one program per stream reads every kv
+    head: whole [Ps, Hkv Dh] page rows, all H query heads in one tile; taken where Hkv <= 4 and H <= 32),
+    heads_fastest (the kv head block is the grid's fastest axis), prefetch_pages (d > 0: the page ids of step
+    j + d are loaded in step j and carried, so that no K/V address waits on its own step's page-table load;
+    1-32% SLOWER, inferred: Triton then no longer pipelines the K/V copies)."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
@@ -100,8 +101,9 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be None or >= 1, got {self.num_splits}")
-        if self.combine not in ("xla", "pallas", "einsum"):
-            raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas' or 'einsum', got {self.combine!r}")
+        if self.combine not in ("xla", "pallas", "einsum", "fused"):
+            raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas', 'einsum' or 'fused', got "
+                             f"{self.combine!r}")
         if self.waves < 1:
             raise ValueError(f"DecodeConfig.waves must be >= 1, got {self.waves}")
         if not 0 <= int(self.prefetch_pages) <= 3:
@@ -371,7 +373,7 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
 # ----------------------------------------------------------------------------------------------------------------
 def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, group, kv_per_prog,
                    block_m, block_k, num_splits, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
-                   precision, direct, prefetch, heads_fastest):
+                   precision, direct, prefetch, heads_fastest, fused, interpret):
     """One program: stream n, kv heads hb * kv_per_prog .., split sp. Rows of the [M, Dh] query tile: the G heads
     of each of its kv heads (row i: local kv head i // G); with several kv heads per program every key tile is
     loaded once per kv head (together: the page's whole [Ps, Hkv Dh] rows when kv_per_prog == Hkv) and each row
@@ -442,18 +444,32 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         plgpu.store(o_ref.at[row[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
         return
-    o_ref, m_ref, l_ref = out_refs
+    if fused:                   # out_refs[0] is the split counter input (aliased to out_refs[-1])
+        o_ref, m_ref, l_ref, o_fin_ref, cnt_ref = out_refs[1:]
+    else:
+        o_ref, m_ref, l_ref = out_refs
     plgpu.store(o_ref.at[row[:, None], sp, cols], acc, mask=row_ok[:, None])
     plgpu.store(m_ref.at[row, sp], m_i, mask=row_ok)
     plgpu.store(l_ref.at[row, sp], l_i, mask=row_ok)
+    if fused:
+        # the last of the NS programs of (stream, kv head block) to get here merges: every thread's partial
+        # stores are issued before the barrier, the counter's add is acquire-release at GPU scope (NOT run on a
+        # GPU yet: DecodeConfig.combine "fused" is off by default)
+        if not interpret:
+            plgpu.debug_barrier()
+        old = plgpu.atomic_add(cnt_ref, (n * pl.num_programs(0 if heads_fastest else 1) + hb,),
+                               jnp.array(1, jnp.int32))
+
+        @pl.when(old == num_splits - 1)
+        def _():
+            o = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh,
+                              cache_modifier=None if interpret else ".cg")
+            plgpu.store(o_fin_ref.at[row[:, None], cols], o.astype(o_fin_ref.dtype), mask=row_ok[:, None])
 
 
-def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_rows):
-    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch). The
-    split loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
-    r = pl.program_id(0) * rows + _iota((rows,), 0)
-    ok = r < num_rows
-    dh = o_ref.shape[-1]
+def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh, cache_modifier=None):
+    """o [len(r), Dh] fp32 of rows r from their NS split partials (m in log2 units, l, unnormalised o). The split
+    loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
     cols = _iota((1, dh), 1)
 
     def loop(body, carry):
@@ -464,19 +480,29 @@ def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_ro
         return lax.fori_loop(0, num_splits, body, carry)
 
     def m_of(s):
-        return plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG)
+        return plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG, cache_modifier=cache_modifier)
 
+    rows = r.shape[0]
     m_all = loop(lambda s, m: jnp.maximum(m, m_of(s)), jnp.full((rows,), _NEG, jnp.float32))
 
     def merge(s, carry):
         den, acc = carry
         w = jnp.exp2(m_of(s) - m_all)
-        den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0)
-        acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0)
+        den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0, cache_modifier=cache_modifier)
+        acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0,
+                                            cache_modifier=cache_modifier)
         return den, acc
     den, acc = loop(merge, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dh), jnp.float32)))
-    o = acc / jnp.where(den > 0, den, 1.0)[:, None]
-    plgpu.store(o_ref.at[r[:, None], cols], o.astype(o_ref.dtype), mask=ok[:, None])
+    return acc / jnp.where(den > 0, den, 1.0)[:, None]
+
+
+def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_rows):
+    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch)."""
+    r = pl.program_id(0) * rows + _iota((rows,), 0)
+    ok = r < num_rows
+    dh = o_ref.shape[-1]
+    o = _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh)
+    plgpu.store(o_ref.at[r[:, None], _iota((1, dh), 1)], o.astype(o_ref.dtype), mask=ok[:, None])
 
 
 def _combine_xla(o_part, m_part, l_part, dtype, einsum: bool):
@@ -512,8 +538,9 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
     page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot).
 
-    Grid (N, Hkv / kv_per_prog, NS) (the first two swapped with heads_fastest); NS = config.num_splits or ``_num_splits``. With NS == 1 the kernel writes o
-    itself; else partials o_part [N H, NS, Dh] fp32, m, l [N H, NS] and a combine (config.combine)."""
+    Grid (N, Hkv / kv_per_prog, NS) (the first two swapped with heads_fastest); NS = config.num_splits or
+    ``_num_splits``. With NS == 1 the kernel writes o itself; else partials o_part [N H, NS, Dh] fp32, m, l
+    [N H, NS] and a combine (config.combine: a second kernel or XLA, or "fused": the last split merges)."""
     config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
@@ -526,25 +553,36 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     ns = config.num_splits or _num_splits(n * (hkv // kvp), max_keys, block_k, config.waves, _sm_count())
     split_len = None if config.dynamic_split else block_k * math.ceil(math.ceil(max_keys / ns) / block_k)
     direct = ns == 1
+    fused = config.combine == "fused" and not direct
     kernel = functools.partial(
         _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
         split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
         precision=_precision(q.dtype), direct=direct, prefetch=int(config.prefetch_pages),
-        heads_fastest=config.heads_fastest)
+        heads_fastest=config.heads_fastest, fused=fused, interpret=bool(interpret))
+    args = [slot_ids, slot_lens, page_table, q.reshape(n * h, dh), k_pages.reshape(p * ps, hkv, dh),
+            v_pages.reshape(p * ps, hkv, dh)]
     if direct:
         out_shape = jax.ShapeDtypeStruct((n * h, dh), q.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32))
+    aliases = {}
+    if fused:                   # + o, and the per-(stream, kv head block) split counter (zeros in, aliased out)
+        out_shape = out_shape + (jax.ShapeDtypeStruct((n * h, dh), q.dtype),
+                                 jax.ShapeDtypeStruct((n * (hkv // kvp),), jnp.int32))
+        args.append(jnp.zeros((n * (hkv // kvp),), jnp.int32))
+        aliases = {6: 4}
     call = pl.pallas_call(
         kernel, grid=(hkv // kvp, n, ns) if config.heads_fastest else (n, hkv // kvp, ns), out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_attention_decode")
-    out = call(slot_ids, slot_lens, page_table, q.reshape(n * h, dh), k_pages.reshape(p * ps, hkv, dh),
-               v_pages.reshape(p * ps, hkv, dh))
+    out = call(*args)
     if direct:
         return out.reshape(n, h, dh)
+    if fused:
+        return out[3].reshape(n, h, dh)
     o_part, m_part, l_part = out
     if config.combine == "pallas":
         rows = 8

@@ -241,8 +241,9 @@ def test_decode_gqa(backend, group, hkv):
 
 
 # every decode launch path (triton.DecodeConfig): dynamic / static split lengths, kv heads packed in one program,
-# one split (the kernel writes o, no combine), each combine, page ids prefetched, kv-head-fastest grid; splits of 16-64 keys so that the short contexts of
-# the case cross several splits and leave some empty
+# one split (the kernel writes o, no combine), each combine (the fused one too), page ids prefetched,
+# kv-head-fastest grid; splits of 16-64 keys so that the short contexts of the case cross several splits and
+# leave some empty
 DECODE_CONFIGS = [
     dict(num_splits=3, block_k=16, combine="xla"),                           # dynamic split, XLA combine
     dict(num_splits=3, block_k=16, dynamic_split=False, combine="xla"),      # static split (session 4)
@@ -254,11 +255,13 @@ DECODE_CONFIGS = [
     dict(num_splits=3, block_k=16, prefetch_pages=1, heads_fastest=True),     # page ids 1 / 2 steps ahead
     dict(num_splits=2, block_k=32, prefetch_pages=2, pack_kv_heads=True),
     dict(num_splits=20, block_k=16),                                         # combine kernel's loop (> 16)
+    dict(num_splits=4, block_k=16, combine="fused"),                         # the last split merges (off)
+    dict(num_splits=3, block_k=32, combine="fused", pack_kv_heads=True, heads_fastest=True),
 ]
 
 
 @pytest.mark.parametrize("cfg,dtype", [(c, jnp.float32) for c in DECODE_CONFIGS]       # bf16: 3 paths (CI time)
-                         + [(DECODE_CONFIGS[i], jnp.bfloat16) for i in (0, 2, 5, 7)],
+                         + [(DECODE_CONFIGS[i], jnp.bfloat16) for i in (0, 2, 5, 7, 10)],
                          ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict)
                          else jnp.dtype(x).name)
 def test_decode_configs_interpret(cfg, dtype):
