@@ -462,12 +462,12 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
 
         @pl.when(old == num_splits - 1)
         def _():
-            o = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh,
-                              cache_modifier=None if interpret else ".cg")
+            # (no L1 staleness: no program of this call read these partials before, and L1 starts clean per launch)
+            o = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh)
             plgpu.store(o_fin_ref.at[row[:, None], cols], o.astype(o_fin_ref.dtype), mask=row_ok[:, None])
 
 
-def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh, cache_modifier=None):
+def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh):
     """o [len(r), Dh] fp32 of rows r from their NS split partials (m in log2 units, l, unnormalised o). The split
     loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
     cols = _iota((1, dh), 1)
@@ -480,7 +480,7 @@ def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh, cache_modifie
         return lax.fori_loop(0, num_splits, body, carry)
 
     def m_of(s):
-        return plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG, cache_modifier=cache_modifier)
+        return plgpu.load(m_ref.at[r, s], mask=ok, other=_NEG)
 
     rows = r.shape[0]
     m_all = loop(lambda s, m: jnp.maximum(m, m_of(s)), jnp.full((rows,), _NEG, jnp.float32))
@@ -488,9 +488,8 @@ def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh, cache_modifie
     def merge(s, carry):
         den, acc = carry
         w = jnp.exp2(m_of(s) - m_all)
-        den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0, cache_modifier=cache_modifier)
-        acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0,
-                                            cache_modifier=cache_modifier)
+        den = den + w * plgpu.load(l_ref.at[r, s], mask=ok, other=0.0)
+        acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0)
         return den, acc
     den, acc = loop(merge, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dh), jnp.float32)))
     return acc / jnp.where(den > 0, den, 1.0)[:, None]
