@@ -3,8 +3,9 @@
 
 Shape legend: T stacked query tokens, N streams, S slots, H query heads, Hkv kv heads (G = H / Hkv), Dh head dim,
 P pages, Ps tokens per page, W pages per slot, M = max(N, 2) segments of a cuDNN call, K packed key rows
-(static: ``CudnnConfig.kv_capacity`` or min(N W Ps, P Ps) + 2 N (A - 1)), A the key-region alignment (1, or G
-where jax scales kv offsets by the query heads: ``kv_offset_unit``).
+(static: ``CudnnConfig.kv_capacity`` or min(N W Ps, P Ps) + 2 N (A - 1), rounded up to A), A the key-region
+alignment (1, or G where jax scales kv offsets by the query heads: ``kv_offset_unit``; jax 0.11.2 on the H200
+already scales them right, A = 1).
 
     paged_attention_prefill_cudnn(q [T, H, Dh], k_pages, v_pages [P, Ps, Hkv, Dh], page_table [S, W],
                                   slot_lens [S], cu_seqlens [N + 1], slot_ids [N], *, scale, config, impl)
@@ -13,7 +14,8 @@ where jax scales kv offsets by the query heads: ``kv_offset_unit``).
 Semantics are those of reference.py (slot_lens count the keys AFTER this call's writes; query j of stream n sits
 at slot_lens[slot] - len_n + j and attends to its slot's keys 0 .. that position). What cuDNN can do here (jax
 0.10-0.11, XLA's cuDNN graph): the packed layout takes per-segment q / kv offsets and lengths, returns the softmax
-statistics (natural-log LSE, [M, H, T]: segment, head, row inside the segment), and its causal mask is TOP-LEFT
+statistics (natural-log LSE, [M, H, T]: segment, head, row inside the segment: ``STATS_ROWS``, both measured on
+the H200), and its causal mask is TOP-LEFT
 aligned (XLA sets ``set_causal_mask``; no bottom-right option reaches jax). So a continued stream (context c > 0)
 cannot be one causal call; it is two:
 
@@ -65,7 +67,6 @@ STATS_ROWS = "segment"
 #: factor from the stats cuDNN returns to a natural-log LSE (1: natural log, as cuDNN documents; ln 2 if a build
 #: returned log2; the GPU probe measures it)
 STATS_TO_LN = 1.0
-_NAN_FREE = 0.0
 
 
 class CudnnConfig(NamedTuple):
@@ -208,8 +209,8 @@ def gather_kv(k_pages, v_pages, rows):
     p, ps, hkv, dh = k_pages.shape
     flat_k = k_pages.reshape(p * ps, hkv, dh)
     flat_v = v_pages.reshape(p * ps, hkv, dh)
-    return (jnp.take(flat_k, rows, axis=0, mode="fill", fill_value=_NAN_FREE),
-            jnp.take(flat_v, rows, axis=0, mode="fill", fill_value=_NAN_FREE))
+    return (jnp.take(flat_k, rows, axis=0, mode="fill", fill_value=0),
+            jnp.take(flat_v, rows, axis=0, mode="fill", fill_value=0))
 
 
 class Segments(NamedTuple):
