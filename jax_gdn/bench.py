@@ -348,10 +348,14 @@ def markdown_tables(result: dict) -> str:
                         "attention tokens/s"])
         for e in result["layers"]:
             g, a = e["gdn"], e["attention"]
-            sh = g["share"]
-            out.append(f"| {e['backend']} | {g['phase1_ms']:.2f} ms ({sh['phase1']:.0%}) | {g['phase2_ms']:.2f} ms "
-                       f"({sh['phase2']:.0%}) | {g['phase3_ms']:.2f} ms ({sh['phase3']:.0%}) | {g['layer_ms']:.2f} ms | "
-                       f"{g['tokens_per_s'] / 1e6:.2f} M | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
+            if g is None:                       # an attention-only backend (cudnn): the GDN layer is not timed
+                gdn_cells = "- | - | - | - | -"
+            else:
+                sh = g["share"]
+                gdn_cells = (f"{g['phase1_ms']:.2f} ms ({sh['phase1']:.0%}) | {g['phase2_ms']:.2f} ms "
+                             f"({sh['phase2']:.0%}) | {g['phase3_ms']:.2f} ms ({sh['phase3']:.0%}) | "
+                             f"{g['layer_ms']:.2f} ms | {g['tokens_per_s'] / 1e6:.2f} M")
+            out.append(f"| {e['backend']} | {gdn_cells} | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
         out.append("")
     if result.get("moe"):
         out += _header(["MoE layer", "tokens", "experts", "top-k", "pallas", "xla",
@@ -363,14 +367,19 @@ def markdown_tables(result: dict) -> str:
                        f"{_f(ms['pallas'] / r['floor_ms'], '{:.2f}') if ms.get('pallas') else '-'} |")
         out.append("")
     if result.get("attention"):
-        impls = ("pallas", "xla", "torch_sdpa", "cudnn")
-        out += _header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + ["pallas rate"], text_cols=2)
+        impls = ("pallas", "cudnn_packed", "xla", "torch_sdpa", "cudnn")
+        rated = ("pallas", "cudnn_packed")
+
+        def rate(r, i):
+            return (f"{r['tflops'][i]:.0f} TFLOP/s" if (r.get("tflops") or {}).get(i)
+                    else f"{r['gbps'][i]:.0f} GB/s" if (r.get("gbps") or {}).get(i) else "-")
+        out += _header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + [f"{i} rate" for i in rated],
+                       text_cols=2)
         for r in result["attention"]["rows"]:
             ms = r["ms"]
-            rate = (f"{r['tflops']['pallas']:.0f} TFLOP/s" if r.get("tflops", {}).get("pallas")
-                    else f"{r['gbps']['pallas']:.0f} GB/s" if r.get("gbps", {}).get("pallas") else "-")
             out.append(f"| {r['case']} | {r['kind']} | {r.get('context', '-')} | "
-                       + " | ".join(_f(ms.get(i)) for i in impls) + f" | {rate} |")
+                       + " | ".join(_f(ms.get(i)) for i in impls) + " | "
+                       + " | ".join(rate(r, i) for i in rated) + " |")
         out.append("")
     if result.get("decode"):
         impls = ("pallas", "xla", "fla", "copy")

@@ -243,7 +243,7 @@ else:
     y = np.arange(len(layers))
     left = np.zeros(len(layers))
     for j, ph in enumerate(("phase1", "phase2", "phase3")):
-        vals = np.array([e["gdn"].get(f"{ph}_ms", np.nan) for e in layers], float)
+        vals = np.array([(e["gdn"] or {}).get(f"{ph}_ms", np.nan) for e in layers], float)
         axes[0].barh(y - 0.2, vals, 0.38, left=left, color=f"C{j}", label=ph)
         for yi, (l, v) in enumerate(zip(left, vals)):
             if np.isfinite(v):
@@ -254,7 +254,7 @@ else:
     axes[0].set_yticks(y, names)
     axes[0].set(xlabel="ms (median)", title="GDN layer phases (stacked) and an attention layer")
     axes[0].legend(fontsize=8)
-    tok = [e["gdn"].get("tokens_per_s", np.nan) / 1e6 for e in layers]
+    tok = [(e["gdn"] or {}).get("tokens_per_s", np.nan) / 1e6 for e in layers]
     atok = [(e.get("attention") or {}).get("tokens_per_s", np.nan) / 1e6 for e in layers]
     axes[1].barh(y - 0.2, tok, 0.4, color="C3", label="GDN layer (one jit)")
     axes[1].barh(y + 0.2, atok, 0.4, color="C4", label="attention layer")
@@ -264,6 +264,10 @@ else:
     fig.tight_layout()
     plt.show()
     for e, n in zip(layers, names):
+        if not e["gdn"]:                     # an attention-only backend (cudnn): no GDN layer timed
+            print(f"{n}: attention layer {(e.get('attention') or {}).get('ms', float('nan')):.2f} ms (GDN layer "
+                  "not timed)")
+            continue
         sh = e["gdn"].get("share", {})
         print(f"{n}: GDN layer {e['gdn'].get('layer_ms', float('nan')):.2f} ms, shares "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sh.items()))
