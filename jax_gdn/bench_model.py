@@ -1180,9 +1180,13 @@ def _embed_logits(cfg):
 def _sums(out: dict, split_of) -> None:
     """"model_sum" / "model_sum_split" from the figure of record (``out[part]``) and "model_sum_<timing>" from
     ``out["ms_<timing>"]`` (pipelined, blocking, in_program), in place; ``split_of(ms) -> {group: layers x part
-    ms}`` (a part missing: None)."""
+    ms}`` (a part missing: None). An in-program sum with a part's slope <= 0 (timing noise above the part's time,
+    e.g. on a loaded CPU) is None: it would not be a time."""
     for key, ms in (("model_sum", out),) + tuple((f"model_sum_{k}", out.get(f"ms_{k}") or {})
                                                   for k in ("pipelined", "blocking", "in_program")):
+        if key == "model_sum_in_program" and any(v is not None and v <= 0 for v in ms.values()):
+            out[key] = None
+            continue
         try:
             split = split_of(ms)
             out[key] = sum(split.values())

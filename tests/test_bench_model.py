@@ -577,7 +577,10 @@ def test_choose_figures_takes_the_in_program_figure_only_when_sound(monkeypatch)
     assert set(q["suspect"]) == {"attention", "moe"} and "compiled 2 times" in q["suspect"]["moe"]
     assert q["model_sum"] == pytest.approx(1.8 + 1.0 + 0.6 + 3.6 + 2 * 3.7 + 0.17)
     assert q["model_sum_pipelined"] == pytest.approx(2.0 + 1.0 + 0.6 + 7.67 + 2 * 3.7 + 0.17)
-    assert q["model_sum_in_program"] == pytest.approx(1.8 - 0.01 + 0.55 + 3.6 + 2 * 5.0 + 0.09)
+    assert q["model_sum_in_program"] is None         # a slope <= 0 (gdn_phase2's -0.01) makes no time to sum
+    q["ms_in_program"]["gdn_phase2"] = 0.9
+    choose_figures(q)
+    assert q["model_sum_in_program"] == pytest.approx(1.8 + 0.9 + 0.55 + 3.6 + 2 * 5.0 + 0.09)
     # the switch: the pipelined figure always, the in-program one beside
     import jax_gdn.bench_model as bm
     monkeypatch.setattr(bm, "FIGURE_OF_RECORD", "pipelined")
