@@ -282,42 +282,29 @@ def main():
 def trace_kernels(call, calls, tag):
     """``calls`` calls of call() under jax.profiler.trace (Perfetto); GPU kernel ms per call by name (events on the
     GPU processes' "Stream" threads, as benchmarks/gpu/shard_x2.py parses them), sorted, with counts per call."""
-    import glob
-    import gzip
-
     import jax
+    from trace_events import gpu_events
     tdir = os.path.join(OUT, f"trace_{tag}")
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
         y = None
         for _ in range(calls):
             y = call()
         jax.block_until_ready(y)
-    files = glob.glob(os.path.join(tdir, "**", "perfetto_trace.json.gz"), recursive=True)
-    trace = json.load(gzip.open(sorted(files)[-1]))
+    events, proc_names = gpu_events(tdir)
     if not tag.startswith("layer"):                   # keep only the layer's trace under $OUT
         import shutil
         shutil.rmtree(tdir, ignore_errors=True)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"}
     kernels, lines = {}, {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        proc, thread = procs.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
-        if "gpu" not in proc.lower():
-            continue
+    for proc, thread, name, ms in events:
         line = f"{proc[-16:]}/{thread[:30]}"
-        lines[line] = lines.get(line, 0.0) + e["dur"] / 1e3 / calls
+        lines[line] = lines.get(line, 0.0) + ms / calls
         if not thread.lower().startswith("stream"):
             continue
-        k = kernels.setdefault(e["name"][:80], [0.0, 0])
-        k[0] += e["dur"] / 1e3 / calls
+        k = kernels.setdefault(name[:80], [0.0, 0])
+        k[0] += ms / calls
         k[1] += 1
     return {"gpu_lines_ms": {k: round(v, 4) for k, v in lines.items()},
-            "trace_procs": sorted(set(procs.values()))[:12],
+            "trace_procs": proc_names[:12],
             "kernels_ms": [(k, round(v[0], 4), v[1] // calls) for k, v in
                            sorted(kernels.items(), key=lambda kv: -kv[1][0])],
             "kernels_sum_ms": round(sum(v[0] for v in kernels.values()), 4)}

@@ -155,11 +155,9 @@ def profile(model, cfg, cs, rng, base, emit) -> None:
     kernels of each device (events on its "Stream" threads) summed by kind (collective, moe / gdn / attention
     kernels, sort, gemm, copy, xla fusion, other) and the 8 costliest kernel names, in ms. The trace itself is
     left in $OUT/trace_<layers>_<devices><moe>."""
-    import glob
-    import gzip
-
     import jax
     import numpy as np
+    from trace_events import gpu_events
 
     from jax_gdn.bench_model import _cu, _jax_sync, _shared_cache_kwargs
     name, lens = cs["varlen"]
@@ -177,28 +175,16 @@ def profile(model, cfg, cs, rng, base, emit) -> None:
             logits, cache = model.prefill(cache, ids, cu, slots)
             _jax_sync(logits)
             wall = (time.perf_counter() - t0) * 1e3                  # the traced step (profiler overhead in)
-        files = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)
-        trace = json.load(gzip.open(sorted(files)[-1]))
-        events = trace["traceEvents"] if isinstance(trace, dict) else trace
-        procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
-                 and e.get("name") == "process_name"}
-        threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events if e.get("ph") == "M"
-                   and e.get("name") == "thread_name"}
         per_dev, top, lines = {}, {}, {}
-        for e in events:
-            if e.get("ph") != "X" or "dur" not in e:
-                continue
-            proc, thread = procs.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
-            if "gpu" not in proc.lower():
-                continue
+        for proc, thread, kname, ms in gpu_events(out)[0]:
             line = f"{proc[-12:]}/{thread[:30]}"                    # every GPU trace line, in case no "Stream"
-            lines[line] = round(lines.get(line, 0.0) + e["dur"] / 1e3, 3)
+            lines[line] = round(lines.get(line, 0.0) + ms, 3)
             if not thread.lower().startswith("stream"):
                 continue
             dev = per_dev.setdefault(proc, {})
-            kind = _kind(e["name"])
-            dev[kind] = dev.get(kind, 0.0) + e["dur"] / 1e3
-            top[e["name"][:60]] = top.get(e["name"][:60], 0.0) + e["dur"] / 1e3
+            kind = _kind(kname)
+            dev[kind] = dev.get(kind, 0.0) + ms
+            top[kname[:60]] = top.get(kname[:60], 0.0) + ms
         per_dev = {p: {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
                    for p, d in per_dev.items()}
         emit(event="profile", case=name, wall_ms=round(wall, 2), per_device_ms=per_dev, gpu_lines_ms=lines,
