@@ -89,10 +89,18 @@ def _size_limit(sizes) -> Optional[str]:
     return None
 
 
+def _pallas_for_auto(dims: dict, sizes: Optional[dict]) -> bool:
+    """Whether "auto" (and the cuDNN backends' decode) may run the Pallas kernels: on a GPU, ``AUTO_USES_PALLAS``,
+    ``supports`` accepts ``dims`` and the call's ``sizes`` fit the int32 addressing."""
+    return (AUTO_USES_PALLAS and _platform() == "gpu" and supports(platform="gpu", **dims) is None
+            and _size_limit(sizes or {}) is None)
+
+
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                     sizes: Optional[dict] = None) -> str:
-    """Maps "auto" to "pallas" or "xla"; checks that an explicit "pallas" can run (ValueError otherwise).
-    sizes: {array name: element count} of the call (the int32 addressing limit)."""
+    """Maps "auto" to "cudnn" (``cudnn.AUTO`` and its ``supports``), "pallas" or "xla"; checks that an explicit
+    "pallas" / "cudnn" can run (ValueError otherwise). sizes: {array name: element count} of the call (the int32
+    addressing limit)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     plat = _platform()
@@ -102,8 +110,7 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_k
     if backend == "auto":
         if _cudnn.AUTO and plat == "gpu" and _cudnn.supports(platform="gpu", **dims) is None:
             return "cudnn"
-        ok = AUTO_USES_PALLAS and plat == "gpu" and supports(platform="gpu", **dims) is None and too_big is None
-        return "pallas" if ok else "xla"
+        return "pallas" if _pallas_for_auto(dims, sizes) else "xla"
     if backend in ("cudnn", "cudnn_xla"):
         why = _cudnn.supports(platform=plat if backend == "cudnn" else "xla", **dims)
         if why is not None:
@@ -336,11 +343,9 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     _check_pool(q, k_pages, v_pages, page_table, slot_lens, "[N, H, Dh]")
     _check_int(slot_ids, "slot_ids", (q.shape[0],), "[N]")
     _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], q.shape[0])
-    backend = decode_backend(resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1],
-                                             num_kv_heads=k_pages.shape[2],
-                                             sizes={"q": q.size, "k_pages": k_pages.size}),
-                             dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1], num_kv_heads=k_pages.shape[2],
-                             sizes={"q": q.size, "k_pages": k_pages.size})
+    dims = dict(dtype=q.dtype, head_dim=q.shape[2], num_heads=q.shape[1], num_kv_heads=k_pages.shape[2],
+                sizes={"q": q.size, "k_pages": k_pages.size})
+    backend = decode_backend(resolve_backend(backend, **dims), **dims)
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     return _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, scale=float(scale), backend=backend,
@@ -352,10 +357,8 @@ def decode_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv
     """The decode kernel of a resolved backend: the cuDNN backends are prefill only; their decode runs the
     Pallas decode kernel ("cudnn" on a GPU where it can), else the XLA path (and always for "cudnn_xla")."""
     if backend == "cudnn":
-        ok = (AUTO_USES_PALLAS and _platform() == "gpu" and _size_limit(sizes or {}) is None
-              and supports(platform="gpu", dtype=dtype, head_dim=head_dim, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads) is None)
-        return "pallas" if ok else "xla"
+        dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        return "pallas" if _pallas_for_auto(dims, sizes) else "xla"
     if backend == "cudnn_xla":
         return "xla"
     return backend
