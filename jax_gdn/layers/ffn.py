@@ -31,8 +31,7 @@ def moe_route(router_w: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: boo
     """
     from pallas_kernels.moe import api as moe_api
     logits = x @ router_w                                                  # [T, E] (activation dtype, as HF)
-    top_w, top_i = moe_api.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                                 backend=backend if backend in moe_api.BACKENDS else "xla")
+    top_w, top_i = moe_api.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend)
     return top_w.astype(x.dtype), top_i
 
 
