@@ -330,7 +330,7 @@ def _put_layer(tree, new, i):
 
 
 def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: HybridConfig, plan: LayerPlan,
-            backends: blk.Backends):
+            backends: blk.Backends, scan_unroll: int | bool = 1):
     """Every block: a scan over the R repeats of the period, then the tail. Returns (x, gdn_all, kv_all).
 
     The stacked states are seen as one flat pool per kind (GDN slots [Lg * S], KV pages [La * P]) and each layer
@@ -396,7 +396,7 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
     if plan.repeats:
         (x, gdn, kv), _ = jax.lax.scan(
-            body, (x, gdn, kv), (jnp.arange(plan.repeats, dtype=jnp.int32), xs_period))
+            body, (x, gdn, kv), (jnp.arange(plan.repeats, dtype=jnp.int32), xs_period), unroll=scan_unroll)
     for bparams, i in zip(params["tail"], plan.tail):
         x, gdn, kv = run_block(kinds[i], bparams, x, gdn, kv, plan.gdn_index(i), plan.attn_index(i))
     return (x, _unflat(gdn, gdn_all) if flat_gdn else gdn, _unflat(kv, kv_all) if flat_kv else kv)
@@ -404,7 +404,7 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
 def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
          backends: blk.Backends, decode: bool, return_all_logits: bool, axis_name=None, vocab_split: bool = False,
-         expert_parallel: bool = False):
+         expert_parallel: bool = False, scan_unroll: int | bool = 1):
     """Prefill (or decode: one token per stream) of N (padded) streams over T (padded) tokens, inputs already
     checked: input_ids [T] int32, cu_seqlens [N + 1] int32 (cu[N] <= T; padding streams of zero length last),
     slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache).
@@ -448,7 +448,7 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     x = (params["embed"][input_ids] if axis_name is None or not vocab_split                # [T, D]
          else _shd().embed_lookup(params["embed"], input_ids, axis_name, vocab_split))
     x, gdn_all, kv_all = _layers(params, x, cache.gdn, cache.kv, batch, config=config, plan=plan,
-                                 backends=backends)
+                                 backends=backends, scan_unroll=scan_unroll)
     if not return_all_logits:
         x = x[jnp.maximum(cu_seqlens[1:] - 1, 0)]                                  # last token of each stream
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
@@ -489,6 +489,21 @@ def _int_array(x, name: str, ndim: int, shape_doc: str) -> np.ndarray:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _scan_unroll(value) -> dict:
+    """{"prefill", "decode"}: the ``unroll`` of the layer scan in each program, from HybridModel's scan_unroll:
+    None (the default: 1, a rolled loop, for both), an int >= 1 or a bool for both, or a dict with those keys."""
+    if value is None:
+        value = 1
+    pair = dict(value) if isinstance(value, dict) else {"prefill": value, "decode": value}
+    if set(pair) != {"prefill", "decode"}:
+        raise ValueError(f"scan_unroll as a dict takes the keys 'prefill' and 'decode', got {sorted(pair)}")
+    for k, v in pair.items():
+        if not isinstance(v, (bool, int, np.integer)) or (not isinstance(v, bool) and v < 1):
+            raise ValueError(f"scan_unroll[{k!r}] must be True, False or an int >= 1, got {v!r}")
+        pair[k] = v if isinstance(v, bool) else int(v)
+    return pair
 
 
 def _resolve_backends(config: HybridConfig, dtype, backend) -> blk.Backends:
@@ -533,12 +548,15 @@ class HybridModel:
 
     token_buckets: ascending token counts T is padded up to (default ``default_token_buckets()``); past the last
     one T is rounded up to a multiple of it. strict: check the status after every step (a sync; raises
-    OutOfKvPagesError at the step that ran out of pages).
+    OutOfKvPagesError at the step that ran out of pages). scan_unroll: the ``unroll`` of the scan over the repeats
+    of the layer period, for both programs or as {"prefill": ..., "decode": ...} (default 1: compile time does
+    not grow with depth; see ``_scan_unroll``). compiler_options: XLA options of the prefill / decode programs
+    (``jax.jit(compiler_options=...)``, e.g. {"xla_gpu_enable_command_buffer": ...}).
     """
 
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
                  token_buckets: Optional[Sequence[int]] = None, strict: bool = False, mesh=None,
-                 moe_sharding: str = "auto"):
+                 moe_sharding: str = "auto", scan_unroll=None, compiler_options: Optional[dict] = None):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         if moe_sharding not in _shd().MOE_SHARDINGS:
@@ -571,6 +589,8 @@ class HybridModel:
         self.token_buckets = buckets
         self.strict = bool(strict)
         self._traces = 0
+        self.scan_unroll = _scan_unroll(scan_unroll)
+        self.compiler_options = dict(compiler_options or {})
         kw = dict(config=config, plan=self.plan, backends=self.backends)
         if self.shard_rules is not None:
             kw.update(config=self.shard_rules.local_config, vocab_split=self.shard_rules.vocab_split,
@@ -584,11 +604,11 @@ class HybridModel:
 
         def prefill_fn(params, cache, ids, cu, sl, return_all_logits, axis_name):
             return step(params, cache, ids, cu, sl, decode=False, return_all_logits=return_all_logits,
-                        axis_name=axis_name, **kw)
+                        axis_name=axis_name, scan_unroll=self.scan_unroll["prefill"], **kw)
 
         def decode_fn(params, cache, ids, cu, sl, axis_name):
             return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, axis_name=axis_name,
-                        **kw)
+                        scan_unroll=self.scan_unroll["decode"], **kw)
 
         release_fn = release_slots
         if self.shard_rules is not None:   # one program per device: shard_map over the mesh axis
@@ -598,9 +618,10 @@ class HybridModel:
         else:
             prefill_fn = functools.partial(prefill_fn, axis_name=None)
             decode_fn = functools.partial(decode_fn, axis_name=None)
+        copts = {"compiler_options": self.compiler_options} if self.compiler_options else {}
         self._prefill_jit = jax.jit(traced(prefill_fn), static_argnames=("return_all_logits",),
-                                    donate_argnums=(1,))   # the cache (by position: the wrapper hides names)
-        self._decode_jit = jax.jit(traced(decode_fn), donate_argnums=(1,))
+                                    donate_argnums=(1,), **copts)   # the cache (by position: the wrapper hides names)
+        self._decode_jit = jax.jit(traced(decode_fn), donate_argnums=(1,), **copts)
         self._release_jit = jax.jit(traced(release_fn), donate_argnums=(0,))
 
     @classmethod
