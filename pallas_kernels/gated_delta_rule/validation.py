@@ -40,7 +40,7 @@ __all__ = [
     "checkify_slot_ids",
 ]
 
-BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+BACKENDS = ("auto", "xla", "pallas", "pallas_interpret", "mosaic_gpu")
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
