@@ -19,7 +19,7 @@ import numpy as np
 from pallas_kernels.conv1d import reference
 from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots
 
-__all__ = ["causal_conv1d_l2_varlen", "supports", "BACKENDS"]
+__all__ = ["causal_conv1d_l2_varlen", "causal_conv1d_l2_decode", "supports", "BACKENDS"]
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -98,3 +98,57 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     q, k, v = reference.fix_boundaries(q, k, v, x, w, prev, cu, src, eps=eps)
     pool = scatter_slots(conv_state_pool, slot_ids, reference.new_conv_states(x, prev, cu, src))
     return q, k, v, pool
+
+
+def causal_conv1d_l2_decode(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, slot_ids: jax.Array,
+                            has_initial_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_dim: int,
+                            block_cols=None, eps: float = 1e-6, backend: str = "xla", config=None):
+    """The decode step of ``causal_conv1d_l2_varlen``: ONE token per stream (row n of x is stream n's token), the
+    conv state of each stream's slot read and advanced by one token.
+
+    x: [N, Cs] (``block_cols`` as in ``causal_conv1d_l2_varlen``); w: [C, Kc], Kc >= 2; conv_state_pool
+    [S, C, Kc - 1]; slot_ids [N] int32 (ids outside [0, S): zeros read, write dropped: a padding stream has slot id
+    S); has_initial_state [N] bool. Returns (q [N, Hk, D], k [N, Hk, D] L2-normalised, v [N, Hv, D] in x.dtype;
+    the pool with the N streams' states advanced). "xla" is ``reference.conv1d_l2_varlen`` with
+    ``cu_seqlens = arange(N + 1)``; "pallas" / "pallas_interpret" run ``decode.conv1d_l2_decode_pallas`` over the
+    pool in place (donate it under jit; D must be a power of two).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if x.ndim != 2:
+        raise ValueError(f"causal_conv1d_l2_decode: x must be [N, Cs], got shape {tuple(x.shape)}")
+    n = x.shape[0]
+    if jnp.ndim(slot_ids) != 1 or jnp.shape(slot_ids)[0] != n:
+        raise ValueError(f"causal_conv1d_l2_decode: slot_ids must be [N] = [{n}] (one token per stream), "
+                         f"got shape {tuple(jnp.shape(slot_ids))}")
+    if w.ndim != 2 or w.shape[1] < 2:
+        raise ValueError(f"causal_conv1d_l2_decode: w must be [C, Kc] with Kc >= 2, got shape {tuple(w.shape)}")
+    cu = jnp.arange(n + 1, dtype=jnp.int32)
+    if backend == "xla" or n == 0:
+        return causal_conv1d_l2_varlen(x, w, conv_state_pool, cu, slot_ids, has_initial_state, num_k_heads=num_k_heads,
+                                       num_v_heads=num_v_heads, head_dim=head_dim, block_cols=block_cols, eps=eps,
+                                       backend="xla")
+    hk, hv, d = num_k_heads, num_v_heads, head_dim
+    c = (2 * hk + hv) * d
+    if w.shape[0] != c:
+        raise ValueError(f"causal_conv1d_l2_decode: w must be [C, Kc] with C = (2 Hk + Hv) D = {c}, "
+                         f"got shape {tuple(w.shape)}")
+    reference._check_pool_meta("causal_conv1d_l2_decode", conv_state_pool, c, w.shape[1], cu, slot_ids,
+                               has_initial_state)
+    why = supports(platform=jax.default_backend(), dtype=x.dtype, head_k_dim=d, head_v_dim=d,
+                   interpret=backend == "pallas_interpret")
+    if why is None and d & (d - 1):
+        why = f"pallas conv1d decode: head dim must be a power of two, got {d}"
+    if why is not None:
+        raise ValueError(why)
+    cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
+    if cols.shape != (2 * hk + hv,) or cols.min() < 0 or cols.max() + d > x.shape[1]:
+        raise ValueError(f"causal_conv1d_l2_decode: block_cols must hold 2 Hk + Hv = {2 * hk + hv} source columns "
+                         f"in [0, {x.shape[1] - d}], got {block_cols!r}")
+    if backend == "pallas" and (cols % 16).any():
+        raise ValueError(f"pallas conv1d: block_cols must be multiples of 16 on a GPU, got {block_cols!r}")
+    from pallas_kernels.conv1d.decode import conv1d_l2_decode_pallas
+    return conv1d_l2_decode_pallas(x, w, conv_state_pool, jnp.asarray(slot_ids, jnp.int32),
+                                   jnp.asarray(has_initial_state), jnp.asarray(cols), num_k_heads=hk,
+                                   num_v_heads=hv, head_dim=d, eps=eps, interpret=backend == "pallas_interpret",
+                                   config=config)

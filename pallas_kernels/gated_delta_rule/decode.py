@@ -56,6 +56,7 @@ class DecodeConfig:
       (v_fastest does not apply: blocks are numbered value block fastest). Compiles and is right on the H200,
       but slower at every P tried (N256-Hv32: 0.359 / 0.407 / 0.432 ms for BV 64 P 264, BV 64 P 396, BV 32 P 660
       against the default's 0.335 in the same run; NOTES.md): off.
+    load_hint: how the state block is loaded and stored (``LOAD_HINTS``; the grid form only).
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -68,6 +69,13 @@ class DecodeConfig:
     v_fastest: bool = True
     fused_output: bool = True
     programs: int = 0
+    load_hint: str = ""
+
+
+#: DecodeConfig.load_hint: "" (plain load, then a select for fresh streams), "masked" (masked load: no bytes for a
+#: fresh stream), "evict_first" (masked load and store with Triton's evict_first: the state streams through L2
+#: without displacing q/k/v), "cg" (masked load with the .cg cache modifier: cached in L2 only). Session 6 sweep.
+LOAD_HINTS = ("", "masked", "evict_first", "cg")
 
 
 def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
@@ -78,8 +86,26 @@ def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
     return DecodeConfig()
 
 
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))          # jax.nn.softplus's form
+
+
+def _read_gates(g_ref, beta_ref, gate_refs, *, n, t, h, group):
+    """(g_t, beta_t) fp32 scalars of stream n, token t, value head h: read, or (``gate_refs`` = (A_log, dt_bias)
+    refs [Hv]) made from the raw projections, g_ref = a and beta_ref = b [N, T, Hk, Ca] with value head h at
+    column ``h % group`` of key head h // group (see ``fused_recurrent_slots``'s ``raw_gates``)."""
+    if gate_refs is None:
+        return g_ref[n, t, h].astype(jnp.float32), beta_ref[n, t, h].astype(jnp.float32)
+    alog_ref, dtb_ref, a_off, b_off = gate_refs
+    hk, j = h // group, h % group
+    a = g_ref[n, t, hk, a_off + j].astype(jnp.float32)
+    b = beta_ref[n, t, hk, b_off + j].astype(jnp.float32)
+    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * _softplus(a + dtb_ref[h].astype(jnp.float32))
+    return g, jax.nn.sigmoid(b)
+
+
 def _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, *, n, h, hk, vs, scale, use_qk_l2norm, num_tokens,
-                fused_output, o_mask=None):
+                fused_output, o_mask=None, gate_refs=None, group=1):
     """The T tokens of stream n on value head h's [K, BV] state block ``s`` (columns ``vs``); stores o (masked by
     ``o_mask`` [BV] when given) and returns the new block."""
 
@@ -90,8 +116,8 @@ def _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, *, n, h, hk, vs,
             q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
             k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
         v = v_ref[n, t, h, vs].astype(jnp.float32)                              # [BV]
-        a = jnp.exp(g_ref[n, t, h].astype(jnp.float32))
-        beta = beta_ref[n, t, h].astype(jnp.float32)
+        g, beta = _read_gates(g_ref, beta_ref, gate_refs, n=n, t=t, h=h, group=group)
+        a = jnp.exp(g)
         if fused_output:
             sk = jnp.sum(k[:, None] * s, axis=0)                                # [BV]  S^T k
             sq = jnp.sum(q[:, None] * s, axis=0)                                # [BV]  S^T q
@@ -114,32 +140,55 @@ def _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, *, n, h, hk, vs,
     return lax.fori_loop(0, num_tokens, token, s)
 
 
-def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
-                   group, block_v, v_fastest, **token_args):
-    """One program per (stream, value head, value block)."""
+def _split_refs(refs, gate_offsets):
+    """(A_log, dt_bias) refs + offsets (or None), pool_in, o, pool_out from the refs after beta's."""
+    if gate_offsets is None:
+        return (None,) + tuple(refs)
+    alog_ref, dtb_ref, pool_in_ref, o_ref, pool_out_ref = refs
+    return (alog_ref, dtb_ref) + tuple(gate_offsets), pool_in_ref, o_ref, pool_out_ref
+
+
+def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v, v_fastest,
+                   gate_offsets, load_hint, **token_args):
+    """One program per (stream, value head, value block). refs: [A_log, dt_bias (raw gates only),] pool_in, o,
+    pool_out."""
+    gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
     if v_fastest:
         vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:
         n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * block_v, block_v)
-    num_slots = pool_in_ref.shape[0]
+    num_slots, _, kdim, _ = pool_in_ref.shape
     slot = slot_ref[n]
     in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
     read_slot = jnp.clip(slot, 0, num_slots - 1)
-    s = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                    # [K, BV]
-    s = jnp.where((has_ref[n] != 0) & in_pool, s, 0.0)                          # select: a stale NaN never leaks
-    s = _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, n=n, h=h, hk=h // group, vs=vs, **token_args)
+    read = (has_ref[n] != 0) & in_pool
+    if load_hint:                                       # masked load (no bytes for a fresh stream) with a hint
+        hint = dict(evict_first=dict(eviction_policy="evict_first"), cg=dict(cache_modifier=".cg"),
+                    masked={})[load_hint]
+        s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
+                       other=0.0, **hint).astype(jnp.float32)
+    else:
+        s = pool_in_ref[read_slot, h, :, vs].astype(jnp.float32)                # [K, BV]
+        s = jnp.where(read, s, 0.0)                                             # select: a stale NaN never leaks
+    s = _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, n=n, h=h, hk=h // group, vs=vs,
+                    gate_refs=gate_refs, group=group, **token_args)
 
     @pl.when(in_pool)
     def _():
-        pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+        if load_hint == "evict_first":
+            plgpu.store(pool_out_ref.at[read_slot, h, :, vs], s.astype(pool_out_ref.dtype),
+                        eviction_policy="evict_first")
+        else:
+            pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
 
 
-def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref,
-                              pool_out_ref, *, group, block_v, num_programs, trips, **token_args):
+def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v,
+                              num_programs, trips, gate_offsets, **token_args):
     """P programs; program p runs blocks b = p, p + P, p + 2P, ... (b -> (n, h, vb), vb fastest) and loads block
     b + P's state before storing block b's, so one block's load is in flight while the previous one computes.
     Blocks past the last (b >= N Hv V / BV) are masked: no load, no store."""
+    gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
     _, _, hv, vdim = v_ref.shape
     num_slots, _, kdim, _ = pool_in_ref.shape
     nvb = vdim // block_v
@@ -166,7 +215,7 @@ def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, bet
         s_next = load(b + num_programs)                                        # issued before this block's stores
         valid, n, h, vs, in_pool, read_slot = locate(b)
         s = _run_tokens(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, n=n, h=h, hk=h // group, vs=vs,
-                        o_mask=jnp.broadcast_to(valid, (block_v,)), **token_args)
+                        o_mask=jnp.broadcast_to(valid, (block_v,)), gate_refs=gate_refs, group=group, **token_args)
         plgpu.store(pool_out_ref.at[read_slot, h, :, vs], s.astype(pool_out_ref.dtype),
                     mask=jnp.broadcast_to(in_pool, (kdim, block_v)))
         return s_next
@@ -174,22 +223,45 @@ def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, bet
     lax.fori_loop(0, trips, block, load(pid))
 
 
+@dataclasses.dataclass(frozen=True)
+class RawGates:
+    """The gates made inside the decode kernel from the raw projections (the layer's decode step, one launch less):
+    g = -exp(A_log[h]) softplus(a + dt_bias[h]), beta = sigmoid(b) in fp32, with ``g`` and ``beta`` given as a and
+    b, each [N, T, Hk, Ca] (value head h of key head h // r at column ``a_offset + h % r`` / ``b_offset + h % r``,
+    r = Hv / Hk): Qwen3-Next's in_proj_ba output [N, T, Hk, 2 r] ([b (r) | a (r)] per key head) passed twice with
+    a_offset r, b_offset 0; Qwen3.5's separate a, b [N, T, Hv] reshaped to [N, T, Hk, r], offsets 0.
+
+    a_log, dt_bias: [Hv] (any float dtype; read as fp32)."""
+    a_log: jax.Array
+    dt_bias: jax.Array
+    a_offset: int = 0
+    b_offset: int = 0
+
+
 def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm,
-                          interpret, config: DecodeConfig | None = None):
+                          interpret, config: DecodeConfig | None = None, raw_gates: RawGates | None = None):
     """Runs the decode kernel (shapes in the module docstring; K, V powers of two >= 16, V % block_v == 0).
-    config: None picks ``decode_config`` for the shapes. Returns (o [N, T, Hv, V] in v's dtype, the updated pool
-    [S, Hv, K, V] fp32, aliased to ``pool``)."""
+    config: None picks ``decode_config`` for the shapes. raw_gates: None (g, beta [N, T, Hv] as given) or
+    ``RawGates`` (g, beta are the raw a, b projections [N, T, Hk, Ca]). Returns (o [N, T, Hv, V] in v's dtype, the
+    updated pool [S, Hv, K, V] fp32, aliased to ``pool``)."""
     n, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     config = config or decode_config(n, hv, kdim, vdim)
     block_v = min(config.block_v, vdim)
     if vdim % block_v:
         raise ValueError(f"DecodeConfig.block_v ({config.block_v}) must divide V = {vdim}")
+    if config.load_hint not in LOAD_HINTS:
+        raise ValueError(f"DecodeConfig.load_hint must be one of {LOAD_HINTS}, got {config.load_hint!r}")
     operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
-                    q=q, k=k, v=v, g=g, beta=beta, pool=pool)
+                    q=q, k=k, v=v, g=g, beta=beta)
+    gate_offsets = None
+    if raw_gates is not None:
+        operands.update(a_log=raw_gates.a_log, dt_bias=raw_gates.dt_bias)
+        gate_offsets = (int(raw_gates.a_offset), int(raw_gates.b_offset))
+    operands["pool"] = pool
     nvb = vdim // block_v
     common = dict(group=hv // hk, block_v=block_v, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                  num_tokens=t, fused_output=config.fused_output)
+                  num_tokens=t, fused_output=config.fused_output, gate_offsets=gate_offsets)
     total = n * hv * nvb
     if config.programs:
         programs = min(config.programs, total)
@@ -197,7 +269,8 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
                                    **common)
         grid = (programs,)
     else:
-        kernel = functools.partial(_decode_kernel, v_fastest=config.v_fastest, **common)
+        kernel = functools.partial(_decode_kernel, v_fastest=config.v_fastest, load_hint=config.load_hint,
+                                   **common)
         grid = (nvb, hv, n) if config.v_fastest else (n, hv, nvb)
     call = pl.pallas_call(
         kernel,
@@ -214,11 +287,12 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
 
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
-                                               config: DecodeConfig = None):
+                                               config: DecodeConfig = None, raw_gates: RawGates | None = None):
     """Per-token gated delta rule of N streams over a state-slot pool, in place (the decode kernel).
 
-    q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; ssm_state [S, Hv, K, V] fp32 (aliased: donate it);
-    slot_ids [N] int32 (an id outside [0, S) reads zeros and drops its write), has_initial_state [N] bool.
+    q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv] (or, with ``raw_gates``, the raw a, b projections
+    [N, T, Hk, Ca]: see ``RawGates``); ssm_state [S, Hv, K, V] fp32 (aliased: donate it); slot_ids [N] int32 (an id
+    outside [0, S) reads zeros and drops its write), has_initial_state [N] bool.
     Returns (o [N, T, Hv, V] in v's dtype, new ssm_state). Head dims that are not one of GPU_HEAD_DIMS are
     zero-padded (then the pool is copied, not updated in place).
     """
@@ -236,13 +310,17 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
     cfg = config or decode_config(n, hv, kp, vp)
 
-    def kernel(q, k, v, g, beta, pool, slot_ids, has):
+    gate_arrays = () if raw_gates is None else (raw_gates.a_log, raw_gates.dt_bias)
+
+    def kernel(q, k, v, g, beta, pool, slot_ids, has, *gate_arrays):
+        gates = None if raw_gates is None else dataclasses.replace(raw_gates, a_log=gate_arrays[0],
+                                                                   dt_bias=gate_arrays[1])
         return fused_recurrent_slots(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,
-                                             scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-                                             config=cfg)
+                                     scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=cfg,
+                                     raw_gates=gates)
 
     o, new_pool = _pt.no_autodiff(kernel)(q, k, v, g, beta, pool, slot_ids.astype(jnp.int32),
-                                       has_initial_state.astype(jnp.int32))
+                                       has_initial_state.astype(jnp.int32), *gate_arrays)
     if padded:
         o, new_pool = o[..., :vdim], new_pool[:, :, :kdim, :vdim]
     return o, new_pool
