@@ -117,7 +117,13 @@ def main():
             tc = time.time()
             comp = m._decode_jit.lower(m.params, st["cache"], ids_p, cu_p, sl_p).compile()
             row["compile_s"] = round(time.time() - tc, 1)
-            row.update(loops(comp.as_text()))
+            text = comp.as_text()
+            row.update(loops(text))
+            if name == "base":                      # the program whose kernel table profile_s6 printed
+                with open(os.path.join(OUT, "decode_base.hlo.txt"), "w") as f:
+                    f.write(text)
+                row["copies"] = len(re.findall(r"= [^=]* copy\(", text))
+                row["copy_starts"] = len(re.findall(r"copy-start\(", text))
 
             def step():
                 logits, st["cache"] = m.decode(st["cache"], nxt, slots)
