@@ -17,8 +17,12 @@ backend), ``pallas_triton.py`` (the prefill kernels), ``decode.py`` (the decode 
 chunk map from cu_seqlens, slot helpers), ``validation.py`` (argument checks), ``NOTES.md``.
 
 Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``pallas_triton.py`` / ``decode.py``),
-"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "auto" (= "pallas" when
-``jax.default_backend() == "gpu"`` and the kernel takes the inputs, else "xla").
+"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (dense prefill on a
+Hopper GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch choices in
+``mosaic_gpu.DEFAULT_CONFIG``; what it does not take, varlen ``cu_seqlens``, the slot pool, fp32 inputs, other head
+dims, a non-Hopper GPU, decode, runs "pallas" with a warning that names the reason; it needs a GPU), "auto" (=
+"pallas" when ``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where
+``mosaic_gpu.AUTO`` is set and it takes them, else "xla").
 
 Every backend gives the same results up to rounding, also at the edges:
   * g = -inf (a hard reset) or a huge negative g: exp(g) = 0 as in the per-token form (the chunked forms floor g
@@ -47,13 +51,14 @@ or before T; the ``slot_ids`` inside [0, S) are distinct) run only on concrete v
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import decode, pallas_triton, validation
+from pallas_kernels.gated_delta_rule import decode, mosaic_gpu, pallas_triton, validation
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
 from pallas_kernels.gated_delta_rule.pallas_triton import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
                                                            check_supported, kernel_head_dim, supported)
@@ -74,15 +79,33 @@ __all__ = [
 
 
 def resolve_backend(backend: str) -> str:
-    """Maps "auto" to "pallas" on a GPU and "xla" elsewhere; rejects unknown names and "pallas" without a GPU."""
+    """Maps "auto" to "pallas" on a GPU and "xla" elsewhere; rejects unknown names and "pallas" / "mosaic_gpu"
+    without a GPU."""
     validation.check_backend(backend)
     platform = jax.default_backend()
     if backend == "auto":
         return "pallas" if platform == "gpu" else "xla"
-    if backend == "pallas" and platform != "gpu":
-        raise ValueError(f"backend='pallas' needs a GPU (jax.default_backend() is {platform!r}); "
+    if backend in ("pallas", "mosaic_gpu") and platform != "gpu":
+        raise ValueError(f"backend={backend!r} needs a GPU (jax.default_backend() is {platform!r}); "
                          "use backend='xla', 'auto' or 'pallas_interpret'")
     return backend
+
+
+def _mosaic_or_triton(requested: str, backend: str, q, k, v, *, cu_seqlens=None, chunk_size: int = 64,
+                      slots: bool = False, what: str = "chunk_gated_delta_rule") -> str:
+    """The prefill backend after _resolve_for (``requested``: the caller's name, ``backend``: resolved).
+    "mosaic_gpu" stays where ``mosaic_gpu.fallback_reason`` is None, else it runs "pallas" (Triton) with a warning
+    naming the reason; "auto" resolved to "pallas" picks "mosaic_gpu" where ``mosaic_gpu.AUTO`` is set and it takes
+    the inputs (silently: "auto" promises the best backend that runs)."""
+    if backend not in ("mosaic_gpu", "pallas") or (backend == "pallas" and requested != "auto"):
+        return backend
+    why = mosaic_gpu.fallback_reason(q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size, slots=slots)
+    if backend == "pallas":                                          # requested "auto"
+        return "mosaic_gpu" if mosaic_gpu.AUTO and why is None else "pallas"
+    if why is not None:
+        warnings.warn(f"{what}(backend='mosaic_gpu') runs Pallas Triton: {why}", stacklevel=3)
+        return "pallas"
+    return "mosaic_gpu"
 
 
 def _check_common(q, k, v, g, beta, cu_seqlens):
@@ -104,12 +127,17 @@ def _check_chunk_size_and_scale(chunk_size, scale, dk) -> tuple[int, float]:
     return int(chunk_size), float(dk ** -0.5 if scale is None else scale)
 
 
-def _resolve_for(backend: str, q, k, v) -> str:
+def _resolve_for(backend: str, q, k, v, *, mosaic: bool = False) -> str:
     """resolve_backend, and "auto" on a GPU falls back to "xla" where the Pallas kernel does not take the inputs
-    (head dims over 128)."""
+    (head dims over 128). ``mosaic`` False (the callers without a Mosaic GPU path: decode): "mosaic_gpu" runs
+    "pallas", with a warning."""
     resolved = resolve_backend(backend)
     if backend == "auto" and resolved == "pallas" and not supported(q, k, v, interpret=False)[0]:
         return "xla"
+    if resolved == "mosaic_gpu" and not mosaic:
+        warnings.warn("backend='mosaic_gpu' runs Pallas Triton here: the Mosaic GPU kernels cover dense prefill "
+                      "only", stacklevel=3)
+        return "pallas"
     return resolved
 
 
@@ -151,9 +179,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     """
     resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
-    backend = _resolve_for(backend, q, k, v)
+    requested, backend = backend, _resolve_for(backend, q, k, v, mosaic=True)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    if backend == "mosaic_gpu":
+        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+        return mosaic_gpu.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -198,13 +231,15 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     """
     resolve_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
-    backend = _resolve_for(backend, q, k, v)
+    requested, backend = backend, _resolve_for(backend, q, k, v, mosaic=True)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
     validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
     validation.check_has_initial_state(has_initial_state, n)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                slots=True, what="chunk_gated_delta_rule_slots")
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_slots_xla(

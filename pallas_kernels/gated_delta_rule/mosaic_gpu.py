@@ -37,13 +37,15 @@ C = 64 chunk, NC = B * Tp / C chunks (chunk c = b * Tp / C + j covers tokens [j 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-ENABLED = False        # api.py does not route here yet (a backend switch that is off)
+ENABLED = True         # api.py routes backend="mosaic_gpu" here (and "auto" where AUTO says so)
 C = 64                 # chunk size (stage 1a's T is [C, C])
 BV = 64                # value columns per CTA (WG0's S^T [BV, K] fp32 is 64 registers a thread at K = 128)
 SMEM_BUDGET = 220 * 1024
@@ -117,14 +119,22 @@ def _stages(per_stage: int, fixed: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the kernel
 # ---------------------------------------------------------------------------------------------------------------
-def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None):
-    """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype,
-    final S^T [B, Hv, V, K] fp32 or None).
+def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
+                     head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
+                     write_o: bool = True):
+    """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
+    (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
-    q, k [B, Tp, Hk, K]; v [B, Tp, Hv, V] (one 16-bit dtype; Tp a multiple of C);
-    t [NC, Hv, C, C] stage 1a's gated T (input dtype, zeros above the diagonal); gcum [NC, Hv, C] fp32 stage 1a's
-    chunk-local cumulative log-decay (natural log); beta_c [NC, Hv, C] fp32 (beta in chunk-major layout);
-    h0t [B, Hv, V, K] fp32 (the initial state transposed) or None (zeros).
+    q, k [B, Tp, Hk, K]; v [B, Tp, Hv, V] (one 16-bit dtype; Tp a multiple of C * pieces);
+    ``head_major`` False (stage 1a = Triton ``kkt_solve``): t [NC, Hv, C, C] the **gated** T (input dtype, zeros
+    above the diagonal), gcum [NC, Hv, C] fp32 chunk-local cumulative log-decay (natural log), beta_c [NC, Hv, C]
+    fp32 (chunk-major); ``head_major`` True (stage 1a = :func:`kkt_fwd`): t [B, Hv, Tp, C] the **gate-free** T0
+    (the kernel multiplies e^(G_i - G_j) in), gcum and beta_c [B, Hv, Tp] fp32.
+    ``pieces`` P: each row's Tp tokens are cut into P pieces of L = Tp / P tokens run by separate CTAs (grid
+    (B * R, Hv, V / BV), CTA row r = b * R + p runs piece p of row b), ``run_pieces`` R <= P (default P): only the
+    first R pieces of each row run (the state-map pass of the sequence split skips the last piece).
+    h0t [B * R, Hv, V, K] fp32 (each run piece's initial state, transposed) or None (zeros).
+    ``write_o`` False: no output (the map pass), the output warpgroup only forms Ag.
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -134,7 +144,13 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // kv_heads
-    ncb = padded // C            # chunks per row
+    run_pieces = pieces if run_pieces is None else run_pieces
+    if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
+        raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
+                         f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
+    ncb_row = padded // C        # chunks per row
+    ncb = ncb_row // pieces      # chunks per piece (the loop's trip count)
+    piece_len = ncb * C
     nv = value_dim // BV
     dtype = k.dtype
     out_dtype = q.dtype
@@ -147,9 +163,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     stages = _stages(per_stage, fixed)
     n_copies = 4 + n_vec
 
-    out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)]
+    out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
-        out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
+        out_type.append(jax.ShapeDtypeStruct((batch * run_pieces, heads, value_dim, key_dim), F32))
+    if not out_type:
+        raise ValueError("fused_state_pass: nothing to compute (write_o and out_final both False)")
     vecs = plgpu.SMEM((stages, C), F32)
     scratch = dict(
         q_s=_smem((stages, C, key_dim), dtype),
@@ -179,9 +197,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         refs = list(refs)
         q_ref, k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
         h0_ref = refs.pop(0) if has_h0 else None
-        o_ref = refs.pop(0)
+        o_ref = refs.pop(0) if write_o else None
         ht_ref = refs.pop(0) if out_final else None
-        b, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
+        tok0 = piece * piece_len     # first token of this CTA's piece within row b
         hk = lax.div(hh, group)
         v0 = iv * BV
         wg = lax.axis_index("wg")
@@ -190,17 +210,21 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(n, slot):          # n: chunk index within row b
-                rows = pl.ds(n * C, C)
-                c = b * ncb + n          # global chunk index (stage 1a's layout)
+            def issue(n, slot):          # n: chunk index within this CTA's piece
+                rows = pl.ds(tok0 + n * C, C)
                 bar = in_bar.at[slot]
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(t_ref.at[c, hh], t_s.at[slot], bar)
+                if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
+                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
+                else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
+                    c = b * ncb_row + piece * ncb + n
+                    t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
+                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
                 for g_buf in (g_state, g_rows, g_cols):
-                    plgpu.copy_gmem_to_smem(g_ref.at[c, hh], g_buf.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_ref.at[c, hh], b_cols.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
+                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
 
             for n in range(min(stages, ncb)):
                 issue(n, n)
@@ -218,7 +242,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         def _state():
             plgpu.set_max_registers(232, action="increase")
             if has_h0:
-                plgpu.copy_gmem_to_smem(h0_ref.at[b, hh, pl.ds(v0, BV)], state_smem, state_bar)
+                plgpu.copy_gmem_to_smem(h0_ref.at[r, hh, pl.ds(v0, BV)], state_smem, state_bar)
                 plgpu.barrier_wait(state_bar)
                 s0 = plgpu.load(state_smem, layout=WGMMA)
             else:
@@ -260,7 +284,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             if out_final:
                 state_smem[...] = s_t
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[b, hh, pl.ds(v0, BV)])
+                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(v0, BV)])
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
@@ -278,12 +302,20 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 keep = _iota(sq, 0) >= _iota(sq, 1)
                 # the exponent is masked before exp, so acausal entries never overflow (jla decay_matrix)
                 decay = jnp.exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
-                # Ag = T * beta_j replaces T in the input buffer (T already carries e^(G_i - G_j))
+                # Ag = T * beta_j replaces T in the input buffer (Triton's T already carries e^(G_i - G_j);
+                # kkt_fwd's gate-free T0 gets it here: T = T0 * e^(G_i - G_j), a diagonal similarity)
                 t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+                if head_major:
+                    t_in = t_in * decay
                 ag = t_in * _bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
                 t_s.at[slot][...] = ag.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
+                if not write_o:          # the map pass: only Ag, then release the tiles
+                    plgpu.barrier_wait(s_ready.at[half])
+                    plgpu.barrier_arrive(s_free.at[half])
+                    plgpu.barrier_arrive(in_free.at[slot])
+                    return carry
                 p = _matmul(q_s.at[slot], k_s.at[slot].T, sq)
                 p_lo = (p * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
@@ -294,11 +326,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk n - 2 was sent
                 o_out.at[half][...] = (o * scale).astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(n * C, C), hh, pl.ds(v0, BV)])
+                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
                 return carry
 
             lax.fori_loop(0, ncb, step, None)
-            plgpu.wait_smem_to_gmem(0)
+            if write_o:
+                plgpu.wait_smem_to_gmem(0)
 
         # (jla finish_together) every warpgroup waits for the others before it exits: one exiting while another
         # still issued WGMMAs ended some runs in CUDA_ERROR_ILLEGAL_INSTRUCTION (sm_90, jax 0.11.2)
@@ -306,12 +339,202 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         plgpu.barrier_wait(done)
 
     args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else [])
-    outs = list(plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(batch, heads, nv), grid_names=("b", "h", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-        kernel_name="gdn_mosaic_fused_state_pass", num_threads=3, thread_name="wg",
-    )(*args))
-    return outs[0], (outs[1] if out_final else None)
+    outs = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(batch * run_pieces, heads, nv),
+        grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+        kernel_name="gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map", num_threads=3,
+        thread_name="wg",
+    )(*args)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    o = outs.pop(0) if write_o else None
+    return o, (outs.pop(0) if out_final else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stage 1a in Mosaic GPU (port plan step 2): the gate-free inverse T0 (jla: gated_delta_rule_kernels.kkt_fwd)
+# ---------------------------------------------------------------------------------------------------------------
+BLOCK = 16       # diagonal blocks of the blocked inverse
+SOLVE_PAD = 8    # (jla) padded rows of the fp32 solve buffers: 256-byte rows gave 8-way bank conflicts
+
+
+@functools.cache
+def _diag_block_inverse_fn():
+    """(jla ``_diag_block_inverse``) built on first use: the MLIR imports exist only with a GPU jaxlib."""
+    plgpu = _plgpu()
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, memref, vector
+    from jaxlib.mlir.dialects import math as mlir_math
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((C, C), F32, layout=plgpu.Layout.WGMMA),
+    )
+    def diag_block_inverse(ctx, neg_a_t, na_ref, x_ref):
+        """Inverses of the 16 x 16 diagonal blocks of I + A (A strictly lower), zeros elsewhere, from
+        ``neg_a_t = -A^T`` (fp32 [C, C] registers, only its diagonal blocks read). Each of 64 threads (warps 0-1
+        or 2-3, alternating between CTAs so two CTAs on an SM use all four sub-partitions) solves one column of
+        its block by forward substitution (16 steps, one FMA on the dependent chain a step)."""
+        del ctx
+        neg_a_t.store_untiled(na_ref, optimized=False)
+        f32 = ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        vec4 = ir.VectorType.get([4], f32)
+        cst = mgpu_utils.c
+        zero, one = cst(0.0, f32), cst(1.0, f32)
+        mgpu.FragmentedArray.splat(zero, (C, C), layout=mgpu.WGMMA_LAYOUT).store_untiled(x_ref, optimized=False)
+        mgpu_utils.warpgroup_barrier()
+        tid = arith.remui(mgpu_utils.thread_idx(), cst(128, i32))
+        blocks = arith.addi(arith.addi(gpu.block_id(gpu.Dimension.x), gpu.block_id(gpu.Dimension.y)),
+                            gpu.block_id(gpu.Dimension.z))
+        base = arith.muli(arith.index_cast(i32, arith.remui(blocks, cst(2, index))), cst(C, i32))
+        lane = arith.subi(tid, base)
+        active = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, lane, cst(0, i32)),
+                            arith.cmpi(arith.CmpIPredicate.slt, lane, cst(C, i32)))
+        with mgpu_utils.when(active):
+            col = arith.index_cast(index, lane)
+            local = arith.remui(lane, cst(BLOCK, i32))
+            start = arith.index_cast(index, arith.subi(lane, local))
+            r = {i: arith.select(arith.cmpi(arith.CmpIPredicate.eq, local, cst(i, i32)), one, zero)
+                 for i in range(BLOCK)}
+            for j in range(BLOCK):
+                x_j = r.pop(j)
+                row_j = arith.addi(start, cst(j, index))
+                memref.store(x_j, x_ref, [row_j, col])
+                for i0 in range((j + 1) // 4 * 4, BLOCK, 4):
+                    seg = vector.load(vec4, na_ref, [row_j, arith.addi(start, cst(i0, index))])
+                    for ii in range(4):
+                        if i0 + ii > j:
+                            a = vector.extract(seg, dynamic_position=[],
+                                               static_position=ir.DenseI64ArrayAttr.get([ii]))
+                            r[i0 + ii] = mlir_math.fma(a, x_j, r[i0 + ii])
+        mgpu_utils.warpgroup_barrier()
+        return mgpu.FragmentedArray.load_untiled(x_ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+
+    return diag_block_inverse
+
+
+def _num_sms() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+    except RuntimeError:
+        return 132
+
+
+def kkt_chunks_per_cta(batch: int, heads: int, chunks: int) -> int:
+    """(jla) Chunks per CTA of :func:`kkt_fwd`: the most (8, 4, 2) that still leave >= 1.5 CTAs per SM."""
+    for cpc in (8, 4, 2):
+        if chunks % cpc == 0 and batch * heads * (chunks // cpc) * 2 >= 3 * _num_sms():
+            return cpc
+    return 1
+
+
+def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interpret=None):
+    """Gate-free T0 = (I + A0)^-1, A0_ij = beta_i k_i.k_j (j < i), one Mosaic GPU kernel. Returns
+    T0 [B, Hv, Tp, C] in k's dtype (row i of chunk c at [b, h, c C + i], zeros above the diagonal).
+
+    k [B, Tp, Hk, K] (16-bit, Tp a multiple of C; value head h reads key head h // (Hv / Hk)); beta_hm
+    [B, Hv, Tp] fp32. The gated inverse is T0 * e^(G_i - G_j) (a diagonal similarity of A), applied by
+    :func:`fused_state_pass` (``head_major``). Blocked: 16 x 16 diagonal blocks by forward substitution in fp32,
+    merged 16 -> 32 -> 64 by X <- X - X (L X) on the tensor cores (16-bit operands); each CTA walks
+    ``chunks_per_cta`` chunks with the next chunk's keys prefetched and T0's stores left in flight.
+    """
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
+    batch, padded, kv_heads, key_dim = k.shape
+    group = heads // kv_heads
+    nc = padded // C
+    if chunks_per_cta is None:
+        chunks_per_cta = kkt_chunks_per_cta(batch, heads, nc)
+    cpc = next(n for n in (chunks_per_cta, 4, 2, 1) if nc % n == 0)
+    dtype = k.dtype
+    diag_inverse = _diag_block_inverse_fn()
+    vec2 = plgpu.SMEM((2, C), F32)
+    scratch = dict(
+        k_smem=_smem((2, C, key_dim), dtype),
+        br_smem=vec2,
+        bc_smem=vec2,
+        t_smem=_smem((2, C, C), dtype),
+        b_smem=_smem((C, C), dtype),
+        na_smem=plgpu.SMEM((C, C + SOLVE_PAD), F32),
+        x_smem=plgpu.SMEM((C, C + SOLVE_PAD), F32),
+        bar=plgpu.Barrier(num_arrivals=3, num_barriers=2),
+    )
+
+    def merge_product(a, bmat, b_smem):
+        b_smem[...] = bmat.astype(dtype)
+        plgpu.commit_smem()
+        return _matmul(a.astype(dtype), b_smem, (C, C))
+
+    def body(k_ref, beta_ref, t_ref, k_smem, br_smem, bc_smem, t_smem, b_smem, na_smem, x_smem, bar):
+        b, nb, hh = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+        hk = lax.div(hh, group)
+
+        def issue(n, slot):
+            rows = pl.ds((nb * cpc + n) * C, C)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(beta_ref.at[b, hh, rows], br_smem.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(beta_ref.at[b, hh, rows], bc_smem.at[slot], bar.at[slot])
+
+        issue(0, 0)
+        sq = (C, C)
+        ri, ci = _iota(sq, 0), _iota(sq, 1)
+
+        @pl.loop(0, cpc)
+        def _chunk(n):
+            slot = lax.rem(n, 2)
+            plgpu.barrier_wait(bar.at[slot])
+
+            @pl.when(n + 1 < cpc)
+            def _prefetch():
+                plgpu.commit_smem()
+                issue(n + 1, 1 - slot)
+
+            s = _matmul(k_smem.at[slot], k_smem.at[slot].T, sq)        # symmetric: also serves A0^T
+            lower = ri > ci
+            diag_upper = (ci > ri) & (lax.div(ri, BLOCK) == lax.div(ci, BLOCK))
+            a0 = jnp.where(lower, s * _bcast_rows(plgpu.load(br_smem.at[slot], layout=ROWS), sq), 0.0)
+            neg_a_t = jnp.where(diag_upper, s * _bcast_cols(-plgpu.load(bc_smem.at[slot], layout=COLS), sq), 0.0)
+            x = diag_inverse(neg_a_t, na_smem.at[:, :C], x_smem.at[:, :C])
+            for size in (2 * BLOCK, 4 * BLOCK):                        # merge 16 -> 32 -> 64
+                half = size // 2
+                off = ((lax.div(ri, size) == lax.div(ci, size)) & (lax.rem(ri, size) >= half)
+                       & (lax.rem(ci, size) < half))
+                link = merge_product(jnp.where(off, a0, 0.0), x, b_smem)     # L X
+                x = x - merge_product(x, link, b_smem)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)            # t_smem[slot] of chunk n - 2 was sent
+            t_smem.at[slot][...] = x.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_smem.at[slot], t_ref.at[b, hh, pl.ds((nb * cpc + n) * C, C)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def body_kw(k_ref, beta_ref, t_ref, **scr):
+        body(k_ref, beta_ref, t_ref, **scr)
+
+    return plgpu.kernel(
+        body_kw, out_type=jax.ShapeDtypeStruct((batch, heads, padded, C), dtype), scratch_types=scratch,
+        grid=(batch, nc // cpc, heads), grid_names=("b", "n", "h"),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret, kernel_name="gdn_mosaic_kkt",
+    )(k, beta_hm)
+
+
+def kkt_fwd_reference(k, beta_hm, *, heads: int):
+    """What :func:`kkt_fwd` computes, in jnp (fp32, exact triangular solve): T0 [B, Hv, Tp, C] in k's dtype."""
+    b, tp, hk, kdim = k.shape
+    nc = tp // C
+    kk = jnp.repeat(k, heads // hk, axis=2).astype(F32).reshape(b, nc, C, heads, kdim)
+    kk = jnp.transpose(kk, (0, 3, 1, 2, 4))                                             # [B, Hv, nc, C, K]
+    bt = beta_hm.astype(F32).reshape(b, heads, nc, C)
+    a0 = jnp.einsum("bhnik,bhnjk->bhnij", kk, kk, precision=lax.Precision.HIGHEST) * bt[..., :, None]
+    a0 = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), a0, 0.0)
+    eye = jnp.broadcast_to(jnp.eye(C, dtype=F32), a0.shape)
+    t0 = jax.scipy.linalg.solve_triangular(eye + a0, eye, lower=True, unit_diagonal=True)
+    return t0.reshape(b, heads, tp, C).astype(k.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -343,11 +566,45 @@ def check_supported(q, k, v, g, beta, initial_state=None, *, kernel: bool = True
         raise ValueError("mosaic_gpu gdn: q has T = 0 tokens (nothing to run)")
 
 
-def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool):
+def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool,
+                               head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
+                               write_o: bool = True):
     """What :func:`fused_state_pass` computes, in jnp (fp32, matmul precision highest), same arguments and
     results: the kernel's per-chunk formulas (W = v - Gamma k S, v_new = (T * beta_j) W, o, S update) as a
-    lax.scan over each row's chunks. Runs anywhere; the CPU tests check it (behind stage 1a in interpret mode)
+    lax.scan over each piece's chunks (``head_major``: T = T0 * e^(G_i - G_j) first, as the kernel's WG1 does).
+    Runs anywhere; the CPU tests check it (behind stage 1a in interpret mode, or :func:`kkt_fwd_reference`)
     against the float64 per-token oracle, so the algebra the kernel implements is tested without a GPU."""
+    b, tp, hk, kdim = k.shape
+    hv = v.shape[2]
+    run_pieces = pieces if run_pieces is None else run_pieces
+    if head_major:      # to the chunk layout, T gated
+        nc = b * tp // C
+        g4 = gcum.astype(F32).reshape(b, hv, tp // C, C)
+        keep = jnp.tril(jnp.ones((C, C), bool))
+        decay = jnp.exp(jnp.where(keep, g4[..., :, None] - g4[..., None, :], -jnp.inf))
+        t = t.astype(F32).reshape(b, hv, tp // C, C, C) * decay
+        t = jnp.transpose(t, (0, 2, 1, 3, 4)).reshape(nc, hv, C, C)
+        gcum = jnp.transpose(g4, (0, 2, 1, 3)).reshape(nc, hv, C)
+        beta_c = jnp.transpose(beta_c.astype(F32).reshape(b, hv, tp // C, C), (0, 2, 1, 3)).reshape(nc, hv, C)
+    if pieces > 1:      # piece p of row b becomes row b * R + p (p < R)
+        lp = tp // pieces
+
+        def rows(x):    # [B, Tp, ...] -> [B * R, L, ...]
+            x = x.reshape((b, pieces, lp) + x.shape[2:])[:, :run_pieces]
+            return x.reshape((b * run_pieces, lp) + x.shape[3:])
+
+        def chunk_rows(x):  # [NC, ...] -> [B * R * NC_piece, ...]
+            x = x.reshape((b, pieces, lp // C) + x.shape[1:])[:, :run_pieces]
+            return x.reshape((b * run_pieces * (lp // C),) + x.shape[3:])
+        o, ht = _reference_rows(rows(q), rows(k), rows(v), chunk_rows(t), chunk_rows(gcum), chunk_rows(beta_c),
+                                h0t, scale=scale, out_final=out_final)
+        o = o.reshape(b, run_pieces * lp, hv, v.shape[3]) if run_pieces == pieces else None
+    else:
+        o, ht = _reference_rows(q, k, v, t, gcum, beta_c, h0t, scale=scale, out_final=out_final)
+    return (o if write_o else None), ht
+
+
+def _reference_rows(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool):
     b, tp, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     ncb = tp // C
@@ -383,17 +640,20 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     return o, (jnp.swapaxes(s, -1, -2) if out_final else None)
 
 
-def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool):
+def _pad_time(x, pad):
+    return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 1):
     """Pads T to a multiple of C (zero tokens) and runs stage 1a (Pallas Triton): the fused pass's operands."""
     from pallas_kernels.gated_delta_rule import pallas_triton as kt
     from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
     b, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
-    pad = (-t) % C
+    pad = (-t) % (C * pieces)
     tp = t + pad
-    padt = (lambda x: x) if pad == 0 else (lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)))
-    q, k, v = padt(q), padt(k), padt(v)
-    g, beta = padt(g.astype(F32)), padt(beta)                        # zero tokens: no decay, no update
+    q, k, v = _pad_time(q, pad), _pad_time(k, pad), _pad_time(v, pad)
+    g, beta = _pad_time(g.astype(F32), pad), _pad_time(beta, pad)       # zero tokens: no decay, no update
     start, length, _, _ = kernel_chunk_map(b, tp, None, C)
     config = kt.launch_config(vdim, b * hv, q.dtype)
     kf, gf, bf = k.reshape(b * tp, hk, kdim), g.reshape(b * tp, hv), beta.reshape(b * tp, hv)
@@ -407,12 +667,102 @@ def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool):
     return q, k, v, tmat, gcum, beta_c, h0t
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl"))
+def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1):
+    """Stage 1a in Mosaic GPU (``kernel``) or its jnp twin: pads T to a multiple of C * pieces (zero tokens), the
+    chunk-local cumulative log-decay G [B, Hv, Tp] (g floored at G_FLOOR first, as Triton's 1a does), beta
+    [B, Hv, Tp] fp32 and the gate-free T0 [B, Hv, Tp, C]. Returns the fused pass's ``head_major`` operands."""
+    from pallas_kernels.gated_delta_rule.reference import floor_log_decay
+    b, t, hk, kdim = q.shape
+    hv = v.shape[2]
+    pad = (-t) % (C * pieces)
+    tp = t + pad
+    q, k, v = _pad_time(q, pad), _pad_time(k, pad), _pad_time(v, pad)
+    g = floor_log_decay(_pad_time(g.astype(F32), pad))
+    gcum = jnp.cumsum(jnp.swapaxes(g, 1, 2).reshape(b, hv, tp // C, C), axis=-1).reshape(b, hv, tp)
+    beta_hm = jnp.swapaxes(_pad_time(beta.astype(F32), pad), 1, 2)                     # [B, Hv, Tp]
+    t0 = kkt_fwd(k, beta_hm, heads=hv) if kernel else kkt_fwd_reference(k, beta_hm, heads=hv)
+    h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
+    return q, k, v, t0, gcum, beta_hm, h0t
+
+
+# ---- the sequence split (port plan step 3; jla's piece maps, FlashQLA's intra-card context parallelism) -------
+MAX_PIECES = 8
+MIN_PIECE_CHUNKS = 8
+
+
+SPLIT_PASS_OVERHEAD = 8     # the map pass's launch + the XLA scan, in chunk steps (a guess until measured)
+
+
+def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
+               sms: int | None = None) -> float:
+    """The split's time model in chunk steps (one CTA per SM at K = 128): the fused pass runs
+    ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(B Hv (K+V)/BV (P-1) / SMs)
+    waves of as many steps, plus SPLIT_PASS_OVERHEAD."""
+    sms = _num_sms() if sms is None else sms
+    steps = -(-nchunks // pieces)
+    cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
+    if pieces > 1:
+        cost += -(-batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1) // sms) * steps + SPLIT_PASS_OVERHEAD
+    return cost
+
+
+def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None) -> int:
+    """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
+    chunks) with the least :func:`split_cost`; 1 (no split) when the rows already fill the machine (every dense
+    Hv 32 bench row) and on ties."""
+    nchunks = padded // C
+    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms)
+    p = 2
+    while p <= MAX_PIECES and nchunks // p >= MIN_PIECE_CHUNKS:
+        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms)
+        if cost < best_cost:
+            best, best_cost = p, cost
+        p *= 2
+    return best
+
+
+def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
+    """Each piece's true initial state S^T [B * P, Hv, V, K]. One state-map pass over the first P - 1 pieces of
+    every row, on augmented values [0 | v] from the augmented state [I | 0] (the state map of a piece is affine:
+    S_end = M S_start + E, so the pass's final state is [M | E]), then P - 1 small matmuls in XLA
+    (S_{p+1} = M_p S_p + E_p, S_0 the initial state)."""
+    q, k, v, t, gcum, beta_c, h0t = ops_
+    b, tp, hv, vdim = v.shape
+    kdim = k.shape[3]
+    r = pieces - 1
+    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [B, Tp, Hv, K + V]
+    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
+    h_aug = jnp.broadcast_to(eye_t, (b * r, hv, kdim + vdim, kdim))
+    run = fused_state_pass if kernel else fused_state_pass_reference
+    _, maps_t = run(q, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major,
+                    pieces=pieces, run_pieces=r, write_o=False)                          # [B * R, Hv, K + V, K]
+    maps = jnp.swapaxes(maps_t, -1, -2).reshape(b, r, hv, kdim, kdim + vdim)           # [M | E] per piece
+    s = jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t, -1, -2)
+    starts = [s]
+    hp = lax.Precision.HIGHEST
+    for p in range(r):
+        m, e = maps[:, p, :, :, :kdim], maps[:, p, :, :, kdim:]
+        s = jnp.einsum("bhij,bhjv->bhiv", m, s, precision=hp) + e
+        starts.append(s)
+    starts = jnp.stack(starts, axis=1).reshape(b * pieces, hv, kdim, vdim)
+    return jnp.swapaxes(starts, -1, -2)
+
+
+STAGE1A = ("triton", "mosaic")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
-                               impl: str = "mosaic"):
-    """Dense chunked gated delta rule forward: Pallas Triton stage 1a, then :func:`fused_state_pass`
-    (``impl="mosaic"``, a Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` behind stage 1a in
-    interpret mode (``impl="reference"``, anywhere: the CPU check of the algebra).
+                               impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1):
+    """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
+    Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
+    of the algebra).
+
+    ``stage1a``: "triton" (Pallas Triton ``kkt_solve``, the gated T in chunk layout; interpret mode under
+    ``impl="reference"``) or "mosaic" (:func:`kkt_fwd`, the gate-free T0 in head-major layout, or its jnp twin
+    :func:`kkt_fwd_reference` under ``impl="reference"``). ``pieces`` P > 1: the sequence split (each row cut
+    into P pieces run side by side, their start states from one state-map pass, :func:`_split_start_states`);
+    0: :func:`split_pieces` picks.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -420,14 +770,105 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
+    if stage1a not in STAGE1A:
+        raise ValueError(f"stage1a must be one of {STAGE1A}; got {stage1a!r}")
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or not 0 <= pieces <= MAX_PIECES:
+        raise ValueError(f"pieces must be an int in [0, {MAX_PIECES}] (0: automatic); got {pieces!r}")
     check_supported(q, k, v, g, beta, initial_state, kernel=impl == "mosaic")
-    t, kdim = q.shape[1], q.shape[3]
+    b, t, _, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
     scale = kdim ** -0.5 if scale is None else float(scale)
-    ops_ = _prepare(q, k, v, g, beta, initial_state, interpret=impl == "reference")
-    run = fused_state_pass if impl == "mosaic" else fused_state_pass_reference
-    o, ht = run(*ops_, scale=scale, out_final=output_final_state)
+    if pieces == 0:
+        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C)
+    kernel = impl == "mosaic"
+    head_major = stage1a == "mosaic"
+    if head_major:
+        ops_ = _prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces)
+    else:
+        ops_ = _prepare(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
+    run = fused_state_pass if kernel else fused_state_pass_reference
+    if pieces > 1:
+        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major)
+        o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
+                    pieces=pieces)
+        if ht is not None:      # the final state is the last piece's
+            ht = ht.reshape((b, pieces) + ht.shape[1:])[:, -1]
+    else:
+        o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major)
     o = o[:, :t].astype(v.dtype)
     return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the op's backend "mosaic_gpu" (api.py routes here)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch choices of the "mosaic_gpu" backend, fixed when the call is built (never read from the environment).
+
+    stage1a: "mosaic" (:func:`kkt_fwd`, the gate-free T0) or "triton" (Pallas Triton ``kkt_solve``, the gated T).
+    pieces: the sequence split, 0 = :func:`split_pieces` decides per shape, 1 = never split, P = always P pieces.
+    """
+    stage1a: str = "mosaic"
+    pieces: int = 0
+
+    def __post_init__(self):
+        if self.stage1a not in STAGE1A:
+            raise ValueError(f"MosaicConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
+        if not isinstance(self.pieces, int) or not 0 <= self.pieces <= MAX_PIECES:
+            raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
+
+
+DEFAULT_CONFIG = MosaicConfig()
+# backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). Set
+# from the H200 measurements (NOTES.md, "Session 6: Mosaic").
+AUTO = False
+
+
+def is_hopper() -> bool:
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
+
+
+def fallback_reason(q, k, v, *, cu_seqlens=None, chunk_size: int = 64, slots: bool = False) -> Optional[str]:
+    """Why the Mosaic GPU path cannot run this call (the op then runs Pallas Triton), or None when it can.
+    Shapes and dtypes only (works on ShapeDtypeStructs and tracers)."""
+    if not is_hopper():
+        return "the Mosaic GPU kernels need an sm_90 (Hopper) GPU"
+    if slots:
+        return "the state-slot pool (slot_ids, has_initial_state) is not in the Mosaic GPU kernels yet"
+    if cu_seqlens is not None:
+        return "packed sequences (cu_seqlens) are not in the Mosaic GPU kernels yet"
+    if chunk_size != C:
+        return f"the Mosaic GPU kernels use chunk_size {C}; got {chunk_size}"
+    dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
+        return (f"the Mosaic GPU kernels take q, k, v of one 16-bit dtype (bfloat16 / float16; wgmma has no IEEE "
+                f"fp32); got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS or v.shape[3] not in SUPPORTED_HEAD_DIMS:
+        return f"the Mosaic GPU kernels take head dims in {SUPPORTED_HEAD_DIMS}; got K={q.shape[3]}, V={v.shape[3]}"
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return "empty input (B = 0 or T = 0)"
+    return None
+
+
+def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool,
+           config: MosaicConfig = None):
+    """The "mosaic_gpu" backend of ``chunk_gated_delta_rule`` (dense rows; api.py has checked the arguments and
+    :func:`fallback_reason`). Returns (o [B, T, Hv, V] in v's dtype, final_state [B, Hv, K, V] fp32 or None).
+    jax.grad / jax.jvp raise NotImplementedError naming backend='xla' (no backward pass)."""
+    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    cfg = config or DEFAULT_CONFIG
+
+    def run(q, k, v, g, beta, *h0):
+        return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
+                                          output_final_state=output_final_state, impl="mosaic",
+                                          stage1a=cfg.stage1a, pieces=cfg.pieces)
+    h0 = () if initial_state is None else (initial_state.astype(F32),)
+    return no_autodiff(run)(q, k, v, g, beta, *h0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
-"""The Mosaic GPU fused state pass (pallas_kernels/gated_delta_rule/mosaic_gpu.py, off by default).
+"""The Mosaic GPU backend of the gated delta rule (pallas_kernels/gated_delta_rule/mosaic_gpu.py, backend
+"mosaic_gpu").
 
-CPU: the algebra the kernel implements (W = v - Gamma k S, v_new = (T * beta_j) W, the output and the state update
-from stage 1a's gated T), as its jnp twin ``fused_state_pass_reference`` behind stage 1a in interpret mode, against
-the float64 per-token oracle at fp32 (tolerance 2e-4 relative RMS: fp32 dots everywhere), odd lengths, grouped
-heads; the argument checks. GPU (`pytest -m gpu`, Hopper): the kernel itself against the float64 oracle at bf16 /
-fp16 (1e-2 relative RMS, the harness's half-precision bound), and beside our Pallas Triton op.
+CPU: the algebra the kernels implement, as their jnp twins (``fused_state_pass_reference`` behind Triton's stage 1a
+in interpret mode or behind ``kkt_fwd_reference``, the gate-free T0 with the decay applied in the pass; the
+sequence split's state maps and start states), against the float64 per-token oracle at fp32 (tolerance 2e-4
+relative RMS: fp32 dots everywhere), odd lengths, grouped heads, a NaN initial state; the split policy; the
+argument checks; the api's routing and fallbacks (a stand-in Hopper). GPU (`pytest -m gpu`, Hopper): the kernels
+against the float64 oracle at bf16 / fp16 (1e-2 relative RMS, the harness's half-precision bound), the Mosaic
+stage 1a against its twin, the split, and the public op beside Pallas Triton.
 """
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,19 +23,104 @@ from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
 from tests.gdn_harness import make_inputs, oracle, rel_rms, tol
 
 
-def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison_row=None):
+def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison_row=None, stage1a="triton",
+         pieces=1):
     q, k, v, g, beta, h0, _ = make_inputs(case, seed, dtype, with_h0=with_h0)
     if poison_row is not None:
         h0 = h0.copy()
         h0[poison_row] = np.nan                      # a stale NaN state in one row must stay in that row
     o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
                                          jnp.asarray(g), jnp.asarray(beta, dtype),
-                                         None if h0 is None else jnp.asarray(h0), impl=impl)
+                                         None if h0 is None else jnp.asarray(h0), impl=impl, stage1a=stage1a,
+                                         pieces=pieces)
     return (q, k, v, g, beta, h0), np.asarray(o.astype(jnp.float32)), np.asarray(s)
 
 
-def test_module_is_off_by_default():
-    assert mg.ENABLED is False
+def test_defaults():
+    assert mg.ENABLED is True and mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
+    with pytest.raises(ValueError, match="stage1a"):
+        mg.MosaicConfig(stage1a="cuda")
+    with pytest.raises(ValueError, match="pieces"):
+        mg.MosaicConfig(pieces=3.0)
+
+
+@pytest.mark.parametrize("t,pieces", [(1, 1), (63, 1), (130, 1), (65, 4), (130, 2), (300, 0)])
+def test_reference_mosaic_stage1a_and_split_match_f64(t, pieces):
+    """Gate-free T0 (kkt_fwd's twin) with the decay applied in the pass; the sequence split (P pieces, the start
+    states from the state-map pass of augmented values [0 | v] from [I | 0]); odd lengths padded to C * P."""
+    case = Case(f"cpu-B2-T{t}-Hk1-Hv2-K16-V8", 2, t, 1, 2, 16, 8)
+    (q, k, v, g, beta, h0), o, s = _run(case, stage1a="mosaic", pieces=pieces)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    assert o.shape == ro.shape and s.shape == rs.shape
+    assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
+    assert rel_rms(s, rs) < 2e-4, rel_rms(s, rs)
+
+
+def test_reference_split_behind_triton_stage1a_grouped_no_h0():
+    case = Case("cpu-B1-T200-Hk2-Hv4-K8-V16", 1, 200, 2, 4, 8, 16)
+    (q, k, v, g, beta, _), o, s = _run(case, with_h0=False, pieces=2)
+    ro, rs = oracle(q, k, v, g, beta, None)
+    assert rel_rms(o, ro) < 2e-4 and rel_rms(s, rs) < 2e-4, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+def test_split_start_states_are_used(monkeypatch):
+    """A wrong start state for the later pieces must show in o and the final state (the check above can fail)."""
+    case = Case("cpu-B1-T256-Hk1-Hv1-K8-V8", 1, 256, 1, 1, 8, 8)
+    orig = mg._split_start_states
+    monkeypatch.setattr(mg, "_split_start_states", lambda *a, **kw: orig(*a, **kw).at[1:].multiply(0.5))
+    (q, k, v, g, beta, h0), o, s = _run(case, stage1a="mosaic", pieces=4)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    assert rel_rms(o[:, :64], ro[:, :64]) < 1e-3 < rel_rms(o[:, 64:], ro[:, 64:])
+
+
+def test_kkt_reference_is_the_gate_free_inverse():
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((1, 128, 1, 16)) / 4, jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.05, 0.99, (1, 2, 128)), jnp.float32)
+    t0 = np.asarray(mg.kkt_fwd_reference(k, beta, heads=2), np.float64).reshape(1, 2, 2, 64, 64)
+    kk = np.asarray(k, np.float64)[0, :, 0].reshape(2, 64, 16)
+    for h in range(2):
+        for c in range(2):
+            a0 = np.tril(kk[c] @ kk[c].T, -1) * np.asarray(beta)[0, h, c * 64:(c + 1) * 64, None]
+            np.testing.assert_allclose(t0[0, h, c] @ (np.eye(64) + a0), np.eye(64), atol=1e-5)
+
+
+def test_split_policy():
+    """No split where the rows fill the H200's 132 SMs (every Hv 32 bench row); Hk2-Hv8 splits."""
+    for b, t, hv in [(1, 8192, 32), (4, 4096, 32), (1, 32768, 32), (16, 1024, 32), (1, 131072, 32)]:
+        assert mg.split_pieces(b, hv, 128, 128, t, sms=132) == 1, (b, t, hv)
+    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) > 1
+    assert mg.split_pieces(1, 8, 128, 128, 256, sms=132) == 1        # pieces of >= 8 chunks only
+
+
+def test_routing_and_fallbacks(monkeypatch):
+    from pallas_kernels.gated_delta_rule import api
+    bf = jnp.bfloat16
+    q, v = jax.ShapeDtypeStruct((1, 64, 2, 128), bf), jax.ShapeDtypeStruct((1, 64, 4, 128), bf)
+    assert "sm_90" in mg.fallback_reason(q, q, v)                      # this CPU is no Hopper
+    with pytest.raises(ValueError, match="needs a GPU"):
+        api.resolve_backend("mosaic_gpu")
+    monkeypatch.setattr(mg, "is_hopper", lambda: True)
+    assert mg.fallback_reason(q, q, v) is None
+    q32 = jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.float32)
+    q100 = jax.ShapeDtypeStruct((1, 64, 2, 100), bf)
+    for why, kw in [("cu_seqlens", dict(cu_seqlens=np.zeros(2))), ("slot", dict(slots=True)),
+                    ("chunk_size", dict(chunk_size=32))]:
+        assert why in mg.fallback_reason(q, q, v, **kw)
+    assert "16-bit" in mg.fallback_reason(q32, q32, v) and "head dims" in mg.fallback_reason(q100, q100, v)
+    assert "empty" in mg.fallback_reason(jax.ShapeDtypeStruct((0, 64, 2, 128), bf), q, v)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v, cu_seqlens=np.zeros(2)) == "pallas"
+        assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v) == "mosaic_gpu"
+    assert len(rec) == 1 and "cu_seqlens" in str(rec[0].message)
+    assert api._mosaic_or_triton("pallas", "pallas", q, q, v) == "pallas"
+    monkeypatch.setattr(mg, "AUTO", False)
+    assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "pallas"
+    monkeypatch.setattr(mg, "AUTO", True)
+    assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "mosaic_gpu"
+    assert api._mosaic_or_triton("auto", "pallas", q32, q32, v) == "pallas"
+    assert api._mosaic_or_triton("auto", "xla", q, q, v) == "xla"
 
 
 @pytest.mark.parametrize("t", [1, 63, 65, 130])
@@ -79,6 +169,10 @@ def test_check_supported_names_the_argument():
                            jnp.zeros((1, 64, 3, 64), bf), g, g)
     with pytest.raises(ValueError, match="impl"):
         mg.chunk_gated_delta_rule_fwd(q, q, v, g, g, impl="triton")
+    with pytest.raises(ValueError, match="stage1a"):
+        mg.chunk_gated_delta_rule_fwd(q, q, v, g, g, stage1a="xla")
+    with pytest.raises(ValueError, match="pieces"):
+        mg.chunk_gated_delta_rule_fwd(q, q, v, g, g, pieces=16)
 
 
 # ---- GPU (Hopper): the kernel itself ----
@@ -125,3 +219,62 @@ def test_gpu_kernel_beside_pallas_triton():
                                         output_final_state=True, backend="pallas")
     assert rel_rms(o, np.asarray(po.astype(jnp.float32))) < 1e-2
     assert rel_rms(s, np.asarray(ps)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_kkt_matches_its_twin():
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernel needs an sm_90 GPU")
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2, 256, 2, 128)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    kb = jnp.asarray(k, jnp.bfloat16)
+    beta = jnp.asarray(rng.uniform(0.05, 0.99, (2, 4, 256)), jnp.float32)
+    got = np.asarray(jax.jit(lambda a, b: mg.kkt_fwd(a, b, heads=4))(kb, beta).astype(jnp.float32))
+    ref = np.asarray(mg.kkt_fwd_reference(kb.astype(jnp.float32), beta, heads=4).astype(jnp.float32))
+    assert np.isfinite(got).all()
+    assert np.all(np.triu(got.reshape(2, 4, 4, 64, 64), 1) == 0)
+    assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 130])
+def test_gpu_mosaic_stage1a_matches_f64(t, pieces):
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case(f"B2-T{t}-Hk2-Hv4-K64-V64", 2, t, 2, 4, 64, 64)
+    (q, k, v, g, beta, h0), o, s = _run(case, jnp.bfloat16, impl="mosaic", stage1a="mosaic", pieces=pieces)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, jnp.bfloat16).astype(jnp.float32)), h0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage1a", ["triton", "mosaic"])
+def test_gpu_split_k128_grouped(stage1a):
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B1-T1000-Hk1-Hv2-K128-V128", 1, 1000, 1, 2, 128, 128)
+    (q, k, v, g, beta, h0), o, s = _run(case, jnp.bfloat16, impl="mosaic", stage1a=stage1a, pieces=4)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, jnp.bfloat16).astype(jnp.float32)), h0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_mosaic_backend():
+    """backend='mosaic_gpu' through jax_gdn.ops (l2 norm, no initial state, no final state) beside 'pallas', and
+    a varlen call falls back to Triton with a warning."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    from jax_gdn import ops
+    case = Case("B2-T333-Hk2-Hv4-K128-V128", 2, 333, 2, 4, 128, 128)
+    q, k, v, g, beta, _, _ = make_inputs(case, 7, jnp.bfloat16, with_h0=False)
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf) * 3, jnp.asarray(k, bf) * 2, jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+    om, sm = ops.chunk_gated_delta_rule(*args, use_qk_l2norm=True, backend="mosaic_gpu")
+    op, _ = ops.chunk_gated_delta_rule(*args, use_qk_l2norm=True, backend="pallas")
+    assert sm is None and om.dtype == bf
+    assert rel_rms(np.asarray(om.astype(jnp.float32)), np.asarray(op.astype(jnp.float32))) < 1e-2
+    cu = jnp.asarray([0, 100, 333], jnp.int32)
+    with pytest.warns(UserWarning, match="cu_seqlens"):
+        ops.chunk_gated_delta_rule(*(x[:1] for x in args), cu_seqlens=cu, backend="mosaic_gpu")
