@@ -51,11 +51,35 @@ def attention_param_shapes(dims: AttnDims) -> dict:
 
 
 def fuse_qkv(params: dict) -> dict:
-    """The same layer with q_proj, k_proj, v_proj concatenated once into qkv_proj [D, H 2 Dh + 2 Hkv Dh] (one
-    GEMM per call instead of three); the other entries are kept."""
+    """The same layer with q_proj, k_proj, v_proj concatenated once into qkv_proj [..., D, H 2 Dh + 2 Hkv Dh]
+    (one GEMM per call instead of three; leading axes, e.g. the model's stacked layers [R, ...], are kept); the
+    other entries are kept. A dict that already holds qkv_proj is returned as is."""
+    if "qkv_proj" in params:
+        return params
     out = {k: v for k, v in params.items() if k not in ("q_proj", "k_proj", "v_proj")}
-    out["qkv_proj"] = jnp.concatenate([params["q_proj"], params["k_proj"], params["v_proj"]], axis=1)
+    out["qkv_proj"] = jnp.concatenate([params["q_proj"], params["k_proj"], params["v_proj"]], axis=-1)
     return out
+
+
+#: The model (one device, no mesh) holds each attention layer's projections as ONE qkv_proj weight, concatenated
+#: once when the model is built (``fuse_qkv_tree``): the per-call concat (0.13 ms per attention layer per prefill
+#: call on the H200 at varlen16, 37.7 MB) goes away and decode runs one GEMM instead of three. Under a mesh the
+#: three weights stay (jax_gdn.sharding splits each one's columns by heads; one fused weight would need a
+#: per-device column order). False: keep the three weights (the layer then concatenates from
+#: QKV_CONCAT_MIN_TOKENS tokens).
+HOLD_FUSED_QKV = True
+
+
+def fuse_qkv_tree(params):
+    """``fuse_qkv`` applied to every attention mixer (a dict holding q_proj, k_proj, v_proj under the key
+    "mixer") in a model parameter tree (dicts, tuples and lists rebuilt; every other leaf the same array)."""
+    if isinstance(params, dict):
+        if "mixer" in params and isinstance(params["mixer"], dict) and "q_proj" in params["mixer"]:
+            return {**params, "mixer": fuse_qkv(params["mixer"])}
+        return {k: fuse_qkv_tree(v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return type(params)(fuse_qkv_tree(v) for v in params)
+    return params
 
 
 # From this many tokens (static T) the layer concatenates q_proj, k_proj, v_proj at call time and runs ONE GEMM:
@@ -64,6 +88,12 @@ def fuse_qkv(params: dict) -> dict:
 # (decode, short chunks: the GEMMs are weight-bandwidth bound) the copy would cost about what it saves. A model
 # holding qkv_proj (``fuse_qkv``) skips the copy at any T.
 QKV_CONCAT_MIN_TOKENS = 8192
+
+#: Prefill on the cuDNN backends goes through ``paged_attention_gated`` with the new K/V straight from the
+#: projection (``cudnn.prefill_direct``: no gather of them back from the pages, the gate in the merge's pass, no
+#: context call when no stream has context). False: the unfused path (q / gate sliced here, the cuDNN core
+#: gathering every key from the pages, context call and merge always).
+CUDNN_DIRECT = True
 
 
 def _project(params: dict, dims: AttnDims, hidden: jax.Array):
@@ -146,6 +176,38 @@ def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slo
 
 
 # ================================================================================================================
+# The decode step, fused (pallas_kernels/paged_attention/NOTES.md "Session 6: decode")
+# ================================================================================================================
+#: attention_layer(decode=True, fused=None) on the Pallas backends (and the cuDNN ones, whose decode is the Pallas
+#: kernel) takes ``attention_decode_fused``: the projection(s), one kernel for k norm + RoPE + both page writes
+#: (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the combine; q norm + RoPE where
+#: DecodeConfig.q_prologue says), o_proj. False: the unfused path (XLA norms, RoPE, two scatters, gate pass).
+DECODE_FUSED = False
+
+
+def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos, token_page,
+                           token_offset, page_table, slot_lens, slot_ids, backend: str, config=None):
+    """One decode step (hidden [N, D], one token per stream) through the fused kernels; the arguments and the
+    result are ``attention_layer``'s (the metadata already checked). With qkv_proj one GEMM feeds the q, k and
+    v kernels (column offsets, no slices); with three weights, three GEMMs."""
+    h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    y, k, v = _project(params, dims, hidden)
+    cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
+    if "qkv_proj" in params:
+        yk, yv, k_col, v_col = y, y, h * 2 * dh, h * 2 * dh + hkv * dh
+    else:
+        yk, yv, k_col, v_col = k.reshape(k.shape[0], hkv * dh), v.reshape(v.shape[0], hkv * dh), 0, 0
+    kp, vp = _pa.paged_kv_write(kv.k_pages, kv.v_pages, yk, yv, token_page, token_offset, k_norm=params["k_norm"],
+                                cos=cos, sin=sin, k_col=k_col, v_col=v_col, eps=dims.rms_norm_eps,
+                                backend=backend)
+    kv = KvPages(k_pages=kp, v_pages=vp)
+    o = _pa.paged_attention_decode_gated(y, kp, vp, page_table, slot_lens, slot_ids, q_norm=params["q_norm"],
+                                         cos=cos, sin=sin, num_heads=h, scale=dh ** -0.5, eps=dims.rms_norm_eps,
+                                         backend=backend, config=config)                  # [N, H * Dh]
+    return (o @ params["o_proj"]).astype(hidden.dtype), kv
+
+
+# ================================================================================================================
 # The layer
 # ================================================================================================================
 def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos: jax.Array,
@@ -163,7 +225,8 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     (``pallas_kernels.paged_attention.api``).
     fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
     RoPE before it or in it); None: on the Pallas backends, not on "xla" or the cuDNN ones (the same math,
-    unfused). Decode is always unfused.
+    unfused). Decode: fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set and the decode
+    kernel is the Pallas one).
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
@@ -174,17 +237,27 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     _pa.check_call(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=kv.num_pages, page_size=kv.page_size,
                    num_tokens=t, decode=decode)
     scale = dims.head_dim ** -0.5
+    if decode and (fused or (fused is None and DECODE_FUSED and _pa.decode_backend(_pa.resolve_backend(
+            backend, dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads), dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads) in ("pallas", "pallas_interpret"))):
+        return attention_decode_fused(params, dims, hidden, kv, token_pos=token_pos, token_page=token_page,
+                                      token_offset=token_offset, page_table=page_table, slot_lens=slot_lens,
+                                      slot_ids=slot_ids, backend=backend)
     if fused is None:
         fused = not decode and _pa.resolve_backend(
             backend, dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
-            num_kv_heads=dims.num_kv_heads) in ("pallas", "pallas_interpret")
+            num_kv_heads=dims.num_kv_heads) in (("pallas", "pallas_interpret")
+                                                + (("cudnn", "cudnn_xla") if CUDNN_DIRECT else ()))
     if fused and not decode:
         y, k, v = _project(params, dims, hidden)
         cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
-        kv = write_kv_pages(kv, _norm_rope_k(params, dims, k, cos, sin), v, token_page, token_offset)
+        k = _norm_rope_k(params, dims, k, cos, sin)
+        kv = write_kv_pages(kv, k, v, token_page, token_offset)
         o = _pa.paged_attention_gated(y, kv.k_pages, kv.v_pages, page_table, slot_lens, cu_seqlens, slot_ids,
                                       q_norm=params["q_norm"], cos=cos, sin=sin, num_heads=dims.num_heads,
-                                      scale=scale, eps=dims.rms_norm_eps, backend=backend)   # [T, H * Dh]
+                                      scale=scale, eps=dims.rms_norm_eps, backend=backend, k_new=k,
+                                      v_new=v)                                          # [T, H * Dh]
         return (o @ params["o_proj"]).astype(hidden.dtype), kv
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
     kv = write_kv_pages(kv, k, v, token_page, token_offset)

@@ -272,7 +272,8 @@ def _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_id
 
 
 def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, q_norm, cos, sin,
-                          num_heads: int, scale: float, eps: float = 1e-6, backend: str = "xla", config=None):
+                          num_heads: int, scale: float, eps: float = 1e-6, backend: str = "xla", config=None,
+                          k_new=None, v_new=None):
     """Gated attention prefill from q_proj's raw output (reference.py's module docstring).
 
     qg [T, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh ..; further columns, e.g. the k and v of a
@@ -280,7 +281,11 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     R = 0: no RoPE) at each token's position; the rest as ``paged_attention``. Returns o [T, H * Dh] in qg's
     dtype: sigmoid(gate) * attention(RoPE(RMSNorm(query))). On "pallas" / "pallas_interpret" the gate runs on
     the kernel's output tile (no slice of qg, no pass over o outside the kernel) and the norm + RoPE where
-    config.q_prologue says (triton.PrefillConfig: one XLA fusion before the kernel by default)."""
+    config.q_prologue says (triton.PrefillConfig: one XLA fusion before the kernel by default).
+    k_new, v_new [T, Hkv, Dh] (optional, both or neither): the K/V this call wrote to the pages, in token order.
+    The cuDNN backends then attend the new tokens to them directly (``cudnn.prefill_direct``: no gather of them
+    back from the pages, the gate in the merge's pass, no context call on a batch without context: CudnnConfig
+    .fresh); the other backends read the pages and ignore them. Their rows must equal what the pages hold."""
     if not hasattr(qg, "ndim") or qg.ndim != 2:
         raise ValueError(f"qg must be [T, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
     if k_pages.ndim != 4:
@@ -306,17 +311,26 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     _check_int(slot_ids, "slot_ids", (n,), "[N]")
     _check_int(cu_seqlens, "cu_seqlens", (n + 1,), "[N + 1]")
     _check_values(cu_seqlens, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], t)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together (both [T, Hkv, Dh]) or not at all")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x is not None and (not hasattr(x, "shape") or tuple(x.shape) != (t,) + tuple(k_pages.shape[2:])):
+            raise ValueError(f"{name} must be [T, Hkv, Dh] = {[t] + list(k_pages.shape[2:])}, got "
+                             f"{list(getattr(x, 'shape', ()))}")
     backend = resolve_backend(backend, dtype=qg.dtype, head_dim=dh, num_heads=num_heads,
                               num_kv_heads=k_pages.shape[2], sizes={"qg": qg.size, "k_pages": k_pages.size})
     if t == 0:
         return jnp.zeros((0, num_heads * dh), qg.dtype)
-    return _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin,
-                      num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend, config=config)
+    if backend not in ("cudnn", "cudnn_xla"):
+        k_new = v_new = None
+    return _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new,
+                      v_new, num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend,
+                      config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "scale", "backend", "config"))
-def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, *, num_heads,
-               eps, scale, backend, config):
+def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new, v_new, *,
+               num_heads, eps, scale, backend, config):
     args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
     cos, sin = jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32)
     if backend == "xla":
@@ -325,9 +339,13 @@ def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids
     if backend in ("cudnn", "cudnn_xla"):      # XLA q norm + RoPE, the cuDNN core, the gate fused by XLA
         from pallas_kernels.paged_attention import cudnn as _cudnn
         dh = k_pages.shape[-1]
+        impl = "cudnn" if backend == "cudnn" else "xla"
         q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
-        o = _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config,
-                                                 impl="cudnn" if backend == "cudnn" else "xla")
+        if k_new is not None and (impl == "xla" or _cudnn.kv_offset_unit(num_heads, k_pages.shape[2], dh) == 1):
+            o = _cudnn.prefill_direct(q, k_new, v_new, k_pages, v_pages, *args, scale=scale, gate=gate,
+                                      config=config, impl=impl)
+            return o.reshape(qg.shape[0], num_heads * dh)
+        o = _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config, impl=impl)
         o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
         return o.reshape(qg.shape[0], num_heads * dh)
     from pallas_kernels.paged_attention import triton as _triton
@@ -372,3 +390,119 @@ def _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale, 
     from pallas_kernels.paged_attention import triton as _triton
     return _triton.paged_attention_decode(q, k_pages, v_pages, *args, scale=scale,
                                           interpret=backend == "pallas_interpret", config=config)
+
+
+def paged_attention_decode_gated(qg, k_pages, v_pages, page_table, slot_lens, slot_ids, *, q_norm, cos, sin,
+                                 num_heads: int, scale: float, eps: float = 1e-6, backend: str = "xla",
+                                 config=None):
+    """The gated attention's decode step from q_proj's raw output: qg [N, C] (C >= H 2 Dh; head h's [query |
+    gate] at columns h 2 Dh ..; further columns, e.g. a fused projection's k and v, are not read), one query per
+    stream at position slot_lens[slot] - 1; q_norm [Dh]; cos, sin [N, R] (R even, <= Dh; R = 0: no RoPE); the
+    rest as ``paged_attention_decode``. Returns o [N, H * Dh] in qg's dtype: sigmoid(gate) *
+    attention(RoPE(RMSNorm(query))), zeros for streams with no slot. On "pallas" / "pallas_interpret" the gate runs
+    where the kernels finish o (no pass over o outside them) and the norm + RoPE where config.q_prologue says
+    (triton.DecodeConfig); "xla" composes reference.gated_query, the XLA decode and the gate."""
+    if not hasattr(qg, "ndim") or qg.ndim != 2:
+        raise ValueError(f"qg must be [N, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
+    if not hasattr(k_pages, "ndim") or k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [P, Ps, Hkv, Dh], got shape {list(getattr(k_pages, 'shape', ()))}")
+    n, c = qg.shape
+    dh = k_pages.shape[3]
+    if num_heads < 1 or c < num_heads * 2 * dh:
+        raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
+                         f"[query | gate])")
+    _check_pool(jax.ShapeDtypeStruct((n, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
+                "[N, H, Dh]")
+    _check_int(slot_ids, "slot_ids", (n,), "[N]")
+    _check_gate_inputs(q_norm, cos, sin, n, dh)
+    _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], n)
+    dims = dict(dtype=qg.dtype, head_dim=dh, num_heads=num_heads, num_kv_heads=k_pages.shape[2],
+                sizes={"qg": qg.size, "k_pages": k_pages.size})
+    backend = decode_backend(resolve_backend(backend, **dims), **dims)
+    if n == 0:
+        return jnp.zeros((0, num_heads * dh), qg.dtype)
+    return _decode_gated_jit(qg, k_pages, v_pages, page_table, slot_lens, slot_ids, q_norm, cos, sin,
+                             num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend,
+                             config=config)
+
+
+def _check_gate_inputs(q_norm, cos, sin, t: int, dh: int, norm_name: str = "q_norm"):
+    if not hasattr(q_norm, "shape") or tuple(q_norm.shape) != (dh,):
+        raise ValueError(f"{norm_name} must have shape [Dh] = [{dh}], got {list(getattr(q_norm, 'shape', ()))}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if not hasattr(x, "shape") or x.ndim != 2 or x.shape[0] != t or x.shape != cos.shape:
+            raise ValueError(f"{name} must be [T, R] = [{t}, R] like cos, got {list(getattr(x, 'shape', ()))}")
+    r = cos.shape[1]
+    if r % 2 or r > dh:
+        raise ValueError(f"cos/sin: the rotary dims R={r} must be even and at most Dh={dh}")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "scale", "backend", "config"))
+def _decode_gated_jit(qg, k_pages, v_pages, page_table, slot_lens, slot_ids, q_norm, cos, sin, *, num_heads, eps,
+                      scale, backend, config):
+    args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, slot_ids)]
+    cos, sin = jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32)
+    dh = k_pages.shape[-1]
+    if backend == "xla":
+        q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+        o = reference.paged_attention_decode_xla(q, k_pages, v_pages, *args, scale=scale)
+        o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        return o.reshape(qg.shape[0], num_heads * dh)
+    from pallas_kernels.paged_attention import triton as _triton
+    return _triton.paged_attention_decode_gated(qg, k_pages, v_pages, *args, q_norm, cos, sin, num_heads=num_heads,
+                                                eps=eps, scale=scale, interpret=backend == "pallas_interpret",
+                                                config=config)
+
+
+def paged_kv_write(k_pages, v_pages, yk, yv, token_page, token_offset, *, k_norm, cos, sin, k_col: int = 0,
+                   v_col: int = 0, eps: float = 1e-6, backend: str = "xla"):
+    """Writes a call's new keys and values into the pools: token t's key heads (yk[t, k_col + j Dh ..], j < Hkv)
+    RMS-normed with the zero-centred weight k_norm [Dh] and rotated (partial NeoX RoPE, cos / sin [T, R] fp32,
+    R = 0: none), its value heads (yv[t, v_col + j Dh ..]) as they are, to pages[token_page[t],
+    token_offset[t]]; a page id outside [0, P) or an offset outside [0, Ps) (padding) writes nothing. yk [T, Ck],
+    yv [T, Cv]: the k and v projections' outputs, or a fused q/k/v projection's output passed twice with its
+    k and v column offsets. Returns the new (k_pages, v_pages) [P, Ps, Hkv, Dh]. "pallas" / "pallas_interpret"
+    (and the cuDNN backends on a GPU): one kernel writes both pools in place (the pools aliased: donate them for
+    no copy); "xla": slices, norm, RoPE and two scatters (the layer's unfused path)."""
+    if not hasattr(k_pages, "ndim") or k_pages.ndim != 4 or k_pages.shape != getattr(v_pages, "shape", None):
+        raise ValueError(f"k_pages and v_pages must share one shape [P, Ps, Hkv, Dh], got "
+                         f"{list(getattr(k_pages, 'shape', ()))} and {list(getattr(v_pages, 'shape', ()))}")
+    p, ps, hkv, dh = k_pages.shape
+    for name, y in (("yk", yk), ("yv", yv)):
+        if not hasattr(y, "ndim") or y.ndim != 2:
+            raise ValueError(f"{name} must be [T, C], got shape {list(getattr(y, 'shape', ()))}")
+    t = yk.shape[0]
+    if yv.shape[0] != t:
+        raise ValueError(f"yk and yv must have the same T rows, got {yk.shape[0]} and {yv.shape[0]}")
+    for name, col, y in (("k_col", k_col, yk), ("v_col", v_col, yv)):
+        if not 0 <= int(col) <= y.shape[1] - hkv * dh:
+            raise ValueError(f"{name}={col}: the Hkv Dh = {hkv * dh} columns from it must lie inside the "
+                             f"{y.shape[1]} columns of {'yk' if name == 'k_col' else 'yv'}")
+    for name, x in (("token_page", token_page), ("token_offset", token_offset)):
+        _check_int(x, name, (t,), "[T]")
+    _check_gate_inputs(k_norm, cos, sin, t, dh, "k_norm")
+    dims = dict(dtype=k_pages.dtype, head_dim=dh, num_heads=hkv, num_kv_heads=hkv)
+    backend = decode_backend(resolve_backend(backend, **dims, sizes={"k_pages": k_pages.size}), **dims)
+    return _kv_write_impl(k_pages, v_pages, yk, yv, jnp.asarray(token_page, jnp.int32),
+                          jnp.asarray(token_offset, jnp.int32), k_norm, jnp.asarray(cos, jnp.float32),
+                          jnp.asarray(sin, jnp.float32), k_col=int(k_col), v_col=int(v_col), eps=float(eps),
+                          backend=backend)
+
+
+def _kv_write_impl(k_pages, v_pages, yk, yv, token_page, token_offset, k_norm, cos, sin, *, k_col, v_col, eps,
+                   backend):
+    p, ps, hkv, dh = k_pages.shape
+    t = yk.shape[0]
+    if backend == "xla" or t == 0:
+        k = yk[:, k_col:k_col + hkv * dh].reshape(t, hkv, dh)
+        v = yv[:, v_col:v_col + hkv * dh].reshape(t, hkv, dh)
+        k = reference.rms_norm_zc(k, k_norm, eps)
+        if cos.shape[-1]:
+            k = reference.apply_partial_rope(k, cos, sin)
+        bad = (token_page < 0) | (token_page >= p) | (token_offset < 0) | (token_offset >= ps)
+        page = jnp.where(bad, p, token_page)
+        return (k_pages.at[page, token_offset].set(k.astype(k_pages.dtype), mode="drop"),
+                v_pages.at[page, token_offset].set(v.astype(v_pages.dtype), mode="drop"))
+    from pallas_kernels.paged_attention import triton as _triton
+    return _triton.kv_write(k_pages, v_pages, yk, yv, token_page, token_offset, k_norm, cos, sin, k_col=k_col,
+                            v_col=v_col, eps=eps, interpret=backend == "pallas_interpret")

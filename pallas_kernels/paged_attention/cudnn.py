@@ -72,9 +72,13 @@ STATS_TO_LN = 1.0
 class CudnnConfig(NamedTuple):
     """Static options of the cuDNN prefill. context: run the context call and the merge (False: every stream is
     known fresh; a stream with context gets zero rows). kv_capacity: rows K of the packed K/V buffer (None: the
-    bound min(N W Ps, P Ps) + 2 N (A - 1), which holds when the streams' slots own disjoint pages)."""
+    bound min(N W Ps, P Ps) + 2 N (A - 1), which holds when the streams' slots own disjoint pages).
+    fresh (``prefill_direct`` only): how a call with no context in any stream skips the context call and the
+    merge: "cond" (``lax.cond`` on "any live stream has context": one branch runs the causal call alone, without
+    statistics) or "merge" (always both calls and the merge: the context call then has no live segment)."""
     context: bool = True
     kv_capacity: Optional[int] = None
+    fresh: str = "cond"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,8 +171,10 @@ def default_capacity(num_tokens: int, num_streams: int, num_pages: int, page_siz
 
 
 def build_packing(page_table, slot_lens, cu_seqlens, slot_ids, *, num_pages: int, page_size: int,
-                  capacity: int, align: int, context: bool) -> Packing:
-    """The per-stream regions of the packed K/V buffer and the pool row each buffer row reads (see Packing)."""
+                  capacity: int, align: int, context: bool, new_rows: bool = True) -> Packing:
+    """The per-stream regions of the packed K/V buffer and the pool row each buffer row reads (see Packing).
+    new_rows False: the regions hold the context only ([ctx padded to A]; ``prefill_direct`` takes the new
+    tokens' K/V from the projection)."""
     s_count, width = page_table.shape
     cu = cu_seqlens.astype(jnp.int32)
     ids = slot_ids.astype(jnp.int32)
@@ -184,10 +190,10 @@ def build_packing(page_table, slot_lens, cu_seqlens, slot_ids, *, num_pages: int
     length = jnp.where(live, length, 0)
     a = int(align)
     ctx_pad = (ctx + a - 1) // a * a
-    region = ctx_pad + (length + a - 1) // a * a
+    region = ctx_pad + ((length + a - 1) // a * a if new_rows else 0)
     kv_end = jnp.cumsum(region)
     kv_start = kv_end - region
-    live = live & (kv_end <= capacity)
+    live = live & ((kv_end <= capacity) | (region == 0))      # an empty region (context-only buffer) always fits
     ctx, length = jnp.where(live, ctx, 0), jnp.where(live, length, 0)
     # buffer row -> (stream, key position in its slot)
     r = jnp.arange(capacity, dtype=jnp.int32)
@@ -195,7 +201,8 @@ def build_packing(page_table, slot_lens, cu_seqlens, slot_ids, *, num_pages: int
     local = r - kv_start[st]
     in_ctx = local < ctx_pad[st]
     pos = jnp.where(in_ctx, local, ctx[st] + local - ctx_pad[st])
-    valid = (r < kv_end[-1]) & live[st] & jnp.where(in_ctx, local < ctx[st], local - ctx_pad[st] < length[st])
+    valid = (r < kv_end[-1]) & live[st] & jnp.where(in_ctx, local < ctx[st],
+                                                    new_rows & (local - ctx_pad[st] < length[st]))
     col = jnp.clip(pos // page_size, 0, width - 1)
     page = page_table.astype(jnp.int32)[slot[st], col]
     valid = valid & (page >= 0) & (page < num_pages)
@@ -242,7 +249,7 @@ def _segments(keep, q_start, q_len, kv_off, kv_len, *, m: int, q_end: int, kv_en
 # ----------------------------------------------------------------------------------------------------------------
 # The fused attention of a set of segments: cuDNN, or the XLA stand-in
 # ----------------------------------------------------------------------------------------------------------------
-def segments_xla(q, k, v, seg: Segments, *, causal: bool, scale: float):
+def segments_xla(q, k, v, seg: Segments, *, causal: bool, scale: float, stats: bool = True):
     """XLA stand-in of ``segments_cudnn`` with the same semantics: q [T, H, Dh], k, v [K, Hkv, Dh]; segment m
     (live entries packed to the left) maps query rows q_off .. q_off + q_len to keys kv_off .. kv_off + kv_len,
     top-left causal when ``causal``. Returns (o [T, H, Dh] in q's dtype, NaN on rows of no segment, as cuDNN
@@ -277,6 +284,8 @@ def segments_xla(q, k, v, seg: Segments, *, causal: bool, scale: float):
                    preferred_element_type=jnp.float32)
     lse = (mx_safe + jnp.log(den)).reshape(t, h)                                              # -inf: no key
     o = jnp.where(covered[:, None, None], o.reshape(t, h, dh), jnp.nan).astype(q.dtype)
+    if not stats:
+        return o, None
     # stats [M, H, T]: row j of segment m is token q_off[m] + j ("segment"), or row t is token t ("packed")
     if STATS_ROWS == "segment":
         tok = q_off[:, None] + rows[None]                                                     # [M, T]
@@ -289,15 +298,19 @@ def segments_xla(q, k, v, seg: Segments, *, causal: bool, scale: float):
     return o, jnp.transpose(stats, (0, 2, 1)).astype(jnp.float32)
 
 
-def segments_cudnn(q, k, v, seg: Segments, *, causal: bool, scale: float, unit: int):
-    """cuDNN fused flash attention over packed segments (see ``segments_xla``). unit: ``kv_offset_unit``."""
+def segments_cudnn(q, k, v, seg: Segments, *, causal: bool, scale: float, unit: int, stats: bool = True):
+    """cuDNN fused flash attention over packed segments (see ``segments_xla``). unit: ``kv_offset_unit``.
+    stats False: no statistics (returned as None; cuDNN then neither writes nor clears them)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
     kv_off = jnp.where(seg.kv_off >= 0, seg.kv_off // unit, -1) if unit > 1 else seg.kv_off
     mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
-    o, stats = fa.dot_product_attention(q[None], k[None], v[None], q_seqlen=seg.q_len, kv_seqlen=seg.kv_len,
-                                        q_offsets=seg.q_off, kv_offsets=kv_off, scale=float(scale),
-                                        mask_type=mask, qkv_layout="BTNH", return_residual=True)
-    return o[0], stats
+    res = fa.dot_product_attention(q[None], k[None], v[None], q_seqlen=seg.q_len, kv_seqlen=seg.kv_len,
+                                   q_offsets=seg.q_off, kv_offsets=kv_off, scale=float(scale),
+                                   mask_type=mask, qkv_layout="BTNH", return_residual=stats)
+    if not stats:
+        return (res[0] if isinstance(res, (tuple, list)) else res)[0], None
+    o, st = res
+    return o[0], st
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -350,6 +363,11 @@ def paged_attention_prefill_cudnn(q, k_pages, v_pages, page_table, slot_lens, cu
     has_ctx = pk.live & (pk.ctx > 0)
     seg_ctx = _segments(has_ctx, cu[:-1], pk.length, pk.kv_start, pk.ctx, m=m, q_end=t, kv_end=cap)
     o2, st2 = attend(q, k, v, seg_ctx, causal=False, scale=scale)
+    return _merge(o1, st1, seg_new, o2, st2, seg_ctx, stream, j, row_live, has_ctx).astype(q.dtype)
+
+
+def _merge(o1, st1, seg_new: Segments, o2, st2, seg_ctx: Segments, stream, j, row_live, has_ctx):
+    """The two calls' outputs merged per row by their LSEs: fp32 [T, H, Dh], zero rows where not row_live."""
     l1 = _row_lse(st1, seg_new.rank, stream, j)                                   # [T, H]
     l2 = _row_lse(st2, seg_ctx.rank, stream, j)
     use2 = (row_live & has_ctx[stream])[:, None]
@@ -362,4 +380,83 @@ def paged_attention_prefill_cudnn(q, k_pages, v_pages, page_table, slot_lens, cu
     o1f = jnp.where(row_live[:, None, None], o1.astype(jnp.float32), 0.0)
     o2f = jnp.where(use2[..., None], o2.astype(jnp.float32), 0.0)
     o = (o1f * (w1 * inv)[..., None] + o2f * (w2 * inv)[..., None])
-    return jnp.where(row_live[:, None, None], o, 0.0).astype(q.dtype)
+    return jnp.where(row_live[:, None, None], o, 0.0)
+
+
+FRESH_MODES = ("cond", "merge")
+
+
+def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,
+                   scale: float, gate=None, config: Optional[CudnnConfig] = None, impl: str = "cudnn"):
+    """Prefill of stacked streams with the new tokens' K/V taken as they come from the projection (no gather of
+    them back from the pages). Under jit.
+
+    q [T, H, Dh]; k_new, v_new [T, Hkv, Dh]: the keys / values this call wrote to the pages, in token order
+    (token t's are row t; the K/V buffer of the causal call IS them, with the query offsets cu[:-1] as key
+    offsets); k_pages, v_pages [P, Ps, Hkv, Dh] and the rest as ``paged_attention_prefill_cudnn``: only the
+    CONTEXT keys (positions < slot_lens[slot] - len_n) are gathered from the pages, into a context-only buffer.
+    gate [T, H, Dh] or None: the output is ``o * sigmoid(gate)`` (Qwen3-Next's output gate, in the same pass
+    as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it). config.fresh: "cond" runs, when no
+    live stream has context, the causal call alone (no statistics, no context gather, no merge) through
+    ``lax.cond``; "merge" always runs both calls. config.context False: the causal call only (a stream with
+    context gets zero rows). Rows of padding tokens and of streams that read nothing are zero (k_new / v_new
+    rows outside live streams are zeroed before the call: cuDNN may load a tile past a segment's end).
+    Returns o [T, H, Dh] in q's dtype. Needs jax's per-kv-head packed offsets (``kv_offset_unit`` 1: jax >=
+    0.11 on the H200) for impl "cudnn"."""
+    config = config or CudnnConfig()
+    t, h, dh = q.shape
+    p, ps, hkv, _ = k_pages.shape
+    s_count, width = page_table.shape
+    n = slot_ids.shape[0]
+    if impl not in ("cudnn", "xla"):
+        raise ValueError(f"impl must be 'cudnn' or 'xla', got {impl!r}")
+    if config.fresh not in FRESH_MODES:
+        raise ValueError(f"CudnnConfig.fresh must be one of {FRESH_MODES}, got {config.fresh!r}")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(x.shape) != (t, hkv, dh):
+            raise ValueError(f"{name} must be [T, Hkv, Dh] = {[t, hkv, dh]}, got {list(x.shape)}")
+    if gate is not None and tuple(gate.shape) != (t, h, dh):
+        raise ValueError(f"gate must be [T, H, Dh] = {[t, h, dh]}, got {list(gate.shape)}")
+    if n == 0 or t == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    unit = kv_offset_unit(h, hkv, dh) if impl == "cudnn" else 1
+    if unit != 1:
+        raise ValueError(f"prefill_direct needs jax's per-kv-head packed offsets (kv_offset_unit 1), this jax "
+                         f"scales them by {unit}: use paged_attention_prefill_cudnn (the gather path)")
+    cap = config.kv_capacity or default_capacity(0, n, p, ps, width, 1, True)
+    pk = build_packing(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=p, page_size=ps, capacity=cap,
+                       align=1, context=config.context, new_rows=False)
+    cu = cu_seqlens.astype(jnp.int32)
+    stream, j = token_streams(cu, t)
+    row_live = (jnp.arange(t) < cu[-1]) & pk.live[stream]
+    zero = jnp.zeros((), q.dtype)
+    kn = jnp.where(row_live[:, None, None], k_new.astype(k_pages.dtype), 0).astype(k_pages.dtype)
+    vn = jnp.where(row_live[:, None, None], v_new.astype(v_pages.dtype), 0).astype(v_pages.dtype)
+    m = max(n, 2)                       # jax takes the packed path only with more than one segment per batch row
+    attend = (functools.partial(segments_cudnn, unit=unit) if impl == "cudnn" else segments_xla)
+    seg_new = _segments(pk.live, cu[:-1], pk.length, cu[:-1], pk.length, m=m, q_end=t, kv_end=t)
+    has_ctx = pk.live & (pk.ctx > 0)
+
+    def finish(o):                      # o [T, H, Dh] (zero rows where not live) -> q's dtype, gated
+        o = o.astype(q.dtype)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(q.dtype)
+        return o
+
+    def fresh(q, kn, vn, k_pages, v_pages):
+        o1, _ = attend(q, kn, vn, seg_new, causal=True, scale=scale, stats=False)
+        return finish(jnp.where(row_live[:, None, None], o1, zero))
+
+    def with_context(q, kn, vn, k_pages, v_pages):
+        o1, st1 = attend(q, kn, vn, seg_new, causal=True, scale=scale)
+        kc, vc = gather_kv(k_pages, v_pages, pk.rows)
+        seg_ctx = _segments(has_ctx, cu[:-1], pk.length, pk.kv_start, pk.ctx, m=m, q_end=t, kv_end=cap)
+        o2, st2 = attend(q, kc, vc, seg_ctx, causal=False, scale=scale)
+        return finish(_merge(o1, st1, seg_new, o2, st2, seg_ctx, stream, j, row_live, has_ctx))
+
+    args = (q, kn, vn, k_pages, v_pages)
+    if not config.context:
+        return fresh(*args)
+    if config.fresh == "merge":
+        return with_context(*args)
+    return jax.lax.cond(jnp.any(has_ctx), with_context, fresh, *args)

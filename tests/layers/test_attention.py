@@ -172,6 +172,67 @@ def test_fused_layer_matches_unfused(dtype, tol, monkeypatch):
     assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
 
 
+@pytest.mark.parametrize("batch", ["fresh", "mixed"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_cudnn_layer_direct_path_matches_xla(batch, dtype, tol):
+    """The cuDNN backends' prefill (the "cudnn_xla" stand-in takes the same branches as "cudnn": the new K/V
+    straight from the projection, ``lax.cond`` on "any stream has context", the gate in the merge's pass), with
+    the fused qkv_proj the model holds and with the three weights, against the XLA layer: same outputs, same
+    pages. A fresh batch (1, 63, 64, 65, 130 tokens) and one where two streams continue; padding tokens and a
+    padding stream (slot id S) in both. Also the unfused cuDNN path (``fused=False``: the K/V gathered back from
+    the pages, context call and merge always)."""
+    rng, dims, params = _layer_setup(4, dtype=dtype)
+    params = {k: v.astype(dtype) for k, v in params.items()}
+    ps, w, s = 8, 24, 6
+    page_table = rng.permutation(s * w).astype(np.int32).reshape(s, w)
+    kv0 = KvPages(jnp.full((s * w, ps, 2, 16), jnp.nan, dtype), jnp.full((s * w, ps, 2, 16), jnp.nan, dtype))
+    slots, new = [3, 0, 5, 1, 2, s], [1, 63, 64, 65, 130, 0]
+    old = [0] * 6 if batch == "fresh" else [0, 7, 0, 40, 0, 0]
+    if batch == "mixed":
+        ctx_x = jnp.asarray(rng.standard_normal((47, 32)), dtype)
+        _, kv0 = _call(params, dims, kv0, ctx_x, [0, 1], [0, 0], [7, 40], page_table, ps, num_slots=s)
+    x = jnp.asarray(rng.standard_normal((sum(new) + 5, 32)), dtype)
+    ref, kv_ref = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s)
+    ref = np.asarray(ref.astype(jnp.float32))
+    live = np.isfinite(np.asarray(kv_ref.k_pages.astype(jnp.float32)))
+    for p in (params, fuse_qkv(params)):
+        out, kv = _call(p, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                        backend="cudnn_xla")
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.all(np.isfinite(out)) and rel_rms(out, ref) <= tol, sorted(p)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(kv.k_pages.astype(jnp.float32))), live)
+        for got, want in ((kv.k_pages, kv_ref.k_pages), (kv.v_pages, kv_ref.v_pages)):
+            np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[live],
+                                       np.asarray(want.astype(jnp.float32))[live], rtol=tol, atol=tol)
+    import jax_gdn.layers.attention as attention_mod
+    mp = pytest.MonkeyPatch()
+    mp.setattr(attention_mod, "CUDNN_DIRECT", False)
+    try:
+        out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                       backend="cudnn_xla")
+    finally:
+        mp.undo()
+    assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol
+
+
+def test_fuse_qkv_tree_fuses_every_attention_mixer_once():
+    """The model's parameter tree (stacked layers [R, D, C]): each attention mixer gets one qkv_proj with the
+    columns q | k | v; the other leaves are the same arrays; fusing twice changes nothing."""
+    from jax_gdn.layers.attention import fuse_qkv_tree
+    _, _, a = _layer_setup(5)
+    stacked = {k: jnp.stack([v, 2 * v]) for k, v in a.items()}
+    gdn = {"in_proj_qkvz": jnp.ones((2, 3, 4))}
+    tree = {"embed": jnp.zeros(3), "period": ({"mixer": gdn}, {"mixer": stacked, "input_norm": jnp.ones(2)}),
+            "tail": ()}
+    out = fuse_qkv_tree(tree)
+    assert out["embed"] is tree["embed"] and out["period"][0]["mixer"]["in_proj_qkvz"] is gdn["in_proj_qkvz"]
+    m = out["period"][1]["mixer"]
+    assert sorted(m) == ["k_norm", "o_proj", "q_norm", "qkv_proj"]
+    np.testing.assert_array_equal(np.asarray(m["qkv_proj"]), np.concatenate(
+        [np.asarray(stacked[n]) for n in ("q_proj", "k_proj", "v_proj")], axis=-1))
+    assert fuse_qkv_tree(out)["period"][1]["mixer"]["qkv_proj"] is m["qkv_proj"]
+
+
 def test_layer_rejects_bad_metadata_before_writing():
     """A page id out of range inside a slot's tokens, or a stream longer than its slot, raises ValueError naming
     the argument (checked path: concrete values)."""

@@ -210,6 +210,111 @@ def test_supports_and_backend_checks(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# prefill_direct: the new tokens' K/V from the projection, the context from the pages, lax.cond on "any context"
+# ----------------------------------------------------------------------------------------------------------------
+STREAMS_FRESH = [(2, 0, 1), (0, 0, 63), (5, 0, 64), (3, 0, 65), (1, 0, 130)]
+
+
+def _new_kv(case, dtype):
+    """k_new, v_new [T, Hkv, Dh]: each stream's new tokens' K/V in token order (what the layer wrote to the
+    pages); rows of padding tokens NaN (the op must not read them)."""
+    t = case.q.shape[0]
+    hkv, dh = case.k_pages.shape[2:]
+    kn, vn = np.full((t, hkv, dh), np.nan), np.full((t, hkv, dh), np.nan)
+    for i, (s, o, n, kk, vv) in enumerate(case.streams):
+        if s >= 0 and n:
+            kn[case.cu[i]:case.cu[i] + n], vn[case.cu[i]:case.cu[i] + n] = kk[o:], vv[o:]
+    return jnp.asarray(kn, dtype), jnp.asarray(vn, dtype)
+
+
+def _direct(case, dtype, scale, *, gate=None, record=None, **cfg):
+    """prefill_direct (impl "xla") under jit; record: a list receiving, per executed segment call, whether it
+    asked for statistics (the fresh branch does not) through a debug callback (untaken cond branches run none)."""
+    q, kp, vp, pt, sl, cu, ids = case.args(dtype)
+    kn, vn = _new_kv(case, dtype)
+    if record is not None:
+        real = cudnn.segments_xla
+
+        def attend(*a, stats=True, **kw):
+            jax.debug.callback(lambda: record.append(stats))
+            return real(*a, stats=stats, **kw)
+        mp = pytest.MonkeyPatch()
+        mp.setattr(cudnn, "segments_xla", attend)
+    try:
+        fn = jax.jit(lambda *a: cudnn.prefill_direct(*a, scale=scale, gate=gate, config=CudnnConfig(**cfg),
+                                                     impl="xla"))
+        return jax.block_until_ready(fn(q, kn, vn, kp, vp, pt, sl, cu, ids))
+    finally:
+        if record is not None:
+            mp.undo()
+
+
+@pytest.mark.parametrize("fresh", ["cond", "merge"])
+@pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
+def test_direct_fresh_and_mixed_batches(fresh, streams):
+    """Both ways of handling a batch without context, on a fresh batch and on one mixing fresh and continued
+    streams (padding tokens with NaN k_new / v_new rows, a padding stream, NaN-poisoned page tails), fp32 1e-5.
+    With "cond" the fresh batch takes the causal call alone (one call, no statistics), the mixed one both."""
+    rng = np.random.default_rng(20)
+    case = make_case(rng, streams=streams, hkv=2, group=4, dh=32)
+    calls = []
+    out = _direct(case, jnp.float32, 32 ** -0.5, fresh=fresh, record=calls)
+    check_against_oracle(case, out, 32 ** -0.5, jnp.float32)
+    if fresh == "cond" and streams is STREAMS_FRESH:
+        assert calls == [False]
+    else:
+        assert calls == [True, True]
+
+
+def test_direct_bf16_gqa_and_gate():
+    """bf16 (2e-2) with 8 query heads per kv head, the output gate applied in the same pass: o * sigmoid(gate)."""
+    rng = np.random.default_rng(21)
+    case = make_case(rng, streams=[(0, 40, 33), (1, 0, 64), (3, 17, 1)], hkv=1, group=8, dh=64,
+                     dtype=jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal(case.q.shape), jnp.bfloat16)
+    out = _direct(case, jnp.bfloat16, 0.125, gate=gate)
+    g = 1.0 / (1.0 + np.exp(-np.asarray(gate.astype(jnp.float32), np.float64)))
+    ref = oracle(case, 0.125) * g
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    for i, (s, o, n, _, _) in enumerate(case.streams):
+        if s >= 0 and n:
+            rows = slice(case.cu[i], case.cu[i] + n)
+            assert rel_rms(out[rows], ref[rows]) <= 2e-2, i
+    np.testing.assert_array_equal(out[case.cu[-1]:], 0.0)
+
+
+def test_direct_context_off_and_overflow_give_zero_rows():
+    """context=False: continued streams read nothing (zero rows), fresh ones are exact; a context region past
+    kv_capacity: that stream gets zero rows from BOTH calls (never attention to its new tokens alone)."""
+    rng = np.random.default_rng(22)
+    case = make_case(rng, streams=[(0, 0, 63), (1, 9, 20), (2, 0, 65)], group=2, dh=32)
+    out = np.asarray(_direct(case, jnp.float32, 0.2, context=False))
+    ref = oracle(case, 0.2)
+    assert rel_rms(out[:63], ref[:63]) <= 1e-5 and rel_rms(out[83:148], ref[83:148]) <= 1e-5
+    np.testing.assert_array_equal(out[63:83], 0.0)
+    case = make_case(rng, streams=[(0, 10, 20), (1, 50, 30), (2, 0, 5)], group=2, dh=32, pad_streams=0)
+    out = np.asarray(_direct(case, jnp.float32, 0.2, kv_capacity=40))
+    ref = oracle(case, 0.2)
+    assert rel_rms(out[:20], ref[:20]) <= 1e-5 and rel_rms(out[50:55], ref[50:55]) <= 1e-5
+    np.testing.assert_array_equal(out[20:50], 0.0)
+
+
+def test_direct_bad_input():
+    case = make_case(np.random.default_rng(23), streams=[(0, 0, 3)], group=2, dh=16)
+    q, kp, vp, pt, sl, cu, ids = case.args(jnp.float32)
+    kn, vn = _new_kv(case, jnp.float32)
+    with pytest.raises(ValueError, match="k_new must be"):
+        cudnn.prefill_direct(q, kn[:-1], vn, kp, vp, pt, sl, cu, ids, scale=1.0, impl="xla")
+    with pytest.raises(ValueError, match="CudnnConfig.fresh"):
+        cudnn.prefill_direct(q, kn, vn, kp, vp, pt, sl, cu, ids, scale=1.0, impl="xla",
+                             config=CudnnConfig(fresh="maybe"))
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        api.paged_attention_gated(q.reshape(q.shape[0], -1).repeat(2, axis=1), kp, vp, pt, sl, cu, ids,
+                                  q_norm=jnp.zeros(16), cos=jnp.zeros((q.shape[0], 0)), sin=jnp.zeros((q.shape[0], 0)),
+                                  num_heads=q.shape[1], scale=1.0, backend="cudnn_xla", k_new=kn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: the real cuDNN call (skipped on CPU)
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -234,3 +339,16 @@ def test_gpu_cudnn_fresh_only_and_single_stream():
     case = make_case(rng, streams=[(3, 0, 513)], hkv=2, group=8, dh=256, dtype=jnp.bfloat16, pad_streams=0)
     out = api.paged_attention(*case.args(jnp.bfloat16), scale=256 ** -0.5, backend="cudnn")
     check_against_oracle(case, out, 256 ** -0.5, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fresh", ["cond", "merge"])
+def test_gpu_cudnn_direct_matches_f64(fresh):
+    for streams in (STREAMS_FRESH, STREAMS_ODD + [(4, 300, 257)]):
+        rng = np.random.default_rng(len(streams))
+        case = make_case(rng, streams=streams, hkv=2, group=8, dh=256, num_slots=7, dtype=jnp.bfloat16)
+        q, kp, vp, pt, sl, cu, ids = case.args(jnp.bfloat16)
+        kn, vn = _new_kv(case, jnp.bfloat16)
+        out = jax.jit(lambda *a: cudnn.prefill_direct(*a, scale=256 ** -0.5, config=CudnnConfig(fresh=fresh),
+                                                      impl="cudnn"))(q, kn, vn, kp, vp, pt, sl, cu, ids)
+        check_against_oracle(case, out, 256 ** -0.5, jnp.bfloat16)
