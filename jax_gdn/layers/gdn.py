@@ -83,6 +83,7 @@ __all__ = [
     "phase3",
     "gdn_layer_prefill",
     "gdn_layer_decode",
+    "decode_step_backend",
     "gdn_layer_monolithic",
     "GatedDeltaNet",
 ]
@@ -610,14 +611,68 @@ def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: Gdn
     return phase3(params, dims, o, p1.z, hidden, ffn=ffn), new_slots
 
 
+#: How ``gdn_layer_decode`` runs a step: "unfused" (phase 1 as prefill runs it: XLA conv with a scatter of the conv
+#: states, split, L2 norm and gates, then the decode kernel or the XLA step), "fused" (three launches besides the
+#: projections and phase 3: in_proj, ``pallas_kernels.conv1d.decode`` (conv + SiLU + q/k L2 norm, conv states
+#: advanced in place), the decode kernel with g / beta made inside from the raw a, b; where ``decode_step_backend``
+#: finds no Pallas backend for the dims, unfused), "auto" (fused on a GPU where the kernels take the dims, else
+#: unfused). Off ("unfused") until the H200 run of benchmarks/gpu/gdn_decode_s6.py measures it (NOTES.md).
+DECODE_STEP = "unfused"
+DECODE_STEPS = ("auto", "unfused", "fused")
+
+
+def decode_step_backend(backend: str, dims: GdnDims, dtype) -> Optional[str]:
+    """The Pallas backend of the fused decode step ("pallas" or "pallas_interpret") for the GDN backend ``backend``,
+    or None where it cannot run (not a Pallas backend, K != V, a head dim the kernels would pad, or the conv kernel
+    refuses the dims / dtype). Static."""
+    from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+    resolved = gdn_ops.resolve_backend(backend)
+    if resolved not in ("pallas", "pallas_interpret"):
+        return None
+    d = dims.head_k_dim
+    if d != dims.head_v_dim or d > _pt.MAX_HEAD_DIM or _pt.kernel_head_dim(d) != d or dims.conv_kernel_size < 2:
+        return None
+    return resolved if conv_l2_backend(resolved, dims, dtype) == resolved else None
+
+
+def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids, has_initial_state, kb: str):
+    """The fused decode step's phases 1-2 (see ``DECODE_STEP``): (o [N, Hv, V], z [N, Hv, V], slots)."""
+    from pallas_kernels.conv1d import api as conv_api
+    from pallas_kernels.conv1d.reference import qkvz_block_cols
+    from pallas_kernels.gated_delta_rule import decode as decode_kernel
+    n = hidden.shape[0]
+    hk, hv, d, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_ratio
+    x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
+    if dims.layout == "qwen3_next" and not SPLIT_QKVZ_DOT:
+        src = _linear(x, params["in_proj_qkvz"])                                # read in place by the conv kernel
+        cols = qkvz_block_cols(hk, hv, d)
+        z = src.reshape(n, hk, 2 * d + 2 * r * d)[..., 2 * d + r * d:].reshape(n, hv, d)
+        a_src = b_src = _linear(x, params["in_proj_ba"]).reshape(n, 1, hk, 2 * r)   # [b (r) | a (r)] per key head
+        a_off = r
+    else:
+        src, z, b, a, _ = _project(params, dims, x)
+        cols, a_off = None, 0
+        a_src, b_src = a.reshape(n, 1, hk, r), b.reshape(n, 1, hk, r)
+    q, k, v, conv_pool = conv_api.causal_conv1d_l2_decode(
+        src, params["conv1d"], slots.conv_state, slot_ids, has_initial_state, num_k_heads=hk, num_v_heads=hv,
+        head_dim=d, block_cols=cols, backend=kb)
+    gates = decode_kernel.RawGates(params["A_log"], params["dt_bias"], a_offset=a_off, b_offset=0)
+    o, ssm = decode_kernel.fused_recurrent_gated_delta_rule_slots_fwd(
+        q[:, None], k[:, None], v[:, None], a_src, b_src, scale=d ** -0.5, ssm_state=slots.ssm_state,
+        slot_ids=slot_ids, has_initial_state=has_initial_state, interpret=kb == "pallas_interpret", raw_gates=gates)
+    return o[:, 0], z, slots.replace(conv_state=conv_pool, ssm_state=ssm)
+
+
 def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot_ids,
-                     has_initial_state=None, *, ffn: FFN = None,
-                     reduce: FFN = None) -> tuple[jax.Array, GdnSlots]:
+                     has_initial_state=None, *, ffn: FFN = None, reduce: FFN = None, backend: str = "auto",
+                     step: Optional[str] = None) -> tuple[jax.Array, GdnSlots]:
     """One decode step: ONE token per stream, recurrent form, conv and ssm states of the N slots advanced
     (``reduce``: see ``phase3``).
 
-    hidden [N, D] (row n = the next token of the stream in slot_ids[n]); slot_ids [N] int32;
-    has_initial_state [N] bool (default all True). Returns (hidden_out [N, D], slots).
+    hidden [N, D] (row n = the next token of the stream in slot_ids[n]); slot_ids [N] int32 (checked when concrete;
+    under jit a padding stream's id S reads zeros and writes nothing); has_initial_state [N] bool (default all True). backend: the GDN
+    backend of the recurrent step ("auto": the decode kernel on a GPU); step: "unfused", "fused" or "auto" (None:
+    ``DECODE_STEP``; see there). Returns (hidden_out [N, D], slots).
     """
     check_params(params, dims)
     n = _check_hidden(hidden, dims)
@@ -626,7 +681,16 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
     if has_initial_state is None:
         has_initial_state = jnp.ones((n,), bool)
     validation.check_has_initial_state(has_initial_state, n)
+    step = DECODE_STEP if step is None else step
+    if step not in DECODE_STEPS:
+        raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    kb = decode_step_backend(backend, dims, hidden.dtype) if step != "unfused" else None
+    if step == "auto" and kb == "pallas_interpret":
+        kb = None                                       # "auto" fuses only where the kernels are compiled (a GPU)
+    if kb is not None:
+        o, z, slots = _decode_fused(params, dims, hidden, slots, slot_ids, has_initial_state, kb)
+        return phase3(params, dims, o, z, hidden, ffn=ffn, reduce=reduce), slots
     meta = BatchMeta(cu_seqlens=jnp.arange(n + 1, dtype=jnp.int32), slot_ids=slot_ids,
                      has_initial_state=has_initial_state, positions=jnp.zeros((n,), jnp.int32))
     p1 = phase1_proj_batched(params, dims, hidden)
@@ -634,7 +698,7 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
     q, k, v = phase1_l2_batched(dims, conv_out)
     o, ssm = gdn_ops.fused_recurrent_gated_delta_rule_slots(
         q[:, None], k[:, None], v[:, None], p1.g[:, None], p1.beta[:, None], ssm_state=slots.ssm_state,
-        slot_ids=slot_ids, has_initial_state=has_initial_state)        # the decode kernel on a GPU, in place
+        slot_ids=slot_ids, has_initial_state=has_initial_state, backend=backend)   # the decode kernel on a GPU
     slots = slots.replace(ssm_state=ssm)
     return phase3(params, dims, o[:, 0], p1.z, hidden, ffn=ffn, reduce=reduce), slots
 
