@@ -84,7 +84,9 @@ class DecodeConfig:
     head: whole [Ps, Hkv Dh] page rows, all H query heads in one tile; taken where Hkv <= 4 and H <= 32),
     heads_fastest (the kv head block is the grid's fastest axis), prefetch_pages (d > 0: the page ids of step
     j + d are loaded in step j and carried, so that no K/V address waits on its own step's page-table load;
-    1-32% SLOWER, inferred: Triton then no longer pipelines the K/V copies)."""
+    1-32% SLOWER, inferred: Triton then no longer pipelines the K/V copies).
+    q_prologue (the gated decode, ``paged_attention_decode_gated``, only): where the q RMSNorm + RoPE run: "xla"
+    (one XLA fusion before the kernel) or "kernel" (on the [16, Dh] query tile in the kernel's prologue)."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
@@ -95,8 +97,11 @@ class DecodeConfig:
     waves: int = 2
     prefetch_pages: int = 0
     heads_fastest: bool = False
+    q_prologue: str = "xla"
 
     def __post_init__(self):
+        if self.q_prologue not in ("kernel", "xla"):
+            raise ValueError(f"DecodeConfig.q_prologue must be 'kernel' or 'xla', got {self.q_prologue!r}")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"DecodeConfig.block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits is not None and self.num_splits < 1:
@@ -371,13 +376,20 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
 # ----------------------------------------------------------------------------------------------------------------
 # Decode (flash decoding: splits over the context, then a combine)
 # ----------------------------------------------------------------------------------------------------------------
-def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, group, kv_per_prog,
-                   block_m, block_k, num_splits, split_len, page_size, num_pages, width, num_heads, num_slots, scale,
-                   precision, direct, prefetch, heads_fastest, fused, interpret):
+def _decode_kernel(*refs, group, kv_per_prog, block_m, block_k, num_splits, split_len, page_size, num_pages, width,
+                   num_heads, num_slots, scale, precision, direct, prefetch, heads_fastest, fused,
+                   gated: GatedQ | None, n_extra, interpret):
     """One program: stream n, kv heads hb * kv_per_prog .., split sp. Rows of the [M, Dh] query tile: the G heads
     of each of its kv heads (row i: local kv head i // G); with several kv heads per program every key tile is
     loaded once per kv head (together: the page's whole [Ps, Hkv Dh] rows when kv_per_prog == Hkv) and each row
-    keeps the scores of its own kv head."""
+    keeps the scores of its own kv head.
+    refs: slot_ids, slot_lens, page_table, q [N, C] (head h's query at column h * head_stride), k, v pool views,
+    n_extra gated inputs (prologue "xla": qg; "kernel": q_norm, cos, sin), the split counter (fused), outputs.
+    gated: the gate (at column h 2 Dh + Dh of qg) multiplies o where o is final (NS == 1: here; fused: in the
+    merging program; else in the combine); prologue "kernel": q is qg and its tile is RMS-normed and rotated here."""
+    slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref = refs[:6]
+    extra_refs = refs[6:6 + n_extra]
+    out_refs = refs[6 + n_extra:]
     n = pl.program_id(1 if heads_fastest else 0)
     hb = pl.program_id(0 if heads_fastest else 1)
     sp = pl.program_id(2)
@@ -392,7 +404,7 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         per = split_len
     start = sp * per
     stop = jnp.minimum(ctx, start + per)
-    dh = q_ref.shape[-1]
+    dh = k_ref.shape[-1]
     scale_log2 = scale * _LOG2E
 
     i = _iota((block_m,), 0)
@@ -400,7 +412,20 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
     kvl = i // group                                              # the row's kv head, local to the program
     row = n * num_heads + hb * kv_per_prog * group + i            # distinct rows (masked ones too: no clash)
     cols = _iota((1, dh), 1)
-    q = plgpu.load(q_ref.at[row[:, None], cols], mask=row_ok[:, None], other=0)        # [M, Dh]
+    head = row - n * num_heads                                    # the row's query head
+    trow = jnp.full((block_m,), n, jnp.int32)
+    head_stride = 2 * dh if gated is not None and gated.prologue == "kernel" else dh
+    qcol = head * head_stride
+    q = plgpu.load(q_ref.at[trow[:, None], qcol[:, None] + cols], mask=row_ok[:, None], other=0)   # [M, Dh]
+    if gated is not None and gated.prologue == "kernel":
+        q = _gated_prologue(extra_refs, q_ref, q, trow, qcol, row_ok, gated, dh)
+    g_ref = None if gated is None else (extra_refs[0] if gated.prologue == "xla" else q_ref)
+
+    def gate(o, ok):            # o [M, Dh] fp32 -> o * sigmoid(gate) (zeros where not ok: no stream, no key)
+        if gated is None:
+            return o
+        g = plgpu.load(g_ref.at[trow[:, None], head[:, None] * 2 * dh + dh + cols], mask=row_ok[:, None], other=0)
+        return jnp.where(ok[:, None], o / (1.0 + jnp.exp2(g.astype(jnp.float32) * -_LOG2E)), 0.0)
     heads = [hb * kv_per_prog + c for c in range(kv_per_prog)]
 
     def rows_of(j):             # pool rows of step j's keys, -1 where invalid
@@ -441,7 +466,7 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
     m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)[:3]
     if direct:                  # one split: the normalised output in q's dtype, no combine
         o_ref, = out_refs
-        o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        o = gate(acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], l_i > 0)
         plgpu.store(o_ref.at[row[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
         return
     if fused:                   # out_refs[0] is the split counter input (aliased to out_refs[-1])
@@ -463,13 +488,14 @@ def _decode_kernel(slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref, *ou
         @pl.when(old == num_splits - 1)
         def _():
             # (no L1 staleness: no program of this call read these partials before, and L1 starts clean per launch)
-            o = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh)
+            o, den = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh)
+            o = gate(o, den > 0)
             plgpu.store(o_fin_ref.at[row[:, None], cols], o.astype(o_fin_ref.dtype), mask=row_ok[:, None])
 
 
 def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh):
-    """o [len(r), Dh] fp32 of rows r from their NS split partials (m in log2 units, l, unnormalised o). The split
-    loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
+    """(o [len(r), Dh] fp32, its denominator [len(r)]) of rows r from their NS split partials (m in log2 units,
+    l, unnormalised o); a row with no key has denominator 0 and o 0. The split loops are unrolled up to 16 splits (the measured form), a fori_loop beyond."""
     cols = _iota((1, dh), 1)
 
     def loop(body, carry):
@@ -492,15 +518,21 @@ def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh):
         acc = acc + w[:, None] * plgpu.load(o_part_ref.at[r[:, None], s, cols], mask=ok[:, None], other=0.0)
         return den, acc
     den, acc = loop(merge, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dh), jnp.float32)))
-    return acc / jnp.where(den > 0, den, 1.0)[:, None]
+    return acc / jnp.where(den > 0, den, 1.0)[:, None], den
 
 
-def _combine_kernel(m_ref, l_ref, o_part_ref, o_ref, *, num_splits, rows, num_rows):
-    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch)."""
+def _combine_kernel(m_ref, l_ref, o_part_ref, *refs, num_splits, rows, num_rows, num_heads):
+    """Rows r0 .. r0 + rows - 1 of the split partials -> o (the merge of ``_combine_xla`` in one launch); with a
+    gate input (refs = (qg [N, C], o)), o * sigmoid(gate) (row r: stream r // H, head r % H)."""
+    o_ref = refs[-1]
     r = pl.program_id(0) * rows + _iota((rows,), 0)
     ok = r < num_rows
     dh = o_ref.shape[-1]
-    o = _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh)
+    o, den = _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh)
+    if len(refs) == 2:
+        g = plgpu.load(refs[0].at[(r // num_heads)[:, None], (r % num_heads)[:, None] * 2 * dh + dh
+                                  + _iota((1, dh), 1)], mask=ok[:, None], other=0)
+        o = jnp.where((den > 0)[:, None], o / (1.0 + jnp.exp2(g.astype(jnp.float32) * -_LOG2E)), 0.0)
     plgpu.store(o_ref.at[r[:, None], _iota((1, dh), 1)], o.astype(o_ref.dtype), mask=ok[:, None])
 
 
@@ -542,7 +574,43 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     [N H, NS] and a combine (config.combine: a second kernel or XLA, or "fused": the last split merges)."""
     config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
-    p, ps, hkv, _ = k_pages.shape
+    o = _decode_call(q.reshape(n, h * dh), k_pages, v_pages, page_table, slot_lens, slot_ids, (), num_heads=h,
+                     gated=None, scale=scale, interpret=interpret, config=config, out_dtype=q.dtype)
+    return o.reshape(n, h, dh)
+
+
+def paged_attention_decode_gated(qg, k_pages, v_pages, page_table, slot_lens, slot_ids, q_norm, cos, sin, *,
+                                 num_heads, eps, scale, interpret=False, config: DecodeConfig | None = None):
+    """The gated attention's decode step (semantics: reference.paged_attention_decode_gated_xla).
+
+    qg [N, C] (C >= H 2 Dh; head h's [query | gate] at columns h 2 Dh ..: q_proj's output, or the first columns
+    of a fused q/k/v projection); q_norm [Dh]; cos, sin [N, R] fp32 at each stream's position (R = 0: no RoPE);
+    the rest as ``paged_attention_decode``. The q RMSNorm + RoPE run where config.q_prologue says ("xla": one
+    XLA fusion before the kernel; "kernel": on the kernel's query tile); o * sigmoid(gate) runs where o is final
+    (the kernel with one split or the fused combine, else the combine). Returns o [N, H * Dh] in qg's dtype
+    (o_proj's input; zeros for streams with no slot)."""
+    n = qg.shape[0]
+    dh = k_pages.shape[-1]
+    config = config or decode_config(qg.dtype, dh)
+    r = cos.shape[1]
+    gated = GatedQ(gate_stride=2 * dh, rotary_dim=int(r), eps=float(eps), prologue=config.q_prologue)
+    if config.q_prologue == "xla":
+        q, _ = gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+        return _decode_call(q.reshape(n, num_heads * dh), k_pages, v_pages, page_table, slot_lens, slot_ids, (qg,),
+                            num_heads=num_heads, gated=gated, scale=scale, interpret=interpret, config=config,
+                            out_dtype=qg.dtype).reshape(n, num_heads * dh)
+    extra = (q_norm,) + ((cos.astype(jnp.float32), sin.astype(jnp.float32)) if r else ())
+    return _decode_call(qg, k_pages, v_pages, page_table, slot_lens, slot_ids, extra, num_heads=num_heads,
+                        gated=gated, scale=scale, interpret=interpret, config=config,
+                        out_dtype=qg.dtype).reshape(n, num_heads * dh)
+
+
+def _decode_call(q2d, k_pages, v_pages, page_table, slot_lens, slot_ids, extra, *, num_heads, gated, scale,
+                 interpret, config, out_dtype):
+    """q2d [N, C] (head h's query at column h Dh, or h 2 Dh with the "kernel" prologue) -> o [N H, Dh]."""
+    n = q2d.shape[0]
+    h = num_heads
+    p, ps, hkv, dh = k_pages.shape
     s, w = page_table.shape
     group = h // hkv
     kvp = hkv if config.pack_kv_heads and hkv <= 4 and h <= 32 else 1      # packing: at most 4 K/V tiles a step
@@ -556,40 +624,118 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     kernel = functools.partial(
         _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
         split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
-        precision=_precision(q.dtype), direct=direct, prefetch=int(config.prefetch_pages),
-        heads_fastest=config.heads_fastest, fused=fused, interpret=bool(interpret))
-    args = [slot_ids, slot_lens, page_table, q.reshape(n * h, dh), k_pages.reshape(p * ps, hkv, dh),
-            v_pages.reshape(p * ps, hkv, dh)]
+        precision=_precision(k_pages.dtype), direct=direct, prefetch=int(config.prefetch_pages),
+        heads_fastest=config.heads_fastest, fused=fused, gated=gated, n_extra=len(extra),
+        interpret=bool(interpret))
+    args = [slot_ids, slot_lens, page_table, q2d, k_pages.reshape(p * ps, hkv, dh),
+            v_pages.reshape(p * ps, hkv, dh), *extra]
     if direct:
-        out_shape = jax.ShapeDtypeStruct((n * h, dh), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((n * h, dh), out_dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32))
     aliases = {}
     if fused:                   # + o, and the per-(stream, kv head block) split counter (zeros in, aliased out)
-        out_shape = out_shape + (jax.ShapeDtypeStruct((n * h, dh), q.dtype),
+        out_shape = out_shape + (jax.ShapeDtypeStruct((n * h, dh), out_dtype),
                                  jax.ShapeDtypeStruct((n * (hkv // kvp),), jnp.int32))
         args.append(jnp.zeros((n * (hkv // kvp),), jnp.int32))
-        aliases = {6: 4}
+        aliases = {len(args) - 1: 4}
     call = pl.pallas_call(
         kernel, grid=(hkv // kvp, n, ns) if config.heads_fastest else (n, hkv // kvp, ns), out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name="paged_attention_decode")
+        interpret=interpret, name="paged_attention_decode" + ("_gated" if gated else ""))
     out = call(*args)
     if direct:
-        return out.reshape(n, h, dh)
+        return out
     if fused:
-        return out[3].reshape(n, h, dh)
+        return out[3]
     o_part, m_part, l_part = out
+    gate_in = () if gated is None else ((extra[0] if gated.prologue == "xla" else q2d),)
     if config.combine == "pallas":
         rows = 8
-        o = pl.pallas_call(
-            functools.partial(_combine_kernel, num_splits=ns, rows=rows, num_rows=n * h),
-            grid=(pl.cdiv(n * h, rows),), out_shape=jax.ShapeDtypeStruct((n * h, dh), q.dtype),
+        return pl.pallas_call(
+            functools.partial(_combine_kernel, num_splits=ns, rows=rows, num_rows=n * h, num_heads=h),
+            grid=(pl.cdiv(n * h, rows),), out_shape=jax.ShapeDtypeStruct((n * h, dh), out_dtype),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-            name="paged_attention_decode_combine")(m_part, l_part, o_part)
+            name="paged_attention_decode_combine")(m_part, l_part, o_part, *gate_in)
+    o = _combine_xla(o_part, m_part, l_part, jnp.float32 if gate_in else out_dtype,
+                     einsum=config.combine == "einsum")
+    if gate_in:                 # the gate in the same XLA fusion as the merge
+        g = gate_in[0][:, :h * 2 * dh].reshape(n * h, 2 * dh)[:, dh:].astype(jnp.float32)
+        o = jnp.where(jnp.sum(l_part, axis=1, keepdims=True) > 0, o * jax.nn.sigmoid(g), 0.0).astype(out_dtype)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decode step's K/V page write (k RMSNorm + RoPE + both pools in one launch)
+# ----------------------------------------------------------------------------------------------------------------
+def _kv_write_kernel(page_ref, off_ref, yk_ref, yv_ref, *refs, hkv, hkv_pad, k_col, v_col, page_size, num_pages, eps,
+                     rotary_dim):
+    """One program = token t: its k (RMS-normed, zero-centred weight, then rotated on the first R dims, rounded
+    where the XLA path rounds) and v rows [Hkv, Dh], read from the projection outputs yk / yv at columns
+    k_col / v_col, stored to pool row page * Ps + offset of both pools (aliased in and out); a page id outside
+    [0, P) stores nothing."""
+    if rotary_dim:
+        kn_ref, cos_ref, sin_ref = refs[:3]
     else:
-        o = _combine_xla(o_part, m_part, l_part, q.dtype, einsum=config.combine == "einsum")
-    return o.reshape(n, h, dh)
+        kn_ref, cos_ref, sin_ref = refs[0], None, None
+    k_out, v_out = refs[-2], refs[-1]
+    dh = k_out.shape[-1]
+    t = pl.program_id(0)
+    page = page_ref[t]
+    off = off_ref[t]
+    valid = (page >= 0) & (page < num_pages) & (off >= 0) & (off < page_size)
+    hk = _iota((hkv_pad, 1), 0)
+    cols = _iota((1, dh), 1)
+    ok = hk < hkv
+    trow = jnp.full((hkv_pad, 1), t, jnp.int32)
+    x = plgpu.load(yk_ref.at[trow, k_col + hk * dh + cols], mask=ok, other=0)                      # [Hkv', Dh]
+    x32 = x.astype(jnp.float32)
+    rs = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / dh + eps)[:, None]
+    cols1 = _iota((dh,), 0)
+    w1 = 1.0 + plgpu.load(kn_ref.at[cols1]).astype(jnp.float32)[None, :]
+    kn = (x32 * rs * w1).astype(x.dtype)
+    if rotary_dim:
+        half = rotary_dim // 2
+        pc1 = jnp.where(cols1 < half, cols1 + half, jnp.where(cols1 < rotary_dim, cols1 - half, cols1))
+        xp = plgpu.load(yk_ref.at[trow, k_col + hk * dh + pc1[None, :]], mask=ok, other=0)
+        wp = 1.0 + plgpu.load(kn_ref.at[pc1]).astype(jnp.float32)[None, :]
+        kpn = (xp.astype(jnp.float32) * rs * wp).astype(x.dtype)
+        rot = cols1 < rotary_dim
+        cidx = jnp.where(rot, cols1, 0)[None, :]
+        c = plgpu.load(cos_ref.at[jnp.full((1, 1), t, jnp.int32), cidx], mask=rot[None, :], other=1.0)
+        s = plgpu.load(sin_ref.at[jnp.full((1, 1), t, jnp.int32), cidx], mask=rot[None, :], other=0.0)
+        sign = jnp.where(cols1 < half, -1.0, 1.0)[None, :]
+        kn = (kn.astype(jnp.float32) * c + sign * kpn.astype(jnp.float32) * s).astype(x.dtype)
+    v = plgpu.load(yv_ref.at[trow, v_col + hk * dh + cols], mask=ok, other=0)
+    row = jnp.full((hkv_pad, 1), jnp.where(valid, page * page_size + off, 0), jnp.int32)
+    m = ok & valid
+    plgpu.store(k_out.at[row, hk, cols], kn.astype(k_out.dtype), mask=m)
+    plgpu.store(v_out.at[row, hk, cols], v.astype(v_out.dtype), mask=m)
+
+
+def kv_write(k_pages, v_pages, yk, yv, token_page, token_offset, k_norm, cos, sin, *, k_col, v_col, eps,
+             interpret=False):
+    """Writes one call's new K/V into the pools in one launch (semantics: api.paged_kv_write with backend "xla").
+
+    k/v_pages [P, Ps, Hkv, Dh]; yk [T, Ck], yv [T, Cv] (token t's raw k head j at yk's columns k_col + j Dh ..,
+    its v head j at yv's columns v_col + j Dh ..: the k / v projections' outputs, or one fused output twice); token_page, token_offset [T] int32; k_norm [Dh]; cos, sin
+    [T, R] fp32 (R = 0: no RoPE). Returns the new (k_pages, v_pages) (the inputs aliased: in place when donated)."""
+    p, ps, hkv, dh = k_pages.shape
+    t = yk.shape[0]
+    r = cos.shape[1]
+    extra = (k_norm,) + ((cos.astype(jnp.float32), sin.astype(jnp.float32)) if r else ())
+    kernel = functools.partial(_kv_write_kernel, hkv=hkv, hkv_pad=max(2, _pow2(hkv)), k_col=int(k_col),
+                               v_col=int(v_col), page_size=ps, num_pages=p, eps=float(eps), rotary_dim=int(r))
+    n_in = 4 + len(extra)
+    kp, vp = pl.pallas_call(
+        kernel, grid=(t,),
+        out_shape=(jax.ShapeDtypeStruct((p * ps, hkv, dh), k_pages.dtype),
+                   jax.ShapeDtypeStruct((p * ps, hkv, dh), v_pages.dtype)),
+        input_output_aliases={n_in: 0, n_in + 1: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="paged_kv_write")(token_page, token_offset, yk, yv, *extra, k_pages.reshape(p * ps, hkv, dh),
+                               v_pages.reshape(p * ps, hkv, dh))
+    return kp.reshape(p, ps, hkv, dh), vp.reshape(p, ps, hkv, dh)

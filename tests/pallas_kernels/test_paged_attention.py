@@ -457,3 +457,162 @@ def test_empty_call_and_int32_addressing_limit():
     with pytest.raises(ValueError, match="int32 offsets"):
         api.resolve_backend("pallas_interpret", dtype=jnp.bfloat16, head_dim=256, num_heads=16, num_kv_heads=2,
                             sizes={"k_pages": 2 ** 31})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the gated decode step (q norm + RoPE + gate around the decode kernel) and the K/V page write kernel
+# ----------------------------------------------------------------------------------------------------------------
+def _gated_decode_inputs(rng, case, h, dh, rot, dtype):
+    """qg [N, C] (per head [query | gate], then 2 Hkv Dh more columns; padding streams' rows NaN), q_norm, cos,
+    sin at each stream's position, and the float64 oracle o [N, H * Dh]."""
+    n = case.slot_ids.shape[0]
+    c = h * 2 * dh + 64
+    qg = _round(rng.standard_normal((n, c)), dtype)
+    real = [i for i, st in enumerate(case.streams) if st[0] >= 0]
+    qg[len(real):] = np.nan                                            # padding streams' rows: never read
+    q_norm = _round(0.2 * rng.standard_normal(dh), jnp.float32)
+    pos = np.array([case.slot_lens[s] - 1 if s >= 0 else 0 for s, *_ in case.streams], np.float64)
+    inv = 1.0 / (1e4 ** (np.arange(0, rot, 2) / rot)) if rot else np.zeros(0)
+    ang = pos[:, None] * np.concatenate([inv, inv])[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x = qg[:, :h * 2 * dh].reshape(n, h, 2 * dh)
+    q, gate = x[..., :dh], x[..., dh:]
+    q = q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True) + 1e-6) * (1.0 + q_norm)
+    if rot:
+        half = rot // 2
+        rh = np.concatenate([-q[..., half:rot], q[..., :half]], axis=-1)
+        q = np.concatenate([q[..., :rot] * cos[:, None] + rh * sin[:, None], q[..., rot:]], axis=-1)
+    ref = np.zeros((n, h, dh))
+    for i, (s, o, m, kk, vv) in enumerate(case.streams):
+        if s < 0:
+            continue
+        g = h // kk.shape[1]
+        sc = np.einsum("hd,khd->hk", q[i], np.repeat(kk, g, axis=1)) * dh ** -0.5
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        ref[i] = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), np.repeat(vv, g, axis=1))
+    ref = ref / (1.0 + np.exp(-gate))
+    args = (jnp.asarray(qg, dtype), jnp.asarray(q_norm, jnp.float32), jnp.asarray(cos, jnp.float32),
+            jnp.asarray(sin, jnp.float32))
+    return args, ref.reshape(n, h * dh), len(real)
+
+
+GATED_DECODE_CONFIGS = [
+    dict(num_splits=1, block_k=16),                                         # the kernel writes o * gate
+    dict(num_splits=3, block_k=16, combine="pallas", q_prologue="kernel"),  # gate in the combine kernel
+    dict(num_splits=4, block_k=32, combine="xla"),                          # gate in the XLA merge
+    dict(num_splits=3, block_k=16, combine="fused", q_prologue="kernel"),   # gate in the merging program
+]
+
+
+@pytest.mark.parametrize("cfg,dtype,rot", [(c, jnp.float32, 8) for c in GATED_DECODE_CONFIGS]
+                         + [(GATED_DECODE_CONFIGS[1], jnp.bfloat16, 0), (None, jnp.float32, 8)],
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict)
+                         else (jnp.dtype(x).name if x is not None and not isinstance(x, int) else str(x)))
+def test_decode_gated_matches_f64(cfg, dtype, rot):
+    """The gated decode (interpret mode; cfg None: the XLA backend) against float64: odd contexts (1 .. 130),
+    permuted slots, NaN page tails and free pages, a padding stream whose qg row is NaN (zeros out)."""
+    from pallas_kernels.paged_attention import triton as tr
+    rng = np.random.default_rng(23)
+    ctx = [1, 63, 64, 65, 130]
+    h, dh = 8, 32
+    case = decode_case(rng, ctx, group=4, hkv=2, dh=dh, ps=8, dtype=dtype, pad=1)
+    (qg, q_norm, cos, sin), ref, nreal = _gated_decode_inputs(rng, case, h, dh, rot, dtype)
+    _, kp, vp, pt, sl, ids = decode_args(case, dtype)
+    out = api.paged_attention_decode_gated(
+        qg, kp, vp, pt, sl, ids, q_norm=q_norm, cos=cos[:, :rot], sin=sin[:, :rot], num_heads=h,
+        scale=dh ** -0.5, eps=1e-6, backend="xla" if cfg is None else "pallas_interpret",
+        config=None if cfg is None else tr.DecodeConfig(**cfg))
+    assert out.shape == (len(ids), h * dh) and out.dtype == jnp.dtype(dtype)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    for i in range(nreal):
+        assert rel_rms(out[i], ref[i]) <= TOL[jnp.dtype(dtype)], f"stream {i} (context {ctx[i]})"
+    if cfg is not None:
+        np.testing.assert_array_equal(out[nreal:], 0.0)              # padding stream, NaN qg row: zeros
+
+
+def test_kv_write_kernel_matches_xla():
+    """paged_kv_write's kernel (interpret) against its XLA form: k normed + rotated, v as is, both pools, the
+    fused projection's columns; a page id P, -1 and an offset Ps (padding) write nothing; the rest untouched."""
+    rng = np.random.default_rng(8)
+    p, ps, hkv, dh, t = 12, 8, 2, 32, 5
+    kp = jnp.asarray(rng.standard_normal((p, ps, hkv, dh)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((p, ps, hkv, dh)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((t, 96 + 2 * hkv * dh)), jnp.bfloat16)
+    page = jnp.asarray([3, 11, p, -1, 0], jnp.int32)
+    off = jnp.asarray([0, 7, 1, 2, ps], jnp.int32)
+    kn = jnp.asarray(0.3 * rng.standard_normal(dh), jnp.float32)
+    ang = np.arange(t)[:, None] * 0.37 * np.arange(1, 9)[None, :]
+    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    kw = dict(k_norm=kn, cos=cos, sin=sin, k_col=96, v_col=96 + hkv * dh, eps=1e-6)
+    ka, va = api.paged_kv_write(kp, vp, y, y, page, off, backend="xla", **kw)
+    kb, vb = api.paged_kv_write(kp, vp, y, y, page, off, backend="pallas_interpret", **kw)
+    f = lambda a: np.asarray(a.astype(jnp.float32))   # noqa: E731
+    np.testing.assert_allclose(f(kb), f(ka), atol=1e-2, rtol=1e-2)    # bf16: one rounding apart at most
+    np.testing.assert_array_equal(f(vb), f(va))
+    changed = np.any(f(kb) != f(kp), axis=(2, 3))
+    assert changed.sum() == 2 and changed[3, 0] and changed[11, 7]    # only the two live tokens' rows
+    assert not np.any(f(vb) != f(vp), axis=(2, 3))[[0, 1], [ps - 1, 2]].any()
+    with pytest.raises(ValueError, match="k_col"):
+        api.paged_kv_write(kp, vp, y, y, page, off, backend="xla", **dict(kw, k_col=200))
+    with pytest.raises(ValueError, match="token_page"):
+        api.paged_kv_write(kp, vp, y, y, page[:3], off, backend="xla", **kw)
+
+
+def test_decode_gated_errors():
+    rng = np.random.default_rng(1)
+    case = decode_case(rng, [5, 9], group=2, hkv=2, dh=32, ps=8)
+    q, kp, vp, pt, sl, ids = decode_args(case, jnp.float32)
+    n = ids.shape[0]
+    qg = jnp.zeros((n, 4 * 2 * 32), jnp.float32)
+    kw = dict(q_norm=jnp.zeros(32), cos=jnp.zeros((n, 8)), sin=jnp.zeros((n, 8)), num_heads=4, scale=0.1)
+    with pytest.raises(ValueError, match="qg has"):
+        api.paged_attention_decode_gated(qg[:, :100], kp, vp, pt, sl, ids, **kw)
+    with pytest.raises(ValueError, match="q_norm"):
+        api.paged_attention_decode_gated(qg, kp, vp, pt, sl, ids, **dict(kw, q_norm=jnp.zeros(31)))
+    with pytest.raises(ValueError, match="cos"):
+        api.paged_attention_decode_gated(qg, kp, vp, pt, sl, ids, **dict(kw, cos=jnp.zeros((n, 7)),
+                                                                           sin=jnp.zeros((n, 7))))
+    with pytest.raises(ValueError, match="q_prologue"):
+        from pallas_kernels.paged_attention import triton as tr
+        tr.DecodeConfig(q_prologue="reload")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GATED_DECODE_CONFIGS + [{}], ids=lambda c: "-".join(f"{k}={v}" for k, v in
+                                                                                  c.items()) or "default")
+def test_gpu_decode_gated(cfg):
+    """The gated decode compiled at the 80B dims (Dh 256, G 8, Hkv 2, R 64), bf16, against float64."""
+    from pallas_kernels.paged_attention import triton as tr
+    jax.config.update("jax_default_matmul_precision", "highest")
+    rng = np.random.default_rng(6)
+    ctx = [1, 63, 64, 65, 130, 1000, 2500]
+    h, dh = 16, 256
+    case = decode_case(rng, ctx, group=8, hkv=2, dh=dh, dtype=jnp.bfloat16)
+    (qg, q_norm, cos, sin), ref, nreal = _gated_decode_inputs(rng, case, h, dh, 64, jnp.bfloat16)
+    _, kp, vp, pt, sl, ids = decode_args(case, jnp.bfloat16)
+    out = api.paged_attention_decode_gated(qg, kp, vp, pt, sl, ids, q_norm=q_norm, cos=cos, sin=sin, num_heads=h,
+                                           scale=dh ** -0.5, backend="pallas",
+                                           config=tr.DecodeConfig(**cfg) if cfg else None)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    for i in range(nreal):
+        assert rel_rms(out[i], ref[i]) <= 2e-2, f"stream {i} (context {ctx[i]})"
+    np.testing.assert_array_equal(out[nreal:], 0.0)
+
+
+@pytest.mark.gpu
+def test_gpu_kv_write_kernel():
+    rng = np.random.default_rng(9)
+    p, ps, hkv, dh, t = 300, 16, 2, 256, 64
+    kp = jnp.asarray(rng.standard_normal((p, ps, hkv, dh)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((p, ps, hkv, dh)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((t, 8192 + 2 * hkv * dh)), jnp.bfloat16)
+    page = jnp.asarray(np.r_[rng.permutation(p)[:t - 2], p, -1].astype(np.int32))
+    off = jnp.asarray(rng.integers(0, ps, t).astype(np.int32))
+    ang = np.arange(t)[:, None] * 0.37 * np.arange(1, 65)[None, :]
+    kw = dict(k_norm=jnp.asarray(0.3 * rng.standard_normal(dh), jnp.float32), cos=jnp.asarray(np.cos(ang)),
+              sin=jnp.asarray(np.sin(ang)), k_col=8192, v_col=8192 + hkv * dh)
+    ka, va = api.paged_kv_write(kp, vp, y, y, page, off, backend="xla", **kw)
+    kb, vb = jax.jit(lambda *a: api.paged_kv_write(*a, backend="pallas", **kw))(kp, vp, y, y, page, off)
+    f = lambda a: np.asarray(a.astype(jnp.float32))   # noqa: E731
+    np.testing.assert_allclose(f(kb), f(ka), atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(f(vb), f(va))
