@@ -77,6 +77,7 @@ import numpy as np
 from jax_gdn.config import HybridConfig
 from jax_gdn.layers import block as blk
 from jax_gdn.layers import gdn as gdn_layer
+from jax_gdn.layers import attention as _attn
 from jax_gdn.layers.attention import attention_param_shapes
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
@@ -580,6 +581,8 @@ class HybridModel:
                              f"blocks; the layer plan of this config has {self.plan.period} / {len(self.plan.tail)}")
         if self.shard_rules is not None:
             params = self.shard_rules.ensure_placed(params)
+        elif _attn.HOLD_FUSED_QKV:           # one qkv_proj per attention layer, made once (no per-call concat)
+            params = _attn.fuse_qkv_tree(params)
         self.params = params
         self.backend = backend
         self.backends = _resolve_backends(config, self.dtype, backend)
