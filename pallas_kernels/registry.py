@@ -3,7 +3,9 @@
 Ops and their implementations, fastest first (the order ``"auto"`` tries them in):
 
     "gated_delta_rule": "pallas" (Triton on a GPU), "xla"; and "pallas_interpret" (the same kernel in interpret
-                        mode, any platform; never picked by "auto")
+                        mode, any platform; never picked by "auto"), "mosaic_gpu" (dense prefill on a Hopper GPU,
+                        other calls run Triton; never picked here by "auto": the op's own "auto" picks it per
+                        call where gated_delta_rule/mosaic_gpu.py's AUTO is set, and the model's calls are packed)
     "paged_attention":  "cudnn" (prefill through cuDNN's packed fused attention, decode on the Pallas kernel;
                         picked by "auto" only while pallas_kernels/paged_attention/cudnn.py's AUTO is set),
                         "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret",
@@ -75,6 +77,22 @@ def _gdn_pallas_interpret(**case):
     return _gdn_pallas(**case, interpret=True)
 
 
+def _gdn_mosaic(*, platform, dtype, head_k_dim, head_v_dim, num_k_heads, num_v_heads):
+    mod, why = _import("pallas_kernels.gated_delta_rule.mosaic_gpu")
+    if mod is None:
+        return why
+    if platform != "gpu" or not mod.is_hopper():
+        return "mosaic_gpu gated delta rule needs an sm_90 (Hopper) GPU"
+    if jnp.dtype(dtype) not in mod.SUPPORTED_DTYPES:
+        return f"mosaic_gpu gated delta rule takes bfloat16 or float16; got {jnp.dtype(dtype).name}"
+    if head_k_dim not in mod.SUPPORTED_HEAD_DIMS or head_v_dim not in mod.SUPPORTED_HEAD_DIMS:
+        return (f"mosaic_gpu gated delta rule: head dims K (got {head_k_dim}) and V (got {head_v_dim}) must each be "
+                f"one of {mod.SUPPORTED_HEAD_DIMS}")
+    if num_v_heads % num_k_heads:
+        return f"mosaic_gpu gated delta rule: num_v_heads {num_v_heads} must be a multiple of {num_k_heads}"
+    return None
+
+
 # ---- kernels other helpers provide (optional modules with their own supports) -----------------------------------
 def _external(module: str, interpret: bool = False) -> Callable[..., Optional[str]]:
     def supports(**case) -> Optional[str]:
@@ -116,7 +134,8 @@ def _cudnn(xla_stand_in: bool = False) -> Callable[..., Optional[str]]:
 
 #: op -> {implementation name: supports}, fastest first
 OPS = {
-    "gated_delta_rule": {"pallas": _gdn_pallas, "xla": _always, "pallas_interpret": _gdn_pallas_interpret},
+    "gated_delta_rule": {"pallas": _gdn_pallas, "xla": _always, "pallas_interpret": _gdn_pallas_interpret,
+                         "mosaic_gpu": _gdn_mosaic},
     "paged_attention": {"cudnn": _cudnn(), "pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always,
                         "pallas_interpret": _external("pallas_kernels.paged_attention.api", interpret=True),
                         "cudnn_xla": _cudnn(xla_stand_in=True)},
@@ -131,7 +150,7 @@ _NOT_AUTO = {"pallas_interpret", "cudnn_xla"}
 def _auto_allowed(op: str, name: str) -> bool:
     """Whether "auto" may pick ``name``: never the debug forms; the cuDNN attention prefill only while its
     module's AUTO switch (set from the GPU measurement) is on."""
-    if name in _NOT_AUTO:
+    if name in _NOT_AUTO or (op == "gated_delta_rule" and name == "mosaic_gpu"):
         return False
     if op == "paged_attention" and name == "cudnn":
         mod, _ = _import("pallas_kernels.paged_attention.cudnn")

@@ -238,8 +238,7 @@ def test_gpu_mosaic_kkt_matches_its_twin():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pieces", [1, 2])
-@pytest.mark.parametrize("t", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("t,pieces", [(1, 1), (63, 1), (65, 1), (130, 1), (64, 2), (130, 2)])
 def test_gpu_mosaic_stage1a_matches_f64(t, pieces):
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
@@ -278,3 +277,13 @@ def test_gpu_public_op_mosaic_backend():
     cu = jnp.asarray([0, 100, 333], jnp.int32)
     with pytest.warns(UserWarning, match="cu_seqlens"):
         ops.chunk_gated_delta_rule(*(x[:1] for x in args), cu_seqlens=cu, backend="mosaic_gpu")
+
+
+def test_registry_entry(monkeypatch):
+    from pallas_kernels import registry
+    case = dict(platform="gpu", dtype="bfloat16", head_k_dim=128, head_v_dim=128, num_k_heads=16, num_v_heads=32)
+    assert "sm_90" in registry.supports("gated_delta_rule", "mosaic_gpu", **case)     # no Hopper here
+    monkeypatch.setattr(mg, "is_hopper", lambda: True)
+    assert registry.supports("gated_delta_rule", "mosaic_gpu", **case) is None
+    assert "float32" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, dtype="float32"))
+    assert "head dims" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, head_v_dim=96))

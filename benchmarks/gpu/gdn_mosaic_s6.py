@@ -1,0 +1,279 @@
+"""GDN prefill on the Mosaic GPU backend beside Pallas Triton, jla and FLA on the dense bench rows (issue 14,
+session 6; pallas_kernels/gated_delta_rule/mosaic_gpu.py, NOTES.md "Session 6: Mosaic").
+
+    python benchmarks/gpu/gdn_mosaic_s6.py [--quick] [--budget S] [--test-timeout S]
+    (writes $OUT/gdn_mosaic_s6.{json,log}; OUT=/tmp/out)
+
+1. The new code's GPU tests (tests/pallas_kernels/test_gdn_mosaic_gpu.py: the Mosaic stage 1a against its jnp twin,
+   the op with the Mosaic stage 1a and the sequence split against float64 at odd lengths, the public op's
+   backend='mosaic_gpu'), in a child process with a timeout, -v (each verdict is printed as it comes).
+2. Numerics at the first bench shape: o and final state of backend='mosaic_gpu' (and of Pallas Triton) against the
+   XLA backend in fp32 (matmul precision "highest") on the same bf16-rounded inputs, relative RMS.
+3. Every dense bench row (jax_gdn.cases.BENCH_CASES, bf16 q, k, v, beta, fp32 g and initial state, final state
+   out), each implementation timed as jax_gdn.bench's kernel section does (JAX: bench.time_jax, the median of 15
+   groups of 10 back-to-back calls; FLA: bench._time_fla, triton.testing.do_bench median) in this one process:
+     triton   ops.chunk_gated_delta_rule(backend="pallas")       (the bench's "pallas" column)
+     mosaic   ops.chunk_gated_delta_rule(backend="mosaic_gpu")   (mosaic_gpu.DEFAULT_CONFIG: Mosaic stage 1a,
+              the split where split_pieces says so)
+     jla      jla's gated_delta_rule (the bench's "jla" column)    fla  FLA's chunk_gated_delta_rule
+   and per stage: mosaic.kkt (kkt_fwd alone), mosaic.fused (the fused pass alone on its operands); on
+   B1-T8192-Hk16-Hv32 also mosaic.t1a (the session-5 port: Triton stage 1a + the fused pass); on the rows where
+   the split may pay (B1-T8192-Hk2-Hv8, B1-T32768) the op at pieces = 1, 2, 4, 8 (mosaic.pP).
+A deadline (--budget, default 120 s from start) skips what would not fit; every measurement is wrapped in
+try/except (a failure prints its reason and the script goes on). A table is printed last.
+--quick: CPU, a tiny case, Triton in interpret mode and the Mosaic kernels' jnp twins (impl="reference"), no jla
+or FLA: checks the script end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+T_START = time.time()
+LOG_LINES: list[str] = []
+
+
+def log(*parts):
+    line = " ".join(str(p) for p in parts)
+    LOG_LINES.append(line)
+    print(line, flush=True)
+
+
+def rel(a, b):
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
+
+
+def run_tests(quick: bool, timeout: float, result: dict):
+    """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
+    f = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
+    ids = ["test_gpu_mosaic_kkt_matches_its_twin", "test_gpu_mosaic_stage1a_matches_f64[1-1]",
+           "test_gpu_mosaic_stage1a_matches_f64[65-1]", "test_gpu_mosaic_stage1a_matches_f64[130-2]",
+           "test_gpu_split_k128_grouped[mosaic]", "test_gpu_public_op_mosaic_backend",
+           "test_gpu_mosaic_stage1a_matches_f64[63-1]", "test_gpu_mosaic_stage1a_matches_f64[64-2]",
+           "test_gpu_split_k128_grouped[triton]", "test_gpu_mosaic_stage1a_matches_f64[130-1]"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [f + i for i in ids]
+    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
+    env = dict(os.environ)
+    if quick:
+        env["JAX_PLATFORMS"] = "cpu"
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
+        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
+    for ln in verdicts:
+        log("  " + ln.split("::", 1)[1])
+    for ln in fails:
+        log("  " + ln[:300])
+    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()][-1:]
+    log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
+    result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode)")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds from start; later steps are skipped")
+    ap.add_argument("--test-timeout", type=float, default=35.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--no-tests", action="store_true")
+    opts = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out_dir, exist_ok=True)
+    quick = opts.quick
+
+    def left():
+        return opts.budget - (time.time() - T_START)
+
+    result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
+    if not opts.no_tests:
+        run_tests(quick, min(opts.test_timeout, max(left() - 50, 5)), result)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_gdn import ops
+    from jax_gdn.bench import make_inputs_np, time_jax
+    from jax_gdn.cases import BENCH_CASES, Case
+    from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+
+    result.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                  config={"stage1a": mg.DEFAULT_CONFIG.stage1a, "pieces": mg.DEFAULT_CONFIG.pieces})
+    if quick:
+        cases = [Case("quick-B1-T512-Hk1-Hv2-K16-V16", 1, 512, 1, 2, 16, 16)]
+        timer = lambda fn, args: time_jax(fn, args, warmup=1, groups=1, per_group=1)  # noqa: E731
+        impl, triton_backend = "reference", "pallas_interpret"
+    else:
+        dense = [c for c in BENCH_CASES if c.lens is None]
+        order = ["B1-T8192-Hk16-Hv32", "B1-T8192-Hk2-Hv8", "B4-T4096-Hk16-Hv32", "B1-T32768-Hk16-Hv32",
+                 "B16-T1024-Hk16-Hv32"]
+        cases = sorted(dense, key=lambda c: next((i for i, n in enumerate(order) if c.name.startswith(n)), 9))
+        timer = time_jax
+        impl, triton_backend = "mosaic", "pallas"
+    log(f"device {result.get('device')} jax {jax.__version__}; cases {[c.name for c in cases]}; "
+        f"{left():.0f} s left")
+
+    def timed(row, key, fn, args, min_left=3.0):
+        if left() < min_left:
+            row["ms"][key] = None
+            row.setdefault("skipped", []).append(key)
+            return None
+        try:
+            res = jax.block_until_ready(fn(*args))
+            row["ms"][key] = round(timer(fn, args), 4)
+            log(f"  {row['case']:22s} {key:14s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
+            return res
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row["ms"][key] = None
+            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:400]}"
+            result["errors"].append(msg)
+            log("  FAIL " + msg)
+            return None
+
+    def mosaic_op(cfg):
+        def fn(q, k, v, g, beta, h0):
+            return mg.chunk_gated_delta_rule_fwd(q, k, v, g, beta, h0, output_final_state=True, impl=impl, **cfg)
+        return jax.jit(fn)
+
+    inputs = {}
+
+    def case_args(case):
+        if case.name not in inputs:
+            host = make_inputs_np(case, 0)
+            bf = jnp.bfloat16
+            inputs[case.name] = (host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
+                                        jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5])))
+        return inputs[case.name]
+
+    def numerics(row, results, args):
+        try:        # against fp32 XLA on the same bf16-rounded inputs
+            f32 = [x.astype(jnp.float32) for x in args]
+            with jax.default_matmul_precision("highest"):
+                ref = jax.block_until_ready(jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="xla"))(*f32))
+            for name, res in results:
+                if res is not None:
+                    o = np.asarray(res[0].astype(jnp.float32))
+                    row["numerics"][name] = {"o": rel(o, ref[0]), "state": rel(res[1], ref[1]),
+                                             "o_finite": bool(np.isfinite(o).all())}
+                    log(f"  numerics {name}: o {row['numerics'][name]['o']:.2e} state "
+                        f"{row['numerics'][name]['state']:.2e} (rel RMS vs fp32 XLA; bf16 bound 1e-2)")
+        except Exception as e:  # noqa: BLE001
+            result["errors"].append(f"numerics: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  numerics FAIL {type(e).__name__}: {str(e)[:300]}")
+
+    # pass 1: the four columns of every row (and numerics on the first row and the first split row)
+    for ci, case in enumerate(cases):
+        if left() < 6:
+            log(f"skip {case.name}: {left():.0f} s left")
+            result["errors"].append(f"{case.name}: skipped (budget)")
+            continue
+        host, args = case_args(case)
+        row = {"case": case.name, "ms": {}, "numerics": {}}
+        result["rows"].append(row)
+        if quick:
+            mos = mosaic_op({"stage1a": mg.DEFAULT_CONFIG.stage1a, "pieces": mg.DEFAULT_CONFIG.pieces})
+        else:
+            mos = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="mosaic_gpu"))
+        tri = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=triton_backend))
+        res_m = timed(row, "mosaic", mos, args)
+        res_t = timed(row, "triton", tri, args)
+        if (ci == 0 or "Hk2-Hv8" in case.name or quick) and left() > 20:
+            numerics(row, [("mosaic", res_m), ("triton", res_t)], args)
+        del res_m, res_t
+        if not quick:
+            try:
+                from jax_gdn.bench import _jla_impl
+                timed(row, "jla", *_jla_impl(case, host))
+            except Exception as e:  # noqa: BLE001
+                row["ms"]["jla"] = None
+                result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
+        if not quick and left() > 5:
+            try:
+                from jax_gdn.bench import _time_fla
+                row["ms"]["fla"] = round(_time_fla(case, host), 4)
+                log(f"  {case.name:22s} {'fla':14s} {row['ms']['fla']:8.4f} ms   ({left():.0f} s left)")
+            except Exception as e:  # noqa: BLE001
+                row["ms"]["fla"] = None
+                result["errors"].append(f"{case.name} fla: {type(e).__name__}: {str(e)[:300]}")
+        _write(out_dir, result)
+
+    # pass 2: per stage and the split variants, where the budget allows
+    for ci, row in enumerate(result["rows"]):
+        case = next(c for c in cases if c.name == row["case"])
+        split_row = quick or case.name.startswith(("B1-T8192-Hk2-Hv8", "B1-T32768"))
+        if not (ci == 0 or split_row) or left() < 8:
+            continue
+        host, args = case_args(case)
+        if ci == 0:
+            timed(row, "mosaic.t1a", mosaic_op({"stage1a": "triton", "pieces": 1}), args, min_left=8)
+        if split_row:
+            for p in ((1, 2, 4, 8) if case.T // 64 >= 64 or quick else (1, 2)):
+                if case.T // 64 // p >= mg.MIN_PIECE_CHUNKS or quick:
+                    timed(row, f"mosaic.p{p}", mosaic_op({"stage1a": "mosaic", "pieces": p}), args, min_left=6)
+        if left() > 8:
+            try:
+                prep = jax.jit(lambda q, k, v, g, beta, h0: mg._prepare_head_major(
+                    q, k, v, g, beta, h0, kernel=not quick, pieces=1))
+                operands = jax.block_until_ready(prep(*args))
+                hv = case.Hv
+                kkt = jax.jit(lambda k, b: mg.kkt_fwd(k, b, heads=hv)) if not quick else jax.jit(
+                    lambda k, b: mg.kkt_fwd_reference(k, b, heads=hv))
+                timed(row, "mosaic.kkt", kkt, (operands[1], operands[5]))
+                run = mg.fused_state_pass if not quick else mg.fused_state_pass_reference
+                scale = case.K ** -0.5
+                timed(row, "mosaic.fused", jax.jit(lambda *a: run(*a, scale=scale, out_final=True,
+                                                                  head_major=True)), operands)
+                del operands
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"{case.name} stages: {type(e).__name__}: {str(e)[:300]}")
+                log(f"  stages FAIL {type(e).__name__}: {str(e)[:300]}")
+        _write(out_dir, result)
+
+    # the table, last
+    log("\n==== gdn_mosaic_s6: median ms per call; mosaic = backend 'mosaic_gpu' (DEFAULT_CONFIG) ====")
+    keys = ["triton", "mosaic", "jla", "fla", "mosaic.kkt", "mosaic.fused", "mosaic.t1a", "mosaic.p1", "mosaic.p2",
+            "mosaic.p4", "mosaic.p8"]
+    keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
+    log(f"{'case':22s} " + " ".join(f"{k.replace('mosaic', 'm'):>8s}" for k in keys) + "   m/jla  m/fla")
+
+    def cell(x):
+        return f"{x:8.4f}" if isinstance(x, (int, float)) else f"{'-':>8s}"
+    for r in result["rows"]:
+        ms = r["ms"]
+        ratio = lambda a, b: f"{ms[a] / ms[b]:6.2f}" if ms.get(a) and ms.get(b) else f"{'-':>6s}"  # noqa: E731
+        log(f"{r['case']:22s} " + " ".join(cell(ms.get(k)) for k in keys) + f"  {ratio('mosaic', 'jla')} "
+            f"{ratio('mosaic', 'fla')}")
+    for r in result["rows"]:
+        for name, n in r.get("numerics", {}).items():
+            log(f"numerics {r['case']} {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']}")
+    if "tests" in result:
+        t = result["tests"]
+        npass = sum("PASSED" in v for v in t["verdicts"])
+        nfail = sum(("FAILED" in v or "ERROR" in v) for v in t["verdicts"])
+        log(f"tests rc={t['rc']}: {npass} passed, {nfail} failed of {len(t['verdicts'])} reported")
+    log(f"errors: {len(result['errors'])}; wall {time.time() - T_START:.0f} s (budget {opts.budget:.0f} s)")
+    _write(out_dir, result)
+
+
+def _write(out_dir, result):
+    with open(os.path.join(out_dir, "gdn_mosaic_s6.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "gdn_mosaic_s6.log"), "w") as f:
+        f.write("\n".join(LOG_LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
