@@ -74,8 +74,9 @@ class DecodeConfig:
 
 #: DecodeConfig.load_hint: "" (plain load, then a select for fresh streams), "masked" (masked load: no bytes for a
 #: fresh stream), "evict_first" (masked load and store with Triton's evict_first: the state streams through L2
-#: without displacing q/k/v), "cg" (masked load with the .cg cache modifier: cached in L2 only). Session 6 sweep.
-LOAD_HINTS = ("", "masked", "evict_first", "cg")
+#: without displacing q/k/v). Session 6 sweep. (A "cg" cache modifier cannot be asked for: jax 0.10.2's Triton
+#: lowering accepts ".cg" and then fails to look it up.)
+LOAD_HINTS = ("", "masked", "evict_first")
 
 
 def decode_config(n: int, hv: int, kdim: int, vdim: int) -> DecodeConfig:
@@ -164,8 +165,7 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *ref
     read_slot = jnp.clip(slot, 0, num_slots - 1)
     read = (has_ref[n] != 0) & in_pool
     if load_hint:                                       # masked load (no bytes for a fresh stream) with a hint
-        hint = dict(evict_first=dict(eviction_policy="evict_first"), cg=dict(cache_modifier=".cg"),
-                    masked={})[load_hint]
+        hint = dict(evict_first=dict(eviction_policy="evict_first"), masked={})[load_hint]
         s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
                        other=0.0, **hint).astype(jnp.float32)
     else:
