@@ -4,36 +4,46 @@
 # The kernel body of fused_state_pass and the helpers marked "(jla)" are adapted from jax-linear-attention 0.1.0
 # (Apache-2.0), jla/ops/mosaic_gpu/scalar_gate_fused.py (fused_fwd_wy) and jla/ops/mosaic_gpu/_common.py, which
 # were themselves adapted from flash-linear-attention (MIT) and FlashQLA (MIT). See NOTICE in this folder.
-"""Mosaic GPU (Hopper, sm_90) stage of the chunked gated delta rule forward: the warp-specialised fused state
-pass (JLA_STUDY.md, port plan step 1). **Off by default**: ``ENABLED`` is False and api.py does not call it; the
-probe (benchmarks/gpu/jla_probe.py) and the GPU-marked tests (tests/pallas_kernels/test_gdn_mosaic_gpu.py) do.
+"""Mosaic GPU (Hopper, sm_90) backend of the chunked gated delta rule forward, dense prefill: the op's backend
+"mosaic_gpu" (api.py routes here; "auto" picks it only where ``AUTO`` is set, from the H200 measurements in
+NOTES.md "Session 6: Mosaic"). JLA_STUDY.md has the port plan and the measured stages.
 
-What it replaces: stage 1b (``wu_aqk``: w, u, Aqk written to HBM) and stage 2 (``state_pass``) of
-pallas_triton.py, with one kernel that builds the WY factors inside the chunk loop from stage 1a's T (FlashQLA's
-fused forward as jla ports it). Stage 1a (``kkt_solve``, Pallas Triton) is unchanged: its gated
-T = (I + A)^-1 (A_ij = beta_i k_i.k_j e^(G_i - G_j), j < i) and chunk-local cumulative gates G are the inputs.
-With the gated T (jla uses the gate-free T0 and multiplies by e^(G_i - G_j) here) the WY identity reads
+Two kernels and a little XLA glue:
+  * stage 1a, :func:`kkt_fwd` (port plan step 2, jla's kkt_fwd): the gate-free T0 = (I + A0)^-1,
+    A0_ij = beta_i k_i.k_j (j < i), 16 x 16 diagonal blocks by forward substitution, merged on the tensor cores;
+    T0 [B, Hv, Tp, C] in the input dtype. (``stage1a="triton"``: Pallas Triton ``kkt_solve``'s gated T instead,
+    the session-5 port.)
+  * :func:`fused_state_pass` (step 1, jla's fused_fwd_wy): stages 1b + 2 of pallas_triton.py in one
+    warp-specialised kernel that builds the WY factors inside the chunk loop. With T = T0 * e^(G_i - G_j) (the
+    gates enter A as a diagonal similarity) the WY identity reads
 
-    v_new = u - w S = T diag(beta) (v - diag(e^G) k S) = Ag (v - Gamma k S),    Ag_ij = T_ij beta_j
+        v_new = u - w S = T diag(beta) (v - diag(e^G) k S) = Ag (v - Gamma k S),    Ag_ij = T_ij beta_j
 
-One CTA per (sequence, value head, 64 value columns), three warpgroups (128 threads each):
-  WG0 (state)  S^T [BV, K] fp32 in registers (WGMMA layout); per chunk: publish S^T (input dtype) to SMEM,
-               X^T = S^T k^T (wgmma), W^T = v^T - X^T Gamma, v_new^T = W^T Ag^T (wgmma), publish v_new^T,
-               S^T <- e^(G_last) S^T + (e^(G_last - G) v_new)^T k (wgmma). The only serial chain.
-  WG1 (output) Ag = T * beta_j in place of T in SMEM (before WG0 needs it), P = (q k^T) * e^(G_i - G_j) (i >= j),
-               then o = scale (e^G (q S) + P v_new) from the published tiles, staged and stored by TMA.
-  WG2 (memory) streams q, k (key head h // (Hv / Hk)), v, T and the gate / beta vectors by TMA into a
-               2-4 stage ring (as deep as 220 KB of SMEM allows: 2 at K = V = 128 bf16).
+    One CTA per (sequence piece, value head, 64 value columns), three warpgroups (128 threads each):
+      WG0 (state)  S^T [BV, K] fp32 in registers (WGMMA layout); per chunk: publish S^T (input dtype) to SMEM,
+                   X^T = S^T k^T (wgmma), W^T = v^T - X^T Gamma, v_new^T = W^T Ag^T (wgmma), publish v_new^T,
+                   S^T <- e^(G_last) S^T + (e^(G_last - G) v_new)^T k (wgmma). The only serial chain.
+      WG1 (output) Ag = T0 * e^(G_i - G_j) * beta_j in place of T0 in SMEM (before WG0 needs it),
+                   P = (q k^T) * e^(G_i - G_j) (i >= j), then o = scale (e^G (q S) + P v_new) from the published
+                   tiles, staged and stored by TMA.
+      WG2 (memory) streams q, k (key head h // (Hv / Hk)), v, T0 and the gate / beta vectors by TMA into a
+                   2-4 stage ring (as deep as 220 KB of SMEM allows: 2 at K = V = 128 bf16).
+  * the sequence split (step 3, jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces``): where
+    B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
+    from one state-map pass (the fused kernel without output over the values [0 | v] from the state [I | 0]: a
+    piece's map is affine, S_end = M S_start + E) and P - 1 small XLA matmuls.
 
-Scope of this first stage (dense input only): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
-multiple of Hk, any T (padded with zero tokens to a multiple of C = 64: zero k, v, beta and g leave the state and
-the real rows unchanged), initial state [B, Hv, K, V] fp32 or None, the final state returned. Not yet: cu_seqlens
-packing, the slots pool (slot ids, has_initial_state, drop-on-bad-id), fp32 inputs; JLA_STUDY.md says what each
-needs. Mosaic GPU kernels do not run in interpret mode on this repo's CPU jax (0.10.2; the code targets 0.11's
-Pallas Mosaic GPU API), so the tests are GPU-marked.
+Scope (dense input only): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a multiple of Hk, any T
+(padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and the real rows
+unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None, the final
+state returned. Not here (api.py runs Pallas Triton with a warning naming the reason, :func:`fallback_reason`):
+cu_seqlens packing, the slots pool, fp32 inputs, other head dims, a GPU other than sm_90; JLA_STUDY.md step 4 says
+what each needs. Mosaic GPU kernels do not run in interpret mode on this repo's CPU jax (0.10.2; the code targets
+0.11's Pallas Mosaic GPU API): each kernel has a jnp twin (:func:`kkt_fwd_reference`,
+:func:`fused_state_pass_reference`) that the CPU tests check against float64; the kernels' tests are GPU-marked.
 
-Shape legend: B batch, T tokens (Tp padded to a multiple of C), Hk / Hv key / value heads, K / V head dims,
-C = 64 chunk, NC = B * Tp / C chunks (chunk c = b * Tp / C + j covers tokens [j C, (j + 1) C) of row b), BV = 64.
+Shape legend: B batch, T tokens (Tp padded), Hk / Hv key / value heads, K / V head dims, C = 64 chunk,
+NC = B * Tp / C chunks, BV = 64 value columns per CTA, P pieces per row (R of them run by a pass).
 """
 from __future__ import annotations
 
@@ -161,7 +171,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * jnp.dtype(out_dtype).itemsize
     fixed += (BV * key_dim * 4 if has_h0 or out_final else 0) + 4096 + n_vec * 1024
     stages = _stages(per_stage, fixed)
-    n_copies = 4 + n_vec
+    n_copies = (4 if write_o else 3) + n_vec      # the map pass reads no q
 
     out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
@@ -213,7 +223,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             def issue(n, slot):          # n: chunk index within this CTA's piece
                 rows = pl.ds(tok0 + n * C, C)
                 bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
+                if write_o:
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
