@@ -17,8 +17,8 @@ jax_gdn.bench.time_jax (median of groups of back-to-back jitted calls, the bench
   jla.fused      scalar_gate_fused.fused_fwd_wy     (warp-specialised state pass + WY + output, one kernel)
   jla.op_cpN     scalar_gate.run(..., cp=N): jla with its sequence split forced to N pieces (N = 2, 4 where its
                  policy picks 1): does splitting the serial pass pay on our dense rows?
-  mgpu.fwd       pallas_kernels.gated_delta_rule.mosaic_gpu (our Mosaic GPU port as of session 5, impl="mosaic" with stage1a="triton"): stage 1a
-                 (Triton) + the warp-specialised fused pass, checked against fp32 XLA and timed; mgpu.fused the
+  mgpu.fwd       pallas_kernels.gated_delta_rule.mosaic_gpu (the session-5 form of our port: stage1a="triton"):
+                 stage 1a (Triton) + the warp-specialised fused pass, checked against fp32 XLA and timed; mgpu.fused the
                  Mosaic kernel alone. Run after every other row of its case (a hang or a CUDA error in a new
                  kernel cannot cost the rows above; the first case's right after that case, the others' at the
                  end), then once on an odd length (B2-T130-Hk1-Hv3-K64-V64).
