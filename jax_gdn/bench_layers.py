@@ -18,8 +18,9 @@ Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K
 attention, gate, o_proj) into an empty pool of 16-token pages handed out in a shuffled order, the page table
 [N, W] as wide as the longest stream needs; the paged attention runs the layer's backend
 (pallas_kernels.paged_attention: "pallas" the Triton kernel, "xla" the reference gathering all W pages per block,
-"cudnn" cuDNN's packed fused attention with the layer's unfused q norm / RoPE / gate; the GDN layer is not timed
-for "cudnn" / "cudnn_xla", attention-only backends).
+"cudnn" cuDNN's packed fused attention (``attention.CUDNN_DIRECT``: the new K/V straight from the projection,
+the gate in the merge's pass); the GDN layer is not timed for "cudnn" / "cudnn_xla", attention-only backends).
+The q/k/v projections are one qkv_proj weight when ``attention.HOLD_FUSED_QKV`` (as the model holds them).
 
 Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
 Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.
@@ -94,6 +95,9 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
     aparams = {"q_proj": w(ak[0], (d, h * 2 * dh)), "k_proj": w(ak[1], (d, hkv * dh)),
                "v_proj": w(ak[2], (d, hkv * dh)), "o_proj": w(ak[3], (h * dh, d)),
                "q_norm": 0.1 * jax.random.normal(ak[4], (dh,)), "k_norm": 0.1 * jax.random.normal(ak[5], (dh,))}
+    from jax_gdn.layers import attention as attention_mod
+    if attention_mod.HOLD_FUSED_QKV:                   # as HybridModel holds them (one device)
+        aparams = attention_mod.fuse_qkv(aparams)
     order = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
     first_page = np.cumsum([0] + pages_per[:-1])
     page_table = np.zeros((n, max(pages_per)), np.int32)

@@ -25,11 +25,13 @@ Prefill on the Pallas backends (``fused``, the default there) goes through ``pag
 the projection's raw output (no slicing), applies the output gate in the kernel's epilogue and writes o_proj's
 input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (or on the kernel's query tile:
 ``PrefillConfig.q_prologue``, pallas_kernels/paged_attention/NOTES.md says why not by default). From
-``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM. The XLA backend, the cuDNN backends
-("cudnn": the prefill core through cuDNN's packed fused attention, pallas_kernels/paged_attention/cudnn.py, with
-XLA's q norm / RoPE before it and the gate fused by XLA into its merge; "cudnn_xla" its CPU stand-in) and decode
-take the unfused path (``attention_qkv``, the reference the fused one is tested against); decode on the cuDNN
-backends runs the Pallas decode kernel (or XLA).
+``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM (a model holds qkv_proj already:
+``HOLD_FUSED_QKV``). The cuDNN backends ("cudnn": cuDNN's packed fused attention,
+pallas_kernels/paged_attention/cudnn.py; "cudnn_xla" its CPU stand-in) take the same fused entry with the new
+K/V handed over (``CUDNN_DIRECT``: XLA's q norm / RoPE, the causal call on the projected k, v, the context call
+and merge only when a stream has context, the gate in the last pass). The XLA backend and decode take the
+unfused path (``attention_qkv``, the reference the fused one is tested against); decode on the cuDNN backends
+runs the Pallas decode kernel (or XLA).
 """
 from __future__ import annotations
 
@@ -224,9 +226,10 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     backend: "xla" | "pallas" | "pallas_interpret" | "cudnn" | "cudnn_xla" | "auto"
     (``pallas_kernels.paged_attention.api``).
     fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
-    RoPE before it or in it); None: on the Pallas backends, not on "xla" or the cuDNN ones (the same math,
-    unfused). Decode: fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set and the decode
-    kernel is the Pallas one).
+    RoPE before it or in it; on the cuDNN backends with this call's K/V handed over); None: on the Pallas
+    backends, and on the cuDNN ones when ``CUDNN_DIRECT``, not on "xla" (the same math, unfused). Decode:
+    fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set and the decode kernel is the Pallas
+    one).
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]

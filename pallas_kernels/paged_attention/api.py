@@ -323,6 +323,11 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
         return jnp.zeros((0, num_heads * dh), qg.dtype)
     if backend not in ("cudnn", "cudnn_xla"):
         k_new = v_new = None
+    elif k_new is not None:                    # the fresh-batch mode resolved here: a static argument of the jit
+        from pallas_kernels.paged_attention import cudnn as _cudnn
+        config = config or _cudnn.CudnnConfig()
+        if config.fresh is None:
+            config = config._replace(fresh=_cudnn.FRESH)
     return _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new,
                       v_new, num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend,
                       config=config)

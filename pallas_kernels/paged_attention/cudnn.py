@@ -36,6 +36,13 @@ the buffer rows they would use are zeros (finite: cuDNN may load a tile past a s
 outside [0, P) (only under jit: the checked path rejects such tables) is a ZERO vector here (score 0, value 0),
 where the reference masks it out: it reads nothing of another slot either way.
 
+``prefill_direct`` (what the layer runs, ``paged_attention_gated(..., k_new=, v_new=)``): the same two calls, but
+the causal call reads the new tokens' K/V as the projection produced them (token order: its key offsets are the
+query offsets cu[:-1]; no gather of them back from the pages), only the context keys are gathered (a
+context-only buffer), the output gate is applied in the merge's pass, and a batch where no live stream has
+context runs the causal call alone, without statistics (``CudnnConfig.fresh`` / ``FRESH``: "cond", a
+``lax.cond`` on the device-side "any context", or "merge": always both calls).
+
 impl: "cudnn" (the fused kernel; a GPU with cuDNN >= 9 and compute capability >= 9.0) or "xla" (``segments_xla``:
 the same segment semantics in plain XLA, dense over [T, K]; the CPU stand-in that tests the gather / offsets /
 merge logic, backend "cudnn_xla").
@@ -67,6 +74,8 @@ STATS_ROWS = "segment"
 #: factor from the stats cuDNN returns to a natural-log LSE (1: natural log, as cuDNN documents; ln 2 if a build
 #: returned log2; the GPU probe measures it)
 STATS_TO_LN = 1.0
+#: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond" or "merge" (see CudnnConfig).
+FRESH = "cond"
 
 
 class CudnnConfig(NamedTuple):
@@ -75,10 +84,11 @@ class CudnnConfig(NamedTuple):
     bound min(N W Ps, P Ps) + 2 N (A - 1), which holds when the streams' slots own disjoint pages).
     fresh (``prefill_direct`` only): how a call with no context in any stream skips the context call and the
     merge: "cond" (``lax.cond`` on "any live stream has context": one branch runs the causal call alone, without
-    statistics) or "merge" (always both calls and the merge: the context call then has no live segment)."""
+    statistics) or "merge" (always both calls and the merge: the context call then has no live segment); None:
+    ``FRESH``."""
     context: bool = True
     kv_capacity: Optional[int] = None
-    fresh: str = "cond"
+    fresh: Optional[str] = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,6 +414,8 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     Returns o [T, H, Dh] in q's dtype. Needs jax's per-kv-head packed offsets (``kv_offset_unit`` 1: jax >=
     0.11 on the H200) for impl "cudnn"."""
     config = config or CudnnConfig()
+    if config.fresh is None:
+        config = config._replace(fresh=FRESH)
     t, h, dh = q.shape
     p, ps, hkv, _ = k_pages.shape
     s_count, width = page_table.shape
