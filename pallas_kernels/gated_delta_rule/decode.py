@@ -223,6 +223,8 @@ def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, bet
     lax.fori_loop(0, trips, block, load(pid))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["a_log", "dt_bias"],
+                   meta_fields=["a_offset", "b_offset"])
 @dataclasses.dataclass(frozen=True)
 class RawGates:
     """The gates made inside the decode kernel from the raw projections (the layer's decode step, one launch less):
@@ -231,7 +233,8 @@ class RawGates:
     r = Hv / Hk): Qwen3-Next's in_proj_ba output [N, T, Hk, 2 r] ([b (r) | a (r)] per key head) passed twice with
     a_offset r, b_offset 0; Qwen3.5's separate a, b [N, T, Hv] reshaped to [N, T, Hk, r], offsets 0.
 
-    a_log, dt_bias: [Hv] (any float dtype; read as fp32)."""
+    a_log, dt_bias: [Hv] (any float dtype; read as fp32). A pytree (the arrays are its leaves): it passes through
+    jax.jit as an argument."""
     a_log: jax.Array
     dt_bias: jax.Array
     a_offset: int = 0

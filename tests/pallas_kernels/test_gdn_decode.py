@@ -2,7 +2,8 @@
 jax_gdn.ops.fused_recurrent_gated_delta_rule_slots, against the float64 per-token loop, on every backend.
 
 CPU: "pallas_interpret" and "xla" at tiny dims (K != V, dims padded to the kernel's sizes, grouped heads, T = 1 and
-T = 3, permuted slots, ids -1 and S under jit, NaN-poisoned stale and untouched slots, fused L2 norm, bf16 inputs).
+T = 3, permuted slots, ids -1 and S under jit, NaN-poisoned stale and untouched slots, fused L2 norm, bf16 inputs,
+the gates made inside from raw a / b (RawGates), every launch variant), and the Triton lowering (cross-lowered).
 GPU (`pytest -m gpu`): K = V = 128, Qwen3-Next heads, bf16 and fp32, the pool donated and updated in place.
 Tolerances (relative RMS vs float64): fp32 inputs 1e-5 (no chunking: fp32 rounding only), bf16 inputs 1e-5 too
 (the reference takes the same rounded inputs; all math is fp32).
@@ -79,11 +80,13 @@ def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
 # V = 32; 128: clamped to one block), straight through the kernel entry point in interpret mode
 CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf in (True, False)
            for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)] + [
-           decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)]      # persistent: 5 divides no count
+           decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)] + [      # persistent: 5 divides no count
+           decode.DecodeConfig(block_v=16, load_hint=h) for h in ("masked", "evict_first")]   # masked state loads
 
 
 def _config_id(c):
-    return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}"
+    return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}" + (
+        f"-{c.load_hint}" if c.load_hint else "")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -109,12 +112,76 @@ def test_decode_configs_interpret(config, t):
         np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
 
 
+def _raw_gates(g, beta, hk, r, layout):
+    """(a_src, b_src, RawGates) whose gates are g and beta: A_log = log 2, dt_bias = 0.25 per head,
+    softplus(a + 0.25) = -g / 2, sigmoid(b) = beta; ``layout`` "ba" packs [b (r) | a (r)] per key head (Qwen3-Next's
+    in_proj_ba), "separate" gives a and b their own [N, T, Hk, r] arrays (Qwen3.5)."""
+    g64, beta64 = np.asarray(g, np.float64), np.asarray(beta, np.float64)
+    n, t, hv = g64.shape
+    a = (np.log(np.expm1(-g64 / 2.0)) - 0.25).reshape(n, t, hk, r).astype(np.float32)
+    b = np.log(beta64 / (1 - beta64)).reshape(n, t, hk, r).astype(np.float32)
+    a_log, dt_bias = jnp.full((hv,), np.log(2.0), jnp.float32), jnp.full((hv,), 0.25, jnp.bfloat16)
+    if layout == "ba":
+        ba = jnp.asarray(np.concatenate([b, a], axis=-1))
+        return ba, ba, decode.RawGates(a_log, dt_bias, a_offset=r, b_offset=0)
+    return jnp.asarray(a), jnp.asarray(b), decode.RawGates(a_log, dt_bias)
+
+
+@pytest.mark.parametrize("layout,t", [("ba", 1), ("separate", 2)])
+def test_decode_raw_gates_match_f64(layout, t):
+    """The gates made inside the kernel from raw a, b (RawGates: the layer's fused decode step) against the float64
+    loop run with the gates they stand for; GVA 3, permuted ids with -1 and S, a fresh stream over a NaN slot."""
+    n, s, hk, hv, dk, dv = 4, 6, 2, 6, 16, 32
+    xs, pool = _case(60 + t, n, t, hk, hv, dk, dv, s)
+    ids = np.array([2, -1, 5, s], np.int32)
+    has = np.array([True, True, False, True])
+    pool[5] = np.nan                                      # stale, has False: read as zeros
+    pool[0] = np.nan                                      # untouched: stays NaN
+    o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
+    a_src, b_src, gates = _raw_gates(xs[3], xs[4], hk, hv // hk, layout)
+    fn = jax.jit(lambda q, k, v, a, b, pool, gates: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+        q, k, v, a, b, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+        use_qk_l2norm=True, interpret=True, raw_gates=gates))
+    o, new_pool = fn(*[jnp.asarray(x) for x in xs[:3]], a_src, b_src, jnp.asarray(pool), gates)
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
+    assert rel_rms(new_pool[[2, 5]], pool_ref[[2, 5]]) < TOL
+    assert np.isnan(new_pool[0]).all()
+    for untouched in (1, 3, 4):
+        np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+def test_decode_lowers_to_triton():
+    """Each load hint and the raw-gates form lower to Triton IR (cross-lowered for CUDA on any machine: interpret
+    mode does not run the Triton lowering, where jax 0.10.2 refuses the "cg" cache modifier, for one)."""
+    n, hk, hv, d = 3, 2, 4, 32
+    q = jnp.zeros((n, 1, hk, d), jnp.bfloat16)
+    v = jnp.zeros((n, 1, hv, d), jnp.bfloat16)
+    g = jnp.zeros((n, 1, hv))
+    ba = jnp.zeros((n, 1, hk, 4), jnp.bfloat16)
+    pool = jnp.zeros((n + 1, hv, d, d))
+    ids, has = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
+    for hint in decode.LOAD_HINTS:
+        f = lambda q, v, g, pool, hint=hint: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            q, q, v, g, g, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+            config=decode.DecodeConfig(load_hint=hint))
+        assert "gdn_decode" in jax.jit(f).trace(q, v, g, pool).lower(lowering_platforms=("cuda",)).as_text()
+    gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=2)
+    f = lambda q, v, ba, pool: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+        q, q, v, ba, ba, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, raw_gates=gates)
+    assert "gdn_decode" in jax.jit(f).trace(q, v, ba, pool).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_decode_config_errors():
     xs, pool = _case(6, 2, 1, 1, 1, 16, 48, 3)           # V = 48 runs padded to 64
     with pytest.raises(ValueError, match=r"block_v \(24\) must divide V = 64"):
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
             has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(block_v=24))
+    with pytest.raises(ValueError, match="load_hint must be one of"):
+        decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
+            has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(load_hint="cg"))
 
 
 def test_decode_bf16_inputs_and_default_has_initial_state():
