@@ -18,6 +18,9 @@ Steps, in this order, each skipped when the deadline (``--budget``, default 100 
                     all timed the same way, groups of 10 back-to-back calls each feeding its new state to the next
                     (the pool donated in jax; FLA's final state as the next initial state), median over 15 groups
                     of the wall time per call closed by one sync; FLA also by triton do_bench (median) beside.
+                    Beside them a Pallas Triton copy of the pool with the decode kernel's grid, slot lookup and
+                    [K, BV] blocks but no arithmetic ("pallas copy"): if it is as slow as the kernel, the gap to
+                    the XLA copy is the launch shape / load-store path, not the arithmetic.
   layer step        gdn_layer_decode for 64 streams at 80B dims (bf16), unfused and fused: bench_model's in-program
                     time (R steps in one compiled loop, (2 programs - 1 program) / R) and its pipelined time, the
                     floor (bench_model.decode_floors "gdn_decode"), and a kernel table of each under jax.profiler
@@ -119,6 +122,7 @@ def main():
         config = bench_model.tiny_config(4)
         n_layer = 6
         hint_cfgs = [DC(load_hint="evict_first", block_v=16)]
+        copy_shapes = [(16, 2)]
     else:
         k256 = Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128)
         k64 = Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128)
@@ -126,6 +130,7 @@ def main():
         n_layer = 64
         hint_cfgs = [DC(load_hint="masked"), DC(load_hint="evict_first"), DC(num_warps=4, load_hint="evict_first"),
                      DC(block_v=128, num_warps=8, load_hint="evict_first")]
+        copy_shapes = [(64, 2), (128, 4)]
     dims = config.gdn_dims
 
     # ---- numerics: the kernel against the XLA step ----
@@ -262,6 +267,23 @@ def main():
         bench = float(triton.testing.do_bench(lambda: step(th0), warmup=50, rep=300, return_mode="median"))
         return wall, bench
 
+    def pallas_copy(pool, ids, block_v, num_warps):
+        """A Pallas Triton kernel with the decode kernel's grid (value block fastest), slot lookup, [K, BV] block load
+        and in-place store, and no arithmetic but a scale: what the launch shape alone reaches."""
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import triton as pltr
+        _, hv, _, vdim = pool.shape
+        bv = min(block_v, vdim)
+
+        def kern(ids_ref, p_in, p_out):
+            vb, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            slot, vs = ids_ref[i], pl.ds(vb * bv, bv)
+            p_out[slot, h, :, vs] = p_in[slot, h, :, vs] * 1.0001
+        return pl.pallas_call(kern, grid=(vdim // bv, hv, ids.shape[0]),
+                              out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={1: 0},
+                              compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+                              interpret=interpret, name="pool_copy")(ids, pool)
+
     def kernel_rows(case, cfgs, with_fla=True):
         host = bench_decode.make_inputs_np(case)
         q, k, v, g, beta, pool, ids = host
@@ -292,6 +314,15 @@ def main():
             except Exception as e:
                 res["errors"].append(f"kernel {case.name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:400]}")
                 log(f"FAIL kernel {case.name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:400]}")
+        for bv, warps in copy_shapes:                     # the decode kernel's launch shape with no arithmetic
+            if left() < 5:
+                continue
+            try:
+                fn = jax.jit(lambda p, bv=bv, warps=warps: pallas_copy(p, ids_d, bv, warps), donate_argnums=0)
+                put(f"pallas copy bv{bv}-w{warps}", bench_decode._time_threaded(fn, jnp.asarray(pool), **timing))
+            except Exception as e:
+                res["errors"].append(f"pallas copy {case.name}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"FAIL pallas copy {case.name}: {type(e).__name__}: {str(e)[:300]}")
         put("copy (again)", bench_decode.time_copy(case, host, **timing))
         if with_fla and not quick and left() > 10:
             try:
