@@ -10,11 +10,13 @@ q / k L2-normalised inside each implementation). Columns (median ms; null where 
           (``decode.decode_config`` for the case) are stored in the row as "pallas_config"
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
-          output_final_state=True (dense states: no slot indexing)
+          output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial
+          state; its triton do_bench median (CUDA events, L2 flushed) beside as "fla_do_bench_ms"
   copy    an XLA read + write of the same state bytes (pool * 1, not donated): the practical floor
 gbps: the state bytes a step must move, 2 N Hv K V 4 (read once, write once), over each time.
-Timing: jax over groups of back-to-back calls that thread the donated pool, closed by block_until_ready (median
-of the groups); torch with triton.testing.do_bench (median), as in ``jax_gdn.bench``.
+Timing, the same for every column: groups of back-to-back calls, each feeding its new state to the next (the pool
+donated in jax), closed by one sync (block_until_ready / torch.cuda.synchronize); the median over the groups of the
+wall time per call.
 """
 from __future__ import annotations
 
@@ -98,7 +100,25 @@ def time_copy(case: Case, host, **timing) -> float:
     return _time_threaded(lambda p: fn(p), pool, **timing)
 
 
-def time_fla(case: Case, host) -> float:
+def _time_threaded_torch(step, state, *, warmup=3, groups=15, per_group=10):
+    """``_time_threaded`` for torch: median ms of ``state = step(state)``, groups closed by a CUDA sync."""
+    import torch
+    for _ in range(warmup):
+        state = step(state)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(groups):
+        t0 = time.perf_counter()
+        for _ in range(per_group):
+            state = step(state)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / per_group * 1e3)
+    return statistics.median(times)
+
+
+def time_fla(case: Case, host, do_bench: bool = False) -> float:
+    """Median ms of FLA's step timed as the jax columns are (threaded groups); ``do_bench``: triton's do_bench
+    median of one call from the same initial state instead."""
     os.environ.setdefault("FLA_FLASH_QLA", "0")
     import torch
     import triton
@@ -110,12 +130,14 @@ def time_fla(case: Case, host) -> float:
     tb = torch.from_numpy(beta).to(dev, bf)
     th0 = torch.from_numpy(pool).to(dev)
 
-    def fn():
-        return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tb, initial_state=th0, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
-    fn()
+    def step(h):
+        return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tb, initial_state=h, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)[1]
+    step(th0)
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+    if do_bench:
+        return float(triton.testing.do_bench(lambda: step(th0), warmup=50, rep=300, return_mode="median"))
+    return _time_threaded_torch(step, th0)
 
 
 def _has_gpu() -> bool:
@@ -149,9 +171,15 @@ def run_section(quick: bool = False) -> dict:
                 ms[impl] = None
         nbytes = state_bytes(case)
         launch = dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
-        rows.append({"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
-                     "state_bytes": nbytes, "ms": ms, "pallas_config": launch,
-                     "gbps": {k: (None if t is None else nbytes / t / 1e6) for k, t in ms.items()}})
+        row = {"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
+               "state_bytes": nbytes, "ms": ms, "pallas_config": launch,
+               "gbps": {k: (None if t is None else nbytes / t / 1e6) for k, t in ms.items()}}
+        if gpu and ms.get("fla") is not None:
+            try:
+                row["fla_do_bench_ms"] = time_fla(case, host, do_bench=True)
+            except Exception as e:                         # noqa: BLE001
+                print(f"decode {case.name} fla do_bench: failed: {type(e).__name__}: {str(e)[:200]}")
+        rows.append(row)
     return {"rows": rows, "note": "gbps = state bytes read + written (2 N Hv K V 4) / time; "
                                   + ("CPU smoke run, not a measurement" if quick or not gpu else "")}
 
