@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -236,36 +235,8 @@ def main():
             res["numerics"].append(row)
 
     # ---- kernel timing ----
-    def wall_threaded_torch(step, state, warmup, groups, per_group):
-        import torch
-        for _ in range(warmup):
-            state = step(state)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(groups):
-            t0 = time.perf_counter()
-            for _ in range(per_group):
-                state = step(state)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / per_group * 1e3)
-        return statistics.median(times)
-
-    def fla_ms(case, host):
-        os.environ.setdefault("FLA_FLASH_QLA", "0")
-        import torch
-        import triton
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-        q, k, v, g, beta, pool, _ = host
-        d, tb = "cuda", torch.bfloat16
-        tq, tk, tv = (torch.from_numpy(x).to(d, tb) for x in (q, k, v))
-        tg, tbeta, th0 = torch.from_numpy(g).to(d), torch.from_numpy(beta).to(d, tb), torch.from_numpy(pool).to(d)
-
-        def step(h):
-            return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tbeta, initial_state=h,
-                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)[1]
-        wall = wall_threaded_torch(step, th0, **timing)
-        bench = float(triton.testing.do_bench(lambda: step(th0), warmup=50, rep=300, return_mode="median"))
-        return wall, bench
+    def fla_ms(case, host):                                   # threaded groups (as the jax rows), do_bench beside
+        return bench_decode.time_fla(case, host), bench_decode.time_fla(case, host, do_bench=True)
 
     def pallas_copy(pool, ids, block_v, num_warps):
         """A Pallas Triton kernel with the decode kernel's grid (value block fastest), slot lookup, [K, BV] block load
