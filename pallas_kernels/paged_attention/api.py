@@ -11,6 +11,12 @@ reads kv head h // G), Dh head dim, P pages in the pool, Ps tokens per page, W p
                           q_norm [Dh], cos [T, R], sin [T, R], num_heads, scale, eps, backend="xla")
         -> o [T, H * Dh]   (Qwen3-Next's gated attention prefill: q RMSNorm + partial RoPE on the raw q_proj
                             output, attention, * sigmoid(gate) in the kernel's epilogue on the Pallas backends)
+    paged_attention_decode_gated(qg [N, C], k_pages, v_pages, page_table, slot_lens, slot_ids, *, q_norm,
+                                 cos [N, R], sin [N, R], num_heads, scale, eps, backend="xla") -> o [N, H * Dh]
+                           (the same for one decode step: the gate where the decode kernels finish o)
+    paged_kv_write(k_pages, v_pages, yk [T, Ck], yv [T, Cv], token_page [T], token_offset [T], *, k_norm, cos,
+                   sin, k_col, v_col, eps, backend="xla") -> (k_pages, v_pages)
+                           (k RMSNorm + RoPE and both page writes; one kernel on the Pallas backends)
 
 slot_lens are the tokens each slot holds AFTER this call's K/V were written: query j of stream n (token
 cu[n] + j) sits at position slot_lens[slot] - (cu[n+1] - cu[n]) + j and attends causally to its slot's keys
