@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/gdn_decode_s6.py [--quick] [--budget SECONDS]     (results under $OUT, default /tmp/out)
 
-Steps, in this order, each skipped when the deadline (``--budget``, default 100 s from start) would not fit it:
+Steps (numerics kernel, numerics layer, layer step, kernel N256, kernel N64), each skipped when the deadline (``--budget``, default 100 s from start) would not fit it:
   numerics kernel   N 64, Qwen3-Next heads (Hk 16, Hv 32, K = V = 128), bf16 q/k/v/beta, fp32 g and pool of S = N + 8
                     slots (ids permuted, two fresh streams over NaN-stale slots, untouched NaN slots), fused L2 norm:
                     the decode kernel (default DecodeConfig and each load hint) against the XLA step in fp32
@@ -121,7 +121,7 @@ def main():
         config = bench_model.tiny_config(4)
         n_layer = 6
         hint_cfgs = [DC(load_hint="evict_first", block_v=16)]
-        copy_shapes = [(16, 2)]
+        copy_shapes = [(16, 2, False), (16, 2, True)]
     else:
         k256 = Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128)
         k64 = Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128)
@@ -129,7 +129,7 @@ def main():
         n_layer = 64
         hint_cfgs = [DC(load_hint="masked"), DC(load_hint="evict_first"), DC(num_warps=4, load_hint="evict_first"),
                      DC(block_v=128, num_warps=8, load_hint="evict_first")]
-        copy_shapes = [(64, 2), (128, 4)]
+        copy_shapes = [(64, 2, False), (64, 2, True), (128, 4, False)]
     dims = config.gdn_dims
 
     # ---- numerics: the kernel against the XLA step ----
@@ -238,9 +238,10 @@ def main():
     def fla_ms(case, host):                                   # threaded groups (as the jax rows), do_bench beside
         return bench_decode.time_fla(case, host), bench_decode.time_fla(case, host, do_bench=True)
 
-    def pallas_copy(pool, ids, block_v, num_warps):
+    def pallas_copy(pool, ids, block_v, num_warps, direct=False):
         """A Pallas Triton kernel with the decode kernel's grid (value block fastest), slot lookup, [K, BV] block load
-        and in-place store, and no arithmetic but a scale: what the launch shape alone reaches."""
+        and in-place store, and no arithmetic but a scale: what the launch shape alone reaches. ``direct``: slot =
+        stream index (no dependent load of the slot id before the state's)."""
         from jax.experimental import pallas as pl
         from jax.experimental.pallas import triton as pltr
         _, hv, _, vdim = pool.shape
@@ -248,7 +249,7 @@ def main():
 
         def kern(ids_ref, p_in, p_out):
             vb, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-            slot, vs = ids_ref[i], pl.ds(vb * bv, bv)
+            slot, vs = (i if direct else ids_ref[i]), pl.ds(vb * bv, bv)
             p_out[slot, h, :, vs] = p_in[slot, h, :, vs] * 1.0001
         return pl.pallas_call(kern, grid=(vdim // bv, hv, ids.shape[0]),
                               out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={1: 0},
@@ -285,12 +286,14 @@ def main():
             except Exception as e:
                 res["errors"].append(f"kernel {case.name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:400]}")
                 log(f"FAIL kernel {case.name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:400]}")
-        for bv, warps in copy_shapes:                     # the decode kernel's launch shape with no arithmetic
+        for bv, warps, direct in copy_shapes:             # the decode kernel's launch shape with no arithmetic
             if left() < 5:
                 continue
             try:
-                fn = jax.jit(lambda p, bv=bv, warps=warps: pallas_copy(p, ids_d, bv, warps), donate_argnums=0)
-                put(f"pallas copy bv{bv}-w{warps}", bench_decode._time_threaded(fn, jnp.asarray(pool), **timing))
+                fn = jax.jit(lambda p, bv=bv, warps=warps, direct=direct: pallas_copy(p, ids_d, bv, warps, direct),
+                             donate_argnums=0)
+                put(f"pallas copy bv{bv}-w{warps}" + (" direct" if direct else ""),
+                    bench_decode._time_threaded(fn, jnp.asarray(pool), **timing))
             except Exception as e:
                 res["errors"].append(f"pallas copy {case.name}: {type(e).__name__}: {str(e)[:400]}")
                 log(f"FAIL pallas copy {case.name}: {type(e).__name__}: {str(e)[:300]}")
@@ -351,8 +354,8 @@ def main():
     big = 0 if quick else 1
     guarded("numerics kernel", 20 * big, lambda: kernel_numerics(k64))
     guarded("numerics layer", 15 * big, layer_numerics)
-    guarded("kernel N256", 25 * big, lambda: kernel_rows(k256, hint_cfgs))
     guarded("layer step", 20 * big, layer_timing)
+    guarded("kernel N256", 20 * big, lambda: kernel_rows(k256, hint_cfgs))
     guarded("kernel N64", 10 * big, lambda: kernel_rows(k64, hint_cfgs[1:2]))
 
     # ---- table ----
