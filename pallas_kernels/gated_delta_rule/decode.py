@@ -20,6 +20,9 @@ Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads
     q, k [N, T, Hk, K]; v [N, T, Hv, V]; g, beta [N, T, Hv]; pool [S, Hv, K, V] fp32;
     slot_ids, has_initial_state [N] int32  ->  o [N, T, Hv, V] in v's dtype, pool (aliased)
 
+With ``RawGates`` (the GDN layer's fused decode step) g and beta are made inside from the raw projections:
+g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), a and b given in place of g and beta as [N, T, Hk, Ca].
+
 ``fused_recurrent_gated_delta_rule_slots_fwd`` (called by api.py after validation) pads head dims to the kernel's
 sizes and guards against autodiff as the prefill entry points do. This module imports only jax (and its folder).
 """
