@@ -12,7 +12,8 @@ Steps (numerics kernel, numerics layer, layer step, kernel N256, kernel N64), ea
                     padding streams (slot id S), a fresh stream over a NaN-stale slot, NaN untouched slots: the
                     unfused step (today's: XLA phase 1 + decode kernel) and the fused step (in_proj, conv1d decode
                     kernel, decode kernel with gates inside, phase 3) against the unfused step with the XLA
-                    backend in fp32 (highest): relative RMS of the output, the ssm and conv states written.
+                    backend in fp32 (highest): relative RMS of the output, the ssm and conv states written; then
+                    the fused step in fp32 (highest) against the same (the 1e-5 check).
   kernel N256/N64   one token for N streams: the decode kernel (default, then load hints and BV 128 / 8 warps),
                     the XLA copy of the pool (pool * 1.0001: the practical floor), FLA's fused_recurrent (torch):
                     all timed the same way, groups of 10 back-to-back calls each feeding its new state to the next
@@ -223,10 +224,17 @@ def main():
         ref_o = np.asarray(ref_o)
         w, u, real = st["written"], st["untouched"], st["real"]
         f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
-        for step in ("unfused", "fused"):
-            o, sl = step_fn(step)(st["params"], st["hidden"], st["slots"], st["ids"], st["has"])
+        runs = [("unfused", "bf16", st["params"], st["hidden"], st["slots"]),
+                ("fused", "bf16", st["params"], st["hidden"], st["slots"]),
+                ("fused", "fp32", p32, st["hidden"].astype(jnp.float32), s32)]
+        for step, dname, p_, x_, sl_ in runs:
+            if left() < 8:
+                res["skipped"].append(f"numerics layer {step} {dname}")
+                continue
+            with jax.default_matmul_precision("highest" if dname == "fp32" else "default"):
+                o, sl = step_fn(step)(p_, x_, sl_, st["ids"], st["has"])
             row = {"case": f"layer N{n_layer} {dims.num_k_heads}/{dims.num_v_heads}x{dims.head_k_dim}",
-                   "impl": f"layer {step} (bf16)", "o_rel": rel(f32(o)[real], ref_o[real]),
+                   "impl": f"layer {step} ({dname})", "o_rel": rel(f32(o)[real], ref_o[real]),
                    "state_rel": rel(f32(sl.ssm_state)[w], f32(ref_s.ssm_state)[w]),
                    "conv_rel": rel(f32(sl.conv_state)[w], f32(ref_s.conv_state)[w]),
                    "untouched_nan": bool(np.isnan(f32(sl.ssm_state)[u]).all() and np.isnan(f32(sl.conv_state)[u]).all()),
