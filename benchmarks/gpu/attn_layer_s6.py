@@ -17,6 +17,8 @@ Variants (module switches read when the layer is traced):
   direct_merge  the same without the cond (context call always, empty on a fresh batch)
   all_cond      fused_w + direct_cond (the new default)
   all_merge     fused_w + direct_merge
+  (all_* also write the K/V pages with attention.KV_WRITE_UNIQUE: flat rows, unique indices; all_cond_kv2:
+  all_cond with the old (page, offset) scatter; kv_rows: that change alone)
   pallas        the Pallas fused gated kernel (held qkv_proj), for reference
 Numerics: relative RMS of each variant's output (and of the pages it wrote) against the XLA backend's layer
 (three weights, bf16 inputs, fp32 softmax) and against "current" (all in bf16: no fp32 matmul precision
@@ -40,15 +42,17 @@ OUT = os.environ.get("OUT", "/tmp/out")
 RES = {"rows": []}
 _LOG = []
 
-# name: (hold qkv_proj, CUDNN_DIRECT, cudnn.FRESH, backend family, kernel table in cases)
+# name: (hold qkv_proj, CUDNN_DIRECT, cudnn.FRESH, KV_WRITE_UNIQUE, backend family, kernel table in cases)
 VARIANTS = {
-    "current": (False, False, "cond", "cudnn", ("fresh", "ctx2k")),
-    "all_cond": (True, True, "cond", "cudnn", ("fresh", "ctx2k")),
-    "all_merge": (True, True, "merge", "cudnn", ("fresh",)),
-    "fused_w": (True, False, "cond", "cudnn", ()),
-    "direct_cond": (False, True, "cond", "cudnn", ()),
-    "direct_merge": (False, True, "merge", "cudnn", ()),
-    "pallas": (True, False, "cond", "pallas", ()),
+    "current": (False, False, "cond", False, "cudnn", ("fresh", "ctx2k")),
+    "all_cond": (True, True, "cond", True, "cudnn", ("fresh", "ctx2k")),
+    "all_merge": (True, True, "merge", True, "cudnn", ("fresh",)),
+    "all_cond_kv2": (True, True, "cond", False, "cudnn", ()),
+    "fused_w": (True, False, "cond", False, "cudnn", ()),
+    "direct_cond": (False, True, "cond", False, "cudnn", ()),
+    "kv_rows": (False, False, "cond", True, "cudnn", ()),
+    "direct_merge": (False, True, "merge", False, "cudnn", ()),
+    "pallas": (True, False, "cond", True, "pallas", ()),
 }
 
 
@@ -141,7 +145,7 @@ def main():
     RES.update(jax=jax.__version__, device=str(jax.devices()[0]), quick=a.quick, budget=a.budget)
     gpu = jax.default_backend() == "gpu" and not a.quick
     fam = {"cudnn": "cudnn" if gpu else "cudnn_xla", "pallas": "pallas" if gpu else "pallas_interpret"}
-    saved = (attn_mod.CUDNN_DIRECT, cudnn.FRESH)
+    saved = (attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE)
     outs = {}
     for case, ctx in (("fresh", 0), ("ctx2k", 2048 if not a.quick else 40)):
         if time.time() > end - 15:
@@ -151,21 +155,23 @@ def main():
         pf = fuse_qkv(p3)
         # reference: the XLA backend (three weights, unfused)
         try:
-            attn_mod.CUDNN_DIRECT = False
+            attn_mod.CUDNN_DIRECT, attn_mod.KV_WRITE_UNIQUE = False, False
             ref_out, ref_kv = jax.block_until_ready(make_layer(adims, "xla")(p3, x, kv, *meta))
             ref = (np.asarray(ref_out.astype(jnp.float32)), np.asarray(ref_kv.k_pages.astype(jnp.float32)))
             log(f"[{case}] xla reference done ({time.time() - t0:.0f} s)")
         except Exception as err:  # noqa: BLE001
             ref = None
             log(f"[{case}] xla reference failed: {type(err).__name__}: {str(err)[:300]}")
-        for name, (hold, direct, fresh, family, tables) in VARIANTS.items():
+        finally:
+            attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = saved
+        for name, (hold, direct, fresh, kv_unique, family, tables) in VARIANTS.items():
             need = 14 if case in tables else 8
             if time.time() > end - need:
                 log(f"[{case}] skip {name}: budget")
                 continue
             row = {"case": case, "variant": name, "T": t, "context": ctx}
             try:
-                attn_mod.CUDNN_DIRECT, cudnn.FRESH = direct, fresh
+                attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = direct, fresh, kv_unique
                 fn = make_layer(adims, fam[family])
                 params = pf if hold else p3
                 args = (params, x, kv) + meta
@@ -190,7 +196,7 @@ def main():
                 row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
                 log(f"[{case}] {name} failed: {row['error']}")
             finally:
-                attn_mod.CUDNN_DIRECT, cudnn.FRESH = saved
+                attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = saved
             RES["rows"].append(row)
             save()
         del kv, x, p3, pf

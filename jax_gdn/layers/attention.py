@@ -145,11 +145,29 @@ def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: ja
 # ================================================================================================================
 # Stage 2: the paged cache
 # ================================================================================================================
+#: How ``write_kv_pages`` scatters: True: rows of the flat [P Ps, Hkv Dh] pool with ``unique_indices`` (every
+#: kept token has its own (page, offset), dropped tokens get distinct out-of-range rows), so XLA may store the
+#: rows directly (no atomic read-modify-write per 16-bit element); False: the two-index (page, offset) scatter.
+KV_WRITE_UNIQUE = True
+
+
 def write_kv_pages(kv: KvPages, k: jax.Array, v: jax.Array, token_page: jax.Array,
                    token_offset: jax.Array) -> KvPages:
     """Writes k, v [T, Hkv, Dh] to ``pages[token_page[t], token_offset[t]]``; a token whose page is out of range
-    (>= P, e.g. padding, or negative: never wrapped) is dropped."""
-    token_page = jnp.where(token_page < 0, kv.k_pages.shape[0], token_page)
+    (>= P, e.g. padding, or negative: never wrapped) or whose offset is outside [0, Ps) is dropped. Two kept
+    tokens must not share a (page, offset) (which one lands is then undefined)."""
+    p, ps = kv.k_pages.shape[:2]
+    if KV_WRITE_UNIQUE:
+        t = k.shape[0]
+        ok = (token_page >= 0) & (token_page < p) & (token_offset >= 0) & (token_offset < ps)
+        rows = jnp.where(ok, token_page * ps + token_offset, p * ps + jnp.arange(t, dtype=jnp.int32))
+
+        def put(pages, x):
+            flat = pages.reshape(p * ps, -1).at[rows].set(x.reshape(t, -1).astype(pages.dtype), mode="drop",
+                                                          unique_indices=True)
+            return flat.reshape(pages.shape)
+        return KvPages(k_pages=put(kv.k_pages, k), v_pages=put(kv.v_pages, v))
+    token_page = jnp.where(token_page < 0, p, token_page)
     k_pages = kv.k_pages.at[token_page, token_offset].set(k.astype(kv.k_pages.dtype), mode="drop")
     v_pages = kv.v_pages.at[token_page, token_offset].set(v.astype(kv.v_pages.dtype), mode="drop")
     return KvPages(k_pages=k_pages, v_pages=v_pages)

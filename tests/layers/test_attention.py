@@ -268,12 +268,21 @@ def test_bench_attention_section_shape_on_cpu(capsys):
     assert "decode-256x1024" in capsys.readouterr().out
 
 
-def test_write_kv_pages_drops_out_of_range_and_negative_pages():
-    kv = KvPages.zeros(3, 2, 1, 4)
-    k = jnp.arange(1, 5, dtype=jnp.float32)[:, None, None] * jnp.ones((4, 1, 4))
-    out = write_kv_pages(kv, k, -k, jnp.asarray([0, 3, -1, 2]), jnp.asarray([1, 0, 1, 0]))
+@pytest.mark.parametrize("unique", [True, False])
+def test_write_kv_pages_drops_out_of_range_and_negative_pages(unique, monkeypatch):
+    """Both scatters (``KV_WRITE_UNIQUE``: flat rows with unique indices, or (page, offset)); the row form also
+    drops offsets outside [0, Ps) instead of writing another page's row."""
+    import jax_gdn.layers.attention as attention_mod
+    monkeypatch.setattr(attention_mod, "KV_WRITE_UNIQUE", unique)
+    kv = KvPages(jnp.full((3, 2, 1, 4), 7.0), jnp.full((3, 2, 1, 4), -7.0))
+    k = jnp.arange(1, 7, dtype=jnp.float32)[:, None, None] * jnp.ones((6, 1, 4))
+    pages, offs = [0, 3, -1, 2, 1, 0], [1, 0, 1, 0, 0, 0]
+    if unique:
+        pages, offs = pages + [1, 2], offs + [2, -1]
+        k = jnp.concatenate([k, jnp.full((2, 1, 4), 9.0)])
+    out = write_kv_pages(kv, k, -k, jnp.asarray(pages), jnp.asarray(offs))
     kp = np.asarray(out.k_pages)[:, :, 0, 0]
-    np.testing.assert_array_equal(kp, [[0, 1], [0, 0], [4, 0]])      # page 3 (== P) and page -1 dropped
+    np.testing.assert_array_equal(kp, [[6, 1], [5, 7], [4, 7]])      # page 3 (== P) and page -1 dropped
     np.testing.assert_array_equal(np.asarray(out.v_pages)[:, :, 0, 0], -kp)
 
 
