@@ -353,8 +353,8 @@ def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids
         impl = "cudnn" if backend == "cudnn" else "xla"
         q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
         if k_new is not None and (impl == "xla" or _cudnn.kv_offset_unit(num_heads, k_pages.shape[2], dh) == 1):
-            o = _cudnn.prefill_direct(q, k_new, v_new, k_pages, v_pages, *args, scale=scale, gate=gate,
-                                      config=config, impl=impl)
+            o = _cudnn.prefill_direct(q, k_new, v_new, k_pages, v_pages, *args, scale=scale, gate=qg,
+                                      config=config, impl=impl)        # the gate sliced from qg in the last pass
             return o.reshape(qg.shape[0], num_heads * dh)
         o = _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config, impl=impl)
         o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)

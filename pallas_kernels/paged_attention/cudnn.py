@@ -405,8 +405,10 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     (token t's are row t; the K/V buffer of the causal call IS them, with the query offsets cu[:-1] as key
     offsets); k_pages, v_pages [P, Ps, Hkv, Dh] and the rest as ``paged_attention_prefill_cudnn``: only the
     CONTEXT keys (positions < slot_lens[slot] - len_n) are gathered from the pages, into a context-only buffer.
-    gate [T, H, Dh] or None: the output is ``o * sigmoid(gate)`` (Qwen3-Next's output gate, in the same pass
-    as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it). config.fresh: "cond" runs, when no
+    gate [T, H, Dh], or q_proj's raw output qg [T, C] (C >= H 2 Dh: head h's gate at columns h 2 Dh + Dh ..,
+    sliced inside the branch that uses it, so that XLA fuses the slice into the last pass instead of
+    materializing it as an operand of the cond), or None: the output is ``o * sigmoid(gate)`` (Qwen3-Next's
+    output gate, in the same pass as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it). config.fresh: "cond" runs, when no
     live stream has context, the causal call alone (no statistics, no context gather, no merge) through
     ``lax.cond``; "merge" always runs both calls. config.context False: the causal call only (a stream with
     context gets zero rows). Rows of padding tokens and of streams that read nothing are zero (k_new / v_new
@@ -427,8 +429,10 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if tuple(x.shape) != (t, hkv, dh):
             raise ValueError(f"{name} must be [T, Hkv, Dh] = {[t, hkv, dh]}, got {list(x.shape)}")
-    if gate is not None and tuple(gate.shape) != (t, h, dh):
-        raise ValueError(f"gate must be [T, H, Dh] = {[t, h, dh]}, got {list(gate.shape)}")
+    if gate is not None and tuple(gate.shape) != (t, h, dh) and not (gate.ndim == 2 and gate.shape[0] == t
+                                                                     and gate.shape[1] >= 2 * h * dh):
+        raise ValueError(f"gate must be [T, H, Dh] = {[t, h, dh]} or q_proj's output [T, C >= {2 * h * dh}], got "
+                         f"{list(gate.shape)}")
     if n == 0 or t == 0:
         return jnp.zeros(q.shape, q.dtype)
     unit = kv_offset_unit(h, hkv, dh) if impl == "cudnn" else 1
@@ -449,24 +453,26 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     seg_new = _segments(pk.live, cu[:-1], pk.length, cu[:-1], pk.length, m=m, q_end=t, kv_end=t)
     has_ctx = pk.live & (pk.ctx > 0)
 
-    def finish(o):                      # o [T, H, Dh] (zero rows where not live) -> q's dtype, gated
+    def finish(o, g):                   # o [T, H, Dh] (zero rows where not live) -> q's dtype, gated
         o = o.astype(q.dtype)
-        if gate is not None:
-            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(q.dtype)
+        if g is not None:
+            if g.ndim == 2:                 # q_proj's raw output: head h's gate at columns h 2 Dh + Dh ..
+                g = g[:, :2 * h * dh].reshape(t, h, 2 * dh)[..., dh:]
+            o = o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(q.dtype)
         return o
 
-    def fresh(q, kn, vn, k_pages, v_pages):
+    def fresh(q, kn, vn, k_pages, v_pages, g):
         o1, _ = attend(q, kn, vn, seg_new, causal=True, scale=scale, stats=False)
-        return finish(jnp.where(row_live[:, None, None], o1, zero))
+        return finish(jnp.where(row_live[:, None, None], o1, zero), g)
 
-    def with_context(q, kn, vn, k_pages, v_pages):
+    def with_context(q, kn, vn, k_pages, v_pages, g):
         o1, st1 = attend(q, kn, vn, seg_new, causal=True, scale=scale)
         kc, vc = gather_kv(k_pages, v_pages, pk.rows)
         seg_ctx = _segments(has_ctx, cu[:-1], pk.length, pk.kv_start, pk.ctx, m=m, q_end=t, kv_end=cap)
         o2, st2 = attend(q, kc, vc, seg_ctx, causal=False, scale=scale)
-        return finish(_merge(o1, st1, seg_new, o2, st2, seg_ctx, stream, j, row_live, has_ctx))
+        return finish(_merge(o1, st1, seg_new, o2, st2, seg_ctx, stream, j, row_live, has_ctx), g)
 
-    args = (q, kn, vn, k_pages, v_pages)
+    args = (q, kn, vn, k_pages, v_pages, gate)
     if not config.context:
         return fresh(*args)
     if config.fresh == "merge":

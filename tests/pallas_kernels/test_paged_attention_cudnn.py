@@ -272,15 +272,18 @@ def test_direct_bf16_gqa_and_gate():
     case = make_case(rng, streams=[(0, 40, 33), (1, 0, 64), (3, 17, 1)], hkv=1, group=8, dh=64,
                      dtype=jnp.bfloat16)
     gate = jnp.asarray(rng.standard_normal(case.q.shape), jnp.bfloat16)
-    out = _direct(case, jnp.bfloat16, 0.125, gate=gate)
     g = 1.0 / (1.0 + np.exp(-np.asarray(gate.astype(jnp.float32), np.float64)))
     ref = oracle(case, 0.125) * g
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    for i, (s, o, n, _, _) in enumerate(case.streams):
-        if s >= 0 and n:
-            rows = slice(case.cu[i], case.cu[i] + n)
-            assert rel_rms(out[rows], ref[rows]) <= 2e-2, i
-    np.testing.assert_array_equal(out[case.cu[-1]:], 0.0)
+    t, h, dh = case.q.shape
+    qg = jnp.concatenate([jnp.zeros((t, h, dh), jnp.bfloat16), gate], axis=-1).reshape(t, 2 * h * dh)
+    qg = jnp.concatenate([qg, jnp.full((t, 5), jnp.nan, jnp.bfloat16)], axis=1)   # a fused projection's k, v
+    for gate_arg in (gate, qg):                       # the gate, or q_proj's raw output holding it
+        out = np.asarray(_direct(case, jnp.bfloat16, 0.125, gate=gate_arg).astype(jnp.float32), np.float64)
+        for i, (s, o, n, _, _) in enumerate(case.streams):
+            if s >= 0 and n:
+                rows = slice(case.cu[i], case.cu[i] + n)
+                assert rel_rms(out[rows], ref[rows]) <= 2e-2, i
+        np.testing.assert_array_equal(out[case.cu[-1]:], 0.0)
 
 
 def test_direct_context_off_and_overflow_give_zero_rows():
