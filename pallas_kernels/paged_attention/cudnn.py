@@ -467,7 +467,10 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
 
     def with_context(q, kn, vn, k_pages, v_pages, g):
         o1, st1 = attend(q, kn, vn, seg_new, causal=True, scale=scale)
-        kc, vc = gather_kv(k_pages, v_pages, pk.rows)
+        # the buffer rows [K] built here, not outside: a value the branch closes over is computed before the cond
+        rows = build_packing(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=p, page_size=ps,
+                             capacity=cap, align=1, context=config.context, new_rows=False).rows
+        kc, vc = gather_kv(k_pages, v_pages, rows)
         seg_ctx = _segments(has_ctx, cu[:-1], pk.length, pk.kv_start, pk.ctx, m=m, q_end=t, kv_end=cap)
         o2, st2 = attend(q, kc, vc, seg_ctx, causal=False, scale=scale)
         return finish(_merge(o1, st1, seg_new, o2, st2, seg_ctx, stream, j, row_live, has_ctx), g)
