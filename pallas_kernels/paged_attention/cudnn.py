@@ -408,9 +408,9 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     gate [T, H, Dh], or q_proj's raw output qg [T, C] (C >= H 2 Dh: head h's gate at columns h 2 Dh + Dh ..,
     sliced inside the branch that uses it, so that XLA fuses the slice into the last pass instead of
     materializing it as an operand of the cond), or None: the output is ``o * sigmoid(gate)`` (Qwen3-Next's
-    output gate, in the same pass as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it). config.fresh: "cond" runs, when no
-    live stream has context, the causal call alone (no statistics, no context gather, no merge) through
-    ``lax.cond``; "merge" always runs both calls. config.context False: the causal call only (a stream with
+    output gate, in the same pass as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it).
+    config.fresh: "cond" runs, when no live stream has context, the causal call alone (no statistics, no context
+    gather, no merge) through ``lax.cond``; "merge" always runs both calls. config.context False: the causal call only (a stream with
     context gets zero rows). Rows of padding tokens and of streams that read nothing are zero (k_new / v_new
     rows outside live streams are zeroed before the call: cuDNN may load a tile past a segment's end).
     Returns o [T, H, Dh] in q's dtype. Needs jax's per-kv-head packed offsets (``kv_offset_unit`` 1: jax >=
