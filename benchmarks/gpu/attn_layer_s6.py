@@ -42,17 +42,20 @@ OUT = os.environ.get("OUT", "/tmp/out")
 RES = {"rows": []}
 _LOG = []
 
-# name: (hold qkv_proj, CUDNN_DIRECT, cudnn.FRESH, KV_WRITE_UNIQUE, backend family, kernel table in cases)
+# name: (hold qkv_proj, CUDNN_DIRECT, cudnn.FRESH, KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE, backend family,
+#        kernel table in cases)
 VARIANTS = {
-    "current": (False, False, "cond", False, "cudnn", ("fresh", "ctx2k")),
-    "all_cond": (True, True, "cond", True, "cudnn", ("fresh", "ctx2k")),
-    "all_merge": (True, True, "merge", True, "cudnn", ("fresh",)),
-    "all_cond_kv2": (True, True, "cond", False, "cudnn", ()),
-    "fused_w": (True, False, "cond", False, "cudnn", ()),
-    "direct_cond": (False, True, "cond", False, "cudnn", ()),
-    "kv_rows": (False, False, "cond", True, "cudnn", ()),
-    "direct_merge": (False, True, "merge", False, "cudnn", ()),
-    "pallas": (True, False, "cond", True, "pallas", ()),
+    "current": (False, False, "cond", False, "xla", "cudnn", ("fresh", "ctx2k")),
+    "all_cond": (True, True, "cond", True, "xla", "cudnn", ("fresh", "ctx2k")),
+    "all_merge": (True, True, "merge", True, "xla", "cudnn", ("fresh",)),
+    "all_cond_qp": (True, True, "cond", True, "pallas", "cudnn", ("fresh",)),
+    "all_merge_qp": (True, True, "merge", True, "pallas", "cudnn", ()),
+    "all_cond_kv2": (True, True, "cond", False, "xla", "cudnn", ()),
+    "fused_w": (True, False, "cond", False, "xla", "cudnn", ()),
+    "direct_cond": (False, True, "cond", False, "xla", "cudnn", ()),
+    "kv_rows": (False, False, "cond", True, "xla", "cudnn", ()),
+    "direct_merge": (False, True, "merge", False, "xla", "cudnn", ()),
+    "pallas": (True, False, "cond", True, "xla", "pallas", ()),
 }
 
 
@@ -145,7 +148,7 @@ def main():
     RES.update(jax=jax.__version__, device=str(jax.devices()[0]), quick=a.quick, budget=a.budget)
     gpu = jax.default_backend() == "gpu" and not a.quick
     fam = {"cudnn": "cudnn" if gpu else "cudnn_xla", "pallas": "pallas" if gpu else "pallas_interpret"}
-    saved = (attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE)
+    saved = (attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE)
     outs = {}
     for case, ctx in (("fresh", 0), ("ctx2k", 2048 if not a.quick else 40)):
         if time.time() > end - 15:
@@ -163,15 +166,16 @@ def main():
             ref = None
             log(f"[{case}] xla reference failed: {type(err).__name__}: {str(err)[:300]}")
         finally:
-            attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = saved
-        for name, (hold, direct, fresh, kv_unique, family, tables) in VARIANTS.items():
+            attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE = saved
+        for name, (hold, direct, fresh, kv_unique, qp, family, tables) in VARIANTS.items():
             need = 14 if case in tables else 8
             if time.time() > end - need:
                 log(f"[{case}] skip {name}: budget")
                 continue
             row = {"case": case, "variant": name, "T": t, "context": ctx}
             try:
-                attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = direct, fresh, kv_unique
+                (attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE,
+                 cudnn.Q_PROLOGUE) = direct, fresh, kv_unique, qp
                 fn = make_layer(adims, fam[family])
                 params = pf if hold else p3
                 args = (params, x, kv) + meta
@@ -196,7 +200,7 @@ def main():
                 row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
                 log(f"[{case}] {name} failed: {row['error']}")
             finally:
-                attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE = saved
+                attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE = saved
             RES["rows"].append(row)
             save()
         del kv, x, p3, pf

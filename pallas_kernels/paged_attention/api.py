@@ -329,11 +329,15 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
         return jnp.zeros((0, num_heads * dh), qg.dtype)
     if backend not in ("cudnn", "cudnn_xla"):
         k_new = v_new = None
-    elif k_new is not None:                    # the fresh-batch mode resolved here: a static argument of the jit
+    else:                                      # module defaults resolved here: static arguments of the jit
         from pallas_kernels.paged_attention import cudnn as _cudnn
         config = config or _cudnn.CudnnConfig()
         if config.fresh is None:
             config = config._replace(fresh=_cudnn.FRESH)
+        if config.q_prologue is None:
+            config = config._replace(q_prologue=_cudnn.Q_PROLOGUE)
+        if config.q_prologue not in ("xla", "pallas"):
+            raise ValueError(f"CudnnConfig.q_prologue must be 'xla' or 'pallas', got {config.q_prologue!r}")
     return _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new,
                       v_new, num_heads=int(num_heads), eps=float(eps), scale=float(scale), backend=backend,
                       config=config)
@@ -351,7 +355,13 @@ def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids
         from pallas_kernels.paged_attention import cudnn as _cudnn
         dh = k_pages.shape[-1]
         impl = "cudnn" if backend == "cudnn" else "xla"
-        q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
+        if config.q_prologue == "pallas" and not dh & (dh - 1):
+            from pallas_kernels.paged_attention.q_prologue import gated_query_pallas
+            q = gated_query_pallas(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps,
+                                   interpret=_platform() != "gpu")
+            gate = qg[:, :num_heads * 2 * dh].reshape(qg.shape[0], num_heads, 2 * dh)[..., dh:]
+        else:
+            q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
         if k_new is not None and (impl == "xla" or _cudnn.kv_offset_unit(num_heads, k_pages.shape[2], dh) == 1):
             o = _cudnn.prefill_direct(q, k_new, v_new, k_pages, v_pages, *args, scale=scale, gate=qg,
                                       config=config, impl=impl)        # the gate sliced from qg in the last pass

@@ -76,6 +76,8 @@ STATS_ROWS = "segment"
 STATS_TO_LN = 1.0
 #: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond" or "merge" (see CudnnConfig).
 FRESH = "cond"
+#: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig).
+Q_PROLOGUE = "xla"
 
 
 class CudnnConfig(NamedTuple):
@@ -85,10 +87,12 @@ class CudnnConfig(NamedTuple):
     fresh (``prefill_direct`` only): how a call with no context in any stream skips the context call and the
     merge: "cond" (``lax.cond`` on "any live stream has context": one branch runs the causal call alone, without
     statistics) or "merge" (always both calls and the merge: the context call then has no live segment); None:
-    ``FRESH``."""
+    ``FRESH``. q_prologue (the gated entry only): the q RMSNorm + RoPE as XLA fusions ("xla") or one Pallas
+    kernel ("pallas": q_prologue.py; interpret mode off a GPU); None: ``Q_PROLOGUE``."""
     context: bool = True
     kv_capacity: Optional[int] = None
     fresh: Optional[str] = None
+    q_prologue: Optional[str] = None
 
 
 # ----------------------------------------------------------------------------------------------------------------

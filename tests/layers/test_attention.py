@@ -180,7 +180,7 @@ def test_cudnn_layer_direct_path_matches_xla(batch, dtype, tol):
     the fused qkv_proj the model holds and with the three weights, against the XLA layer: same outputs, same
     pages. A fresh batch (1, 63, 64, 65, 130 tokens) and one where two streams continue; padding tokens and a
     padding stream (slot id S) in both. Also the unfused cuDNN path (``fused=False``: the K/V gathered back from
-    the pages, context call and merge always)."""
+    the pages, context call and merge always) and the Pallas q norm + RoPE kernel (``cudnn.Q_PROLOGUE``)."""
     rng, dims, params = _layer_setup(4, dtype=dtype)
     params = {k: v.astype(dtype) for k, v in params.items()}
     ps, w, s = 8, 24, 6
@@ -205,14 +205,16 @@ def test_cudnn_layer_direct_path_matches_xla(batch, dtype, tol):
             np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[live],
                                        np.asarray(want.astype(jnp.float32))[live], rtol=tol, atol=tol)
     import jax_gdn.layers.attention as attention_mod
-    mp = pytest.MonkeyPatch()
-    mp.setattr(attention_mod, "CUDNN_DIRECT", False)
-    try:
-        out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
-                       backend="cudnn_xla")
-    finally:
-        mp.undo()
-    assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol
+    from pallas_kernels.paged_attention import cudnn
+    for switch in ((attention_mod, "CUDNN_DIRECT", False), (cudnn, "Q_PROLOGUE", "pallas")):
+        mp = pytest.MonkeyPatch()
+        mp.setattr(*switch)               # the unfused path; the q norm + RoPE kernel (interpret mode here)
+        try:
+            out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                           backend="cudnn_xla")
+        finally:
+            mp.undo()
+        assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol, switch[1]
 
 
 def test_fuse_qkv_tree_fuses_every_attention_mixer_once():

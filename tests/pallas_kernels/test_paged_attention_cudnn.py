@@ -317,6 +317,32 @@ def test_direct_bad_input():
                                   num_heads=q.shape[1], scale=1.0, backend="cudnn_xla", k_new=kn)
 
 
+@pytest.mark.parametrize("dtype,t,r", [(jnp.float32, 130, 16), (jnp.bfloat16, 63, 8), (jnp.float32, 1, 0),
+                                       (jnp.bfloat16, 65, 32)])
+def test_q_prologue_kernel_matches_xla(dtype, t, r):
+    """q_prologue.gated_query_pallas (interpret mode) against reference.gated_query: fp32 1e-6 relative, bf16 equal
+    up to one rounding step; NaN in q_proj's gate columns and in a fused projection's extra columns not read."""
+    from pallas_kernels.paged_attention.q_prologue import gated_query_pallas
+    from pallas_kernels.paged_attention.reference import gated_query
+    rng = np.random.default_rng(t + r)
+    h, dh = 4, 32
+    x = rng.standard_normal((t, h, 2 * dh))
+    x[..., dh:] = np.nan                                            # gate columns: not read by the prologue
+    qg = jnp.asarray(np.concatenate([x.reshape(t, -1), np.full((t, 24), np.nan)], axis=1), dtype)
+    w = jnp.asarray(0.1 * rng.standard_normal(dh), jnp.float32)
+    ang = np.arange(t)[:, None] * 0.37 * (1.0 + np.arange(r // 2))[None] if r else np.zeros((t, 0))
+    cos = jnp.asarray(np.cos(np.concatenate([ang, ang], 1)), jnp.float32)
+    sin = jnp.asarray(np.sin(np.concatenate([ang, ang], 1)), jnp.float32)
+    got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6, interpret=True)
+    want, _ = gated_query(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert got.shape == (t, h, dh) and np.all(np.isfinite(got))
+    assert rel_rms(got, want) <= (1e-6 if dtype == jnp.float32 else 4e-3)
+    with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
+        gated_query_pallas(qg, jnp.zeros(24), cos[:, :0], sin[:, :0], num_heads=h, head_dim=24, eps=1e-6,
+                           interpret=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: the real cuDNN call (skipped on CPU)
 # ----------------------------------------------------------------------------------------------------------------
