@@ -18,15 +18,19 @@ Variants (module switches read when the layer is traced):
   all_cond      fused_w + direct_cond (the new default)
   all_merge     fused_w + direct_merge
   (all_* also write the K/V pages with attention.KV_WRITE_UNIQUE: flat rows, unique indices; all_cond_kv2:
-  all_cond with the old (page, offset) scatter; kv_rows: that change alone)
+  all_cond with the old (page, offset) scatter; kv_rows: that change alone; *_qp: the q norm + RoPE as one
+  Pallas kernel, cudnn.Q_PROLOGUE "pallas")
   pallas        the Pallas fused gated kernel (held qkv_proj), for reference
 Numerics: relative RMS of each variant's output (and of the pages it wrote) against the XLA backend's layer
-(three weights, bf16 inputs, fp32 softmax) and against "current" (all in bf16: no fp32 matmul precision
-switch, it would change the GEMMs being timed). Timing: wall = median of ``--reps`` blocking
-calls after a warm-up (bench_layers._median_time); for the main variants also the kernel table of 5 calls under
-jax.profiler (profile_s6.kernel_table: wall median of 5, kernel ms per call by name, launches). Then, if time
-is left, the ``gpu`` tests of prefill_direct (pytest subprocess). Writes $OUT/attn_layer_s6.json and
-$OUT/attn_layer_s6.log; prints a table last. --quick: tiny dims on CPU ("cudnn_xla" stand-in, "pallas_interpret").
+(three weights, bf16 inputs, fp32 softmax) and against "current" (all in bf16: no fp32 matmul precision switch,
+it would change the GEMMs being timed). Timing: every variant compiled and checked first, then walls in
+interleaved rounds (each variant ``--reps`` blocking calls per round, ``--rounds`` rounds; median and p10 / p90)
+so that clock drift hits all alike; for the variants whose entry names the case, the kernel table of 5 calls
+under jax.profiler (profile_s6.kernel_table: its own wall median of 5, kernel ms per call by name, launches).
+Then, if 35 s are left, the ``gpu`` tests of prefill_direct, the q prologue and the cuDNN op (pytest
+subprocess). ``--variants a,b``: only those, in that order. Writes $OUT/<tag>.json and $OUT/<tag>.log (--tag,
+default attn_layer_s6); prints a table last. --quick: tiny dims on CPU ("cudnn_xla" stand-in,
+"pallas_interpret").
 """
 import argparse
 import json
@@ -40,6 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", "/tmp/out")
 RES = {"rows": []}
+TAG = "attn_layer_s6"
 _LOG = []
 
 # name: (hold qkv_proj, CUDNN_DIRECT, cudnn.FRESH, KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE, backend family,
@@ -48,8 +53,8 @@ VARIANTS = {
     "current": (False, False, "cond", False, "xla", "cudnn", ("fresh", "ctx2k")),
     "all_cond": (True, True, "cond", True, "xla", "cudnn", ("fresh", "ctx2k")),
     "all_merge": (True, True, "merge", True, "xla", "cudnn", ("fresh",)),
-    "all_cond_qp": (True, True, "cond", True, "pallas", "cudnn", ("fresh",)),
-    "all_merge_qp": (True, True, "merge", True, "pallas", "cudnn", ()),
+    "all_cond_qp": (True, True, "cond", True, "pallas", "cudnn", ("fresh", "ctx2k")),
+    "all_merge_qp": (True, True, "merge", True, "pallas", "cudnn", ("fresh",)),
     "all_cond_kv2": (True, True, "cond", False, "xla", "cudnn", ()),
     "fused_w": (True, False, "cond", False, "xla", "cudnn", ()),
     "direct_cond": (False, True, "cond", False, "xla", "cudnn", ()),
@@ -67,9 +72,9 @@ def log(*a):
 
 def save():
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "attn_layer_s6.json"), "w") as f:
+    with open(os.path.join(OUT, TAG + ".json"), "w") as f:
         json.dump(RES, f, indent=1, default=str)
-    with open(os.path.join(OUT, "attn_layer_s6.log"), "w") as f:
+    with open(os.path.join(OUT, TAG + ".log"), "w") as f:
         f.write("\n".join(_LOG) + "\n")
 
 
@@ -132,12 +137,21 @@ def rel_rms(a, b) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=100)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10, help="calls per variant per round")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
+    ap.add_argument("--variants", default=None, help="comma list of VARIANTS names (default: all, in order)")
+    ap.add_argument("--tag", default="attn_layer_s6", help="name of the JSON / log under $OUT")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-tests", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
     end = t0 + a.budget
+    global TAG
+    TAG = a.tag
+    names = a.variants.split(",") if a.variants else list(VARIANTS)
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; known: {list(VARIANTS)}")
     import jax
     import jax.numpy as jnp
     from jax_gdn import bench_layers as bl
@@ -167,7 +181,9 @@ def main():
             log(f"[{case}] xla reference failed: {type(err).__name__}: {str(err)[:300]}")
         finally:
             attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE = saved
-        for name, (hold, direct, fresh, kv_unique, qp, family, tables) in VARIANTS.items():
+        ready = {}                          # name -> (row, fn, args): compiled and checked, timed below
+        for name in names:
+            hold, direct, fresh, kv_unique, qp, family, tables = VARIANTS[name]
             need = 14 if case in tables else 8
             if time.time() > end - need:
                 log(f"[{case}] skip {name}: budget")
@@ -189,30 +205,47 @@ def main():
                 if "current" in outs.get(case, {}):
                     row["rel_rms_vs_current"] = rel_rms(o, outs[case]["current"])
                 outs.setdefault(case, {})[name] = o
-                row["wall_ms"] = 1e3 * bl._median_time(fn, args, a.reps)
-                if case in tables:
-                    kt = kernel_table(lambda: fn(*args), 5, f"attn_layer_{name}_{case}", top=25)
-                    row.update(kt_wall_ms=kt["wall_ms"], kernels_ms=kt["kernels_sum_ms"],
-                               launches=kt["launches_per_call"], kernels=kt["kernels"][:25])
-                log(f"[{case}] {name:13s} wall {row['wall_ms']:.3f} ms  rel_rms vs xla "
-                    f"{row.get('rel_rms_vs_xla', float('nan')):.2e}  ({time.time() - t0:.0f} s)")
+                ready[name] = (row, fn, args)
+                log(f"[{case}] {name:13s} compiled, rel_rms vs xla {row.get('rel_rms_vs_xla', float('nan')):.2e} "
+                    f"({time.time() - t0:.0f} s)")
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
                 log(f"[{case}] {name} failed: {row['error']}")
+                RES["rows"].append(row)
             finally:
                 attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE = saved
+        # walls: interleaved rounds (every variant a.reps calls per round) so that clock drift hits all alike
+        walls = {k: [] for k in ready}
+        for _ in range(max(1, a.rounds)):
+            for name, (row, fn, args) in ready.items():
+                for _ in range(max(1, a.reps)):
+                    t1 = time.perf_counter()
+                    jax.block_until_ready(fn(*args))
+                    walls[name].append(1e3 * (time.perf_counter() - t1))
+        for name, (row, fn, args) in ready.items():
+            row["wall_ms"] = float(np.median(walls[name]))
+            row["wall_p10_p90"] = [float(np.percentile(walls[name], 10)), float(np.percentile(walls[name], 90))]
+            if case in VARIANTS[name][6] and time.time() < end - 6:
+                kt = kernel_table(lambda: fn(*args), 5, f"attn_layer_{name}_{case}", top=25)
+                row.update(kt_wall_ms=kt["wall_ms"], kernels_ms=kt["kernels_sum_ms"],
+                           launches=kt["launches_per_call"], kernels=kt["kernels"][:25])
+            log(f"[{case}] {name:13s} wall {row['wall_ms']:.3f} ms (p10 {row['wall_p10_p90'][0]:.3f}, p90 "
+                f"{row['wall_p10_p90'][1]:.3f})  ({time.time() - t0:.0f} s)")
             RES["rows"].append(row)
             save()
+        ready.clear()
         del kv, x, p3, pf
     if gpu and not a.no_tests and time.time() < end - 35:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-m", "gpu",
-               "tests/pallas_kernels/test_paged_attention_cudnn.py", "-k", "direct or f64"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-m", "gpu",
+               "tests/pallas_kernels/test_paged_attention_cudnn.py", "-k", "direct or prologue or f64"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, end - time.time() - 3))
             RES["gpu_tests"] = {"rc": r.returncode, "tail": (r.stdout + r.stderr)[-1500:]}
         except subprocess.TimeoutExpired:
             RES["gpu_tests"] = {"rc": None, "tail": "timed out"}
         log("gpu tests rc", RES["gpu_tests"]["rc"], RES["gpu_tests"]["tail"][-400:])
+    else:
+        log(f"gpu tests not run (gpu={gpu}, no_tests={a.no_tests}, {end - time.time():.0f} s left, need 35)")
     save()
     log("== attention layer prefill, varlen16 at 80B dims (bf16)" + (" [QUICK: tiny dims, CPU]" if a.quick else ""))
     log(f"{'case':6s} {'variant':13s} {'wall ms':>8s} {'kt wall':>8s} {'kernels':>8s} {'launch':>6s} "

@@ -381,3 +381,21 @@ def test_gpu_cudnn_direct_matches_f64(fresh):
         out = jax.jit(lambda *a: cudnn.prefill_direct(*a, scale=256 ** -0.5, config=CudnnConfig(fresh=fresh),
                                                       impl="cudnn"))(q, kn, vn, kp, vp, pt, sl, cu, ids)
         check_against_oracle(case, out, 256 ** -0.5, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_q_prologue_kernel_at_80b_dims():
+    """The compiled Pallas q norm + RoPE at Dh 256, R 64, H 16 (bf16; odd token counts) against the XLA form."""
+    from pallas_kernels.paged_attention.q_prologue import gated_query_pallas
+    from pallas_kernels.paged_attention.reference import gated_query
+    rng = np.random.default_rng(30)
+    h, dh, r = 16, 256, 64
+    for t in (1, 63, 65, 130):
+        qg = jnp.asarray(rng.standard_normal((t, h * 2 * dh + 1024)), jnp.bfloat16)
+        w = jnp.asarray(0.1 * rng.standard_normal(dh), jnp.float32)
+        ang = np.arange(t)[:, None] * 0.01 * (1.0 + np.arange(r // 2))[None]
+        cos = jnp.asarray(np.cos(np.concatenate([ang, ang], 1)), jnp.float32)
+        sin = jnp.asarray(np.sin(np.concatenate([ang, ang], 1)), jnp.float32)
+        got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
+        want, _ = gated_query(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
+        assert rel_rms(got.astype(jnp.float32), want.astype(jnp.float32)) <= 4e-3, t
