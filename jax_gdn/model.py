@@ -38,7 +38,7 @@ the returned cache, never the one passed in.
 
 Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating period of ``layer_types`` (3 GDN
 + 1 attention for Qwen3-Next; see ``layer_plan``), a leftover tail unrolled; compile time does not grow with
-depth. Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...])
+depth (decode unrolls the scan by 2: ``DEFAULT_SCAN_UNROLL``). Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...])
 and each layer reads and writes them in place through offset slot / page ids (see ``_layers``).
 
 backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
@@ -492,11 +492,19 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+#: the layer scan's unroll per program when HybridModel(scan_unroll=None). Decode unrolls 2 repeats per loop
+#: iteration: on the H200 (8 layers at 80B dims, 64 streams; benchmarks/gpu/runtime_s6.py, session 6) the rolled
+#: decode step took 9.23 ms blocking / 7.04 pipelined, unrolled 8.79 / 6.65, compile 4.9 -> 6.8 s; a 2-fold unroll
+#: bounds the compile growth (48 tiny layers on CPU: rolled 3.8 s, by 4 9.4 s, fully 13.9 s). Prefill stays rolled
+#: (unrolled: 57.3 ms blocking but 57.0 pipelined against 58.4 / 56.6: no clear gain).
+DEFAULT_SCAN_UNROLL = {"prefill": 1, "decode": 2}
+
+
 def _scan_unroll(value) -> dict:
     """{"prefill", "decode"}: the ``unroll`` of the layer scan in each program, from HybridModel's scan_unroll:
-    None (the default: 1, a rolled loop, for both), an int >= 1 or a bool for both, or a dict with those keys."""
+    None (``DEFAULT_SCAN_UNROLL``), an int >= 1 or a bool for both, or a dict with those keys."""
     if value is None:
-        value = 1
+        value = DEFAULT_SCAN_UNROLL
     pair = dict(value) if isinstance(value, dict) else {"prefill": value, "decode": value}
     if set(pair) != {"prefill", "decode"}:
         raise ValueError(f"scan_unroll as a dict takes the keys 'prefill' and 'decode', got {sorted(pair)}")
@@ -550,8 +558,8 @@ class HybridModel:
     token_buckets: ascending token counts T is padded up to (default ``default_token_buckets()``); past the last
     one T is rounded up to a multiple of it. strict: check the status after every step (a sync; raises
     OutOfKvPagesError at the step that ran out of pages). scan_unroll: the ``unroll`` of the scan over the repeats
-    of the layer period, for both programs or as {"prefill": ..., "decode": ...} (default 1: compile time does
-    not grow with depth; see ``_scan_unroll``). compiler_options: XLA options of the prefill / decode programs
+    of the layer period, for both programs or as {"prefill": ..., "decode": ...} (default ``DEFAULT_SCAN_UNROLL``:
+    prefill rolled, decode by 2; compile time grows at most 2x the loop body, not with depth). compiler_options: XLA options of the prefill / decode programs
     (``jax.jit(compiler_options=...)``, e.g. {"xla_gpu_enable_command_buffer": ...}).
     """
 
