@@ -28,6 +28,8 @@ Steps (numerics kernel, numerics layer, layer step, kernel N256, kernel N64), ea
                     (benchmarks/gpu/trace_events.py).
 Writes $OUT/gdn_decode_s6.json and $OUT/gdn_decode_s6.log; prints a table last.
 --quick: the same steps on CPU at tiny sizes in interpret mode (a check of this script, not a measurement).
+--steps: only the steps whose labels start with one of the given prefixes; --two-pass-only: the kernel sweeps run
+the default and the two-pass variants (DecodeConfig.row_block) only, no FLA (the second run's form).
 """
 from __future__ import annotations
 
@@ -56,7 +58,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=100.0)
+    ap.add_argument("--steps", default="", help="comma-separated step labels (prefixes) to run only those, e.g. "
+                    "'numerics kernel,kernel N256'; default all")
+    ap.add_argument("--two-pass-only", action="store_true", help="kernel sweeps: only the default and the "
+                    "two-pass variants (DecodeConfig.row_block), with the XLA / Pallas copies beside")
     args = ap.parse_args()
+    only = [x.strip() for x in args.steps.split(",") if x.strip()]
     out = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out, exist_ok=True)
     quick = args.quick
@@ -94,6 +101,8 @@ def main():
             f.write("\n".join(LOG) + "\n")
 
     def guarded(label, need, fn):
+        if only and not any(label.startswith(x) for x in only):
+            return None
         if left() < need:
             res["skipped"].append(label)
             log(f"skip {label} ({left():.0f} s left, needs ~{need})")
@@ -124,6 +133,7 @@ def main():
         hint_cfgs = [DC(load_hint="evict_first", block_v=16)]
         copy_shapes = [(16, 2, False), (16, 2, True)]
         n64_cfgs = [DC(block_v=16, num_warps=1)]
+        two_pass = [DC(block_v=16, row_block=8)]
     else:
         k256 = Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128)
         k64 = Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128)
@@ -135,6 +145,13 @@ def main():
         # N 64: 4096 programs of the default shape are ~5.2 waves of ~790 resident: other block sizes change that
         n64_cfgs = [DC(load_hint="evict_first"), DC(block_v=32, num_warps=1), DC(block_v=32, num_warps=2),
                     DC(block_v=128, num_warps=8)]
+        # two-pass (row_block): S^T k / S^T q over [R, BV] chunks, then each chunk re-read, updated and stored
+        two_pass = [DC(row_block=16), DC(row_block=32), DC(row_block=32, num_warps=4),
+                    DC(block_v=128, num_warps=4, row_block=16), DC(block_v=32, num_warps=1, row_block=32)]
+    hint_cfgs = (hint_cfgs if not args.two_pass_only else []) + two_pass
+    n64_cfgs = (n64_cfgs if not args.two_pass_only else []) + two_pass[:3]
+    if args.two_pass_only:
+        copy_shapes = copy_shapes[:1]
     dims = config.gdn_dims
 
     # ---- numerics: the kernel against the XLA step ----
@@ -269,6 +286,7 @@ def main():
                               interpret=interpret, name="pool_copy")(ids, pool)
 
     def kernel_rows(case, cfgs, with_fla=True, copies=None):
+        with_fla = with_fla and not args.two_pass_only
         host = bench_decode.make_inputs_np(case)
         q, k, v, g, beta, pool, ids = host
         xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
@@ -368,7 +386,8 @@ def main():
     guarded("numerics layer", 15 * big, layer_numerics)
     guarded("layer step", 20 * big, layer_timing)
     guarded("kernel N256", 20 * big, lambda: kernel_rows(k256, hint_cfgs))
-    guarded("kernel N64", 10 * big, lambda: kernel_rows(k64, n64_cfgs, copies=copy_shapes[:1]))
+    guarded("kernel N64", 10 * big, lambda: kernel_rows(k64, n64_cfgs, copies=copy_shapes[:1],
+                                                          with_fla=not args.two_pass_only))
 
     # ---- table ----
     log("\n==== gdn_decode_s6 (ms; rel = relative RMS against the fp32 XLA step) ====")

@@ -60,6 +60,10 @@ class DecodeConfig:
       but slower at every P tried (N256-Hv32: 0.359 / 0.407 / 0.432 ms for BV 64 P 264, BV 64 P 396, BV 32 P 660
       against the default's 0.335 in the same run; NOTES.md): off.
     load_hint: how the state block is loaded and stored (``LOAD_HINTS``; the grid form only).
+    row_block: 0, the block held whole in registers; R > 0 (dividing K; T = 1 only, other T run the default form):
+      the two-pass form (``_decode_two_pass_kernel``: S^T k, S^T q over [R, BV] chunks, then each chunk re-read,
+      updated and stored). Off: written after the session-6 H200 run put ~0.03 ms of the 0.04 ms gap to the XLA
+      copy on the arithmetic of a whole-block program (NOTES.md), not yet measured.
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -73,6 +77,7 @@ class DecodeConfig:
     fused_output: bool = True
     programs: int = 0
     load_hint: str = ""
+    row_block: int = 0
 
 
 #: DecodeConfig.load_hint: "" (plain load, then a select for fresh streams), "masked" (masked load: no bytes for a
@@ -186,6 +191,61 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *ref
             pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
 
 
+def _decode_two_pass_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v,
+                            v_fastest, gate_offsets, row_block, scale, use_qk_l2norm, **_):
+    """One token (T = 1), one program per (stream, value head, value block), the [K, BV] block streamed twice in
+    [row_block, BV] chunks: pass 1 accumulates S^T k and S^T q, pass 2 re-reads each chunk (from L2, read moments
+    before), updates it and stores it at once. Few registers (no whole block held), no store waiting on the whole
+    block's reductions; the cost is the second read, an L2 hit if the block is still there."""
+    gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
+    if v_fastest:
+        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    num_slots, _, kdim, _ = pool_in_ref.shape
+    hk = h // group
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
+    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    rmask = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (row_block, block_v))   # masked: a stale NaN never leaks
+    wmask = jnp.broadcast_to(in_pool, (row_block, block_v))
+    q = q_ref[n, 0, hk, :].astype(jnp.float32)                                   # [K]
+    k = k_ref[n, 0, hk, :].astype(jnp.float32)
+    qs = ks = jnp.float32(1.0)
+    if use_qk_l2norm:
+        qs, ks = lax.rsqrt(jnp.sum(q * q) + L2_EPS), lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    qk = jnp.sum(q * k) * qs * ks
+
+    def rows(r):
+        return pl.ds(pl.multiple_of(r * row_block, row_block), row_block)
+
+    def state_chunk(r):
+        return plgpu.load(pool_in_ref.at[read_slot, h, rows(r), vs], mask=rmask, other=0.0).astype(jnp.float32)
+
+    def pass1(r, carry):
+        sk, sq = carry
+        s_r = state_chunk(r)                                                     # [RB, BV]
+        k_r = k_ref[n, 0, hk, rows(r)].astype(jnp.float32) * ks
+        q_r = q_ref[n, 0, hk, rows(r)].astype(jnp.float32) * qs
+        return sk + jnp.sum(k_r[:, None] * s_r, axis=0), sq + jnp.sum(q_r[:, None] * s_r, axis=0)
+
+    zero = jnp.zeros((block_v,), jnp.float32)
+    sk, sq = lax.fori_loop(0, kdim // row_block, pass1, (zero, zero))
+    g, beta = _read_gates(g_ref, beta_ref, gate_refs, n=n, t=0, h=h, group=group)
+    a = jnp.exp(g)
+    delta = beta * (v_ref[n, 0, h, vs].astype(jnp.float32) - a * sk)             # [BV]
+    o_ref[n, 0, h, vs] = (scale * (a * sq + qk * delta)).astype(o_ref.dtype)
+
+    def pass2(r, carry):
+        k_r = k_ref[n, 0, hk, rows(r)].astype(jnp.float32) * ks
+        s_r = a * state_chunk(r) + k_r[:, None] * delta[None, :]
+        plgpu.store(pool_out_ref.at[read_slot, h, rows(r), vs], s_r.astype(pool_out_ref.dtype), mask=wmask)
+        return carry
+
+    lax.fori_loop(0, kdim // row_block, pass2, 0)
+
+
 def _decode_persistent_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v,
                               num_programs, trips, gate_offsets, **token_args):
     """P programs; program p runs blocks b = p, p + P, p + 2P, ... (b -> (n, h, vb), vb fastest) and loads block
@@ -258,6 +318,8 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
         raise ValueError(f"DecodeConfig.block_v ({config.block_v}) must divide V = {vdim}")
     if config.load_hint not in LOAD_HINTS:
         raise ValueError(f"DecodeConfig.load_hint must be one of {LOAD_HINTS}, got {config.load_hint!r}")
+    if config.row_block < 0 or (config.row_block and kdim % config.row_block):
+        raise ValueError(f"DecodeConfig.row_block ({config.row_block}) must be 0 or divide K = {kdim}")
     operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
                     q=q, k=k, v=v, g=g, beta=beta)
     gate_offsets = None
@@ -274,6 +336,10 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
         kernel = functools.partial(_decode_persistent_kernel, num_programs=programs, trips=-(-total // programs),
                                    **common)
         grid = (programs,)
+    elif config.row_block and t == 1:
+        kernel = functools.partial(_decode_two_pass_kernel, v_fastest=config.v_fastest, row_block=config.row_block,
+                                   **common)
+        grid = (nvb, hv, n) if config.v_fastest else (n, hv, nvb)
     else:
         kernel = functools.partial(_decode_kernel, v_fastest=config.v_fastest, load_hint=config.load_hint,
                                    **common)

@@ -81,12 +81,14 @@ def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
 CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf in (True, False)
            for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)] + [
            decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)] + [      # persistent: 5 divides no count
-           decode.DecodeConfig(block_v=16, load_hint=h) for h in ("masked", "evict_first")]   # masked state loads
+           decode.DecodeConfig(block_v=16, load_hint=h) for h in ("masked", "evict_first")] + [  # masked loads
+           decode.DecodeConfig(block_v=16, row_block=8), decode.DecodeConfig(block_v=32, row_block=16,
+                                                                            v_fastest=False)]   # two-pass (T = 1)
 
 
 def _config_id(c):
     return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}" + (
-        f"-{c.load_hint}" if c.load_hint else "")
+        f"-{c.load_hint}" if c.load_hint else "") + (f"-rb{c.row_block}" if c.row_block else "")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -127,8 +129,9 @@ def _raw_gates(g, beta, hk, r, layout):
     return jnp.asarray(a), jnp.asarray(b), decode.RawGates(a_log, dt_bias)
 
 
-@pytest.mark.parametrize("layout,t", [("ba", 1), ("separate", 2)])
-def test_decode_raw_gates_match_f64(layout, t):
+@pytest.mark.parametrize("layout,t,row_block", [("ba", 1, 0), ("separate", 2, 0), ("ba", 1, 8)],
+                         ids=["ba-T1", "separate-T2", "ba-T1-two-pass"])
+def test_decode_raw_gates_match_f64(layout, t, row_block):
     """The gates made inside the kernel from raw a, b (RawGates: the layer's fused decode step) against the float64
     loop run with the gates they stand for; GVA 3, permuted ids with -1 and S, a fresh stream over a NaN slot."""
     n, s, hk, hv, dk, dv = 4, 6, 2, 6, 16, 32
@@ -141,7 +144,8 @@ def test_decode_raw_gates_match_f64(layout, t):
     a_src, b_src, gates = _raw_gates(xs[3], xs[4], hk, hv // hk, layout)
     fn = jax.jit(lambda q, k, v, a, b, pool, gates: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, a, b, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=True, interpret=True, raw_gates=gates))
+        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=decode.DecodeConfig(block_v=16,
+                                                                                       row_block=row_block)))
     o, new_pool = fn(*[jnp.asarray(x) for x in xs[:3]], a_src, b_src, jnp.asarray(pool), gates)
     o, new_pool = np.asarray(o), np.asarray(new_pool)
     assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
@@ -152,7 +156,7 @@ def test_decode_raw_gates_match_f64(layout, t):
 
 
 def test_decode_lowers_to_triton():
-    """Each load hint and the raw-gates form lower to Triton IR (cross-lowered for CUDA on any machine: interpret
+    """Each load hint, the two-pass form and the raw-gates form lower to Triton IR (cross-lowered for CUDA on any machine: interpret
     mode does not run the Triton lowering, where jax 0.10.2 refuses the "cg" cache modifier, for one)."""
     n, hk, hv, d = 3, 2, 4, 32
     q = jnp.zeros((n, 1, hk, d), jnp.bfloat16)
@@ -161,10 +165,11 @@ def test_decode_lowers_to_triton():
     ba = jnp.zeros((n, 1, hk, 4), jnp.bfloat16)
     pool = jnp.zeros((n + 1, hv, d, d))
     ids, has = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
-    for hint in decode.LOAD_HINTS:
-        f = lambda q, v, g, pool, hint=hint: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+    cfgs = [decode.DecodeConfig(load_hint=h) for h in decode.LOAD_HINTS] + [decode.DecodeConfig(row_block=16)]
+    for cfg in cfgs:
+        f = lambda q, v, g, pool, cfg=cfg: decode.fused_recurrent_gated_delta_rule_slots_fwd(
             q, q, v, g, g, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
-            config=decode.DecodeConfig(load_hint=hint))
+            config=cfg)
         assert "gdn_decode" in jax.jit(f).trace(q, v, g, pool).lower(lowering_platforms=("cuda",)).as_text()
     gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=2)
     f = lambda q, v, ba, pool: decode.fused_recurrent_gated_delta_rule_slots_fwd(
@@ -178,6 +183,10 @@ def test_decode_config_errors():
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
             has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(block_v=24))
+    with pytest.raises(ValueError, match=r"row_block \(12\) must be 0 or divide K = 16"):
+        decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
+            has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(row_block=12))
     with pytest.raises(ValueError, match="load_hint must be one of"):
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
