@@ -146,8 +146,10 @@ def main():
         n64_cfgs = [DC(load_hint="evict_first"), DC(block_v=32, num_warps=1), DC(block_v=32, num_warps=2),
                     DC(block_v=128, num_warps=8)]
         # two-pass (row_block): S^T k / S^T q over [R, BV] chunks, then each chunk re-read, updated and stored
-        two_pass = [DC(row_block=16), DC(row_block=32), DC(row_block=32, num_warps=4),
-                    DC(block_v=128, num_warps=4, row_block=16), DC(block_v=32, num_warps=1, row_block=32)]
+        # (num_stages 3: Triton software-pipelines the chunk loads of the two loops)
+        two_pass = [DC(row_block=16), DC(row_block=32), DC(row_block=16, num_stages=3),
+                    DC(row_block=32, num_warps=4, num_stages=3), DC(block_v=128, num_warps=4, row_block=16),
+                    DC(block_v=32, num_warps=1, row_block=32)]
     hint_cfgs = (hint_cfgs if not args.two_pass_only else []) + two_pass
     n64_cfgs = (n64_cfgs if not args.two_pass_only else []) + two_pass[:3]
     if args.two_pass_only:
