@@ -49,14 +49,23 @@ def rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
 
 
-def run_tests(quick: bool, timeout: float, result: dict):
+TEST_IDS = ["test_gpu_mosaic_kkt_matches_its_twin", "test_gpu_mosaic_stage1a_matches_f64[1-1]",
+            "test_gpu_mosaic_stage1a_matches_f64[65-1]", "test_gpu_mosaic_stage1a_matches_f64[130-2]",
+            "test_gpu_split_k128_grouped[mosaic]", "test_gpu_public_op_mosaic_backend",
+            "test_gpu_mosaic_stage1a_matches_f64[63-1]", "test_gpu_mosaic_stage1a_matches_f64[64-2]",
+            "test_gpu_split_k128_grouped[triton]", "test_gpu_mosaic_stage1a_matches_f64[130-1]"]
+# plan "b" (the second run): what run 1 (03:45 UTC) left out or must recheck: the split with weak decay (its state
+# maps M matter), the public op's fallback, the odd lengths it did not reach
+TEST_IDS_B = ["test_gpu_split_k128_grouped[mosaic]", "test_gpu_mosaic_stage1a_matches_f64[130-2]",
+              "test_gpu_public_op_mosaic_backend", "test_gpu_mosaic_stage1a_matches_f64[64-2]",
+              "test_gpu_mosaic_stage1a_matches_f64[63-1]", "test_gpu_split_k128_grouped[triton]",
+              "test_gpu_mosaic_stage1a_matches_f64[130-1]"]
+
+
+def run_tests(quick: bool, timeout: float, result: dict, ids=None):
     """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
     f = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
-    ids = ["test_gpu_mosaic_kkt_matches_its_twin", "test_gpu_mosaic_stage1a_matches_f64[1-1]",
-           "test_gpu_mosaic_stage1a_matches_f64[65-1]", "test_gpu_mosaic_stage1a_matches_f64[130-2]",
-           "test_gpu_split_k128_grouped[mosaic]", "test_gpu_public_op_mosaic_backend",
-           "test_gpu_mosaic_stage1a_matches_f64[63-1]", "test_gpu_mosaic_stage1a_matches_f64[64-2]",
-           "test_gpu_split_k128_grouped[triton]", "test_gpu_mosaic_stage1a_matches_f64[130-1]"]
+    ids = TEST_IDS if ids is None else ids
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [f + i for i in ids]
     log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
     env = dict(os.environ)
@@ -87,6 +96,9 @@ def main():
     ap.add_argument("--budget", type=float, default=120.0, help="seconds from start; later steps are skipped")
     ap.add_argument("--test-timeout", type=float, default=35.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--plan", choices=("a", "b"), default="a",
+                    help="a: tests, then every row's four columns, then extras (run 1); b: the rows run 1 left out "
+                         "(no FLA until the end), the extras of the first two rows, FLA, then the tests")
     opts = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out_dir, exist_ok=True)
@@ -95,8 +107,9 @@ def main():
     def left():
         return opts.budget - (time.time() - T_START)
 
-    result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
-    if not opts.no_tests:
+    result = {"quick": quick, "budget_s": opts.budget, "plan": opts.plan, "rows": [], "errors": []}
+    plan_b = opts.plan == "b"
+    if not opts.no_tests and not plan_b:
         run_tests(quick, min(opts.test_timeout, max(left() - 50, 5)), result)
 
     import jax
@@ -117,6 +130,8 @@ def main():
         dense = [c for c in BENCH_CASES if c.lens is None]
         order = ["B1-T8192-Hk16-Hv32", "B1-T8192-Hk2-Hv8", "B4-T4096-Hk16-Hv32", "B1-T32768-Hk16-Hv32",
                  "B16-T1024-Hk16-Hv32"]
+        if plan_b:
+            order = order[2:] + order[:2]
         cases = sorted(dense, key=lambda c: next((i for i, n in enumerate(order) if c.name.startswith(n)), 9))
         timer = time_jax
         impl, triton_backend = "mosaic", "pallas"
@@ -188,6 +203,10 @@ def main():
                 q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="mosaic_gpu"))
         tri = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
             q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=triton_backend))
+        if plan_b and (case.name.startswith(("B1-T8192-Hk16", "B1-T8192-Hk2"))):
+            if "Hk2" in case.name and left() > 30:      # run 1 ran out before this row's numerics
+                numerics(row, [("mosaic", jax.block_until_ready(mos(*args)))], args)
+            continue
         res_m = timed(row, "mosaic", mos, args)
         if res_m is None and "mosaic" not in row.get("skipped", []):   # the default failed: the session-5 form
             res_m = timed(row, "mosaic.t1a", mosaic_op({"stage1a": "triton", "pieces": 1}), args)
@@ -202,7 +221,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 row["ms"]["jla"] = None
                 result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
-        if not quick and left() > 5:
+        if not quick and not plan_b and left() > 5:
             try:
                 from jax_gdn.bench import _time_fla
                 row["ms"]["fla"] = round(_time_fla(case, host), 4)
@@ -212,19 +231,39 @@ def main():
                 result["errors"].append(f"{case.name} fla: {type(e).__name__}: {str(e)[:300]}")
         _write(out_dir, result)
 
-    # pass 2: per stage and the split variants, where the budget allows
-    for ci, row in enumerate(result["rows"]):
+    # pass 2: per stage and the split variants, where the budget allows (plan b: B1-T8192-Hk16-Hv32 and the
+    # Hk2-Hv8 row only, B1-T32768's split variants skipped: the policy never splits it and run 1 had no time)
+    rows2 = result["rows"]
+    if plan_b:
+        rows2 = sorted([r for r in rows2 if r["case"].startswith(("B1-T8192-Hk2", "B1-T8192-Hk16"))],
+                       key=lambda r: "Hk16" in r["case"])
+    for ci, row in enumerate(rows2):
         case = next(c for c in cases if c.name == row["case"])
-        split_row = quick or case.name.startswith(("B1-T8192-Hk2-Hv8", "B1-T32768"))
-        if not (ci == 0 or split_row) or left() < 8:
+        split_row = quick or case.name.startswith(("B1-T8192-Hk2-Hv8",) if plan_b else ("B1-T8192-Hk2-Hv8",
+                                                                                       "B1-T32768"))
+        first = case.name.startswith("B1-T8192-Hk16") if plan_b else ci == 0
+        if not (first or split_row) or left() < 8:
             continue
         host, args = case_args(case)
-        if ci == 0 and "mosaic.t1a" not in row["ms"]:
+        if first and "mosaic.t1a" not in row["ms"]:
             timed(row, "mosaic.t1a", mosaic_op({"stage1a": "triton", "pieces": 1}), args, min_left=8)
+        if first and plan_b:      # does a split pay where the rows already use 64 SMs? (the map pass has no output)
+            timed(row, "mosaic.p2", mosaic_op({"stage1a": "mosaic", "pieces": 2}), args, min_left=8)
         if split_row:
             for p in ((1, 2, 4, 8) if case.T // 64 >= 64 or quick else (1, 2)):
                 if case.T // 64 // p >= mg.MIN_PIECE_CHUNKS or quick:
                     timed(row, f"mosaic.p{p}", mosaic_op({"stage1a": "mosaic", "pieces": p}), args, min_left=6)
+            if left() > 8:      # the split's start states alone (map pass + scan), at the policy's pick
+                pp = mg.split_pieces(case.B, case.Hv, case.K, case.V, case.T) if not quick else 2
+                if pp > 1:
+                    try:
+                        prep = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=not quick, pieces=pp))
+                        ops_p = jax.block_until_ready(prep(*args))
+                        timed(row, f"mosaic.starts{pp}", jax.jit(lambda *a: mg._split_start_states(
+                            a, pp, kernel=not quick, head_major=True)), ops_p)
+                        del ops_p
+                    except Exception as e:  # noqa: BLE001
+                        result["errors"].append(f"{case.name} starts: {type(e).__name__}: {str(e)[:300]}")
         if left() > 8:
             try:
                 prep = jax.jit(lambda q, k, v, g, beta, h0: mg._prepare_head_major(
@@ -244,10 +283,27 @@ def main():
                 log(f"  stages FAIL {type(e).__name__}: {str(e)[:300]}")
         _write(out_dir, result)
 
+    # plan b: FLA for the rows that lack it, then the tests
+    if plan_b and not quick:
+        for row in result["rows"]:
+            if "fla" in row["ms"] or left() < 12 or row["case"].startswith(("B1-T8192-Hk16", "B1-T8192-Hk2")):
+                continue
+            case = next(c for c in cases if c.name == row["case"])
+            try:
+                from jax_gdn.bench import _time_fla
+                row["ms"]["fla"] = round(_time_fla(case, case_args(case)[0]), 4)
+                log(f"  {case.name:22s} {'fla':14s} {row['ms']['fla']:8.4f} ms   ({left():.0f} s left)")
+            except Exception as e:  # noqa: BLE001
+                row["ms"]["fla"] = None
+                result["errors"].append(f"{case.name} fla: {type(e).__name__}: {str(e)[:300]}")
+    if plan_b and not opts.no_tests and left() > 10:
+        run_tests(quick, left() - 5, result, ids=TEST_IDS_B)
+
     # the table, last
     log("\n==== gdn_mosaic_s6: median ms per call; mosaic = backend 'mosaic_gpu' (DEFAULT_CONFIG) ====")
     keys = ["triton", "mosaic", "jla", "fla", "mosaic.kkt", "mosaic.fused", "mosaic.t1a", "mosaic.p1", "mosaic.p2",
             "mosaic.p4", "mosaic.p8"]
+    keys += sorted({k for r in result["rows"] for k in r["ms"] if k.startswith("mosaic.starts")})
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
     log(f"{'case':22s} " + " ".join(f"{k.replace('mosaic', 'm'):>8s}" for k in keys) + "   m/jla  m/fla")
 

@@ -31,7 +31,7 @@ Two kernels and a little XLA glue:
   * the sequence split (step 3, jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces``): where
     B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
     from one state-map pass (the fused kernel without output over the values [0 | v] from the state [I | 0]: a
-    piece's map is affine, S_end = M S_start + E) and P - 1 small XLA matmuls.
+    piece's map is affine, S_end = M S_start + E) and ceil(log2(P - 1)) + 1 batched XLA matmuls.
 
 Scope (dense input only): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a multiple of Hk, any T
 (padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and the real rows
@@ -735,7 +735,7 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
 def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
     """Each piece's true initial state S^T [B * P, Hv, V, K]. One state-map pass over the first P - 1 pieces of
     every row, on augmented values [0 | v] from the augmented state [I | 0] (the state map of a piece is affine:
-    S_end = M S_start + E, so the pass's final state is [M | E]), then P - 1 small matmuls in XLA
+    S_end = M S_start + E, so the pass's final state is [M | E]), then ceil(log2(P - 1)) + 1 batched matmuls in XLA
     (S_{p+1} = M_p S_p + E_p, S_0 the initial state)."""
     q, k, v, t, gcum, beta_c, h0t = ops_
     b, tp, hv, vdim = v.shape
@@ -748,14 +748,21 @@ def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
     _, maps_t = run(q, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major,
                     pieces=pieces, run_pieces=r, write_o=False)                          # [B * R, Hv, K + V, K]
     maps = jnp.swapaxes(maps_t, -1, -2).reshape(b, r, hv, kdim, kdim + vdim)           # [M | E] per piece
-    s = jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t, -1, -2)
-    starts = [s]
+    s0 = jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t, -1, -2)
     hp = lax.Precision.HIGHEST
-    for p in range(r):
-        m, e = maps[:, p, :, :, :kdim], maps[:, p, :, :, kdim:]
-        s = jnp.einsum("bhij,bhjv->bhiv", m, s, precision=hp) + e
-        starts.append(s)
-    starts = jnp.stack(starts, axis=1).reshape(b * pieces, hv, kdim, vdim)
+    # prefix maps in ceil(log2(P - 1)) batched steps (Hillis-Steele) instead of P - 1 serial ones: after the step
+    # of stride d, entry p holds the composition of pieces max(0, p - 2d + 1)..p; composing (M2, E2) after
+    # (M1, E1) is (M2 M1, M2 E1 + E2), one einsum of M2 against [M1 | E1]
+    d = 1
+    while d < r:
+        later, earlier = maps[:, d:], maps[:, :-d]
+        comp = jnp.einsum("bphij,bphjw->bphiw", later[..., :kdim], earlier, precision=hp)
+        comp = comp.at[..., kdim:].add(later[..., kdim:])
+        maps = jnp.concatenate([maps[:, :d], comp], axis=1)
+        d *= 2
+    # start of piece p + 1 = (composition of pieces 0..p) applied to S_0
+    later = jnp.einsum("bphij,bhjv->bphiv", maps[..., :kdim], s0, precision=hp) + maps[..., kdim:]
+    starts = jnp.concatenate([s0[:, None], later], axis=1).reshape(b * pieces, hv, kdim, vdim)
     return jnp.swapaxes(starts, -1, -2)
 
 
@@ -831,9 +838,10 @@ class MosaicConfig:
 
 
 DEFAULT_CONFIG = MosaicConfig()
-# backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). Set
-# from the H200 measurements (NOTES.md, "Session 6: Mosaic").
-AUTO = False
+# backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
+# the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
+# 0.203 against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.
+AUTO = True
 
 
 def is_hopper() -> bool:
