@@ -600,6 +600,7 @@ class HybridModel:
         self.token_buckets = buckets
         self.strict = bool(strict)
         self._traces = 0
+        self._cache_sig = {}       # (S, P, Ps, W) -> leaf (shape, dtype) signature of a cache _check_cache passed
         self.scan_unroll = _scan_unroll(scan_unroll)
         self.compiler_options = dict(compiler_options or {})
         kw = dict(config=config, plan=self.plan, backends=self.backends)
@@ -693,6 +694,10 @@ class HybridModel:
             raise ValueError(f"cache must be the Cache returned by init_cache / prefill, got {type(cache).__name__}")
         try:
             s, w = cache.page_table.shape
+            key = (s, cache.num_pages, cache.page_size, w)
+            # the per-call fast path (host time counts in every decode step): one signature compare
+            if self._cache_sig.get(key) == tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache)):
+                return
             spec = self._cache_leaves(s, cache.num_pages, cache.page_size, w)
             got = jax.tree_util.tree_flatten_with_path(cache)[0]
             want = jax.tree_util.tree_flatten_with_path(spec)[0]
@@ -708,6 +713,7 @@ class HybridModel:
                     f"cache{jax.tree_util.keystr(path)} has shape {tuple(x.shape)} {jnp.dtype(x.dtype).name}; this "
                     f"model ({self.dtype.name}) needs {tuple(y.shape)} {jnp.dtype(y.dtype).name}: make the cache "
                     f"with this model's init_cache")
+        self._cache_sig[key] = tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache))
 
     def _check_slots(self, slot_ids, n, cache: Cache) -> np.ndarray:
         """slot_ids [N] int: shape, dtype, range [0, max_seqs) and no repeat through ``validation.check_slot_ids``
@@ -739,7 +745,8 @@ class HybridModel:
         return min(_pow2(n), max_seqs)
 
     def _padded(self, ids, cu, sl, tb: int, nb: int, s: int):
-        """Pads tokens to tb (id 0 past cu[N]), streams to nb (zero length, slot S): int32 device arrays."""
+        """Pads tokens to tb (id 0 past cu[N]), streams to nb (zero length, slot S): int32 numpy arrays (the
+        jitted step transfers them itself: an eager jnp.asarray per array cost host time in every step)."""
         n = sl.shape[0]
         ids_p = np.zeros((tb,), np.int32)
         ids_p[:ids.shape[0]] = ids
@@ -747,7 +754,7 @@ class HybridModel:
         cu_p[:n + 1] = cu
         sl_p = np.full((nb,), s, np.int32)
         sl_p[:n] = sl
-        return jnp.asarray(ids_p), jnp.asarray(cu_p), jnp.asarray(sl_p)
+        return ids_p, cu_p, sl_p
 
     def check(self, cache: Cache) -> None:
         """Reads ``cache.status`` (a sync) and raises OutOfKvPagesError (with ``.cache``: the status cleared) when
@@ -767,7 +774,7 @@ class HybridModel:
     def _finish(self, logits, new_cache, rows: int):
         if self.strict:
             self.check(new_cache)
-        return logits[:rows], new_cache
+        return (logits if rows == logits.shape[0] else logits[:rows]), new_cache   # no eager slice when unpadded
 
     # ---- prefill / decode / release ---------------------------------------------------------------------------
     def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False):

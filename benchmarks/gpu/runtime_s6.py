@@ -69,10 +69,62 @@ def timings(call, sync, calls: int = 10) -> dict:
             "pipelined_ms": round(1e3 * float(np.median(pipes)), 4)}
 
 
+def trace_calls(step, sync, calls: int = 3, top: int = 25) -> dict:
+    """``calls`` blocking calls of step() under the profiler, each inside a TraceAnnotation "rt_call<i>": per call
+    the host time inside the call (dispatch), the delay from the call's start to its first GPU kernel, the GPU span
+    (first kernel start to last kernel end) and the GPU idle time inside that span; and the host events inside the
+    call windows by total time (what the host does while dispatching)."""
+    import glob
+    import gzip
+
+    import jax
+    tdir = "/tmp/trace_runtime"
+    sync(step())
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+        for i in range(calls):
+            with jax.profiler.TraceAnnotation(f"rt_call{i}"):
+                y = step()
+            sync(y)
+    path = sorted(glob.glob(os.path.join(tdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    tr = json.load(gzip.open(path))
+    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+    procs = {e["pid"]: e["args"].get("name", "") for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in ev if e.get("ph") == "M"
+               and e.get("name") == "thread_name"}
+    xs = [e for e in ev if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e for e in xs if "gpu" in procs.get(e["pid"], "").lower()
+                  and threads.get((e["pid"], e.get("tid")), "").lower().startswith("stream")), key=lambda e: e["ts"])
+    out = {"calls": [], "host_events": []}
+    host_tot = {}
+    for i in range(calls):
+        win = [e for e in xs if e["name"] == f"rt_call{i}"]
+        if not win:
+            continue
+        w0, w1 = win[0]["ts"], win[0]["ts"] + win[0]["dur"]
+        nxt = [e for e in xs if e["name"] == f"rt_call{i + 1}"]
+        end = nxt[0]["ts"] if nxt else float("inf")
+        k = [e for e in gpu if w0 <= e["ts"] < end]
+        if k:
+            span0, span1 = k[0]["ts"], max(e["ts"] + e["dur"] for e in k)
+            busy = sum(e["dur"] for e in k)
+            out["calls"].append({"dispatch_ms": round(win[0]["dur"] / 1e3, 4),
+                                 "first_kernel_after_ms": round((span0 - w0) / 1e3, 4),
+                                 "gpu_span_ms": round((span1 - span0) / 1e3, 4),
+                                 "gpu_busy_ms": round(busy / 1e3, 4),
+                                 "kernels_before_dispatch_end": sum(e["ts"] < w1 for e in k), "kernels": len(k)})
+        for e in xs:
+            if w0 <= e["ts"] < w1 and "gpu" not in procs.get(e["pid"], "").lower() and e["name"] != f"rt_call{i}":
+                host_tot[e["name"][:80]] = host_tot.get(e["name"][:80], 0.0) + e["dur"] / 1e3 / calls
+    out["host_events"] = sorted(((k, round(v, 4)) for k, v in host_tot.items()), key=lambda kv: -kv[1])[:top]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=240)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--trace-only", action="store_true",
+                    help="only the default model's decode calls under the profiler (trace_calls), no variants")
     a = ap.parse_args()
     t0 = time.time()
 
@@ -98,6 +150,22 @@ def main():
     jax.block_until_ready(st["cache"])
     log(f"context filled: {time.time() - t0:.0f} s")
     nxt = rng.integers(0, cfg.vocab_size, dn).astype(np.int32)
+    if a.trace_only:
+        def step0():
+            logits, st["cache"] = base.decode(st["cache"], nxt, slots)
+            return logits
+        RES["trace"] = tr = trace_calls(step0, jax.block_until_ready)
+        save()
+        log("== decode calls under the profiler (ms): dispatch, first kernel after, GPU span, GPU busy, kernels "
+            "launched before the call returned / all")
+        for c in tr["calls"]:
+            log(f"   {c['dispatch_ms']:8.3f} {c['first_kernel_after_ms']:8.3f} {c['gpu_span_ms']:8.3f} "
+                f"{c['gpu_busy_ms']:8.3f}  {c['kernels_before_dispatch_end']}/{c['kernels']}")
+        log("== host events inside the calls (ms per call)")
+        for k, v in tr["host_events"]:
+            log(f"   {v:8.4f}  {k}")
+        log(f"total {time.time() - t0:.0f} s")
+        return
     variants = [("base", {}), ("unroll", dict(scan_unroll={"prefill": 1, "decode": True}))]
     if not a.quick:
         variants[1:1] = [("cb_off", dict(compiler_options={"xla_gpu_enable_command_buffer": ""})),
