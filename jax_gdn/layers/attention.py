@@ -199,10 +199,22 @@ def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slo
 # The decode step, fused (pallas_kernels/paged_attention/NOTES.md "Session 6: decode")
 # ================================================================================================================
 #: attention_layer(decode=True, fused=None) on the Pallas backends (and the cuDNN ones, whose decode is the Pallas
-#: kernel) takes ``attention_decode_fused``: the projection(s), one kernel for k norm + RoPE + both page writes
-#: (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the combine; q norm + RoPE where
-#: DecodeConfig.q_prologue says), o_proj. False: the unfused path (XLA norms, RoPE, two scatters, gate pass).
-DECODE_FUSED = False
+#: kernel), with the projections held as one qkv_proj, takes ``attention_decode_fused``: one GEMM, one kernel for
+#: k norm + RoPE + both page writes (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the
+#: combine; q norm + RoPE where DecodeConfig.q_prologue says), o_proj. H200 (pallas_kernels/paged_attention/NOTES.md
+#: "Session 6: decode"; 64 streams x 1189 context, 80B dims, in-program): 0.0775 ms against 0.0848 unfused with
+#: qkv_proj and 0.0941 unfused with three weights (floor 0.0439; measured with 3 decode splits, the default is now 2,
+#: not measured in the layer); with three weights the fused step measured 0.110 ms, so it is not taken then.
+#: False: the unfused path (XLA norms, RoPE, two scatters, gate pass).
+DECODE_FUSED = True
+
+
+def _decode_fused_default(params: dict, dims: AttnDims, dtype, backend: str) -> bool:
+    """Whether attention_layer(decode=True, fused=None) takes the fused step (DECODE_FUSED's rule)."""
+    if not DECODE_FUSED or "qkv_proj" not in params:
+        return False
+    kw = dict(dtype=dtype, head_dim=dims.head_dim, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+    return _pa.decode_backend(_pa.resolve_backend(backend, **kw), **kw) in ("pallas", "pallas_interpret")
 
 
 def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos, token_page,
@@ -246,8 +258,8 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
     RoPE before it or in it; on the cuDNN backends with this call's K/V handed over); None: on the Pallas
     backends, and on the cuDNN ones when ``CUDNN_DIRECT``, not on "xla" (the same math, unfused). Decode:
-    fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set and the decode kernel is the Pallas
-    one).
+    fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set, params hold qkv_proj and the decode
+    kernel is the Pallas one).
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
     t = hidden.shape[0]
@@ -258,10 +270,7 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     _pa.check_call(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=kv.num_pages, page_size=kv.page_size,
                    num_tokens=t, decode=decode)
     scale = dims.head_dim ** -0.5
-    if decode and (fused or (fused is None and DECODE_FUSED and _pa.decode_backend(_pa.resolve_backend(
-            backend, dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
-            num_kv_heads=dims.num_kv_heads), dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
-            num_kv_heads=dims.num_kv_heads) in ("pallas", "pallas_interpret"))):
+    if decode and (fused or (fused is None and _decode_fused_default(params, dims, hidden.dtype, backend))):
         return attention_decode_fused(params, dims, hidden, kv, token_pos=token_pos, token_page=token_page,
                                       token_offset=token_offset, page_table=page_table, slot_lens=slot_lens,
                                       slot_ids=slot_ids, backend=backend)

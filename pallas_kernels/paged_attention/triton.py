@@ -74,12 +74,13 @@ class DecodeConfig:
     adapts block_k to the dtype.
 
     block_k: keys per step (a power of two >= 16). num_splits: context splits per (stream, kv head block); None:
-    enough programs for ``waves`` programs per SM (``_num_splits``); 1: no combine, the kernel writes o.
+    the power of two for about ``waves`` programs per SM (``_num_splits``); 1: no combine, the kernel writes o.
     num_warps / num_stages: Triton launch parameters. dynamic_split: each stream's split length is ceil(len / NS)
     (its length read on the device) instead of W Ps / NS (static: a stream shorter than the page table's width
     leaves splits idle). combine: how the splits merge: "pallas" (one small kernel), "xla" (one product +
     reduction fusion), "einsum" (the session-4 fp32 einsum), "fused" (the last split program of each (stream,
-    kv head block) merges, through an atomic counter: no second launch; NOT run on a GPU yet, off).
+    kv head block) merges, through an atomic counter: no combine kernel, a memset of the counter instead;
+    right on the H200 and no faster there: equal kernel time, bench figures within their noise; off).
     Measured no faster on the H200, kept as options (off): pack_kv_heads (one program per stream reads every kv
     head: whole [Ps, Hkv Dh] page rows, all H query heads in one tile; taken where Hkv <= 4 and H <= 32),
     heads_fastest (the kv head block is the grid's fastest axis), prefetch_pages (d > 0: the page ids of step
@@ -131,9 +132,10 @@ def prefill_config(dtype, head_dim: int) -> PrefillConfig:
 
 
 def decode_config(dtype, head_dim: int) -> DecodeConfig:
-    """Decode launch (H200 sweep, NOTES.md "Decode (session 5)"): Bk 64, 4 warps, 2 stages, dynamic split, NS
-    for ~2 programs per SM (one split, no combine, from ~264 (stream, kv head) pairs), the Pallas combine;
-    fp32 at Dh 256 halves Bk (2 stages of K and V in shared memory)."""
+    """Decode launch (H200 sweeps, NOTES.md "Decode (session 5)" and "Session 6: decode"): Bk 64, 4 warps, 2
+    stages, dynamic split, NS the power of two for ~2 programs per SM (``_num_splits``: 2 at 128 (stream, kv
+    head) pairs, one split and no combine from ~264), the Pallas combine; fp32 at Dh 256 halves Bk (2 stages of
+    K and V in shared memory)."""
     if DEFAULT_DECODE is not None:
         return DEFAULT_DECODE
     if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
@@ -557,11 +559,17 @@ def _sm_count() -> int:
         return 132
 
 
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
 def _num_splits(programs: int, max_keys: int, block_k: int, waves: int, sms: int = 132) -> int:
-    """Splits per (stream, kv head block) for ``programs`` of them: enough for ``waves`` waves of ``sms``
-    programs, never more than W Ps / (4 block_k) (no split of a full-width slot under 4 steps)."""
-    want = max(1, -(-waves * sms // max(1, programs)))
-    return max(1, min(want, max_keys // (4 * block_k)))
+    """Splits per (stream, kv head block) for ``programs`` of them: the largest power of two <= waves * sms /
+    programs (at least 1), never more than W Ps / (4 block_k) (no split of a full-width slot under 4 steps).
+    Powers of two because the H200 run said so (NOTES.md "Session 6: decode": at 64 x 4096 the kernel took 131 /
+    136 us with 2 / 4 splits and 151-152 us with 3 / 5; not understood)."""
+    want = _pow2_floor(waves * sms // max(1, programs))
+    return max(1, min(want, _pow2_floor(max_keys // (4 * block_k))))
 
 
 def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids, *, scale, interpret=False,

@@ -61,19 +61,22 @@ def test_fused_decode_step_matches_unfused(backend, qkv, dtype, tol):
 
 
 def test_decode_fused_switch(monkeypatch):
-    """fused=None follows DECODE_FUSED on the Pallas backends, never on "xla"."""
+    """fused=None follows DECODE_FUSED on the Pallas backends with qkv_proj held, never on "xla" or with three
+    projection weights."""
     calls = []
     monkeypatch.setattr(A, "attention_decode_fused", lambda *a, **k: calls.append(k["backend"]) or (a[2], a[3]))
     d, h, hkv, dh = 16, 2, 1, 8
     dims = AttnDims(hidden_size=d, num_heads=h, num_kv_heads=hkv, head_dim=dh)
-    params = {k: jnp.zeros(v, jnp.float32) for k, v in A.attention_param_shapes(dims).items()}
+    params3 = {k: jnp.zeros(v, jnp.float32) for k, v in A.attention_param_shapes(dims).items()}
+    params = A.fuse_qkv(params3)
     kv = KvPages(k_pages=jnp.zeros((4, 8, hkv, dh)), v_pages=jnp.zeros((4, 8, hkv, dh)))
     meta = dict(token_pos=jnp.zeros(1, jnp.int32), token_page=jnp.zeros(1, jnp.int32),
                 token_offset=jnp.zeros(1, jnp.int32), page_table=jnp.zeros((1, 4), jnp.int32),
                 slot_lens=jnp.ones(1, jnp.int32), cu_seqlens=jnp.arange(2, dtype=jnp.int32),
                 slot_ids=jnp.zeros(1, jnp.int32))
     x = jnp.ones((1, d))
-    for flag, backend, want in ((False, "pallas_interpret", 0), (True, "pallas_interpret", 1), (True, "xla", 1)):
+    for flag, backend, p, want in ((False, "pallas_interpret", params, 0), (True, "pallas_interpret", params, 1),
+                                   (True, "xla", params, 1), (True, "pallas_interpret", params3, 1)):
         monkeypatch.setattr(A, "DECODE_FUSED", flag)
-        A.attention_layer(params, dims, x, kv, decode=True, backend=backend, **meta)
+        A.attention_layer(p, dims, x, kv, decode=True, backend=backend, **meta)
         assert len(calls) == want, (flag, backend)

@@ -306,14 +306,17 @@ def test_decode_config_errors():
         tr.DecodeConfig(combine="cuda")
     with pytest.raises(ValueError, match="prefetch_pages must be 0 .. 3"):
         tr.DecodeConfig(prefetch_pages=5)
-    # the split rule: enough programs for the waves, never splits under 4 steps of a full-width slot; the default
-    # (2 programs per SM) runs 256 x 1024 at 80B dims (512 pairs) in one split, 64 x 4096 (128) in 3
+    # the split rule: the power of two for about ``waves`` programs per SM, never splits under 4 steps of a
+    # full-width slot; the default (2 per SM) runs 256 x 1024 at 80B dims (512 pairs) in one split, 64 x 4096 (128)
+    # in 2
     assert tr.DecodeConfig().waves == 2 and tr.DecodeConfig().combine == "pallas"
     assert tr._num_splits(512, 1024, 64, waves=2, sms=132) == 1
-    assert tr._num_splits(128, 4096, 64, waves=2, sms=132) == 3
-    assert tr._num_splits(128, 4096, 64, waves=4, sms=132) == 5
-    assert tr._num_splits(512, 1024, 64, waves=4, sms=132) == 2
+    assert tr._num_splits(128, 4096, 64, waves=2, sms=132) == 2          # a power of two (3 measured slower)
+    assert tr._num_splits(128, 4096, 64, waves=4, sms=132) == 4
+    assert tr._num_splits(64, 4096, 64, waves=2, sms=132) == 4
+    assert tr._num_splits(512, 1024, 64, waves=4, sms=132) == 1
     assert tr._num_splits(8, 256, 64, waves=4, sms=132) == 1
+    assert tr._num_splits(8, 64 * 12 * 4, 64, waves=4, sms=132) == 8      # capped at 12 -> 8 (power of two)
 
 
 # ----------------------------------------------------------------------------------------------------------------
