@@ -23,10 +23,15 @@ Decode (``paged_attention_decode``), grid (N, Hkv / kv_per_prog, NS) (flash deco
   the G heads of one kv head (or, pack_kv_heads, all H heads of the stream) in one tile (rows padded to 16, the
   smallest dot); each stream's context cut into NS splits of ceil(len / NS) keys (the length read on the device:
   one program for any lengths); each program writes its partial (m, l, unnormalised o) and a combine (one XLA
-  fusion or a small kernel) merges them; with NS == 1 the kernel writes o itself.
-Prefill q is addressed as [T, C] (token row, per-head column offset: C = H Dh, or the gated qg), o as
-[T, H * Dh], decode q / o as [N * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load
-is one gather of whole rows with a mask. Interpret mode (CPU) runs the same kernel bodies.
+  fusion, a small kernel, or the last split program of the (stream, kv head block) after an atomic count: "fused")
+  merges them; with NS == 1 the kernel writes o itself.
+Gated decode (``paged_attention_decode_gated``): the same, reading q (and the gate) from qg [N, C] and writing
+  o * sigmoid(gate) where o becomes final; the q RMSNorm + RoPE in XLA or on the query tile (DecodeConfig.q_prologue).
+K/V page write (``kv_write``), grid (T,): one program per token, its k heads RMS-normed and rotated and its v heads
+  stored to both pools (aliased in and out) at page * Ps + offset.
+Prefill and decode q are addressed as [T, C] / [N, C] (token row, per-head column offset: C = H Dh, or the gated
+qg), o as [T, H * Dh] / [N * H, Dh] rows, K/V pages as [P * Ps, Hkv, Dh] rows (free reshapes), so every load is
+one gather of whole rows with a mask. Interpret mode (CPU) runs the same kernel bodies.
 
 This module imports only jax.
 """
