@@ -62,20 +62,20 @@ def elapsed():
 
 
 def op_configs(tr, case):
-    """(name, DecodeConfig) per case, the op's default first (None: decode_config's pick)."""
+    """(name, DecodeConfig) per case, the op's default first (None: decode_config's pick; after run 1: power-of-two
+    split counts, the Pallas combine). Run 1's figures: benchmarks/logs/attn_decode_s6_run1.log."""
     D = tr.DecodeConfig
     if case == "64x4096":
-        return [("default", None), ("ns3-fused", D(combine="fused")), ("ns2-pallas", D(num_splits=2)),
-                ("ns2-fused", D(num_splits=2, combine="fused")), ("ns4-fused", D(num_splits=4, combine="fused")),
-                ("ns5-fused", D(num_splits=5, combine="fused")),
-                ("bk32-ns3-fused", D(block_k=32, combine="fused")),
+        return [("default", None), ("ns3-pallas", D(num_splits=3)), ("ns2-fused", D(num_splits=2, combine="fused")),
+                ("ns4-pallas", D(num_splits=4)), ("ns4-fused", D(num_splits=4, combine="fused")),
                 ("bk32-s3-ns3-fused", D(block_k=32, num_stages=3, combine="fused")),
-                ("hkfast-ns3-fused", D(combine="fused", heads_fastest=True)),
-                ("ns3-xla", D(combine="xla"))]
+                ("bk32-s3-ns2", D(block_k=32, num_stages=3, num_splits=2)),
+                ("ns2-xla", D(num_splits=2, combine="xla"))]
     if case == "256x1024":
         return [("default", None), ("ns2-fused", D(num_splits=2, combine="fused"))]
-    return [("default", None), ("ns3-fused", D(combine="fused")), ("ns2-fused", D(num_splits=2, combine="fused")),
-            ("bk32-ns3-fused", D(block_k=32, combine="fused")), ("ns1", D(num_splits=1))]
+    return [("default", None), ("ns3-pallas", D(num_splits=3)), ("ns2-fused", D(num_splits=2, combine="fused")),
+            ("bk32-ns3-fused", D(block_k=32, combine="fused")), ("ns4-pallas", D(num_splits=4)),
+            ("ns1", D(num_splits=1))]
 
 
 def gpu_timeline(trace_dir):
@@ -240,7 +240,7 @@ def run_op(quick, backend, gpu, deadline):
             save()
         if case == "64x4096":       # the same op R times in ONE program (q fed back): no per-call dispatch
             from jax_gdn import bench_model
-            for r in [r for r in RESULT["op"] if r["case"] == case and r["variant"] in ("default", "ns3-fused")]:
+            for r in [r for r in RESULT["op"] if r["case"] == case and r["variant"] in ("default", "ns2-fused")]:
                 if elapsed() > deadline + 6 or "ms" not in r:
                     continue
                 cfg = dict(op_configs(tr, case))[r["variant"]]
@@ -311,6 +311,7 @@ def run_layer(quick, backend, deadline):
     RESULT["layer_floor_ms"] = (w_bytes + kv_bytes) / HBM * 1e3
     D = tr.DecodeConfig
     variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),
+                ("fused-qkv-ns3", fused_params, True, D(num_splits=3)),
                 ("fused-qkv-cfused", fused_params, True, D(combine="fused")),
                 ("fused-qkv-qkernel", fused_params, True, D(q_prologue="kernel")),
                 ("unfused-qkv", fused_params, False, None), ("fused-3w", params, True, None),
