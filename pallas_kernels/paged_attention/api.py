@@ -287,7 +287,9 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     R = 0: no RoPE) at each token's position; the rest as ``paged_attention``. Returns o [T, H * Dh] in qg's
     dtype: sigmoid(gate) * attention(RoPE(RMSNorm(query))). On "pallas" / "pallas_interpret" the gate runs on
     the kernel's output tile (no slice of qg, no pass over o outside the kernel) and the norm + RoPE where
-    config.q_prologue says (triton.PrefillConfig: one XLA fusion before the kernel by default).
+    config.q_prologue says (triton.PrefillConfig: one XLA fusion before the kernel by default). On "cudnn" /
+    "cudnn_xla" the norm + RoPE run where cudnn.CudnnConfig.q_prologue says (None: ``cudnn.Q_PROLOGUE``; "xla"
+    fusions or the Pallas kernel of q_prologue.py).
     k_new, v_new [T, Hkv, Dh] (optional, both or neither): the K/V this call wrote to the pages, in token order.
     The cuDNN backends then attend the new tokens to them directly (``cudnn.prefill_direct``: no gather of them
     back from the pages, the gate in the merge's pass, no context call on a batch without context: CudnnConfig
