@@ -273,6 +273,11 @@ def main():
                 kkt = jax.jit(lambda k, b: mg.kkt_fwd(k, b, heads=hv)) if not quick else jax.jit(
                     lambda k, b: mg.kkt_fwd_reference(k, b, heads=hv))
                 timed(row, "mosaic.kkt", kkt, (operands[1], operands[5]))
+                if plan_b and first and not quick:     # chunks per CTA of stage 1a (policy: 8 on this row)
+                    for cpc in (4, 2):
+                        timed(row, f"mosaic.kkt.c{cpc}", jax.jit(
+                            lambda k, b, cpc=cpc: mg.kkt_fwd(k, b, heads=hv, chunks_per_cta=cpc)),
+                            (operands[1], operands[5]), min_left=10)
                 run = mg.fused_state_pass if not quick else mg.fused_state_pass_reference
                 scale = case.K ** -0.5
                 timed(row, "mosaic.fused", jax.jit(lambda *a: run(*a, scale=scale, out_final=True,
@@ -303,7 +308,7 @@ def main():
     log("\n==== gdn_mosaic_s6: median ms per call; mosaic = backend 'mosaic_gpu' (DEFAULT_CONFIG) ====")
     keys = ["triton", "mosaic", "jla", "fla", "mosaic.kkt", "mosaic.fused", "mosaic.t1a", "mosaic.p1", "mosaic.p2",
             "mosaic.p4", "mosaic.p8"]
-    keys += sorted({k for r in result["rows"] for k in r["ms"] if k.startswith("mosaic.starts")})
+    keys += sorted({k for r in result["rows"] for k in r["ms"] if k.startswith(("mosaic.starts", "mosaic.kkt."))})
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
     log(f"{'case':22s} " + " ".join(f"{k.replace('mosaic', 'm'):>8s}" for k in keys) + "   m/jla  m/fla")
 
