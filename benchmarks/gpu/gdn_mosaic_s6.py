@@ -248,7 +248,8 @@ def main():
         if first and "mosaic.t1a" not in row["ms"]:
             timed(row, "mosaic.t1a", mosaic_op({"stage1a": "triton", "pieces": 1}), args, min_left=8)
         if first and plan_b:      # does a split pay where the rows already use 64 SMs? (the map pass has no output)
-            timed(row, "mosaic.p2", mosaic_op({"stage1a": "mosaic", "pieces": 2}), args, min_left=8)
+            for p in (1, 2):
+                timed(row, f"mosaic.p{p}", mosaic_op({"stage1a": "mosaic", "pieces": p}), args, min_left=8)
         if split_row:
             for p in ((1, 2, 4, 8) if case.T // 64 >= 64 or quick else (1, 2)):
                 if case.T // 64 // p >= mg.MIN_PIECE_CHUNKS or quick:
