@@ -59,11 +59,12 @@ class DecodeConfig:
       (v_fastest does not apply: blocks are numbered value block fastest). Compiles and is right on the H200,
       but slower at every P tried (N256-Hv32: 0.359 / 0.407 / 0.432 ms for BV 64 P 264, BV 64 P 396, BV 32 P 660
       against the default's 0.335 in the same run; NOTES.md): off.
-    load_hint: how the state block is loaded and stored (``LOAD_HINTS``; the grid form only).
+    load_hint: how the state block is loaded and stored (``LOAD_HINTS``; the grid form only). H200, N256-Hv32
+      (benchmarks/logs/s6/gdn_decode_s6_run1.log): "" 0.316 ms, "masked" 0.319, "evict_first" 0.347 (4 warps 0.318).
     row_block: 0, the block held whole in registers; R > 0 (dividing K; T = 1 only, other T run the default form):
       the two-pass form (``_decode_two_pass_kernel``: S^T k, S^T q over [R, BV] chunks, then each chunk re-read,
-      updated and stored). Off: written after the session-6 H200 run put ~0.03 ms of the 0.04 ms gap to the XLA
-      copy on the arithmetic of a whole-block program (NOTES.md), not yet measured.
+      updated and stored). Off: slower at every setting measured on the H200 (N256-Hv32: 0.365-0.453 ms against
+      the default's 0.320; benchmarks/logs/s6/gdn_decode_s6_run2.log, NOTES.md).
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
