@@ -96,9 +96,10 @@ def main():
     ap.add_argument("--budget", type=float, default=120.0, help="seconds from start; later steps are skipped")
     ap.add_argument("--test-timeout", type=float, default=35.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
-    ap.add_argument("--plan", choices=("a", "b"), default="a",
+    ap.add_argument("--plan", choices=("a", "b", "c"), default="a",
                     help="a: tests, then every row's four columns, then extras (run 1); b: the rows run 1 left out "
-                         "(no FLA until the end), the extras of the first two rows, FLA, then the tests")
+                         "(no FLA until the end), the extras of the first two rows, FLA, then the tests; c: the two "
+                         "rows where Mosaic trails jla, per stage, with the exp2 variant and the split's P")
     opts = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out_dir, exist_ok=True)
@@ -109,7 +110,7 @@ def main():
 
     result = {"quick": quick, "budget_s": opts.budget, "plan": opts.plan, "rows": [], "errors": []}
     plan_b = opts.plan == "b"
-    if not opts.no_tests and not plan_b:
+    if not opts.no_tests and opts.plan == "a":
         run_tests(quick, min(opts.test_timeout, max(left() - 50, 5)), result)
 
     import jax
@@ -161,6 +162,9 @@ def main():
         return jax.jit(fn)
 
     inputs = {}
+    if opts.plan == "c":
+        plan_c(result, cases, timed, mosaic_op, left, quick, out_dir)
+        return finish(result, opts, out_dir)
 
     def case_args(case):
         if case.name not in inputs:
@@ -305,10 +309,79 @@ def main():
     if plan_b and not opts.no_tests and left() > 10:
         run_tests(quick, left() - 5, result, ids=TEST_IDS_B)
 
+    finish(result, opts, out_dir)
+
+
+def plan_c(result, cases, timed, mosaic_op, left, quick, out_dir):
+    """B1-T8192-Hk16-Hv32 and B1-T8192-Hk2-Hv8 (the rows where Mosaic trailed jla in runs 1 and 2), every
+    column in this one process: the op at the default config and with exp2 gates (its output against the
+    default's), jla, stage 1a (8 / 4 chunks per CTA), the fused pass; the split's P = 4 / 8 and its start states."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_gdn.bench import make_inputs_np
+    from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+    names = ("quick",) if quick else ("B1-T8192-Hk16-Hv32", "B1-T8192-Hk2-Hv8")
+    for name in names:
+        case = next(c for c in cases if c.name.startswith(name))
+        host = make_inputs_np(case, 0)
+        bf = jnp.bfloat16
+        args = (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf), jnp.asarray(host[3]),
+                jnp.asarray(host[4], bf), jnp.asarray(host[5]))
+        row = {"case": case.name, "ms": {}, "numerics": {}}
+        result["rows"].append(row)
+        split = mg.split_pieces(case.B, case.Hv, case.K, case.V, case.T) if not quick else 2
+        res = timed(row, "mosaic", mosaic_op({"stage1a": "mosaic", "pieces": split}), args)
+        if not quick:
+            try:
+                from jax_gdn.bench import _jla_impl
+                timed(row, "jla", *_jla_impl(case, host))
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
+        res2 = timed(row, "mosaic.exp2", mosaic_op({"stage1a": "mosaic", "pieces": split, "exp2": True}), args)
+        if res is not None and res2 is not None:
+            row["numerics"]["exp2_vs_default"] = {"o": rel(np.asarray(res2[0].astype(jnp.float32)),
+                                                           np.asarray(res[0].astype(jnp.float32))),
+                                                  "state": rel(res2[1], res[1]), "o_finite": True}
+            log(f"  exp2 vs default: o {row['numerics']['exp2_vs_default']['o']:.2e} state "
+                f"{row['numerics']['exp2_vs_default']['state']:.2e}")
+        del res, res2
+        try:
+            operands = jax.block_until_ready(jax.jit(lambda *a: mg._prepare_head_major(
+                *a, kernel=not quick, pieces=1))(*args))
+            hv = case.Hv
+            if not quick:
+                timed(row, "mosaic.kkt", jax.jit(lambda k, b: mg.kkt_fwd(k, b, heads=hv)), (operands[1], operands[5]))
+            run = mg.fused_state_pass if not quick else mg.fused_state_pass_reference
+            scale = case.K ** -0.5
+            timed(row, "mosaic.fused", jax.jit(lambda *a: run(*a, scale=scale, out_final=True, head_major=True)),
+                  operands)
+            if not quick and "Hk16" in case.name:
+                timed(row, "mosaic.kkt.c4", jax.jit(lambda k, b: mg.kkt_fwd(k, b, heads=hv, chunks_per_cta=4)),
+                      (operands[1], operands[5]), min_left=8)
+            del operands
+        except Exception as e:  # noqa: BLE001
+            result["errors"].append(f"{case.name} stages: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  stages FAIL {type(e).__name__}: {str(e)[:300]}")
+        if "Hk2" in case.name or quick:
+            timed(row, "mosaic.p4", mosaic_op({"stage1a": "mosaic", "pieces": 4}), args, min_left=8)
+            try:
+                pp = split
+                ops_p = jax.block_until_ready(jax.jit(lambda *a: mg._prepare_head_major(
+                    *a, kernel=not quick, pieces=pp))(*args))
+                timed(row, f"mosaic.starts{pp}", jax.jit(lambda *a: mg._split_start_states(
+                    a, pp, kernel=not quick, head_major=True)), ops_p, min_left=8)
+                del ops_p
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"{case.name} starts: {type(e).__name__}: {str(e)[:300]}")
+        _write(out_dir, result)
+
+
+def finish(result, opts, out_dir):
     # the table, last
     log("\n==== gdn_mosaic_s6: median ms per call; mosaic = backend 'mosaic_gpu' (DEFAULT_CONFIG) ====")
-    keys = ["triton", "mosaic", "jla", "fla", "mosaic.kkt", "mosaic.fused", "mosaic.t1a", "mosaic.p1", "mosaic.p2",
-            "mosaic.p4", "mosaic.p8"]
+    keys = ["triton", "mosaic", "jla", "fla", "mosaic.exp2", "mosaic.kkt", "mosaic.fused", "mosaic.t1a", "mosaic.p1",
+            "mosaic.p2", "mosaic.p4", "mosaic.p8"]
     keys += sorted({k for r in result["rows"] for k in r["ms"] if k.startswith(("mosaic.starts", "mosaic.kkt."))})
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
     log(f"{'case':22s} " + " ".join(f"{k.replace('mosaic', 'm'):>8s}" for k in keys) + "   m/jla  m/fla")

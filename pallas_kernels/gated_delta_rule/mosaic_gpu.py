@@ -57,6 +57,8 @@ from jax import lax
 
 ENABLED = True         # api.py routes backend="mosaic_gpu" here (and "auto" where AUTO says so)
 C = 64                 # chunk size (stage 1a's T is [C, C])
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 BV = 64                # value columns per CTA (WG0's S^T [BV, K] fp32 is 64 registers a thread at K = 128)
 SMEM_BUDGET = 220 * 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -131,7 +133,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
-                     write_o: bool = True):
+                     write_o: bool = True, exp2: bool = False):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -145,6 +147,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     first R pieces of each row run (the state-map pass of the sequence split skips the last piece).
     h0t [B * R, Hv, V, K] fp32 (each run piece's initial state, transposed) or None (zeros).
     ``write_o`` False: no output (the map pass), the output warpgroup only forms Ag.
+    ``exp2``: gcum holds log2 gates (G log2 e) and every decay is exp2 (as jla), else natural-log gates and exp.
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -164,6 +167,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     nv = value_dim // BV
     dtype = k.dtype
     out_dtype = q.dtype
+    _exp = jnp.exp2 if exp2 else jnp.exp
     has_h0 = h0t is not None
     isz = jnp.dtype(dtype).itemsize
     n_vec = 4                    # g_state, g_rows, g_cols, b_cols
@@ -272,9 +276,9 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 s_pub.at[half][...] = s_lo
                 g_last = g_state[slot, C - 1]
                 g_col = plgpu.load(g_state.at[slot], layout=COLS)
-                key_decay = jnp.exp(g_col)                  # Gamma: the correction term reads the incoming state
-                k_decay = jnp.exp(g_last - g_col)
-                s_decay = jnp.exp(g_last)
+                key_decay = _exp(g_col)                     # Gamma: the correction term reads the incoming state
+                k_decay = _exp(g_last - g_col)
+                s_decay = _exp(g_last)
                 # W^T = v^T - (S^T k^T) Gamma, then v_new^T = W^T Ag^T
                 x_t = _matmul(s_lo, k_s.at[slot].T, (BV, C))
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
@@ -308,11 +312,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.barrier_wait(in_bar.at[slot])
                 g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
                 g_col = plgpu.load(g_cols.at[slot], layout=COLS)
-                q_decay = jnp.exp(g_row)
+                q_decay = _exp(g_row)
                 sq = (C, C)
                 keep = _iota(sq, 0) >= _iota(sq, 1)
                 # the exponent is masked before exp, so acausal entries never overflow (jla decay_matrix)
-                decay = jnp.exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
+                decay = _exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
                 # Ag = T * beta_j replaces T in the input buffer (Triton's T already carries e^(G_i - G_j);
                 # kkt_fwd's gate-free T0 gets it here: T = T0 * e^(G_i - G_j), a diagonal similarity)
                 t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
@@ -579,7 +583,7 @@ def check_supported(q, k, v, g, beta, initial_state=None, *, kernel: bool = True
 
 def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool,
                                head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
-                               write_o: bool = True):
+                               write_o: bool = True, exp2: bool = False):
     """What :func:`fused_state_pass` computes, in jnp (fp32, matmul precision highest), same arguments and
     results: the kernel's per-chunk formulas (W = v - Gamma k S, v_new = (T * beta_j) W, o, S update) as a
     lax.scan over each piece's chunks (``head_major``: T = T0 * e^(G_i - G_j) first, as the kernel's WG1 does).
@@ -588,6 +592,8 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     b, tp, hk, kdim = k.shape
     hv = v.shape[2]
     run_pieces = pieces if run_pieces is None else run_pieces
+    if exp2:            # log2 gates back to natural log (the twin works in natural log)
+        gcum = gcum * LN2
     if head_major:      # to the chunk layout, T gated
         nc = b * tp // C
         g4 = gcum.astype(F32).reshape(b, hv, tp // C, C)
@@ -678,7 +684,7 @@ def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 
     return q, k, v, tmat, gcum, beta_c, h0t
 
 
-def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1):
+def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1, exp2: bool = False):
     """Stage 1a in Mosaic GPU (``kernel``) or its jnp twin: pads T to a multiple of C * pieces (zero tokens), the
     chunk-local cumulative log-decay G [B, Hv, Tp] (g floored at G_FLOOR first, as Triton's 1a does), beta
     [B, Hv, Tp] fp32 and the gate-free T0 [B, Hv, Tp, C]. Returns the fused pass's ``head_major`` operands."""
@@ -690,6 +696,8 @@ def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces
     q, k, v = _pad_time(q, pad), _pad_time(k, pad), _pad_time(v, pad)
     g = floor_log_decay(_pad_time(g.astype(F32), pad))
     gcum = jnp.cumsum(jnp.swapaxes(g, 1, 2).reshape(b, hv, tp // C, C), axis=-1).reshape(b, hv, tp)
+    if exp2:
+        gcum = gcum * LOG2E
     beta_hm = jnp.swapaxes(_pad_time(beta.astype(F32), pad), 1, 2)                     # [B, Hv, Tp]
     t0 = kkt_fwd(k, beta_hm, heads=hv) if kernel else kkt_fwd_reference(k, beta_hm, heads=hv)
     h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
@@ -732,7 +740,7 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
     return best
 
 
-def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
+def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False):
     """Each piece's true initial state S^T [B * P, Hv, V, K]. One state-map pass over the first P - 1 pieces of
     every row, on augmented values [0 | v] from the augmented state [I | 0] (the state map of a piece is affine:
     S_end = M S_start + E, so the pass's final state is [M | E]), then ceil(log2(P - 1)) + 1 batched matmuls in XLA
@@ -745,7 +753,7 @@ def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
     eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
     h_aug = jnp.broadcast_to(eye_t, (b * r, hv, kdim + vdim, kdim))
     run = fused_state_pass if kernel else fused_state_pass_reference
-    _, maps_t = run(q, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major,
+    _, maps_t = run(q, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major, exp2=exp2,
                     pieces=pieces, run_pieces=r, write_o=False)                          # [B * R, Hv, K + V, K]
     maps = jnp.swapaxes(maps_t, -1, -2).reshape(b, r, hv, kdim, kdim + vdim)           # [M | E] per piece
     s0 = jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t, -1, -2)
@@ -769,9 +777,9 @@ def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool):
 STAGE1A = ("triton", "mosaic")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
-                               impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1):
+                               impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -780,7 +788,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     ``impl="reference"``) or "mosaic" (:func:`kkt_fwd`, the gate-free T0 in head-major layout, or its jnp twin
     :func:`kkt_fwd_reference` under ``impl="reference"``). ``pieces`` P > 1: the sequence split (each row cut
     into P pieces run side by side, their start states from one state-map pass, :func:`_split_start_states`);
-    0: :func:`split_pieces` picks.
+    0: :func:`split_pieces` picks. ``exp2`` (with ``stage1a="mosaic"``): log2 gates and exp2 in the pass.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -800,19 +808,20 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
         pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C)
     kernel = impl == "mosaic"
     head_major = stage1a == "mosaic"
+    exp2 = bool(exp2) and head_major
     if head_major:
-        ops_ = _prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces)
+        ops_ = _prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2)
     else:
         ops_ = _prepare(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
-        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major)
+        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
-                    pieces=pieces)
+                    pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
             ht = ht.reshape((b, pieces) + ht.shape[1:])[:, -1]
     else:
-        o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major)
+        o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2)
     o = o[:, :t].astype(v.dtype)
     return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
 
@@ -826,9 +835,11 @@ class MosaicConfig:
 
     stage1a: "mosaic" (:func:`kkt_fwd`, the gate-free T0) or "triton" (Pallas Triton ``kkt_solve``, the gated T).
     pieces: the sequence split, 0 = :func:`split_pieces` decides per shape, 1 = never split, P = always P pieces.
+    exp2: log2 gates and exp2 in the fused pass (jla's form; stage1a "mosaic" only), else natural log and exp.
     """
     stage1a: str = "mosaic"
     pieces: int = 0
+    exp2: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -885,7 +896,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
     def run(q, k, v, g, beta, *h0):
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
-                                          stage1a=cfg.stage1a, pieces=cfg.pieces)
+                                          stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
 

@@ -59,6 +59,17 @@ def test_reference_mosaic_stage1a_and_split_match_f64(t, pieces):
     assert rel_rms(s, rs) < 2e-4, rel_rms(s, rs)
 
 
+def test_reference_exp2_gates_match_f64():
+    """MosaicConfig.exp2: log2 gates from the glue (G log2 e), exp2 in the pass, through the split."""
+    case = Case("cpu-B1-T130-Hk1-Hv2-K16-V8", 1, 130, 1, 2, 16, 8)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 4, jnp.float32)
+    g = (g * 0.01).astype(np.float32)
+    o, s = mg.chunk_gated_delta_rule_fwd(*(jnp.asarray(x) for x in (q, k, v, g, beta, h0)), impl="reference",
+                                         stage1a="mosaic", pieces=2, exp2=True)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4
+
+
 def test_reference_split_behind_triton_stage1a_grouped_no_h0():
     case = Case("cpu-B1-T200-Hk2-Hv4-K8-V16", 1, 200, 2, 4, 8, 16)
     (q, k, v, g, beta, _), o, s = _run(case, with_h0=False, pieces=2, g_scale=0.01)
