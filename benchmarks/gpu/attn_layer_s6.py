@@ -28,11 +28,13 @@ interleaved rounds (each variant ``--reps`` blocking calls per round, ``--rounds
 so that clock drift hits all alike; for the variants whose entry names the case, the kernel table of 5 calls
 under jax.profiler (profile_s6.kernel_table: its own wall median of 5, kernel ms per call by name, launches).
 Then, if 35 s are left, the ``gpu`` tests of prefill_direct, the q prologue and the cuDNN op (pytest
-subprocess). ``--variants a,b``: only those, in that order. Writes $OUT/<tag>.json and $OUT/<tag>.log (--tag,
+subprocess). ``--variants a,b``: only those, in that order. ``--prologue-sweep``: first the q norm + RoPE alone,
+XLA against the Pallas kernel per (layout, block_t, num_warps), and the fastest right one for the layer rows. Writes $OUT/<tag>.json and $OUT/<tag>.log (--tag,
 default attn_layer_s6); prints a table last. --quick: tiny dims on CPU ("cudnn_xla" stand-in,
 "pallas_interpret").
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -134,6 +136,68 @@ def rel_rms(a, b) -> float:
     return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
 
 
+SWEEP = [("gather", 32, 4), ("gather", 64, 4), ("gather", 16, 2), ("gather", 32, 8), ("halves", 32, 4),
+         ("halves", 64, 4), ("halves", 64, 8), ("halves", 16, 2), ("halves", 128, 8), ("halves", 8, 1)]
+
+
+def prologue_sweep(quick: bool, end: float, rounds: int = 3, reps: int = 20) -> dict:
+    """The q norm + RoPE alone at the layer's dims: XLA (``reference.gated_query``, q only) and the Pallas kernel
+    per (layout, block_t, num_warps) of SWEEP, timed in interleaved rounds; numerics against XLA. Sets
+    q_prologue's defaults to the fastest config that is numerically right; returns the rows."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import bench_layers as bl
+    from jax_gdn.layers.rope import rope_cos_sin
+    from pallas_kernels.paged_attention import q_prologue as qp
+    from pallas_kernels.paged_attention.reference import gated_query
+    _, adims, lens = bl._dims(quick)
+    t, h, dh = sum(lens), adims.num_heads, adims.head_dim
+    c = h * 2 * dh + 2 * adims.num_kv_heads * dh
+    ks = jax.random.split(jax.random.PRNGKey(3), 2)
+    qg = jax.random.normal(ks[0], (t, c), jnp.float32).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(ks[1], (dh,))
+    pos = jnp.asarray(np.concatenate([np.arange(x) for x in lens]), jnp.int32)
+    cos, sin = rope_cos_sin(pos, adims.rotary_dim, adims.rope_theta)
+    fns = {"xla": jax.jit(lambda a, b, cc, ss: gated_query(a, b, cc, ss, num_heads=h, head_dim=dh,
+                                                            eps=1e-6)[0])}
+    for lay, bt, nw in SWEEP:
+        fns[f"{lay}/{bt}/{nw}"] = jax.jit(functools.partial(
+            qp.gated_query_pallas, num_heads=h, head_dim=dh, eps=1e-6, interpret=quick, layout=lay, block_t=bt,
+            num_warps=nw))
+    args = (qg, w, cos, sin)
+    ref = np.asarray(jax.block_until_ready(fns["xla"](*args)).astype(jnp.float32))
+    rows, ok = {}, {}
+    for name, fn in fns.items():
+        if time.time() > end:
+            break
+        try:
+            out = np.asarray(jax.block_until_ready(fn(*args)).astype(jnp.float32))
+            rows[name] = {"rel_rms_vs_xla": rel_rms(out, ref)}
+            ok[name] = fn
+        except Exception as err:  # noqa: BLE001
+            rows[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            log(f"prologue {name}: {rows[name]['error']}")
+    times = {k: [] for k in ok}
+    for _ in range(rounds):
+        for name, fn in ok.items():
+            for _ in range(reps):
+                t1 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[name].append(1e3 * (time.perf_counter() - t1))
+    for name in ok:
+        rows[name]["ms"] = float(np.median(times[name]))
+        log(f"prologue {name:16s} {rows[name]['ms']:.4f} ms  rel_rms vs xla {rows[name]['rel_rms_vs_xla']:.1e}")
+    good = [k for k in ok if k != "xla" and rows[k]["rel_rms_vs_xla"] < 1e-2]
+    if good:
+        best = min(good, key=lambda k: rows[k]["ms"])
+        lay, bt, nw = best.split("/")
+        qp.LAYOUT, qp.BLOCK_T, qp.NUM_WARPS = lay, int(bt), int(nw)
+        log(f"prologue: fastest {best} ({rows[best]['ms']:.4f} ms, XLA {rows['xla'].get('ms', float('nan')):.4f}); "
+            f"the layer variants below use it")
+        rows["best"] = best
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=100)
@@ -141,6 +205,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
     ap.add_argument("--variants", default=None, help="comma list of VARIANTS names (default: all, in order)")
     ap.add_argument("--tag", default="attn_layer_s6", help="name of the JSON / log under $OUT")
+    ap.add_argument("--prologue-sweep", action="store_true",
+                    help="first time the q prologue alone per kernel config (SWEEP) and use the fastest")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-tests", action="store_true")
     a = ap.parse_args()
@@ -164,6 +230,9 @@ def main():
     fam = {"cudnn": "cudnn" if gpu else "cudnn_xla", "pallas": "pallas" if gpu else "pallas_interpret"}
     saved = (attn_mod.CUDNN_DIRECT, cudnn.FRESH, attn_mod.KV_WRITE_UNIQUE, cudnn.Q_PROLOGUE)
     outs = {}
+    if a.prologue_sweep:
+        RES["prologue_sweep"] = prologue_sweep(a.quick, min(end - 40, time.time() + 30))
+        save()
     for case, ctx in (("fresh", 0), ("ctx2k", 2048 if not a.quick else 40)):
         if time.time() > end - 15:
             log(f"skip case {case}: budget")

@@ -76,8 +76,10 @@ STATS_ROWS = "segment"
 STATS_TO_LN = 1.0
 #: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond" or "merge" (see CudnnConfig).
 FRESH = "cond"
-#: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig).
-Q_PROLOGUE = "xla"
+#: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig). "pallas" from the H200 run 2
+#: (benchmarks/logs/s6/attn_layer_run2.log): the XLA form took three passes (0.35 ms), the kernel 0.185 ms; the
+#: layer at varlen16 3.151 -> 2.937 ms fresh, 4.471 -> 4.345 ms with 2k context; 3.9e-3 vs the XLA layer.
+Q_PROLOGUE = "pallas"
 
 
 class CudnnConfig(NamedTuple):

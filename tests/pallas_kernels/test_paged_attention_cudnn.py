@@ -320,8 +320,9 @@ def test_direct_bad_input():
 @pytest.mark.parametrize("dtype,t,r", [(jnp.float32, 130, 16), (jnp.bfloat16, 63, 8), (jnp.float32, 1, 0),
                                        (jnp.bfloat16, 65, 32)])
 def test_q_prologue_kernel_matches_xla(dtype, t, r):
-    """q_prologue.gated_query_pallas (interpret mode) against reference.gated_query: fp32 1e-6 relative, bf16 equal
-    up to one rounding step; NaN in q_proj's gate columns and in a fused projection's extra columns not read."""
+    """q_prologue.gated_query_pallas (interpret mode, both layouts) against reference.gated_query: fp32 1e-6
+    relative, bf16 4e-3 (one rounding step); NaN in q_proj's gate columns and in a fused projection's extra
+    columns not read."""
     from pallas_kernels.paged_attention.q_prologue import gated_query_pallas
     from pallas_kernels.paged_attention.reference import gated_query
     rng = np.random.default_rng(t + r)
@@ -333,11 +334,14 @@ def test_q_prologue_kernel_matches_xla(dtype, t, r):
     ang = np.arange(t)[:, None] * 0.37 * (1.0 + np.arange(r // 2))[None] if r else np.zeros((t, 0))
     cos = jnp.asarray(np.cos(np.concatenate([ang, ang], 1)), jnp.float32)
     sin = jnp.asarray(np.sin(np.concatenate([ang, ang], 1)), jnp.float32)
-    got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6, interpret=True)
     want, _ = gated_query(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
-    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-    assert got.shape == (t, h, dh) and np.all(np.isfinite(got))
-    assert rel_rms(got, want) <= (1e-6 if dtype == jnp.float32 else 4e-3)
+    want = np.asarray(want.astype(jnp.float32))
+    for layout, block_t in (("gather", 32), ("halves", 16)):
+        got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6, interpret=True,
+                                 layout=layout, block_t=block_t)
+        got = np.asarray(got.astype(jnp.float32))
+        assert got.shape == (t, h, dh) and np.all(np.isfinite(got)), layout
+        assert rel_rms(got, want) <= (1e-6 if dtype == jnp.float32 else 4e-3), layout
     with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
         gated_query_pallas(qg, jnp.zeros(24), cos[:, :0], sin[:, :0], num_heads=h, head_dim=24, eps=1e-6,
                            interpret=True)
@@ -396,6 +400,7 @@ def test_gpu_q_prologue_kernel_at_80b_dims():
         ang = np.arange(t)[:, None] * 0.01 * (1.0 + np.arange(r // 2))[None]
         cos = jnp.asarray(np.cos(np.concatenate([ang, ang], 1)), jnp.float32)
         sin = jnp.asarray(np.sin(np.concatenate([ang, ang], 1)), jnp.float32)
-        got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
         want, _ = gated_query(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6)
-        assert rel_rms(got.astype(jnp.float32), want.astype(jnp.float32)) <= 4e-3, t
+        for layout in ("gather", "halves"):
+            got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6, layout=layout)
+            assert rel_rms(got.astype(jnp.float32), want.astype(jnp.float32)) <= 4e-3, (t, layout)
