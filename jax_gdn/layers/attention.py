@@ -28,8 +28,9 @@ input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (
 ``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM (a model holds qkv_proj already:
 ``HOLD_FUSED_QKV``). The cuDNN backends ("cudnn": cuDNN's packed fused attention,
 pallas_kernels/paged_attention/cudnn.py; "cudnn_xla" its CPU stand-in) take the same fused entry with the new
-K/V handed over (``CUDNN_DIRECT``: XLA's q norm / RoPE, the causal call on the projected k, v, the context call
-and merge only when a stream has context, the gate in the last pass). The XLA backend and decode take the
+K/V handed over (``CUDNN_DIRECT``: the q norm / RoPE in one Pallas kernel (``cudnn.Q_PROLOGUE``), the causal
+call on the projected k, v, the context call and merge only when a stream has context, the gate in the last
+pass). The XLA backend and decode take the
 unfused path (``attention_qkv``, the reference the fused one is tested against); decode on the cuDNN backends
 runs the Pallas decode kernel (or XLA).
 """
