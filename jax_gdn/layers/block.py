@@ -136,7 +136,7 @@ def gdn_block(params: dict, x: jax.Array, state: GdnSlots, batch: Batch, *, conf
     meta = batch.meta
     if batch.decode:
         return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook,
-                                    reduce=reduce)
+                                    reduce=reduce, backend=backends.gated_delta_rule)
     p1, q, k, v, state = gdn.phase1_varlen(mixer, dims, x, state, meta, backend=backends.gated_delta_rule)
     o, state, _ = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, state, meta, backend=backends.gated_delta_rule)
     return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook, reduce=reduce), state
