@@ -1,8 +1,10 @@
 """Benchmark of the chunked gated delta rule forward: `python -m jax_gdn.bench`.
 
 For each named case of jax_gdn.cases.BENCH_CASES, times in one run on one GPU:
-  pallas  jax_gdn.ops.chunk_gated_delta_rule(backend="pallas")
-  xla     jax_gdn.ops.chunk_gated_delta_rule(backend="xla")
+  pallas      jax_gdn.ops.chunk_gated_delta_rule(backend="pallas") (Pallas Triton)
+  mosaic_gpu  jax_gdn.ops.chunk_gated_delta_rule(backend="mosaic_gpu") (Pallas Mosaic GPU; null where it would fall
+              back to Triton: packed sequences, a non-Hopper device)
+  xla         jax_gdn.ops.chunk_gated_delta_rule(backend="xla")
   fla     FLA's chunk_gated_delta_rule (torch, Triton), FLA_FLASH_QLA=0
   jla     jax-linear-attention's Mosaic GPU gated_delta_rule (dense cases only: it takes no cu_seqlens)
 where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
@@ -11,7 +13,8 @@ over groups of back-to-back calls closed by block_until_ready, torch with triton
 
 Writes benchmarks/results/<device>.json, named from the device kind ("NVIDIA H200" -> h200.json, a CPU run ->
 cpu.json; ``--out`` overrides): {"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V", "lens",
-"ms": {"pallas", "xla", "fla", "jla"}}]}, plus a PNG bar plot beside it, and prints a table.
+"ms": {"pallas", "mosaic_gpu", "xla", "fla", "jla"}}]}, plus a PNG bar plot beside it, and prints a table. The
+ratio columns divide "ours" = the faster of pallas and mosaic_gpu (what backend "auto" runs where both can).
 
 Sections, each measured in the same run and stored under its own key of the same JSON (one module each, with
 ``run_section(quick) -> dict`` and ``print_section(dict)``):
@@ -40,7 +43,14 @@ import numpy as np
 
 from jax_gdn.cases import BENCH_CASES, Case
 
-IMPLS = ("pallas", "xla", "fla", "jla")
+IMPLS = ("pallas", "mosaic_gpu", "xla", "fla", "jla")
+OURS = ("pallas", "mosaic_gpu")
+
+
+def ours_ms(ms: dict):
+    """The faster of our GPU backends in a row's "ms" (None when neither ran)."""
+    got = [ms[i] for i in OURS if ms.get(i) is not None]
+    return min(got) if got else None
 RESULTS_DIR = os.path.join("benchmarks", "results")
 #: JSON key -> module with run_section(quick) / print_section(section); "layers" is handled by run_layers
 SECTIONS = {"moe": "jax_gdn.bench_moe", "attention": "jax_gdn.bench_attention", "decode": "jax_gdn.bench_decode",
@@ -116,6 +126,11 @@ def _jax_impl(case, host, backend):
             jnp.asarray(beta, bf), jnp.asarray(h0))
     cu = case.cu_seqlens()
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    if backend == "mosaic_gpu":            # a row of this column is the Mosaic kernels' or null, never Triton's
+        from pallas_kernels.gated_delta_rule import mosaic_gpu
+        why = mosaic_gpu.fallback_reason(*args[:3], cu_seqlens=cu)
+        if why is not None:
+            raise NotImplementedError(why)
 
     @jax.jit
     def fn(q, k, v, g, beta, h0):
@@ -235,7 +250,7 @@ def run_kernel_rows(cases, impls, seed=0):
                          "K": case.K, "V": case.V, "lens": list(case.lens) if case.lens else None,
                          "ms": {i: None for i in IMPLS}})
         try:
-            if impl in ("pallas", "xla"):
+            if impl in ("pallas", "mosaic_gpu", "xla"):
                 ms = time_jax(*_jax_impl(case, host, impl))
             elif impl == "jla":
                 ms = time_jax(*_jla_impl(case, host))
@@ -282,14 +297,15 @@ def run(cases, impls, out_path, seed=0, layer_backends=(), sections=(), *, kerne
 
 
 def print_table(result):
-    head = f"{'case':30s}" + "".join(f"{i:>9s}" for i in IMPLS) + f"{'pal/fla':>9s}{'pal/jla':>9s}"
+    head = f"{'case':30s}" + "".join(f"{i:>11s}" for i in IMPLS) + f"{'ours/fla':>9s}{'ours/jla':>9s}"
     print(f"device: {result['device']}  jax {result['jax']}  {result['date']}")
     print(head)
     for r in result["rows"]:
         ms = r["ms"]
-        cells = "".join(f"{ms[i]:9.3f}" if ms.get(i) is not None else f"{'-':>9s}" for i in IMPLS)
-        ratio = lambda a, b: (f"{ms[a] / ms[b]:9.2f}" if ms.get(a) and ms.get(b) else f"{'-':>9s}")
-        print(f"{r['case']:30s}{cells}{ratio('pallas', 'fla')}{ratio('pallas', 'jla')}")
+        cells = "".join(f"{ms[i]:11.3f}" if ms.get(i) is not None else f"{'-':>11s}" for i in IMPLS)
+        ours = ours_ms(ms)
+        ratio = lambda b: (f"{ours / ms[b]:9.2f}" if ours and ms.get(b) else f"{'-':>9s}")
+        print(f"{r['case']:30s}{cells}{ratio('fla')}{ratio('jla')}")
 
 
 def plot(result, png_path):
@@ -302,11 +318,11 @@ def plot(result, png_path):
         return
     rows = result["rows"]
     x = np.arange(len(rows))
-    width = 0.2
+    width = 0.8 / len(IMPLS)
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for j, impl in enumerate(IMPLS):
         vals = [r["ms"].get(impl) for r in rows]
-        ax.bar(x + (j - 1.5) * width, [v if v is not None else 0 for v in vals], width, label=impl)
+        ax.bar(x + (j - (len(IMPLS) - 1) / 2) * width, [v if v is not None else 0 for v in vals], width, label=impl)
     ax.set_xticks(x, [r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("ms (median, lower is better)")
     ax.set_yscale("log")
@@ -335,13 +351,14 @@ def markdown_tables(result: dict) -> str:
     """Markdown tables of every part of ``result`` (one JSON of this tool), in the README's layout."""
     out = []
     if result.get("rows"):
-        out += _header(["case", "pallas (ours)", "xla (ours)", "FLA", "jax-linear-attention", "pallas / FLA",
-                        "pallas / jla"])
+        out += _header(["case", "pallas Triton (ours)", "Mosaic GPU (ours)", "xla (ours)", "FLA",
+                        "jax-linear-attention", "ours / FLA", "ours / jla"])
         for r in result["rows"]:
             ms = r["ms"]
-            ratio = lambda a, b: _f(ms[a] / ms[b], "{:.2f}") if ms.get(a) and ms.get(b) else "-"
+            ours = ours_ms(ms)
+            ratio = lambda b: _f(ours / ms[b], "{:.2f}") if ours and ms.get(b) else "-"
             out.append(f"| {r['case']} | " + " | ".join(_f(ms.get(i)) for i in IMPLS)
-                       + f" | {ratio('pallas', 'fla')} | {ratio('pallas', 'jla')} |")
+                       + f" | {ratio('fla')} | {ratio('jla')} |")
         out.append("")
     if result.get("layers"):
         out += _header(["backend", "phase 1", "phase 2", "phase 3", "GDN layer", "GDN tokens/s", "attention layer",

@@ -56,7 +56,7 @@ def test_a_failing_section_is_reported_and_the_others_still_run(monkeypatch, cap
 def test_markdown_tables_cover_every_section_of_the_committed_results():
     data = json.loads(RESULTS.read_text())
     text = bench.markdown_tables(data)
-    for heading in ("| case | pallas (ours)", "| backend | phase 1", "| MoE layer", "| attention |",
+    for heading in ("| case | pallas Triton (ours) | Mosaic GPU (ours)", "| backend | phase 1", "| MoE layer", "| attention |",
                     "| GDN decode step", "| model ("):
         assert heading in text, heading
     # one table row per measured row of each part
@@ -64,3 +64,17 @@ def test_markdown_tables_cover_every_section_of_the_committed_results():
         assert f"\n| {row['case']} |" in text, row["case"]
     for row in data["moe"]["rows"]:
         assert f"| {row['case']} | {row['tokens']} |" in text
+
+
+def test_kernel_rows_ratio_the_faster_of_our_backends(capsys):
+    """The ratio columns divide the faster of pallas and mosaic_gpu ("ours") by the peer's time; a row where Mosaic
+    did not run (null) uses pallas alone, and a row where neither ran prints '-'."""
+    rows = [{"case": "dense", "ms": {"pallas": 0.44, "mosaic_gpu": 0.31, "xla": 9.0, "fla": 0.62, "jla": 0.31}},
+            {"case": "varlen", "ms": {"pallas": 0.9, "mosaic_gpu": None, "xla": 9.0, "fla": 1.0, "jla": None}},
+            {"case": "none", "ms": {"pallas": None, "mosaic_gpu": None, "xla": 9.0, "fla": 1.0, "jla": 1.0}}]
+    text = bench.markdown_tables({"rows": rows})
+    assert "| dense | 0.440 | 0.310 | 9.000 | 0.620 | 0.310 | 0.50 | 1.00 |" in text
+    assert "| varlen | 0.900 | - | 9.000 | 1.000 | - | 0.90 | - |" in text
+    assert "| none | - | - | 9.000 | 1.000 | 1.000 | - | - |" in text
+    bench.print_table({"device": "x", "jax": "y", "date": "z", "rows": rows})
+    assert "ours/jla" in capsys.readouterr().out
