@@ -60,7 +60,11 @@ def fuse_qkv(params: dict) -> dict:
     if "qkv_proj" in params:
         return params
     out = {k: v for k, v in params.items() if k not in ("q_proj", "k_proj", "v_proj")}
-    out["qkv_proj"] = jnp.concatenate([params["q_proj"], params["k_proj"], params["v_proj"]], axis=-1)
+    parts = [params["q_proj"], params["k_proj"], params["v_proj"]]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in parts):      # abstract params (compile-time measurement)
+        out["qkv_proj"] = jax.eval_shape(lambda *a: jnp.concatenate(a, axis=-1), *parts)
+    else:
+        out["qkv_proj"] = jnp.concatenate(parts, axis=-1)
     return out
 
 
