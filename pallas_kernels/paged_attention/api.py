@@ -158,6 +158,23 @@ def _check_int(x, name: str, shape: tuple, doc: str):
         raise ValueError(f"{name} must have shape {doc} = {list(shape)}, got {list(x.shape)}")
 
 
+def _check_gated_query(qg, k_pages, v_pages, page_table, slot_lens, num_heads: int, *, rows: str):
+    """Checks of the gated entry points' q_proj output qg [rows, C] (per head [query | gate], C >= H 2 Dh) against
+    the pool; returns (rows, Dh). rows: the name of qg's first axis in the messages ("T" prefill, "N" decode)."""
+    if not hasattr(qg, "ndim") or qg.ndim != 2:
+        raise ValueError(f"qg must be [{rows}, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
+    if not hasattr(k_pages, "ndim") or k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [P, Ps, Hkv, Dh], got shape {list(getattr(k_pages, 'shape', ()))}")
+    r, c = qg.shape
+    dh = k_pages.shape[3]
+    if num_heads < 1 or c < num_heads * 2 * dh:
+        raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
+                         f"[query | gate])")
+    _check_pool(jax.ShapeDtypeStruct((r, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
+                f"[{rows}, H, Dh]")
+    return r, dh
+
+
 def _check_pool(q, k_pages, v_pages, page_table, slot_lens, what: str):
     if q.ndim != 3:
         raise ValueError(f"q must be {what}, got shape {list(q.shape)}")
@@ -294,17 +311,7 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     The cuDNN backends then attend the new tokens to them directly (``cudnn.prefill_direct``: no gather of them
     back from the pages, the gate in the merge's pass, no context call on a batch without context: CudnnConfig
     .fresh); the other backends read the pages and ignore them. Their rows must equal what the pages hold."""
-    if not hasattr(qg, "ndim") or qg.ndim != 2:
-        raise ValueError(f"qg must be [T, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, Ps, Hkv, Dh], got shape {list(k_pages.shape)}")
-    t, c = qg.shape
-    dh = k_pages.shape[3]
-    if num_heads < 1 or c < num_heads * 2 * dh:
-        raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
-                         f"[query | gate])")
-    _check_pool(jax.ShapeDtypeStruct((t, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
-                "[T, H, Dh]")
+    t, dh = _check_gated_query(qg, k_pages, v_pages, page_table, slot_lens, num_heads, rows="T")
     if not hasattr(q_norm, "shape") or tuple(q_norm.shape) != (dh,):
         raise ValueError(f"q_norm must have shape [Dh] = [{dh}], got {list(getattr(q_norm, 'shape', ()))}")
     for name, x in (("cos", cos), ("sin", sin)):
@@ -425,17 +432,7 @@ def paged_attention_decode_gated(qg, k_pages, v_pages, page_table, slot_lens, sl
     attention(RoPE(RMSNorm(query))), zeros for streams with no slot. On "pallas" / "pallas_interpret" the gate runs
     where the kernels finish o (no pass over o outside them) and the norm + RoPE where config.q_prologue says
     (triton.DecodeConfig); "xla" composes reference.gated_query, the XLA decode and the gate."""
-    if not hasattr(qg, "ndim") or qg.ndim != 2:
-        raise ValueError(f"qg must be [N, C] (q_proj's output), got shape {list(getattr(qg, 'shape', ()))}")
-    if not hasattr(k_pages, "ndim") or k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, Ps, Hkv, Dh], got shape {list(getattr(k_pages, 'shape', ()))}")
-    n, c = qg.shape
-    dh = k_pages.shape[3]
-    if num_heads < 1 or c < num_heads * 2 * dh:
-        raise ValueError(f"qg has {c} columns, fewer than num_heads * 2 * Dh = {num_heads} * 2 * {dh} (per head "
-                         f"[query | gate])")
-    _check_pool(jax.ShapeDtypeStruct((n, num_heads, dh), qg.dtype), k_pages, v_pages, page_table, slot_lens,
-                "[N, H, Dh]")
+    n, dh = _check_gated_query(qg, k_pages, v_pages, page_table, slot_lens, num_heads, rows="N")
     _check_int(slot_ids, "slot_ids", (n,), "[N]")
     _check_gate_inputs(q_norm, cos, sin, n, dh)
     _check_values(None, slot_ids, slot_lens, page_table, k_pages.shape[0], k_pages.shape[1], n)
