@@ -848,10 +848,14 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
 
 
-DEFAULT_CONFIG = MosaicConfig()
+#: pieces=1: the sequence split stays off by default until a GPU run checks it where it matters. Its GPU tests of
+#: session 6 used inputs whose decay forgets a start state within ~64 tokens, so they could not catch a wrong
+#: piece-to-piece state map (the weak-decay tests that can are written, CPU-checked on the jnp twins, not yet run on
+#: a GPU). Unsplit, B1-T8192-Hk2-Hv8 ran 0.261 ms (8 pieces 0.203, Triton 0.288); the Hv32 rows never split.
+DEFAULT_CONFIG = MosaicConfig(pieces=1)
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
-# 0.203 against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.
+# 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.
 AUTO = True
 
 
