@@ -158,20 +158,27 @@ def _split_refs(refs, gate_offsets):
     return (alog_ref, dtb_ref) + tuple(gate_offsets), pool_in_ref, o_ref, pool_out_ref
 
 
+def _program_slot(slot_ref, pool_in_ref, *, v_fastest: bool, block_v: int):
+    """The decode kernels' program coordinates: (stream n, value head h, value columns vs, in_pool, read_slot). The
+    grid is (N, Hv, V / BV), or (V / BV, Hv, N) when v_fastest; an id outside [0, S) names no slot (in_pool False:
+    zeros in, no write), read_slot its clipped id for the loads."""
+    if v_fastest:
+        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_slots = pool_in_ref.shape[0]
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)
+    return n, h, pl.ds(vb * block_v, block_v), in_pool, jnp.clip(slot, 0, num_slots - 1)
+
+
 def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v, v_fastest,
                    gate_offsets, load_hint, **token_args):
     """One program per (stream, value head, value block). refs: [A_log, dt_bias (raw gates only),] pool_in, o,
     pool_out."""
     gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
-    if v_fastest:
-        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * block_v, block_v)
-    num_slots, _, kdim, _ = pool_in_ref.shape
-    slot = slot_ref[n]
-    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
-    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    n, h, vs, in_pool, read_slot = _program_slot(slot_ref, pool_in_ref, v_fastest=v_fastest, block_v=block_v)
+    kdim = pool_in_ref.shape[2]
     read = (has_ref[n] != 0) & in_pool
     if load_hint:                                       # masked load (no bytes for a fresh stream) with a hint
         hint = dict(evict_first=dict(eviction_policy="evict_first"), masked={})[load_hint]
@@ -199,16 +206,9 @@ def _decode_two_pass_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_
     before), updates it and stores it at once. Few registers (no whole block held), no store waiting on the whole
     block's reductions; the cost is the second read, an L2 hit if the block is still there."""
     gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
-    if v_fastest:
-        vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * block_v, block_v)
-    num_slots, _, kdim, _ = pool_in_ref.shape
+    n, h, vs, in_pool, read_slot = _program_slot(slot_ref, pool_in_ref, v_fastest=v_fastest, block_v=block_v)
+    kdim = pool_in_ref.shape[2]
     hk = h // group
-    slot = slot_ref[n]
-    in_pool = (slot >= 0) & (slot < num_slots)          # an id outside [0, S) names no slot: zeros in, no write
-    read_slot = jnp.clip(slot, 0, num_slots - 1)
     rmask = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (row_block, block_v))   # masked: a stale NaN never leaks
     wmask = jnp.broadcast_to(in_pool, (row_block, block_v))
     q = q_ref[n, 0, hk, :].astype(jnp.float32)                                   # [K]

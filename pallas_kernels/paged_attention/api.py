@@ -312,14 +312,7 @@ def paged_attention_gated(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlen
     back from the pages, the gate in the merge's pass, no context call on a batch without context: CudnnConfig
     .fresh); the other backends read the pages and ignore them. Their rows must equal what the pages hold."""
     t, dh = _check_gated_query(qg, k_pages, v_pages, page_table, slot_lens, num_heads, rows="T")
-    if not hasattr(q_norm, "shape") or tuple(q_norm.shape) != (dh,):
-        raise ValueError(f"q_norm must have shape [Dh] = [{dh}], got {list(getattr(q_norm, 'shape', ()))}")
-    for name, x in (("cos", cos), ("sin", sin)):
-        if not hasattr(x, "shape") or x.ndim != 2 or x.shape[0] != t or x.shape != cos.shape:
-            raise ValueError(f"{name} must be [T, R] = [{t}, R] like cos, got {list(getattr(x, 'shape', ()))}")
-    r = cos.shape[1]
-    if r % 2 or r > dh:
-        raise ValueError(f"cos/sin: the rotary dims R={r} must be even and at most Dh={dh}")
+    _check_gate_inputs(q_norm, cos, sin, t, dh)
     if not hasattr(slot_ids, "shape") or len(slot_ids.shape) != 1:
         raise ValueError(f"slot_ids must be int32 [N], got shape {list(getattr(slot_ids, 'shape', ()))}")
     n = slot_ids.shape[0]
