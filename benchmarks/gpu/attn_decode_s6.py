@@ -26,8 +26,6 @@ Output: $OUT/attn_decode_s6.json (after every step), $OUT/attn_decode_s6.log (ev
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import shutil
@@ -80,20 +78,9 @@ def op_configs(tr, case):
 
 def gpu_timeline(trace_dir):
     """[(ts_us, dur_us, name)] of the kernels (events on GPU "Stream" threads) of the newest Perfetto trace."""
-    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    trace = json.load(gzip.open(sorted(files)[-1]))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"}
-    out = []
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e or "gpu" not in procs.get(e["pid"], "").lower():
-            continue
-        if threads.get((e["pid"], e.get("tid")), "").lower().startswith("stream"):
-            out.append((float(e["ts"]), float(e["dur"]), e["name"]))
-    return sorted(out)
+    from trace_events import is_kernel, load_trace
+    events, _ = load_trace(trace_dir)
+    return [(float(e["ts"]), float(e["dur"]), e["name"]) for e in events if is_kernel(e)]
 
 
 def segments(events, gap_us=1000.0):

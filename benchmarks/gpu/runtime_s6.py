@@ -74,10 +74,8 @@ def trace_calls(step, sync, calls: int = 3, top: int = 25) -> dict:
     the host time inside the call (dispatch), the delay from the call's start to its first GPU kernel, the GPU span
     (first kernel start to last kernel end) and the GPU idle time inside that span; and the host events inside the
     call windows by total time (what the host does while dispatching)."""
-    import glob
-    import gzip
-
     import jax
+    from trace_events import is_gpu, is_kernel, load_trace
     tdir = "/tmp/trace_runtime"
     sync(step())
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
@@ -85,15 +83,8 @@ def trace_calls(step, sync, calls: int = 3, top: int = 25) -> dict:
             with jax.profiler.TraceAnnotation(f"rt_call{i}"):
                 y = step()
             sync(y)
-    path = sorted(glob.glob(os.path.join(tdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    tr = json.load(gzip.open(path))
-    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
-    procs = {e["pid"]: e["args"].get("name", "") for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in ev if e.get("ph") == "M"
-               and e.get("name") == "thread_name"}
-    xs = [e for e in ev if e.get("ph") == "X" and "dur" in e]
-    gpu = sorted((e for e in xs if "gpu" in procs.get(e["pid"], "").lower()
-                  and threads.get((e["pid"], e.get("tid")), "").lower().startswith("stream")), key=lambda e: e["ts"])
+    xs, _ = load_trace(tdir)
+    gpu = [e for e in xs if is_kernel(e)]
     out = {"calls": [], "host_events": []}
     host_tot = {}
     for i in range(calls):
@@ -113,7 +104,7 @@ def trace_calls(step, sync, calls: int = 3, top: int = 25) -> dict:
                                  "gpu_busy_ms": round(busy / 1e3, 4),
                                  "kernels_before_dispatch_end": sum(e["ts"] < w1 for e in k), "kernels": len(k)})
         for e in xs:
-            if w0 <= e["ts"] < w1 and "gpu" not in procs.get(e["pid"], "").lower() and e["name"] != f"rt_call{i}":
+            if w0 <= e["ts"] < w1 and not is_gpu(e) and e["name"] != f"rt_call{i}":
                 host_tot[e["name"][:80]] = host_tot.get(e["name"][:80], 0.0) + e["dur"] / 1e3 / calls
     out["host_events"] = sorted(((k, round(v, 4)) for k, v in host_tot.items()), key=lambda kv: -kv[1])[:top]
     return out
