@@ -38,8 +38,9 @@ the returned cache, never the one passed in.
 
 Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating period of ``layer_types`` (3 GDN
 + 1 attention for Qwen3-Next; see ``layer_plan``), a leftover tail unrolled; compile time does not grow with
-depth (decode unrolls the scan by 2: ``DEFAULT_SCAN_UNROLL``). Cache leaves are stacked the same way (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...])
-and each layer reads and writes them in place through offset slot / page ids (see ``_layers``).
+depth (decode unrolls the scan by 2: ``DEFAULT_SCAN_UNROLL``). Cache leaves are stacked the same way
+(``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]) and each layer reads and writes them in place
+through offset slot / page ids (see ``_layers``).
 
 backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
 (attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for
@@ -559,8 +560,9 @@ class HybridModel:
     one T is rounded up to a multiple of it. strict: check the status after every step (a sync; raises
     OutOfKvPagesError at the step that ran out of pages). scan_unroll: the ``unroll`` of the scan over the repeats
     of the layer period, for both programs or as {"prefill": ..., "decode": ...} (default ``DEFAULT_SCAN_UNROLL``:
-    prefill rolled, decode by 2; compile time grows at most 2x the loop body, not with depth). compiler_options: XLA options of the prefill / decode programs
-    (``jax.jit(compiler_options=...)``, e.g. {"xla_gpu_enable_command_buffer": ...}).
+    prefill rolled, decode by 2; compile time grows at most 2x the loop body, not with depth). compiler_options:
+    XLA options of the prefill / decode programs (``jax.jit(compiler_options=...)``, e.g.
+    {"xla_gpu_enable_command_buffer": ...}).
     """
 
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
@@ -695,8 +697,8 @@ class HybridModel:
         try:
             s, w = cache.page_table.shape
             key = (s, cache.num_pages, cache.page_size, w)
-            # the per-call fast path (host time counts in every decode step): one signature compare
-            if self._cache_sig.get(key) == tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache)):
+            sig = tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache))
+            if self._cache_sig.get(key) == sig:   # the per-call fast path (host time counts in every decode step)
                 return
             spec = self._cache_leaves(s, cache.num_pages, cache.page_size, w)
             got = jax.tree_util.tree_flatten_with_path(cache)[0]
@@ -713,7 +715,7 @@ class HybridModel:
                     f"cache{jax.tree_util.keystr(path)} has shape {tuple(x.shape)} {jnp.dtype(x.dtype).name}; this "
                     f"model ({self.dtype.name}) needs {tuple(y.shape)} {jnp.dtype(y.dtype).name}: make the cache "
                     f"with this model's init_cache")
-        self._cache_sig[key] = tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache))
+        self._cache_sig[key] = sig
 
     def _check_slots(self, slot_ids, n, cache: Cache) -> np.ndarray:
         """slot_ids [N] int: shape, dtype, range [0, max_seqs) and no repeat through ``validation.check_slot_ids``

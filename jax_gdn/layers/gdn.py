@@ -673,9 +673,9 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
     (``reduce``: see ``phase3``).
 
     hidden [N, D] (row n = the next token of the stream in slot_ids[n]); slot_ids [N] int32 (checked when concrete;
-    under jit a padding stream's id S reads zeros and writes nothing); has_initial_state [N] bool (default all True). backend: the GDN
-    backend of the recurrent step ("auto": the decode kernel on a GPU); step: "unfused", "fused" or "auto" (None:
-    ``DECODE_STEP``; see there). Returns (hidden_out [N, D], slots).
+    under jit a padding stream's id S reads zeros and writes nothing); has_initial_state [N] bool (default all
+    True). backend: the GDN backend of the recurrent step ("auto": the decode kernel on a GPU); step: "unfused",
+    "fused" or "auto" (None: ``DECODE_STEP``; see there). Returns (hidden_out [N, D], slots).
     """
     check_params(params, dims)
     n = _check_hidden(hidden, dims)
