@@ -13,8 +13,9 @@ scale defaulting to K ** -0.5. ``use_qk_l2norm`` normalises q and k in fp32 (``x
 before the scale.
 
 The op's folder: ``api.py`` (this file), ``reference.py`` (XLA chunked form + per-token recurrence, the "xla"
-backend), ``pallas_triton.py`` (the prefill kernels), ``decode.py`` (the decode kernel), ``chunk_map.py`` (the one
-chunk map from cu_seqlens, slot helpers), ``validation.py`` (argument checks), ``NOTES.md``.
+backend), ``pallas_triton.py`` (the prefill kernels), ``decode.py`` (the decode kernel), ``recurrent_varlen.py``
+(the per-token prefill kernel for short sequences), ``chunk_map.py`` (the one chunk map from cu_seqlens, slot
+helpers), ``validation.py`` (argument checks), ``NOTES.md``.
 
 Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``pallas_triton.py`` / ``decode.py``),
 "pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (dense prefill on a
@@ -22,7 +23,9 @@ Hopper GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, 
 ``mosaic_gpu.DEFAULT_CONFIG``; what it does not take, varlen ``cu_seqlens``, the slot pool, fp32 inputs, other head
 dims, a non-Hopper GPU, decode, runs "pallas" with a warning that names the reason; it needs a GPU), "auto" (=
 "pallas" when ``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where
-``mosaic_gpu.AUTO`` is set and it takes them, else "xla").
+``mosaic_gpu.AUTO`` is set and it takes them, else "xla"). Mixes of short sequences (B T <= MAX_MEAN_LEN N, shapes
+only) run "pallas" / "pallas_interpret" (and "auto" on a GPU) through ``recurrent_varlen.py``, one per-token
+kernel launch, instead of the chunked kernels (``recurrent_varlen.MAX_MEAN_LEN = 0`` turns that off).
 
 Every backend gives the same results up to rounding, also at the edges:
   * g = -inf (a hard reset) or a huge negative g: exp(g) = 0 as in the per-token form (the chunked forms floor g
@@ -36,8 +39,9 @@ Every backend gives the same results up to rounding, also at the edges:
     NotImplementedError naming backend='xla';
   * NaN / inf in token t's k, v, g or beta poisons (as in the per-token form) every later token of its sequence and
     its final state; the chunked forms also poison the earlier tokens of t's own chunk (up to C - 1 tokens: the
-    chunk's matmuls multiply the NaN by the zero coefficients of earlier rows, and 0 * NaN = NaN). Earlier chunks,
-    other rows and other sequences are untouched; a NaN in q_t poisons o_t only, in every form.
+    chunk's matmuls multiply the NaN by the zero coefficients of earlier rows, and 0 * NaN = NaN; a batch routed to
+    ``recurrent_varlen`` is per-token and does not). Earlier chunks, other rows and other sequences are untouched;
+    a NaN in q_t poisons o_t only, in every form.
 
 Padding contract (every backend): zero-length streams (repeated ``cu_seqlens`` entries) are allowed; tokens at
 index >= cu_seqlens[N] (cu_seqlens[N] <= T) are padding: they touch no state and their output rows are zero; a
@@ -58,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import decode, mosaic_gpu, pallas_triton, validation
+from pallas_kernels.gated_delta_rule import decode, mosaic_gpu, pallas_triton, recurrent_varlen, validation
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
 from pallas_kernels.gated_delta_rule.pallas_triton import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
                                                            check_supported, kernel_head_dim, supported)
@@ -141,6 +145,22 @@ def _resolve_for(backend: str, q, k, v, *, mosaic: bool = False) -> str:
     return resolved
 
 
+def _short_sequences(backend: str, q, k, v, n: int, chunk_size: int) -> bool:
+    """Whether a prefill call runs ``recurrent_varlen`` (the per-token Pallas kernel for mixes of short sequences)
+    instead of the chunked kernels: backend "pallas" / "pallas_interpret" (or "auto" resolved to "pallas"; not an
+    explicit "mosaic_gpu") and ``recurrent_varlen.use_recurrent(B T, N)`` (static shapes only: T <= MAX_MEAN_LEN N).
+    Runs the Pallas checks first, so that both Pallas paths refuse the same inputs."""
+    if backend not in ("pallas", "pallas_interpret"):
+        return False
+    if not recurrent_varlen.use_recurrent(q.shape[0] * q.shape[1], n):
+        return False
+    check_supported(q, k, v, interpret=backend == "pallas_interpret")
+    if chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16 for the Pallas backends, got {chunk_size}; "
+                         "use backend='xla' for other chunk sizes")
+    return True
+
+
 def _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
     """The interpret flag and the inputs as the kernels take them: q, k L2-normalised (if asked) in their own
     dtype, g in fp32, and the on-device chunk map for varlen (None for dense rows)."""
@@ -182,6 +202,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     requested, backend = backend, _resolve_for(backend, q, k, v, mosaic=True)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    if _short_sequences(backend, q, k, v, n, chunk_size):
+        return recurrent_varlen.recurrent_varlen_fwd(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+            interpret=backend == "pallas_interpret")
     backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if backend == "mosaic_gpu":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
@@ -238,6 +263,11 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
+    if _short_sequences(backend, q, k, v, n, chunk_size):
+        return recurrent_varlen.recurrent_varlen_slots_fwd(
+            q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+            has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+            interpret=backend == "pallas_interpret")
     backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 slots=True, what="chunk_gated_delta_rule_slots")
     if backend == "xla":
