@@ -18,13 +18,14 @@ backend), ``pallas_triton.py`` (the prefill kernels), ``decode.py`` (the decode 
 helpers), ``validation.py`` (argument checks), ``NOTES.md``.
 
 Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``pallas_triton.py`` / ``decode.py``),
-"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (dense prefill on a
-Hopper GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch choices in
-``mosaic_gpu.DEFAULT_CONFIG``; what it does not take, varlen ``cu_seqlens``, the slot pool, fp32 inputs, other head
-dims, a non-Hopper GPU, decode, runs "pallas" with a warning that names the reason; it needs a GPU), "auto" (=
-"pallas" when ``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where
-``mosaic_gpu.AUTO`` is set and it takes them, else "xla"). Mixes of short sequences (B T <= MAX_MEAN_LEN N, shapes
-only) run "pallas" / "pallas_interpret" (and "auto" on a GPU) through ``recurrent_varlen.py``, one per-token
+"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (prefill on a Hopper
+GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch choices in
+``mosaic_gpu.DEFAULT_CONFIG``; packed ``cu_seqlens`` and the slot pool through ``mosaic_gpu_varlen.py`` while
+``mosaic_gpu.VARLEN`` is set; what it does not take, fp32 inputs, other head dims, a non-Hopper GPU, decode, runs
+"pallas" with a warning that names the reason; it needs a GPU), "auto" (= "pallas" when
+``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where ``mosaic_gpu.AUTO``
+is set and it takes them (packed / slot calls only while ``mosaic_gpu.AUTO_VARLEN`` is also set), else "xla").
+Mixes of short sequences (B T <= MAX_MEAN_LEN N, shapes only) run "pallas" / "pallas_interpret" (and "auto" on a GPU) through ``recurrent_varlen.py``, one per-token
 kernel launch, instead of the chunked kernels (``recurrent_varlen.MAX_MEAN_LEN = 0`` turns that off).
 
 Every backend gives the same results up to rounding, also at the edges:
@@ -62,7 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import decode, mosaic_gpu, pallas_triton, recurrent_varlen, validation
+from pallas_kernels.gated_delta_rule import (decode, mosaic_gpu, mosaic_gpu_varlen, pallas_triton, recurrent_varlen,
+                                             validation)
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
 from pallas_kernels.gated_delta_rule.pallas_triton import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
                                                            check_supported, kernel_head_dim, supported)
@@ -105,7 +107,8 @@ def _mosaic_or_triton(requested: str, backend: str, q, k, v, *, cu_seqlens=None,
         return backend
     why = mosaic_gpu.fallback_reason(q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size, slots=slots)
     if backend == "pallas":                                          # requested "auto"
-        return "mosaic_gpu" if mosaic_gpu.AUTO and why is None else "pallas"
+        ok = why is None and mosaic_gpu.auto_picks(cu_seqlens=cu_seqlens, slots=slots)
+        return "mosaic_gpu" if ok else "pallas"
     if why is not None:
         warnings.warn(f"{what}(backend='mosaic_gpu') runs Pallas Triton: {why}", stacklevel=3)
         return "pallas"
@@ -210,6 +213,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if backend == "mosaic_gpu":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+        if cu_seqlens is not None:
+            return mosaic_gpu_varlen.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         return mosaic_gpu.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state)
     if backend == "xla":
@@ -270,6 +276,10 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
             interpret=backend == "pallas_interpret")
     backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 slots=True, what="chunk_gated_delta_rule_slots")
+    if backend == "mosaic_gpu":
+        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
+        return mosaic_gpu_varlen.op_fwd_slots(q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+                                              has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)
     if backend == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_slots_xla(

@@ -33,12 +33,13 @@ Two kernels and a little XLA glue:
     from one state-map pass (the fused kernel without output over the values [0 | v] from the state [I | 0]: a
     piece's map is affine, S_end = M S_start + E) and ceil(log2(P - 1)) + 1 batched XLA matmuls.
 
-Scope (dense input only): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a multiple of Hk, any T
-(padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and the real rows
-unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None, the final
-state returned. Not here (api.py runs Pallas Triton with a warning naming the reason, :func:`fallback_reason`):
-cu_seqlens packing, the slots pool, fp32 inputs, other head dims, a GPU other than sm_90; JLA_STUDY.md step 4 says
-what each needs. Mosaic GPU kernels do not run in interpret mode on this repo's CPU jax (0.10.2; the code targets
+Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
+the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
+multiple of Hk, any T (padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and
+the real rows unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None,
+the final state returned. Not here (api.py runs Pallas Triton with a warning naming the reason,
+:func:`fallback_reason`): fp32 inputs, other head dims, chunk sizes other than 64, a GPU other than sm_90 (and
+cu_seqlens / slots while ``VARLEN`` is off); JLA_STUDY.md step 4 says what each needs. Mosaic GPU kernels do not run in interpret mode on this repo's CPU jax (0.10.2; the code targets
 0.11's Pallas Mosaic GPU API): each kernel has a jnp twin (:func:`kkt_fwd_reference`,
 :func:`fused_state_pass_reference`) that the CPU tests check against float64; the kernels' tests are GPU-marked.
 
@@ -133,7 +134,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
-                     write_o: bool = True, exp2: bool = False):
+                     write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -148,6 +149,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     h0t [B * R, Hv, V, K] fp32 (each run piece's initial state, transposed) or None (zeros).
     ``write_o`` False: no output (the map pass), the output warpgroup only forms Ag.
     ``exp2``: gcum holds log2 gates (G log2 e) and every decay is exp2 (as jla), else natural-log gates and exp.
+    ``walk`` (varlen, ``mosaic_gpu_varlen.py``): int32 [R, 3] table, row r = (first chunk c0, chunk count n_r,
+    sequence s_r); then B = 1, P = 1, the grid is (R, Hv, V / BV) and CTA row r walks chunks c0 .. c0 + n_r - 1
+    of the one row (a dynamic trip count, 0 allowed: the final state is then the initial one), starting from
+    h0t[s_r] and storing its final state to [s_r]; h0t and the final state are [num_states, Hv, V, K] (S^T),
+    chunk c is tokens [c C, c C + C) of q, k, v, o and chunk c of t / gcum / beta_c in either layout. Chunks no
+    row walks are neither read nor written (their rows of o are left unset).
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -158,6 +165,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // kv_heads
     run_pieces = pieces if run_pieces is None else run_pieces
+    varlen = walk is not None
+    if varlen and (batch != 1 or pieces != 1 or num_states is None):
+        raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
+                         f"and num_states (got {num_states})")
     if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
                          f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
@@ -179,7 +190,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
     out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
-        out_type.append(jax.ShapeDtypeStruct((batch * run_pieces, heads, value_dim, key_dim), F32))
+        out_type.append(jax.ShapeDtypeStruct(
+            ((num_states if varlen else batch * run_pieces), heads, value_dim, key_dim), F32))
     if not out_type:
         raise ValueError("fused_state_pass: nothing to compute (write_o and out_final both False)")
     vecs = plgpu.SMEM((stages, C), F32)
@@ -211,11 +223,18 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         refs = list(refs)
         q_ref, k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
         h0_ref = refs.pop(0) if has_h0 else None
+        walk_ref = refs.pop(0) if varlen else None
         o_ref = refs.pop(0) if write_o else None
         ht_ref = refs.pop(0) if out_final else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
-        tok0 = piece * piece_len     # first token of this CTA's piece within row b
+        if varlen:                   # this CTA's row of the walk table: first chunk, count, sequence
+            b, piece = 0, 0
+            c0, count, srow = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
+            tok0 = c0 * C
+        else:
+            b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
+            tok0 = piece * piece_len     # first token of this CTA's piece within row b
+            c0, count, srow = None, ncb, r
         hk = lax.div(hh, group)
         v0 = iv * BV
         wg = lax.axis_index("wg")
@@ -234,30 +253,42 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
                     t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
-                    c = b * ncb_row + piece * ncb + n
+                    c = c0 + n if varlen else b * ncb_row + piece * ncb + n
                     t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
                 plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
                 for g_buf in (g_state, g_rows, g_cols):
                     plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
                 plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
 
-            for n in range(min(stages, ncb)):
-                issue(n, n)
+            if varlen:                   # (jla scalar_gate_docs) a dynamic trip count, possibly 0
+                for n in range(stages):
+                    @pl.when(count > n)
+                    def _(n=n):
+                        issue(n, n)
 
-            @pl.loop(stages, ncb)
-            def _refill(n):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue(n, slot)
+                @pl.loop(stages, jnp.maximum(count, stages))
+                def _refill_walk(n):
+                    slot = lax.rem(n, stages)
+                    plgpu.barrier_wait(in_free.at[slot])
+                    issue(n, slot)
+            else:
+                for n in range(min(stages, ncb)):
+                    issue(n, n)
 
-            for n in range(max(ncb - stages, 0), ncb):      # observe the remaining releases
-                plgpu.barrier_wait(in_free.at[n % stages])
+                @pl.loop(stages, ncb)
+                def _refill(n):
+                    slot = lax.rem(n, stages)
+                    plgpu.barrier_wait(in_free.at[slot])
+                    issue(n, slot)
+
+                for n in range(max(ncb - stages, 0), ncb):      # observe the remaining releases
+                    plgpu.barrier_wait(in_free.at[n % stages])
 
         @pl.when(wg == 0)
         def _state():
             plgpu.set_max_registers(232, action="increase")
             if has_h0:
-                plgpu.copy_gmem_to_smem(h0_ref.at[r, hh, pl.ds(v0, BV)], state_smem, state_bar)
+                plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
                 plgpu.barrier_wait(state_bar)
                 s0 = plgpu.load(state_smem, layout=WGMMA)
             else:
@@ -293,13 +324,14 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
-            s_t = lax.fori_loop(0, ncb, step, s0)
-            for n in range(max(ncb - 2, 0), ncb):           # observe the last releases of the published tiles
-                plgpu.barrier_wait(s_free.at[n % 2])
+            s_t = lax.fori_loop(0, count, step, s0)
+            if not varlen:               # (varlen: the done barrier below orders the exit instead)
+                for n in range(max(ncb - 2, 0), ncb):       # observe the last releases of the published tiles
+                    plgpu.barrier_wait(s_free.at[n % 2])
             if out_final:
                 state_smem[...] = s_t
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(v0, BV)])
+                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(v0, BV)])
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
@@ -344,7 +376,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
                 return carry
 
-            lax.fori_loop(0, ncb, step, None)
+            lax.fori_loop(0, count, step, None)
             if write_o:
                 plgpu.wait_smem_to_gmem(0)
 
@@ -353,11 +385,14 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
 
-    args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else [])
+    args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
+    rows = walk.shape[0] if varlen else batch * run_pieces
+    name = "gdn_mosaic_varlen_state_pass" if varlen else (
+        "gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map")
     outs = plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(batch * run_pieces, heads, nv),
+        body, out_type=out_type, scratch_types=scratch, grid=(rows, heads, nv),
         grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-        kernel_name="gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map", num_threads=3,
+        kernel_name=name, num_threads=3,
         thread_name="wg",
     )(*args)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -592,17 +627,7 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     b, tp, hk, kdim = k.shape
     hv = v.shape[2]
     run_pieces = pieces if run_pieces is None else run_pieces
-    if exp2:            # log2 gates back to natural log (the twin works in natural log)
-        gcum = gcum * LN2
-    if head_major:      # to the chunk layout, T gated
-        nc = b * tp // C
-        g4 = gcum.astype(F32).reshape(b, hv, tp // C, C)
-        keep = jnp.tril(jnp.ones((C, C), bool))
-        decay = jnp.exp(jnp.where(keep, g4[..., :, None] - g4[..., None, :], -jnp.inf))
-        t = t.astype(F32).reshape(b, hv, tp // C, C, C) * decay
-        t = jnp.transpose(t, (0, 2, 1, 3, 4)).reshape(nc, hv, C, C)
-        gcum = jnp.transpose(g4, (0, 2, 1, 3)).reshape(nc, hv, C)
-        beta_c = jnp.transpose(beta_c.astype(F32).reshape(b, hv, tp // C, C), (0, 2, 1, 3)).reshape(nc, hv, C)
+    t, gcum, beta_c = _chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
     if pieces > 1:      # piece p of row b becomes row b * R + p (p < R)
         lp = tp // pieces
 
@@ -621,11 +646,52 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     return (o if write_o else None), ht
 
 
+def _chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
+    """The twins' common input: (gated T [NC, Hv, C, C], natural-log G [NC, Hv, C], beta [NC, Hv, C]) fp32 from
+    either layout of the fused pass's operands (``head_major``: T0 [B, Hv, Tp, C], G and beta [B, Hv, Tp], T
+    gated here as the kernel's WG1 does; ``exp2``: G in log2 units)."""
+    if exp2:            # log2 gates back to natural log (the twin works in natural log)
+        gcum = gcum * LN2
+    if not head_major:
+        return t, gcum, beta_c
+    b, hv, tp = gcum.shape
+    nc = b * tp // C
+    g4 = gcum.astype(F32).reshape(b, hv, tp // C, C)
+    keep = jnp.tril(jnp.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(keep, g4[..., :, None] - g4[..., None, :], -jnp.inf))
+    t = t.astype(F32).reshape(b, hv, tp // C, C, C) * decay
+    t = jnp.transpose(t, (0, 2, 1, 3, 4)).reshape(nc, hv, C, C)
+    gcum = jnp.transpose(g4, (0, 2, 1, 3)).reshape(nc, hv, C)
+    beta_c = jnp.transpose(beta_c.astype(F32).reshape(b, hv, tp // C, C), (0, 2, 1, 3)).reshape(nc, hv, C)
+    return t, gcum, beta_c
+
+
+def _chunk_step(s, xs, scale: float):
+    """One chunk of the fused pass in jnp (fp32, precision highest): s [B, Hv, K, V] the incoming state, xs =
+    (q, k [B, Hv, C, K], v [B, Hv, C, V], gated T [B, Hv, C, C], G, beta [B, Hv, C]) fp32. Returns (the outgoing
+    state, o [B, Hv, C, V] fp32): W = v - e^G k S, v_new = (T * beta_j) W, o = scale (e^G q S + P v_new),
+    S' = e^(G_last) S + k^T (e^(G_last - G) v_new)."""
+    hp = lax.Precision.HIGHEST
+    keep = jnp.tril(jnp.ones((C, C), bool))
+    qq, kk, vv, tt, gg, bb = xs
+    ag = tt * bb[..., None, :]                                                   # T_ij beta_j
+    x = jnp.einsum("bhck,bhkv->bhcv", kk, s, precision=hp)
+    w = vv - jnp.exp(gg)[..., None] * x
+    vn = jnp.einsum("bhij,bhjv->bhiv", ag, w, precision=hp)
+    decay = jnp.exp(jnp.where(keep, gg[..., :, None] - gg[..., None, :], -jnp.inf))
+    p = jnp.einsum("bhik,bhjk->bhij", qq, kk, precision=hp) * decay
+    o = scale * (jnp.exp(gg)[..., None] * jnp.einsum("bhck,bhkv->bhcv", qq, s, precision=hp)
+                 + jnp.einsum("bhij,bhjv->bhiv", p, vn, precision=hp))
+    glast = gg[..., -1]
+    vd = jnp.exp(glast[..., None] - gg)[..., None] * vn
+    s = jnp.exp(glast)[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", kk, vd, precision=hp)
+    return s, o
+
+
 def _reference_rows(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool):
     b, tp, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     ncb = tp // C
-    hp = lax.Precision.HIGHEST
 
     def chunks(x):      # [B, Tp, H, D] -> [ncb, B, Hv, C, D] fp32
         x = jnp.repeat(x, hv // x.shape[2], axis=2).astype(F32)
@@ -635,24 +701,7 @@ def _reference_rows(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: b
     gc = jnp.swapaxes(gcum.astype(F32).reshape(b, ncb, hv, C), 0, 1)                  # [ncb, B, Hv, C]
     bc = jnp.swapaxes(beta_c.astype(F32).reshape(b, ncb, hv, C), 0, 1)
     s0 = (jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t.astype(F32), -1, -2))
-    keep = jnp.tril(jnp.ones((C, C), bool))
-
-    def step(s, xs):
-        qq, kk, vv, tt, gg, bb = xs
-        ag = tt * bb[..., None, :]                                                   # T_ij beta_j
-        x = jnp.einsum("bhck,bhkv->bhcv", kk, s, precision=hp)
-        w = vv - jnp.exp(gg)[..., None] * x
-        vn = jnp.einsum("bhij,bhjv->bhiv", ag, w, precision=hp)
-        decay = jnp.exp(jnp.where(keep, gg[..., :, None] - gg[..., None, :], -jnp.inf))
-        p = jnp.einsum("bhik,bhjk->bhij", qq, kk, precision=hp) * decay
-        o = scale * (jnp.exp(gg)[..., None] * jnp.einsum("bhck,bhkv->bhcv", qq, s, precision=hp)
-                     + jnp.einsum("bhij,bhjv->bhiv", p, vn, precision=hp))
-        glast = gg[..., -1]
-        vd = jnp.exp(glast[..., None] - gg)[..., None] * vn
-        s = jnp.exp(glast)[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", kk, vd, precision=hp)
-        return s, o
-
-    s, o = lax.scan(step, s0, (qc, kc, vc, tc, gc, bc))                               # o [ncb, B, Hv, C, V]
+    s, o = lax.scan(functools.partial(_chunk_step, scale=scale), s0, (qc, kc, vc, tc, gc, bc))  # o [ncb, B, Hv, C, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(b, tp, hv, vdim).astype(q.dtype)
     return o, (jnp.swapaxes(s, -1, -2) if out_final else None)
 
@@ -857,6 +906,17 @@ DEFAULT_CONFIG = MosaicConfig(pieces=1)
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
 # 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.
 AUTO = True
+#: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through mosaic_gpu_varlen.py (repack to
+#: chunk-aligned sequences, the fused pass walking a per-CTA table, unpack); off: they run Pallas Triton as before.
+VARLEN = True
+#: "auto" picks the Mosaic path for packed / slot calls too (needs VARLEN and AUTO). Off until an H200 run shows it
+#: faster than Pallas Triton on the serving mixes (NOTES.md, "Session 7: Mosaic varlen").
+AUTO_VARLEN = False
+
+
+def auto_picks(*, cu_seqlens=None, slots: bool = False) -> bool:
+    """Whether "auto" may pick "mosaic_gpu" for a call that :func:`fallback_reason` accepts."""
+    return AUTO and (AUTO_VARLEN or (cu_seqlens is None and not slots))
 
 
 def is_hopper() -> bool:
@@ -872,10 +932,10 @@ def fallback_reason(q, k, v, *, cu_seqlens=None, chunk_size: int = 64, slots: bo
     Shapes and dtypes only (works on ShapeDtypeStructs and tracers)."""
     if not is_hopper():
         return "the Mosaic GPU kernels need an sm_90 (Hopper) GPU"
-    if slots:
-        return "the state-slot pool (slot_ids, has_initial_state) is not in the Mosaic GPU kernels yet"
-    if cu_seqlens is not None:
-        return "packed sequences (cu_seqlens) are not in the Mosaic GPU kernels yet"
+    if slots and not VARLEN:
+        return "the state-slot pool (slot_ids, has_initial_state) is off in the Mosaic GPU path (mosaic_gpu.VARLEN)"
+    if cu_seqlens is not None and not VARLEN:
+        return "packed sequences (cu_seqlens) are off in the Mosaic GPU path (mosaic_gpu.VARLEN)"
     if chunk_size != C:
         return f"the Mosaic GPU kernels use chunk_size {C}; got {chunk_size}"
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}

@@ -129,8 +129,10 @@ def test_routing_and_fallbacks(monkeypatch):
     assert mg.fallback_reason(q, q, v) is None
     q32 = jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.float32)
     q100 = jax.ShapeDtypeStruct((1, 64, 2, 100), bf)
-    for why, kw in [("cu_seqlens", dict(cu_seqlens=np.zeros(2))), ("slot", dict(slots=True)),
-                    ("chunk_size", dict(chunk_size=32))]:
+    assert "chunk_size" in mg.fallback_reason(q, q, v, chunk_size=32)
+    assert mg.VARLEN and mg.fallback_reason(q, q, v, cu_seqlens=np.zeros(2), slots=True) is None
+    monkeypatch.setattr(mg, "VARLEN", False)
+    for why, kw in [("cu_seqlens", dict(cu_seqlens=np.zeros(2))), ("slot", dict(slots=True))]:
         assert why in mg.fallback_reason(q, q, v, **kw)
     assert "16-bit" in mg.fallback_reason(q32, q32, v) and "head dims" in mg.fallback_reason(q100, q100, v)
     assert "empty" in mg.fallback_reason(jax.ShapeDtypeStruct((0, 64, 2, 128), bf), q, v)
@@ -139,11 +141,18 @@ def test_routing_and_fallbacks(monkeypatch):
         assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v, cu_seqlens=np.zeros(2)) == "pallas"
         assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v) == "mosaic_gpu"
     assert len(rec) == 1 and "cu_seqlens" in str(rec[0].message)
+    monkeypatch.setattr(mg, "VARLEN", True)
+    assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v, cu_seqlens=np.zeros(2)) == "mosaic_gpu"
     assert api._mosaic_or_triton("pallas", "pallas", q, q, v) == "pallas"
     monkeypatch.setattr(mg, "AUTO", False)
     assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "pallas"
     monkeypatch.setattr(mg, "AUTO", True)
     assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "mosaic_gpu"
+    for auto_varlen in (False, True):      # packed / slot calls under "auto" only with AUTO_VARLEN
+        monkeypatch.setattr(mg, "AUTO_VARLEN", auto_varlen)
+        want = "mosaic_gpu" if auto_varlen else "pallas"
+        assert api._mosaic_or_triton("auto", "pallas", q, q, v, cu_seqlens=np.zeros(2)) == want
+        assert api._mosaic_or_triton("auto", "pallas", q, q, v, slots=True) == want
     assert api._mosaic_or_triton("auto", "pallas", q32, q32, v) == "pallas"
     assert api._mosaic_or_triton("auto", "xla", q, q, v) == "xla"
 
@@ -287,9 +296,9 @@ def test_gpu_split_k128_grouped(stage1a):
 
 
 @pytest.mark.gpu
-def test_gpu_public_op_mosaic_backend():
+def test_gpu_public_op_mosaic_backend(monkeypatch):
     """backend='mosaic_gpu' through jax_gdn.ops (l2 norm, no initial state, no final state) beside 'pallas', and
-    a varlen call falls back to Triton with a warning."""
+    a varlen call falls back to Triton with a warning while mosaic_gpu.VARLEN is off."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     from jax_gdn import ops
@@ -302,6 +311,7 @@ def test_gpu_public_op_mosaic_backend():
     assert sm is None and om.dtype == bf
     assert rel_rms(np.asarray(om.astype(jnp.float32)), np.asarray(op.astype(jnp.float32))) < 1e-2
     cu = jnp.asarray([0, 100, 333], jnp.int32)
+    monkeypatch.setattr(mg, "VARLEN", False)
     with pytest.warns(UserWarning, match="cu_seqlens"):
         ops.chunk_gated_delta_rule(*(x[:1] for x in args), cu_seqlens=cu, backend="mosaic_gpu")
 

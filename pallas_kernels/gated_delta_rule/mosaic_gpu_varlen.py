@@ -1,0 +1,257 @@
+# Copyright 2026 the jax-gdn authors
+# SPDX-License-Identifier: Apache-2.0
+# The per-CTA walk table and its dynamic trip count follow jax-linear-attention 0.1.0 (Apache-2.0),
+# jla/ops/mosaic_gpu/scalar_gate_docs.py (walk_tables, map_fwd_wy). See NOTICE in this folder.
+"""Mosaic GPU (Hopper) backend of the chunked gated delta rule for packed sequences (``cu_seqlens``): the
+"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``mosaic_gpu.VARLEN`` is set; "auto"
+only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: this file lays the packed row out
+for them and back.
+
+  1. **Repack** (XLA gathers): every sequence starts at a chunk boundary of one padded row of Tp = NC C tokens,
+     NC = T // C + N (``chunk_map.max_chunks``: chunk c of the repacked row is chunk c of ``build_chunk_map``).
+     Rows no sequence owns (the tail of each sequence's last chunk, the unused chunks at the end) hold zero q, k,
+     v, g and beta: a zero token neither decays nor updates the state. Padding tokens (index >= cu_seqlens[N]) and
+     other sequences' tokens are never gathered into a chunk, so a NaN there reaches nothing (a select, never a
+     multiply).
+  2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`mosaic_gpu.kkt_fwd`, gate-free T0, head-major;
+     the chunk-local cumulative gate in XLA) or ``"triton"`` (Pallas Triton ``kkt_solve`` straight from the packed
+     row through the chunk map: gated T in chunk layout, no repack of k for it).
+  3. **The fused state pass** (:func:`mosaic_gpu.fused_state_pass` with a walk table): grid (N, Hv, V / 64), CTA
+     row r reads (first chunk, chunk count, sequence) from an int32 [N, 3] table (sequences by decreasing chunk
+     count, so the long serial walks start first) and walks only its own chunks (a dynamic trip count; 0 for an
+     empty sequence, whose final state is then its initial state), from h0[n], final state to [n].
+  4. **Unpack**: o gathered back to the packed token order; rows at index >= cu_seqlens[N] are zero.
+
+The slot-pool form (:func:`op_fwd_slots`) gathers the start states of the pool (``chunk_map.gather_slots``: zeros
+for has_initial_state False and for ids outside [0, S)) and scatters the final states back
+(``chunk_map.scatter_slots``: writes of ids outside [0, S) dropped), around the same call.
+
+``impl="reference"``: the same repack, table and unpack around the jnp twin of the walk
+(:func:`fused_state_pass_walk_reference`, the kernel's per-row dynamic loop as ``lax.fori_loop``s) and the twins of
+stage 1a: the CPU tests check it against the float64 oracle (the Mosaic GPU kernels do not run on CPU).
+
+Shape legend: T packed tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims, C = 64 chunk,
+NC = T // C + N chunk slots, Tp = NC C repacked tokens, R = N rows of the walk table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+from pallas_kernels.gated_delta_rule.chunk_map import (build_chunk_map, gather_slots, launch_order, max_chunks,
+                                                       scatter_slots)
+
+C = mg.C
+F32 = jnp.float32
+STAGE1A = ("mosaic", "triton")
+ORDERS = ("longest_first", "index")
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenConfig:
+    """Launch choices of the varlen "mosaic_gpu" path, fixed when the call is built.
+
+    stage1a: "mosaic" (kkt_fwd on the repacked row) or "triton" (Pallas Triton kkt_solve on the packed row).
+    order: the walk table's row order, "longest_first" (decreasing chunk count) or "index" (sequence order).
+    """
+    stage1a: str = "mosaic"
+    order: str = "longest_first"
+
+    def __post_init__(self):
+        if self.stage1a not in STAGE1A:
+            raise ValueError(f"VarlenConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"VarlenConfig.order must be one of {ORDERS}; got {self.order!r}")
+
+
+DEFAULT_CONFIG = VarlenConfig()
+
+
+def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
+    """The repack / unpack maps and the walk table of ``cu_seqlens [N + 1]`` for a row of ``total_len`` tokens
+    (on the device, static shapes: Tp = (T // C + N) C). Returns (chunk map, src [Tp], keep [Tp], back [T],
+    valid [T], walk [N, 3]) int32 / bool: repacked token p is packed token src[p] where keep[p] (else a zero token); packed token t is
+    repacked token back[t] where valid[t] (t < cu_seqlens[N]); walk row r = (first chunk, chunk count, sequence)."""
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = max_chunks(total_len, n, C)
+    cm = build_chunk_map(cu, total_len, C)
+    p = jnp.arange(nc * C, dtype=jnp.int32)
+    c, i = p // C, p % C
+    keep = i < cm.chunk_len[c]
+    src = jnp.where(keep, cm.chunk_start[c] + i, 0)
+    t = jnp.arange(total_len, dtype=jnp.int32)
+    valid = t < cu[-1]
+    back = jnp.where(valid, jnp.clip(cm.token_chunk * C + cm.token_offset, 0, nc * C - 1), 0)
+    rows = launch_order(cm.seq_num_chunks) if order == "longest_first" else jnp.arange(n, dtype=jnp.int32)
+    walk = jnp.stack([cm.seq_first_chunk[rows], cm.seq_num_chunks[rows], rows], axis=-1).astype(jnp.int32)
+    return cm, src, keep, back, valid, walk
+
+
+def _gather_rows(x, idx, keep):
+    """x [T, ...] -> [len(idx), ...]: x[idx] where keep, zeros elsewhere (a select: NaN-safe)."""
+    out = jnp.take(x, idx, axis=0, mode="clip")
+    return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), out, jnp.zeros((), x.dtype))
+
+
+def repack(q, k, v, g, beta, src, keep):
+    """q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv] -> the same on the repacked row [1, Tp, ...] (g and
+    beta fp32)."""
+    return tuple(_gather_rows(x[0], src, keep)[None] for x in (q, k, v, g.astype(F32), beta.astype(F32)))
+
+
+def stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, *, kernel: bool, stage1a: str, packed=None, chunk_map=None):
+    """The fused pass's operands (q, k, v, t, gcum, beta_c, h0t) and ``head_major`` from the repacked row.
+    ``stage1a="triton"`` runs kkt_solve on the packed row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through
+    ``chunk_map`` (interpret mode without ``kernel``)."""
+    from pallas_kernels.gated_delta_rule.reference import floor_log_decay
+    _, tp, hk, kdim = k_r.shape
+    hv, vdim = v_r.shape[2], v_r.shape[3]
+    nc = tp // C
+    if stage1a == "mosaic":
+        g = floor_log_decay(g_r[0])                                                   # [Tp, Hv]
+        gcum = jnp.cumsum(g.T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
+        beta_hm = b_r[0].T[None]                                                      # [1, Hv, Tp]
+        t0 = (mg.kkt_fwd(k_r, beta_hm, heads=hv) if kernel
+              else mg.kkt_fwd_reference(k_r, beta_hm, heads=hv))
+        return (q_r, k_r, v_r, t0, gcum, beta_hm, h0t), True
+    from pallas_kernels.gated_delta_rule import pallas_triton as kt
+    kf, gf, bf = packed
+    if not kernel:       # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
+        kf, gf, bf = (jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1)) for x in (kf, gf, bf))
+    config = kt.launch_config(vdim, hv, kf.dtype)
+    tmat, gcum = kt.kkt_solve(kf, gf.astype(F32), bf, chunk_start=chunk_map.chunk_start.astype(jnp.int32),
+                              chunk_len=chunk_map.chunk_len.astype(jnp.int32), chunk=C, num_v_heads=hv,
+                              interpret=not kernel, config=config)
+    beta_c = jnp.swapaxes(b_r[0].reshape(nc, C, hv), 1, 2)                            # [NC, Hv, C]
+    return (q_r, k_r, v_r, tmat, gcum, beta_c, h0t), False
+
+
+def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
+                                    out_final: bool, head_major: bool, exp2: bool = False):
+    """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
+    row r of ``walk`` = (c0, count, s) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by a
+    dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]. Chunks no row
+    walks are NaN in the returned o (the kernel leaves them unset: nothing may read them). Returns (o [1, Tp, Hv, V]
+    in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None)."""
+    _, tp, hk, kdim = k.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    nc = tp // C
+    t, gcum, beta_c = mg._chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
+
+    def chunks(x):      # [1, Tp, H, D] -> [NC, Hv, C, D] fp32
+        x = jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
+        return jnp.swapaxes(x.reshape(nc, C, hv, x.shape[2]), 1, 2)
+    xs_all = (chunks(q), chunks(k), chunks(v), t.astype(F32).reshape(nc, hv, C, C),
+              gcum.astype(F32).reshape(nc, hv, C), beta_c.astype(F32).reshape(nc, hv, C))
+    h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
+          else jnp.swapaxes(h0t.astype(F32), -1, -2))                                  # [S, Hv, K, V]
+
+    def row(r, carry):
+        o, ht = carry
+        c0, count, srow = walk[r, 0], walk[r, 1], walk[r, 2]
+
+        def chunk(n, carry2):
+            s, o = carry2
+            c = c0 + n
+            xs = tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in xs_all)
+            s, oc = mg._chunk_step(s, xs, scale)
+            return s, lax.dynamic_update_index_in_dim(o, oc[0], c, 0)
+
+        s, o = lax.fori_loop(0, count, chunk, (lax.dynamic_index_in_dim(h0, srow, 0, keepdims=True), o))
+        return o, lax.dynamic_update_index_in_dim(ht, s[0], srow, 0)
+
+    o0 = jnp.full((nc, hv, C, vdim), jnp.nan, F32)
+    o, ht = lax.fori_loop(0, walk.shape[0], row, (o0, jnp.zeros_like(h0)))
+    o = jnp.swapaxes(o, 1, 2).reshape(1, tp, hv, vdim).astype(q.dtype)
+    return o, (jnp.swapaxes(ht, -1, -2) if out_final else None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order"))
+def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
+                                      output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
+                                      order: str = "longest_first"):
+    """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
+
+    q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
+    log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
+    initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
+    cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
+    """
+    if impl not in ("mosaic", "reference"):
+        raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
+    VarlenConfig(stage1a=stage1a, order=order)
+    if q.shape[0] != 1:
+        raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"mosaic_gpu varlen: cu_seqlens must be [N + 1] with N >= 1; got {cu.shape}")
+    n = cu.shape[0] - 1
+    kernel = impl == "mosaic"
+    mg.check_supported(q, k, v, g, beta, None, kernel=kernel)
+    _, t, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    if initial_state is not None and initial_state.shape != (n, hv, kdim, vdim):
+        raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
+                         f"got {initial_state.shape}")
+    scale = kdim ** -0.5 if scale is None else float(scale)
+    cm, src, keep, back, valid, walk = layout(cu, t, order=order)
+    q_r, k_r, v_r, g_r, b_r = repack(q, k, v, g, beta, src, keep)
+    h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
+    ops_, head_major = stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, kernel=kernel, stage1a=stage1a,
+                                        packed=(k[0], g[0], beta[0]), chunk_map=cm)
+    if kernel:
+        o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
+                                      walk=walk, num_states=n)
+    else:
+        o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
+                                                  out_final=output_final_state, head_major=head_major)
+    o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
+    return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the op's backend "mosaic_gpu" for cu_seqlens and the slot pool (api.py routes here)
+# ---------------------------------------------------------------------------------------------------------------
+def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+           config: VarlenConfig = None):
+    """``chunk_gated_delta_rule(..., cu_seqlens=...)`` on "mosaic_gpu" (api.py has checked the arguments and
+    ``mosaic_gpu.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
+    None). jax.grad / jax.jvp raise NotImplementedError naming backend='xla'."""
+    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    cfg = config or DEFAULT_CONFIG
+
+    def run(q, k, v, g, beta, cu, *h0):
+        return chunk_gated_delta_rule_varlen_fwd(
+            q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
+            output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order)
+    h0 = () if initial_state is None else (initial_state.astype(F32),)
+    return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
+
+
+def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_initial_state, cu_seqlens=None,
+                 config: VarlenConfig = None, impl: str = "mosaic"):
+    """``chunk_gated_delta_rule_slots`` on "mosaic_gpu": the start states gathered from the pool (zeros where
+    has_initial_state is False or the id is outside [0, S)), the packed (``cu_seqlens``) or dense call, the final
+    states scattered back (an id outside [0, S) drops its write). Returns (o [B, T, Hv, V], new pool [S, Hv, K, V]
+    fp32). ``impl="reference"``: the jnp twins (CPU tests)."""
+    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    cfg = config or DEFAULT_CONFIG
+    h0 = gather_slots(ssm_state.astype(F32), slot_ids, has_initial_state)               # [N, Hv, K, V]
+
+    def run(q, k, v, g, beta, h0, *cu):
+        if cu:
+            return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
+                                                     output_final_state=True, impl=impl, stage1a=cfg.stage1a,
+                                                     order=cfg.order)
+        return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
+                                             output_final_state=True, impl=impl, stage1a=cfg.stage1a,
+                                             pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)
+    cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)
+    o, ht = no_autodiff(run)(q, k, v, g, beta, h0, *cu)
+    return o, scatter_slots(ssm_state, slot_ids, ht)
