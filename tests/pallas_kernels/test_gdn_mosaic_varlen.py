@@ -1,0 +1,276 @@
+"""Packed sequences (cu_seqlens) and the slot pool on the Mosaic GPU backend
+(pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py).
+
+CPU: the repack / walk table / unpack around the jnp twin of the walked fused pass (``impl="reference"``, both
+stage 1a choices: kkt_fwd's twin on the repacked row, Pallas Triton kkt_solve in interpret mode on the packed row)
+against the float64 per-token oracle at fp32 (2e-4 relative RMS): lengths 1, 63, 0, 64, 65, 130 packed together
+(an empty sequence among them), padding tokens past cu_seqlens[N] poisoned with NaN, grouped heads, per-sequence
+initial states; a NaN token stays in its own sequence; the slot-pool form with ids outside [0, S) and
+has_initial_state False over NaN slots; the layout maps and the table. GPU (`pytest -m gpu`, Hopper): the kernel
+path at bf16 against the float64 oracle (1e-2), the same odd lengths and NaN padding, K = V = 128 and 64, and the
+public op / slots API on backend='mosaic_gpu' beside 'pallas'.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_gdn.cases import Case
+from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
+from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms
+
+LENS = (1, 63, 0, 64, 65, 130)        # odd lengths, an empty sequence, chunk-exact ones
+PAD = 7                               # padding tokens past cu_seqlens[N]
+
+
+def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=True, poison_pad=True):
+    t = sum(lens) + pad
+    case = Case(f"cpu-varlen-T{t}", 1, t, hk, hv, kdim, vdim)
+    q, k, v, g, beta, h0, _ = (None if x is None else np.array(x)
+                               for x in make_inputs(case, seed, jnp.float32, with_h0=with_h0, lens=lens))
+    cu = cu_of(lens)
+    if poison_pad and pad:
+        for x in (q, k, v, g, beta):
+            x[0, cu[-1]:] = np.nan                   # padding tokens must reach nothing
+    return q, k, v, g, beta, h0, cu
+
+
+def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True):
+    q, k, v, g, beta, h0, cu = args
+    o, s = mv.chunk_gated_delta_rule_varlen_fwd(
+        jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
+        jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
+        stage1a=stage1a, order=order, output_final_state=final)
+    return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
+
+
+def _oracle(args, dtype=jnp.float32):
+    q, k, v, g, beta, h0, cu = args
+    clean = [np.nan_to_num(x, nan=0.0) for x in (q, k, v, g, beta)]     # the oracle never reads padding
+    beta_seen = np.asarray(jnp.asarray(clean[4], dtype).astype(jnp.float32))
+    return oracle(*clean[:4], beta_seen, h0, cu)
+
+
+@pytest.mark.parametrize("stage1a", mv.STAGE1A)
+def test_reference_matches_f64(stage1a):
+    """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
+    states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state)."""
+    args = _inputs()
+    o, s = _run(args, stage1a=stage1a)
+    ro, rs = _oracle(args)
+    cu = args[-1]
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
+    assert rel_rms(s, rs) < 2e-4, rel_rms(s, rs)
+    assert np.array_equal(s[2], args[5][2])                     # the empty sequence keeps its state exactly
+
+
+def test_reference_no_initial_state_index_order_k32():
+    """No initial state, no final state, the table in sequence order, Hk 2 / Hv 4, K = 32, V = 16."""
+    args = _inputs(lens=(130, 3, 64, 0, 90), pad=0, hk=2, hv=4, kdim=32, vdim=16, seed=3, with_h0=False)
+    o, s = _run(args, order="index", final=False)
+    ro, _ = _oracle(args)
+    assert s is None
+    assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
+
+
+def test_nan_token_stays_in_its_sequence():
+    """A NaN in one token of sequence 4 (65 tokens) poisons only that sequence; every other sequence's rows and
+    final state equal the clean run's bit for bit (the repack never puts two sequences in one chunk)."""
+    args = _inputs(seed=5)
+    o_clean, s_clean = _run(args)
+    cu = args[-1]
+    v = args[2].copy()
+    v[0, cu[4] + 10, 1] = np.nan
+    o_bad, s_bad = _run(args[:2] + (v,) + args[3:])
+    others = np.ones(o_bad.shape[1], bool)
+    others[cu[4]:cu[5]] = False
+    assert np.isnan(o_bad[0, cu[4] + 10:cu[5]]).any() and np.isnan(s_bad[4]).any()
+    assert np.array_equal(o_bad[0, others], o_clean[0, others])
+    assert np.array_equal(np.delete(s_bad, 4, 0), np.delete(s_clean, 4, 0))
+
+
+def test_layout_maps_and_walk_table():
+    lens, t = (5, 0, 64, 130, 1), 210
+    cu = jnp.asarray(cu_of(lens))
+    cm, src, keep, back, valid, walk = mv.layout(cu, t)
+    nc = t // mv.C + len(lens)
+    assert src.shape == (nc * mv.C,) and back.shape == (t,)
+    x = np.arange(t, dtype=np.float32) + 1
+    rep = np.where(np.asarray(keep), x[np.asarray(src)], 0)
+    assert np.array_equal(rep[np.asarray(back)][np.asarray(valid)], x[:sum(lens)])          # round trip
+    assert int(np.asarray(keep).sum()) == sum(lens) and not np.asarray(valid)[sum(lens):].any()
+    w = np.asarray(walk)
+    assert w[:, 2].tolist() == [3, 0, 2, 4, 1]                   # longest first (ties in index order)
+    assert w[:, 1].tolist() == [3, 1, 1, 1, 0]
+    starts = np.asarray(cm.seq_first_chunk)
+    assert np.array_equal(w[:, 0], starts[w[:, 2]])
+    for c0, cnt, n in w:                                         # each sequence starts at its chunk's first row
+        if cnt:
+            assert int(np.asarray(src)[c0 * mv.C]) == int(cu[n])
+    w_idx = np.asarray(mv.layout(cu, t, order="index")[-1])
+    assert w_idx[:, 2].tolist() == list(range(len(lens)))
+
+
+def test_walk_twin_uses_the_table():
+    """A table row that walks one chunk too few must change that sequence's final state (the twin reads the
+    table, so a wrong table in the kernel's layout would be caught by the tests above)."""
+    args = _inputs(seed=2)
+    q, k, v, g, beta, h0, cu = args
+    q, k, v, g, beta = (jnp.asarray(np.nan_to_num(x)) for x in (q, k, v, g, beta))
+    t = q.shape[1]
+    cm, src, keep, back, valid, walk = mv.layout(jnp.asarray(cu), t)
+    ops_ = mv.repack(q, k, v, g, beta, src, keep)
+    h0t = jnp.swapaxes(jnp.asarray(h0), -1, -2)
+    run_ops, hm = mv.stage1a_operands(*ops_, h0t, kernel=False, stage1a="mosaic")
+    _, ht = mv.fused_state_pass_walk_reference(*run_ops, walk, num_states=len(cu) - 1, scale=0.25,
+                                               out_final=True, head_major=hm)
+    short = walk.at[0, 1].add(-1)                                # the longest sequence loses its last chunk
+    _, ht2 = mv.fused_state_pass_walk_reference(*run_ops, short, num_states=len(cu) - 1, scale=0.25,
+                                                out_final=True, head_major=hm)
+    n0 = int(walk[0, 2])
+    assert rel_rms(np.asarray(ht2[n0]), np.asarray(ht[n0])) > 1e-2
+    assert np.array_equal(np.delete(np.asarray(ht2), n0, 0), np.delete(np.asarray(ht), n0, 0))
+
+
+def test_slots_reference_matches_xla():
+    """The slot-pool form: ids 3, -1 (no slot), 0, 5 = S (a padding stream), 1, 2 over a pool of 5 whose slot 4 is
+    NaN and whose slot 1 is NaN but has_initial_state False there: o and the pool against the XLA backend; the
+    ids outside [0, S) write nothing, slot 4 stays NaN."""
+    from jax_gdn import ops
+    args = _inputs(seed=4)
+    q, k, v, g, beta, _, cu = args
+    n = len(cu) - 1
+    rng = np.random.default_rng(9)
+    pool = rng.standard_normal((5, 2, 16, 8)).astype(np.float32)
+    pool[4] = np.nan
+    pool[1] = np.nan
+    ids = np.array([3, -1, 0, 5, 1, 2], np.int32)
+    has = np.array([True, True, False, True, False, True])
+    assert len(ids) == n
+    x = tuple(jnp.asarray(a) for a in (q, k, v, g, beta))
+    o, new = mv.op_fwd_slots(*x, scale=0.25, ssm_state=jnp.asarray(pool), slot_ids=jnp.asarray(ids),
+                             has_initial_state=jnp.asarray(has), cu_seqlens=jnp.asarray(cu), impl="reference")
+    clean = tuple(jnp.asarray(np.nan_to_num(a)) for a in (q, k, v, g, beta))
+    ro, rnew = ops.chunk_gated_delta_rule_slots(*clean, ssm_state=jnp.asarray(pool), slot_ids=jnp.asarray(ids),
+                                                has_initial_state=jnp.asarray(has), cu_seqlens=jnp.asarray(cu),
+                                                scale=0.25, backend="xla")
+    o, new, ro, rnew = (np.asarray(a) for a in (o, new, ro, rnew))
+    assert np.isfinite(o).all() and np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 2e-4
+    assert np.isnan(new[4]).all()                                # untouched slot: still NaN
+    written = [0, 1, 2, 3]
+    assert rel_rms(new[written], rnew[written]) < 2e-4
+
+
+def test_slots_reference_dense_rows():
+    """Without cu_seqlens the slot form runs the dense Mosaic path (its twin) on N = B rows."""
+    from jax_gdn import ops
+    case = Case("cpu-B2-T65", 2, 65, 1, 2, 16, 8)
+    q, k, v, g, beta, _, _ = make_inputs(case, 1, jnp.float32, with_h0=False)
+    pool = np.random.default_rng(1).standard_normal((3, 2, 16, 8)).astype(np.float32)
+    ids, has = jnp.asarray([2, 0], jnp.int32), jnp.asarray([True, False])
+    x = tuple(jnp.asarray(a) for a in (q, k, v, g, beta))
+    o, new = mv.op_fwd_slots(*x, scale=0.25, ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has,
+                             impl="reference")
+    ro, rnew = ops.chunk_gated_delta_rule_slots(*x, ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has,
+                                                scale=0.25, backend="xla")
+    assert rel_rms(np.asarray(o), np.asarray(ro)) < 2e-4 and rel_rms(np.asarray(new), np.asarray(rnew)) < 2e-4
+
+
+def test_checks_name_the_argument():
+    args = _inputs()
+    q, k, v, g, beta, h0, cu = (jnp.asarray(x) for x in args)
+    with pytest.raises(ValueError, match="stage1a"):
+        mv.VarlenConfig(stage1a="cuda")
+    with pytest.raises(ValueError, match="order"):
+        mv.VarlenConfig(order="random")
+    with pytest.raises(ValueError, match="initial_state"):
+        mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0[:2], impl="reference")
+    with pytest.raises(ValueError, match=r"one packed row"):
+        mv.chunk_gated_delta_rule_varlen_fwd(*(jnp.concatenate([x, x]) for x in (q, k, v, g, beta)), cu,
+                                             impl="reference")
+    with pytest.raises(ValueError, match="impl"):
+        mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, impl="cuda")
+    with pytest.raises(ValueError, match="bfloat16"):                 # the kernel path: 16-bit inputs only
+        mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, impl="mosaic")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (Hopper)
+# ---------------------------------------------------------------------------------------------------------------
+def _hopper() -> bool:
+    return mg.is_hopper()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage1a", mv.STAGE1A)
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
+def test_gpu_kernel_matches_f64(stage1a, dims):
+    """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
+    NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    hk, hv, kdim, vdim = dims
+    args = _inputs(hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=11)
+    bf = jnp.bfloat16
+    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+    args = (q, k, v) + args[3:]
+    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a)
+    ro, rs = _oracle(args, bf)
+    cu = args[-1]
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    assert np.array_equal(s[2], args[5][2])
+
+
+@pytest.mark.gpu
+def test_gpu_many_sequences_beside_pallas():
+    """48 sequences of 0..300 tokens (more CTA rows than SMs at Hv 8) with initial states: the Mosaic varlen op
+    against Pallas Triton's varlen op on the same bf16 inputs (both ~bf16 rounding apart)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    from jax_gdn import ops
+    rng = np.random.default_rng(3)
+    lens = tuple(int(x) for x in rng.integers(0, 300, 48))
+    args = _inputs(lens=lens, pad=33, hk=4, hv=8, kdim=128, vdim=128, seed=12)
+    q, k, v, g, beta, h0, cu = args
+    bf = jnp.bfloat16
+    x = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+    kw = dict(initial_state=jnp.asarray(h0), output_final_state=True, cu_seqlens=jnp.asarray(cu))
+    om, sm = ops.chunk_gated_delta_rule(*x, backend="mosaic_gpu", **kw)
+    op, sp = ops.chunk_gated_delta_rule(*x, backend="pallas", **kw)
+    om, op = np.asarray(om.astype(jnp.float32)), np.asarray(op.astype(jnp.float32))
+    assert np.isfinite(om).all() and np.all(om[0, cu[-1]:] == 0)
+    assert rel_rms(om, op) < 1e-2 and rel_rms(np.asarray(sm), np.asarray(sp)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_slots_api_beside_xla():
+    """chunk_gated_delta_rule_slots(backend='mosaic_gpu') with ids outside [0, S) and a NaN slot nobody names:
+    o and the pool against the XLA backend (fp32 inputs there, bf16 here: 1e-2)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    from jax_gdn import ops
+    args = _inputs(hk=1, hv=2, kdim=128, vdim=128, seed=13)
+    q, k, v, g, beta, _, cu = args
+    bf = jnp.bfloat16
+    q, k, v = (np.asarray(jnp.asarray(np.nan_to_num(a), bf).astype(jnp.float32)) for a in (q, k, v))
+    g, beta = np.nan_to_num(g), np.asarray(jnp.asarray(np.nan_to_num(beta), bf).astype(jnp.float32))
+    pool = np.random.default_rng(2).standard_normal((7, 2, 128, 128)).astype(np.float32)
+    pool[6] = np.nan
+    ids = jnp.asarray([3, -1, 0, 7, 1, 2], jnp.int32)
+    has = jnp.asarray([True, True, False, True, True, True])
+    kw = dict(ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has, cu_seqlens=jnp.asarray(cu))
+    om, pm = ops.chunk_gated_delta_rule_slots(*(jnp.asarray(a, bf) for a in (q, k, v)), jnp.asarray(g),
+                                              jnp.asarray(beta, bf), backend="mosaic_gpu", **kw)
+    with jax.default_matmul_precision("highest"):
+        ox, px = ops.chunk_gated_delta_rule_slots(*(jnp.asarray(a) for a in (q, k, v, g, beta)), backend="xla", **kw)
+    om, ox, pm, px = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (om, ox, pm, px))
+    assert np.isnan(pm[6]).all() and np.isfinite(pm[:6]).all()
+    assert rel_rms(om, ox) < 1e-2 and rel_rms(pm[:6], px[:6]) < 1e-2
