@@ -1,0 +1,380 @@
+"""Mosaic GPU (Hopper) decode kernel: the per-token gated delta rule over a state-slot pool, in place, with the state
+tiles streamed through shared memory by TMA (issue 14's "decode kernel at HBM speed").
+
+The same op as :mod:`decode` (the Pallas Triton kernel; same arguments, same contract), for one token per stream
+(T = 1). A persistent grid of P CTAs (one warpgroup each; P = SMs x ``ctas_per_sm``) walks the work items
+b = p, p + P, p + 2P, ... of the N x Hv x V / BV items (stream n, value head h, value block vb; vb fastest, then
+h, then n: CTAs running together read neighbouring blocks of one slot). Each CTA keeps a ring of ``stages`` shared
+memory slots; slot d holds one item's state tile [K, BV] fp32 (TMA-loaded from ``pool[slot_ids[n], h, :, vb]``)
+with its q, k [K] (key head h // (Hv / Hk)) and v [BV]. Per item, with a = exp(g):
+
+    sk = S^T k,  sq = S^T q                   (fp32, one reduction each over K)
+    delta = beta (v - a sk)
+    o = scale (a sq + (q . k) delta)          (= S'^T (scale q))
+    S' = a S + k delta^T                      (written over the tile in shared memory, then TMA-stored in place)
+
+optionally with q, k L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``), the same numbers as decode.py's
+``fused_output`` form up to fp32 rounding. While item i is computed, the loads of items i + 1 .. i + stages - 2 are
+in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is refilled with item
+i - 1 + stages as soon as the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)``).
+Scalars (slot id, has_initial_state, g, beta or the raw a, b, A_log, dt_bias) are read straight from global
+memory. An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
+from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other slots are never touched.
+
+Shape legend: N streams, S slots, Hk / Hv key / value heads, K / V head dims, BV value block, P CTAs.
+
+    q, k [N, 1, Hk, K]; v [N, 1, Hv, V]; g, beta [N, 1, Hv] (or the raw a, b [N, 1, Hk, Ca] with
+    ``decode.RawGates``); pool [S, Hv, K, V] fp32; slot_ids, has_initial_state [N]
+    ->  o [N, 1, Hv, V] in v's dtype, pool (updated in place: a mutable ref aliased in and out of the kernel)
+
+Scope (:func:`fallback_reason` names what it refuses; decode.py then runs the Triton kernel): one token per
+stream, K and V in {64, 128} with BV | V, q / k / v of a float dtype whose rows are whole multiples of 128 bytes
+(TMA copies here move multiples of the warpgroup size in bytes), an sm_90 GPU. Mosaic GPU kernels do not compile
+on this repo's CPU jax (0.10.2); they do run in its GPU interpret mode (``interpret=True``: the kernel body itself,
+TMA copies, barriers and the ring, with plain loads in place of the register layouts), which the CPU tests use,
+and they lower for CUDA on the CPU (the layout and transfer checks of Mosaic GPU run there). :func:`decode_reference`
+is the jnp twin of the tile algebra, checked against float64.
+
+Switch: ``decode.BACKEND = "mosaic"`` routes ``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
+"pallas" decode and the layer's fused decode step) here where :func:`fallback_reason` is None; default "triton"
+until the H200 says this kernel wins (NOTES.md, "Session 7: Mosaic decode").
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+L2_EPS = 1e-6            # decode.L2_EPS
+HEAD_DIMS = (64, 128)
+TMA_UNIT = 128           # bytes: every TMA load here moves a multiple of the warpgroup size
+SMEM_BUDGET = 220 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Launch parameters of the Mosaic GPU decode kernel.
+
+    block_v: value columns of one state tile (64 or 128; min(block_v, V) must divide V). A [K, BV] fp32 tile is
+      32 KB at K = 128, BV = 64.
+    stages: shared memory ring depth (>= 2): up to stages - 2 tile loads in flight while one tile is computed and
+      the previous one is stored.
+    ctas_per_sm: CTAs of the persistent grid per SM (P = SMs x ctas_per_sm; the ring of each must fit in shared
+      memory beside the others).
+    programs: P > 0 fixes the grid size instead (tests, sweeps).
+    layout: "wgmma" (the tile in registers in the WGMMA layout: each thread 4 rows x BV / 4 columns; the K
+      reductions are 4 in-thread rows, 3 lane shuffles and a cross-warp step through shared memory; the tile in
+      swizzled shared memory).
+    """
+    block_v: int = 64
+    stages: int = 4
+    ctas_per_sm: int = 1
+    programs: int = 0
+    layout: str = "wgmma"
+
+    def __post_init__(self):
+        if self.block_v not in (64, 128):
+            raise ValueError(f"MosaicDecodeConfig.block_v must be 64 or 128, got {self.block_v!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"MosaicDecodeConfig.stages must be an int >= 2, got {self.stages!r}")
+        if not isinstance(self.ctas_per_sm, int) or self.ctas_per_sm < 1:
+            raise ValueError(f"MosaicDecodeConfig.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"MosaicDecodeConfig.programs must be an int >= 0, got {self.programs!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"MosaicDecodeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+
+LAYOUTS = ("wgmma",)
+DEFAULT_CONFIG = MosaicDecodeConfig()
+
+
+def _plgpu():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    return plgpu
+
+
+def _num_sms() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+    except RuntimeError:
+        return 132
+
+
+def is_hopper() -> bool:
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
+
+
+def smem_bytes(kdim: int, block_v: int, stages: int, qk_itemsize: int, v_itemsize: int) -> int:
+    """Shared memory of one CTA's ring: per stage the fp32 tile, q, k, v and the staged o."""
+    return stages * (kdim * block_v * 4 + 2 * kdim * qk_itemsize + 2 * block_v * v_itemsize) + 1024
+
+
+def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bool = False) -> Optional[str]:
+    """Why the Mosaic GPU decode kernel cannot run this call (decode.py then runs the Triton kernel), or None.
+    Shapes and dtypes only (works on tracers). ``interpret``: GPU interpret mode (no Hopper needed)."""
+    cfg = config or DEFAULT_CONFIG
+    if not interpret and not is_hopper():
+        return "the Mosaic GPU decode kernel needs an sm_90 (Hopper) GPU"
+    n, t, _, kdim = q.shape
+    vdim = v.shape[3]
+    if t != 1:
+        return f"the Mosaic GPU decode kernel runs one token per stream; got T = {t}"
+    if n == 0:
+        return "no streams (N = 0)"
+    if kdim not in HEAD_DIMS or vdim not in HEAD_DIMS:
+        return f"the Mosaic GPU decode kernel takes K, V in {HEAD_DIMS}; got K={kdim}, V={vdim}"
+    if q.dtype != k.dtype:
+        return f"q and k must share a dtype; got {q.dtype}, {k.dtype}"
+    bv = min(cfg.block_v, vdim)
+    if (kdim * jnp.dtype(q.dtype).itemsize) % TMA_UNIT or (bv * jnp.dtype(v.dtype).itemsize) % TMA_UNIT:
+        return (f"q / k rows ({kdim} x {jnp.dtype(q.dtype).name}) and v blocks ({bv} x {jnp.dtype(v.dtype).name}) "
+                f"must be multiples of {TMA_UNIT} bytes")
+    need = smem_bytes(kdim, bv, cfg.stages, jnp.dtype(q.dtype).itemsize, jnp.dtype(v.dtype).itemsize)
+    if need * cfg.ctas_per_sm > SMEM_BUDGET:
+        return f"the ring needs {need} bytes x {cfg.ctas_per_sm} CTAs per SM, over {SMEM_BUDGET}"
+    return None
+
+
+_LOAD_IDX_OPTIONAL = None
+
+
+def _load(ref, layout):
+    """plgpu.load with a register layout (jax 0.10 takes the index positionally, 0.11 deprecates it)."""
+    global _LOAD_IDX_OPTIONAL
+    plgpu = _plgpu()
+    if _LOAD_IDX_OPTIONAL is None:
+        param = inspect.signature(plgpu.load).parameters.get("idx")
+        _LOAD_IDX_OPTIONAL = param is None or param.default is not inspect.Parameter.empty
+    if _LOAD_IDX_OPTIONAL:
+        return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, (), layout=layout)
+
+
+def _tile_smem(shape, swizzled: bool):
+    """fp32 [stages, K, BV] ring of state tiles: tiled and swizzled (bank-conflict-free WGMMA-layout loads)."""
+    plgpu = _plgpu()
+    if not swizzled:
+        return plgpu.SMEM(shape, F32)
+    swizzle = plgpu.find_swizzle(shape[-1] * 32)
+    return plgpu.SMEM(shape, F32, transforms=(plgpu.TilingTransform((8, swizzle // 4)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def _softplus(x):
+    """max(x, 0) + log1p(exp(-|x|)) with log1p(y) = log(u) y / (u - 1), u = 1 + y (exact where u rounds to 1; the
+    Mosaic GPU lowering has no log1p)."""
+    y = jnp.exp(-jnp.abs(x))
+    u = 1.0 + y
+    log1p = jnp.where(u == 1.0, y, jnp.log(u) * (y / jnp.where(u == 1.0, 1.0, u - 1.0)))
+    return jnp.maximum(x, 0.0) + log1p
+
+
+def _gates(g_ref, beta_ref, gate_refs, *, n, h, group):
+    """(g, beta) fp32 scalars of stream n, value head h (see decode._read_gates)."""
+    if gate_refs is None:
+        return g_ref[n, 0, h].astype(F32), beta_ref[n, 0, h].astype(F32)
+    alog_ref, dtb_ref, a_off, b_off = gate_refs
+    hk, j = h // group, lax.rem(h, group)
+    a = g_ref[n, 0, hk, a_off + j].astype(F32)
+    b = beta_ref[n, 0, hk, b_off + j].astype(F32)
+    g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(a + dtb_ref[h].astype(F32))
+    return g, 1.0 / (1.0 + jnp.exp(-b))
+
+
+def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float,
+                                 use_qk_l2norm: bool, raw_gates=None, config: MosaicDecodeConfig = None,
+                                 interpret: bool = False):
+    """Runs the Mosaic GPU decode kernel (shapes in the module docstring; the caller has checked
+    :func:`fallback_reason`). raw_gates: None or ``decode.RawGates`` (g, beta are then the raw a, b
+    [N, 1, Hk, Ca]). Returns (o [N, 1, Hv, V] in v's dtype, the updated pool [S, Hv, K, V] fp32)."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    cfg = config or DEFAULT_CONFIG
+    n, _, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    num_slots = pool.shape[0]
+    group = hv // hk
+    bv = min(cfg.block_v, vdim)
+    if vdim % bv:
+        raise ValueError(f"MosaicDecodeConfig.block_v ({cfg.block_v}) must divide V = {vdim}")
+    nvb = vdim // bv
+    total = n * hv * nvb
+    programs = min(cfg.programs or _num_sms() * cfg.ctas_per_sm, total)
+    trips = -(-total // programs)
+    stages = cfg.stages
+    scale = float(scale)
+    gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
+    interp = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
+
+    def body(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
+        refs = list(refs)
+        gate_refs = None
+        if gate_offsets is not None:
+            gate_refs = (refs.pop(0), refs.pop(0)) + gate_offsets
+        pool_ref, o_ref, s_buf, q_buf, k_buf, v_buf, o_buf, bar = refs
+        pid = lax.axis_index("p")
+
+        def locate(i):
+            """Item i of this CTA: (stream, head, value block, clipped slot, valid, in_pool, read)."""
+            b = pid + i * programs
+            valid = b < total
+            b = jnp.minimum(b, total - 1)                 # past the last item: reload it, store nothing
+            nn = b // (hv * nvb)
+            h = lax.rem(b // nvb, hv)
+            vb = lax.rem(b, nvb)
+            slot = slot_ref[nn]
+            in_pool = valid & (slot >= 0) & (slot < num_slots)
+            read = in_pool & (has_ref[nn] != 0)
+            return nn, h, vb, jnp.clip(slot, 0, num_slots - 1), valid, in_pool, read
+
+        def issue(i, d):
+            nn, h, vb, slot, *_ = locate(i)
+            vs = pl.ds(vb * bv, bv)
+            into = bar.at[d]
+            plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, vs], s_buf.at[d], into)
+            plgpu.copy_gmem_to_smem(q_ref.at[nn, 0, h // group], q_buf.at[d], into)
+            plgpu.copy_gmem_to_smem(k_ref.at[nn, 0, h // group], k_buf.at[d], into)
+            plgpu.copy_gmem_to_smem(v_ref.at[nn, 0, h, vs], v_buf.at[d], into)
+
+        for i in range(min(stages, trips)):
+            issue(i, i)
+
+        def step(i, carry):
+            d = lax.rem(i, stages)
+            nn, h, vb, slot, valid, in_pool, read = locate(i)
+            vs = pl.ds(vb * bv, bv)
+            g, beta = _gates(g_ref, beta_ref, gate_refs, n=nn, h=h, group=group)
+            plgpu.barrier_wait(bar.at[d])
+            if interpret:                                 # the interpreter keeps no register layouts
+                s, qv, kv, vv = s_buf[d], q_buf[d], k_buf[d], v_buf[d]
+            else:
+                s = _load(s_buf.at[d], WGMMA)             # [K, BV]
+                qv, kv = _load(q_buf.at[d], ROWS), _load(k_buf.at[d], ROWS)      # [K]
+                vv = _load(v_buf.at[d], COLS)             # [BV]
+            s = jnp.where(read, s, 0.0)                   # a fresh stream / bad id: zeros (a stale NaN never leaks)
+            qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
+            if use_qk_l2norm:
+                qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
+                kv = kv * lax.rsqrt(jnp.sum(kv * kv) + L2_EPS)
+            a = jnp.exp(g)
+            kb = lax.broadcast_in_dim(kv, (kdim, bv), [0])
+            qb = lax.broadcast_in_dim(qv, (kdim, bv), [0])
+            sk = jnp.sum(s * kb, axis=0)                  # [BV]  S^T k
+            sq = jnp.sum(s * qb, axis=0)                  # [BV]  S^T q
+            delta = beta * (vv - a * sk)
+            o = scale * (a * sq + jnp.sum(qv * kv) * delta)
+            s_buf.at[d][...] = a * s + kb * lax.broadcast_in_dim(delta, (kdim, bv), [1])
+            o_buf.at[d][...] = o.astype(o_buf.dtype)
+            plgpu.commit_smem()
+
+            @pl.when(in_pool)
+            def _():
+                plgpu.copy_smem_to_gmem(s_buf.at[d], pool_ref.at[slot, h, :, vs], commit_group=False)
+
+            @pl.when(valid)
+            def _():
+                plgpu.copy_smem_to_gmem(o_buf.at[d], o_ref.at[nn, 0, h, vs], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()            # one store group per item
+
+            nxt = i - 1 + stages                          # refill the previous item's slot once its store read it
+
+            @pl.when((i >= 1) & (nxt < trips))
+            def _():
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                issue(nxt, lax.rem(nxt, stages))
+            return carry
+
+        lax.fori_loop(0, trips, step, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        _tile_smem((stages, kdim, bv), swizzled=not interpret),
+        plgpu.SMEM((stages, kdim), q.dtype),
+        plgpu.SMEM((stages, kdim), k.dtype),
+        plgpu.SMEM((stages, bv), v.dtype),
+        plgpu.SMEM((stages, bv), v.dtype),                # o staged for its TMA store
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+    ]
+    operands = [slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), q, k, v, g, beta]
+    if raw_gates is not None:
+        operands += [raw_gates.a_log, raw_gates.dt_bias]
+
+    def run(pool, *operands):
+        pool_ref = jax.new_ref(pool, memory_space=plgpu.GMEM)   # aliased in and out of the kernel: in place
+
+        def kernel(*refs):
+            *ins, o_ref = refs
+            pl.run_scoped(functools.partial(body, *ins, pool_ref, o_ref), *scratch)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            o = pl.kernel(kernel, out_type=jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype),
+                          mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
+                          compiler_params=plgpu.CompilerParams(), interpret=interp,
+                          name="gdn_decode_mosaic")(*operands)
+        return o, jax.freeze(pool_ref)
+
+    return run(pool, *operands)
+
+
+def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float, use_qk_l2norm: bool,
+                     raw_gates=None, block_v: int = 64):
+    """The jnp twin of the kernel's tile algebra (same shapes and contract as
+    :func:`fused_recurrent_slots_mosaic`): every (stream, head, value block) tile updated by the fused-output
+    formulas of the module docstring in fp32, fresh streams and bad ids from zeros, writes of bad ids dropped,
+    other slots unchanged. Runs anywhere; the CPU tests check it against float64."""
+    n, _, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    num_slots = pool.shape[0]
+    group = hv // hk
+    bv = min(block_v, vdim)
+    qf = jnp.repeat(q[:, 0].astype(F32), group, axis=1)                  # [N, Hv, K]
+    kf = jnp.repeat(k[:, 0].astype(F32), group, axis=1)
+    if use_qk_l2norm:
+        qf = qf * lax.rsqrt(jnp.sum(qf * qf, -1, keepdims=True) + L2_EPS)
+        kf = kf * lax.rsqrt(jnp.sum(kf * kf, -1, keepdims=True) + L2_EPS)
+    if raw_gates is None:
+        gg, bb = g[:, 0].astype(F32), beta[:, 0].astype(F32)            # [N, Hv]
+    else:
+        j = jnp.arange(hv) % group
+        hkk = jnp.arange(hv) // group
+        a = g[:, 0, hkk, raw_gates.a_offset + j].astype(F32)
+        b = beta[:, 0, hkk, raw_gates.b_offset + j].astype(F32)
+        gg = -jnp.exp(raw_gates.a_log.astype(F32)) * _softplus(a + raw_gates.dt_bias.astype(F32))
+        bb = 1.0 / (1.0 + jnp.exp(-b))
+    ids = slot_ids.astype(jnp.int32)
+    in_pool = (ids >= 0) & (ids < num_slots)
+    read = in_pool & has_initial_state.astype(bool)
+    s = jnp.where(read[:, None, None, None], pool[jnp.clip(ids, 0, num_slots - 1)], 0.0)      # [N, Hv, K, V]
+    a = jnp.exp(gg)[..., None]                                           # [N, Hv, 1]
+    outs, news = [], []
+    for vb in range(vdim // bv):                                         # the kernel's tiles
+        st = s[..., vb * bv:(vb + 1) * bv]
+        vv = v[:, 0, :, vb * bv:(vb + 1) * bv].astype(F32)
+        sk = jnp.einsum("nhkv,nhk->nhv", st, kf, precision=lax.Precision.HIGHEST)
+        sq = jnp.einsum("nhkv,nhk->nhv", st, qf, precision=lax.Precision.HIGHEST)
+        delta = bb[..., None] * (vv - a * sk)
+        outs.append(scale * (a * sq + jnp.sum(qf * kf, -1, keepdims=True) * delta))
+        news.append(a[..., None] * st + kf[..., None] * delta[:, :, None, :])
+    o = jnp.concatenate(outs, -1)[:, None].astype(v.dtype)
+    new = jnp.concatenate(news, -1)
+    # drop the writes of bad ids: scatter to index S (out of bounds) with mode="drop"
+    new_pool = pool.at[jnp.where(in_pool, ids, num_slots)].set(new, mode="drop")
+    return o, new_pool
