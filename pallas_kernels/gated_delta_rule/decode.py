@@ -40,6 +40,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gated_delta_rule import pallas_triton as _pt
 
 L2_EPS = 1e-6
+#: "triton" (this file's kernel) or "mosaic": ``decode_mosaic.py`` (Mosaic GPU, TMA ring) where it takes the call
+#: (T = 1, K, V in {64, 128}, Hopper; no explicit DecodeConfig), else this kernel. Off until the H200 says it wins
+#: (NOTES.md, "Session 7: Mosaic decode").
+BACKEND = "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,6 +379,13 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         scale = kdim ** -0.5
     if n == 0 or t == 0:
         return jnp.zeros(v.shape, v.dtype), ssm_state
+    if BACKEND == "mosaic" and config is None:
+        from pallas_kernels.gated_delta_rule import decode_mosaic
+        if decode_mosaic.fallback_reason(q, k, v, interpret=interpret) is None:
+            return decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
+                q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+                has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+                raw_gates=raw_gates)
     kp, vp = _pt.kernel_head_dim(kdim), _pt.kernel_head_dim(vdim)
     q, k, v = _pt.pad_last(q, kp), _pt.pad_last(k, kp), _pt.pad_last(v, vp)
     pool = ssm_state

@@ -378,3 +378,31 @@ def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, sca
     # drop the writes of bad ids: scatter to index S (out of bounds) with mode="drop"
     new_pool = pool.at[jnp.where(in_pool, ids, num_slots)].set(new, mode="drop")
     return o, new_pool
+
+
+def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
+                                               use_qk_l2norm=False, interpret=False,
+                                               config: MosaicDecodeConfig = None, raw_gates=None):
+    """decode.py's entry point for this kernel (``decode.BACKEND = "mosaic"``; the same arguments): one token per
+    stream over the pool in place. q, k [N, 1, Hk, K]; v [N, 1, Hv, V]; g, beta [N, 1, Hv] (or the raw a, b with
+    ``raw_gates``); ssm_state [S, Hv, K, V] fp32 (donate it); slot_ids [N] (outside [0, S): zeros in, no write);
+    has_initial_state [N]. ``interpret``: Mosaic GPU interpret mode (CPU). Raises ValueError naming
+    :func:`fallback_reason` where the kernel does not take the call. Returns (o [N, 1, Hv, V], new ssm_state)."""
+    from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+    cfg = config or DEFAULT_CONFIG
+    reason = fallback_reason(q, k, v, config=cfg, interpret=interpret)
+    if reason is not None:
+        raise ValueError(f"decode_mosaic: {reason}")
+    if scale is None:
+        scale = q.shape[3] ** -0.5
+    gate_arrays = () if raw_gates is None else (raw_gates.a_log, raw_gates.dt_bias)
+
+    def kernel(q, k, v, g, beta, pool, slot_ids, has, *gate_arrays):
+        gates = None if raw_gates is None else dataclasses.replace(raw_gates, a_log=gate_arrays[0],
+                                                                   dt_bias=gate_arrays[1])
+        return fused_recurrent_slots_mosaic(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,
+                                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=gates, config=cfg,
+                                            interpret=interpret)
+
+    return _pt.no_autodiff(kernel)(q, k, v, g, beta, ssm_state, slot_ids.astype(jnp.int32),
+                                   has_initial_state.astype(jnp.int32), *gate_arrays)
