@@ -298,14 +298,11 @@ def run_layer(quick, backend, deadline):
     RESULT["layer_floor_ms"] = (w_bytes + kv_bytes) / HBM * 1e3
     D = tr.DecodeConfig
     variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),   # session 7 set
-                ("fused-qkv-ns2", fused_params, True, D(num_splits=2)),
-                ("fused-qkv-ns3", fused_params, True, D(num_splits=3)),
-                ("fused-qkv-ns4", fused_params, True, D(num_splits=4)),
-                ("fused-qkv-ns3-bk32-s3", fused_params, True, D(num_splits=3, block_k=32, num_stages=3)),
-                ("fused-qkv-ns2-cfused", fused_params, True, D(num_splits=2, combine="fused")),
-                ("fused-qkv-ns4-cfused", fused_params, True, D(num_splits=4, combine="fused")),
-                ("fused-qkv-again", fused_params, True, None),
-                ("fused-qkv-ns3-again", fused_params, True, D(num_splits=3))]
+                ("fused-qkv-sk2", fused_params, True, None), ("fused-qkv-sk4", fused_params, True, None),
+                ("fused-qkv-sk8", fused_params, True, None), ("fused-qkv-ns4-cfused-sk4", fused_params, True,
+                                                              D(num_splits=4, combine="fused")),
+                ("fused-qkv-qkernel-sk4", fused_params, True, D(q_prologue="kernel")),
+                ("fused-qkv-again", fused_params, True, None), ("fused-qkv-sk4-again", fused_params, True, None)]
     ref_out = None
     calls = []
     for name, p, fused, cfg in variants:
@@ -316,6 +313,7 @@ def run_layer(quick, backend, deadline):
                "config": None if cfg is None else cfg.__dict__}
         t1 = time.time()
         tr.DEFAULT_DECODE = cfg
+        A.DECODE_SPLIT_K = int(name.split("-sk")[1].split("-")[0]) if "-sk" in name else 0   # session 7
         api._decode_jit.clear_cache()
         api._decode_gated_jit.clear_cache()
         try:
