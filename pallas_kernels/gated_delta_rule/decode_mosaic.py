@@ -331,7 +331,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                           name="gdn_decode_mosaic")(*operands)
         return o, jax.freeze(pool_ref)
 
-    return run(pool, *operands)
+    return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it
 
 
 def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float, use_qk_l2norm: bool,
@@ -395,14 +395,10 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         raise ValueError(f"decode_mosaic: {reason}")
     if scale is None:
         scale = q.shape[3] ** -0.5
-    gate_arrays = () if raw_gates is None else (raw_gates.a_log, raw_gates.dt_bias)
-
-    def kernel(q, k, v, g, beta, pool, slot_ids, has, *gate_arrays):
-        gates = None if raw_gates is None else dataclasses.replace(raw_gates, a_log=gate_arrays[0],
-                                                                   dt_bias=gate_arrays[1])
-        return fused_recurrent_slots_mosaic(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has,
-                                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=gates, config=cfg,
-                                            interpret=interpret)
-
-    return _pt.no_autodiff(kernel)(q, k, v, g, beta, ssm_state, slot_ids.astype(jnp.int32),
-                                   has_initial_state.astype(jnp.int32), *gate_arrays)
+    # differentiating raises at this identity (NotImplementedError naming backend='xla'); the kernel itself sits
+    # outside the custom_jvp, whose body cannot hold the pool's mutable ref
+    q, k, v, g, beta, ssm_state = _pt.no_autodiff(lambda *a: a)(q, k, v, g, beta, ssm_state)
+    return fused_recurrent_slots_mosaic(q, k, v, g, beta, pool=ssm_state, slot_ids=slot_ids,
+                                        has_initial_state=has_initial_state, scale=scale,
+                                        use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates, config=cfg,
+                                        interpret=interpret)
