@@ -134,7 +134,8 @@ def _stages(per_stage: int, fixed: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
-                     write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None):
+                     write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
+                     packed_qkv: bool = False):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -155,6 +156,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     h0t[s_r] and storing its final state to [s_r]; h0t and the final state are [num_states, Hv, V, K] (S^T),
     chunk c is tokens [c C, c C + C) of q, k, v, o and chunk c of t / gcum / beta_c in either layout. Chunks no
     row walks are neither read nor written (their rows of o are left unset).
+    ``packed_qkv`` (with a walk table of 5 columns, + (first token t0, length L)): q, k, v [1, T, ...] are the
+    packed row itself, chunk n of row r reads tokens [t0 + n C, t0 + n C + C) of it (past T: TMA's zero fill);
+    the rows of the last chunk past L (the next sequence's tokens, padding, NaN) are kept out: WG1 zeroes them in
+    the k tile before the chain and the products read it, WG0 zeroes those columns of W. o stays in the chunk
+    coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -169,7 +175,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
-    if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
+    if packed_qkv and (not varlen or walk.shape[1] != 5 or not write_o):
+        raise ValueError("fused_state_pass: packed_qkv needs a walk table of 5 columns and write_o")
+    o_rows = (t.shape[0] * C if not head_major else t.shape[2]) if packed_qkv else padded   # o's chunk rows
+    if (padded % (C * pieces) and not packed_qkv) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
                          f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
     ncb_row = padded // C        # chunks per row
@@ -188,7 +197,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     stages = _stages(per_stage, fixed)
     n_copies = (4 if write_o else 3) + n_vec      # the map pass reads no q
 
-    out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
+    out_type = [jax.ShapeDtypeStruct((batch, o_rows, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(
             ((num_states if varlen else batch * run_pieces), heads, value_dim, key_dim), F32))
@@ -230,11 +239,13 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         if varlen:                   # this CTA's row of the walk table: first chunk, count, sequence
             b, piece = 0, 0
             c0, count, srow = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
-            tok0 = c0 * C
+            tok0 = c0 * C                # first row of this CTA's chunks (of t, gcum, beta_c, o)
+            in0 = walk_ref[r, 3] if packed_qkv else tok0          # first row of its q, k, v
+            seq_len = walk_ref[r, 4] if packed_qkv else None
         else:
             b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
             tok0 = piece * piece_len     # first token of this CTA's piece within row b
-            c0, count, srow = None, ncb, r
+            c0, count, srow, in0, seq_len = None, ncb, r, tok0, None
         hk = lax.div(hh, group)
         v0 = iv * BV
         wg = lax.axis_index("wg")
@@ -245,11 +256,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
             def issue(n, slot):          # n: chunk index within this CTA's piece
                 rows = pl.ds(tok0 + n * C, C)
+                rows_in = pl.ds(in0 + n * C, C) if packed_qkv else rows
                 bar = in_bar.at[slot]
                 if write_o:
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_in, hk], q_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows_in, hk], k_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows_in, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
                     t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
@@ -313,7 +325,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 # W^T = v^T - (S^T k^T) Gamma, then v_new^T = W^T Ag^T
                 x_t = _matmul(s_lo, k_s.at[slot].T, (BV, C))
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
-                w_t = (v_t - x_t * _bcast_cols(key_decay, (BV, C))).astype(dtype)
+                w_t = v_t - x_t * _bcast_cols(key_decay, (BV, C))
+                if packed_qkv:           # the columns past the sequence's end (other tokens, NaN) are not its own
+                    w_t = jnp.where(_iota((BV, C), 1) < seq_len - n * C, w_t, 0.0)
+                w_t = w_t.astype(dtype)
                 plgpu.barrier_wait(ag_ready.at[slot])
                 vn_t = _matmul(w_t, t_s.at[slot].T, (BV, C))
                 vn_pub.at[half].T[...] = vn_t.astype(dtype)
@@ -346,6 +361,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 g_col = plgpu.load(g_cols.at[slot], layout=COLS)
                 q_decay = _exp(g_row)
                 sq = (C, C)
+                if packed_qkv:           # zero the k rows past the sequence's end before anything multiplies them
+                    @pl.when(seq_len - n * C < C)
+                    def _clean_k():
+                        k_in = plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32)
+                        own = _iota((C, key_dim), 0) < seq_len - n * C
+                        k_s.at[slot][...] = jnp.where(own, k_in, 0.0).astype(dtype)
                 keep = _iota(sq, 0) >= _iota(sq, 1)
                 # the exponent is masked before exp, so acausal entries never overflow (jla decay_matrix)
                 decay = _exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
@@ -666,17 +687,20 @@ def _chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
     return t, gcum, beta_c
 
 
-def _chunk_step(s, xs, scale: float):
+def _chunk_step(s, xs, scale: float, keep_cols=None):
     """One chunk of the fused pass in jnp (fp32, precision highest): s [B, Hv, K, V] the incoming state, xs =
     (q, k [B, Hv, C, K], v [B, Hv, C, V], gated T [B, Hv, C, C], G, beta [B, Hv, C]) fp32. Returns (the outgoing
     state, o [B, Hv, C, V] fp32): W = v - e^G k S, v_new = (T * beta_j) W, o = scale (e^G q S + P v_new),
-    S' = e^(G_last) S + k^T (e^(G_last - G) v_new)."""
+    S' = e^(G_last) S + k^T (e^(G_last - G) v_new). ``keep_cols`` [C] bool: rows of W outside it are zeroed (the
+    varlen kernel's packed reads)."""
     hp = lax.Precision.HIGHEST
     keep = jnp.tril(jnp.ones((C, C), bool))
     qq, kk, vv, tt, gg, bb = xs
     ag = tt * bb[..., None, :]                                                   # T_ij beta_j
     x = jnp.einsum("bhck,bhkv->bhcv", kk, s, precision=hp)
     w = vv - jnp.exp(gg)[..., None] * x
+    if keep_cols is not None:
+        w = jnp.where(keep_cols[:, None], w, 0.0)
     vn = jnp.einsum("bhij,bhjv->bhiv", ag, w, precision=hp)
     decay = jnp.exp(jnp.where(keep, gg[..., :, None] - gg[..., None, :], -jnp.inf))
     p = jnp.einsum("bhik,bhjk->bhij", qq, kk, precision=hp) * decay

@@ -50,6 +50,7 @@ C = mg.C
 F32 = jnp.float32
 STAGE1A = ("mosaic", "triton")
 ORDERS = ("longest_first", "index")
+INPUTS = ("repacked", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +59,21 @@ class VarlenConfig:
 
     stage1a: "mosaic" (kkt_fwd on the repacked row) or "triton" (Pallas Triton kkt_solve on the packed row).
     order: the walk table's row order, "longest_first" (decreasing chunk count) or "index" (sequence order).
+    inputs: "repacked" (q, k, v gathered to the chunk-aligned row first) or "packed" (the fused pass reads q, k, v
+    from the packed row at each sequence's own offsets, ``fused_state_pass(packed_qkv=True)``: no repack of them;
+    only g, beta, and k for stage1a "mosaic", are repacked).
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
+    inputs: str = "repacked"
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
             raise ValueError(f"VarlenConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
         if self.order not in ORDERS:
             raise ValueError(f"VarlenConfig.order must be one of {ORDERS}; got {self.order!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"VarlenConfig.inputs must be one of {INPUTS}; got {self.inputs!r}")
 
 
 DEFAULT_CONFIG = VarlenConfig()
@@ -75,8 +82,9 @@ DEFAULT_CONFIG = VarlenConfig()
 def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     """The repack / unpack maps and the walk table of ``cu_seqlens [N + 1]`` for a row of ``total_len`` tokens
     (on the device, static shapes: Tp = (T // C + N) C). Returns (chunk map, src [Tp], keep [Tp], back [T],
-    valid [T], walk [N, 3]) int32 / bool: repacked token p is packed token src[p] where keep[p] (else a zero token); packed token t is
-    repacked token back[t] where valid[t] (t < cu_seqlens[N]); walk row r = (first chunk, chunk count, sequence)."""
+    valid [T], walk [N, 5]) int32 / bool: repacked token p is packed token src[p] where keep[p] (else a zero
+    token); packed token t is repacked token back[t] where valid[t] (t < cu_seqlens[N]); walk row r = (first chunk,
+    chunk count, sequence n, its first packed token cu_seqlens[n], its length)."""
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     n = cu.shape[0] - 1
     nc = max_chunks(total_len, n, C)
@@ -89,7 +97,8 @@ def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     valid = t < cu[-1]
     back = jnp.where(valid, jnp.clip(cm.token_chunk * C + cm.token_offset, 0, nc * C - 1), 0)
     rows = launch_order(cm.seq_num_chunks) if order == "longest_first" else jnp.arange(n, dtype=jnp.int32)
-    walk = jnp.stack([cm.seq_first_chunk[rows], cm.seq_num_chunks[rows], rows], axis=-1).astype(jnp.int32)
+    walk = jnp.stack([cm.seq_first_chunk[rows], cm.seq_num_chunks[rows], rows, cu[rows], cu[rows + 1] - cu[rows]],
+                     axis=-1).astype(jnp.int32)
     return cm, src, keep, back, valid, walk
 
 
@@ -99,19 +108,17 @@ def _gather_rows(x, idx, keep):
     return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), out, jnp.zeros((), x.dtype))
 
 
-def repack(q, k, v, g, beta, src, keep):
-    """q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv] -> the same on the repacked row [1, Tp, ...] (g and
-    beta fp32)."""
-    return tuple(_gather_rows(x[0], src, keep)[None] for x in (q, k, v, g.astype(F32), beta.astype(F32)))
+def repack(xs, src, keep):
+    """Arrays [1, T, ...] of the packed row -> the same on the repacked row [1, Tp, ...]."""
+    return tuple(_gather_rows(x[0], src, keep)[None] for x in xs)
 
 
-def stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, *, kernel: bool, stage1a: str, packed=None, chunk_map=None):
-    """The fused pass's operands (q, k, v, t, gcum, beta_c, h0t) and ``head_major`` from the repacked row.
-    ``stage1a="triton"`` runs kkt_solve on the packed row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through
-    ``chunk_map`` (interpret mode without ``kernel``)."""
+def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None):
+    """(t, gcum, beta_c, head_major): the fused pass's stage-1a operands for the repacked row (g_r, b_r [1, Tp, Hv]
+    fp32; k_r [1, Tp, Hk, K], read only by stage1a "mosaic"). ``stage1a="triton"`` runs kkt_solve on the packed
+    row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through ``chunk_map`` (interpret mode without ``kernel``)."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
-    _, tp, hk, kdim = k_r.shape
-    hv, vdim = v_r.shape[2], v_r.shape[3]
+    _, tp, hv = g_r.shape
     nc = tp // C
     if stage1a == "mosaic":
         g = floor_log_decay(g_r[0])                                                   # [Tp, Hv]
@@ -119,7 +126,7 @@ def stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, *, kernel: bool, stage1a: str
         beta_hm = b_r[0].T[None]                                                      # [1, Hv, Tp]
         t0 = (mg.kkt_fwd(k_r, beta_hm, heads=hv) if kernel
               else mg.kkt_fwd_reference(k_r, beta_hm, heads=hv))
-        return (q_r, k_r, v_r, t0, gcum, beta_hm, h0t), True
+        return t0, gcum, beta_hm, True
     from pallas_kernels.gated_delta_rule import pallas_triton as kt
     kf, gf, bf = packed
     if not kernel:       # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
@@ -129,26 +136,30 @@ def stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, *, kernel: bool, stage1a: str
                               chunk_len=chunk_map.chunk_len.astype(jnp.int32), chunk=C, num_v_heads=hv,
                               interpret=not kernel, config=config)
     beta_c = jnp.swapaxes(b_r[0].reshape(nc, C, hv), 1, 2)                            # [NC, Hv, C]
-    return (q_r, k_r, v_r, tmat, gcum, beta_c, h0t), False
+    return tmat, gcum, beta_c, False
 
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
-                                    out_final: bool, head_major: bool, exp2: bool = False):
+                                    out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False):
     """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
-    row r of ``walk`` = (c0, count, s) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by a
-    dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]. Chunks no row
-    walks are NaN in the returned o (the kernel leaves them unset: nothing may read them). Returns (o [1, Tp, Hv, V]
-    in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None)."""
-    _, tp, hk, kdim = k.shape
+    row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
+    a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
+    (``packed_qkv``: q, k, v chunk n from the packed row at t0 + n C, rows past L of k and columns of W zeroed, as
+    the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
+    them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None)."""
+    kdim = k.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
-    nc = tp // C
     t, gcum, beta_c = mg._chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
+    nc = t.shape[0]                                                                   # chunk slots
+    tp = nc * C
 
-    def chunks(x):      # [1, Tp, H, D] -> [NC, Hv, C, D] fp32
-        x = jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
-        return jnp.swapaxes(x.reshape(nc, C, hv, x.shape[2]), 1, 2)
-    xs_all = (chunks(q), chunks(k), chunks(v), t.astype(F32).reshape(nc, hv, C, C),
-              gcum.astype(F32).reshape(nc, hv, C), beta_c.astype(F32).reshape(nc, hv, C))
+    def heads(x):       # [1, L, H, D] -> [L, Hv, D] fp32 (value heads)
+        return jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
+    qa, ka, va = heads(q), heads(k), heads(v)
+    if packed_qkv:      # TMA reads past T as zeros
+        qa, ka, va = (jnp.pad(x, [(0, C), (0, 0), (0, 0)]) for x in (qa, ka, va))
+    ts = (t.astype(F32).reshape(nc, hv, C, C), gcum.astype(F32).reshape(nc, hv, C),
+          beta_c.astype(F32).reshape(nc, hv, C))
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
           else jnp.swapaxes(h0t.astype(F32), -1, -2))                                  # [S, Hv, K, V]
 
@@ -159,8 +170,14 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
         def chunk(n, carry2):
             s, o = carry2
             c = c0 + n
-            xs = tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in xs_all)
-            s, oc = mg._chunk_step(s, xs, scale)
+            first = (walk[r, 3] + n * C) if packed_qkv else c * C
+            qc, kc, vc = (jnp.swapaxes(lax.dynamic_slice_in_dim(x, first, C, 0), 0, 1)[None] for x in (qa, ka, va))
+            own = None
+            if packed_qkv:
+                own = jnp.arange(C) < walk[r, 4] - n * C                                  # [C]
+                kc = jnp.where(own[:, None], kc, 0.0)
+            xs = (qc, kc, vc) + tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in ts)
+            s, oc = mg._chunk_step(s, xs, scale, keep_cols=own)
             return s, lax.dynamic_update_index_in_dim(o, oc[0], c, 0)
 
         s, o = lax.fori_loop(0, count, chunk, (lax.dynamic_index_in_dim(h0, srow, 0, keepdims=True), o))
@@ -172,20 +189,21 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     return o, (jnp.swapaxes(ht, -1, -2) if out_final else None)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
-                                      order: str = "longest_first"):
+                                      order: str = "longest_first", inputs: str = "repacked"):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
+    ``stage1a``, ``order``, ``inputs``: as :class:`VarlenConfig`.
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order)
+    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -201,16 +219,25 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
-    q_r, k_r, v_r, g_r, b_r = repack(q, k, v, g, beta, src, keep)
+    packed_qkv = inputs == "packed"
+    g_r, b_r = repack((g.astype(F32), beta.astype(F32)), src, keep)
+    if packed_qkv:
+        k_r = repack((k,), src, keep)[0] if stage1a == "mosaic" else None
+        qkv = (q, k, v)
+    else:
+        qkv = repack((q, k, v), src, keep)
+        k_r = qkv[1]
     h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
-    ops_, head_major = stage1a_operands(q_r, k_r, v_r, g_r, b_r, h0t, kernel=kernel, stage1a=stage1a,
-                                        packed=(k[0], g[0], beta[0]), chunk_map=cm)
+    tmat, gcum, beta_c, head_major = stage1a_operands(k_r, g_r, b_r, kernel=kernel, stage1a=stage1a, vdim=vdim,
+                                                      packed=(k[0], g[0], beta[0]), chunk_map=cm)
+    ops_ = qkv + (tmat, gcum, beta_c, h0t)
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
-                                      walk=walk, num_states=n)
+                                      walk=walk, num_states=n, packed_qkv=packed_qkv)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
-                                                  out_final=output_final_state, head_major=head_major)
+                                                  out_final=output_final_state, head_major=head_major,
+                                                  packed_qkv=packed_qkv)
     o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
     return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
 
@@ -229,7 +256,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
     def run(q, k, v, g, beta, cu, *h0):
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
-            output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order)
+            output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
+            inputs=cfg.inputs)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -248,7 +276,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
         if cu:
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
-                                                     order=cfg.order)
+                                                     order=cfg.order, inputs=cfg.inputs)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                              pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)

@@ -38,12 +38,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
     return q, k, v, g, beta, h0, cu
 
 
-def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True):
+def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
+         inputs="repacked"):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
-        stage1a=stage1a, order=order, output_final_state=final)
+        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -54,12 +55,14 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a", mv.STAGE1A)
-def test_reference_matches_f64(stage1a):
+@pytest.mark.parametrize("stage1a,inputs", [("mosaic", "repacked"), ("triton", "repacked"), ("mosaic", "packed"),
+                                            ("triton", "packed")])
+def test_reference_matches_f64(stage1a, inputs):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
-    states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state)."""
+    states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
+    ``inputs="packed"``: q, k, v read in place, the NaN padding right behind the last sequence's partial chunk."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a)
+    o, s = _run(args, stage1a=stage1a, inputs=inputs)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -78,20 +81,23 @@ def test_reference_no_initial_state_index_order_k32():
     assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
 
 
-def test_nan_token_stays_in_its_sequence():
-    """A NaN in one token of sequence 4 (65 tokens) poisons only that sequence; every other sequence's rows and
-    final state equal the clean run's bit for bit (the repack never puts two sequences in one chunk)."""
+@pytest.mark.parametrize("inputs", mv.INPUTS)
+def test_nan_token_stays_in_its_sequence(inputs):
+    """A NaN in the first token of sequence 3 (64 tokens) poisons only that sequence; every other sequence's rows
+    and final state equal the clean run's bit for bit, also sequence 1 (63 tokens, then the empty sequence 2),
+    whose one chunk covers that token in the packed row (packed reads: the kernel's masks keep it out)."""
     args = _inputs(seed=5)
-    o_clean, s_clean = _run(args)
+    o_clean, s_clean = _run(args, inputs=inputs)
     cu = args[-1]
-    v = args[2].copy()
-    v[0, cu[4] + 10, 1] = np.nan
-    o_bad, s_bad = _run(args[:2] + (v,) + args[3:])
+    k, v = args[1].copy(), args[2].copy()
+    k[0, cu[3]] = np.nan
+    v[0, cu[3], 1] = np.nan
+    o_bad, s_bad = _run(args[:1] + (k, v) + args[3:], inputs=inputs)
     others = np.ones(o_bad.shape[1], bool)
-    others[cu[4]:cu[5]] = False
-    assert np.isnan(o_bad[0, cu[4] + 10:cu[5]]).any() and np.isnan(s_bad[4]).any()
+    others[cu[3]:cu[4]] = False
+    assert np.isnan(o_bad[0, cu[3]:cu[4]]).any() and np.isnan(s_bad[3]).any()
     assert np.array_equal(o_bad[0, others], o_clean[0, others])
-    assert np.array_equal(np.delete(s_bad, 4, 0), np.delete(s_clean, 4, 0))
+    assert np.array_equal(np.delete(s_bad, 3, 0), np.delete(s_clean, 3, 0))
 
 
 def test_layout_maps_and_walk_table():
@@ -107,9 +113,10 @@ def test_layout_maps_and_walk_table():
     w = np.asarray(walk)
     assert w[:, 2].tolist() == [3, 0, 2, 4, 1]                   # longest first (ties in index order)
     assert w[:, 1].tolist() == [3, 1, 1, 1, 0]
+    assert np.array_equal(w[:, 3], np.asarray(cu)[w[:, 2]]) and w[:, 4].tolist() == [130, 5, 64, 1, 0]
     starts = np.asarray(cm.seq_first_chunk)
     assert np.array_equal(w[:, 0], starts[w[:, 2]])
-    for c0, cnt, n in w:                                         # each sequence starts at its chunk's first row
+    for c0, cnt, n, _, _ in w:                                      # each sequence starts at its chunk's first row
         if cnt:
             assert int(np.asarray(src)[c0 * mv.C]) == int(cu[n])
     w_idx = np.asarray(mv.layout(cu, t, order="index")[-1])
@@ -124,9 +131,10 @@ def test_walk_twin_uses_the_table():
     q, k, v, g, beta = (jnp.asarray(np.nan_to_num(x)) for x in (q, k, v, g, beta))
     t = q.shape[1]
     cm, src, keep, back, valid, walk = mv.layout(jnp.asarray(cu), t)
-    ops_ = mv.repack(q, k, v, g, beta, src, keep)
+    q_r, k_r, v_r, g_r, b_r = mv.repack((q, k, v, g, beta), src, keep)
     h0t = jnp.swapaxes(jnp.asarray(h0), -1, -2)
-    run_ops, hm = mv.stage1a_operands(*ops_, h0t, kernel=False, stage1a="mosaic")
+    *t1a, hm = mv.stage1a_operands(k_r, g_r, b_r, kernel=False, stage1a="mosaic", vdim=v.shape[3])
+    run_ops = (q_r, k_r, v_r, *t1a, h0t)
     _, ht = mv.fused_state_pass_walk_reference(*run_ops, walk, num_states=len(cu) - 1, scale=0.25,
                                                out_final=True, head_major=hm)
     short = walk.at[0, 1].add(-1)                                # the longest sequence loses its last chunk
@@ -189,6 +197,8 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="order"):
         mv.VarlenConfig(order="random")
+    with pytest.raises(ValueError, match="inputs"):
+        mv.VarlenConfig(inputs="strided")
     with pytest.raises(ValueError, match="initial_state"):
         mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0[:2], impl="reference")
     with pytest.raises(ValueError, match=r"one packed row"):
@@ -208,9 +218,10 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage1a", mv.STAGE1A)
+@pytest.mark.parametrize("stage1a,inputs", [("mosaic", "repacked"), ("triton", "repacked"), ("mosaic", "packed"),
+                                            ("triton", "packed")])
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
-def test_gpu_kernel_matches_f64(stage1a, dims):
+def test_gpu_kernel_matches_f64(stage1a, inputs, dims):
     """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
     NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
     if not _hopper():
@@ -220,7 +231,7 @@ def test_gpu_kernel_matches_f64(stage1a, dims):
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a)
+    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs)
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
