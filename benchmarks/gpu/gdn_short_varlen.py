@@ -22,7 +22,8 @@ Steps, each skipped when the deadline (--budget, default 70 s from start) would 
              tiny64, then each mix warmed and timed as bench._time_fla does (do_bench median), and by the same
              wall-clock groups as ours beside it).
 Mixes: tiny64-T171 (jax_gdn.cases), then N = 256 and N = 64 sequences with lengths uniform in [1, 2m - 1]
-(mean m = 2, 4, 8, 16, 32; seed 0), Hk 16, Hv 32, K = V = 128.
+(mean m = 2, 4, 8, 16, 32; seed 0), and N = 64 with one 449-token sequence among 63 one-token ones (T 512: the
+worst case of a route at L = 8, its tokens serial); Hk 16, Hv 32, K = V = 128.
 Writes $OUT/gdn_short_varlen.json and $OUT/gdn_short_varlen.log; prints the table last (ms, and per N the largest
 m where the recurrent kernel is at or under the chunked path: the L it supports).
 --quick: the same steps on CPU at tiny sizes in interpret mode, no FLA (a check of this script, not a measurement).
@@ -131,6 +132,9 @@ def main():
         for m in mix_ms:
             lens = tuple(int(x) for x in np.random.default_rng(0).integers(1, 2 * m, n))
             cases.append(Case(f"N{n}-mean{m}-T{sum(lens)}", 1, sum(lens), hk, hv, d, d, lens))
+    # the worst case of a route at mean 8: one long sequence among one-token ones (its tokens run serially)
+    long_lens = (1,) * (mix_ns[-1] - 1) + (7 * mix_ns[-1] + 1,)
+    cases.append(Case(f"N{mix_ns[-1]}-one-long-T{sum(long_lens)}", 1, sum(long_lens), hk, hv, d, d, long_lens))
 
     h0_by_n = {}
 
@@ -230,6 +234,7 @@ def main():
         jobs = both(tiny) + var(tiny, [RC(num_warps=4), RC(block_v=128, num_warps=4)])
         for n, m in ((256, 8), (256, 16), (256, 4), (256, 32), (64, 8), (64, 16)):
             jobs += both(mix(n, m))
+        jobs += both(cases[-1]) + var(cases[-1], [RC(longest_first=True)])
         jobs += var(mix(256, 8), [RC(num_warps=4), RC(longest_first=True), RC(num_stages=2)])
         jobs += var(tiny, [RC(longest_first=True), RC(num_stages=2), RC(block_v=32, num_warps=1)])
         for n, m in ((256, 2), (64, 4), (64, 32), (64, 2)):
@@ -348,13 +353,15 @@ def main():
         ratio = lambda a, b: f"{ms[a] / ms[b]:9.2f}" if a in ms and b in ms else f"{'-':>9s}"
         lines.append(f"{r['case']:30s}{r['mean_len']:6.1f}" + "".join(f(c) for c in cols)
                      + ratio("recurrent", "chunked") + ratio("recurrent", "fla"))
-    var = {k: v for k, v in results.get(tiny.name, {}).items() if k.startswith("recurrent ")}
-    if var:
-        lines.append(f"tiny64 launch variants (default {results[tiny.name].get('recurrent', float('nan')):.4f}): "
-                     + ", ".join(f"{k[10:]} {v:.4f}" for k, v in var.items()))
+    for c in cases:
+        vs = {k: v for k, v in results.get(c.name, {}).items() if k.startswith("recurrent ")}
+        if vs:
+            lines.append(f"{c.name} launch variants (default {results[c.name].get('recurrent', float('nan')):.4f}): "
+                         + ", ".join(f"{k[10:]} {v:.4f}" for k, v in vs.items()))
     picks = {}
     for n in mix_ns:
-        wins = [c.T / c.num_seqs for c in cases[1:] if c.num_seqs == n and "recurrent" in results.get(c.name, {})
+        wins = [c.T / c.num_seqs for c in cases[1:] if c.num_seqs == n and "-mean" in c.name
+                and "recurrent" in results.get(c.name, {})
                 and "chunked" in results[c.name] and results[c.name]["recurrent"] <= results[c.name]["chunked"]]
         picks[n] = max(wins) if wins else None
     res["largest_mean_len_where_recurrent_wins"] = picks
