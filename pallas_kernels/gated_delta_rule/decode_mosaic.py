@@ -18,7 +18,8 @@ optionally with q, k L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``)
 in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is refilled with item
 i - 1 + stages as soon as the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)``).
 Scalars (slot id, has_initial_state, g, beta or the raw a, b, A_log, dt_bias) are read straight from global
-memory. An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
+memory one trip before their item is computed (their latency overlaps the wait and the arithmetic of the item
+before). An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
 from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other slots are never touched.
 
 Shape legend: N streams, S slots, Hk / Hv key / value heads, K / V head dims, BV value block, P CTAs.
@@ -72,12 +73,15 @@ class MosaicDecodeConfig:
     layout: "wgmma" (the tile in registers in the WGMMA layout: each thread 4 rows x BV / 4 columns; the K
       reductions are 4 in-thread rows, 3 lane shuffles and a cross-warp step through shared memory; the tile in
       swizzled shared memory).
+    copy_only: a measurement aid, not the op: every tile is stored back as loaded (o = 0), so the time is the ring's
+      and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool).
     """
     block_v: int = 64
     stages: int = 4
     ctas_per_sm: int = 1
     programs: int = 0
     layout: str = "wgmma"
+    copy_only: bool = False
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -244,8 +248,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             read = in_pool & (has_ref[nn] != 0)
             return nn, h, vb, jnp.clip(slot, 0, num_slots - 1), valid, in_pool, read
 
-        def issue(i, d):
-            nn, h, vb, slot, *_ = locate(i)
+        def issue(loc, d):
+            nn, h, vb, slot = loc[:4]
             vs = pl.ds(vb * bv, bv)
             into = bar.at[d]
             plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, vs], s_buf.at[d], into)
@@ -253,14 +257,24 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             plgpu.copy_gmem_to_smem(k_ref.at[nn, 0, h // group], k_buf.at[d], into)
             plgpu.copy_gmem_to_smem(v_ref.at[nn, 0, h, vs], v_buf.at[d], into)
 
-        for i in range(min(stages, trips)):
-            issue(i, i)
-
-        def step(i, carry):
-            d = lax.rem(i, stages)
+        def fetch(i):
+            """Item i's scalars (stream, head, value block, clipped slot, flags, g, beta; flags: 1 valid, 2 in the
+            pool, 4 read), loaded from global memory a trip before they are used (the loads' latency overlaps the
+            wait and the arithmetic of the item before)."""
             nn, h, vb, slot, valid, in_pool, read = locate(i)
-            vs = pl.ds(vb * bv, bv)
             g, beta = _gates(g_ref, beta_ref, gate_refs, n=nn, h=h, group=group)
+            flags = valid.astype(jnp.int32) + 2 * in_pool.astype(jnp.int32) + 4 * read.astype(jnp.int32)
+            return nn, h, vb, slot, flags, g, beta
+
+        for i in range(min(stages, trips)):
+            issue(locate(i), i)
+
+        def step(i, cur):
+            upcoming = fetch(i + 1)                       # used by the next trip
+            refill = i - 1 + stages                       # the item loaded into the previous item's slot
+            refill_loc = locate(refill)
+            d = lax.rem(i, stages)
+            flags, g, beta = cur[4:]
             plgpu.barrier_wait(bar.at[d])
             if interpret:                                 # the interpreter keeps no register layouts
                 s, qv, kv, vv = s_buf[d], q_buf[d], k_buf[d], v_buf[d]
@@ -268,7 +282,13 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 s = _load(s_buf.at[d], WGMMA)             # [K, BV]
                 qv, kv = _load(q_buf.at[d], ROWS), _load(k_buf.at[d], ROWS)      # [K]
                 vv = _load(v_buf.at[d], COLS)             # [BV]
-            s = jnp.where(read, s, 0.0)                   # a fresh stream / bad id: zeros (a stale NaN never leaks)
+            if cfg.copy_only:                             # the ring alone: the tile goes back as it came
+                if not interpret:
+                    s_buf.at[d][...] = s
+                o_buf.at[d][...] = jnp.zeros((bv,), o_buf.dtype) if interpret else plgpu.layout_cast(
+                    jnp.zeros((bv,), o_buf.dtype), COLS)
+                return _store_and_refill(i, d, cur, upcoming, refill, refill_loc)
+            s = jnp.where((flags & 4) != 0, s, 0.0)      # fresh stream / bad id: zeros (a stale NaN never leaks)
             qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
             if use_qk_l2norm:
                 qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
@@ -282,6 +302,12 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             o = scale * (a * sq + jnp.sum(qv * kv) * delta)
             s_buf.at[d][...] = a * s + kb * lax.broadcast_in_dim(delta, (kdim, bv), [1])
             o_buf.at[d][...] = o.astype(o_buf.dtype)
+            return _store_and_refill(i, d, cur, upcoming, refill, refill_loc)
+
+        def _store_and_refill(i, d, cur, upcoming, refill, refill_loc):
+            nn, h, vb, slot, flags = cur[:5]
+            valid, in_pool = (flags & 1) != 0, (flags & 2) != 0
+            vs = pl.ds(vb * bv, bv)
             plgpu.commit_smem()
 
             @pl.when(in_pool)
@@ -293,15 +319,13 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 plgpu.copy_smem_to_gmem(o_buf.at[d], o_ref.at[nn, 0, h, vs], commit_group=False)
             plgpu.commit_smem_to_gmem_group()            # one store group per item
 
-            nxt = i - 1 + stages                          # refill the previous item's slot once its store read it
-
-            @pl.when((i >= 1) & (nxt < trips))
+            @pl.when((i >= 1) & (refill < trips))        # refill the previous item's slot once its store read it
             def _():
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                issue(nxt, lax.rem(nxt, stages))
-            return carry
+                issue(refill_loc, lax.rem(refill, stages))
+            return upcoming
 
-        lax.fori_loop(0, trips, step, 0)
+        lax.fori_loop(0, trips, step, fetch(0))
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
