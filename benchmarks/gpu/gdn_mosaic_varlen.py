@@ -1,0 +1,321 @@
+"""GDN prefill of packed sequences (cu_seqlens) on the Mosaic GPU backend beside Pallas Triton and FLA (issue 14,
+session 7; pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, NOTES.md "Session 7: Mosaic varlen").
+
+    python benchmarks/gpu/gdn_mosaic_varlen.py [--quick] [--budget S] [--test-timeout S]
+    (writes $OUT/gdn_mosaic_varlen.{json,log}; OUT=/tmp/out)
+
+1. The new code's GPU tests (tests/pallas_kernels/test_gdn_mosaic_varlen.py: the walked kernels against float64 at
+   odd lengths with an empty sequence and NaN padding, K = V = 128 and 64, both stage 1a, both input layouts; many
+   sequences beside Triton; the slots API beside XLA) in a child process with a timeout, -v.
+2. Per case (serve256, varlen16, tiny64 of jax_gdn.cases; bf16 q, k, v, beta, fp32 g and initial states, final
+   states out), timed as jax_gdn.bench's kernel section does (JAX: bench.time_jax, median of 15 groups of 10
+   back-to-back calls; FLA: bench._time_fla, triton.testing.do_bench median), all in this one process:
+     pallas                ops.chunk_gated_delta_rule(backend="pallas")   (the bench's "pallas" column)
+     m.<stage1a>.<inputs>  mosaic_gpu_varlen.chunk_gated_delta_rule_varlen_fwd per VarlenConfig variant
+     fla                   FLA's chunk_gated_delta_rule (its first call autotunes, ~40 s: warmed once)
+   numerics of every variant and of pallas against the XLA backend in fp32 (matmul precision "highest") on the
+   same bf16-rounded inputs (relative RMS of o and the final states; o finite); and on serve256 the stages alone:
+   repack (q, k, v, g, beta gathered), repack_gb (g, beta and k: the packed variant's glue), kkt (Mosaic kkt_fwd
+   on the repacked k), kkt_triton (kkt_solve on the packed row), fused (the walked pass, repacked / packed
+   inputs), unpack (o gathered back).
+A deadline (--budget, default 100 s from start) skips what would not fit; every measurement is wrapped in
+try/except (a failure prints its reason and the script goes on). A table is printed last.
+--quick: CPU, one tiny case, Triton in interpret mode and the jnp twins (impl="reference"), no FLA: checks the
+script end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+T_START = time.time()
+LOG_LINES: list[str] = []
+NAME = "gdn_mosaic_varlen"
+
+# the tests, most telling first (the child is cut at its timeout; every verdict is printed as it comes)
+TEST_IDS = ["test_gpu_kernel_matches_f64[dims0-mosaic-packed]", "test_gpu_kernel_matches_f64[dims0-mosaic-repacked]",
+            "test_gpu_many_sequences_beside_pallas", "test_gpu_slots_api_beside_xla",
+            "test_gpu_kernel_matches_f64[dims0-triton-packed]", "test_gpu_kernel_matches_f64[dims1-mosaic-packed]",
+            "test_gpu_kernel_matches_f64[dims0-triton-repacked]", "test_gpu_kernel_matches_f64[dims1-triton-packed]",
+            "test_gpu_kernel_matches_f64[dims1-mosaic-repacked]",
+            "test_gpu_kernel_matches_f64[dims1-triton-repacked]"]
+VARIANTS = [("mosaic", "packed"), ("mosaic", "repacked"), ("triton", "packed"), ("triton", "repacked")]
+
+
+def log(*parts):
+    line = " ".join(str(p) for p in parts)
+    LOG_LINES.append(line)
+    print(line, flush=True)
+
+
+def rel(a, b):
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
+
+
+def run_tests(quick: bool, timeout: float, result: dict):
+    """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
+    f = "tests/pallas_kernels/test_gdn_mosaic_varlen.py::"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    cmd += [f + i for i in TEST_IDS]
+    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
+    env = dict(os.environ)
+    if quick:
+        env["JAX_PLATFORMS"] = "cpu"
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
+        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:40]
+    for ln in verdicts:
+        log("  " + ln.split("::", 1)[1])
+    for ln in fails:
+        log("  " + ln[:300])
+    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln][-1:]
+    log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
+    result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds from start; later steps are skipped")
+    ap.add_argument("--test-timeout", type=float, default=24.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    opts = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out_dir, exist_ok=True)
+    quick = opts.quick
+
+    def left():
+        return opts.budget - (time.time() - T_START)
+
+    result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
+    if not opts.no_tests:
+        run_tests(quick, min(opts.test_timeout, max(left() - 60, 5)), result)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_gdn import ops
+    from jax_gdn.bench import make_inputs_np, time_jax
+    from jax_gdn.cases import BENCH_CASES
+    from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+    from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
+
+    import dataclasses
+    result.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                  default_config=dataclasses.asdict(mv.DEFAULT_CONFIG), varlen=mg.VARLEN, auto_varlen=mg.AUTO_VARLEN)
+    if quick:
+        from jax_gdn.cases import Case
+        lens = (1, 63, 0, 64, 65, 130)
+        cases = [Case("quick-varlen-T330-Hk1-Hv2-K16-V16", 1, sum(lens) + 7, 1, 2, 16, 16, lens)]
+        timer = lambda fn, args: time_jax(fn, args, warmup=1, groups=1, per_group=1)  # noqa: E731
+        impl, triton_backend = "reference", "pallas_interpret"
+    else:
+        want = ["serve256-T38567-Hk16-Hv32", "varlen16-T19027-Hk16-Hv32", "tiny64-T171-Hk16-Hv32"]
+        by_name = {c.name: c for c in BENCH_CASES}
+        cases = [by_name[n] for n in want if n in by_name]
+        timer = time_jax
+        impl, triton_backend = "mosaic", "pallas"
+    log(f"device {result.get('device')} jax {jax.__version__}; cases {[c.name for c in cases]}; {left():.0f} s left")
+
+    def timed(row, key, fn, args, min_left=4.0):
+        if left() < min_left:
+            row["ms"][key] = None
+            row.setdefault("skipped", []).append(key)
+            return None
+        try:
+            res = jax.block_until_ready(fn(*args))
+            row["ms"][key] = round(timer(fn, args), 4)
+            log(f"  {row['case'][:22]:22s} {key:22s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
+            return res
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row["ms"][key] = None
+            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:600]}"
+            result["errors"].append(msg)
+            log("  FAIL " + msg)
+            return None
+
+    bf = jnp.bfloat16
+
+    def case_args(case):
+        host = make_inputs_np(case, 0)
+        cu = jnp.asarray(case.cu_seqlens(), jnp.int32)
+        return host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
+                      jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5])), cu
+
+    def variant_fn(stage1a, inputs, cu):
+        def fn(q, k, v, g, beta, h0):
+            return mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0, output_final_state=True,
+                                                        impl=impl, stage1a=stage1a, inputs=inputs)
+        return jax.jit(fn)
+
+    def pallas_fn(cu):
+        def fn(q, k, v, g, beta, h0):
+            return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              cu_seqlens=cu, backend=triton_backend)
+        return jax.jit(fn)
+
+    def numerics(row, outs, args, cu):
+        if left() < 10:
+            log("  numerics skipped (budget)")
+            return
+        try:        # against fp32 XLA on the same bf16-rounded inputs
+            f32 = [x.astype(jnp.float32) for x in args]
+            with jax.default_matmul_precision("highest"):
+                ref = jax.block_until_ready(jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                    backend="xla"))(*f32))
+            t_end = int(cu[-1])
+            for name, res in outs.items():
+                if res is None:
+                    continue
+                o = np.asarray(res[0].astype(jnp.float32))
+                row["numerics"][name] = {"o": rel(o, ref[0]), "state": rel(res[1], ref[1]),
+                                         "o_finite": bool(np.isfinite(o).all()),
+                                         "pad_zero": bool(np.all(o[0, t_end:] == 0))}
+                n = row["numerics"][name]
+                log(f"  numerics {name:20s}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']} "
+                    f"(rel RMS vs fp32 XLA; bf16 bound 1e-2)")
+        except Exception as e:  # noqa: BLE001
+            result["errors"].append(f"{row['case']} numerics: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  numerics FAIL {type(e).__name__}: {str(e)[:300]}")
+
+    def stages(row, args, cu):
+        """The serve256 stages alone, each a jitted function on the previous stage's outputs."""
+        q, k, v, g, beta, h0 = args
+        t = q.shape[1]
+        n = cu.shape[0] - 1
+        lay = jax.jit(lambda cu: mv.layout(cu, t))
+        cm, src, keep, back, valid, walk = jax.block_until_ready(lay(cu))
+        rep5 = jax.jit(lambda q, k, v, g, beta, src, keep: mv.repack(
+            (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)), src, keep))
+        reps = timed(row, "st.repack", rep5, (q, k, v, g, beta, src, keep))
+        rep3 = jax.jit(lambda k, g, beta, src, keep: mv.repack(
+            (k, g.astype(jnp.float32), beta.astype(jnp.float32)), src, keep))
+        timed(row, "st.repack_gb", rep3, (k, g, beta, src, keep))
+        if reps is None:
+            return
+        q_r, k_r, v_r, g_r, b_r = reps
+        h0t = jnp.swapaxes(h0, -1, -2)
+        kern = impl == "mosaic"
+        kkt = jax.jit(lambda k_r, g_r, b_r: mv.stage1a_operands(k_r, g_r, b_r, kernel=kern, stage1a="mosaic",
+                                                                 vdim=v.shape[3])[:3])
+        t1a = timed(row, "st.kkt", kkt, (k_r, g_r, b_r))
+        kkt_t = jax.jit(lambda k, g, beta, g_r, b_r, cu: mv.stage1a_operands(
+            None, g_r, b_r, kernel=kern, stage1a="triton", vdim=v.shape[3], packed=(k[0], g[0], beta[0]),
+            chunk_map=mv.build_chunk_map(cu, t, mv.C))[:3])
+        timed(row, "st.kkt_triton", kkt_t, (k, g, beta, g_r, b_r, cu))
+        if t1a is None:
+            return
+        tmat, gcum, beta_hm = t1a
+        scale = q.shape[3] ** -0.5
+
+        def fused_fn(packed):
+            def fn(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, walk):
+                if kern:
+                    return mg.fused_state_pass(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, scale=scale,
+                                               out_final=True, head_major=True, walk=walk, num_states=n,
+                                               packed_qkv=packed)
+                return mv.fused_state_pass_walk_reference(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, walk,
+                                                          num_states=n, scale=scale, out_final=True,
+                                                          head_major=True, packed_qkv=packed)
+            return jax.jit(fn)
+        res = timed(row, "st.fused", fused_fn(False), (q_r, k_r, v_r, tmat, gcum, beta_hm, h0t, walk))
+        timed(row, "st.fused_packed", fused_fn(True), (q, k, v, tmat, gcum, beta_hm, h0t, walk))
+        if res is not None:
+            unpack = jax.jit(lambda o_r, back, valid: mv._gather_rows(o_r[0], back, valid)[None])
+            timed(row, "st.unpack", unpack, (res[0], back, valid))
+
+    fla_warm = False
+    for ci, case in enumerate(cases):
+        if left() < 8:
+            log(f"skip {case.name}: {left():.0f} s left")
+            result["errors"].append(f"{case.name}: skipped (budget)")
+            continue
+        host, args, cu = case_args(case)
+        row = {"case": case.name, "N": len(case.lens), "T": case.T, "ms": {}, "numerics": {}}
+        result["rows"].append(row)
+        outs = {"pallas": timed(row, "pallas", pallas_fn(cu), args)}
+        variants = VARIANTS if ci == 0 or quick else VARIANTS[:2]
+        for stage1a, inputs in variants:
+            key = f"m.{stage1a}.{inputs}"
+            outs[key] = timed(row, key, variant_fn(stage1a, inputs, cu), args, min_left=12.0)
+        if ci < 2:
+            numerics(row, outs, args, cu)
+        if ci == 0:
+            try:
+                stages(row, args, cu)
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"stages: {type(e).__name__}: {str(e)[:300]}")
+                log(f"  stages FAIL {type(e).__name__}: {str(e)[:300]}")
+        if not quick and not opts.no_fla:
+            need = 5.0 if fla_warm else 50.0          # FLA's first call autotunes (~40 s)
+            if left() > need:
+                try:
+                    from jax_gdn.bench import _time_fla
+                    row["ms"]["fla"] = round(_time_fla(case, host), 4)
+                    fla_warm = True
+                    log(f"  {case.name[:22]:22s} {'fla':22s} {row['ms']['fla']:8.4f} ms   ({left():.0f} s left)")
+                except Exception as e:  # noqa: BLE001
+                    row["ms"]["fla"] = None
+                    result["errors"].append(f"{case.name} fla: {type(e).__name__}: {str(e)[:300]}")
+                    log(f"  FAIL fla {type(e).__name__}: {str(e)[:300]}")
+            else:
+                row.setdefault("skipped", []).append("fla")
+                log(f"  fla skipped ({left():.0f} s left, needs {need:.0f})")
+        _write(out_dir, result)
+    finish(result, opts, out_dir)
+
+
+def finish(result, opts, out_dir):
+    log(f"\n==== {NAME}: median ms per call (m.<stage1a>.<inputs> = the Mosaic varlen path per VarlenConfig) ====")
+    keys = ["pallas"] + [f"m.{a}.{b}" for a, b in VARIANTS] + ["fla"]
+    keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
+    log(f"{'case':26s} " + " ".join(f"{k:>17s}" for k in keys) + "   best_m/fla best_m/pallas")
+
+    def cell(x):
+        return f"{x:17.4f}" if isinstance(x, (int, float)) else f"{'-':>17s}"
+    for r in result["rows"]:
+        ms = r["ms"]
+        best = min((v for k, v in ms.items() if k.startswith("m.") and isinstance(v, (int, float))), default=None)
+        ratio = lambda d: f"{best / ms[d]:10.2f}" if best and ms.get(d) else f"{'-':>10s}"  # noqa: E731
+        log(f"{r['case'][:26]:26s} " + " ".join(cell(ms.get(k)) for k in keys) + f"   {ratio('fla')}  "
+            f"{ratio('pallas')}")
+    for r in result["rows"]:
+        st = {k: v for k, v in r["ms"].items() if k.startswith("st.")}
+        if st:
+            log(f"stages {r['case']}: " + ", ".join(f"{k[3:]} {v}" for k, v in st.items()))
+        for name, n in r.get("numerics", {}).items():
+            log(f"numerics {r['case'][:26]} {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']} "
+                f"pad0 {n['pad_zero']}")
+    if "tests" in result:
+        t = result["tests"]
+        npass = sum("PASSED" in v for v in t["verdicts"])
+        nfail = sum(("FAILED" in v or "ERROR" in v) for v in t["verdicts"])
+        log(f"tests rc={t['rc']}: {npass} passed, {nfail} failed of {len(t['verdicts'])} reported")
+    log(f"errors: {len(result['errors'])}; wall {time.time() - T_START:.0f} s (budget {opts.budget:.0f} s)")
+    _write(out_dir, result)
+
+
+def _write(out_dir, result):
+    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out_dir, f"{NAME}.log"), "w") as f:
+        f.write("\n".join(LOG_LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
