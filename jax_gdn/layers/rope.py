@@ -28,7 +28,7 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float):
     """cos, sin [T, R] fp32 for integer ``positions [T]`` (frequencies repeated for both halves)."""
-    inv_freq = jnp.asarray(rope_inv_freq(rotary_dim, theta))
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)                           # [T, R]
+    inv_freq = np.asarray(rope_inv_freq(rotary_dim, theta))
+    inv_full = jnp.asarray(np.concatenate([inv_freq, inv_freq]))             # [R]: a constant, no concatenate
+    emb = positions.astype(jnp.float32)[:, None] * inv_full[None, :]         # [T, R] (the same products)
     return jnp.cos(emb), jnp.sin(emb)
