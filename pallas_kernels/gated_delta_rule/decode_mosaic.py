@@ -73,6 +73,9 @@ class MosaicDecodeConfig:
     layout: "wgmma" (the tile in registers in the WGMMA layout: each thread 4 rows x BV / 4 columns; the K
       reductions are 4 in-thread rows, 3 lane shuffles and a cross-warp step through shared memory; the tile in
       swizzled shared memory).
+    entry: "kernel" (``pl.kernel`` over a ``plgpu.Mesh``, the pool a mutable ref closed over: the API Pallas keeps)
+      or "pallas_call" (the pool an aliased operand, ``input_output_aliases``; deprecated for Mosaic GPU, kept as
+      the second way in should the first fail on the GPU's jax; GPU only: interpret mode cannot read its grid).
     copy_only: a measurement aid, not the op: every tile is stored back as loaded (o = 0), so the time is the ring's
       and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool).
     """
@@ -82,6 +85,7 @@ class MosaicDecodeConfig:
     programs: int = 0
     layout: str = "wgmma"
     copy_only: bool = False
+    entry: str = "kernel"
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -92,11 +96,14 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"MosaicDecodeConfig.programs must be an int >= 0, got {self.programs!r}")
+        if self.entry not in ENTRIES:
+            raise ValueError(f"MosaicDecodeConfig.entry must be one of {ENTRIES}, got {self.entry!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"MosaicDecodeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
 
 
 LAYOUTS = ("wgmma",)
+ENTRIES = ("kernel", "pallas_call")
 DEFAULT_CONFIG = MosaicDecodeConfig()
 
 
@@ -233,7 +240,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
         if gate_offsets is not None:
             gate_refs = (refs.pop(0), refs.pop(0)) + gate_offsets
         pool_ref, o_ref, s_buf, q_buf, k_buf, v_buf, o_buf, bar = refs
-        pid = lax.axis_index("p")
+        pid = pl.program_id(0) if cfg.entry == "pallas_call" else lax.axis_index("p")
 
         def locate(i):
             """Item i of this CTA: (stream, head, value block, clipped slot, valid, in_pool, read)."""
@@ -340,19 +347,31 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
     if raw_gates is not None:
         operands += [raw_gates.a_log, raw_gates.dt_bias]
 
+    out_type = jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype)
+
     def run(pool, *operands):
+        if cfg.entry == "pallas_call":                 # the pool an aliased operand (deprecated for Mosaic GPU)
+            gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
+
+            def kernel(*refs):
+                *ins, pool_in, o_ref, _ = refs            # pool_in and the pool output are one buffer
+                pl.run_scoped(functools.partial(body, *ins, pool_in, o_ref), *scratch)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                o, new_pool = pl.pallas_call(
+                    kernel, grid=(programs,), in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem, gmem],
+                    out_shape=[out_type, jax.ShapeDtypeStruct(pool.shape, F32)],
+                    input_output_aliases={len(operands): 1}, compiler_params=plgpu.CompilerParams(),
+                    interpret=interp, name="gdn_decode_mosaic")(*operands, pool)
+            return o, new_pool
         pool_ref = jax.new_ref(pool, memory_space=plgpu.GMEM)   # aliased in and out of the kernel: in place
 
         def kernel(*refs):
             *ins, o_ref = refs
             pl.run_scoped(functools.partial(body, *ins, pool_ref, o_ref), *scratch)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            o = pl.kernel(kernel, out_type=jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype),
-                          mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
-                          compiler_params=plgpu.CompilerParams(), interpret=interp,
-                          name="gdn_decode_mosaic")(*operands)
+        o = pl.kernel(kernel, out_type=out_type, mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
+                      compiler_params=plgpu.CompilerParams(), interpret=interp, name="gdn_decode_mosaic")(*operands)
         return o, jax.freeze(pool_ref)
 
     return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it

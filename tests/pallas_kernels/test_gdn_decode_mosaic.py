@@ -160,7 +160,9 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3), jnp.bfloat16, True),
     (dm.MosaicDecodeConfig(stages=6, programs=264), jnp.float32, False),
-], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32"])
+    (dm.MosaicDecodeConfig(entry="pallas_call"), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(copy_only=True), jnp.bfloat16, False),
+], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only"])
 def test_kernel_lowers_for_cuda(cfg, dtype, raw):
     n, hk, hv, d, s = 6, 2, 4, 128, 9
     q = jax.ShapeDtypeStruct((n, 1, hk, d), dtype)
@@ -191,7 +193,8 @@ def test_fallback_reasons_and_config_errors():
     assert "multiples of 128 bytes" in dm.fallback_reason(f8, f8, v, interpret=True)
     assert "bytes x" in dm.fallback_reason(q, q, v, config=dm.MosaicDecodeConfig(stages=8), interpret=True)
     for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
-                       (dict(programs=-1), "programs"), (dict(layout="rows"), "layout")]:
+                       (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
+                       (dict(entry="call"), "entry")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
@@ -212,7 +215,8 @@ def _gpu_case(dtype, n=48, s=64, hk=16, hv=32):
     (jnp.bfloat16, dm.MosaicDecodeConfig()), (jnp.float32, dm.MosaicDecodeConfig()),
     (jnp.bfloat16, dm.MosaicDecodeConfig(block_v=128, stages=3)),
     (jnp.bfloat16, dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2)),
-], ids=["bf16", "fp32", "bf16-bv128", "bf16-2cta"])
+    (jnp.bfloat16, dm.MosaicDecodeConfig(entry="pallas_call")),
+], ids=["bf16", "fp32", "bf16-bv128", "bf16-2cta", "bf16-pallas-call"])
 def test_gpu_kernel_matches_xla_step(dtype, cfg):
     """The compiled kernel against the fp32 XLA step (matmul precision highest) and float64, in place: permuted
     ids with -1 and S, a fresh stream over a NaN slot, untouched slots bitwise unchanged, o finite everywhere."""

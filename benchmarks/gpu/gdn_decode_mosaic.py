@@ -1,0 +1,318 @@
+"""One device run (session 7, issue 14): the Mosaic GPU decode kernel (pallas_kernels/gated_delta_rule/decode_mosaic.py)
+beside the Pallas Triton decode kernel, the XLA copy of the pool and FLA's fused_recurrent.
+
+    python benchmarks/gpu/gdn_decode_mosaic.py [--quick] [--budget SECONDS]   (results under $OUT, default /tmp/out)
+
+Steps, each skipped when the deadline (``--budget``, default 60 s from start) would not fit it; a watchdog prints the
+table and exits at budget + 10 s whatever is running (a hung kernel cannot cost the rows already measured):
+  tests      the GPU-marked tests of tests/pallas_kernels/test_gdn_decode_mosaic.py in a child process (timeout
+             ``--test-timeout``): the compiled kernel against the fp32 XLA step and float64 for four configs
+             (permuted ids with -1 and S, a fresh stream over a NaN slot, untouched slots bitwise, in place), and
+             the layer's fused decode step through ``decode.BACKEND = "mosaic"``. If the child ends without one
+             finished test (a hang), the Mosaic rows below are skipped.
+  numerics   N 64, Qwen3-Next heads (Hk 16, Hv 32, K = V = 128), bf16 q/k/v/beta, fp32 g, pool of S = N + 8 slots
+             (ids permuted with -1 and S, a fresh stream over a NaN slot, NaN untouched slots), fused L2 norm: the
+             Mosaic kernel (default config) and the Triton kernel against the XLA step in fp32 (matmul precision
+             highest): relative RMS of o and of the written slots, untouched slots bitwise, o finite, in place.
+  kernel     N 256 and N 64 (Hk 16, Hv 32, K = V = 128, bf16 q/k/v): the XLA copy of the pool (pool * 1.0001, the
+             practical floor), the Triton kernel (default DecodeConfig), FLA's fused_recurrent (torch), then the
+             Mosaic kernel: the default MosaicDecodeConfig and the variants (value block, ring depth, CTAs per SM)
+             and ``copy_only`` (its ring and TMA path alone). Every column timed the same way (jax_gdn.bench_decode:
+             groups of 10 back-to-back calls, each feeding its new state to the next, the pool donated in jax, FLA's
+             final state as the next initial state; median over 15 groups of the wall time per call, one sync a
+             group); FLA's do_bench median beside. GB/s of state bytes (2 N Hv K V 4) and % of 4.8 TB/s.
+Writes $OUT/gdn_decode_mosaic.json and $OUT/gdn_decode_mosaic.log; prints a table last.
+--quick: the same steps on CPU at tiny sizes (Mosaic GPU and Triton interpret modes, no FLA): a check of this
+script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+T0 = time.time()
+LOG = []
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
+HBM_GBPS = 4800.0
+TEST_FILE = "tests/pallas_kernels/test_gdn_decode_mosaic.py"
+
+
+def log(*a):
+    line = " ".join(str(x) for x in a)
+    LOG.append(line)
+    print(line, flush=True)
+
+
+def run_tests(res, quick: bool, timeout: float):
+    """The GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider",
+           TEST_FILE]
+    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
+    env = dict(os.environ)
+    if quick:
+        env["JAX_PLATFORMS"] = "cpu"
+    t = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
+        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    figures = [ln.strip() for ln in out.splitlines() if "FIGURE" in ln]
+    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
+    for ln in verdicts:
+        log("  " + ln.split("::", 1)[1][:200])
+    for ln in figures + fails:
+        log("  " + ln[:300])
+    finished = sum(("PASSED" in v or "FAILED" in v) for v in verdicts)
+    log(f"  tests rc={rc} in {time.time() - t:.0f} s, {finished} finished")
+    res["tests"] = {"rc": rc, "seconds": round(time.time() - t, 1), "verdicts": verdicts, "figures": figures,
+                    "failures": fails, "finished": finished}
+    return finished > 0 or quick
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret modes)")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds from start; later steps are skipped")
+    ap.add_argument("--test-timeout", type=float, default=18.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--no-tests", action="store_true")
+    args = ap.parse_args()
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    quick = args.quick
+    if quick:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    left = lambda: args.budget - (time.time() - T0)
+    res = {"quick": quick, "budget_s": args.budget, "numerics": [], "kernel": [], "skipped": [], "errors": []}
+
+    def save():
+        with open(os.path.join(out, "gdn_decode_mosaic.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        with open(os.path.join(out, "gdn_decode_mosaic.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+
+    def table():
+        log("\n==== gdn_decode_mosaic (ms; rel = relative RMS against the fp32 XLA step) ====")
+        t = res.get("tests")
+        if t:
+            log(f"GPU tests: rc {t['rc']}, {t['finished']} finished in {t['seconds']} s")
+            for v in t["verdicts"]:
+                log("  " + v.split("::", 1)[1][:160])
+        for r in res["numerics"]:
+            log(f"numerics {r['impl']:28s} o {r['o_rel']:.1e} state {r['state_rel']:.1e} untouched "
+                f"{r['untouched_same']} finite {r['finite']} in place {r.get('in_place')}")
+        log("kernel (one token per stream, fp32 state; wall per call of threaded groups; GB/s of state bytes, "
+            f"% of {HBM_GBPS / 1000:.1f} TB/s):")
+        for r in res["kernel"]:
+            for name, ms in r["ms"].items():
+                gbps = r["gbps"].get(name)
+                extra = f" {gbps:6d} GB/s {100 * gbps / HBM_GBPS:5.1f}%" if gbps else ""
+                log(f"  {r['case']:24s} {name:34s} {ms:8.4f}{extra}")
+        if res["skipped"]:
+            log("skipped:", res["skipped"])
+        if res["errors"]:
+            log(f"errors: {len(res['errors'])}")
+            for e in res["errors"]:
+                log("  " + e[:300])
+        log(f"total {time.time() - T0:.0f} s")
+        save()
+
+    def watchdog():
+        log(f"WATCHDOG: {time.time() - T0:.0f} s, past the budget (a hung kernel?): table so far, exit")
+        res["errors"].append("watchdog: budget exceeded")
+        table()
+        os._exit(3)
+
+    timer = threading.Timer(args.budget + 10, watchdog)
+    timer.daemon = True
+    timer.start()
+
+    def guarded(label, need, fn):
+        if left() < need:
+            res["skipped"].append(label)
+            log(f"skip {label} ({left():.0f} s left, needs ~{need})")
+            return None
+        t = time.time()
+        try:
+            return fn()
+        except Exception as e:                                # report and go on
+            res["errors"].append(f"{label}: {type(e).__name__}: {str(e)[:800]}")
+            log(f"FAIL {label}: {type(e).__name__}: {str(e)[:800]}")
+            traceback.print_exc()
+            return None
+        finally:
+            log(f"  ({label}: {time.time() - t:.1f} s)")
+            save()
+
+    mosaic_ok = True
+    if not args.no_tests:
+        mosaic_ok = guarded("tests", 10, lambda: run_tests(res, quick, min(args.test_timeout, max(left() - 25, 5))))
+        mosaic_ok = mosaic_ok is not False
+        if not mosaic_ok:
+            log("no GPU test finished in the child (a hang?): the Mosaic rows are skipped")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_gdn import bench_decode
+    from jax_gdn.cases import Case
+    from pallas_kernels.gated_delta_rule import decode, decode_mosaic as dm
+    from pallas_kernels.gated_delta_rule.api import fused_recurrent_gated_delta_rule_slots
+
+    dev = jax.devices()[0]
+    res.update(device=str(getattr(dev, "device_kind", dev.platform)), jax=jax.__version__)
+    log(f"device {res['device']} jax {jax.__version__} hopper {dm.is_hopper()}")
+    bf = jnp.bfloat16
+    MC = dm.MosaicDecodeConfig
+    timing = dict(warmup=1, groups=2, per_group=2) if quick else dict(warmup=3, groups=15, per_group=10)
+    if quick:
+        k256 = Case("quick-N3-Hk1-Hv2", 3, 1, 1, 2, 128, 128)
+        k64 = Case("quick-N5-Hk1-Hv2", 5, 1, 1, 2, 128, 128)
+        variants = [MC(copy_only=True)]
+    else:
+        k256 = Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128)
+        k64 = Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128)
+        variants = [MC(block_v=128, stages=3), MC(stages=6), MC(stages=3, ctas_per_sm=2), MC(copy_only=True),
+                    MC(entry="pallas_call"), MC(block_v=128, stages=3, copy_only=True)]
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
+
+    def cfg_name(c):
+        return ",".join(f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
+                        if getattr(c, f.name) != f.default) or "default"
+
+    def mosaic_fn(xs, ids, has, cfg):
+        return jax.jit(lambda p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+            *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+            interpret=quick, config=cfg), donate_argnums=0)
+
+    def triton_fn(xs, ids, has):
+        return jax.jit(lambda p: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+            interpret=quick, config=decode.DecodeConfig()), donate_argnums=0)
+
+    # ---- numerics ----
+    def numerics(case):
+        n = case.B
+        s = n + 8
+        rng = np.random.default_rng(5)
+        q, k, v, g, beta, pool0, _ = bench_decode.make_inputs_np(case)
+        ids = rng.permutation(s)[:n].astype(np.int32)
+        ids[1], ids[3] = -1, s
+        has = np.ones(n, bool)
+        has[2] = False
+        pool = np.full((s, case.Hv, case.K, case.V), np.nan, np.float32)
+        live = ids[(ids >= 0) & (ids < s)]
+        pool[live] = pool0[: len(live)]
+        pool[ids[2]] = np.nan                                 # fresh stream over a stale slot
+        untouched = np.setdiff1d(np.arange(s), ids)
+        rnd = lambda x: jnp.asarray(jnp.asarray(x, bf).astype(jnp.float32))
+        xs32 = (rnd(q), rnd(k), rnd(v), jnp.asarray(g), rnd(beta))
+        with jax.default_matmul_precision("highest"):
+            o_ref, p_ref = jax.jit(lambda p: fused_recurrent_gated_delta_rule_slots(
+                *xs32, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+                use_qk_l2norm=True, backend="xla"))(jnp.asarray(pool))
+        o_ref, p_ref = np.asarray(o_ref, np.float32), np.asarray(p_ref)
+        xs = tuple(x.astype(bf) if i != 3 else x for i, x in enumerate(xs32))
+        runs = [("triton", lambda: triton_fn(xs, jnp.asarray(ids), jnp.asarray(has))),
+                ("mosaic default", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has), MC()))]
+        if not quick:                                         # the second way in (interpret mode cannot run it)
+            runs.append(("mosaic pallas_call", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has),
+                                                                 MC(entry="pallas_call"))))
+        for label, make in runs:
+            if label.startswith("mosaic") and not mosaic_ok:
+                res["skipped"].append(f"numerics {label}")
+                continue
+            try:
+                pd = jnp.asarray(pool)
+                ptr = pd.unsafe_buffer_pointer() if not quick else None
+                o, p = make()(pd)
+                in_place = (p.unsafe_buffer_pointer() == ptr) if not quick else None
+                o, p = np.asarray(o, np.float32), np.asarray(p)
+                row = {"case": case.name, "impl": label, "o_rel": rel(o, o_ref), "state_rel": rel(p[live], p_ref[live]),
+                       "untouched_same": bool(np.array_equal(p[untouched], pool[untouched], equal_nan=True)),
+                       "finite": bool(np.isfinite(o).all()), "in_place": in_place}
+                log("numerics", row)
+                res["numerics"].append(row)
+            except Exception as e:
+                res["errors"].append(f"numerics {label}: {type(e).__name__}: {str(e)[:800]}")
+                log(f"FAIL numerics {label}: {type(e).__name__}: {str(e)[:800]}")
+                traceback.print_exc()
+
+    # ---- timing ----
+    def kernel_rows(case, cfgs, with_fla):
+        host = bench_decode.make_inputs_np(case)
+        q, k, v, g, beta, pool, ids = host
+        xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+        ids_d, has = jnp.asarray(ids), jnp.ones(ids.shape, bool)
+        nbytes = bench_decode.state_bytes(case)
+        row = {"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
+               "state_bytes": nbytes, "ms": {}, "gbps": {}, "pct_hbm": {}}
+        res["kernel"].append(row)
+
+        def put(name, ms):
+            row["ms"][name] = round(ms, 4)
+            row["gbps"][name] = round(nbytes / ms / 1e6)
+            row["pct_hbm"][name] = round(100 * nbytes / ms / 1e6 / HBM_GBPS, 1)
+            log(f"kernel {case.name} {name}: {ms:.4f} ms ({nbytes / ms / 1e6:.0f} GB/s, "
+                f"{row['pct_hbm'][name]}% of HBM)")
+            save()
+
+        def attempt(name, fn):
+            if left() < 4:
+                res["skipped"].append(f"{case.name} {name}")
+                return
+            try:
+                put(name, fn())
+            except Exception as e:
+                res["errors"].append(f"{case.name} {name}: {type(e).__name__}: {str(e)[:800]}")
+                log(f"FAIL {case.name} {name}: {type(e).__name__}: {str(e)[:800]}")
+
+        def mosaic(cfg):
+            attempt(f"mosaic {cfg_name(cfg)}", lambda: bench_decode._time_threaded(
+                (lambda f: lambda p: f(p)[1])(mosaic_fn(xs, ids_d, has, cfg)), jnp.asarray(pool), **timing))
+
+        attempt("copy", lambda: bench_decode.time_copy(case, host, **timing))
+        attempt("triton", lambda: bench_decode._time_threaded(
+            (lambda f: lambda p: f(p)[1])(triton_fn(xs, ids_d, has)), jnp.asarray(pool), **timing))
+        if mosaic_ok:
+            mosaic(cfgs[0])
+        if with_fla and not quick and left() > 12:
+            try:
+                wall, bench = bench_decode.time_fla(case, host), bench_decode.time_fla(case, host, do_bench=True)
+                put("fla", wall)
+                row["ms"]["fla do_bench"] = round(bench, 4)
+            except Exception as e:
+                res["errors"].append(f"fla {case.name}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"FAIL fla {case.name}: {type(e).__name__}: {str(e)[:300]}")
+        if not mosaic_ok:
+            res["skipped"].append(f"{case.name} mosaic (child tests hung)")
+            return
+        for cfg in cfgs[1:]:
+            mosaic(cfg)
+        attempt("copy (again)", lambda: bench_decode.time_copy(case, host, **timing))
+
+    big = 0 if quick else 1
+    guarded("numerics", 8 * big, lambda: numerics(k64 if not quick else Case("quick-N5", 5, 1, 1, 2, 128, 128)))
+    guarded("kernel N256", 12 * big, lambda: kernel_rows(k256, [MC()] + variants, with_fla=True))
+    guarded("kernel N64", 8 * big, lambda: kernel_rows(k64, [MC()] + variants[:3], with_fla=True))
+    timer.cancel()
+    table()
+
+
+if __name__ == "__main__":
+    main()
