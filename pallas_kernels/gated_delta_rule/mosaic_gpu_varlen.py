@@ -8,7 +8,8 @@ only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: 
 for them and back.
 
   1. **Repack** (XLA gathers): every sequence starts at a chunk boundary of one padded row of Tp = NC C tokens,
-     NC = T // C + N (``chunk_map.max_chunks``: chunk c of the repacked row is chunk c of ``build_chunk_map``).
+     NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's chunks per CTA; chunk c
+     of the repacked row is chunk c of ``build_chunk_map``).
      Rows no sequence owns (the tail of each sequence's last chunk, the unused chunks at the end) hold zero q, k,
      v, g and beta: a zero token neither decays nor updates the state. Padding tokens (index >= cu_seqlens[N]) and
      other sequences' tokens are never gathered into a chunk, so a NaN there reaches nothing (a select, never a
@@ -31,7 +32,8 @@ for has_initial_state False and for ids outside [0, S)) and scatters the final s
 stage 1a: the CPU tests check it against the float64 oracle (the Mosaic GPU kernels do not run on CPU).
 
 Shape legend: T packed tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims, C = 64 chunk,
-NC = T // C + N chunk slots, Tp = NC C repacked tokens, R = N rows of the walk table.
+NC = T // C + N chunk slots (rounded up to 8 on the repacked row), Tp = NC C repacked tokens, R = N rows of the walk
+table.
 """
 from __future__ import annotations
 
@@ -81,13 +83,13 @@ DEFAULT_CONFIG = VarlenConfig()
 
 def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     """The repack / unpack maps and the walk table of ``cu_seqlens [N + 1]`` for a row of ``total_len`` tokens
-    (on the device, static shapes: Tp = (T // C + N) C). Returns (chunk map, src [Tp], keep [Tp], back [T],
+    (on the device, static shapes: Tp = NC C, NC = T // C + N rounded up to 8). Returns (chunk map, src [Tp], keep [Tp], back [T],
     valid [T], walk [N, 5]) int32 / bool: repacked token p is packed token src[p] where keep[p] (else a zero
     token); packed token t is repacked token back[t] where valid[t] (t < cu_seqlens[N]); walk row r = (first chunk,
     chunk count, sequence n, its first packed token cu_seqlens[n], its length)."""
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     n = cu.shape[0] - 1
-    nc = max_chunks(total_len, n, C)
+    nc = -(-max_chunks(total_len, n, C) // 8) * 8
     cm = build_chunk_map(cu, total_len, C)
     p = jnp.arange(nc * C, dtype=jnp.int32)
     c, i = p // C, p % C
@@ -135,7 +137,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
     tmat, gcum = kt.kkt_solve(kf, gf.astype(F32), bf, chunk_start=chunk_map.chunk_start.astype(jnp.int32),
                               chunk_len=chunk_map.chunk_len.astype(jnp.int32), chunk=C, num_v_heads=hv,
                               interpret=not kernel, config=config)
-    beta_c = jnp.swapaxes(b_r[0].reshape(nc, C, hv), 1, 2)                            # [NC, Hv, C]
+    beta_c = jnp.swapaxes(b_r[0].reshape(nc, C, hv), 1, 2)[:tmat.shape[0]]             # [NC, Hv, C]
     return tmat, gcum, beta_c, False
 
 
