@@ -210,14 +210,7 @@ def _gpu_case(dtype, n=48, s=64, hk=16, hv=32):
     return xs, pool, ids, has, untouched
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,cfg", [
-    (jnp.bfloat16, dm.MosaicDecodeConfig()), (jnp.float32, dm.MosaicDecodeConfig()),
-    (jnp.bfloat16, dm.MosaicDecodeConfig(block_v=128, stages=3)),
-    (jnp.bfloat16, dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2)),
-    (jnp.bfloat16, dm.MosaicDecodeConfig(entry="pallas_call")),
-], ids=["bf16", "fp32", "bf16-bv128", "bf16-2cta", "bf16-pallas-call"])
-def test_gpu_kernel_matches_xla_step(dtype, cfg):
+def _gpu_kernel_check(dtype, cfg):
     """The compiled kernel against the fp32 XLA step (matmul precision highest) and float64, in place: permuted
     ids with -1 and S, a fresh stream over a NaN slot, untouched slots bitwise unchanged, o finite everywhere."""
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -240,6 +233,12 @@ def test_gpu_kernel_matches_xla_step(dtype, cfg):
     print(f"FIGURE decode_mosaic {jnp.dtype(dtype).name} {cfg} o_rel={eo:.3e} pool_rel={es:.3e} in_place={in_place}")
     assert eo < (2e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
     _check(o, new_pool, xs, pool, ids, has, untouched, True, o_tol=2e-2 if dtype == jnp.bfloat16 else TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_kernel_matches_xla_step(dtype):
+    _gpu_kernel_check(dtype, dm.MosaicDecodeConfig())
 
 
 @pytest.mark.gpu
@@ -267,3 +266,45 @@ def test_gpu_layer_decode_through_switch(monkeypatch):
     es = rel_rms(np.asarray(sl.ssm_state), np.asarray(ref_s.ssm_state))
     print(f"FIGURE decode_mosaic layer o_rel={eo:.3e} ssm_rel={es:.3e}")
     assert eo < 2e-2 and es < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    dm.MosaicDecodeConfig(block_v=128, stages=3), dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2),
+    dm.MosaicDecodeConfig(entry="pallas_call")], ids=["bv128-s3", "s3-2cta", "pallas-call"])
+def test_gpu_kernel_variants_match_xla_step(cfg):
+    _gpu_kernel_check(jnp.bfloat16, cfg)
+
+
+def test_layer_fused_decode_through_switch_interpret(monkeypatch):
+    """The layer's fused decode step (conv kernel, then the decode kernel with raw gates from in_proj_ba's
+    [b | a] layout) with decode.BACKEND = "mosaic" (Mosaic GPU interpret mode) equals the Triton kernel's step
+    (Triton interpret mode) at K = V = 128, GVA 2, one padding stream (id S) and a fresh stream."""
+    from jax_gdn.config import GdnDims
+    from jax_gdn.layers import gdn
+    from jax_gdn.state import GdnSlots
+    dims = GdnDims(hidden_size=32, num_k_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=128)
+    n, s = 3, 5
+    params = gdn.init_params(dims, jax.random.PRNGKey(1), jnp.float32, randomize_norms=True)
+    rng = np.random.default_rng(4)
+    ids = jnp.array([3, s, 0], jnp.int32)
+    has = jnp.array([True, True, False])
+    slots = GdnSlots(conv_state=jnp.asarray(rng.standard_normal((s, dims.conv_dim, dims.conv_kernel_size - 1)),
+                                            jnp.float32),
+                     ssm_state=jnp.asarray(0.3 * rng.standard_normal((s, 2, 128, 128)), jnp.float32))
+    hidden = jnp.asarray(rng.standard_normal((n, 32)), jnp.float32)
+    calls = []
+    real = dm.fused_recurrent_slots_mosaic
+    monkeypatch.setattr(dm, "fused_recurrent_slots_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def step():
+        return jax.jit(lambda p, x, sl, ids: gdn.gdn_layer_decode(          # traced ids: S is a padding stream
+            p, dims, x, sl, ids, has, backend="pallas_interpret", step="fused"))(params, hidden, slots, ids)
+    ref_o, ref_s = step()
+    assert calls == []
+    monkeypatch.setattr(decode, "BACKEND", "mosaic")
+    o, sl = step()
+    assert calls == [1]
+    assert rel_rms(np.asarray(o), np.asarray(ref_o)) < TOL
+    assert rel_rms(np.asarray(sl.ssm_state), np.asarray(ref_s.ssm_state)) < TOL
+    np.testing.assert_array_equal(np.asarray(sl.ssm_state)[[1, 2, 4]], np.asarray(slots.ssm_state)[[1, 2, 4]])
