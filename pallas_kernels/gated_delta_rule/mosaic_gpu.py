@@ -30,8 +30,9 @@ Two kernels and a little XLA glue:
                    2-4 stage ring (as deep as 220 KB of SMEM allows: 2 at K = V = 128 bf16).
   * the sequence split (step 3, jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces``): where
     B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
-    from one state-map pass (the fused kernel without output over the values [0 | v] from the state [I | 0]: a
-    piece's map is affine, S_end = M S_start + E) and ceil(log2(P - 1)) + 1 batched XLA matmuls.
+    from one state-map pass over pieces 0 .. P - 2 (a piece's map is affine, S_end = M S_start + E:
+    ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place) and a scan
+    over the pieces in XLA (``mosaic_gpu_split.piece_scan``).
 
 Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
@@ -135,7 +136,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     packed_qkv: bool = False):
+                     packed_qkv: bool = False, state_kv: bool = False):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -161,6 +162,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     the rows of the last chunk past L (the next sequence's tokens, padding, NaN) are kept out: WG1 zeroes them in
     the k tile before the chain and the products read it, WG0 zeroes those columns of W. o stays in the chunk
     coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
+    ``state_kv``: the initial and final states in the op's own layout [.., Hv, K, V] (not S^T): WG0 loads its
+    [K, 64] tile by TMA and reads it transposed (``Layout.WGMMA_TRANSPOSED`` from the transposed SMEM view, then a
+    register layout cast), and stores the final state the same way back; saves two XLA transposes of all states
+    (2 x 2 x 2 MB per sequence at Hv 32, K = V = 128).
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -200,7 +205,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     out_type = [jax.ShapeDtypeStruct((batch, o_rows, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(
-            ((num_states if varlen else batch * run_pieces), heads, value_dim, key_dim), F32))
+            ((num_states if varlen else batch * run_pieces), heads)
+            + ((key_dim, value_dim) if state_kv else (value_dim, key_dim)), F32))
     if not out_type:
         raise ValueError("fused_state_pass: nothing to compute (write_o and out_final both False)")
     vecs = plgpu.SMEM((stages, C), F32)
@@ -225,7 +231,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         done=plgpu.Barrier(num_arrivals=3),
     )
     if has_h0 or out_final:
-        scratch.update(state_smem=plgpu.SMEM((BV, key_dim), F32))
+        scratch.update(state_smem=plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32))
 
     def body(*refs, q_s, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, s_pub, vn_pub, o_out, in_bar, in_free,
              ag_ready, s_ready, s_free, state_bar, done, state_smem=None):
@@ -299,7 +305,13 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         @pl.when(wg == 0)
         def _state():
             plgpu.set_max_registers(232, action="increase")
-            if has_h0:
+            if has_h0 and state_kv:      # S [K, BV] tile, read as S^T through the transposed view
+                plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)], state_smem,
+                                        state_bar)
+                plgpu.barrier_wait(state_bar)
+                s0 = plgpu.layout_cast(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED,
+                                                  optimized=False), WGMMA)
+            elif has_h0:
                 plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
                 plgpu.barrier_wait(state_bar)
                 s0 = plgpu.load(state_smem, layout=WGMMA)
@@ -343,7 +355,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             if not varlen:               # (varlen: the done barrier below orders the exit instead)
                 for n in range(max(ncb - 2, 0), ncb):       # observe the last releases of the published tiles
                     plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final:
+            if out_final and state_kv:
+                state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)])
+                plgpu.wait_smem_to_gmem(0)
+            elif out_final:
                 state_smem[...] = s_t
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(v0, BV)])
@@ -782,31 +799,41 @@ MAX_PIECES = 8
 MIN_PIECE_CHUNKS = 8
 
 
-SPLIT_PASS_OVERHEAD = 8     # the map pass's launch + the XLA scan, in chunk steps (a guess until measured)
+#: the split's time model (:func:`split_cost`), in chunk steps of the fused pass: one map-pass step
+#: (mosaic_gpu_split.state_map_pass: no output warpgroup, no q) as a fraction of a fused step, and the fixed and
+#: per-piece costs of the launch and the XLA scan. Guesses until the H200 run of session 7 (NOTES.md).
+SPLIT_MAP_STEP = 1.0
+SPLIT_FIXED = 4.0
+SPLIT_PER_PIECE = 2.0
 
 
 def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
-               sms: int | None = None) -> float:
-    """The split's time model in chunk steps (one CTA per SM at K = 128): the fused pass runs
-    ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(B Hv (K+V)/BV (P-1) / SMs)
-    waves of as many steps, plus SPLIT_PASS_OVERHEAD."""
+               sms: int | None = None, *, has_h0: bool = True) -> float:
+    """The split's time model in fused-pass chunk steps (one CTA per SM at K = 128): the fused pass runs
+    ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(CTAs / SMs) waves of as
+    many steps at SPLIT_MAP_STEP each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV identity
+    blocks without an initial state), plus SPLIT_FIXED + SPLIT_PER_PIECE (P - 1) for the launch and the scan."""
     sms = _num_sms() if sms is None else sms
     steps = -(-nchunks // pieces)
     cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
     if pieces > 1:
-        cost += -(-batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1) // sms) * steps + SPLIT_PASS_OVERHEAD
+        ctas = batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1)
+        if not has_h0:
+            ctas -= batch * heads * (key_dim // BV)
+        cost += -(-ctas // sms) * steps * SPLIT_MAP_STEP + SPLIT_FIXED + SPLIT_PER_PIECE * (pieces - 1)
     return cost
 
 
-def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None) -> int:
+def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
+                 has_h0: bool = True) -> int:
     """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
     chunks) with the least :func:`split_cost`; 1 (no split) when the rows already fill the machine (every dense
     Hv 32 bench row) and on ties."""
     nchunks = padded // C
-    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms)
+    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0)
     p = 2
     while p <= MAX_PIECES and nchunks // p >= MIN_PIECE_CHUNKS:
-        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms)
+        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms, has_h0=has_h0)
         if cost < best_cost:
             best, best_cost = p, cost
         p *= 2
@@ -814,37 +841,11 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
 
 
 def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False):
-    """Each piece's true initial state S^T [B * P, Hv, V, K]. One state-map pass over the first P - 1 pieces of
-    every row, on augmented values [0 | v] from the augmented state [I | 0] (the state map of a piece is affine:
-    S_end = M S_start + E, so the pass's final state is [M | E]), then ceil(log2(P - 1)) + 1 batched matmuls in XLA
-    (S_{p+1} = M_p S_p + E_p, S_0 the initial state)."""
-    q, k, v, t, gcum, beta_c, h0t = ops_
-    b, tp, hv, vdim = v.shape
-    kdim = k.shape[3]
-    r = pieces - 1
-    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [B, Tp, Hv, K + V]
-    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
-    h_aug = jnp.broadcast_to(eye_t, (b * r, hv, kdim + vdim, kdim))
-    run = fused_state_pass if kernel else fused_state_pass_reference
-    _, maps_t = run(q, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major, exp2=exp2,
-                    pieces=pieces, run_pieces=r, write_o=False)                          # [B * R, Hv, K + V, K]
-    maps = jnp.swapaxes(maps_t, -1, -2).reshape(b, r, hv, kdim, kdim + vdim)           # [M | E] per piece
-    s0 = jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t, -1, -2)
-    hp = lax.Precision.HIGHEST
-    # prefix maps in ceil(log2(P - 1)) batched steps (Hillis-Steele) instead of P - 1 serial ones: after the step
-    # of stride d, entry p holds the composition of pieces max(0, p - 2d + 1)..p; composing (M2, E2) after
-    # (M1, E1) is (M2 M1, M2 E1 + E2), one einsum of M2 against [M1 | E1]
-    d = 1
-    while d < r:
-        later, earlier = maps[:, d:], maps[:, :-d]
-        comp = jnp.einsum("bphij,bphjw->bphiw", later[..., :kdim], earlier, precision=hp)
-        comp = comp.at[..., kdim:].add(later[..., kdim:])
-        maps = jnp.concatenate([maps[:, :d], comp], axis=1)
-        d *= 2
-    # start of piece p + 1 = (composition of pieces 0..p) applied to S_0
-    later = jnp.einsum("bphij,bhjv->bphiv", maps[..., :kdim], s0, precision=hp) + maps[..., kdim:]
-    starts = jnp.concatenate([s0[:, None], later], axis=1).reshape(b * pieces, hv, kdim, vdim)
-    return jnp.swapaxes(starts, -1, -2)
+    """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
+    M S_start + E) from one state-map pass, then a scan over the pieces in XLA (``mosaic_gpu_split.start_states``:
+    its MAP and SCAN say which map pass and which scan)."""
+    from pallas_kernels.gated_delta_rule import mosaic_gpu_split
+    return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2)
 
 
 STAGE1A = ("triton", "mosaic")
@@ -878,7 +879,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     hv, vdim = v.shape[2], v.shape[3]
     scale = kdim ** -0.5 if scale is None else float(scale)
     if pieces == 0:
-        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C)
+        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None)
     kernel = impl == "mosaic"
     head_major = stage1a == "mosaic"
     exp2 = bool(exp2) and head_major

@@ -324,3 +324,189 @@ def test_registry_entry(monkeypatch):
     assert registry.supports("gated_delta_rule", "mosaic_gpu", **case) is None
     assert "float32" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, dtype="float32"))
     assert "head dims" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, head_v_dim=96))
+
+
+# ---- the sequence split's start states (mosaic_gpu_split.py, session 7) ----------------------------------------
+from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms  # noqa: E402
+
+
+def _scan_f64(maps_t, h0t):
+    """Start states by the definition, float64: S_0 = h0 (zeros if None), S_{p+1}^T = S_p^T M_p^T + E_p^T."""
+    m = np.asarray(maps_t, np.float64)
+    b, r, hv, rows, kdim = m.shape
+    s = np.zeros((b, hv, rows - kdim, kdim)) if h0t is None else np.asarray(h0t, np.float64)
+    out = [s]
+    for p in range(r):
+        s = np.einsum("bhvk,bhkj->bhvj", s, m[:, p, :, :kdim]) + m[:, p, :, kdim:]
+        out.append(s)
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 4, 8])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_split_piece_scans_match_f64(pieces, with_h0):
+    """Both scans against the definition; without an initial state M_0 is not read (garbage there changes
+    nothing), with one a wrong M_0 must show."""
+    rng = np.random.default_rng(pieces)
+    b, hv, kdim, vdim = 2, 3, 8, 16
+    maps = rng.standard_normal((b, pieces - 1, hv, kdim + vdim, kdim)).astype(np.float32) * 0.3
+    h0t = rng.standard_normal((b, hv, vdim, kdim)).astype(np.float32) if with_h0 else None
+    want = _scan_f64(maps, h0t)
+    garbage = maps.copy()
+    garbage[:, 0, :, :kdim] = 7.0
+    for method in ms.SCANS:
+        got = np.asarray(ms.piece_scan(jnp.asarray(maps), None if h0t is None else jnp.asarray(h0t), key_dim=kdim,
+                                       method=method))
+        assert got.shape == want.shape and rel_rms(got, want) < 1e-5, (method, rel_rms(got, want))
+        other = np.asarray(ms.piece_scan(jnp.asarray(garbage), None if h0t is None else jnp.asarray(h0t),
+                                         key_dim=kdim, method=method))
+        if with_h0:
+            assert rel_rms(other[:, 1:], want[:, 1:]) > 1e-2, method
+        else:
+            assert rel_rms(other, want) < 1e-5, method
+    with pytest.raises(ValueError, match="method"):
+        ms.piece_scan(jnp.asarray(maps), None, key_dim=kdim, method="tree")
+    with pytest.raises(ValueError, match="key_dim|K = "):
+        ms.piece_scan(jnp.asarray(maps), None, key_dim=kdim + 1)
+
+
+def _split_operands(case, pieces, *, seed=0, with_h0=True, g_scale=0.01):
+    q, k, v, g, beta, h0, _ = make_inputs(case, seed, jnp.float32, with_h0=with_h0)
+    g = (g * g_scale).astype(np.float32)
+    ops_ = mg._prepare_head_major(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
+                                  None if h0 is None else jnp.asarray(h0), kernel=False, pieces=pieces)
+    return (q, k, v, g, beta, h0), ops_
+
+
+@pytest.mark.parametrize("t,pieces,with_h0", [(130, 2, True), (63, 4, False), (300, 8, True), (1, 2, False)])
+def test_split_start_states_match_f64(t, pieces, with_h0):
+    """The map twin + each scan give the true state at every piece start (float64 oracle on the first tokens of
+    the row up to that start), weak decay (g x 0.01: a start state survives its piece), grouped heads, K != V,
+    odd T padded to C P (K = 32: the delta rule's own contraction leaves M ~ 0.1-1 over a piece); the first
+    piece's M is zeros without an initial state and the rest is the same."""
+    case = Case(f"cpu-B2-T{t}-Hk2-Hv4-K32-V16", 2, t, 2, 4, 32, 16)
+    (q, k, v, g, beta, h0), ops_ = _split_operands(case, pieces, with_h0=with_h0)
+    lp = ops_[1].shape[1] // pieces
+    for scan in ms.SCANS:
+        starts = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan=scan))
+        starts = np.swapaxes(starts.reshape(2, pieces, 4, 16, 32), -1, -2)           # [B, P, Hv, K, V]
+        for p in range(pieces):
+            n = min(p * lp, t)
+            if n == 0:
+                want = np.zeros_like(starts[:, 0]) if h0 is None else h0
+            else:
+                want = oracle(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], h0)[1]
+            assert rel_rms(starts[:, p], want) < 2e-4, (scan, p, rel_rms(starts[:, p], want))
+    maps = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=pieces, need_first=False))
+    full = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=pieces, need_first=True))
+    maps, full = (x.reshape(2, pieces - 1, 4, 48, 32) for x in (maps, full))
+    assert np.all(maps[:, 0, :, :32] == 0) and np.abs(full[:, 0, :, :32]).max() > 0.1
+    np.testing.assert_array_equal(maps[:, :, :, 32:], full[:, :, :, 32:])
+    np.testing.assert_array_equal(maps[:, 1:], full[:, 1:])
+
+
+def test_split_map_pass_argument_checks():
+    k = jnp.zeros((1, 256, 1, 16), jnp.float32)
+    v = jnp.zeros((1, 256, 2, 8), jnp.float32)
+    t, g = jnp.zeros((1, 2, 256, 64), jnp.float32), jnp.zeros((1, 2, 256), jnp.float32)
+    with pytest.raises(ValueError, match="pieces"):
+        ms.state_map_pass_reference(k, v, t, g, g, pieces=1)
+    with pytest.raises(ValueError, match="multiple of C"):
+        ms.state_map_pass_reference(k, v, t, g, g, pieces=8)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        ms.state_map_pass(k, v, t, g, g, pieces=2)
+    with pytest.raises(ValueError, match="map_impl"):
+        ms.start_states((k, k, v, t, g, g, None), 2, kernel=False, head_major=True, map_impl="scan")
+
+
+@pytest.mark.parametrize("need_first,exp2,head_major", [(True, False, True), (False, True, True),
+                                                        (True, False, False)])
+def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_major):
+    """The map kernel traces and lowers for CUDA on this CPU (Mosaic GPU's layout, transfer and TMA checks). jax
+    0.10 here: plgpu.load takes the index positionally and cannot load a transposed swizzled tile, so the check
+    drops the transpose of v's tile ([64, 64]: the shapes still match); jax 0.11 (the GPU) needs neither."""
+    import dataclasses
+    import inspect
+    plgpu = mg._plgpu()
+    orig = plgpu.load
+    if "idx" in inspect.signature(orig).parameters and \
+            inspect.signature(orig).parameters["idx"].default is inspect.Parameter.empty:
+        def load(ref, idx=(), **kw):
+            tr = getattr(ref, "transforms", ())
+            if tr and "Transpose" in type(tr[-1]).__name__:
+                ref = dataclasses.replace(ref, transforms=tr[:-1])
+            return orig(ref, idx, **kw)
+        monkeypatch.setattr(plgpu, "load", load)
+    bf = jnp.bfloat16
+    b, t, hk, hv, kd, vd = 2, 512, 1, 2, 128, 64
+    k, v = jax.ShapeDtypeStruct((b, t, hk, kd), bf), jax.ShapeDtypeStruct((b, t, hv, vd), bf)
+    if head_major:
+        tt, gg = jax.ShapeDtypeStruct((b, hv, t, 64), bf), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
+    else:
+        tt = jax.ShapeDtypeStruct((b * t // 64, hv, 64, 64), bf)
+        gg = jax.ShapeDtypeStruct((b * t // 64, hv, 64), jnp.float32)
+
+    def f(k, v, t_, g, beta):
+        return ms.state_map_pass(k, v, t_, g, beta, pieces=4, need_first=need_first, exp2=exp2,
+                                 head_major=head_major)
+    lowered = jax.jit(f).trace(k, v, tt, gg, gg).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (b * 3, hv, kd + vd, kd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("need_first", [True, False])
+def test_gpu_split_map_pass_matches_twin(need_first):
+    """The map kernel against its jnp twin on the same operands (Mosaic stage 1a's T0), two rows, grouped heads,
+    K = V = 128, weak decay; without an initial state the first piece's M rows are zeros."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 11, jnp.bfloat16)
+    bf = jnp.bfloat16
+    ops_ = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=4))(
+        jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
+        jnp.asarray(h0))
+    got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a, pieces=4, need_first=need_first))(*ops_[1:6]))
+    ref = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=4, need_first=need_first))
+    assert np.isfinite(got).all()
+    assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
+    m0 = got.reshape(2, 3, 2, 256, 128)[:, 0, :, :128]
+    assert (np.all(m0 == 0) if not need_first else np.abs(m0).max() > 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,pieces,with_h0", [(1000, 4, True), (130, 8, True), (1000, 8, False), (1000, 2, True),
+                                              (130, 2, False), (1000, 8, True)])
+def test_gpu_split_op_weak_decay_matches_f64(t, pieces, with_h0):
+    """The op split at P = 2, 4, 8 (the map kernel and the default scan) against float64, g x 0.01 so a start
+    state survives its piece (a wrong M shows), grouped heads, K = V = 128, bf16 bound 1e-2."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case(f"B1-T{t}-Hk1-Hv2-K128-V128", 1, t, 1, 2, 128, 128)
+    (q, k, v, g, beta, h0), o, s = _run(case, jnp.bfloat16, impl="mosaic", stage1a="mosaic", pieces=pieces,
+                                        g_scale=0.01, with_h0=with_h0)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, jnp.bfloat16).astype(jnp.float32)), h0)
+    assert np.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+def test_gpu_split_variants_agree():
+    """Session 6's map (the fused kernel over [0 | v]) and the log-depth scan give the start states of the map
+    kernel and the serial scan (P = 8, weak decay, initial state)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 12, jnp.bfloat16)
+    bf = jnp.bfloat16
+    ops_ = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=8))(
+        jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
+        jnp.asarray(h0))
+    runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(o, 8, kernel=True, head_major=True,
+                                                                           map_impl=m, scan=s))(ops_))
+            for m, s in [("map", "serial"), ("map", "log"), ("fused", "serial")]}
+    base = runs[("map", "serial")]
+    assert np.isfinite(base).all() and np.abs(base[-2:]).max() > 0.05
+    for key, got in runs.items():
+        assert rel_rms(got, base) < 1e-2, (key, rel_rms(got, base))

@@ -1,0 +1,310 @@
+# Copyright 2026 KarLex AI, Inc.
+# Copyright 2026 the jax-gdn authors
+# SPDX-License-Identifier: Apache-2.0
+# state_map_pass is adapted from jax-linear-attention 0.1.0 (Apache-2.0), jla/ops/mosaic_gpu/scalar_gate_docs.py
+# (map_fwd_wy: a state-only map kernel reading u in place, the first piece's M skipped without an initial state),
+# and piece_scan's "serial" form from jla/ops/mosaic_gpu/scalar_gate_scan.py (piece_scan_xla). Those files state
+# that they are adapted from FlashQLA (MIT) and flash-linear-attention (MIT). See NOTICE in this folder.
+"""The sequence split's start states for the Mosaic GPU backend (``mosaic_gpu.py``, port plan step 3; issue 14).
+
+The split cuts each row of Tp tokens into P pieces that the fused state pass runs side by side. Piece p's map of
+its start state is affine, S_end = M_p S_start + E_p; the start states are S_0 (the initial state) and
+S_{p+1} = M_p S_p + E_p. Both the kernels and this file keep states transposed ([V, K], the fused pass's h0t),
+where a piece maps s -> s M_p^T + E_p^T.
+
+  * :func:`state_map_pass` (one Mosaic GPU kernel, jla's ``map_fwd_wy``): [M_p^T ; E_p^T] [K + V, K] for pieces
+    0 .. P - 2 (the last piece's map is never read). Grid (B (P - 1), Hv, (K + V) / 64): CTA block iv < K / 64 is
+    an identity block (start rows iv 64 .. of [I | 0]^T, values zero: it carries rows of M^T), the others carry
+    E^T from a zero start, reading their 64 value columns of v **in place** (no materialised [0 | v], no
+    [I | 0] start states in HBM). No output warpgroup and no q: WG0 the chain (W = v - Gamma k S,
+    v_new = Ag W, S <- e^G_last S + (e^(G_last - G) v_new)^T k), WG1 forms Ag = T0 e^(G_i - G_j) beta_j in SMEM,
+    WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
+    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then).
+  * :func:`piece_scan` in XLA: "serial" (jla's unrolled scan: P - 2 dependent [V, K] x [K, K] fp32 products, the
+    first taken as E_0^T without an initial state) or "log" (Hillis-Steele prefix compositions, ceil(log2(P - 1))
+    batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout).
+  * :func:`start_states`: both, [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
+
+``MAP`` "fused" keeps session 6's map (the fused kernel with ``write_o=False`` over [0 | v] from [I | 0], every
+block of every piece) for comparison. Jnp twin of the map kernel: :func:`state_map_pass_reference`.
+
+Shape legend: B batch rows, Tp padded tokens (a multiple of C P), P pieces, R = P - 1 mapped pieces, Hk / Hv key /
+value heads, K / V head dims, C = 64 chunk, BV = 64 columns per CTA.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+
+C = mg.C
+BV = mg.BV
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+MAPS = ("map", "fused")
+SCANS = ("serial", "log")
+#: the start states' map pass: "map" (:func:`state_map_pass`) or "fused" (session 6: the fused kernel over [0 | v])
+MAP = "map"
+#: the scan over the pieces: "serial" (jla's unrolled form) or "log" (log-depth compositions)
+SCAN = "serial"
+
+
+def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool = True):
+    if pieces < 2 or padded % (C * pieces):
+        raise ValueError(f"state_map_pass: pieces must be >= 2 (got {pieces}) and Tp={padded} a multiple of "
+                         f"C * pieces = {C * pieces}")
+    if kernel and (key_dim % BV or value_dim % BV):
+        raise ValueError(f"state_map_pass: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
+
+
+def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
+                   exp2: bool = False, interpret=None):
+    """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
+    p of row b; rows :K hold M^T, rows K: hold E^T), one Mosaic GPU kernel.
+
+    k [B, Tp, Hk, K]; v [B, Tp, Hv, V] (one 16-bit dtype, Tp a multiple of C P; value head h reads key head
+    h // (Hv / Hk)); ``head_major`` True (stage 1a = ``kkt_fwd``): t [B, Hv, Tp, C] the gate-free T0, gcum and
+    beta_c [B, Hv, Tp] fp32; False (Triton stage 1a): t [NC, Hv, C, C] the gated T, gcum and beta_c [NC, Hv, C].
+    gcum is the chunk-local cumulative log-decay (log2 units with ``exp2``). ``need_first`` False (no initial
+    state): the first piece's M is not computed (its rows :K are zeros).
+    """
+    import jax.experimental.pallas as pl
+    plgpu = mg._plgpu()
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS = WGMMA.reduce(1)
+    COLS = WGMMA.reduce(0)
+    batch, padded, kv_heads, key_dim = k.shape
+    heads, value_dim = v.shape[2], v.shape[3]
+    _check(pieces, padded, key_dim, value_dim)
+    group = heads // kv_heads
+    run = pieces - 1
+    ncb_row = padded // C
+    ncb = ncb_row // pieces          # chunks per piece
+    piece_len = ncb * C
+    n_id = key_dim // BV             # identity blocks (rows of M^T)
+    nb = n_id + value_dim // BV
+    dtype = k.dtype
+    _exp = jnp.exp2 if exp2 else jnp.exp
+    isz = jnp.dtype(dtype).itemsize
+    n_vec = 4                        # g_state, g_rows, g_cols, b_cols
+    per_stage = C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
+    stages = mg._stages(per_stage, BV * key_dim * 4 + 4096 + n_vec * 1024)
+    n_copies = 3 + n_vec
+    vecs = plgpu.SMEM((stages, C), F32)
+    scratch = dict(
+        k_s=mg._smem((stages, C, key_dim), dtype),
+        v_s=mg._smem((stages, C, BV), dtype),
+        t_s=mg._smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG1)
+        g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
+        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        done=plgpu.Barrier(num_arrivals=3),
+        state_smem=plgpu.SMEM((BV, key_dim), F32),
+    )
+
+    def body(k_ref, v_ref, t_ref, g_ref, b_ref, ht_ref, *, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, in_bar,
+             in_free, ag_ready, done, state_smem):
+        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, piece = lax.div(r, run), lax.rem(r, run)
+        tok0 = piece * piece_len
+        hk = lax.div(hh, group)
+        v0 = jnp.maximum(iv - n_id, 0) * BV  # the identity blocks read (and zero) the first value block
+        if need_first:                   # every block walks the whole piece (a static trip count)
+            count = ncb
+        else:                            # no initial state: the first piece's M is never read, its blocks walk 0
+            count = jnp.where((iv < n_id) & (piece == 0), 0, ncb).astype(jnp.int32)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(n, slot):
+                rows = pl.ds(tok0 + n * C, C)
+                bar = in_bar.at[slot]
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+                if head_major:
+                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
+                else:
+                    c = b * ncb_row + piece * ncb + n
+                    t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
+                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
+                for g_buf in (g_state, g_rows, g_cols):
+                    plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
+                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+
+            if need_first:
+                for n in range(min(stages, ncb)):
+                    issue(n, n)
+            else:
+                for n in range(stages):      # (jla map_fwd_wy) a dynamic trip count, possibly 0
+                    @pl.when(count > n)
+                    def _(n=n):
+                        issue(n, n)
+
+            @pl.loop(stages, max(ncb, stages) if need_first else jnp.maximum(count, stages))
+            def _refill(n):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_free.at[slot])
+                issue(n, slot)
+
+        @pl.when(wg == 1)
+        def _ag():
+            plgpu.set_max_registers(232, action="increase")
+            sq = (C, C)
+
+            @pl.loop(0, count)
+            def _chunk(n):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_bar.at[slot])
+                t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+                if head_major:               # T = T0 e^(G_i - G_j), the exponent masked before exp
+                    g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
+                    g_col = plgpu.load(g_cols.at[slot], layout=COLS)
+                    keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
+                    t_in = t_in * _exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq),
+                                                 -jnp.inf))
+                ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+                t_s.at[slot][...] = ag.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ag_ready.at[slot])
+                plgpu.barrier_arrive(in_free.at[slot])
+
+        @pl.when(wg == 0)
+        def _state():
+            plgpu.set_max_registers(232, action="increase")
+            shape = (BV, key_dim)
+            eye = mg._iota(shape, 1) == mg._iota(shape, 0) + iv * BV    # rows iv BV .. of [I | 0]^T (none for E)
+            s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
+            if not need_first:               # a block that walks nothing holds zeros, not its identity rows
+                s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
+            v_keep = jnp.where(iv >= n_id, 1.0, 0.0).astype(F32)
+
+            def step(n, s_t):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_bar.at[slot])
+                s_lo = s_t.astype(dtype)
+                g_last = g_state[slot, C - 1]
+                g_col = plgpu.load(g_state.at[slot], layout=COLS)
+                key_decay = _exp(g_col)
+                k_decay = _exp(g_last - g_col)
+                s_decay = _exp(g_last)
+                x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
+                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
+                w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
+                plgpu.barrier_wait(ag_ready.at[slot])
+                vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
+                vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
+                s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_new
+
+            s_t = lax.fori_loop(0, count, step, s0)
+            state_smem[...] = s_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
+            plgpu.wait_smem_to_gmem(0)
+
+        # (jla finish_together) no warpgroup exits while another may still issue WGMMAs
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+
+    out = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((batch * run, heads, nb * BV, key_dim), F32), scratch_types=scratch,
+        grid=(batch * run, heads, nb), grid_names=("b", "h", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+        kernel_name="gdn_mosaic_split_map", num_threads=3, thread_name="wg",
+    )(k, v, t, gcum, beta_c)
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
+                             head_major: bool = True, exp2: bool = False):
+    """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
+    fused pass's twin (``mosaic_gpu.fused_state_pass_reference``, no output) over the augmented values [0 | v]
+    from the augmented start [I | 0] of each mapped piece (zeros for the first piece's identity rows without
+    ``need_first``). Also session 6's map (``MAP = "fused"``) on the GPU, with the kernel in place of the twin."""
+    return _augmented_map(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first, head_major=head_major,
+                          exp2=exp2, kernel=False)
+
+
+def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp2, kernel):
+    b, tp, _, kdim = k.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    _check(pieces, tp, kdim, vdim, kernel=kernel)
+    r = pieces - 1
+    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [B, Tp, Hv, K + V]
+    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
+    h_aug = jnp.broadcast_to(eye_t, (b, r, hv, kdim + vdim, kdim))
+    if not need_first:
+        h_aug = h_aug.at[:, 0].set(0.0)
+    h_aug = h_aug.reshape(b * r, hv, kdim + vdim, kdim)
+    run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
+    _, maps_t = run(k, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major,
+                    exp2=exp2, pieces=pieces, run_pieces=r, write_o=False)
+    return maps_t
+
+
+def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial"):
+    """Every piece's start state, transposed, fp32 [B, P, Hv, V, K], from the maps of pieces 0 .. P - 2.
+
+    maps_t [B, R, Hv, K + V, K] ([M_p^T ; E_p^T], R = P - 1); h0t [B, Hv, V, K] the initial state transposed, or
+    None (zeros: then M_0 is not read and may hold anything finite). Start of piece p + 1 = S_p M_p^T + E_p^T.
+    ``method`` "serial": R - 1 dependent products (jla's unrolled scan); "log": the prefix compositions in
+    ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply."""
+    if method not in SCANS:
+        raise ValueError(f"piece_scan: method must be one of {SCANS}; got {method!r}")
+    b, r, hv, rows, kdim = maps_t.shape
+    vdim = rows - kdim
+    if kdim != key_dim:
+        raise ValueError(f"piece_scan: maps_t must be [B, R, Hv, K + V, K] with K = {key_dim}; got {maps_t.shape}")
+    s0 = jnp.zeros((b, hv, vdim, kdim), F32) if h0t is None else h0t.astype(F32)
+    mt, et = maps_t[:, :, :, :kdim], maps_t[:, :, :, kdim:]
+    if method == "serial":
+        s, out = s0, [s0]
+        for i in range(r):
+            if i == 0 and h0t is None:
+                s = et[:, 0]
+            else:
+                s = jnp.einsum("bhvk,bhkj->bhvj", s, mt[:, i], precision=HIGHEST) + et[:, i]
+            out.append(s)
+        return jnp.stack(out, axis=1)
+    m, d = maps_t, 1
+    while d < r:          # entry p: the composition of pieces max(0, p - 2d + 1) .. p
+        later, earlier = m[:, d:], m[:, :-d]
+        comp = jnp.einsum("bphrk,bphkj->bphrj", earlier, later[:, :, :, :kdim], precision=HIGHEST)
+        comp = comp.at[:, :, :, kdim:].add(later[:, :, :, kdim:])
+        m = jnp.concatenate([m[:, :d], comp], axis=1)
+        d *= 2
+    later = m[:, :, :, kdim:]
+    if h0t is not None:
+        later = later + jnp.einsum("bhvk,bphkj->bphvj", s0, m[:, :, :, :kdim], precision=HIGHEST)
+    return jnp.concatenate([s0[:, None], later], axis=1)
+
+
+def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str | None = None,
+                 scan: str | None = None):
+    """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
+    (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
+    ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` / ``scan`` default to MAP / SCAN."""
+    map_impl = MAP if map_impl is None else map_impl
+    scan = SCAN if scan is None else scan
+    if map_impl not in MAPS:
+        raise ValueError(f"start_states: map_impl must be one of {MAPS}; got {map_impl!r}")
+    _, k, v, t, gcum, beta_c, h0t = ops_
+    b, _, hv, vdim = v.shape
+    kdim = k.shape[3]
+    kw = dict(pieces=pieces, need_first=h0t is not None, head_major=head_major, exp2=exp2)
+    if not kernel:
+        maps_t = state_map_pass_reference(k, v, t, gcum, beta_c, **kw)
+    elif map_impl == "map":
+        maps_t = state_map_pass(k, v, t, gcum, beta_c, **kw)
+    else:
+        maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
+    maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)
+    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan)
+    return starts.reshape(b * pieces, hv, vdim, kdim)
