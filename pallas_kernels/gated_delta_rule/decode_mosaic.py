@@ -57,6 +57,9 @@ L2_EPS = 1e-6            # decode.L2_EPS
 HEAD_DIMS = (64, 128)
 TMA_UNIT = 128           # bytes: every TMA load here moves a multiple of the warpgroup size
 SMEM_BUDGET = 220 * 1024
+#: shared memory for the cross-warp step of the K reductions (Mosaic's default 2 KB splits each [K, BV] reduction
+#: into more rounds: 37 warpgroup barriers a CTA program at BV 64 against 25 with 8 KB, counted in the lowered module)
+REDUCTION_SCRATCH = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,7 @@ def is_hopper() -> bool:
 
 def smem_bytes(kdim: int, block_v: int, stages: int, qk_itemsize: int, v_itemsize: int) -> int:
     """Shared memory of one CTA's ring: per stage the fp32 tile, q, k, v and the staged o."""
-    return stages * (kdim * block_v * 4 + 2 * kdim * qk_itemsize + 2 * block_v * v_itemsize) + 1024
+    return stages * (kdim * block_v * 4 + 2 * kdim * qk_itemsize + 2 * block_v * v_itemsize) + REDUCTION_SCRATCH + 1024
 
 
 def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bool = False) -> Optional[str]:
@@ -361,7 +364,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 o, new_pool = pl.pallas_call(
                     kernel, grid=(programs,), in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem, gmem],
                     out_shape=[out_type, jax.ShapeDtypeStruct(pool.shape, F32)],
-                    input_output_aliases={len(operands): 1}, compiler_params=plgpu.CompilerParams(),
+                    input_output_aliases={len(operands): 1},
+                    compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH),
                     interpret=interp, name="gdn_decode_mosaic")(*operands, pool)
             return o, new_pool
         pool_ref = jax.new_ref(pool, memory_space=plgpu.GMEM)   # aliased in and out of the kernel: in place
@@ -371,7 +375,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             pl.run_scoped(functools.partial(body, *ins, pool_ref, o_ref), *scratch)
 
         o = pl.kernel(kernel, out_type=out_type, mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
-                      compiler_params=plgpu.CompilerParams(), interpret=interp, name="gdn_decode_mosaic")(*operands)
+                      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH),
+                      interpret=interp, name="gdn_decode_mosaic")(*operands)
         return o, jax.freeze(pool_ref)
 
     return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it
