@@ -53,6 +53,7 @@ F32 = jnp.float32
 STAGE1A = ("mosaic", "triton")
 ORDERS = ("longest_first", "index")
 INPUTS = ("repacked", "packed")
+STATES = ("kv", "vk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,14 @@ class VarlenConfig:
     inputs: "repacked" (q, k, v gathered to the chunk-aligned row first) or "packed" (the fused pass reads q, k, v
     from the packed row at each sequence's own offsets, ``fused_state_pass(packed_qkv=True)``: no repack of them;
     only g, beta, and k for stage1a "mosaic", are repacked).
+    states: "kv" (the kernel reads the initial states and writes the final ones in the op's [N, Hv, K, V] layout,
+    ``fused_state_pass(state_kv=True)``) or "vk" (XLA transposes them to and from the kernel's S^T, the dense
+    path's way: two extra passes over 2 x N Hv K V x 4 bytes).
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
     inputs: str = "repacked"
+    states: str = "kv"
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -76,6 +81,8 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.order must be one of {ORDERS}; got {self.order!r}")
         if self.inputs not in INPUTS:
             raise ValueError(f"VarlenConfig.inputs must be one of {INPUTS}; got {self.inputs!r}")
+        if self.states not in STATES:
+            raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
 
 
 DEFAULT_CONFIG = VarlenConfig()
@@ -142,13 +149,15 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
-                                    out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False):
+                                    out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False,
+                                    state_kv: bool = False):
     """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
     row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
     (``packed_qkv``: q, k, v chunk n from the packed row at t0 + n C, rows past L of k and columns of W zeroed, as
     the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
-    them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None)."""
+    them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
+    h0t is then S [num_states, Hv, K, V] and so is the final state)."""
     kdim = k.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
     t, gcum, beta_c = mg._chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
@@ -163,7 +172,7 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     ts = (t.astype(F32).reshape(nc, hv, C, C), gcum.astype(F32).reshape(nc, hv, C),
           beta_c.astype(F32).reshape(nc, hv, C))
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
-          else jnp.swapaxes(h0t.astype(F32), -1, -2))                                  # [S, Hv, K, V]
+          else h0t.astype(F32) if state_kv else jnp.swapaxes(h0t.astype(F32), -1, -2))  # [S, Hv, K, V]
 
     def row(r, carry):
         o, ht = carry
@@ -188,24 +197,25 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     o0 = jnp.full((nc, hv, C, vdim), jnp.nan, F32)
     o, ht = lax.fori_loop(0, walk.shape[0], row, (o0, jnp.zeros_like(h0)))
     o = jnp.swapaxes(o, 1, 2).reshape(1, tp, hv, vdim).astype(q.dtype)
-    return o, (jnp.swapaxes(ht, -1, -2) if out_final else None)
+    return o, ((ht if state_kv else jnp.swapaxes(ht, -1, -2)) if out_final else None)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs",
+                                             "states"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
-                                      order: str = "longest_first", inputs: str = "repacked"):
+                                      order: str = "longest_first", inputs: str = "repacked", states: str = "kv"):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``inputs``: as :class:`VarlenConfig`.
+    ``stage1a``, ``order``, ``inputs``, ``states``: as :class:`VarlenConfig`.
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs)
+    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -229,19 +239,21 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     else:
         qkv = repack((q, k, v), src, keep)
         k_r = qkv[1]
-    h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
+    state_kv = states == "kv"
+    h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
+           else jnp.swapaxes(initial_state.astype(F32), -1, -2))
     tmat, gcum, beta_c, head_major = stage1a_operands(k_r, g_r, b_r, kernel=kernel, stage1a=stage1a, vdim=vdim,
                                                       packed=(k[0], g[0], beta[0]), chunk_map=cm)
     ops_ = qkv + (tmat, gcum, beta_c, h0t)
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
-                                      walk=walk, num_states=n, packed_qkv=packed_qkv)
+                                      walk=walk, num_states=n, packed_qkv=packed_qkv, state_kv=state_kv)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
                                                   out_final=output_final_state, head_major=head_major,
-                                                  packed_qkv=packed_qkv)
+                                                  packed_qkv=packed_qkv, state_kv=state_kv)
     o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
-    return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
+    return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,7 +271,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            inputs=cfg.inputs)
+            inputs=cfg.inputs, states=cfg.states)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -278,7 +290,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
         if cu:
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
-                                                     order=cfg.order, inputs=cfg.inputs)
+                                                     order=cfg.order, inputs=cfg.inputs, states=cfg.states)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                              pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)

@@ -39,12 +39,12 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         inputs="repacked"):
+         inputs="repacked", states="kv"):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
-        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs)
+        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -55,14 +55,14 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs", [("mosaic", "repacked"), ("triton", "repacked"), ("mosaic", "packed"),
-                                            ("triton", "packed")])
-def test_reference_matches_f64(stage1a, inputs):
+@pytest.mark.parametrize("stage1a,inputs,states", [("mosaic", "repacked", "vk"), ("triton", "repacked", "kv"),
+                                                   ("mosaic", "packed", "kv"), ("triton", "packed", "vk")])
+def test_reference_matches_f64(stage1a, inputs, states):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
     ``inputs="packed"``: q, k, v read in place, the NaN padding right behind the last sequence's partial chunk."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a, inputs=inputs)
+    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -199,6 +199,8 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(order="random")
     with pytest.raises(ValueError, match="inputs"):
         mv.VarlenConfig(inputs="strided")
+    with pytest.raises(ValueError, match="states"):
+        mv.VarlenConfig(states="kk")
     with pytest.raises(ValueError, match="initial_state"):
         mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0[:2], impl="reference")
     with pytest.raises(ValueError, match=r"one packed row"):
@@ -217,11 +219,14 @@ def _hopper() -> bool:
     return mg.is_hopper()
 
 
+GPU_VARIANTS = [("mosaic", "packed", "kv"), ("mosaic", "repacked", "vk"), ("triton", "packed", "kv"),
+                ("mosaic", "packed", "vk"), ("triton", "repacked", "kv"), ("mosaic", "repacked", "kv")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage1a,inputs", [("mosaic", "repacked"), ("triton", "repacked"), ("mosaic", "packed"),
-                                            ("triton", "packed")])
+@pytest.mark.parametrize("stage1a,inputs,states", GPU_VARIANTS)
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
-def test_gpu_kernel_matches_f64(stage1a, inputs, dims):
+def test_gpu_kernel_matches_f64(stage1a, inputs, states, dims):
     """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
     NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
     if not _hopper():
@@ -231,7 +236,7 @@ def test_gpu_kernel_matches_f64(stage1a, inputs, dims):
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs)
+    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs, states=states)
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
