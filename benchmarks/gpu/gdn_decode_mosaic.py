@@ -86,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret modes)")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=18.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--test-timeout", type=float, default=16.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp/out")
@@ -254,7 +254,8 @@ def main():
                 traceback.print_exc()
 
     # ---- timing ----
-    def kernel_rows(case, cfgs, with_fla):
+    def kernel_row(case):
+        """The row of one case and its timers (each column timed and stored on call, skipped near the deadline)."""
         host = bench_decode.make_inputs_np(case)
         q, k, v, g, beta, pool, ids = host
         xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
@@ -272,9 +273,10 @@ def main():
                 f"{row['pct_hbm'][name]}% of HBM)")
             save()
 
-        def attempt(name, fn):
-            if left() < 4:
+        def attempt(name, fn, need=4):
+            if left() < need:
                 res["skipped"].append(f"{case.name} {name}")
+                log(f"skip {case.name} {name} ({left():.0f} s left)")
                 return
             try:
                 put(name, fn())
@@ -283,15 +285,18 @@ def main():
                 log(f"FAIL {case.name} {name}: {type(e).__name__}: {str(e)[:800]}")
 
         def mosaic(cfg):
+            if not mosaic_ok:
+                res["skipped"].append(f"{case.name} mosaic {cfg_name(cfg)} (child tests hung)")
+                return
             attempt(f"mosaic {cfg_name(cfg)}", lambda: bench_decode._time_threaded(
                 (lambda f: lambda p: f(p)[1])(mosaic_fn(xs, ids_d, has, cfg)), jnp.asarray(pool), **timing))
 
-        attempt("copy", lambda: bench_decode.time_copy(case, host, **timing))
-        attempt("triton", lambda: bench_decode._time_threaded(
-            (lambda f: lambda p: f(p)[1])(triton_fn(xs, ids_d, has)), jnp.asarray(pool), **timing))
-        if mosaic_ok:
-            mosaic(cfgs[0])
-        if with_fla and not quick and left() > 12:
+        def fla():
+            if quick:
+                return
+            if left() < 12:
+                res["skipped"].append(f"{case.name} fla")
+                return
             try:
                 wall, bench = bench_decode.time_fla(case, host), bench_decode.time_fla(case, host, do_bench=True)
                 put("fla", wall)
@@ -299,17 +304,36 @@ def main():
             except Exception as e:
                 res["errors"].append(f"fla {case.name}: {type(e).__name__}: {str(e)[:400]}")
                 log(f"FAIL fla {case.name}: {type(e).__name__}: {str(e)[:300]}")
-        if not mosaic_ok:
-            res["skipped"].append(f"{case.name} mosaic (child tests hung)")
-            return
-        for cfg in cfgs[1:]:
-            mosaic(cfg)
-        attempt("copy (again)", lambda: bench_decode.time_copy(case, host, **timing))
+
+        return dict(
+            copy=lambda label="copy": attempt(label, lambda: bench_decode.time_copy(case, host, **timing)),
+            triton=lambda: attempt("triton", lambda: bench_decode._time_threaded(
+                (lambda f: lambda p: f(p)[1])(triton_fn(xs, ids_d, has)), jnp.asarray(pool), **timing)),
+            mosaic=mosaic, fla=fla)
 
     big = 0 if quick else 1
     guarded("numerics", 8 * big, lambda: numerics(k64 if not quick else Case("quick-N5", 5, 1, 1, 2, 128, 128)))
-    guarded("kernel N256", 12 * big, lambda: kernel_rows(k256, [MC()] + variants, with_fla=True))
-    guarded("kernel N64", 8 * big, lambda: kernel_rows(k64, [MC()] + variants[:3], with_fla=True))
+    rows = {}
+
+    def base(key, case):                                      # the comparison the issue asks for, first
+        rows[key] = r = kernel_row(case)
+        r["copy"]()
+        r["triton"]()
+        r["mosaic"](MC())
+    guarded("kernel N256", 10 * big, lambda: base("256", k256))
+    guarded("kernel N64", 8 * big, lambda: base("64", k64))
+    if "256" in rows:                                         # the launch choices, then FLA, then the rest
+        guarded("variants N256", 6 * big, lambda: [rows["256"]["mosaic"](c) for c in variants[:3]])
+    for key in ("256", "64"):
+        if key in rows:
+            guarded(f"fla N{key}", 0, rows[key]["fla"])
+    if "256" in rows:
+        guarded("more N256", 6 * big, lambda: [rows["256"]["mosaic"](c) for c in variants[3:]])
+    if "64" in rows:
+        guarded("variants N64", 6 * big, lambda: [rows["64"]["mosaic"](c) for c in variants[:3]])
+    for key in ("256", "64"):
+        if key in rows:
+            guarded(f"copy again N{key}", 3 * big, lambda key=key: rows[key]["copy"]("copy (again)"))
     timer.cancel()
     table()
 
