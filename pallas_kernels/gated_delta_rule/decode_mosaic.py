@@ -230,7 +230,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
     stages = cfg.stages
     scale = float(scale)
     gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
-    interp = None
+    interp = False                                  # GPU; interpret mode: InterpretGPUParams
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interp = InterpretGPUParams()
