@@ -136,7 +136,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     packed_qkv: bool = False, state_kv: bool = False):
+                     packed_qkv: bool = False, state_kv: bool = False, lane_rows=None):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -162,6 +162,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     the rows of the last chunk past L (the next sequence's tokens, padding, NaN) are kept out: WG1 zeroes them in
     the k tile before the chain and the products read it, WG0 zeroes those columns of W. o stays in the chunk
     coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
+    ``lane_rows`` (persistent walk): with a walk table [L, R_max, 6] (each row + m0, the chunks its lane walked
+    before it) and lane_rows [L] int32, CTA row p (grid (L, Hv, V / BV)) walks rows 0 .. lane_rows[p] - 1 of its
+    lane back to back: the input ring and the barrier phases run on across rows (slot and phase from m0 + n), each
+    row loads its own initial state and stores its final one, so a sequence's pipeline fill and state load overlap
+    the previous sequence's tail instead of costing a CTA launch each.
     ``state_kv``: the initial and final states in the op's own layout [.., Hv, K, V] (not S^T): WG0 loads its
     [K, 64] tile by TMA and reads it transposed (``Layout.WGMMA_TRANSPOSED`` from the transposed SMEM view, then a
     register layout cast), and stores the final state the same way back; saves two XLA transposes of all states
@@ -177,10 +182,13 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     group = heads // kv_heads
     run_pieces = pieces if run_pieces is None else run_pieces
     varlen = walk is not None
+    lanes = lane_rows is not None
+    if lanes and (walk is None or walk.ndim != 3 or walk.shape[-1] != 6):
+        raise ValueError("fused_state_pass: lane_rows needs a lane walk table [L, R_max, 6]")
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
-    if packed_qkv and (not varlen or walk.shape[1] != 5 or not write_o):
+    if packed_qkv and (not varlen or walk.shape[-1] < 5 or not write_o):
         raise ValueError("fused_state_pass: packed_qkv needs a walk table of 5 columns and write_o")
     o_rows = (t.shape[0] * C if not head_major else t.shape[2]) if packed_qkv else padded   # o's chunk rows
     if (padded % (C * pieces) and not packed_qkv) or not 1 <= run_pieces <= pieces:
@@ -239,19 +247,27 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         q_ref, k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
         h0_ref = refs.pop(0) if has_h0 else None
         walk_ref = refs.pop(0) if varlen else None
+        nrows_ref = refs.pop(0) if lanes else None
         o_ref = refs.pop(0) if write_o else None
         ht_ref = refs.pop(0) if out_final else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        if varlen:                   # this CTA's row of the walk table: first chunk, count, sequence
+        if varlen:
             b, piece = 0, 0
-            c0, count, srow = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
-            tok0 = c0 * C                # first row of this CTA's chunks (of t, gcum, beta_c, o)
-            in0 = walk_ref[r, 3] if packed_qkv else tok0          # first row of its q, k, v
-            seq_len = walk_ref[r, 4] if packed_qkv else None
         else:
             b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
-            tok0 = piece * piece_len     # first token of this CTA's piece within row b
-            c0, count, srow, in0, seq_len = None, ncb, r, tok0, None
+
+        def row_at(j):
+            """The j-th row this CTA walks: (c0, count, state row, first row of t / gcum / beta_c / o, first row of
+            q / k / v, sequence length or None, chunks this CTA walked before it)."""
+            if not varlen:               # dense: piece p of row b
+                tok0 = piece * piece_len
+                return None, ncb, r, tok0, tok0, None, 0
+            ent = (lambda i: walk_ref[r, j, i]) if lanes else (lambda i: walk_ref[r, i])
+            c0 = ent(0)
+            tok0 = c0 * C
+            return (c0, ent(1), ent(2), tok0, ent(3) if packed_qkv else tok0, ent(4) if packed_qkv else None,
+                    ent(5) if lanes else 0)
+
         hk = lax.div(hh, group)
         v0 = iv * BV
         wg = lax.axis_index("wg")
@@ -260,7 +276,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(n, slot):          # n: chunk index within this CTA's piece
+            def issue(n, slot, row):     # n: chunk index within the row
+                c0, _, _, tok0, in0, _, _ = row
                 rows = pl.ds(tok0 + n * C, C)
                 rows_in = pl.ds(in0 + n * C, C) if packed_qkv else rows
                 bar = in_bar.at[slot]
@@ -278,26 +295,43 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
                 plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
 
-            if varlen:                   # (jla scalar_gate_docs) a dynamic trip count, possibly 0
+            if lanes:                    # rows back to back: the ring runs on across them (m counts every chunk)
+                @pl.loop(0, nrows_ref[r])
+                def _rows(j):
+                    row = row_at(j)
+
+                    @pl.loop(0, row[1])
+                    def _chunks(n):
+                        m = row[6] + n
+                        slot = lax.rem(m, stages)
+
+                        @pl.when(m >= stages)
+                        def _():
+                            plgpu.barrier_wait(in_free.at[slot])
+                        issue(n, slot, row)
+            elif varlen:                 # (jla scalar_gate_docs) a dynamic trip count, possibly 0
+                row = row_at(0)
+                count = row[1]
                 for n in range(stages):
                     @pl.when(count > n)
                     def _(n=n):
-                        issue(n, n)
+                        issue(n, n, row)
 
                 @pl.loop(stages, jnp.maximum(count, stages))
                 def _refill_walk(n):
                     slot = lax.rem(n, stages)
                     plgpu.barrier_wait(in_free.at[slot])
-                    issue(n, slot)
+                    issue(n, slot, row)
             else:
+                row = row_at(0)
                 for n in range(min(stages, ncb)):
-                    issue(n, n)
+                    issue(n, n, row)
 
                 @pl.loop(stages, ncb)
                 def _refill(n):
                     slot = lax.rem(n, stages)
                     plgpu.barrier_wait(in_free.at[slot])
-                    issue(n, slot)
+                    issue(n, slot, row)
 
                 for n in range(max(ncb - stages, 0), ncb):      # observe the remaining releases
                     plgpu.barrier_wait(in_free.at[n % stages])
@@ -305,25 +339,39 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         @pl.when(wg == 0)
         def _state():
             plgpu.set_max_registers(232, action="increase")
-            if has_h0 and state_kv:      # S [K, BV] tile, read as S^T through the transposed view
-                plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)], state_smem,
-                                        state_bar)
-                plgpu.barrier_wait(state_bar)
-                s0 = plgpu.layout_cast(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED,
-                                                  optimized=False), WGMMA)
-            elif has_h0:
-                plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
-                plgpu.barrier_wait(state_bar)
-                s0 = plgpu.load(state_smem, layout=WGMMA)
-            else:
-                s0 = plgpu.layout_cast(jnp.zeros((BV, key_dim), F32), WGMMA)
 
-            def step(n, s_t):
-                slot = lax.rem(n, stages)
-                half = lax.rem(n, 2)
+            def load_state(srow):
+                if has_h0 and state_kv:  # S [K, BV] tile, read as S^T through the transposed view
+                    plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)], state_smem,
+                                            state_bar)
+                    plgpu.barrier_wait(state_bar)
+                    return plgpu.layout_cast(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED,
+                                                        optimized=False), WGMMA)
+                if has_h0:
+                    plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
+                    plgpu.barrier_wait(state_bar)
+                    return plgpu.load(state_smem, layout=WGMMA)
+                return plgpu.layout_cast(jnp.zeros((BV, key_dim), F32), WGMMA)
+
+            def store_state(srow, s_t):
+                if state_kv:
+                    state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)])
+                else:
+                    state_smem[...] = s_t
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(v0, BV)])
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(n, s_t, row):
+                seq_len, m0 = row[5], row[6]
+                m = n if isinstance(m0, int) and m0 == 0 else m0 + n     # chunks this CTA walked before
+                slot = lax.rem(m, stages)
+                half = lax.rem(m, 2)
                 plgpu.barrier_wait(in_bar.at[slot])
 
-                @pl.when(n >= 2)
+                @pl.when(m >= 2)
                 def _():                 # WG1 has finished reading the tiles published two chunks ago
                     plgpu.barrier_wait(s_free.at[half])
 
@@ -351,28 +399,31 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
-            s_t = lax.fori_loop(0, count, step, s0)
-            if not varlen:               # (varlen: the done barrier below orders the exit instead)
-                for n in range(max(ncb - 2, 0), ncb):       # observe the last releases of the published tiles
-                    plgpu.barrier_wait(s_free.at[n % 2])
-            if out_final and state_kv:
-                state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)])
-                plgpu.wait_smem_to_gmem(0)
-            elif out_final:
-                state_smem[...] = s_t
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(v0, BV)])
-                plgpu.wait_smem_to_gmem(0)
+            if lanes:
+                @pl.loop(0, nrows_ref[r])
+                def _rows(j):
+                    row = row_at(j)
+                    s_t = lax.fori_loop(0, row[1], functools.partial(step, row=row), load_state(row[2]))
+                    if out_final:
+                        store_state(row[2], s_t)
+            else:
+                row = row_at(0)
+                s_t = lax.fori_loop(0, row[1], functools.partial(step, row=row), load_state(row[2]))
+                if not varlen:           # (varlen: the done barrier below orders the exit instead)
+                    for n in range(max(ncb - 2, 0), ncb):   # observe the last releases of the published tiles
+                        plgpu.barrier_wait(s_free.at[n % 2])
+                if out_final:
+                    store_state(row[2], s_t)
 
         @pl.when(wg == 1)
         def _output():
             plgpu.set_max_registers(232, action="increase")
 
-            def step(n, carry):
-                slot = lax.rem(n, stages)
-                half = lax.rem(n, 2)
+            def step(n, carry, row):
+                tok0, seq_len, m0 = row[3], row[5], row[6]
+                m = n if isinstance(m0, int) and m0 == 0 else m0 + n
+                slot = lax.rem(m, stages)
+                half = lax.rem(m, 2)
                 plgpu.barrier_wait(in_bar.at[slot])
                 g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
                 g_col = plgpu.load(g_cols.at[slot], layout=COLS)
@@ -408,13 +459,20 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 o = _matmul(p_lo, vn_pub.at[half], (C, BV), init=o * _bcast_rows(q_decay, (C, BV)))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk n - 2 was sent
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk m - 2 was sent
                 o_out.at[half][...] = (o * scale).astype(out_dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
                 return carry
 
-            lax.fori_loop(0, count, step, None)
+            if lanes:
+                @pl.loop(0, nrows_ref[r])
+                def _rows(j):
+                    row = row_at(j)
+                    lax.fori_loop(0, row[1], functools.partial(step, row=row), None)
+            else:
+                row = row_at(0)
+                lax.fori_loop(0, row[1], functools.partial(step, row=row), None)
             if write_o:
                 plgpu.wait_smem_to_gmem(0)
 
@@ -424,6 +482,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         plgpu.barrier_wait(done)
 
     args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
+    args += [lane_rows] if lanes else []
     rows = walk.shape[0] if varlen else batch * run_pieces
     name = "gdn_mosaic_varlen_state_pass" if varlen else (
         "gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map")

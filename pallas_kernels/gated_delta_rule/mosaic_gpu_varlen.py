@@ -68,11 +68,15 @@ class VarlenConfig:
     states: "kv" (the kernel reads the initial states and writes the final ones in the op's [N, Hv, K, V] layout,
     ``fused_state_pass(state_kv=True)``) or "vk" (XLA transposes them to and from the kernel's S^T, the dense
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
+    lanes: 0 (one CTA row per sequence, grid (N, Hv, V / 64)) or the persistent walk (:func:`lane_table`): L > 0
+    lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
+    when that leaves at least 4 sequences a lane, else 0.
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
     inputs: str = "repacked"
     states: str = "kv"
+    lanes: int = 0
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -83,6 +87,9 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.inputs must be one of {INPUTS}; got {self.inputs!r}")
         if self.states not in STATES:
             raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
+        if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
+            raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
+                             f"got {self.lanes!r}")
 
 
 DEFAULT_CONFIG = VarlenConfig()
@@ -109,6 +116,35 @@ def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     walk = jnp.stack([cm.seq_first_chunk[rows], cm.seq_num_chunks[rows], rows, cu[rows], cu[rows + 1] - cu[rows]],
                      axis=-1).astype(jnp.int32)
     return cm, src, keep, back, valid, walk
+
+
+def num_lanes(lanes: int, n: int, heads: int, value_dim: int, sms: int | None = None) -> int:
+    """The persistent walk's lane count for ``VarlenConfig.lanes`` (0: off)."""
+    if lanes >= 0:
+        return min(lanes, n)
+    sms = mg._num_sms() if sms is None else sms
+    per_lane = heads * max(value_dim // mg.BV, 1)
+    auto = max(sms // per_lane, 1)
+    return auto if n >= 4 * auto else 0
+
+
+def lane_table(walk, lanes: int):
+    """The persistent walk's tables from the walk table [N, 5] (rows longest first): (table [L, R, 6] int32,
+    lane_rows [L] int32), R = ceil(N / L). Rows are dealt in snake order (lane 0, 1, .., L-1, then L-1, .., 0, ...),
+    so every lane gets one of each L consecutive rows of the longest-first order; entry [p, j] = walk row + m0,
+    the chunks lane p walks before its row j (the kernel's ring position). Lane p's rows are j < lane_rows[p]."""
+    n = walk.shape[0]
+    rmax = -(-n // lanes)
+    i = jnp.arange(rmax * lanes, dtype=jnp.int32)
+    rnd, pos = i // lanes, i % lanes
+    lane = jnp.where(rnd % 2 == 0, pos, lanes - 1 - pos)
+    valid = i < n
+    rows = jnp.where(valid[:, None], walk[jnp.clip(i, 0, n - 1)], 0)
+    table = jnp.zeros((lanes, rmax, walk.shape[1]), jnp.int32).at[lane, rnd].set(rows)
+    counts = table[..., 1]
+    m0 = jnp.cumsum(counts, axis=1) - counts
+    lane_rows = jnp.zeros((lanes,), jnp.int32).at[lane].add(valid.astype(jnp.int32))
+    return jnp.concatenate([table, m0[..., None]], axis=-1).astype(jnp.int32), lane_rows
 
 
 def _gather_rows(x, idx, keep):
@@ -150,14 +186,15 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
                                     out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False,
-                                    state_kv: bool = False):
+                                    state_kv: bool = False, lane_rows=None):
     """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
     row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
     (``packed_qkv``: q, k, v chunk n from the packed row at t0 + n C, rows past L of k and columns of W zeroed, as
     the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
     them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
-    h0t is then S [num_states, Hv, K, V] and so is the final state)."""
+    h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
+    [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
     kdim = k.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
     t, gcum, beta_c = mg._chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
@@ -174,18 +211,18 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
           else h0t.astype(F32) if state_kv else jnp.swapaxes(h0t.astype(F32), -1, -2))  # [S, Hv, K, V]
 
-    def row(r, carry):
+    def row(ent, carry):
         o, ht = carry
-        c0, count, srow = walk[r, 0], walk[r, 1], walk[r, 2]
+        c0, count, srow = ent[0], ent[1], ent[2]
 
         def chunk(n, carry2):
             s, o = carry2
             c = c0 + n
-            first = (walk[r, 3] + n * C) if packed_qkv else c * C
+            first = (ent[3] + n * C) if packed_qkv else c * C
             qc, kc, vc = (jnp.swapaxes(lax.dynamic_slice_in_dim(x, first, C, 0), 0, 1)[None] for x in (qa, ka, va))
             own = None
             if packed_qkv:
-                own = jnp.arange(C) < walk[r, 4] - n * C                                  # [C]
+                own = jnp.arange(C) < ent[4] - n * C                                      # [C]
                 kc = jnp.where(own[:, None], kc, 0.0)
             xs = (qc, kc, vc) + tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in ts)
             s, oc = mg._chunk_step(s, xs, scale, keep_cols=own)
@@ -195,27 +232,33 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
         return o, lax.dynamic_update_index_in_dim(ht, s[0], srow, 0)
 
     o0 = jnp.full((nc, hv, C, vdim), jnp.nan, F32)
-    o, ht = lax.fori_loop(0, walk.shape[0], row, (o0, jnp.zeros_like(h0)))
+    if lane_rows is None:
+        o, ht = lax.fori_loop(0, walk.shape[0], lambda r, cr: row(walk[r], cr), (o0, jnp.zeros_like(h0)))
+    else:
+        def lane(p, cr):
+            return lax.fori_loop(0, lane_rows[p], lambda j, cr2: row(walk[p, j], cr2), cr)
+        o, ht = lax.fori_loop(0, walk.shape[0], lane, (o0, jnp.zeros_like(h0)))
     o = jnp.swapaxes(o, 1, 2).reshape(1, tp, hv, vdim).astype(q.dtype)
     return o, ((ht if state_kv else jnp.swapaxes(ht, -1, -2)) if out_final else None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs",
-                                             "states"))
+                                             "states", "lanes"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
-                                      order: str = "longest_first", inputs: str = "repacked", states: str = "kv"):
+                                      order: str = "longest_first", inputs: str = "repacked", states: str = "kv",
+                                      lanes: int = 0):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``inputs``, ``states``: as :class:`VarlenConfig`.
+    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``: as :class:`VarlenConfig`.
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states)
+    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -245,13 +288,18 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     tmat, gcum, beta_c, head_major = stage1a_operands(k_r, g_r, b_r, kernel=kernel, stage1a=stage1a, vdim=vdim,
                                                       packed=(k[0], g[0], beta[0]), chunk_map=cm)
     ops_ = qkv + (tmat, gcum, beta_c, h0t)
+    n_lanes = num_lanes(lanes, n, hv, vdim)
+    rows = None
+    if n_lanes:
+        walk, rows = lane_table(walk, n_lanes)
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
-                                      walk=walk, num_states=n, packed_qkv=packed_qkv, state_kv=state_kv)
+                                      walk=walk, num_states=n, packed_qkv=packed_qkv, state_kv=state_kv,
+                                      lane_rows=rows)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
                                                   out_final=output_final_state, head_major=head_major,
-                                                  packed_qkv=packed_qkv, state_kv=state_kv)
+                                                  packed_qkv=packed_qkv, state_kv=state_kv, lane_rows=rows)
     o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
@@ -271,7 +319,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            inputs=cfg.inputs, states=cfg.states)
+            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -290,7 +338,8 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
         if cu:
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
-                                                     order=cfg.order, inputs=cfg.inputs, states=cfg.states)
+                                                     order=cfg.order, inputs=cfg.inputs, states=cfg.states,
+                                                     lanes=cfg.lanes)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                              pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)

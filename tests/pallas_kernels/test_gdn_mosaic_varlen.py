@@ -39,12 +39,12 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         inputs="repacked", states="kv"):
+         inputs="repacked", states="kv", lanes=0):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
-        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states)
+        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states, lanes=lanes)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -55,14 +55,15 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs,states", [("mosaic", "repacked", "vk"), ("triton", "repacked", "kv"),
-                                                   ("mosaic", "packed", "kv"), ("triton", "packed", "vk")])
-def test_reference_matches_f64(stage1a, inputs, states):
+@pytest.mark.parametrize("stage1a,inputs,states,lanes", [("mosaic", "repacked", "vk", 0), ("triton", "repacked", "kv", 0),
+                                                         ("mosaic", "packed", "kv", 2), ("triton", "packed", "vk", 4)])
+def test_reference_matches_f64(stage1a, inputs, states, lanes):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
-    ``inputs="packed"``: q, k, v read in place, the NaN padding right behind the last sequence's partial chunk."""
+    ``inputs="packed"``: q, k, v read in place, the NaN padding right behind the last sequence's partial chunk;
+    ``lanes``: the persistent walk (each lane's sequences back to back)."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states)
+    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -121,6 +122,26 @@ def test_layout_maps_and_walk_table():
             assert int(np.asarray(src)[c0 * mv.C]) == int(cu[n])
     w_idx = np.asarray(mv.layout(cu, t, order="index")[-1])
     assert w_idx[:, 2].tolist() == list(range(len(lens)))
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 5])
+def test_lane_table_deals_every_sequence_once(lanes):
+    """The persistent walk's lanes: every sequence in exactly one lane row, rows of a lane a prefix, m0 the chunks
+    its lane walks before it, the lanes' chunk totals within the longest sequence of each other (snake order)."""
+    lens = (5, 0, 64, 130, 1, 300, 70, 64, 9)
+    cu = jnp.asarray(cu_of(lens))
+    walk = mv.layout(cu, sum(lens))[-1]
+    table, rows = (np.asarray(x) for x in mv.lane_table(walk, lanes))
+    seen = [table[p, j, 2] for p in range(lanes) for j in range(rows[p])]
+    assert sorted(seen) == list(range(len(lens)))
+    for p in range(lanes):
+        cnt = table[p, :rows[p], 1]
+        assert np.array_equal(table[p, :rows[p], 5], np.cumsum(cnt) - cnt)
+        assert np.all(table[p, rows[p]:, 1] == 0)
+    totals = [table[p, :rows[p], 1].sum() for p in range(lanes)]
+    assert max(totals) - min(totals) <= np.asarray(walk)[:, 1].max()
+    assert mv.num_lanes(-1, 256, 32, 128, sms=132) == 2 and mv.num_lanes(-1, 7, 32, 128, sms=132) == 0
+    assert mv.num_lanes(3, 2, 32, 128) == 2
 
 
 def test_walk_twin_uses_the_table():
@@ -201,6 +222,8 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(inputs="strided")
     with pytest.raises(ValueError, match="states"):
         mv.VarlenConfig(states="kk")
+    with pytest.raises(ValueError, match="lanes"):
+        mv.VarlenConfig(lanes=-2)
     with pytest.raises(ValueError, match="initial_state"):
         mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0[:2], impl="reference")
     with pytest.raises(ValueError, match=r"one packed row"):
@@ -219,14 +242,15 @@ def _hopper() -> bool:
     return mg.is_hopper()
 
 
-GPU_VARIANTS = [("mosaic", "packed", "kv"), ("mosaic", "repacked", "vk"), ("triton", "packed", "kv"),
-                ("mosaic", "packed", "vk"), ("triton", "repacked", "kv"), ("mosaic", "repacked", "kv")]
+GPU_VARIANTS = [("mosaic", "packed", "kv", 0), ("mosaic", "repacked", "vk", 0), ("triton", "packed", "kv", 0),
+                ("mosaic", "packed", "vk", 0), ("triton", "repacked", "kv", 0), ("mosaic", "repacked", "kv", 0),
+                ("mosaic", "packed", "kv", 2), ("mosaic", "repacked", "vk", 3)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage1a,inputs,states", GPU_VARIANTS)
+@pytest.mark.parametrize("stage1a,inputs,states,lanes", GPU_VARIANTS)
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
-def test_gpu_kernel_matches_f64(stage1a, inputs, states, dims):
+def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
     """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
     NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
     if not _hopper():
@@ -236,7 +260,7 @@ def test_gpu_kernel_matches_f64(stage1a, inputs, states, dims):
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs, states=states)
+    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
