@@ -13,7 +13,8 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_split.py, NOTES.md "Session 7: Mosaic
    this one process: jla (the bench's column), our op unsplit and at P = 2, 4, 8 (``chunk_gated_delta_rule_fwd``,
    Mosaic stage 1a, the map kernel and the serial scan), and per part at P = 4, 8: the map pass alone, the scan
    alone (serial and log), the start states (map + scan; session 6's form: the fused kernel over [0 | v] + the
-   log scan), the op with the log scan. Numerics of the split op against the fp32 XLA backend (rel RMS).
+   log scan), the paired map kernel, the op with the paired map, with the log scan, and at P = 5. Numerics of the
+   split op against the fp32 XLA backend (rel RMS).
 3. B1-T8192-Hk16-Hv32 and B1-T32768-Hk16-Hv32 at P = 1, 2 (does a split pay at 64 CTAs with the cheaper map?),
    jla beside them where the budget allows.
 A deadline (--budget, default 80 s from start) skips what would not fit; every measurement is wrapped in
@@ -32,14 +33,17 @@ T_START = time.time()
 LOG_LINES: list[str] = []
 NAME = "gdn_mosaic_split"
 TEST_FILE = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
-TEST_IDS = ["test_gpu_split_map_pass_matches_twin[True]", "test_gpu_split_op_weak_decay_matches_f64[1000-4-True]",
+TEST_IDS = ["test_gpu_split_map_pass_matches_twin[True-False]",
+            "test_gpu_split_op_weak_decay_matches_f64[1000-4-True]",
             "test_gpu_split_op_weak_decay_matches_f64[1000-8-False]",
-            "test_gpu_split_op_weak_decay_matches_f64[130-8-True]", "test_gpu_split_variants_agree",
-            "test_gpu_split_map_pass_matches_twin[False]", "test_gpu_split_op_weak_decay_matches_f64[1000-2-True]",
+            "test_gpu_split_op_weak_decay_matches_f64[130-8-True]", "test_gpu_split_map_pass_matches_twin[False-True]",
+            "test_gpu_split_variants_agree", "test_gpu_split_map_pass_matches_twin[False-False]",
+            "test_gpu_split_map_pass_matches_twin[True-True]", "test_gpu_split_op_weak_decay_matches_f64[1000-2-True]",
             "test_gpu_split_op_weak_decay_matches_f64[130-2-False]",
             "test_gpu_split_op_weak_decay_matches_f64[1000-8-True]", "test_gpu_split_k128_grouped[mosaic]",
             "test_gpu_mosaic_stage1a_matches_f64[130-2]"]
-MAP_TEST = "test_gpu_split_map_pass_matches_twin[True]"
+MAP_TEST = "test_gpu_split_map_pass_matches_twin[True-False]"
+PAIRED_TEST = "test_gpu_split_map_pass_matches_twin[False-True]"
 
 
 def log(*parts):
@@ -54,21 +58,27 @@ def rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
 
 
-def run_tests(quick: bool, timeout: float, result: dict):
-    """The split's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
+def start_tests(quick: bool):
+    """The split's GPU tests in a child process, started now (the main process compiles meanwhile)."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"]
     cmd += [TEST_FILE + i for i in TEST_IDS]
-    log(f"== GPU tests (timeout {timeout:.0f} s): {len(TEST_IDS)} split tests")
+    log(f"== GPU tests: {len(TEST_IDS)} split tests in a child process")
     env = dict(os.environ)
     if quick:
         env["JAX_PLATFORMS"] = "cpu"
-    t0 = time.time()
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), time.time()
+
+
+def finish_tests(child, t0: float, timeout: float, result: dict):
+    """Waits for the child (killed at the timeout); returns (map kernel test passed, paired test passed)."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out, _ = child.communicate(timeout=max(timeout, 1))
+        rc = child.returncode
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
         rc = "timeout"
+    out = out or ""
     verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
         w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
     fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
@@ -79,14 +89,15 @@ def run_tests(quick: bool, timeout: float, result: dict):
     summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln][-1:]
     log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
     result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
-    return any(MAP_TEST in v and "PASSED" in v for v in verdicts)
+    return (any(MAP_TEST in v and "PASSED" in v for v in verdicts),
+            any(PAIRED_TEST in v and "PASSED" in v for v in verdicts))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (the jnp twins)")
     ap.add_argument("--budget", type=float, default=80.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=28.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--test-timeout", type=float, default=32.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     opts = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/out")
@@ -97,10 +108,7 @@ def main():
         return opts.budget - (time.time() - T_START)
 
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
-    map_ok = True
-    if not opts.no_tests:
-        map_ok = run_tests(quick, min(opts.test_timeout, max(left() - 40, 5)), result) or quick
-    result["map_kernel_timed"] = map_ok
+    child = None if opts.no_tests else start_tests(quick)[0]
 
     import jax
     import jax.numpy as jnp
@@ -111,8 +119,6 @@ def main():
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms
 
-    if not quick:
-        jax.config.update("jax_default_matmul_precision", "highest")   # fp32 references; the kernels are bf16
     result.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__, map=ms.MAP, scan=ms.SCAN)
     if quick:
         cases = [Case("quick-B1-T1024-Hk1-Hv2-K16-V16", 1, 1024, 1, 2, 16, 16)]
@@ -124,28 +130,10 @@ def main():
         timer = time_jax
         impl = "mosaic"
     kernel = impl == "mosaic"
-    map_impl = "map" if map_ok else "fused"
-    log(f"device {result['device']} jax {jax.__version__}; map kernel timed: {map_ok}; {left():.0f} s left")
+    log(f"device {result['device']} jax {jax.__version__}; {left():.0f} s left")
 
-    def timed(row, key, fn, args, min_left=4.0):
-        if left() < min_left:
-            row["ms"][key] = None
-            row.setdefault("skipped", []).append(key)
-            return None
-        try:
-            res = jax.block_until_ready(fn(*args))
-            row["ms"][key] = round(timer(fn, args), 4)
-            log(f"  {row['case']:22s} {key:16s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
-            return res
-        except Exception as e:  # noqa: BLE001 - report and go on
-            row["ms"][key] = None
-            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:400]}"
-            result["errors"].append(msg)
-            log("  FAIL " + msg)
-            return None
-
-    def op(pieces, scan=None):
-        if scan is None and map_ok:     # the op as the backend runs it (MAP / SCAN defaults)
+    def op(pieces, scan=None, map_impl="map"):
+        if scan is None and map_impl == "map":        # the op as the backend runs it (MAP / SCAN defaults)
             return jax.jit(lambda q, k, v, g, beta, h0: mg.chunk_gated_delta_rule_fwd(
                 q, k, v, g, beta, h0, output_final_state=True, impl=impl, stage1a="mosaic", pieces=pieces))
 
@@ -165,101 +153,162 @@ def main():
         return host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
                       jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5]))
 
-    def reference(args):
-        f32 = [x.astype(jnp.float32) for x in args]
-        return jax.block_until_ready(jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="xla"))(*f32))
+    # ---- the jobs, in the order they are timed: (row, key, jitted fn, args, needs, numerics?) --------------------
+    # needs: "map" (the map kernel's GPU test must pass), "paired" (the paired kernel's), "fused" (session 6's map
+    # kernel, run on the GPU in session 6), None (no new kernel)
+    jobs = []
+    rows = {}
+
+    def row_of(case):
+        if case.name not in rows:
+            rows[case.name] = {"case": case.name, "ms": {}, "numerics": {}}
+            result["rows"].append(rows[case.name])
+        return rows[case.name]
+
+    def add(case, key, fn, args, needs=None, num=False):
+        jobs.append((row_of(case), key, fn, args, needs, num))
+
+    case = cases[0]
+    host, args = args_of(case)
+    jla_jobs = {}
+    if not quick:
+        try:
+            from jax_gdn.bench import _jla_impl
+            jla_jobs[case.name] = _jla_impl(case, host)
+            add(case, "jla", *jla_jobs[case.name])
+        except Exception as e:  # noqa: BLE001
+            result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
+    add(case, "p1", op(1), args, None, True)
+    for p in ((2, 4, 8) if not quick else (2, 4)):
+        add(case, f"p{p}", op(p), args, "map", p != 2)
+    pp = 8 if not quick else 4
+    prep = {p: jax.jit(lambda *a, p=p: mg._prepare_head_major(*a, kernel=kernel, pieces=p)) for p in {pp, 4}}
+    ops_p = {p: jax.block_until_ready(prep[p](*args)) if not kernel else None for p in prep}
+
+    def parts(p):
+        need_first = True           # the bench rows carry an initial state
+        map_fn = ms.state_map_pass if kernel else ms.state_map_pass_reference
+        kd, vd, hv = case.K, case.V, case.Hv
+        add(case, f"map{p}", jax.jit(lambda *o: map_fn(*o[1:6], pieces=p, need_first=need_first)), ("ops", p), "map")
+        maps_shape = (case.B * (p - 1), hv, kd + vd, kd)
+        for scan in ms.SCANS:
+            add(case, f"scan{p}.{scan}", jax.jit(lambda m, h, scan=scan: ms.piece_scan(
+                m.reshape((case.B, p - 1) + m.shape[1:]), h, key_dim=kd, method=scan)), ("maps", p, maps_shape))
+        add(case, f"starts{p}", jax.jit(lambda *o: ms.start_states(o, p, kernel=kernel, head_major=True)),
+            ("ops", p), "map")
+        if p == 8 and kernel:
+            add(case, "map8.paired", jax.jit(lambda *o: ms.state_map_pass(*o[1:6], pieces=8, need_first=need_first,
+                                                                            paired=True)), ("ops", 8), "paired")
+            add(case, "starts8.s6", jax.jit(lambda *o: ms.start_states(o, 8, kernel=True, head_major=True,
+                                                                         map_impl="fused", scan="log")),
+                ("ops", 8), "fused")
+    parts(pp)
+    case_b_args = {}
+    for case_b in cases[1:]:
+        host_b, args_b = args_of(case_b)
+        case_b_args[case_b.name] = (case_b, host_b)
+        add(case_b, "p1", op(1), args_b)
+        add(case_b, "p2", op(2), args_b, "map")
+    if not quick:
+        parts(4)
+    add(case, f"p{pp}.paired", op(pp, scan=ms.SCAN, map_impl="paired"), args, "paired", True)
+    add(case, f"p{pp}.log", op(pp, scan="log"), args, "map", True)
+    add(case, "p8.s6", op(8 if not quick else 4, scan="log", map_impl="fused"), args, "fused", True)
+    if not quick:
+        add(case, "p4.log", op(4, scan="log"), args, "map", True)
+        add(case, "p5", op(5), args, "map", True)
+        for name, (case_b, host_b) in case_b_args.items():
+            try:
+                from jax_gdn.bench import _jla_impl
+                add(case_b, "jla", *_jla_impl(case_b, host_b))
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"{name} jla: {type(e).__name__}: {str(e)[:300]}")
+
+    # ---- compile everything while the tests run (no kernel executes before the tests say it may) ------------------
+    def resolve(a):
+        if isinstance(a, tuple) and a and a[0] == "ops":
+            if ops_p[a[1]] is None:
+                ops_p[a[1]] = jax.block_until_ready(prep[a[1]](*args))
+            return ops_p[a[1]]
+        if isinstance(a, tuple) and a and a[0] == "maps":
+            return (jnp.asarray(np.random.default_rng(1).standard_normal(a[2]) * 0.05, jnp.float32),
+                    ops_p[a[1]][6] if ops_p[a[1]] is not None else jnp.zeros((case.B, case.Hv, case.V, case.K)))
+        return a
+
+    def abstract(a):
+        if isinstance(a, tuple) and a and a[0] == "ops":
+            return jax.eval_shape(prep[a[1]], *args)
+        if isinstance(a, tuple) and a and a[0] == "maps":
+            return (jax.ShapeDtypeStruct(a[2], jnp.float32),
+                    jax.ShapeDtypeStruct((case.B, case.Hv, case.V, case.K), jnp.float32))
+        return a
+
+    reference = jax.jit(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+        *(x.astype(jnp.float32) for x in (q, k, v, g, beta)), initial_state=h0, output_final_state=True,
+        backend="xla"))
+    compiled = {}
+    t_c = time.time()
+    with jax.default_matmul_precision("highest"):
+        try:
+            reference = reference.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001
+            result["errors"].append(f"reference compile: {type(e).__name__}: {str(e)[:300]}")
+    for i, (row, key, fn, a, needs, num) in enumerate(jobs):
+        if left() < 12:
+            break
+        try:
+            compiled[i] = fn.lower(*abstract(a)).compile()
+        except Exception as e:  # noqa: BLE001 - the job is timed (and fails) uncompiled, or reported here
+            result["errors"].append(f"{row['case']} {key} compile: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  compile FAIL {row['case']} {key}: {type(e).__name__}: {str(e)[:300]}")
+    log(f"compiled {len(compiled)} of {len(jobs)} jobs in {time.time() - t_c:.0f} s ({left():.0f} s left)")
+
+    ok = {None: True, "fused": True, "map": True, "paired": True}
+    if child is not None:
+        map_ok, paired_ok = finish_tests(child, T_START, min(opts.test_timeout - (time.time() - T_START),
+                                                             left() - 15), result)
+        ok["map"], ok["paired"] = (map_ok or quick), ((paired_ok and map_ok) or quick)
+    result["timed"] = {k: v for k, v in ok.items() if k}
+    log(f"timing: map kernel {ok['map']}, paired {ok['paired']}; {left():.0f} s left")
 
     def numerics(row, name, res, ref):
         if res is None or ref is None:
             return
         o = np.asarray(res[0].astype(jnp.float32))
-        row["numerics"][name] = {"o": rel(o, ref[0]), "state": rel(res[1], ref[1]), "o_finite": bool(np.isfinite(o).all())}
+        row["numerics"][name] = {"o": rel(o, ref[0]), "state": rel(res[1], ref[1]),
+                                 "o_finite": bool(np.isfinite(o).all())}
         n = row["numerics"][name]
         log(f"  numerics {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']} (vs fp32 XLA; bf16 1e-2)")
 
-    def jla(row, case, host):
-        if quick:
-            return
-        try:
-            from jax_gdn.bench import _jla_impl
-            timed(row, "jla", *_jla_impl(case, host))
-        except Exception as e:  # noqa: BLE001
-            row["ms"]["jla"] = None
-            result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
-
-    # ---- B1-T8192-Hk2-Hv8: the target row --------------------------------------------------------------------
-    case = cases[0]
-    host, args = args_of(case)
-    row = {"case": case.name, "ms": {}, "numerics": {}}
-    result["rows"].append(row)
-    jla(row, case, host)
     ref = None
     try:
-        ref = reference(args) if left() > 20 else None
+        ref = jax.block_until_ready(reference(*args))
     except Exception as e:  # noqa: BLE001
         result["errors"].append(f"reference: {type(e).__name__}: {str(e)[:300]}")
-    pieces_list = (1, 2, 4, 8) if not quick else (1, 2, 4)
-    for p in pieces_list:
-        res = timed(row, f"p{p}", op(p), args)
-        if p in (1, 4, 8) or quick:
-            numerics(row, f"p{p}", res, ref)
-        del res
-        _write(out_dir, result)
-    def parts(p):
-        """The split's parts at P = p on row A: map pass, both scans, start states (and session 6's at P = 8)."""
-        try:
-            ops_ = jax.block_until_ready(jax.jit(lambda *a: mg._prepare_head_major(
-                *a, kernel=kernel, pieces=p))(*args))
-            need_first = ops_[6] is not None
-            map_fn = ms.state_map_pass if (kernel and map_ok) else ms.state_map_pass_reference
-            maps = timed(row, f"map{p}", jax.jit(lambda k, v, t, g, b: map_fn(
-                k, v, t, g, b, pieces=p, need_first=need_first)), ops_[1:6])
-            if maps is not None:
-                b_, _, hv, vd = ops_[2].shape
-                kd = ops_[1].shape[3]
-                maps5 = maps.reshape(b_, p - 1, hv, kd + vd, kd)
-                for scan in ms.SCANS:
-                    timed(row, f"scan{p}.{scan}", jax.jit(lambda m, h, scan=scan: ms.piece_scan(
-                        m, h, key_dim=kd, method=scan)), (maps5, ops_[6]))
-            timed(row, f"starts{p}", jax.jit(lambda o: ms.start_states(
-                o, p, kernel=kernel, head_major=True, map_impl=map_impl)), (ops_,))
-            if p == 8 and kernel:
-                timed(row, "starts8.s6", jax.jit(lambda o: ms.start_states(
-                    o, 8, kernel=True, head_major=True, map_impl="fused", scan="log")), (ops_,), min_left=8)
-        except Exception as e:  # noqa: BLE001
-            result["errors"].append(f"{row['case']} parts P={p}: {type(e).__name__}: {str(e)[:300]}")
-            log(f"  parts P={p} FAIL {type(e).__name__}: {str(e)[:300]}")
-        _write(out_dir, result)
-
-    parts(8 if not quick else 4)
-
-    # ---- the Hv 32 rows at P = 1, 2 ----------------------------------------------------------------------------
-    rows_b = []
-    for case_b in cases[1:]:
-        if left() < 10:
-            log(f"skip {case_b.name}: {left():.0f} s left")
+    for i, (row, key, fn, a, needs, num) in enumerate(jobs):
+        if not ok[needs]:
+            row["ms"][key] = None
+            row.setdefault("skipped", []).append(f"{key} (its kernel's GPU test did not pass)")
             continue
-        host_b, args_b = args_of(case_b)
-        row_b = {"case": case_b.name, "ms": {}, "numerics": {}}
-        result["rows"].append(row_b)
-        rows_b.append((case_b, host_b, row_b))
-        for p in (1, 2):
-            timed(row_b, f"p{p}", op(p), args_b, min_left=6)
-        del args_b
+        if left() < (3 if i in compiled else 8):
+            row["ms"][key] = None
+            row.setdefault("skipped", []).append(f"{key} (budget)")
+            continue
+        f = compiled.get(i, fn)
+        try:
+            a = resolve(a)
+            res = jax.block_until_ready(f(*a))
+            row["ms"][key] = round(timer(f, a), 4)
+            log(f"  {row['case']:22s} {key:16s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
+            if num and row["case"] == case.name:
+                numerics(row, key, res, ref)
+            del res
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row["ms"][key] = None
+            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:400]}"
+            result["errors"].append(msg)
+            log("  FAIL " + msg)
         _write(out_dir, result)
-
-    # ---- what is left of row A, then jla beside the Hv 32 rows ---------------------------------------------------
-    if not quick and left() > 12:
-        parts(4)
-    for p in ((8, 4) if not quick else (4,)):
-        res = timed(row, f"p{p}.log", op(p, scan="log"), args, min_left=10)
-        numerics(row, f"p{p}.log", res, ref)
-        del res
-    for case_b, host_b, row_b in rows_b:
-        if left() > 10:
-            jla(row_b, case_b, host_b)
-    _write(out_dir, result)
     finish(result, opts, out_dir)
 
 

@@ -19,7 +19,8 @@ where a piece maps s -> s M_p^T + E_p^T.
     [I | 0] start states in HBM). No output warpgroup and no q: WG0 the chain (W = v - Gamma k S,
     v_new = Ag W, S <- e^G_last S + (e^(G_last - G) v_new)^T k), WG1 forms Ag = T0 e^(G_i - G_j) beta_j in SMEM,
     WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
-    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then).
+    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then). ``PAIRED``: two blocks per
+    CTA (jla's ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.64x the step.
   * :func:`piece_scan` in XLA: "serial" (jla's unrolled scan: P - 2 dependent [V, K] x [K, K] fp32 products, the
     first taken as E_0^T without an initial state) or "log" (Hillis-Steele prefix compositions, ceil(log2(P - 1))
     batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout).
@@ -43,12 +44,29 @@ C = mg.C
 BV = mg.BV
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-MAPS = ("map", "fused")
+MAPS = ("map", "paired", "fused")
 SCANS = ("serial", "log")
-#: the start states' map pass: "map" (:func:`state_map_pass`) or "fused" (session 6: the fused kernel over [0 | v])
+#: the start states' map pass: "map" (:func:`state_map_pass`), "paired" (the same, two blocks per CTA) or "fused"
+#: (session 6: the fused kernel over [0 | v])
 MAP = "map"
 #: the scan over the pieces: "serial" (jla's unrolled form) or "log" (log-depth compositions)
 SCAN = "serial"
+#: the map kernel carries two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``: WG0 and WG1 one block each,
+#: WG2 streams and forms Ag a chunk ahead): half the CTAs, each step ~1.64x (jla, H100); pays where it saves a
+#: wave. "auto": where ceil(CTAs / 2 / SMs) * PAIRED_STEP < ceil(CTAs / SMs); True / False: always / never.
+PAIRED = False
+PAIRED_STEP = 1.64
+
+
+def use_pairs(ctas: int, key_dim: int, value_dim: int, paired=None, sms: int | None = None) -> bool:
+    """Whether the map pass runs its ``ctas`` single-block CTAs as pairs (needs K / 64 and V / 64 even)."""
+    paired = PAIRED if paired is None else paired
+    if (key_dim // BV) % 2 or (value_dim // BV) % 2 or paired is False:
+        return False
+    if paired is True:
+        return True
+    sms = mg._num_sms() if sms is None else sms
+    return -(-(ctas // 2) // sms) * PAIRED_STEP < -(-ctas // sms)
 
 
 def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool = True):
@@ -60,7 +78,7 @@ def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool 
 
 
 def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
-                   exp2: bool = False, interpret=None):
+                   exp2: bool = False, paired=None, interpret=None):
     """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
     p of row b; rows :K hold M^T, rows K: hold E^T), one Mosaic GPU kernel.
 
@@ -68,7 +86,8 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     h // (Hv / Hk)); ``head_major`` True (stage 1a = ``kkt_fwd``): t [B, Hv, Tp, C] the gate-free T0, gcum and
     beta_c [B, Hv, Tp] fp32; False (Triton stage 1a): t [NC, Hv, C, C] the gated T, gcum and beta_c [NC, Hv, C].
     gcum is the chunk-local cumulative log-decay (log2 units with ``exp2``). ``need_first`` False (no initial
-    state): the first piece's M is not computed (its rows :K are zeros).
+    state): the first piece's M is not computed (its rows :K are zeros). ``paired`` (default PAIRED, see
+    :func:`use_pairs`): two row blocks per CTA (:func:`_state_map_pass_paired`, the same arithmetic per block).
     """
     import jax.experimental.pallas as pl
     plgpu = mg._plgpu()
@@ -85,6 +104,9 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     piece_len = ncb * C
     n_id = key_dim // BV             # identity blocks (rows of M^T)
     nb = n_id + value_dim // BV
+    if use_pairs(batch * run * heads * nb, key_dim, value_dim, paired):
+        return _state_map_pass_paired(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first,
+                                      head_major=head_major, exp2=exp2, interpret=interpret)
     dtype = k.dtype
     _exp = jnp.exp2 if exp2 else jnp.exp
     isz = jnp.dtype(dtype).itemsize
@@ -222,6 +244,175 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
+def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool, head_major: bool, exp2: bool,
+                           interpret=None):
+    """:func:`state_map_pass` with two row blocks per CTA (jla's ``_map_fwd_wy_paired``, Ag formed in the memory
+    warpgroup): grid (B (P - 1), Hv, (K + V) / 128); CTA ip carries blocks 2 ip (WG0) and 2 ip + 1 (WG1), both
+    identity blocks or both value blocks, so they walk the same chunks; WG2 streams k, both blocks' values, T0 and
+    the gate vectors into a 3-stage ring and forms Ag one chunk ahead. Per block the arithmetic is the single
+    kernel's, so are the results."""
+    import jax.experimental.pallas as pl
+    plgpu = mg._plgpu()
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS = WGMMA.reduce(1)
+    COLS = WGMMA.reduce(0)
+    batch, padded, kv_heads, key_dim = k.shape
+    heads, value_dim = v.shape[2], v.shape[3]
+    group = heads // kv_heads
+    run = pieces - 1
+    ncb_row = padded // C
+    ncb = ncb_row // pieces
+    piece_len = ncb * C
+    n_id = key_dim // BV
+    nb = n_id + value_dim // BV
+    dtype = k.dtype
+    _exp = jnp.exp2 if exp2 else jnp.exp
+    isz = jnp.dtype(dtype).itemsize
+    n_vec = 4
+    per_stage = C * key_dim * isz + 2 * C * BV * isz + C * C * isz + n_vec * C * 4
+    stages = mg._stages(per_stage, 2 * BV * key_dim * 4 + 4096 + n_vec * 1024)
+    n_copies = 4 + n_vec
+    vecs = plgpu.SMEM((stages, C), F32)
+    scratch = dict(
+        k_s=mg._smem((stages, C, key_dim), dtype),
+        va_s=mg._smem((stages, C, BV), dtype),
+        vb_s=mg._smem((stages, C, BV), dtype),
+        t_s=mg._smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG2)
+        g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
+        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        done=plgpu.Barrier(num_arrivals=3),
+        state_smem=plgpu.SMEM((2, BV, key_dim), F32),
+    )
+
+    def body(k_ref, v_ref, t_ref, g_ref, b_ref, ht_ref, *, k_s, va_s, vb_s, t_s, g_state, g_rows, g_cols, b_cols,
+             in_bar, in_free, ag_ready, done, state_smem):
+        r, hh, ip = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        b, piece = lax.div(r, run), lax.rem(r, run)
+        tok0 = piece * piece_len
+        hk = lax.div(hh, group)
+        blocks = (2 * ip, 2 * ip + 1)
+        v0s = tuple(jnp.maximum(x - n_id, 0) * BV for x in blocks)   # identity blocks read the first value block
+        if need_first:
+            count = ncb
+        else:
+            count = jnp.where((blocks[0] < n_id) & (piece == 0), 0, ncb).astype(jnp.int32)
+        wg = lax.axis_index("wg")
+
+        def form_ag(slot):               # Ag = T0 e^(G_i - G_j) beta_j (or T beta_j) in place of T0
+            sq = (C, C)
+            t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+            if head_major:
+                g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
+                g_col = plgpu.load(g_cols.at[slot], layout=COLS)
+                keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
+                t_in = t_in * _exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq), -jnp.inf))
+            ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+            t_s.at[slot][...] = ag.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ag_ready.at[slot])
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(96, action="decrease")
+
+            def issue(n, slot):
+                rows = pl.ds(tok0 + n * C, C)
+                bar = in_bar.at[slot]
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0s[0], BV)], va_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0s[1], BV)], vb_s.at[slot], bar)
+                if head_major:
+                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
+                else:
+                    c = b * ncb_row + piece * ncb + n
+                    t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
+                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
+                for g_buf in (g_state, g_rows, g_cols):
+                    plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
+                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+
+            for n in range(stages):          # (jla _map_fwd_wy_paired)
+                @pl.when(count > n)
+                def _(n=n):
+                    issue(n, n)
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(in_bar.at[0])
+                form_ag(0)
+
+            @pl.loop(0, count)
+            def _walk(n):
+                @pl.when(n + 1 < count)
+                def _():                     # the next chunk's Ag before blocking on this chunk's release
+                    nxt = lax.rem(n + 1, stages)
+                    plgpu.barrier_wait(in_bar.at[nxt])
+                    form_ag(nxt)
+
+                @pl.when(n + stages < count)
+                def _():
+                    slot = lax.rem(n, stages)
+                    plgpu.barrier_wait(in_free.at[slot])
+                    issue(n + stages, slot)
+
+        def carry(which, v_s):
+            blk = blocks[which]
+            shape = (BV, key_dim)
+            eye = mg._iota(shape, 1) == mg._iota(shape, 0) + blk * BV
+            s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
+            if not need_first:
+                s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
+            v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
+
+            def step(n, s_t):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_bar.at[slot])
+                s_lo = s_t.astype(dtype)
+                g_last = g_state[slot, C - 1]
+                g_col = plgpu.load(g_state.at[slot], layout=COLS)
+                key_decay = _exp(g_col)
+                k_decay = _exp(g_last - g_col)
+                s_decay = _exp(g_last)
+                x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
+                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
+                w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
+                plgpu.barrier_wait(ag_ready.at[slot])
+                vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
+                vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
+                s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+                plgpu.barrier_arrive(in_free.at[slot])
+                return s_new
+
+            s_t = lax.fori_loop(0, count, step, s0)
+            state_smem.at[which][...] = s_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_smem.at[which], ht_ref.at[r, hh, pl.ds(blk * BV, BV)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _second():
+            plgpu.set_max_registers(200, action="increase")
+            carry(1, vb_s)
+
+        @pl.when(wg == 0)
+        def _first():
+            plgpu.set_max_registers(200, action="increase")
+            carry(0, va_s)
+
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+
+    out = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((batch * run, heads, nb * BV, key_dim), F32), scratch_types=scratch,
+        grid=(batch * run, heads, nb // 2), grid_names=("b", "h", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+        kernel_name="gdn_mosaic_split_map2", num_threads=3, thread_name="wg",
+    )(k, v, t, gcum, beta_c)
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
 def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
                              head_major: bool = True, exp2: bool = False):
     """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
@@ -290,7 +481,8 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
                  scan: str | None = None):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
     (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
-    ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` / ``scan`` default to MAP / SCAN."""
+    ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
+    (paired where PAIRED says), "paired" always paired, "fused" session 6's; ``scan`` (default SCAN)."""
     map_impl = MAP if map_impl is None else map_impl
     scan = SCAN if scan is None else scan
     if map_impl not in MAPS:
@@ -301,8 +493,8 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     kw = dict(pieces=pieces, need_first=h0t is not None, head_major=head_major, exp2=exp2)
     if not kernel:
         maps_t = state_map_pass_reference(k, v, t, gcum, beta_c, **kw)
-    elif map_impl == "map":
-        maps_t = state_map_pass(k, v, t, gcum, beta_c, **kw)
+    elif map_impl in ("map", "paired"):
+        maps_t = state_map_pass(k, v, t, gcum, beta_c, paired=True if map_impl == "paired" else None, **kw)
     else:
         maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
     maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)

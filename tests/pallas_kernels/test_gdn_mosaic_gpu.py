@@ -405,6 +405,15 @@ def test_split_start_states_match_f64(t, pieces, with_h0):
     np.testing.assert_array_equal(maps[:, 1:], full[:, 1:])
 
 
+def test_split_paired_policy(monkeypatch):
+    """Pairs where they save a wave at jla's 1.64x step (P = 8 at Hk2-Hv8: 224 CTAs), not where one wave holds
+    every block (P = 4: 96); never with an odd count of 64-blocks (K = 64); PAIRED True / False force it."""
+    monkeypatch.setattr(ms, "PAIRED", "auto")
+    assert ms.use_pairs(224, 128, 128, sms=132) and not ms.use_pairs(96, 128, 128, sms=132)
+    assert not ms.use_pairs(224, 64, 128, sms=132, paired=True)
+    assert ms.use_pairs(96, 128, 128, paired=True) and not ms.use_pairs(224, 128, 128, paired=False)
+
+
 def test_split_map_pass_argument_checks():
     k = jnp.zeros((1, 256, 1, 16), jnp.float32)
     v = jnp.zeros((1, 256, 2, 8), jnp.float32)
@@ -419,9 +428,10 @@ def test_split_map_pass_argument_checks():
         ms.start_states((k, k, v, t, g, g, None), 2, kernel=False, head_major=True, map_impl="scan")
 
 
-@pytest.mark.parametrize("need_first,exp2,head_major", [(True, False, True), (False, True, True),
-                                                        (True, False, False)])
-def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_major):
+@pytest.mark.parametrize("need_first,exp2,head_major,paired", [(True, False, True, False), (False, True, True, False),
+                                                               (True, False, False, False), (True, False, True, True),
+                                                               (False, False, False, True)])
+def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_major, paired):
     """The map kernel traces and lowers for CUDA on this CPU (Mosaic GPU's layout, transfer and TMA checks). jax
     0.10 here: plgpu.load takes the index positionally and cannot load a transposed swizzled tile, so the check
     drops the transpose of v's tile ([64, 64]: the shapes still match); jax 0.11 (the GPU) needs neither."""
@@ -438,7 +448,7 @@ def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_majo
             return orig(ref, idx, **kw)
         monkeypatch.setattr(plgpu, "load", load)
     bf = jnp.bfloat16
-    b, t, hk, hv, kd, vd = 2, 512, 1, 2, 128, 64
+    b, t, hk, hv, kd, vd = 2, 512, 1, 2, 128, 128 if paired else 64
     k, v = jax.ShapeDtypeStruct((b, t, hk, kd), bf), jax.ShapeDtypeStruct((b, t, hv, vd), bf)
     if head_major:
         tt, gg = jax.ShapeDtypeStruct((b, hv, t, 64), bf), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
@@ -448,17 +458,19 @@ def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_majo
 
     def f(k, v, t_, g, beta):
         return ms.state_map_pass(k, v, t_, g, beta, pieces=4, need_first=need_first, exp2=exp2,
-                                 head_major=head_major)
+                                 head_major=head_major, paired=paired)
     lowered = jax.jit(f).trace(k, v, tt, gg, gg).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and ("gdn_mosaic_split_map2" in text) == paired
     assert lowered.out_info.shape == (b * 3, hv, kd + vd, kd)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("need_first", [True, False])
-def test_gpu_split_map_pass_matches_twin(need_first):
-    """The map kernel against its jnp twin on the same operands (Mosaic stage 1a's T0), two rows, grouped heads,
-    K = V = 128, weak decay; without an initial state the first piece's M rows are zeros."""
+@pytest.mark.parametrize("need_first,paired", [(True, False), (False, True), (False, False), (True, True)])
+def test_gpu_split_map_pass_matches_twin(need_first, paired):
+    """The map kernel (one or two blocks per CTA) against its jnp twin on the same operands (Mosaic stage 1a's
+    T0), two rows, grouped heads, K = V = 128, weak decay; without an initial state the first piece's M rows are
+    zeros."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     case = Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128)
@@ -467,7 +479,8 @@ def test_gpu_split_map_pass_matches_twin(need_first):
     ops_ = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=4))(
         jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
         jnp.asarray(h0))
-    got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a, pieces=4, need_first=need_first))(*ops_[1:6]))
+    got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a, pieces=4, need_first=need_first,
+                                                          paired=paired))(*ops_[1:6]))
     ref = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=4, need_first=need_first))
     assert np.isfinite(got).all()
     assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
@@ -493,8 +506,8 @@ def test_gpu_split_op_weak_decay_matches_f64(t, pieces, with_h0):
 
 @pytest.mark.gpu
 def test_gpu_split_variants_agree():
-    """Session 6's map (the fused kernel over [0 | v]) and the log-depth scan give the start states of the map
-    kernel and the serial scan (P = 8, weak decay, initial state)."""
+    """Session 6's map (the fused kernel over [0 | v]), the paired map kernel and the log-depth scan give the start
+    states of the map kernel and the serial scan (P = 8, weak decay, initial state)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     case = Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128)
@@ -505,7 +518,7 @@ def test_gpu_split_variants_agree():
         jnp.asarray(h0))
     runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(o, 8, kernel=True, head_major=True,
                                                                            map_impl=m, scan=s))(ops_))
-            for m, s in [("map", "serial"), ("map", "log"), ("fused", "serial")]}
+            for m, s in [("map", "serial"), ("map", "log"), ("fused", "serial"), ("paired", "serial")]}
     base = runs[("map", "serial")]
     assert np.isfinite(base).all() and np.abs(base[-2:]).max() > 0.05
     for key, got in runs.items():
