@@ -38,15 +38,25 @@ LOG_LINES: list[str] = []
 NAME = "gdn_mosaic_varlen"
 
 # the tests, most telling first (the child is cut at its timeout; every verdict is printed as it comes)
-_K = "test_gpu_kernel_matches_f64"
-TEST_IDS = [f"{_K}[dims0-mosaic-repacked-vk]", f"{_K}[dims0-mosaic-packed-kv]", "test_gpu_slots_api_beside_xla",
-            "test_gpu_many_sequences_beside_pallas", f"{_K}[dims0-triton-packed-kv]", f"{_K}[dims0-mosaic-packed-vk]",
-            f"{_K}[dims1-mosaic-packed-kv]", f"{_K}[dims1-mosaic-repacked-vk]", f"{_K}[dims0-mosaic-repacked-kv]",
-            f"{_K}[dims0-triton-repacked-kv]", f"{_K}[dims1-triton-packed-kv]"]
-# (stage1a, inputs, states); the first is the closest to the dense kernel measured in session 6 (only the walk
-# table is new), so a fault in a newer path still leaves it measured
-VARIANTS = [("mosaic", "repacked", "vk"), ("mosaic", "packed", "vk"), ("mosaic", "packed", "kv"),
-            ("triton", "packed", "kv"), ("mosaic", "repacked", "kv")]
+_V = "tests/pallas_kernels/test_gdn_mosaic_varlen.py::"
+_K = _V + "test_gpu_kernel_matches_f64"
+_D = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
+TEST_IDS = [f"{_K}[dims0-mosaic-repacked-vk-0]", f"{_K}[dims0-mosaic-packed-kv-0]", f"{_K}[dims0-mosaic-packed-kv-2]",
+            _V + "test_gpu_slots_api_beside_xla", _D + "test_gpu_mosaic_stage1a_matches_f64[130-1]",
+            _V + "test_gpu_many_sequences_beside_pallas", f"{_K}[dims0-triton-packed-kv-0]",
+            f"{_K}[dims1-mosaic-packed-kv-0]", f"{_K}[dims0-mosaic-packed-vk-0]", _D + "test_gpu_public_op_mosaic_backend",
+            f"{_K}[dims0-mosaic-repacked-vk-3]", f"{_K}[dims1-mosaic-repacked-vk-0]", f"{_K}[dims0-mosaic-repacked-kv-0]",
+            f"{_K}[dims0-triton-repacked-kv-0]"]
+# (stage1a, inputs, states, lanes); the first is the closest to the dense kernel measured in session 6 (only the
+# walk table is new), so a fault in a newer path still leaves it measured
+VARIANTS = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "vk", 0), ("mosaic", "packed", "kv", 0),
+            ("mosaic", "packed", "kv", -1)]
+VARIANTS_SMALL = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "kv", 0)]
+
+
+def vkey(variant) -> str:
+    stage1a, inputs, states, lanes = variant
+    return f"m.{stage1a}.{inputs}.{states}" + (f".L{lanes}" if lanes else "")
 
 
 def log(*parts):
@@ -63,9 +73,7 @@ def rel(a, b):
 
 def run_tests(quick: bool, timeout: float, result: dict):
     """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
-    f = "tests/pallas_kernels/test_gdn_mosaic_varlen.py::"
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"]
-    cmd += [f + i for i in TEST_IDS]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + TEST_IDS
     log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
     env = dict(os.environ)
     if quick:
@@ -93,7 +101,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=24.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--test-timeout", type=float, default=20.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     opts = ap.parse_args()
@@ -160,10 +168,13 @@ def main():
         return host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
                       jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5])), cu
 
-    def variant_fn(stage1a, inputs, states, cu):
+    def variant_fn(variant, cu):
+        stage1a, inputs, states, lanes = variant
+
         def fn(q, k, v, g, beta, h0):
             return mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0, output_final_state=True,
-                                                        impl=impl, stage1a=stage1a, inputs=inputs, states=states)
+                                                        impl=impl, stage1a=stage1a, inputs=inputs, states=states,
+                                                        lanes=lanes)
         return jax.jit(fn)
 
     def pallas_fn(cu):
@@ -237,10 +248,21 @@ def main():
                                                           num_states=n, scale=scale, out_final=True,
                                                           head_major=True, packed_qkv=packed, state_kv=kv)
             return jax.jit(fn)
-        timed(row, "st.h0_transpose", jax.jit(lambda h: jnp.swapaxes(h, -1, -2)), (h0,))
-        res = timed(row, "st.fused", fused_fn(False), (q_r, k_r, v_r, tmat, gcum, beta_hm, h0t, walk))
-        timed(row, "st.fused_packed", fused_fn(True), (q, k, v, tmat, gcum, beta_hm, h0t, walk))
-        timed(row, "st.fused_packed_kv", fused_fn(True, True), (q, k, v, tmat, gcum, beta_hm, h0, walk))
+        res = timed(row, "st.fused_packed_kv", fused_fn(True, True), (q, k, v, tmat, gcum, beta_hm, h0, walk))
+        n_lanes = mv.num_lanes(-1, n, v.shape[2], v.shape[3]) or 2
+        lane_walk, lane_rows = mv.lane_table(walk, n_lanes)
+
+        def fused_lanes(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, lane_walk, lane_rows):
+            if kern:
+                return mg.fused_state_pass(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, scale=scale, out_final=True,
+                                           head_major=True, walk=lane_walk, num_states=n, packed_qkv=True,
+                                           state_kv=True, lane_rows=lane_rows)
+            return mv.fused_state_pass_walk_reference(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, lane_walk,
+                                                      num_states=n, scale=scale, out_final=True, head_major=True,
+                                                      packed_qkv=True, state_kv=True, lane_rows=lane_rows)
+        timed(row, f"st.fused_packed_kv_L{n_lanes}", jax.jit(fused_lanes),
+              (q, k, v, tmat, gcum, beta_hm, h0, lane_walk, lane_rows))
+        timed(row, "st.fused_repacked_vk", fused_fn(False), (q_r, k_r, v_r, tmat, gcum, beta_hm, h0t, walk))
         if res is not None:
             unpack = jax.jit(lambda o_r, back, valid: mv._gather_rows(o_r[0], back, valid)[None])
             timed(row, "st.unpack", unpack, (res[0], back, valid))
@@ -262,17 +284,17 @@ def main():
         row = {"case": case.name, "N": len(case.lens), "T": case.T, "ms": {}, "numerics": {}}
         result["rows"].append(row)
         outs = {"pallas": timed(row, "pallas", pallas_fn(cu), args)}
-        variants = VARIANTS if ci == 0 or quick else VARIANTS[:1] + VARIANTS[2:3]
-        for stage1a, inputs, states in variants:
-            key = f"m.{stage1a}.{inputs}.{states}"
-            outs[key] = timed(row, key, variant_fn(stage1a, inputs, states, cu), args, min_left=12.0)
+        variants = VARIANTS if ci == 0 or quick else VARIANTS_SMALL
+        for variant in variants:
+            key = vkey(variant)
+            outs[key] = timed(row, key, variant_fn(variant, cu), args, min_left=12.0)
         if ci < 2:
             numerics(row, outs, args, cu)
         del outs
-        if ci == 0 and (quick or left() > 60 or opts.no_fla):
+        if ci == 0 and (quick or opts.no_fla):
             run_stages(row, args, cu)
         if not quick and not opts.no_fla:
-            need = 5.0 if fla_warm else 50.0          # FLA's first call autotunes (~40 s)
+            need = 5.0 if fla_warm else 48.0          # FLA's first call autotunes (~40 s)
             if left() > need:
                 try:
                     from jax_gdn.bench import _time_fla
@@ -295,12 +317,12 @@ def main():
 def finish(result, opts, out_dir):
     log(f"\n==== {NAME}: median ms per call (m.<stage1a>.<inputs>.<states> = the Mosaic varlen path per "
         f"VarlenConfig) ====")
-    keys = ["pallas"] + [f"m.{a}.{b}.{c}" for a, b, c in VARIANTS] + ["fla"]
+    keys = ["pallas"] + [vkey(x) for x in VARIANTS] + ["fla"]
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
-    log(f"{'case':26s} " + " ".join(f"{k:>20s}" for k in keys) + "   best_m/fla best_m/pallas")
+    log(f"{'case':26s} " + " ".join(f"{k:>23s}" for k in keys) + "   best_m/fla best_m/pallas")
 
     def cell(x):
-        return f"{x:20.4f}" if isinstance(x, (int, float)) else f"{'-':>20s}"
+        return f"{x:23.4f}" if isinstance(x, (int, float)) else f"{'-':>23s}"
     for r in result["rows"]:
         ms = r["ms"]
         best = min((v for k, v in ms.items() if k.startswith("m.") and isinstance(v, (int, float))), default=None)
