@@ -3,9 +3,10 @@
 Ops and their implementations, fastest first (the order ``"auto"`` tries them in):
 
     "gated_delta_rule": "pallas" (Triton on a GPU), "xla"; and "pallas_interpret" (the same kernel in interpret
-                        mode, any platform; never picked by "auto"), "mosaic_gpu" (dense prefill on a Hopper GPU,
-                        other calls run Triton; never picked here by "auto": the op's own "auto" picks it per
-                        call where gated_delta_rule/mosaic_gpu.py's AUTO is set, and the model's calls are packed)
+                        mode, any platform; never picked by "auto"), "mosaic_gpu" (prefill on a Hopper GPU: dense
+                        rows, and packed / slot calls while gated_delta_rule/mosaic_gpu.py's VARLEN is set; other
+                        calls run Triton; never picked here by "auto": the op's own "auto" picks it per call where
+                        mosaic_gpu.AUTO, and for packed / slot calls AUTO_VARLEN, is set)
     "paged_attention":  "cudnn" (prefill through cuDNN's packed fused attention, decode on the Pallas kernel;
                         picked by "auto" only while pallas_kernels/paged_attention/cudnn.py's AUTO is set),
                         "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret",
