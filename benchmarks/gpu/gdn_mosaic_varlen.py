@@ -4,21 +4,23 @@ session 7; pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, NOTES.md "Sessi
     python benchmarks/gpu/gdn_mosaic_varlen.py [--quick] [--budget S] [--test-timeout S]
     (writes $OUT/gdn_mosaic_varlen.{json,log}; OUT=/tmp/out)
 
-1. The new code's GPU tests (tests/pallas_kernels/test_gdn_mosaic_varlen.py: the walked kernels against float64 at
-   odd lengths with an empty sequence and NaN padding, K = V = 128 and 64, both stage 1a, both input layouts; many
-   sequences beside Triton; the slots API beside XLA) in a child process with a timeout, -v.
+1. The GPU tests, most telling first (tests/pallas_kernels/test_gdn_mosaic_varlen.py: the walked kernels against
+   float64 at odd lengths with an empty sequence and NaN padding, K = V = 128 and 64, both stage 1a, both input
+   layouts, both state layouts, the persistent walk; many sequences beside Triton; the slots API beside XLA; and
+   two dense tests of test_gdn_mosaic_gpu.py, whose fused pass was restructured) in a child process with a
+   timeout, -v (each verdict printed as it comes; the child is cut at the timeout).
 2. Per case (serve256, varlen16, tiny64 of jax_gdn.cases; bf16 q, k, v, beta, fp32 g and initial states, final
    states out), timed as jax_gdn.bench's kernel section does (JAX: bench.time_jax, median of 15 groups of 10
    back-to-back calls; FLA: bench._time_fla, triton.testing.do_bench median), all in this one process:
-     pallas                ops.chunk_gated_delta_rule(backend="pallas")   (the bench's "pallas" column)
-     m.<1a>.<in>.<st>      mosaic_gpu_varlen.chunk_gated_delta_rule_varlen_fwd per VarlenConfig (stage1a, inputs,
-                           states) variant
-     fla                   FLA's chunk_gated_delta_rule (its first call autotunes, ~40 s: warmed once)
+     pallas                     ops.chunk_gated_delta_rule(backend="pallas")   (the bench's "pallas" column)
+     m.<1a>.<inputs>.<states>[.L<lanes>]   mosaic_gpu_varlen.chunk_gated_delta_rule_varlen_fwd per VarlenConfig
+     fla                        FLA's chunk_gated_delta_rule (its first call autotunes, ~40 s: run only if the
+                                budget still holds it)
    numerics of every variant and of pallas against the XLA backend in fp32 (matmul precision "highest") on the
-   same bf16-rounded inputs (relative RMS of o and the final states; o finite); and on serve256 the stages alone:
-   repack (q, k, v, g, beta gathered), repack_gb (g, beta and k: the packed variant's glue), kkt (Mosaic kkt_fwd
-   on the repacked k), kkt_triton (kkt_solve on the packed row), fused (the walked pass, repacked / packed
-   inputs), unpack (o gathered back).
+   same bf16-rounded inputs (serve256, varlen16: relative RMS of o and the final states; o finite; padding rows
+   zero); and on serve256 the stages alone: repack (q, k, v, g, beta gathered), repack_gb (k, g, beta: the packed
+   variant's glue), kkt (Mosaic kkt_fwd on the repacked k), kkt_triton (kkt_solve on the packed row), the fused
+   pass (packed inputs + kv states; the same as the persistent walk; repacked inputs + vk states), unpack.
 A deadline (--budget, default 100 s from start) skips what would not fit; every measurement is wrapped in
 try/except (a failure prints its reason and the script goes on). A table is printed last.
 --quick: CPU, one tiny case, Triton in interpret mode and the jnp twins (impl="reference"), no FLA: checks the
@@ -49,8 +51,7 @@ TEST_IDS = [f"{_K}[dims0-mosaic-repacked-vk-0]", f"{_K}[dims0-mosaic-packed-kv-0
             f"{_K}[dims0-triton-repacked-kv-0]"]
 # (stage1a, inputs, states, lanes); the first is the closest to the dense kernel measured in session 6 (only the
 # walk table is new), so a fault in a newer path still leaves it measured
-VARIANTS = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "vk", 0), ("mosaic", "packed", "kv", 0),
-            ("mosaic", "packed", "kv", -1)]
+VARIANTS = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "kv", 0), ("mosaic", "packed", "kv", -1)]
 VARIANTS_SMALL = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "kv", 0)]
 
 
@@ -101,7 +102,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=20.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--test-timeout", type=float, default=16.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     opts = ap.parse_args()
@@ -291,7 +292,7 @@ def main():
         if ci < 2:
             numerics(row, outs, args, cu)
         del outs
-        if ci == 0 and (quick or opts.no_fla):
+        if ci == 0:
             run_stages(row, args, cu)
         if not quick and not opts.no_fla:
             need = 5.0 if fla_warm else 48.0          # FLA's first call autotunes (~40 s)
@@ -308,8 +309,6 @@ def main():
             else:
                 row.setdefault("skipped", []).append("fla")
                 log(f"  fla skipped ({left():.0f} s left, needs {need:.0f})")
-        if ci == 0 and not quick and "st.fused" not in row["ms"] and left() > 20:
-            run_stages(row, args, cu)
         _write(out_dir, result)
     finish(result, opts, out_dir)
 
