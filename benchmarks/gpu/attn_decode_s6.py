@@ -297,12 +297,17 @@ def run_layer(quick, backend, deadline):
     kv_bytes = n * (ctx + 1) * hkv * dh * 2 * 2
     RESULT["layer_floor_ms"] = (w_bytes + kv_bytes) / HBM * 1e3
     D = tr.DecodeConfig
-    variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),   # session 7 set
-                ("fused-qkv-sk2", fused_params, True, None), ("fused-qkv-sk4", fused_params, True, None),
-                ("fused-qkv-sk8", fused_params, True, None), ("fused-qkv-ns4-cfused-sk4", fused_params, True,
-                                                              D(num_splits=4, combine="fused")),
-                ("fused-qkv-qkernel-sk4", fused_params, True, D(q_prologue="kernel")),
-                ("fused-qkv-again", fused_params, True, None), ("fused-qkv-sk4-again", fused_params, True, None)]
+    if os.environ.get("ATTN_AB"):     # session 7, call 3: the q prologue in the kernel against the default, interleaved
+        qk = D(q_prologue="kernel")
+        variants = [("fused-qkv", fused_params, True, None), ("fused-qkv-qkernel", fused_params, True, qk)] * 3
+        variants = [(f"{n}-{i // 2}", p_, f_, c_) for i, (n, p_, f_, c_) in enumerate(variants)]
+    else:
+        variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),   # session 7 set
+                    ("fused-qkv-sk2", fused_params, True, None), ("fused-qkv-sk4", fused_params, True, None),
+                    ("fused-qkv-sk8", fused_params, True, None), ("fused-qkv-ns4-cfused-sk4", fused_params, True,
+                                                                  D(num_splits=4, combine="fused")),
+                    ("fused-qkv-qkernel-sk4", fused_params, True, D(q_prologue="kernel")),
+                    ("fused-qkv-again", fused_params, True, None), ("fused-qkv-sk4-again", fused_params, True, None)]
     ref_out = None
     calls = []
     for name, p, fused, cfg in variants:
@@ -333,7 +338,8 @@ def run_layer(quick, backend, deadline):
             row["rel_vs_unfused"] = float(np.sqrt(np.mean((y - ref_out) ** 2) / np.mean((ref_out - np.asarray(
                 x.astype(jnp.float32))) ** 2)))
             calls.append((name, call))
-            r = bench_model._in_program(attn, (p, norm, x), state=kv0, feed=(2,), iters=4 if quick else 20)
+            r = bench_model._in_program(attn, (p, norm, x), state=kv0, feed=(2,), iters=4 if quick else 20,
+                                          batches=int(os.environ.get("ATTN_BATCHES", "3")))
             row.update(ms=r["ms"], wall_ms=r["wall_ms"], carried_copies=r["carried_copies"],
                        compile_s=round(r["compile_s"], 1))
             row["x_floor"] = row["ms"] / RESULT["layer_floor_ms"] if row["ms"] else None
