@@ -71,16 +71,20 @@ class RecurrentVarlenConfig:
       programs in flight together read neighbouring blocks of one state); False: (N, Hv, V / BV).
     longest_first: the sequences launched by decreasing length (an argsort of the N lengths before the launch), so
       that a long sequence in the batch does not start last; False: in index order (no extra op).
+    prefetch: the token loop loads token t + 1's q, k, v, g, beta before computing token t (carried to the next
+      step), so that their load latency overlaps a step's reductions instead of opening each step; one row past a
+      sequence's end is read and never used. False: each step loads its own token first.
     """
     block_v: int = 64
     num_warps: int = 2
     num_stages: int = 1
     v_fastest: bool = True
     longest_first: bool = False
+    prefetch: bool = True
 
 
 def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref,
-            pool_out_ref, *, group, block_v, v_fastest, scale, use_qk_l2norm, final):
+            pool_out_ref, *, group, block_v, v_fastest, scale, use_qk_l2norm, final, prefetch):
     """One program per (value block, value head, sequence position i); n = order[i]."""
     if v_fastest:
         vb, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -101,22 +105,34 @@ def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, be
     read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
     s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0.0).astype(jnp.float32)   # [K, BV]
 
-    def token(t, s):
-        q = q_ref[t, hk, :].astype(jnp.float32)                                 # [K]
-        k = k_ref[t, hk, :].astype(jnp.float32)                                 # [K]
+    def load(t):
+        """Token t's (q [K], k [K], v [BV], g, beta) as stored; t is clamped to the last row (a prefetch past the
+        end of the batch reads a real row, never used)."""
+        t = jnp.minimum(t, total - 1)
+        return q_ref[t, hk, :], k_ref[t, hk, :], v_ref[t, h, vs], g_ref[t, h], beta_ref[t, h]
+
+    def token(t, s, x):
+        q, k, v, g, beta = (y.astype(jnp.float32) for y in x)
         if use_qk_l2norm:
             q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
             k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-        v = v_ref[t, h, vs].astype(jnp.float32)                                 # [BV]
-        a = jnp.exp(g_ref[t, h].astype(jnp.float32))
-        beta = beta_ref[t, h].astype(jnp.float32)
+        a = jnp.exp(g)
         sk = jnp.sum(k[:, None] * s, axis=0)                                    # [BV]  S^T k
         sq = jnp.sum(q[:, None] * s, axis=0)                                    # [BV]  S^T q
         delta = beta * (v - a * sk)
         o_ref[t, h, vs] = (scale * (a * sq + jnp.sum(q * k) * delta)).astype(o_ref.dtype)
         return a * s + k[:, None] * delta[None, :]
 
-    s = lax.fori_loop(start, end, token, s)               # the sequence's own length: a traced trip count
+    # the sequence's own length: a traced trip count
+    if prefetch:
+        def step(t, carry):
+            s, x = carry
+            x_next = load(t + 1)                          # issued before token t's reductions
+            return token(t, s, x), x_next
+
+        s, _ = lax.fori_loop(start, end, step, (s, load(start)))
+    else:
+        s = lax.fori_loop(start, end, lambda t, s: token(t, s, load(t)), s)
 
     if final == "slot":
         @pl.when(in_pool)
@@ -160,7 +176,8 @@ def recurrent_varlen(q, k, v, g, beta, *, cu_seqlens, pool, slot_ids, has_initia
     final_shape = {"slot": pool.shape, "seq": (n,) + pool.shape[1:], "none": (1, 1, 1, 1)}[final]
     nvb = vdim // block_v
     kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, v_fastest=config.v_fastest,
-                               scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), final=final)
+                               scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), final=final,
+                               prefetch=config.prefetch)
     call = pl.pallas_call(
         kernel,
         grid=(nvb, hv, n) if config.v_fastest else (n, hv, nvb),

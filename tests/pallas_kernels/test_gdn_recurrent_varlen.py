@@ -219,10 +219,11 @@ def test_gdn_layer_varlen_runs_it():
 
 @pytest.mark.parametrize("config", [rv.RecurrentVarlenConfig(block_v=16, longest_first=True),
                                     rv.RecurrentVarlenConfig(v_fastest=False, num_warps=4, num_stages=2),
-                                    rv.RecurrentVarlenConfig(block_v=128)], ids=["bv16-longest", "n-fastest", "bv128"])
+                                    rv.RecurrentVarlenConfig(block_v=128, prefetch=False)],
+                         ids=["bv16-longest", "n-fastest", "bv128-no-prefetch"])
 def test_launch_variants(config):
-    """Each launch variant (two V blocks of 16, longest first; stream-fastest grid; a block clamped to V) gives the
-    float64 result."""
+    """Each launch variant (two V blocks of 16, longest first; stream-fastest grid; a block clamped to V, each token
+    loaded in its own step) gives the float64 result."""
     xs, h0, cu = _inputs(17, (1, 65, 0, 3, 2), 2, 4, 16, 32, pad=2)
     o_ref, f_ref = _oracle(xs, h0, cu)
     o, final = _direct(xs, h0, cu, config=config)
@@ -249,7 +250,8 @@ def test_errors():
 @pytest.mark.parametrize("final", ["slot", "seq"])
 def test_lowers_to_triton(final):
     """The kernel lowers to Triton IR (cross-lowered for CUDA on any machine; interpret mode never runs the Triton
-    lowering): the dynamic trip counts, the masked state load, the padding-row loop, each grid order."""
+    lowering): the dynamic trip counts, the masked state load, the padding-row loop, each grid order, the token loop
+    with and without the prefetch."""
     t, hk, hv, d = 20, 2, 4, 32
     q = jnp.zeros((1, t, hk, d), jnp.bfloat16)
     v = jnp.zeros((1, t, hv, d), jnp.bfloat16)
@@ -258,7 +260,7 @@ def test_lowers_to_triton(final):
     pool = jnp.zeros((5, hv, d, d))
     ids, has = jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), bool)
     for cfg in (rv.RecurrentVarlenConfig(), rv.RecurrentVarlenConfig(v_fastest=False, longest_first=True,
-                                                                      num_stages=2)):
+                                                                      num_stages=2, prefetch=False)):
         if final == "slot":
             f = lambda q, v, g, pool, cu, cfg=cfg: rv.recurrent_varlen_slots_fwd(
                 q, q, v, g, g, scale=0.1, ssm_state=pool, slot_ids=ids, has_initial_state=has, cu_seqlens=cu,
