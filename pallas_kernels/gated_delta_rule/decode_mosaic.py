@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import warnings
 from typing import Optional
@@ -79,6 +80,9 @@ class MosaicDecodeConfig:
     entry: "kernel" (``pl.kernel`` over a ``plgpu.Mesh``, the pool a mutable ref closed over: the API Pallas keeps)
       or "pallas_call" (the pool an aliased operand, ``input_output_aliases``; deprecated for Mosaic GPU, kept as
       the second way in should the first fail on the GPU's jax; GPU only: interpret mode cannot read its grid).
+    semantics: Mosaic GPU's lowering semantics, "lane" (arrays are per-thread register fragments in the layouts
+      named here; the default of jax 0.10, and what the CPU lowering tests check) or "warpgroup" (layouts inferred;
+      jax 0.11's default, where this kernel's scalar-predicate select does not lower: the first H200 run).
     copy_only: a measurement aid, not the op: every tile is stored back as loaded (o = 0), so the time is the ring's
       and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool).
     """
@@ -89,6 +93,7 @@ class MosaicDecodeConfig:
     layout: str = "wgmma"
     copy_only: bool = False
     entry: str = "kernel"
+    semantics: str = "lane"
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -99,6 +104,8 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"MosaicDecodeConfig.programs must be an int >= 0, got {self.programs!r}")
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"MosaicDecodeConfig.semantics must be one of {SEMANTICS}, got {self.semantics!r}")
         if self.entry not in ENTRIES:
             raise ValueError(f"MosaicDecodeConfig.entry must be one of {ENTRIES}, got {self.entry!r}")
         if self.layout not in LAYOUTS:
@@ -107,6 +114,7 @@ class MosaicDecodeConfig:
 
 LAYOUTS = ("wgmma",)
 ENTRIES = ("kernel", "pallas_call")
+SEMANTICS = ("lane", "warpgroup")
 DEFAULT_CONFIG = MosaicDecodeConfig()
 
 
@@ -236,6 +244,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
         interp = InterpretGPUParams()
     WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
+    semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
+    params = plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH, lowering_semantics=semantics)
 
     def body(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
         refs = list(refs)
@@ -298,7 +308,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 o_buf.at[d][...] = jnp.zeros((bv,), o_buf.dtype) if interpret else plgpu.layout_cast(
                     jnp.zeros((bv,), o_buf.dtype), COLS)
                 return _store_and_refill(i, d, cur, upcoming, refill, refill_loc)
-            s = jnp.where((flags & 4) != 0, s, 0.0)      # fresh stream / bad id: zeros (a stale NaN never leaks)
+            read = lax.broadcast_in_dim((flags & 4) != 0, s.shape, ())     # explicit: warpgroup semantics
+            s = lax.select(read, s, jnp.zeros_like(s))   # fresh stream / bad id: zeros (a stale NaN never leaks)
             qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
             if use_qk_l2norm:
                 qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
@@ -354,6 +365,9 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
 
     def run(pool, *operands):
         if cfg.entry == "pallas_call":                 # the pool an aliased operand (deprecated for Mosaic GPU)
+            # registers pallas_call's Mosaic GPU lowering (jax 0.11 does not import it with the module: the first
+            # H200 run failed an `assert rule is not None` without it)
+            importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
             gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
 
             def kernel(*refs):
@@ -364,8 +378,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 o, new_pool = pl.pallas_call(
                     kernel, grid=(programs,), in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem, gmem],
                     out_shape=[out_type, jax.ShapeDtypeStruct(pool.shape, F32)],
-                    input_output_aliases={len(operands): 1},
-                    compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH),
+                    input_output_aliases={len(operands): 1}, compiler_params=params,
                     interpret=interp, name="gdn_decode_mosaic")(*operands, pool)
             return o, new_pool
         pool_ref = jax.new_ref(pool, memory_space=plgpu.GMEM)   # aliased in and out of the kernel: in place
@@ -375,8 +388,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             pl.run_scoped(functools.partial(body, *ins, pool_ref, o_ref), *scratch)
 
         o = pl.kernel(kernel, out_type=out_type, mesh=plgpu.Mesh(grid=(programs,), grid_names=("p",)),
-                      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH),
-                      interpret=interp, name="gdn_decode_mosaic")(*operands)
+                      compiler_params=params, interpret=interp, name="gdn_decode_mosaic")(*operands)
         return o, jax.freeze(pool_ref)
 
     return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it

@@ -12,6 +12,8 @@ state; bf16 o 1e-2 (its own rounding); the GPU run against the fp32 XLA step: fp
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +158,7 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
 
 
 # ---- lowering for CUDA on the CPU (Mosaic GPU's layout, transfer and TMA checks) --------------------------------
+@pytest.mark.parametrize("semantics", dm.SEMANTICS)
 @pytest.mark.parametrize("cfg,dtype,raw", [
     (dm.MosaicDecodeConfig(), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3), jnp.bfloat16, True),
@@ -163,7 +166,10 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(entry="pallas_call"), jnp.bfloat16, True),
     (dm.MosaicDecodeConfig(copy_only=True), jnp.bfloat16, False),
 ], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only"])
-def test_kernel_lowers_for_cuda(cfg, dtype, raw):
+def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
+    """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
+    scalar broadcast in a select, which this lowering on 0.10.2 reproduced)."""
+    cfg = dataclasses.replace(cfg, semantics=semantics)
     n, hk, hv, d, s = 6, 2, 4, 128, 9
     q = jax.ShapeDtypeStruct((n, 1, hk, d), dtype)
     v = jax.ShapeDtypeStruct((n, 1, hv, d), dtype)
@@ -194,7 +200,7 @@ def test_fallback_reasons_and_config_errors():
     assert "bytes x" in dm.fallback_reason(q, q, v, config=dm.MosaicDecodeConfig(stages=8), interpret=True)
     for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
                        (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
-                       (dict(entry="call"), "entry")]:
+                       (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
@@ -236,9 +242,10 @@ def _gpu_kernel_check(dtype, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_gpu_kernel_matches_xla_step(dtype):
-    _gpu_kernel_check(dtype, dm.MosaicDecodeConfig())
+@pytest.mark.parametrize("dtype,semantics", [(jnp.bfloat16, "lane"), (jnp.bfloat16, "warpgroup"),
+                                             (jnp.float32, "lane")], ids=["bf16-lane", "bf16-wg", "fp32-lane"])
+def test_gpu_kernel_matches_xla_step(dtype, semantics):
+    _gpu_kernel_check(dtype, dm.MosaicDecodeConfig(semantics=semantics))
 
 
 @pytest.mark.gpu
