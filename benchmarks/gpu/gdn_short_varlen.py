@@ -26,6 +26,10 @@ Mixes: tiny64-T171 (jax_gdn.cases), then N = 256 and N = 64 sequences with lengt
 worst case of a route at L = 8, its tokens serial); Hk 16, Hv 32, K = V = 128.
 Writes $OUT/gdn_short_varlen.json and $OUT/gdn_short_varlen.log; prints the table last (ms, and per N the largest
 m where the recurrent kernel is at or under the chunked path: the L it supports).
+--plan a: run 1's jobs (above). --plan b (default, run 2, after the prefetch): numerics of the recurrent route only;
+the recurrent route and RecurrentVarlenConfig variants (prefetch off = run 1's kernel, BV 32 on 1 or 2 warps, 4
+warps, 2 stages) on tiny64 and N 256 mean 16 / 8 / 4 (whose chunked times run 1 has), then both routes on N 64 mean
+16 and N 256 mean 32 (the crossovers), the worst case, N 64 mean 32 / 8; no FLA.
 --quick: the same steps on CPU at tiny sizes in interpret mode, no FLA (a check of this script, not a measurement).
 """
 from __future__ import annotations
@@ -56,6 +60,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=70.0)
     ap.add_argument("--tests-timeout", type=float, default=30.0)
+    ap.add_argument("--plan", default="b", choices=("a", "b"),
+                    help="a: run 1's job list; b (run 2): the prefetch and launch variants on the longer mixes, the "
+                    "crossover at N 64 and N 256 mean 32, the worst case; no chunked tiny64, no FLA")
     ap.add_argument("--time-reserve", type=float, default=14.0,
                     help="compiles stop when less than this is left (kept for timing what was compiled)")
     args = ap.parse_args()
@@ -207,7 +214,8 @@ def main():
             x32 = tuple(x.astype(jnp.float32) for x in xs[:6]) + (xs[6],)
             with jax.default_matmul_precision("highest"):
                 o_ref, f_ref = xla_ref(*x32)
-            for label, route in (("recurrent", True), ("chunked", False)):
+            routes = (("recurrent", True), ("chunked", False)) if args.plan == "a" or quick else (("recurrent", True),)
+            for label, route in routes:
                 o, f = compile_fn(public(route), xs, key=(tiny.name, label, dname))(*xs)
                 row = {"case": tiny.name, "dtype": dname, "impl": f"{label} vs xla fp32", "o_rel": rel(o, o_ref),
                        "state_rel": rel(f, f_ref), "finite": bool(np.isfinite(np.asarray(o, np.float32)).all())}
@@ -229,6 +237,18 @@ def main():
     if quick:
         jobs = both(tiny) + var(tiny, [RC(block_v=16), RC(longest_first=True)])
         jobs += [j for c in cases[1:] for j in both(c)]
+    elif args.plan == "b":
+        mix = lambda n, m: next(c for c in cases[1:] if c.name.startswith(f"N{n}-mean{m}-"))
+        rec = lambda case: [(case, "recurrent", public(True))]
+        chk = lambda case: [(case, "chunked", public(False))]
+        jobs = rec(tiny) + var(tiny, [RC(prefetch=False), RC(block_v=32, num_warps=1)])
+        jobs += rec(mix(256, 16)) + var(mix(256, 16), [RC(prefetch=False), RC(block_v=32, num_warps=1),
+                                                        RC(block_v=32), RC(num_warps=4), RC(num_stages=2)])
+        jobs += rec(mix(256, 8)) + var(mix(256, 8), [RC(prefetch=False)])
+        jobs += rec(mix(256, 4)) + var(mix(256, 4), [RC(prefetch=False)])
+        jobs += both(mix(64, 16)) + both(mix(256, 32))
+        jobs += rec(cases[-1]) + var(cases[-1], [RC(longest_first=True)])
+        jobs += both(mix(64, 32)) + both(mix(64, 8))
     else:
         mix = lambda n, m: next(c for c in cases[1:] if c.name.startswith(f"N{n}-mean{m}-"))
         jobs = both(tiny) + var(tiny, [RC(num_warps=4), RC(block_v=128, num_warps=4)])
@@ -327,8 +347,8 @@ def main():
         log(f"time {case.name:28s} {'fla (do_bench / wall)':38s} {ms:.4f} / {wall:.4f} ms (first call {first:.1f} s)")
         return first
 
-    if quick:
-        res["skipped"].append("fla (quick: no GPU)")
+    if quick or args.plan == "b":
+        res["skipped"].append("fla (quick: no GPU)" if quick else "fla (plan b)")
     elif tiny.name in data:
         guarded("fla warm", 40, fla_warm)           # ~40 s of autotuning: only if the rest left that much
         if "fla_first_call_s" in res:
