@@ -240,7 +240,6 @@ def main():
     elif args.plan == "b":
         mix = lambda n, m: next(c for c in cases[1:] if c.name.startswith(f"N{n}-mean{m}-"))
         rec = lambda case: [(case, "recurrent", public(True))]
-        chk = lambda case: [(case, "chunked", public(False))]
         jobs = rec(tiny) + var(tiny, [RC(prefetch=False), RC(block_v=32, num_warps=1), RC(block_v=32)])
         jobs += rec(mix(256, 16)) + var(mix(256, 16), [RC(prefetch=False), RC(block_v=32, num_warps=1),
                                                         RC(block_v=32), RC(num_warps=4), RC(num_stages=2),
