@@ -29,7 +29,7 @@ m where the recurrent kernel is at or under the chunked path: the L it supports)
 --plan a: run 1's jobs (above). --plan b (default, run 2, after the prefetch): numerics of the recurrent route only;
 the recurrent route and RecurrentVarlenConfig variants (prefetch off = run 1's kernel, BV 32 on 1 or 2 warps, 4
 warps, 2 stages, BV 16 on 1 warp) on tiny64 and N 256 mean 16 / 8 / 4 (whose chunked times run 1 has), then both routes on N 64 mean
-16 and N 256 mean 32 (the crossovers), the worst case, N 64 mean 32 / 8; no FLA.
+16, the worst case (recurrent only), both on N 256 mean 32, N 64 mean 32 / 8; no FLA.
 --quick: the same steps on CPU at tiny sizes in interpret mode, no FLA (a check of this script, not a measurement).
 """
 from __future__ import annotations
@@ -246,8 +246,8 @@ def main():
                                                         RC(block_v=16, num_warps=1)])
         jobs += rec(mix(256, 8)) + var(mix(256, 8), [RC(prefetch=False)])
         jobs += rec(mix(256, 4)) + var(mix(256, 4), [RC(prefetch=False)])
-        jobs += both(mix(64, 16)) + both(mix(256, 32))
-        jobs += rec(cases[-1]) + var(cases[-1], [RC(longest_first=True)])
+        jobs += both(mix(64, 16)) + rec(cases[-1]) + var(cases[-1], [RC(longest_first=True)])
+        jobs += both(mix(256, 32))
         jobs += both(mix(64, 32)) + both(mix(64, 8))
     else:
         mix = lambda n, m: next(c for c in cases[1:] if c.name.startswith(f"N{n}-mean{m}-"))
