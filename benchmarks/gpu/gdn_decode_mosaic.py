@@ -86,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret modes)")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=14.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--test-timeout", type=float, default=16.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp/out")
