@@ -206,10 +206,11 @@ def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slo
 #: attention_layer(decode=True, fused=None) on the Pallas backends (and the cuDNN ones, whose decode is the Pallas
 #: kernel), with the projections held as one qkv_proj, takes ``attention_decode_fused``: one GEMM, one kernel for
 #: k norm + RoPE + both page writes (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the
-#: combine; q norm + RoPE where DecodeConfig.q_prologue says), o_proj. H200 (pallas_kernels/paged_attention/NOTES.md
-#: "Session 6: decode"; 64 streams x 1189 context, 80B dims, in-program): 0.0775 ms against 0.0848 unfused with
-#: qkv_proj and 0.0941 unfused with three weights (floor 0.0439; measured with 3 decode splits, the default is now 2,
-#: not measured in the layer); with three weights the fused step measured 0.110 ms, so it is not taken then.
+#: combine; q norm + RoPE where DecodeConfig.q_prologue says: in the kernel for 16-bit inputs), o_proj. H200
+#: (pallas_kernels/paged_attention/NOTES.md "Session 6: decode" and "Session 7: decode step"; 64 streams x 1189
+#: context, 80B dims, in-program, floor 0.0439): session 7, 2 splits, interleaved x3: 0.0811-0.0879 ms (median
+#: 0.0816) with the in-kernel q prologue, 0.0831-0.0897 (0.0889) with the XLA one; unfused with qkv_proj 0.0851-0.0949;
+#: with three weights the fused step measured 0.110 ms (session 6), so it is not taken then.
 #: False: the unfused path (XLA norms, RoPE, two scatters, gate pass).
 DECODE_FUSED = True
 

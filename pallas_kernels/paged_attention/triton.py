@@ -140,12 +140,17 @@ def decode_config(dtype, head_dim: int) -> DecodeConfig:
     """Decode launch (H200 sweeps, NOTES.md "Decode (session 5)" and "Session 6: decode"): Bk 64, 4 warps, 2
     stages, dynamic split, NS the power of two for ~2 programs per SM (``_num_splits``: 2 at 128 (stream, kv
     head) pairs, one split and no combine from ~264), the Pallas combine; fp32 at Dh 256 halves Bk (2 stages of
-    K and V in shared memory)."""
+    K and V in shared memory). 16-bit inputs take the gated decode's q norm + RoPE in the kernel (q_prologue
+    "kernel": 3 XLA launches fewer per decode layer; session 7's interleaved A/B at 80B dims, 64 x 1189, in-program:
+    0.0816 / 0.0811 / 0.0879 ms against 0.0831 / 0.0897 / 0.0889 with the XLA prologue, kernels 82-83 us against
+    86-88, NOTES.md "Session 7: decode step")."""
     if DEFAULT_DECODE is not None:
         return DEFAULT_DECODE
     if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
         return DecodeConfig(block_k=32)
-    return DecodeConfig(block_k=64)
+    if jnp.dtype(dtype).itemsize == 4:
+        return DecodeConfig(block_k=64)
+    return DecodeConfig(block_k=64, q_prologue="kernel")
 
 
 def _pow2(x: int) -> int:
