@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Session 7's final H200 run (device tool, carry [".whl"]): the sections whose code changed this session, merged
+# into a copy of benchmarks/results/h200.json (every anchor of a section in the same run): the whole model (our
+# rows and parts; HF's rows kept from the stored run: HF's code did not change), the GDN kernel rows (every column
+# but the slow XLA reference, FLA and jla included), the GDN decode rows, and (if the deadline allows) the
+# attention section. Everything lands in $OUT/w, packed into $OUT/final.tgz (the tool brings back at most 8 files).
+R=${OUT:-/tmp/out}; W=$R/w
+STEPS_DIR=$W DEADLINE=${DEADLINE:-520} TAIL=10
+source "$(dirname "$0")/steps.sh"
+cp benchmarks/results/h200.json "$W/h200.json"
+TAIL=14 step model 190 python benchmarks/gpu/model_bench.py --no-hf --no-compile --budget 165 --reps 3
+step kernels 180 python -m jax_gdn.bench --merge --impls pallas,mosaic_gpu,fla,jla --out "$W/h200.json"
+step decode 50 python -m jax_gdn.bench --no-kernels --decode --merge --out "$W/h200.json"
+step attention 80 python -m jax_gdn.bench --no-kernels --attention --merge --out "$W/h200.json"
+echo "total $(( $(date +%s) - T0 ))s"
+tar czf "$R/final.tgz" -C "$W" . && cp "$W/h200.json" "$R/h200.json" && cp "$W/model/model.json" "$R/model.json" 2>/dev/null
+ls -la "$R"
