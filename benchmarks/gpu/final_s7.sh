@@ -8,7 +8,7 @@ R=${OUT:-/tmp/out}; W=$R/w
 STEPS_DIR=$W DEADLINE=${DEADLINE:-520} TAIL=10
 source "$(dirname "$0")/steps.sh"
 cp benchmarks/results/h200.json "$W/h200.json"
-TAIL=14 step model 190 python benchmarks/gpu/model_bench.py --no-hf --no-compile --budget 165 --reps 3
+TAIL=14 step model 200 python benchmarks/gpu/model_bench.py --no-hf --no-compile --budget 175 --reps 5
 step kernels 180 python -m jax_gdn.bench --merge --impls pallas,mosaic_gpu,fla,jla --out "$W/h200.json"
 step decode 50 python -m jax_gdn.bench --no-kernels --decode --merge --out "$W/h200.json"
 step attention 80 python -m jax_gdn.bench --no-kernels --attention --merge --out "$W/h200.json"
