@@ -345,8 +345,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)], state_smem,
                                             state_bar)
                     plgpu.barrier_wait(state_bar)
-                    s_kv = plgpu.load(plgpu.transpose_ref(state_smem, (1, 0)),
-                                      layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+                    # (state_smem.T: plgpu.transpose_ref needs a ref with .memory_space, a scratch ref has none)
+                    s_kv = plgpu.load(state_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
                     return plgpu.layout_cast(s_kv, WGMMA)
                 if has_h0:
                     plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
@@ -356,8 +356,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
             def store_state(srow, s_t):
                 if state_kv:
-                    plgpu.transpose_ref(state_smem, (1, 0))[...] = plgpu.layout_cast(
-                        s_t, plgpu.Layout.WGMMA_TRANSPOSED)
+                    state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)])
                 else:
