@@ -51,6 +51,11 @@ SCANS = ("serial", "log")
 MAP = "map"
 #: the scan over the pieces: "serial" (jla's unrolled form) or "log" (log-depth compositions)
 SCAN = "serial"
+#: the scan's matmul precision: "highest" (IEEE fp32: on the H200 a [8, 128, 128] x [128, 128] step ran ~15 us,
+#: 8 CTAs of SIMT FMAs; 0.091 ms for the 6 steps at P = 8, session 7 call 3), "high" (bf16 x 3 on the tensor
+#: cores) or "default" (tf32)
+SCAN_PRECISION = "highest"
+PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "default": lax.Precision.DEFAULT}
 #: the map kernel carries two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``: WG0 and WG1 one block each,
 #: WG2 streams and forms Ag a chunk ahead): half the CTAs, each step ~1.64x (jla, H100); pays where it saves a
 #: wave. "auto": where ceil(CTAs / 2 / SMs) * PAIRED_STEP < ceil(CTAs / SMs); True / False: always / never.
@@ -440,15 +445,20 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
     return maps_t
 
 
-def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial"):
+def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str | None = None):
     """Every piece's start state, transposed, fp32 [B, P, Hv, V, K], from the maps of pieces 0 .. P - 2.
 
     maps_t [B, R, Hv, K + V, K] ([M_p^T ; E_p^T], R = P - 1); h0t [B, Hv, V, K] the initial state transposed, or
     None (zeros: then M_0 is not read and may hold anything finite). Start of piece p + 1 = S_p M_p^T + E_p^T.
     ``method`` "serial": R - 1 dependent products (jla's unrolled scan); "log": the prefix compositions in
-    ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply."""
+    ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply.
+    ``precision``: a key of PRECISIONS (default SCAN_PRECISION)."""
     if method not in SCANS:
         raise ValueError(f"piece_scan: method must be one of {SCANS}; got {method!r}")
+    precision = SCAN_PRECISION if precision is None else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"piece_scan: precision must be one of {tuple(PRECISIONS)}; got {precision!r}")
+    hp = PRECISIONS[precision]
     b, r, hv, rows, kdim = maps_t.shape
     vdim = rows - kdim
     if kdim != key_dim:
@@ -461,28 +471,31 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial"):
             if i == 0 and h0t is None:
                 s = et[:, 0]
             else:
-                s = jnp.einsum("bhvk,bhkj->bhvj", s, mt[:, i], precision=HIGHEST) + et[:, i]
+                s = jnp.einsum("bhvk,bhkj->bhvj", s, mt[:, i], precision=hp, preferred_element_type=F32) + et[:, i]
             out.append(s)
         return jnp.stack(out, axis=1)
     m, d = maps_t, 1
     while d < r:          # entry p: the composition of pieces max(0, p - 2d + 1) .. p
         later, earlier = m[:, d:], m[:, :-d]
-        comp = jnp.einsum("bphrk,bphkj->bphrj", earlier, later[:, :, :, :kdim], precision=HIGHEST)
+        comp = jnp.einsum("bphrk,bphkj->bphrj", earlier, later[:, :, :, :kdim], precision=hp,
+                          preferred_element_type=F32)
         comp = comp.at[:, :, :, kdim:].add(later[:, :, :, kdim:])
         m = jnp.concatenate([m[:, :d], comp], axis=1)
         d *= 2
     later = m[:, :, :, kdim:]
     if h0t is not None:
-        later = later + jnp.einsum("bhvk,bphkj->bphvj", s0, m[:, :, :, :kdim], precision=HIGHEST)
+        later = later + jnp.einsum("bhvk,bphkj->bphvj", s0, m[:, :, :, :kdim], precision=hp,
+                                   preferred_element_type=F32)
     return jnp.concatenate([s0[:, None], later], axis=1)
 
 
 def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str | None = None,
-                 scan: str | None = None):
+                 scan: str | None = None, precision: str | None = None):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
     (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
     ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
-    (paired where PAIRED says), "paired" always paired, "fused" session 6's; ``scan`` (default SCAN)."""
+    (paired where PAIRED says), "paired" always paired, "fused" session 6's; ``scan`` (default SCAN) and its
+    ``precision`` (default SCAN_PRECISION)."""
     map_impl = MAP if map_impl is None else map_impl
     scan = SCAN if scan is None else scan
     if map_impl not in MAPS:
@@ -498,5 +511,5 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     else:
         maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
     maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)
-    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan)
+    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision)
     return starts.reshape(b * pieces, hv, vdim, kdim)

@@ -356,7 +356,7 @@ def test_split_piece_scans_match_f64(pieces, with_h0):
     garbage[:, 0, :, :kdim] = 7.0
     for method in ms.SCANS:
         got = np.asarray(ms.piece_scan(jnp.asarray(maps), None if h0t is None else jnp.asarray(h0t), key_dim=kdim,
-                                       method=method))
+                                       method=method, precision="highest"))
         assert got.shape == want.shape and rel_rms(got, want) < 1e-5, (method, rel_rms(got, want))
         other = np.asarray(ms.piece_scan(jnp.asarray(garbage), None if h0t is None else jnp.asarray(h0t),
                                          key_dim=kdim, method=method))
@@ -366,6 +366,8 @@ def test_split_piece_scans_match_f64(pieces, with_h0):
             assert rel_rms(other, want) < 1e-5, method
     with pytest.raises(ValueError, match="method"):
         ms.piece_scan(jnp.asarray(maps), None, key_dim=kdim, method="tree")
+    with pytest.raises(ValueError, match="precision"):
+        ms.piece_scan(jnp.asarray(maps), None, key_dim=kdim, precision="fp64")
     with pytest.raises(ValueError, match="key_dim|K = "):
         ms.piece_scan(jnp.asarray(maps), None, key_dim=kdim + 1)
 
@@ -485,7 +487,8 @@ def test_gpu_split_map_pass_matches_twin(need_first, paired):
     assert np.isfinite(got).all()
     assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
     m0 = got.reshape(2, 3, 2, 256, 128)[:, 0, :, :128]
-    assert (np.all(m0 == 0) if not need_first else np.abs(m0).max() > 0.5)
+    ref_m0 = ref.reshape(2, 3, 2, 256, 128)[:, 0, :, :128]      # M ~ 0.2 after 256 tokens at K = 128
+    assert (np.all(m0 == 0) if not need_first else np.abs(m0).max() > 0.5 * np.abs(ref_m0).max() > 0.05)
 
 
 @pytest.mark.gpu
@@ -523,3 +526,32 @@ def test_gpu_split_variants_agree():
     assert np.isfinite(base).all() and np.abs(base[-2:]).max() > 0.05
     for key, got in runs.items():
         assert rel_rms(got, base) < 1e-2, (key, rel_rms(got, base))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["default", "high"])
+def test_gpu_split_fast_scan_matches_f64(precision):
+    """The split at P = 8 with the scan's products on the tensor cores (tf32 / bf16 x 3) against float64 at weak
+    decay (a start state survives its piece), initial state in, K = V = 128, grouped heads (bf16 1e-2); its start
+    states within 2e-3 of the IEEE fp32 scan's."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B1-T1000-Hk1-Hv2-K128-V128", 1, 1000, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 13, jnp.bfloat16)
+    g = (g * 0.01).astype(np.float32)
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
+            jnp.asarray(h0))
+
+    @jax.jit
+    def run(q, k, v, g, beta, h0):
+        ops_ = mg._prepare_head_major(q, k, v, g, beta, h0, kernel=True, pieces=8)
+        fast = ms.start_states(ops_, 8, kernel=True, head_major=True, precision=precision)
+        exact = ms.start_states(ops_, 8, kernel=True, head_major=True, precision="highest")
+        o, ht = mg.fused_state_pass(*ops_[:6], fast, scale=128 ** -0.5, out_final=True, head_major=True, pieces=8)
+        return o[:, :1000], jnp.swapaxes(ht[-1:], -1, -2), fast, exact
+    o, s, fast, exact = (np.asarray(x.astype(jnp.float32)) for x in run(*args))
+    assert rel_rms(fast, exact) < 2e-3, rel_rms(fast, exact)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
+    assert np.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
