@@ -136,7 +136,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     packed_qkv: bool = False, state_kv: bool = False, lane_rows=None):
+                     packed_qkv: bool = False, state_kv: bool = False, lane_rows=None, tails=None):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -157,11 +157,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     h0t[s_r] and storing its final state to [s_r]; h0t and the final state are [num_states, Hv, V, K] (S^T),
     chunk c is tokens [c C, c C + C) of q, k, v, o and chunk c of t / gcum / beta_c in either layout. Chunks no
     row walks are neither read nor written (their rows of o are left unset).
-    ``packed_qkv`` (with a walk table of 5 columns, + (first token t0, length L)): q, k, v [1, T, ...] are the
-    packed row itself, chunk n of row r reads tokens [t0 + n C, t0 + n C + C) of it (past T: TMA's zero fill);
-    the rows of the last chunk past L (the next sequence's tokens, padding, NaN) are kept out: WG1 zeroes them in
-    the k tile before the chain and the products read it, WG0 zeroes those columns of W. o stays in the chunk
-    coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
+    ``packed_qkv`` (with a walk table of 5 columns, + (first token t0, length L), and ``tails``): q, k, v [1, T, ...]
+    are the packed row itself; the full chunks n < L // C of row r are read in place (tokens [t0 + n C, +C), all
+    the sequence's own), its last, partial chunk from ``tails`` = (q, k, v [1, N C, ...]: sequence s's tail at rows
+    [s C, s C + C), zero past its L mod C tokens), so no chunk ever holds another sequence's tokens. o stays in the
+    chunk coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
     ``lane_rows`` (persistent walk): with a walk table [L, R_max, 6] (each row + m0, the chunks its lane walked
     before it) and lane_rows [L] int32, CTA row p (grid (L, Hv, V / BV)) walks rows 0 .. lane_rows[p] - 1 of its
     lane back to back: the input ring and the barrier phases run on across rows (slot and phase from m0 + n), each
@@ -188,8 +188,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
-    if packed_qkv and (not varlen or walk.shape[-1] < 5 or not write_o):
-        raise ValueError("fused_state_pass: packed_qkv needs a walk table of 5 columns and write_o")
+    if packed_qkv and (not varlen or walk.shape[-1] < 5 or not write_o or tails is None):
+        raise ValueError("fused_state_pass: packed_qkv needs a walk table of 5 columns, tails and write_o")
     o_rows = (t.shape[0] * C if not head_major else t.shape[2]) if packed_qkv else padded   # o's chunk rows
     if (padded % (C * pieces) and not packed_qkv) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
@@ -248,6 +248,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         h0_ref = refs.pop(0) if has_h0 else None
         walk_ref = refs.pop(0) if varlen else None
         nrows_ref = refs.pop(0) if lanes else None
+        qt_ref, kt_ref, vt_ref = (refs.pop(0) for _ in range(3)) if packed_qkv else (None,) * 3
         o_ref = refs.pop(0) if write_o else None
         ht_ref = refs.pop(0) if out_final else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -276,15 +277,30 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(n, slot, row):     # n: chunk index within the row
-                c0, _, _, tok0, in0, _, _ = row
-                rows = pl.ds(tok0 + n * C, C)
-                rows_in = pl.ds(in0 + n * C, C) if packed_qkv else rows
+            def issue_qkv(srcs, rows, slot):
+                qr, kr, vr = srcs
                 bar = in_bar.at[slot]
                 if write_o:
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_in, hk], q_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows_in, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows_in, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(qr.at[b, rows, hk], q_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(kr.at[b, rows, hk], k_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(vr.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+
+            def issue(n, slot, row):     # n: chunk index within the row
+                c0, _, srow_, tok0, in0, seq_len_, _ = row
+                rows = pl.ds(tok0 + n * C, C)
+                bar = in_bar.at[slot]
+                if packed_qkv:           # full chunks in place, the partial last one from the tails
+                    full = lax.div(seq_len_, C)
+
+                    @pl.when(n < full)
+                    def _():
+                        issue_qkv((q_ref, k_ref, v_ref), pl.ds(in0 + n * C, C), slot)
+
+                    @pl.when(n >= full)
+                    def _():
+                        issue_qkv((qt_ref, kt_ref, vt_ref), pl.ds(srow_ * C, C), slot)
+                else:
+                    issue_qkv((q_ref, k_ref, v_ref), rows, slot)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
                     t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
@@ -366,7 +382,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(0)
 
             def step(n, s_t, row):
-                seq_len, m0 = row[5], row[6]
+                m0 = row[6]
                 m = n if isinstance(m0, int) and m0 == 0 else m0 + n     # chunks this CTA walked before
                 slot = lax.rem(m, stages)
                 half = lax.rem(m, 2)
@@ -386,10 +402,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 # W^T = v^T - (S^T k^T) Gamma, then v_new^T = W^T Ag^T
                 x_t = _matmul(s_lo, k_s.at[slot].T, (BV, C))
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
-                w_t = v_t - x_t * _bcast_cols(key_decay, (BV, C))
-                if packed_qkv:           # the columns past the sequence's end (other tokens, NaN) are not its own
-                    w_t = jnp.where(_iota((BV, C), 1) < seq_len - n * C, w_t, 0.0)
-                w_t = w_t.astype(dtype)
+                w_t = (v_t - x_t * _bcast_cols(key_decay, (BV, C))).astype(dtype)
                 plgpu.barrier_wait(ag_ready.at[slot])
                 vn_t = _matmul(w_t, t_s.at[slot].T, (BV, C))
                 vn_pub.at[half].T[...] = vn_t.astype(dtype)
@@ -421,7 +434,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             plgpu.set_max_registers(232, action="increase")
 
             def step(n, carry, row):
-                tok0, seq_len, m0 = row[3], row[5], row[6]
+                tok0, m0 = row[3], row[6]
                 m = n if isinstance(m0, int) and m0 == 0 else m0 + n
                 slot = lax.rem(m, stages)
                 half = lax.rem(m, 2)
@@ -430,12 +443,6 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 g_col = plgpu.load(g_cols.at[slot], layout=COLS)
                 q_decay = _exp(g_row)
                 sq = (C, C)
-                if packed_qkv:           # zero the k rows past the sequence's end before anything multiplies them
-                    @pl.when(seq_len - n * C < C)
-                    def _clean_k():
-                        k_in = plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32)
-                        own = _iota((C, key_dim), 0) < seq_len - n * C
-                        k_s.at[slot][...] = jnp.where(own, k_in, 0.0).astype(dtype)
                 keep = _iota(sq, 0) >= _iota(sq, 1)
                 # the exponent is masked before exp, so acausal entries never overflow (jla decay_matrix)
                 decay = _exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
@@ -484,6 +491,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
     args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
     args += [lane_rows] if lanes else []
+    args += list(tails) if packed_qkv else []
     rows = walk.shape[0] if varlen else batch * run_pieces
     name = "gdn_mosaic_varlen_state_pass" if varlen else (
         "gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map")
@@ -764,20 +772,17 @@ def _chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
     return t, gcum, beta_c
 
 
-def _chunk_step(s, xs, scale: float, keep_cols=None):
+def _chunk_step(s, xs, scale: float):
     """One chunk of the fused pass in jnp (fp32, precision highest): s [B, Hv, K, V] the incoming state, xs =
     (q, k [B, Hv, C, K], v [B, Hv, C, V], gated T [B, Hv, C, C], G, beta [B, Hv, C]) fp32. Returns (the outgoing
     state, o [B, Hv, C, V] fp32): W = v - e^G k S, v_new = (T * beta_j) W, o = scale (e^G q S + P v_new),
-    S' = e^(G_last) S + k^T (e^(G_last - G) v_new). ``keep_cols`` [C] bool: rows of W outside it are zeroed (the
-    varlen kernel's packed reads)."""
+    S' = e^(G_last) S + k^T (e^(G_last - G) v_new)."""
     hp = lax.Precision.HIGHEST
     keep = jnp.tril(jnp.ones((C, C), bool))
     qq, kk, vv, tt, gg, bb = xs
     ag = tt * bb[..., None, :]                                                   # T_ij beta_j
     x = jnp.einsum("bhck,bhkv->bhcv", kk, s, precision=hp)
     w = vv - jnp.exp(gg)[..., None] * x
-    if keep_cols is not None:
-        w = jnp.where(keep_cols[:, None], w, 0.0)
     vn = jnp.einsum("bhij,bhjv->bhiv", ag, w, precision=hp)
     decay = jnp.exp(jnp.where(keep, gg[..., :, None] - gg[..., None, :], -jnp.inf))
     p = jnp.einsum("bhik,bhjk->bhij", qq, kk, precision=hp) * decay

@@ -62,9 +62,10 @@ class VarlenConfig:
 
     stage1a: "mosaic" (kkt_fwd on the repacked row) or "triton" (Pallas Triton kkt_solve on the packed row).
     order: the walk table's row order, "longest_first" (decreasing chunk count) or "index" (sequence order).
-    inputs: "repacked" (q, k, v gathered to the chunk-aligned row first) or "packed" (the fused pass reads q, k, v
-    from the packed row at each sequence's own offsets, ``fused_state_pass(packed_qkv=True)``: no repack of them;
-    only g, beta, and k for stage1a "mosaic", are repacked).
+    inputs: "repacked" (q, k, v gathered to the chunk-aligned row first) or "packed" (the fused pass reads the full
+    chunks of q, k, v in place at each sequence's own offsets and each sequence's partial last chunk from a small
+    gathered tail buffer [N C, ...], ``fused_state_pass(packed_qkv=True, tails=...)``: no repack of q, k, v; only
+    g, beta, and k for stage1a "mosaic", are repacked).
     states: "kv" (the kernel reads the initial states and writes the final ones in the op's [N, Hv, K, V] layout,
     ``fused_state_pass(state_kv=True)``) or "vk" (XLA transposes them to and from the kernel's S^T, the dense
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
@@ -74,7 +75,7 @@ class VarlenConfig:
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
-    inputs: str = "repacked"
+    inputs: str = "packed"
     states: str = "kv"
     lanes: int = 0
 
@@ -147,6 +148,19 @@ def lane_table(walk, lanes: int):
     return jnp.concatenate([table, m0[..., None]], axis=-1).astype(jnp.int32), lane_rows
 
 
+def tail_rows(cu_seqlens):
+    """(src [N C] int32, keep [N C] bool): row s C + i of the tail buffer is packed token cu[s] + (L_s // C) C + i
+    where i < L_s mod C (sequence s's partial last chunk), else a zero token."""
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    n = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    i = jnp.arange(n * C, dtype=jnp.int32)
+    seq, j = i // C, i % C
+    keep = j < lens[seq] % C
+    src = jnp.where(keep, cu[seq] + (lens[seq] // C) * C + j, 0)
+    return src, keep
+
+
 def _gather_rows(x, idx, keep):
     """x [T, ...] -> [len(idx), ...]: x[idx] where keep, zeros elsewhere (a select: NaN-safe)."""
     out = jnp.take(x, idx, axis=0, mode="clip")
@@ -186,12 +200,12 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
                                     out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False,
-                                    state_kv: bool = False, lane_rows=None):
+                                    state_kv: bool = False, lane_rows=None, tails=None):
     """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
     row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
-    (``packed_qkv``: q, k, v chunk n from the packed row at t0 + n C, rows past L of k and columns of W zeroed, as
-    the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
+    (``packed_qkv``: q, k, v chunk n < L // C from the packed row at t0 + n C, the partial last chunk from
+    ``tails`` at rows s C, as the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
     them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
     h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
     [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
@@ -204,8 +218,8 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     def heads(x):       # [1, L, H, D] -> [L, Hv, D] fp32 (value heads)
         return jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
     qa, ka, va = heads(q), heads(k), heads(v)
-    if packed_qkv:      # TMA reads past T as zeros
-        qa, ka, va = (jnp.pad(x, [(0, C), (0, 0), (0, 0)]) for x in (qa, ka, va))
+    if packed_qkv:
+        tq, tk, tv = (heads(x) for x in tails)
     ts = (t.astype(F32).reshape(nc, hv, C, C), gcum.astype(F32).reshape(nc, hv, C),
           beta_c.astype(F32).reshape(nc, hv, C))
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
@@ -219,13 +233,15 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
             s, o = carry2
             c = c0 + n
             first = (ent[3] + n * C) if packed_qkv else c * C
-            qc, kc, vc = (jnp.swapaxes(lax.dynamic_slice_in_dim(x, first, C, 0), 0, 1)[None] for x in (qa, ka, va))
-            own = None
-            if packed_qkv:
-                own = jnp.arange(C) < ent[4] - n * C                                      # [C]
-                kc = jnp.where(own[:, None], kc, 0.0)
+
+            def tile(x, at):        # [C, Hv, D] rows at.. -> [1, Hv, C, D]
+                return jnp.swapaxes(lax.dynamic_slice_in_dim(x, at, C, 0), 0, 1)[None]
+            qc, kc, vc = (tile(x, first) for x in (qa, ka, va))
+            if packed_qkv:          # the partial last chunk from the tails (a select: NaN-safe)
+                tail = n >= ent[4] // C
+                qc, kc, vc = (jnp.where(tail, tile(x, ent[2] * C), y) for x, y in ((tq, qc), (tk, kc), (tv, vc)))
             xs = (qc, kc, vc) + tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in ts)
-            s, oc = mg._chunk_step(s, xs, scale, keep_cols=own)
+            s, oc = mg._chunk_step(s, xs, scale)
             return s, lax.dynamic_update_index_in_dim(o, oc[0], c, 0)
 
         s, o = lax.fori_loop(0, count, chunk, (lax.dynamic_index_in_dim(h0, srow, 0, keepdims=True), o))
@@ -276,9 +292,11 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
     packed_qkv = inputs == "packed"
     g_r, b_r = repack((g.astype(F32), beta.astype(F32)), src, keep)
+    tails = None
     if packed_qkv:
         k_r = repack((k,), src, keep)[0] if stage1a == "mosaic" else None
         qkv = (q, k, v)
+        tails = repack((q, k, v), *tail_rows(cu))
     else:
         qkv = repack((q, k, v), src, keep)
         k_r = qkv[1]
@@ -295,11 +313,12 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
                                       walk=walk, num_states=n, packed_qkv=packed_qkv, state_kv=state_kv,
-                                      lane_rows=rows)
+                                      lane_rows=rows, tails=tails)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
                                                   out_final=output_final_state, head_major=head_major,
-                                                  packed_qkv=packed_qkv, state_kv=state_kv, lane_rows=rows)
+                                                  packed_qkv=packed_qkv, state_kv=state_kv, lane_rows=rows,
+                                                  tails=tails)
     o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 

@@ -60,7 +60,7 @@ def _oracle(args, dtype=jnp.float32):
 def test_reference_matches_f64(stage1a, inputs, states, lanes):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
-    ``inputs="packed"``: q, k, v read in place, the NaN padding right behind the last sequence's partial chunk;
+    ``inputs="packed"``: full chunks read in place, partial ones from the tails (NaN padding right behind the last);
     ``lanes``: the persistent walk (each lane's sequences back to back)."""
     args = _inputs()
     o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
@@ -86,7 +86,7 @@ def test_reference_no_initial_state_index_order_k32():
 def test_nan_token_stays_in_its_sequence(inputs):
     """A NaN in the first token of sequence 3 (64 tokens) poisons only that sequence; every other sequence's rows
     and final state equal the clean run's bit for bit, also sequence 1 (63 tokens, then the empty sequence 2),
-    whose one chunk covers that token in the packed row (packed reads: the kernel's masks keep it out)."""
+    whose one chunk would cover that token in the packed row (packed reads take a partial chunk from the tails)."""
     args = _inputs(seed=5)
     o_clean, s_clean = _run(args, inputs=inputs)
     cu = args[-1]
