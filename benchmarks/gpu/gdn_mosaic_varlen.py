@@ -21,7 +21,7 @@ session 7; pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, NOTES.md "Sessi
    zero); and on serve256 the stages alone: repack (q, k, v, g, beta gathered), repack_gb (k, g, beta: the packed
    variant's glue), kkt (Mosaic kkt_fwd on the repacked k), kkt_triton (kkt_solve on the packed row), the fused
    pass (packed inputs + kv states; the same as the persistent walk; repacked inputs + vk states), unpack.
-A deadline (--budget, default 100 s from start) skips what would not fit; every measurement is wrapped in
+A deadline (--budget, default 70 s from start) skips what would not fit; every measurement is wrapped in
 try/except (a failure prints its reason and the script goes on). A table is printed last.
 --quick: CPU, one tiny case, Triton in interpret mode and the jnp twins (impl="reference"), no FLA: checks the
 script end to end.
@@ -43,16 +43,17 @@ NAME = "gdn_mosaic_varlen"
 _V = "tests/pallas_kernels/test_gdn_mosaic_varlen.py::"
 _K = _V + "test_gpu_kernel_matches_f64"
 _D = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
-TEST_IDS = [f"{_K}[dims0-mosaic-repacked-vk-0]", f"{_K}[dims0-mosaic-packed-kv-0]", f"{_K}[dims0-mosaic-packed-kv-2]",
-            _V + "test_gpu_slots_api_beside_xla", _D + "test_gpu_mosaic_stage1a_matches_f64[130-1]",
-            _V + "test_gpu_many_sequences_beside_pallas", f"{_K}[dims0-triton-packed-kv-0]",
-            f"{_K}[dims1-mosaic-packed-kv-0]", f"{_K}[dims0-mosaic-packed-vk-0]", _D + "test_gpu_public_op_mosaic_backend",
-            f"{_K}[dims0-mosaic-repacked-vk-3]", f"{_K}[dims1-mosaic-repacked-vk-0]", f"{_K}[dims0-mosaic-repacked-kv-0]",
-            f"{_K}[dims0-triton-repacked-kv-0]"]
-# (stage1a, inputs, states, lanes); the first is the closest to the dense kernel measured in session 6 (only the
-# walk table is new), so a fault in a newer path still leaves it measured
-VARIANTS = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "kv", 0), ("mosaic", "packed", "kv", -1)]
-VARIANTS_SMALL = [("mosaic", "repacked", "vk", 0), ("mosaic", "packed", "kv", 0)]
+# call 4 (after call 3: repacked + vk states passed its test and ran serve256 in 2.637 ms; kv states failed to trace,
+# packed inputs failed their test): the new defaults first, with the odd lengths, NaN padding and the lanes
+TEST_IDS = [f"{_K}[dims0-mosaic-packed-kv-2]", _V + "test_gpu_many_sequences_beside_pallas",
+            _V + "test_gpu_slots_api_beside_xla", f"{_K}[dims1-mosaic-packed-kv-0]",
+            f"{_K}[dims0-mosaic-repacked-kv-0]"]
+# (stage1a, inputs, states, lanes), most informative first: the defaults, the persistent walk, the repacked
+# fallback with the kv states
+VARIANTS = [("mosaic", "packed", "kv", 0), ("mosaic", "packed", "kv", -1), ("mosaic", "repacked", "kv", 0)]
+VARIANTS_SMALL = [("mosaic", "packed", "kv", 0)]
+# Pallas Triton measured in call 3 (same inputs, same timer): serve256 2.4212 ms; timed here only on the smaller cases
+PALLAS_CASES = ("varlen16-T19027-Hk16-Hv32", "tiny64-T171-Hk16-Hv32")
 
 
 def vkey(variant) -> str:
@@ -101,8 +102,8 @@ def run_tests(quick: bool, timeout: float, result: dict):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
-    ap.add_argument("--budget", type=float, default=100.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=22.0, help="seconds for the child's GPU tests")
+    ap.add_argument("--budget", type=float, default=70.0, help="seconds from start; later steps are skipped")
+    ap.add_argument("--test-timeout", type=float, default=20.0, help="seconds for the child's GPU tests")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     opts = ap.parse_args()
@@ -210,63 +211,43 @@ def main():
             log(f"  numerics FAIL {type(e).__name__}: {str(e)[:300]}")
 
     def stages(row, args, cu):
-        """The serve256 stages alone, each a jitted function on the previous stage's outputs."""
+        """serve256's stages that call 3 did not measure (repack 0.552, repack_gb 0.174, kkt 0.378, kkt_triton
+        0.612, fused with repacked inputs and vk states 1.052 ms there): the tail gather, the fused pass with packed
+        inputs and kv states alone (one CTA row per sequence, and the persistent walk), unpack."""
         q, k, v, g, beta, h0 = args
         t = q.shape[1]
         n = cu.shape[0] - 1
-        lay = jax.jit(lambda cu: mv.layout(cu, t))
-        cm, src, keep, back, valid, walk = jax.block_until_ready(lay(cu))
-        rep5 = jax.jit(lambda q, k, v, g, beta, src, keep: mv.repack(
-            (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)), src, keep))
-        reps = timed(row, "st.repack", rep5, (q, k, v, g, beta, src, keep))
-        rep3 = jax.jit(lambda k, g, beta, src, keep: mv.repack(
-            (k, g.astype(jnp.float32), beta.astype(jnp.float32)), src, keep))
-        timed(row, "st.repack_gb", rep3, (k, g, beta, src, keep))
-        if reps is None:
+        f32 = jnp.float32
+        cm, src, keep, back, valid, walk = jax.block_until_ready(jax.jit(lambda cu: mv.layout(cu, t))(cu))
+        tails = timed(row, "st.tails", jax.jit(lambda q, k, v, cu: mv.repack((q, k, v), *mv.tail_rows(cu))),
+                      (q, k, v, cu))
+        if tails is None:
             return
-        q_r, k_r, v_r, g_r, b_r = reps
-        h0t = jnp.swapaxes(h0, -1, -2)
+        k_r, g_r, b_r = jax.jit(lambda k, g, beta, src, keep: mv.repack((k, g.astype(f32), beta.astype(f32)),
+                                                                         src, keep))(k, g, beta, src, keep)
         kern = impl == "mosaic"
-        kkt = jax.jit(lambda k_r, g_r, b_r: mv.stage1a_operands(k_r, g_r, b_r, kernel=kern, stage1a="mosaic",
-                                                                 vdim=v.shape[3])[:3])
-        t1a = timed(row, "st.kkt", kkt, (k_r, g_r, b_r))
-        kkt_t = jax.jit(lambda k, g, beta, g_r, b_r, cu: mv.stage1a_operands(
-            None, g_r, b_r, kernel=kern, stage1a="triton", vdim=v.shape[3], packed=(k[0], g[0], beta[0]),
-            chunk_map=mv.build_chunk_map(cu, t, mv.C))[:3])
-        timed(row, "st.kkt_triton", kkt_t, (k, g, beta, g_r, b_r, cu))
-        if t1a is None:
-            return
-        tmat, gcum, beta_hm = t1a
+        tmat, gcum, beta_hm, _ = jax.jit(lambda k_r, g_r, b_r: mv.stage1a_operands(
+            k_r, g_r, b_r, kernel=kern, stage1a="mosaic", vdim=v.shape[3]))(k_r, g_r, b_r)
         scale = q.shape[3] ** -0.5
 
-        def fused_fn(packed, kv=False):
-            def fn(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, walk):
+        def fused_fn(lanes):
+            def fn(q, k, v, tmat, gcum, beta_hm, h0, walk, qt, kt, vt):
+                rows = None
+                if lanes:
+                    walk, rows = mv.lane_table(walk, lanes)
+                kw = dict(num_states=n, scale=scale, out_final=True, head_major=True, packed_qkv=True,
+                          state_kv=True, lane_rows=rows, tails=(qt, kt, vt))
                 if kern:
-                    return mg.fused_state_pass(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, scale=scale,
-                                               out_final=True, head_major=True, walk=walk, num_states=n,
-                                               packed_qkv=packed, state_kv=kv)
-                return mv.fused_state_pass_walk_reference(q_in, k_in, v_in, tmat, gcum, beta_hm, h0t, walk,
-                                                          num_states=n, scale=scale, out_final=True,
-                                                          head_major=True, packed_qkv=packed, state_kv=kv)
+                    return mg.fused_state_pass(q, k, v, tmat, gcum, beta_hm, h0, walk=walk, **kw)
+                return mv.fused_state_pass_walk_reference(q, k, v, tmat, gcum, beta_hm, h0, walk, **kw)
             return jax.jit(fn)
-        res = timed(row, "st.fused_packed_kv", fused_fn(True, True), (q, k, v, tmat, gcum, beta_hm, h0, walk))
-        n_lanes = mv.num_lanes(-1, n, v.shape[2], v.shape[3]) or 2
-        lane_walk, lane_rows = mv.lane_table(walk, n_lanes)
-
-        def fused_lanes(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, lane_walk, lane_rows):
-            if kern:
-                return mg.fused_state_pass(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, scale=scale, out_final=True,
-                                           head_major=True, walk=lane_walk, num_states=n, packed_qkv=True,
-                                           state_kv=True, lane_rows=lane_rows)
-            return mv.fused_state_pass_walk_reference(q_in, k_in, v_in, tmat, gcum, beta_hm, h0, lane_walk,
-                                                      num_states=n, scale=scale, out_final=True, head_major=True,
-                                                      packed_qkv=True, state_kv=True, lane_rows=lane_rows)
-        timed(row, f"st.fused_packed_kv_L{n_lanes}", jax.jit(fused_lanes),
-              (q, k, v, tmat, gcum, beta_hm, h0, lane_walk, lane_rows))
-        timed(row, "st.fused_repacked_vk", fused_fn(False), (q_r, k_r, v_r, tmat, gcum, beta_hm, h0t, walk))
+        fargs = (q, k, v, tmat, gcum, beta_hm, h0, walk) + tuple(tails)
+        res = timed(row, "st.fused_packed_kv", fused_fn(0), fargs)
         if res is not None:
-            unpack = jax.jit(lambda o_r, back, valid: mv._gather_rows(o_r[0], back, valid)[None])
-            timed(row, "st.unpack", unpack, (res[0], back, valid))
+            timed(row, "st.unpack", jax.jit(lambda o_r, back, valid: mv._gather_rows(o_r[0], back, valid)[None]),
+                  (res[0], back, valid))
+        n_lanes = mv.num_lanes(-1, n, v.shape[2], v.shape[3]) or 2
+        timed(row, f"st.fused_packed_kv_L{n_lanes}", fused_fn(n_lanes), fargs)
 
     def run_stages(row, args, cu):
         try:
@@ -284,15 +265,17 @@ def main():
         host, args, cu = case_args(case)
         row = {"case": case.name, "N": len(case.lens), "T": case.T, "ms": {}, "numerics": {}}
         result["rows"].append(row)
-        outs = {"pallas": timed(row, "pallas", pallas_fn(cu), args)}
+        outs = {}
         variants = VARIANTS if ci == 0 or quick else VARIANTS_SMALL
         for variant in variants:
             key = vkey(variant)
             outs[key] = timed(row, key, variant_fn(variant, cu), args, min_left=12.0)
         if ci < 2:
             numerics(row, outs, args, cu)
+        if quick or case.name in PALLAS_CASES:
+            timed(row, "pallas", pallas_fn(cu), args)
         del outs
-        if ci == 0:
+        if ci == 0 and (quick or left() > 30):
             run_stages(row, args, cu)
         if not quick and not opts.no_fla:
             need = 5.0 if fla_warm else 48.0          # FLA's first call autotunes (~40 s)
