@@ -13,9 +13,10 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_split.py, NOTES.md "Session 7: Mosaic
 2. B1-T8192-Hk2-Hv8 (the bench's inputs: bf16 q, k, v, beta, fp32 g and initial state, final state out), each
    timed as jax_gdn.bench's kernel section does (bench.time_jax: median of 15 groups of 10 back-to-back calls) in
    this one process: the op at P = 8 (defaults: the map kernel, the serial scan in IEEE fp32) and with the scan's
-   products in tf32; the scan alone (serial in fp32 / bf16 x 3 / tf32, log in tf32, on maps of the right shape);
-   the map pass alone (single and paired); P = 4 (tf32 scan); jla (the bench's column); unsplit; then
-   B1-T8192-Hk16-Hv32 and B1-T32768-Hk16-Hv32 at P = 2 (tf32 scan) and 1; P = 8 with the paired map; P = 5.
+   products in tf32; the scan alone (serial in fp32 / bf16 x 3 / tf32, log in tf32, the Triton kernel in fp32 /
+   tf32, on maps of the right shape); the map pass alone (single and paired); P = 8 with the Triton scan; jla
+   (the bench's column); P = 4; B1-T8192-Hk16-Hv32 at P = 2; unsplit; B1-T8192-Hk16-Hv32 unsplit; B1-T32768 at
+   P = 2 and 1; P = 8 with the paired map; P = 5 (the scans of the ops: tf32 unless named).
    Each op's o and final state against a named other (rel RMS; the float64 checks are the tests').
 A deadline (--budget, default 80 s from start) skips what would not fit; every measurement is wrapped in
 try/except. A table is printed last. --quick: CPU, a tiny case, the jnp twins (impl="reference"), no jla.
@@ -174,27 +175,36 @@ def main():
     ops_p = {pp: None}
     kd, vd, hv = case.K, case.V, case.Hv
     maps_shape = (case.B * (pp - 1), hv, kd + vd, kd)
-    for scan, prec in (("serial", "highest"), ("serial", "high"), ("serial", "default"), ("log", "default")):
+    for scan, prec in (("serial", "highest"), ("serial", "high"), ("serial", "default"), ("log", "default"),
+                       ("triton", "highest"), ("triton", "default")):
         add(case, f"scan{pp}.{scan}.{prec}", jax.jit(lambda m, h, scan=scan, prec=prec: ms.piece_scan(
-            m.reshape((case.B, pp - 1) + m.shape[1:]), h, key_dim=kd, method=scan, precision=prec)),
-            ("maps", pp, maps_shape))
+            m.reshape((case.B, pp - 1) + m.shape[1:]), h, key_dim=kd, method=scan, precision=prec,
+            interpret=not kernel)), ("maps", pp, maps_shape))
     map_fn = ms.state_map_pass if kernel else ms.state_map_pass_reference
     add(case, f"map{pp}", jax.jit(lambda *o: map_fn(*o[1:6], pieces=pp, need_first=True)), ("ops", pp), "map")
     if kernel:
         add(case, "map8.paired", jax.jit(lambda *o: ms.state_map_pass(*o[1:6], pieces=8, need_first=True,
                                                                         paired=True)), ("ops", 8), "paired")
-    add(case, "p4.tf32", op(4, scan="serial", precision=fast), args, "map", f"p{pp}")
+    add(case, f"p{pp}.triton.tf32", op(pp, scan="triton", precision=fast), args, "map", f"p{pp}")
     if not quick:
         try:
             from jax_gdn.bench import _jla_impl
             add(case, "jla", *_jla_impl(case, host))
         except Exception as e:  # noqa: BLE001
             result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
-    add(case, "p1", op(1), args, None, f"p{pp}")
+    add(case, "p4.tf32", op(4, scan="serial", precision=fast), args, "map", f"p{pp}")
     case_b_args = {}
     for case_b in cases[1:]:
         host_b, args_b = args_of(case_b)
-        case_b_args[case_b.name] = (case_b, host_b)
+        case_b_args[case_b.name] = (case_b, host_b, args_b)
+    if len(cases) > 1:
+        case_b, _, args_b = case_b_args[cases[1].name]
+        add(case_b, "p2.tf32", op(2, scan="serial", precision=fast), args_b, "map")
+    add(case, "p1", op(1), args, None, f"p{pp}")
+    if len(cases) > 1:
+        add(case_b, "p1", op(1), args_b, None, "p2.tf32")
+    for case_b in cases[2:]:
+        _, _, args_b = case_b_args[case_b.name]
         add(case_b, "p2.tf32", op(2, scan="serial", precision=fast), args_b, "map")
         add(case_b, "p1", op(1), args_b, None, "p2.tf32")
     if kernel:

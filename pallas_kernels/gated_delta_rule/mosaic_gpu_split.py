@@ -3,8 +3,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # state_map_pass is adapted from jax-linear-attention 0.1.0 (Apache-2.0), jla/ops/mosaic_gpu/scalar_gate_docs.py
 # (map_fwd_wy: a state-only map kernel reading u in place, the first piece's M skipped without an initial state),
-# and piece_scan's "serial" form from jla/ops/mosaic_gpu/scalar_gate_scan.py (piece_scan_xla). Those files state
-# that they are adapted from FlashQLA (MIT) and flash-linear-attention (MIT). See NOTICE in this folder.
+# and piece_scan's "serial" and "triton" forms from jla/ops/mosaic_gpu/scalar_gate_scan.py (piece_scan_xla,
+# piece_scan). Those files state that they are adapted from FlashQLA (MIT) and flash-linear-attention (MIT). See
+# NOTICE in this folder.
 """The sequence split's start states for the Mosaic GPU backend (``mosaic_gpu.py``, port plan step 3; issue 14).
 
 The split cuts each row of Tp tokens into P pieces that the fused state pass runs side by side. Piece p's map of
@@ -21,9 +22,10 @@ where a piece maps s -> s M_p^T + E_p^T.
     WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
     piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then). ``PAIRED``: two blocks per
     CTA (jla's ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.64x the step.
-  * :func:`piece_scan` in XLA: "serial" (jla's unrolled scan: P - 2 dependent [V, K] x [K, K] fp32 products, the
-    first taken as E_0^T without an initial state) or "log" (Hillis-Steele prefix compositions, ceil(log2(P - 1))
-    batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout).
+  * :func:`piece_scan`: "serial" (jla's unrolled XLA scan: P - 2 dependent [V, K] x [K, K] products, the first
+    taken as E_0^T without an initial state), "log" (XLA, Hillis-Steele prefix compositions, ceil(log2(P - 1))
+    batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout) or "triton"
+    (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel); products in SCAN_PRECISION.
   * :func:`start_states`: both, [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
 
 ``MAP`` "fused" keeps session 6's map (the fused kernel with ``write_o=False`` over [0 | v] from [I | 0], every
@@ -45,11 +47,12 @@ BV = mg.BV
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 MAPS = ("map", "paired", "fused")
-SCANS = ("serial", "log")
+SCANS = ("serial", "log", "triton")
 #: the start states' map pass: "map" (:func:`state_map_pass`), "paired" (the same, two blocks per CTA) or "fused"
 #: (session 6: the fused kernel over [0 | v])
 MAP = "map"
-#: the scan over the pieces: "serial" (jla's unrolled form) or "log" (log-depth compositions)
+#: the scan over the pieces: "serial" (jla's unrolled form), "log" (log-depth compositions) or "triton" (one Pallas
+#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched)
 SCAN = "serial"
 #: the scan's matmul precision: "highest" (IEEE fp32: on the H200 a [8, 128, 128] x [128, 128] step ran ~15 us,
 #: 8 CTAs of SIMT FMAs; 0.091 ms for the 6 steps at P = 8, session 7 call 3), "high" (bf16 x 3 on the tensor
@@ -445,14 +448,16 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
     return maps_t
 
 
-def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str | None = None):
+def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str | None = None,
+               interpret: bool = False):
     """Every piece's start state, transposed, fp32 [B, P, Hv, V, K], from the maps of pieces 0 .. P - 2.
 
     maps_t [B, R, Hv, K + V, K] ([M_p^T ; E_p^T], R = P - 1); h0t [B, Hv, V, K] the initial state transposed, or
     None (zeros: then M_0 is not read and may hold anything finite). Start of piece p + 1 = S_p M_p^T + E_p^T.
     ``method`` "serial": R - 1 dependent products (jla's unrolled scan); "log": the prefix compositions in
     ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply.
-    ``precision``: a key of PRECISIONS (default SCAN_PRECISION)."""
+    "triton": :func:`piece_scan_triton` (``interpret``: Pallas interpret mode, the CPU tests). ``precision``: a key
+    of PRECISIONS (default SCAN_PRECISION)."""
     if method not in SCANS:
         raise ValueError(f"piece_scan: method must be one of {SCANS}; got {method!r}")
     precision = SCAN_PRECISION if precision is None else precision
@@ -464,6 +469,8 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
     if kdim != key_dim:
         raise ValueError(f"piece_scan: maps_t must be [B, R, Hv, K + V, K] with K = {key_dim}; got {maps_t.shape}")
     s0 = jnp.zeros((b, hv, vdim, kdim), F32) if h0t is None else h0t.astype(F32)
+    if method == "triton":
+        return piece_scan_triton(maps_t, h0t, precision=hp, interpret=interpret)
     mt, et = maps_t[:, :, :, :kdim], maps_t[:, :, :, kdim:]
     if method == "serial":
         s, out = s0, [s0]
@@ -489,6 +496,73 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
     return jnp.concatenate([s0[:, None], later], axis=1)
 
 
+SCAN_ROWS = 16       # value rows per program of piece_scan_triton
+SCAN_WARPS = 8
+
+
+def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False):
+    """:func:`piece_scan` as one Pallas Triton kernel (jla's ``scalar_gate_scan.piece_scan``, forward, no zero-map
+    flags): grid (B Hv, V / 16); a program keeps its 16 rows of the running S^T in registers as K / 64 column
+    tiles and walks the pieces, S_{p+1}^T rows = S_p^T rows M_p^T + E_p^T rows, each product a sum of [16, 64] x
+    [64, 64] tile products, the next step's tiles loaded before this step's products. Same result as the XLA
+    forms (``precision`` of the tile products). maps_t [B, R, Hv, K + V, K], h0t [B, Hv, V, K] or None ->
+    [B, R + 1, Hv, V, K] fp32."""
+    import jax.experimental.pallas as pl
+    b, r, hv, rows_kv, kdim = maps_t.shape
+    vdim = rows_kv - kdim
+    cols = 64 if kdim % 64 == 0 else kdim
+    rows = SCAN_ROWS if vdim % SCAN_ROWS == 0 else vdim
+    nb = kdim // cols
+    has_init = h0t is not None
+
+    def kernel(maps_ref, *refs):
+        init_ref = refs[0] if has_init else None
+        out_ref = refs[-1]
+        bh, rb = pl.program_id(0), pl.program_id(1)
+        bi, h = bh // hv, bh % hv
+        vrows = pl.ds(rb * rows, rows)
+        erows = pl.ds(kdim + rb * rows, rows)
+
+        def cs(j):
+            return pl.ds(j * cols, cols)
+
+        def store(i, s):
+            for j in range(nb):
+                out_ref[bi, i, h, vrows, cs(j)] = s[j]
+
+        def loads(i, first):
+            local = [maps_ref[bi, i, h, erows, cs(j)] for j in range(nb)]
+            tiles = None if first else [[maps_ref[bi, i, h, cs(c), cs(j)] for c in range(nb)] for j in range(nb)]
+            return local, tiles
+
+        if has_init:
+            s = [init_ref[bi, h, vrows, cs(j)] for j in range(nb)]
+        else:
+            s = [jnp.zeros((rows, cols), F32) for _ in range(nb)]
+        store(0, s)
+        pending = loads(0, not has_init) if r else None
+        for i in range(r):
+            local, tiles = pending
+            if i + 1 < r:
+                pending = loads(i + 1, False)
+            if tiles is None:            # from a zero state: the local term itself (M_0 not read)
+                s = local
+            else:
+                s = [local[j] + sum(jnp.dot(s[c], tiles[j][c], precision=precision, preferred_element_type=F32)
+                                    for c in range(nb)) for j in range(nb)]
+            store(i + 1, s)
+
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        params = pltriton.CompilerParams(num_warps=SCAN_WARPS, num_stages=1)
+    args = [maps_t.astype(F32)] + ([h0t.astype(F32)] if has_init else [])
+    return pl.pallas_call(
+        kernel, grid=(b * hv, vdim // rows), out_shape=jax.ShapeDtypeStruct((b, r + 1, hv, vdim, kdim), F32),
+        compiler_params=params, interpret=interpret, name="gdn_split_piece_scan",
+    )(*args)
+
+
 def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str | None = None,
                  scan: str | None = None, precision: str | None = None):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
@@ -511,5 +585,5 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     else:
         maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
     maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)
-    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision)
+    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision, interpret=not kernel)
     return starts.reshape(b * pieces, hv, vdim, kdim)

@@ -345,8 +345,8 @@ def _scan_f64(maps_t, h0t):
 @pytest.mark.parametrize("pieces", [2, 3, 4, 8])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_split_piece_scans_match_f64(pieces, with_h0):
-    """Both scans against the definition; without an initial state M_0 is not read (garbage there changes
-    nothing), with one a wrong M_0 must show."""
+    """Every scan (the Triton one in interpret mode) against the definition; without an initial state M_0 is not
+    read (garbage there changes nothing), with one a wrong M_0 must show."""
     rng = np.random.default_rng(pieces)
     b, hv, kdim, vdim = 2, 3, 8, 16
     maps = rng.standard_normal((b, pieces - 1, hv, kdim + vdim, kdim)).astype(np.float32) * 0.3
@@ -356,10 +356,10 @@ def test_split_piece_scans_match_f64(pieces, with_h0):
     garbage[:, 0, :, :kdim] = 7.0
     for method in ms.SCANS:
         got = np.asarray(ms.piece_scan(jnp.asarray(maps), None if h0t is None else jnp.asarray(h0t), key_dim=kdim,
-                                       method=method, precision="highest"))
+                                       method=method, precision="highest", interpret=True))
         assert got.shape == want.shape and rel_rms(got, want) < 1e-5, (method, rel_rms(got, want))
         other = np.asarray(ms.piece_scan(jnp.asarray(garbage), None if h0t is None else jnp.asarray(h0t),
-                                         key_dim=kdim, method=method))
+                                         key_dim=kdim, method=method, interpret=True))
         if with_h0:
             assert rel_rms(other[:, 1:], want[:, 1:]) > 1e-2, method
         else:
@@ -467,6 +467,18 @@ def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_majo
     assert lowered.out_info.shape == (b * 3, hv, kd + vd, kd)
 
 
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_piece_scan_triton_lowers_for_cuda(with_h0):
+    """The Triton piece scan lowers for CUDA on this CPU (block shapes, dot sizes) at the bench's K = V = 128."""
+    m = jax.ShapeDtypeStruct((1, 7, 8, 256, 128), jnp.float32)
+    h = jax.ShapeDtypeStruct((1, 8, 128, 128), jnp.float32)
+    for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
+        def f(m, *h0):
+            return ms.piece_scan_triton(m, h0[0] if h0 else None, precision=precision)
+        lowered = jax.jit(f).trace(*((m, h) if with_h0 else (m,))).lower(lowering_platforms=("cuda",))
+        assert "gdn_split_piece_scan" in lowered.as_text() and lowered.out_info.shape == (1, 8, 8, 128, 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("need_first,paired", [(True, False), (False, True), (False, False), (True, True)])
 def test_gpu_split_map_pass_matches_twin(need_first, paired):
@@ -509,8 +521,8 @@ def test_gpu_split_op_weak_decay_matches_f64(t, pieces, with_h0):
 
 @pytest.mark.gpu
 def test_gpu_split_variants_agree():
-    """Session 6's map (the fused kernel over [0 | v]), the paired map kernel and the log-depth scan give the start
-    states of the map kernel and the serial scan (P = 8, weak decay, initial state)."""
+    """Session 6's map (the fused kernel over [0 | v]), the paired map kernel, the log-depth and the Triton scans
+    give the start states of the map kernel and the serial scan (P = 8, weak decay, initial state)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     case = Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128)
@@ -521,7 +533,8 @@ def test_gpu_split_variants_agree():
         jnp.asarray(h0))
     runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(o, 8, kernel=True, head_major=True,
                                                                            map_impl=m, scan=s))(ops_))
-            for m, s in [("map", "serial"), ("map", "log"), ("fused", "serial"), ("paired", "serial")]}
+            for m, s in [("map", "serial"), ("map", "log"), ("fused", "serial"), ("paired", "serial"),
+                         ("map", "triton")]}
     base = runs[("map", "serial")]
     assert np.isfinite(base).all() and np.abs(base[-2:]).max() > 0.05
     for key, got in runs.items():
