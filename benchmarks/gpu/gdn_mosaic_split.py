@@ -35,8 +35,8 @@ LOG_LINES: list[str] = []
 NAME = "gdn_mosaic_split"
 TEST_FILE = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
 TEST_IDS = ["test_gpu_split_map_pass_matches_twin[True-False]", "test_gpu_split_fast_scan_matches_f64[default]",
-            "test_gpu_split_map_pass_matches_twin[True-True]", "test_gpu_split_fast_scan_matches_f64[high]",
-            "test_gpu_split_variants_agree", "test_gpu_split_k128_grouped[mosaic]",
+            "test_gpu_split_variants_agree", "test_gpu_split_map_pass_matches_twin[True-True]",
+            "test_gpu_split_fast_scan_matches_f64[high]", "test_gpu_split_k128_grouped[mosaic]",
             "test_gpu_split_op_weak_decay_matches_f64[1000-4-True]"]
 MAP_TEST = "test_gpu_split_map_pass_matches_twin[True-False]"
 PAIRED_TEST = "test_gpu_split_map_pass_matches_twin[True-True]"
