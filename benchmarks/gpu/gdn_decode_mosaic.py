@@ -232,6 +232,15 @@ def main():
                 ("mosaic default", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has), MC())),
                 ("mosaic warpgroup", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has),
                                                        MC(semantics="warpgroup")))]
+        # the layer's form: g, beta made inside from raw a, b (b = logit(beta), softplus(a) = -g, A_log = dt_bias = 0)
+        r = case.Hv // case.Hk
+        b_raw = np.log(np.asarray(xs32[4]) / (1 - np.asarray(xs32[4])))
+        a_raw = np.log(np.expm1(-np.asarray(g, np.float64))).astype(np.float32)
+        ba = jnp.asarray(np.concatenate([b_raw.reshape(n, 1, case.Hk, r), a_raw.reshape(n, 1, case.Hk, r)], -1))
+        gates = decode.RawGates(jnp.zeros((case.Hv,)), jnp.zeros((case.Hv,)), a_offset=r, b_offset=0)
+        runs.append(("mosaic raw gates", lambda: jax.jit(lambda p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+            *xs[:3], ba, ba, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+            use_qk_l2norm=True, interpret=quick, raw_gates=gates), donate_argnums=0)))
         if not quick:                                         # the second way in (interpret mode cannot run it)
             runs.append(("mosaic pallas_call", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has),
                                                                  MC(entry="pallas_call"))))
