@@ -38,7 +38,8 @@ is the jnp twin of the tile algebra, checked against float64.
 
 Switch: ``decode.BACKEND = "mosaic"`` routes ``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
 "pallas" decode and the layer's fused decode step) here where :func:`fallback_reason` is None; default "triton"
-until the H200 says this kernel wins (NOTES.md, "Session 7: Mosaic decode").
+until the H200 says this kernel wins (NOTES.md, "Session 7: Mosaic decode": on the H200, jax 0.11.2, it compiles,
+runs in place and matches the fp32 XLA step to 1.3e-7 (o) / 4.4e-8 (state); it has not been timed yet).
 """
 from __future__ import annotations
 
