@@ -161,7 +161,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     are the packed row itself; the full chunks n < L // C of row r are read in place (tokens [t0 + n C, +C), all
     the sequence's own), its last, partial chunk from ``tails`` = (q, k, v [1, N C, ...]: sequence s's tail at rows
     [s C, s C + C), zero past its L mod C tokens), so no chunk ever holds another sequence's tokens. o stays in the
-    chunk coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual.
+    chunk coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual. (Does not build on
+    the H200 with jax 0.11.2: an AssertionError while lowering; ``mosaic_gpu_varlen`` keeps it off.)
     ``lane_rows`` (persistent walk): with a walk table [L, R_max, 6] (each row + m0, the chunks its lane walked
     before it) and lane_rows [L] int32, CTA row p (grid (L, Hv, V / BV)) walks rows 0 .. lane_rows[p] - 1 of its
     lane back to back: the input ring and the barrier phases run on across rows (slot and phase from m0 + n), each
