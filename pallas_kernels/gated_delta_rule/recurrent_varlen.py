@@ -50,8 +50,12 @@ from pallas_kernels.gated_delta_rule import pallas_triton as _pt
 L2_EPS = 1e-6
 
 #: api.py routes a batch of N sequences over T packed tokens (B * T rows of T for dense input) to this kernel when
-#: T <= MAX_MEAN_LEN * N (shapes only: the lengths themselves are traced). 0 turns the routing off. Set from the
-#: H200 measurement in NOTES.md (Session 7: short sequences).
+#: T <= MAX_MEAN_LEN * N (shapes only: the lengths themselves are traced). 0 turns the routing off. H200 (NOTES.md,
+#: Session 7; plain API, bf16, ms, this kernel against the chunked path): tiny64 (mean 2.7) 0.110 / 0.355;
+#: N 256 mean 4 / 8 / 16 0.432 / 0.598 / 0.980 against 1.198 / 1.212 / 1.223; N 64 mean 16 0.276 / 0.375; N 256
+#: mean 32 1.755 (chunked ~1.2-1.3): uniform mixes win up to mean ~20. 8, not 16: the worst case of a route is one
+#: long sequence among one-token ones, its tokens serial (~1.5 us each): 63 x 1 + 449 tokens (T = 8 N) ran 0.686
+#: ms against ~0.37 chunked; at 16 N that loss would double.
 MAX_MEAN_LEN = 8
 
 
@@ -63,7 +67,13 @@ def use_recurrent(total_tokens: int, num_seqs: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentVarlenConfig:
-    """Launch parameters.
+    """Launch parameters. Defaults from two H200 runs (NOTES.md, Session 7;
+    benchmarks/logs/s7/gdn_short_varlen_run2.log; ms at tiny64 / N256 mean 16): the default (BV 64, 2 warps,
+    prefetch) 0.110 / 0.980; prefetch off 0.110 / 1.024 (mean 8: 0.620 against 0.598); BV 32 on 1 warp 0.108 /
+    **0.876** (not the default: its numerics were not checked on the GPU, and it was not timed at the means the
+    route takes, <= 8); BV 32 / 2 warps 0.112 / 1.051; 4 warps 0.112 (run 1) / 1.155; BV 128 / 4 warps 0.116
+    (run 1); 2 stages - / 0.974; BV 16 / 1 warp - / 1.066. longest_first: the worst case (63 x 1 + 449 tokens)
+    0.686 -> 0.571, not timed on uniform mixes (an argsort more per call): off.
 
     block_v: the value block of one program (min(block_v, V) must divide V); num_warps, num_stages: Triton's
       (stages > 1 let Triton prefetch the next token's q / k / v rows in the token loop).
