@@ -66,8 +66,9 @@ class VarlenConfig:
     chunks of q, k, v in place at each sequence's own offsets and each sequence's partial last chunk from a small
     gathered tail buffer [N C, ...], ``fused_state_pass(packed_qkv=True, tails=...)``: no repack of q, k, v; only
     g, beta, and k for stage1a "mosaic", are repacked). **"packed" does not build on the H200** (jax 0.11.2: an
-    AssertionError while lowering the kernel, sessions 7 calls 3 and 4, cause not found): off, kept with its CPU
-    tests and GPU-marked xfail tests.
+    AssertionError while lowering the kernel, session 7 calls 3 and 4; likely Mosaic's TMA into a swizzled tile
+    needs the GMEM rows in tiles of 8, and sequences start anywhere): off, kept with its CPU tests and GPU-marked
+    xfail tests.
     states: "kv" (the kernel reads the initial states and writes the final ones in the op's [N, Hv, K, V] layout,
     ``fused_state_pass(state_kv=True)``) or "vk" (XLA transposes them to and from the kernel's S^T, the dense
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
