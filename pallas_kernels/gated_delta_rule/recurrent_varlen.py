@@ -55,7 +55,8 @@ L2_EPS = 1e-6
 #: N 256 mean 4 / 8 / 16 0.432 / 0.598 / 0.980 against 1.198 / 1.212 / 1.223; N 64 mean 16 0.276 / 0.375; N 256
 #: mean 32 1.755 (chunked ~1.2-1.3): uniform mixes win up to mean ~20. 8, not 16: the worst case of a route is one
 #: long sequence among one-token ones, its tokens serial (~1.5 us each): 63 x 1 + 449 tokens (T = 8 N) ran 0.686
-#: ms against ~0.37 chunked; at 16 N that loss would double.
+#: ms where the chunked path takes ~0.36-0.37 at N 64 (0.355 at T 171, 0.375 at T 1044; not timed at this mix); at
+#: 16 N that loss would double.
 MAX_MEAN_LEN = 8
 
 
