@@ -40,9 +40,10 @@ multiple of Hk, any T (padded with zero tokens to a multiple of C * P: zero k, v
 the real rows unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None,
 the final state returned. Not here (api.py runs Pallas Triton with a warning naming the reason,
 :func:`fallback_reason`): fp32 inputs, other head dims, chunk sizes other than 64, a GPU other than sm_90 (and
-cu_seqlens / slots while ``VARLEN`` is off); JLA_STUDY.md step 4 says what each needs. Mosaic GPU kernels do not run in interpret mode on this repo's CPU jax (0.10.2; the code targets
-0.11's Pallas Mosaic GPU API): each kernel has a jnp twin (:func:`kkt_fwd_reference`,
-:func:`fused_state_pass_reference`) that the CPU tests check against float64; the kernels' tests are GPU-marked.
+cu_seqlens / slots while ``VARLEN`` is off); JLA_STUDY.md step 4 says what each needs. Mosaic GPU kernels do not
+run in interpret mode on this repo's CPU jax (0.10.2; the code targets 0.11's Pallas Mosaic GPU API): each kernel
+has a jnp twin (:func:`kkt_fwd_reference`, :func:`fused_state_pass_reference`) that the CPU tests check against
+float64; the kernels' tests are GPU-marked.
 
 Shape legend: B batch, T tokens (Tp padded), Hk / Hv key / value heads, K / V head dims, C = 64 chunk,
 NC = B * Tp / C chunks, BV = 64 value columns per CTA, P pieces per row (R of them run by a pass).

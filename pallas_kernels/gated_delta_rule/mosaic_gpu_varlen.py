@@ -105,10 +105,10 @@ DEFAULT_CONFIG = VarlenConfig()
 
 def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     """The repack / unpack maps and the walk table of ``cu_seqlens [N + 1]`` for a row of ``total_len`` tokens
-    (on the device, static shapes: Tp = NC C, NC = T // C + N rounded up to 8). Returns (chunk map, src [Tp], keep [Tp], back [T],
-    valid [T], walk [N, 5]) int32 / bool: repacked token p is packed token src[p] where keep[p] (else a zero
-    token); packed token t is repacked token back[t] where valid[t] (t < cu_seqlens[N]); walk row r = (first chunk,
-    chunk count, sequence n, its first packed token cu_seqlens[n], its length)."""
+    (on the device, static shapes: Tp = NC C, NC = T // C + N rounded up to 8). Returns (chunk map, src [Tp],
+    keep [Tp], back [T], valid [T], walk [N, 5]) int32 / bool: repacked token p is packed token src[p] where
+    keep[p] (else a zero token); packed token t is repacked token back[t] where valid[t] (t < cu_seqlens[N]);
+    walk row r = (first chunk, chunk count, sequence n, its first packed token cu_seqlens[n], its length)."""
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     n = cu.shape[0] - 1
     nc = -(-max_chunks(total_len, n, C) // 8) * 8
@@ -212,8 +212,8 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
     (``packed_qkv``: q, k, v chunk n < L // C from the packed row at t0 + n C, the partial last chunk from
-    ``tails`` at rows s C, as the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves them unset: nothing may read
-    them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
+    ``tails`` at rows s C, as the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves
+    them unset: nothing may read them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
     h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
     [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
     kdim = k.shape[3]

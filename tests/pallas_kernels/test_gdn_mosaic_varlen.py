@@ -55,8 +55,9 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs,states,lanes", [("mosaic", "repacked", "vk", 0), ("triton", "repacked", "kv", 0),
-                                                         ("mosaic", "packed", "kv", 2), ("triton", "packed", "vk", 4)])
+@pytest.mark.parametrize("stage1a,inputs,states,lanes", [
+    ("mosaic", "repacked", "vk", 0), ("triton", "repacked", "kv", 0), ("mosaic", "packed", "kv", 2),
+    ("triton", "packed", "vk", 4)])
 def test_reference_matches_f64(stage1a, inputs, states, lanes):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
