@@ -866,12 +866,16 @@ MAX_PIECES = 8
 MIN_PIECE_CHUNKS = 8
 
 
-#: the split's time model (:func:`split_cost`), in chunk steps of the fused pass: one map-pass step
-#: (mosaic_gpu_split.state_map_pass: no output warpgroup, no q) as a fraction of a fused step, and the fixed and
-#: per-piece costs of the launch and the XLA scan. Guesses until the H200 run of session 7 (NOTES.md).
-SPLIT_MAP_STEP = 1.0
-SPLIT_FIXED = 4.0
-SPLIT_PER_PIECE = 2.0
+#: the split's time model (:func:`split_cost`), in chunk steps of the fused pass (1.86 us on the H200): one map-pass
+#: step (mosaic_gpu_split.state_map_pass: no output warpgroup, no q) as a fraction of a fused step, and the fixed
+#: and per-piece costs of the launches and the scan; fit to B1-T8192-Hk2-Hv8 on the H200 (session 7, call 4: P = 8
+#: 0.140 ms with the Triton scan, P = 4 0.162 and P = 8 0.164 with the XLA scan, unsplit 0.260; NOTES.md).
+SPLIT_MAP_STEP = 0.6
+SPLIT_FIXED = 1.0
+SPLIT_PER_PIECE = 2.4
+#: (jla's MAX_SPLIT_CTAS) split only rows whose unsplit pass runs at most this many CTAs (B Hv V / 64): at 64
+#: (B1-T8192-Hk16-Hv32) P = 2 measured 0.288 against 0.303 unsplit in another run, inside the runs' spread.
+MAX_SPLIT_CTAS = 32
 
 
 def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
@@ -894,8 +898,10 @@ def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: in
 def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
                  has_h0: bool = True) -> int:
     """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
-    chunks) with the least :func:`split_cost`; 1 (no split) when the rows already fill the machine (every dense
+    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (every dense
     Hv 32 bench row) and on ties."""
+    if batch * heads * max(value_dim // BV, 1) > MAX_SPLIT_CTAS:
+        return 1
     nchunks = padded // C
     best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0)
     p = 2
@@ -989,11 +995,11 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
 
 
-#: pieces=1: the sequence split stays off by default until a GPU run checks it where it matters. Its GPU tests of
-#: session 6 used inputs whose decay forgets a start state within ~64 tokens, so they could not catch a wrong
-#: piece-to-piece state map (the weak-decay tests that can are written, CPU-checked on the jnp twins, not yet run on
-#: a GPU). Unsplit, B1-T8192-Hk2-Hv8 ran 0.261 ms (8 pieces 0.203, Triton 0.288); the Hv32 rows never split.
-DEFAULT_CONFIG = MosaicConfig(pieces=1)
+#: pieces=0: the sequence split where :func:`split_pieces` says (rows of <= MAX_SPLIT_CTAS CTAs; the Hv 32 bench rows
+#: never split). On from the H200 runs of session 7 (NOTES.md, "Session 7: Mosaic split"): the split's GPU tests at
+#: weak decay (a start state survives its piece) pass at P = 2, 4, 8, and B1-T8192-Hk2-Hv8 ran 0.140 ms at P = 8
+#: (the state-only map kernel and the Triton scan) against jla's 0.166 in the same process and 0.260 unsplit.
+DEFAULT_CONFIG = MosaicConfig(pieces=0)
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
 # 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.

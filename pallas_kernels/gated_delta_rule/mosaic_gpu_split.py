@@ -21,7 +21,8 @@ where a piece maps s -> s M_p^T + E_p^T.
     v_new = Ag W, S <- e^G_last S + (e^(G_last - G) v_new)^T k), WG1 forms Ag = T0 e^(G_i - G_j) beta_j in SMEM,
     WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
     piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then). ``PAIRED``: two blocks per
-    CTA (jla's ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.64x the step.
+    CTA (jla's ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where
+    that saves a wave.
   * :func:`piece_scan`: "serial" (jla's unrolled XLA scan: P - 2 dependent [V, K] x [K, K] products, the first
     taken as E_0^T without an initial state), "log" (XLA, Hillis-Steele prefix compositions, ceil(log2(P - 1))
     batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout) or "triton"
@@ -52,18 +53,22 @@ SCANS = ("serial", "log", "triton")
 #: (session 6: the fused kernel over [0 | v])
 MAP = "map"
 #: the scan over the pieces: "serial" (jla's unrolled form), "log" (log-depth compositions) or "triton" (one Pallas
-#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched)
-SCAN = "serial"
-#: the scan's matmul precision: "highest" (IEEE fp32: on the H200 a [8, 128, 128] x [128, 128] step ran ~15 us,
-#: 8 CTAs of SIMT FMAs; 0.091 ms for the 6 steps at P = 8, session 7 call 3), "high" (bf16 x 3 on the tensor
-#: cores) or "default" (tf32)
+#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched).
+#: "triton" from the H200 (session 7, call 4, B1-T8192-Hk2-Hv8, P = 8, each alone): 0.059 against the XLA serial
+#: scan's 0.095-0.099 and the log scan's 0.086; in the op 0.140 against 0.159 with the serial scan.
+SCAN = "triton"
+#: the scan's matmul precision: "highest" (IEEE fp32), "high" (bf16 x 3 on the tensor cores) or "default" (tf32).
+#: On the H200 the precision barely moved the scans (XLA serial 0.099 / 0.096 / 0.095, Triton 0.059 / - / 0.055):
+#: they are latency bound, so the states keep IEEE fp32.
 SCAN_PRECISION = "highest"
 PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "default": lax.Precision.DEFAULT}
 #: the map kernel carries two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``: WG0 and WG1 one block each,
 #: WG2 streams and forms Ag a chunk ahead): half the CTAs, each step ~1.64x (jla, H100); pays where it saves a
 #: wave. "auto": where ceil(CTAs / 2 / SMs) * PAIRED_STEP < ceil(CTAs / SMs); True / False: always / never.
-PAIRED = False
-PAIRED_STEP = 1.64
+#: H200 (session 7, call 4, B1-T8192-Hk2-Hv8, P = 8: 224 blocks): 0.0617 ms paired (one wave) against 0.0665
+#: single (two waves), i.e. a paired step ~1.86x a single one.
+PAIRED = "auto"
+PAIRED_STEP = 1.86
 
 
 def use_pairs(ctas: int, key_dim: int, value_dim: int, paired=None, sms: int | None = None) -> bool:

@@ -114,8 +114,11 @@ def test_split_policy():
     """No split where the rows fill the H200's 132 SMs (every Hv 32 bench row); Hk2-Hv8 splits."""
     for b, t, hv in [(1, 8192, 32), (4, 4096, 32), (1, 32768, 32), (16, 1024, 32), (1, 131072, 32)]:
         assert mg.split_pieces(b, hv, 128, 128, t, sms=132) == 1, (b, t, hv)
-    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) > 1
+    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) == 8        # the H200's fastest P there (NOTES.md)
+    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132, has_h0=False) == 8
     assert mg.split_pieces(1, 8, 128, 128, 256, sms=132) == 1        # pieces of >= 8 chunks only
+    assert mg.split_pieces(1, 24, 128, 128, 8192, sms=132) == 1      # 48 CTAs > MAX_SPLIT_CTAS
+    assert mg.DEFAULT_CONFIG.pieces == 0                             # the policy decides
 
 
 def test_routing_and_fallbacks(monkeypatch):
@@ -408,8 +411,8 @@ def test_split_start_states_match_f64(t, pieces, with_h0):
 
 
 def test_split_paired_policy(monkeypatch):
-    """Pairs where they save a wave at jla's 1.64x step (P = 8 at Hk2-Hv8: 224 CTAs), not where one wave holds
-    every block (P = 4: 96); never with an odd count of 64-blocks (K = 64); PAIRED True / False force it."""
+    """Pairs where they save a wave at the measured ~1.86x step (P = 8 at Hk2-Hv8: 224 CTAs), not where one wave
+    holds every block (P = 4: 96); never with an odd count of 64-blocks (K = 64); PAIRED True / False force it."""
     monkeypatch.setattr(ms, "PAIRED", "auto")
     assert ms.use_pairs(224, 128, 128, sms=132) and not ms.use_pairs(96, 128, 128, sms=132)
     assert not ms.use_pairs(224, 64, 128, sms=132, paired=True)
