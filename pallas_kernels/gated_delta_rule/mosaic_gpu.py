@@ -32,7 +32,7 @@ Two kernels and a little XLA glue:
     B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
     from one state-map pass over pieces 0 .. P - 2 (a piece's map is affine, S_end = M S_start + E:
     ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place) and a scan
-    over the pieces in XLA (``mosaic_gpu_split.piece_scan``).
+    over the pieces (``mosaic_gpu_split.piece_scan``: one Pallas Triton launch by default, or XLA).
 
 Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
@@ -915,8 +915,8 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
 
 def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False):
     """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
-    M S_start + E) from one state-map pass, then a scan over the pieces in XLA (``mosaic_gpu_split.start_states``:
-    its MAP and SCAN say which map pass and which scan)."""
+    M S_start + E) from one state-map pass, then a scan over the pieces (``mosaic_gpu_split.start_states``: its
+    MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan)."""
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split
     return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2)
 
