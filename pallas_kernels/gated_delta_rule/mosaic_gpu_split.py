@@ -27,7 +27,7 @@ where a piece maps s -> s M_p^T + E_p^T.
     taken as E_0^T without an initial state), "log" (XLA, Hillis-Steele prefix compositions, ceil(log2(P - 1))
     batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout) or "triton"
     (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel); products in SCAN_PRECISION.
-  * :func:`start_states`: both, [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
+  * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
 
 ``MAP`` "fused" keeps session 6's map (the fused kernel with ``write_o=False`` over [0 | v] from [I | 0], every
 block of every piece) for comparison. Jnp twin of the map kernel: :func:`state_map_pass_reference`.
