@@ -275,7 +275,8 @@ def main():
                 base = outs.get((row["case"], cmp))
                 if base is not None:
                     o, ob = (np.asarray(x.astype(jnp.float32)) for x in (res[0], base[0]))
-                    n = {"vs": cmp, "o": rel(o, ob), "state": rel(res[1], base[1]), "o_finite": bool(np.isfinite(o).all())}
+                    n = {"vs": cmp, "o": rel(o, ob), "state": rel(res[1], base[1]),
+                         "o_finite": bool(np.isfinite(o).all())}
                     row["numerics"][key] = n
                     log(f"    {key} vs {cmp}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']}")
             del res
