@@ -90,6 +90,46 @@ def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool 
         raise ValueError(f"state_map_pass: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
 
 
+def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_dim: int, exp, k_s, v_s, t_s, g_state,
+               in_bar, ag_ready, in_free):
+    """The state warpgroup's chain of both map kernels (single and paired): value block ``blk`` of the augmented
+    values [0 | v] (blocks below ``n_id`` are the identity rows of [I | 0]^T, which read no v) walks ``count`` chunks
+    from its start rows, per chunk W^T = v^T - (S^T k^T) Gamma, v_new^T = W^T Ag^T (Ag formed by the Ag warpgroup,
+    ``ag_ready``), S^T <- e^(G_last) S^T + (e^(G_last - G) v_new)^T k; frees the input slot (``in_free``) after
+    each chunk. ``need_first`` False: a block that walks nothing holds zeros, not its identity rows. Returns S^T
+    [BV, K] fp32 (the piece's rows of [M | E]^T)."""
+    plgpu = mg._plgpu()
+    WGMMA = plgpu.Layout.WGMMA
+    COLS = WGMMA.reduce(0)
+    shape = (BV, key_dim)
+    eye = mg._iota(shape, 1) == mg._iota(shape, 0) + blk * BV    # rows blk BV .. of [I | 0]^T (none for E)
+    s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
+    if not need_first:
+        s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
+    v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
+
+    def step(n, s_t):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(in_bar.at[slot])
+        s_lo = s_t.astype(dtype)
+        g_last = g_state[slot, C - 1]
+        g_col = plgpu.load(g_state.at[slot], layout=COLS)
+        key_decay = exp(g_col)
+        k_decay = exp(g_last - g_col)
+        s_decay = exp(g_last)
+        x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
+        v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
+        w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
+        plgpu.barrier_wait(ag_ready.at[slot])
+        vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
+        vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
+        s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+        plgpu.barrier_arrive(in_free.at[slot])
+        return s_new
+
+    return lax.fori_loop(0, count, step, s0)
+
+
 def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
                    exp2: bool = False, paired=None, interpret=None):
     """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
@@ -212,33 +252,9 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         @pl.when(wg == 0)
         def _state():
             plgpu.set_max_registers(232, action="increase")
-            shape = (BV, key_dim)
-            eye = mg._iota(shape, 1) == mg._iota(shape, 0) + iv * BV    # rows iv BV .. of [I | 0]^T (none for E)
-            s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
-            if not need_first:               # a block that walks nothing holds zeros, not its identity rows
-                s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
-            v_keep = jnp.where(iv >= n_id, 1.0, 0.0).astype(F32)
-
-            def step(n, s_t):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_bar.at[slot])
-                s_lo = s_t.astype(dtype)
-                g_last = g_state[slot, C - 1]
-                g_col = plgpu.load(g_state.at[slot], layout=COLS)
-                key_decay = _exp(g_col)
-                k_decay = _exp(g_last - g_col)
-                s_decay = _exp(g_last)
-                x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
-                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
-                w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
-                plgpu.barrier_wait(ag_ready.at[slot])
-                vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
-                vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
-                s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
-                plgpu.barrier_arrive(in_free.at[slot])
-                return s_new
-
-            s_t = lax.fori_loop(0, count, step, s0)
+            s_t = _map_chain(iv, n_id, count, need_first=need_first, stages=stages, dtype=dtype, key_dim=key_dim,
+                             exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
+                             ag_ready=ag_ready, in_free=in_free)
             state_smem[...] = s_t
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
@@ -372,33 +388,9 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
 
         def carry(which, v_s):
             blk = blocks[which]
-            shape = (BV, key_dim)
-            eye = mg._iota(shape, 1) == mg._iota(shape, 0) + blk * BV
-            s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
-            if not need_first:
-                s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
-            v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
-
-            def step(n, s_t):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_bar.at[slot])
-                s_lo = s_t.astype(dtype)
-                g_last = g_state[slot, C - 1]
-                g_col = plgpu.load(g_state.at[slot], layout=COLS)
-                key_decay = _exp(g_col)
-                k_decay = _exp(g_last - g_col)
-                s_decay = _exp(g_last)
-                x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
-                v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
-                w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
-                plgpu.barrier_wait(ag_ready.at[slot])
-                vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
-                vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
-                s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
-                plgpu.barrier_arrive(in_free.at[slot])
-                return s_new
-
-            s_t = lax.fori_loop(0, count, step, s0)
+            s_t = _map_chain(blk, n_id, count, need_first=need_first, stages=stages, dtype=dtype, key_dim=key_dim,
+                             exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
+                             ag_ready=ag_ready, in_free=in_free)
             state_smem.at[which][...] = s_t
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem.at[which], ht_ref.at[r, hh, pl.ds(blk * BV, BV)])
