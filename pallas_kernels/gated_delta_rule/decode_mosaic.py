@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gated_delta_rule import mosaic_gpu
+
 F32 = jnp.float32
 L2_EPS = 1e-6            # decode.L2_EPS
 HEAD_DIMS = (64, 128)
@@ -119,16 +121,8 @@ SEMANTICS = ("lane", "warpgroup")
 DEFAULT_CONFIG = MosaicDecodeConfig()
 
 
-def _plgpu():
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    return plgpu
-
-
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
-    except RuntimeError:
-        return 132
+_plgpu = mosaic_gpu._plgpu          # the Pallas Mosaic GPU module, imported on first use
+_num_sms = mosaic_gpu._num_sms      # this GPU's SM count (132 on an H200, and off a GPU)
 
 
 def is_hopper() -> bool:
