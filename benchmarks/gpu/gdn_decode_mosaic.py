@@ -27,58 +27,39 @@ script, not a measurement.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import functools
 import os
-import subprocess
 import sys
 import threading
 import time
 import traceback
 
+import script_kit as kit
+
 T0 = time.time()
-LOG = []
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, REPO)
+log = kit.Log()
+sys.path.insert(0, kit.REPO)
 HBM_GBPS = 4800.0
 TEST_FILE = "tests/pallas_kernels/test_gdn_decode_mosaic.py"
 
 
-def log(*a):
-    line = " ".join(str(x) for x in a)
-    LOG.append(line)
-    print(line, flush=True)
-
-
 def run_tests(res, quick: bool, timeout: float):
     """The GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider",
-           TEST_FILE]
-    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")          # a killed child keeps its output (run 2 lost verdicts)
-    if quick:
-        env["JAX_PLATFORMS"] = "cpu"
-    t = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
-        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    figures = [ln.strip() for ln in out.splitlines() if "FIGURE" in ln]
-    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
+    args = ["-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider", TEST_FILE]
+    log(f"== GPU tests (timeout {timeout:.0f} s): -m pytest {' '.join(args)}")
+    child = kit.run_tests(args, quick=quick, timeout=timeout)     # unbuffered: a killed child keeps its verdicts
+    rc, verdicts = child.rc, child.verdicts
+    figures = [ln.strip() for ln in child.lines if "FIGURE" in ln]
+    fails = child.failures(30)
     for ln in verdicts:
         log("  " + ln.split("::", 1)[1][:200])
     for ln in figures + fails:
         log("  " + ln[:300])
     finished = sum(("PASSED" in v or "FAILED" in v) for v in verdicts)
     ran = sum("FIGURE decode_mosaic" in f for f in figures)      # a kernel call came back: not a hang
-    log(f"  tests rc={rc} in {time.time() - t:.0f} s, {finished} finished, {ran} kernel calls returned")
-    res["tests"] = {"rc": rc, "seconds": round(time.time() - t, 1), "verdicts": verdicts, "figures": figures,
+    log(f"  tests rc={rc} in {child.seconds:.0f} s, {finished} finished, {ran} kernel calls returned")
+    res["tests"] = {"rc": rc, "seconds": round(child.seconds, 1), "verdicts": verdicts, "figures": figures,
                     "failures": fails, "finished": finished, "kernel_calls": ran}
     # a hang is a child that timed out with nothing back; run 2 skipped every Mosaic row on "0 finished" although
     # the kernel had returned (its verdict was still buffered when the child was killed)
@@ -86,25 +67,14 @@ def run_tests(res, quick: bool, timeout: float):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret modes)")
-    ap.add_argument("--budget", type=float, default=60.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=16.0, help="seconds for the child's GPU tests")
-    ap.add_argument("--no-tests", action="store_true")
-    args = ap.parse_args()
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
+    ap = kit.arg_parser(__doc__, budget=60.0, test_timeout=16.0,
+                        quick_help="CPU smoke run at tiny sizes (interpret modes)")
+    args, out, left = kit.parse(ap, T0, cpu_quick=True)
     quick = args.quick
-    if quick:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    left = lambda: args.budget - (time.time() - T0)
     res = {"quick": quick, "budget_s": args.budget, "numerics": [], "kernel": [], "skipped": [], "errors": []}
 
     def save():
-        with open(os.path.join(out, "gdn_decode_mosaic.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        with open(os.path.join(out, "gdn_decode_mosaic.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
+        kit.save(out, "gdn_decode_mosaic", res, log.lines)
 
     def table():
         log("\n==== gdn_decode_mosaic (ms; rel = relative RMS against the fp32 XLA step) ====")
@@ -142,22 +112,7 @@ def main():
     timer.daemon = True
     timer.start()
 
-    def guarded(label, need, fn):
-        if left() < need:
-            res["skipped"].append(label)
-            log(f"skip {label} ({left():.0f} s left, needs ~{need})")
-            return None
-        t = time.time()
-        try:
-            return fn()
-        except Exception as e:                                # report and go on
-            res["errors"].append(f"{label}: {type(e).__name__}: {str(e)[:800]}")
-            log(f"FAIL {label}: {type(e).__name__}: {str(e)[:800]}")
-            traceback.print_exc()
-            return None
-        finally:
-            log(f"  ({label}: {time.time() - t:.1f} s)")
-            save()
+    guarded = functools.partial(kit.guarded, left=left, log=log, res=res, save=save)
 
     mosaic_ok = True
     if not args.no_tests:
@@ -190,13 +145,7 @@ def main():
         variants = [MC(block_v=128, stages=3), MC(stages=6), MC(stages=3, ctas_per_sm=2), MC(copy_only=True),
                     MC(entry="pallas_call"), MC(block_v=128, stages=3, copy_only=True)]
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
-
-    def cfg_name(c):
-        return ",".join(f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
-                        if getattr(c, f.name) != f.default) or "default"
+    rel, cfg_name = kit.relative_rms, kit.config_name
 
     def mosaic_fn(xs, ids, has, cfg):
         return jax.jit(lambda p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
@@ -230,7 +179,7 @@ def main():
                 *xs32, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
                 use_qk_l2norm=True, backend="xla"))(jnp.asarray(pool))
         o_ref, p_ref = np.asarray(o_ref, np.float32), np.asarray(p_ref)
-        xs = tuple(x.astype(bf) if i != 3 else x for i, x in enumerate(xs32))
+        xs = kit.bf16_inputs(xs32)
         runs = [("triton", lambda: triton_fn(xs, jnp.asarray(ids), jnp.asarray(has))),
                 ("mosaic default", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has), MC())),
                 ("mosaic warpgroup", lambda: mosaic_fn(xs, jnp.asarray(ids), jnp.asarray(has),
@@ -272,7 +221,7 @@ def main():
         """The row of one case and its timers (each column timed and stored on call, skipped near the deadline)."""
         host = bench_decode.make_inputs_np(case)
         q, k, v, g, beta, pool, ids = host
-        xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+        xs = kit.bf16_inputs((q, k, v, g, beta))
         ids_d, has = jnp.asarray(ids), jnp.ones(ids.shape, bool)
         nbytes = bench_decode.state_bytes(case)
         row = {"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,

@@ -26,27 +26,13 @@ or FLA: checks the script end to end.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 import time
 
+import script_kit as kit
+
 T_START = time.time()
-LOG_LINES: list[str] = []
-
-
-def log(*parts):
-    line = " ".join(str(p) for p in parts)
-    LOG_LINES.append(line)
-    print(line, flush=True)
-
-
-def rel(a, b):
-    import numpy as np
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
+log = kit.Log()
+rel = kit.relative_rms
 
 
 TEST_IDS = ["test_gpu_mosaic_kkt_matches_its_twin", "test_gpu_mosaic_stage1a_matches_f64[1-1]",
@@ -66,47 +52,20 @@ def run_tests(quick: bool, timeout: float, result: dict, ids=None):
     """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
     f = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
     ids = TEST_IDS if ids is None else ids
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [f + i for i in ids]
-    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
-    env = dict(os.environ)
-    if quick:
-        env["JAX_PLATFORMS"] = "cpu"
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
-        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
-    for ln in verdicts:
-        log("  " + ln.split("::", 1)[1])
-    for ln in fails:
-        log("  " + ln[:300])
-    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()][-1:]
-    log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
-    result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
+    args = ["-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [f + i for i in ids]
+    log(f"== GPU tests (timeout {timeout:.0f} s): -m pytest {' '.join(args)}")
+    kit.run_tests(args, quick=quick, timeout=timeout).record(result, log)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode)")
-    ap.add_argument("--budget", type=float, default=120.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=35.0, help="seconds for the child's GPU tests")
-    ap.add_argument("--no-tests", action="store_true")
+    ap = kit.arg_parser(__doc__, budget=120.0, test_timeout=35.0,
+                        quick_help="CPU smoke run at tiny sizes (interpret mode)")
     ap.add_argument("--plan", choices=("a", "b", "c"), default="a",
                     help="a: tests, then every row's four columns, then extras (run 1); b: the rows run 1 left out "
                          "(no FLA until the end), the extras of the first two rows, FLA, then the tests; c: the two "
                          "rows where Mosaic trails jla, per stage, with the exp2 variant and the split's P")
-    opts = ap.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out_dir, exist_ok=True)
+    opts, out_dir, left = kit.parse(ap, T_START)
     quick = opts.quick
-
-    def left():
-        return opts.budget - (time.time() - T_START)
 
     result = {"quick": quick, "budget_s": opts.budget, "plan": opts.plan, "rows": [], "errors": []}
     plan_b = opts.plan == "b"
@@ -117,7 +76,7 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     from jax_gdn import ops
-    from jax_gdn.bench import make_inputs_np, time_jax
+    from jax_gdn.bench import time_jax
     from jax_gdn.cases import BENCH_CASES, Case
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
 
@@ -139,22 +98,7 @@ def main():
     log(f"device {result.get('device')} jax {jax.__version__}; cases {[c.name for c in cases]}; "
         f"{left():.0f} s left")
 
-    def timed(row, key, fn, args, min_left=3.0):
-        if left() < min_left:
-            row["ms"][key] = None
-            row.setdefault("skipped", []).append(key)
-            return None
-        try:
-            res = jax.block_until_ready(fn(*args))
-            row["ms"][key] = round(timer(fn, args), 4)
-            log(f"  {row['case']:22s} {key:14s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
-            return res
-        except Exception as e:  # noqa: BLE001 - report and go on
-            row["ms"][key] = None
-            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:400]}"
-            result["errors"].append(msg)
-            log("  FAIL " + msg)
-            return None
+    timed = kit.Timed(timer, left, log, result["errors"])
 
     def mosaic_op(cfg):
         def fn(q, k, v, g, beta, h0):
@@ -168,10 +112,7 @@ def main():
 
     def case_args(case):
         if case.name not in inputs:
-            host = make_inputs_np(case, 0)
-            bf = jnp.bfloat16
-            inputs[case.name] = (host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
-                                        jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5])))
+            inputs[case.name] = kit.bench_inputs(case)
         return inputs[case.name]
 
     def numerics(row, results, args):
@@ -319,15 +260,11 @@ def plan_c(result, cases, timed, mosaic_op, left, quick, out_dir):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax_gdn.bench import make_inputs_np
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
     names = ("quick",) if quick else ("B1-T8192-Hk16-Hv32", "B1-T8192-Hk2-Hv8")
     for name in names:
         case = next(c for c in cases if c.name.startswith(name))
-        host = make_inputs_np(case, 0)
-        bf = jnp.bfloat16
-        args = (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf), jnp.asarray(host[3]),
-                jnp.asarray(host[4], bf), jnp.asarray(host[5]))
+        host, args = kit.bench_inputs(case)
         row = {"case": case.name, "ms": {}, "numerics": {}}
         result["rows"].append(row)
         split = mg.split_pieces(case.B, case.Hv, case.K, case.V, case.T) if not quick else 2
@@ -396,20 +333,12 @@ def finish(result, opts, out_dir):
     for r in result["rows"]:
         for name, n in r.get("numerics", {}).items():
             log(f"numerics {r['case']} {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']}")
-    if "tests" in result:
-        t = result["tests"]
-        npass = sum("PASSED" in v for v in t["verdicts"])
-        nfail = sum(("FAILED" in v or "ERROR" in v) for v in t["verdicts"])
-        log(f"tests rc={t['rc']}: {npass} passed, {nfail} failed of {len(t['verdicts'])} reported")
-    log(f"errors: {len(result['errors'])}; wall {time.time() - T_START:.0f} s (budget {opts.budget:.0f} s)")
+    kit.log_closing(log, result, kit.Deadline(opts.budget, T_START))
     _write(out_dir, result)
 
 
 def _write(out_dir, result):
-    with open(os.path.join(out_dir, "gdn_mosaic_s6.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, "gdn_mosaic_s6.log"), "w") as f:
-        f.write("\n".join(LOG_LINES) + "\n")
+    kit.save(out_dir, "gdn_mosaic_s6", result, log.lines)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,13 @@ try/except. A table is printed last. --quick: CPU, a tiny case, the jnp twins (i
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 import time
 
+import script_kit as kit
+
 T_START = time.time()
-LOG_LINES: list[str] = []
+log = kit.Log()
+rel = kit.relative_rms
 NAME = "gdn_mosaic_split"
 TEST_FILE = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
 TEST_IDS = ["test_gpu_split_map_pass_matches_twin[True-False]", "test_gpu_split_fast_scan_matches_f64[default]",
@@ -42,75 +40,35 @@ MAP_TEST = "test_gpu_split_map_pass_matches_twin[True-False]"
 PAIRED_TEST = "test_gpu_split_map_pass_matches_twin[True-True]"
 
 
-def log(*parts):
-    line = " ".join(str(p) for p in parts)
-    LOG_LINES.append(line)
-    print(line, flush=True)
-
-
-def rel(a, b):
-    import numpy as np
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
-
-
-def start_tests(quick: bool):
+def start_tests(quick: bool) -> kit.ChildTests:
     """The split's GPU tests in a child process, started now (the main process compiles meanwhile)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"]
-    cmd += [TEST_FILE + i for i in TEST_IDS]
     log(f"== GPU tests: {len(TEST_IDS)} split tests in a child process")
-    env = dict(os.environ)
-    if quick:
-        env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), time.time()
+    args = ["-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [TEST_FILE + i for i in TEST_IDS]
+    return kit.ChildTests.start(args, quick=quick)
 
 
-def finish_tests(child, t0: float, timeout: float, result: dict):
+def finish_tests(child: kit.ChildTests, timeout: float, result: dict):
     """Waits for the child (killed at the timeout); returns (map kernel test passed, paired test passed)."""
-    try:
-        out, _ = child.communicate(timeout=max(timeout, 1))
-        rc = child.returncode
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, _ = child.communicate()
-        rc = "timeout"
-    out = out or ""
-    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
-        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:30]
-    for ln in verdicts:
-        log("  " + ln.split("::", 1)[1])
-    for ln in fails:
-        log("  " + ln[:300])
-    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln][-1:]
-    log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
-    result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
+    child.wait(max(timeout, 1))
+    verdicts = child.record(result, log)["verdicts"]
     return (any(MAP_TEST in v and "PASSED" in v for v in verdicts),
             any(PAIRED_TEST in v and "PASSED" in v for v in verdicts))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (the jnp twins)")
-    ap.add_argument("--budget", type=float, default=70.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=48.0, help="seconds for the child's GPU tests")
-    ap.add_argument("--no-tests", action="store_true")
-    opts = ap.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out_dir, exist_ok=True)
+    ap = kit.arg_parser(__doc__, budget=70.0, test_timeout=48.0,
+                        quick_help="CPU smoke run at tiny sizes (the jnp twins)")
+    opts, out_dir, left = kit.parse(ap, T_START)
     quick = opts.quick
 
-    def left():
-        return opts.budget - (time.time() - T_START)
-
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
-    child = None if opts.no_tests else start_tests(quick)[0]
+    child = None if opts.no_tests else start_tests(quick)
 
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax_gdn import ops
-    from jax_gdn.bench import make_inputs_np, time_jax
+    from jax_gdn.bench import time_jax
     from jax_gdn.cases import BENCH_CASES, Case
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms
@@ -144,11 +102,7 @@ def main():
             return o[:, :t], jnp.swapaxes(ht, -1, -2)
         return jax.jit(fn)
 
-    def args_of(case):
-        host = make_inputs_np(case, 0)
-        bf = jnp.bfloat16
-        return host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
-                      jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5]))
+    args_of = kit.bench_inputs
 
     # ---- the jobs, in the order they are compiled and timed: (row, key, jitted fn, args, needs, compare-to) -------
     # needs: "map" (the map kernel's GPU test must pass), "paired" (the paired kernel's), None (no new kernel);
@@ -247,8 +201,7 @@ def main():
 
     ok = {None: True, "map": True, "paired": True}
     if child is not None:
-        map_ok, paired_ok = finish_tests(child, T_START, min(opts.test_timeout - (time.time() - T_START),
-                                                             left() - 10), result)
+        map_ok, paired_ok = finish_tests(child, min(opts.test_timeout - left.elapsed(), left() - 10), result)
         ok["map"], ok["paired"] = (map_ok or quick), ((paired_ok and map_ok) or quick)
     result["timed"] = {k: v for k, v in ok.items() if k}
     log(f"timing: map kernel {ok['map']}, paired {ok['paired']}; {left():.0f} s left")
@@ -310,20 +263,12 @@ def finish(result, opts, out_dir):
         for name, n in r.get("numerics", {}).items():
             log(f"numerics {r['case']} {name} vs {n.get('vs', 'fp32 XLA')}: o {n['o']:.2e} state {n['state']:.2e} "
                 f"finite {n['o_finite']}")
-    if "tests" in result:
-        t = result["tests"]
-        npass = sum("PASSED" in v for v in t["verdicts"])
-        nfail = sum(("FAILED" in v or "ERROR" in v) for v in t["verdicts"])
-        log(f"tests rc={t['rc']}: {npass} passed, {nfail} failed of {len(t['verdicts'])} reported")
-    log(f"errors: {len(result['errors'])}; wall {time.time() - T_START:.0f} s (budget {opts.budget:.0f} s)")
+    kit.log_closing(log, result, kit.Deadline(opts.budget, T_START))
     _write(out_dir, result)
 
 
 def _write(out_dir, result):
-    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, f"{NAME}.log"), "w") as f:
-        f.write("\n".join(LOG_LINES) + "\n")
+    kit.save(out_dir, NAME, result, log.lines)
 
 
 if __name__ == "__main__":

@@ -28,15 +28,13 @@ script end to end.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 import time
 
+import script_kit as kit
+
 T_START = time.time()
-LOG_LINES: list[str] = []
+log = kit.Log()
+rel = kit.relative_rms
 NAME = "gdn_mosaic_varlen"
 
 # the tests, most telling first (the child is cut at its timeout; every verdict is printed as it comes)
@@ -61,58 +59,19 @@ def vkey(variant) -> str:
     return f"m.{stage1a}.{inputs}.{states}" + (f".L{lanes}" if lanes else "")
 
 
-def log(*parts):
-    line = " ".join(str(p) for p in parts)
-    LOG_LINES.append(line)
-    print(line, flush=True)
-
-
-def rel(a, b):
-    import numpy as np
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / max(float(np.sqrt(np.mean(b ** 2))), 1e-30))
-
-
 def run_tests(quick: bool, timeout: float, result: dict):
     """The new code's GPU tests in a child process (a CUDA error or a hang cannot cost the timings)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + TEST_IDS
-    log(f"== GPU tests (timeout {timeout:.0f} s): {' '.join(cmd[1:])}")
-    env = dict(os.environ)
-    if quick:
-        env["JAX_PLATFORMS"] = "cpu"
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    verdicts = [ln.strip() for ln in out.splitlines() if "::" in ln and any(
-        w in ln for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    fails = [ln for ln in out.splitlines() if ln.startswith(("E  ", "FAILED", "ERROR"))][:40]
-    for ln in verdicts:
-        log("  " + ln.split("::", 1)[1])
-    for ln in fails:
-        log("  " + ln[:300])
-    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln][-1:]
-    log(f"  tests rc={rc} in {time.time() - t0:.0f} s {summary}")
-    result["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "verdicts": verdicts, "failures": fails}
+    args = ["-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + TEST_IDS
+    log(f"== GPU tests (timeout {timeout:.0f} s): -m pytest {' '.join(args)}")
+    kit.run_tests(args, quick=quick, timeout=timeout).record(result, log, max_failures=40)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
-    ap.add_argument("--budget", type=float, default=70.0, help="seconds from start; later steps are skipped")
-    ap.add_argument("--test-timeout", type=float, default=20.0, help="seconds for the child's GPU tests")
-    ap.add_argument("--no-tests", action="store_true")
+    ap = kit.arg_parser(__doc__, budget=70.0, test_timeout=20.0,
+                        quick_help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
     ap.add_argument("--no-fla", action="store_true")
-    opts = ap.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out_dir, exist_ok=True)
+    opts, out_dir, left = kit.parse(ap, T_START)
     quick = opts.quick
-
-    def left():
-        return opts.budget - (time.time() - T_START)
 
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": []}
     if not opts.no_tests:
@@ -122,7 +81,7 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     from jax_gdn import ops
-    from jax_gdn.bench import make_inputs_np, time_jax
+    from jax_gdn.bench import time_jax
     from jax_gdn.cases import BENCH_CASES
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
     from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
@@ -144,31 +103,11 @@ def main():
         impl, triton_backend = "mosaic", "pallas"
     log(f"device {result.get('device')} jax {jax.__version__}; cases {[c.name for c in cases]}; {left():.0f} s left")
 
-    def timed(row, key, fn, args, min_left=4.0):
-        if left() < min_left:
-            row["ms"][key] = None
-            row.setdefault("skipped", []).append(key)
-            return None
-        try:
-            res = jax.block_until_ready(fn(*args))
-            row["ms"][key] = round(timer(fn, args), 4)
-            log(f"  {row['case'][:22]:22s} {key:22s} {row['ms'][key]:8.4f} ms   ({left():.0f} s left)")
-            _write(out_dir, result)
-            return res
-        except Exception as e:  # noqa: BLE001 - report and go on
-            row["ms"][key] = None
-            msg = f"{row['case']} {key}: {type(e).__name__}: {str(e)[:600]}"
-            result["errors"].append(msg)
-            log("  FAIL " + msg)
-            return None
-
-    bf = jnp.bfloat16
+    timed = kit.Timed(timer, left, log, result["errors"], min_left=4.0, key_width=22, case_chars=22, err_chars=600,
+                      after=lambda: _write(out_dir, result))
 
     def case_args(case):
-        host = make_inputs_np(case, 0)
-        cu = jnp.asarray(case.cu_seqlens(), jnp.int32)
-        return host, (jnp.asarray(host[0], bf), jnp.asarray(host[1], bf), jnp.asarray(host[2], bf),
-                      jnp.asarray(host[3]), jnp.asarray(host[4], bf), jnp.asarray(host[5])), cu
+        return kit.bench_inputs(case) + (jnp.asarray(case.cu_seqlens(), jnp.int32),)
 
     def variant_fn(variant, cu):
         stage1a, inputs, states, lanes = variant
@@ -318,20 +257,12 @@ def finish(result, opts, out_dir):
         for name, n in r.get("numerics", {}).items():
             log(f"numerics {r['case'][:26]} {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']} "
                 f"pad0 {n['pad_zero']}")
-    if "tests" in result:
-        t = result["tests"]
-        npass = sum("PASSED" in v for v in t["verdicts"])
-        nfail = sum(("FAILED" in v or "ERROR" in v) for v in t["verdicts"])
-        log(f"tests rc={t['rc']}: {npass} passed, {nfail} failed of {len(t['verdicts'])} reported")
-    log(f"errors: {len(result['errors'])}; wall {time.time() - T_START:.0f} s (budget {opts.budget:.0f} s)")
+    kit.log_closing(log, result, kit.Deadline(opts.budget, T_START))
     _write(out_dir, result)
 
 
 def _write(out_dir, result):
-    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, f"{NAME}.log"), "w") as f:
-        f.write("\n".join(LOG_LINES) + "\n")
+    kit.save(out_dir, NAME, result, log.lines)
 
 
 if __name__ == "__main__":

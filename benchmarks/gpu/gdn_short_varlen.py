@@ -34,51 +34,33 @@ warps, 2 stages, BV 16 on 1 warp) on tiny64 and N 256 mean 16 / 8 / 4 (whose chu
 """
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
-import subprocess
 import sys
 import time
-import traceback
+
+import script_kit as kit
 
 T0 = time.time()
-LOG = []
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, REPO)
-
-
-def log(*a):
-    line = " ".join(str(x) for x in a)
-    LOG.append(line)
-    print(line, flush=True)
+log = kit.Log()
+sys.path.insert(0, kit.REPO)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--budget", type=float, default=70.0)
+    ap = kit.arg_parser(__doc__, budget=70.0)
     ap.add_argument("--tests-timeout", type=float, default=30.0)
     ap.add_argument("--plan", default="b", choices=("a", "b"),
                     help="a: run 1's job list; b (run 2): the prefetch and launch variants on the longer mixes, the "
                     "crossover at N 64 and N 256 mean 32, the worst case; no chunked tiny64, no FLA")
     ap.add_argument("--time-reserve", type=float, default=14.0,
                     help="compiles stop when less than this is left (kept for timing what was compiled)")
-    args = ap.parse_args()
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
+    args, out, left = kit.parse(ap, T0, cpu_quick=True)
     quick = args.quick
-    if quick:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    left = lambda: args.budget - (time.time() - T0)
 
     # ---- the GPU tests, in a child process from the start (it only competes with compiles and numerics) ----
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    child_log = open(os.path.join(out, "gdn_short_varlen_tests.log"), "w")
-    child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-m", "gpu", "-p", "no:randomly",
-                              "-p", "no:cacheprovider", "tests/pallas_kernels/test_gdn_recurrent_varlen.py"],
-                             cwd=REPO, env=env, stdout=child_log, stderr=subprocess.STDOUT)
+    child = kit.ChildTests.start(["-q", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider",
+                                  "tests/pallas_kernels/test_gdn_recurrent_varlen.py"],
+                                 quick=quick, log_path=os.path.join(out, "gdn_short_varlen_tests.log"))
 
     import jax
     import jax.numpy as jnp
@@ -94,35 +76,14 @@ def main():
     log(f"device {res['device']} jax {jax.__version__}")
     backend = "pallas_interpret" if quick else "pallas"
     timing = dict(warmup=1, groups=2, per_group=2) if quick else dict(warmup=3, groups=15, per_group=10)
-    bf = jnp.bfloat16
     RC = rv.RecurrentVarlenConfig
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
+    rel = kit.relative_rms
 
     def save():
-        with open(os.path.join(out, "gdn_short_varlen.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        with open(os.path.join(out, "gdn_short_varlen.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
+        kit.save(out, "gdn_short_varlen", res, log.lines)
 
-    def guarded(label, need, fn):
-        if left() < need:
-            res["skipped"].append(label)
-            log(f"skip {label} ({left():.0f} s left, needs ~{need:.0f})")
-            return None
-        t = time.time()
-        try:
-            return fn()
-        except Exception as e:                                # report and go on
-            res["errors"].append(f"{label}: {type(e).__name__}: {str(e)[:800]}")
-            log(f"FAIL {label}: {type(e).__name__}: {str(e)[:800]}")
-            traceback.print_exc()
-            return None
-        finally:
-            log(f"  ({label}: {time.time() - t:.1f} s)")
-            save()
+    guarded = functools.partial(kit.guarded, left=left, log=log, res=res, save=save)
 
     # ---- mixes ----
     if quick:
@@ -164,8 +125,7 @@ def main():
             if n not in h0_by_n:
                 h0_by_n[n] = 0.1 * jax.random.normal(jax.random.PRNGKey(n), (n, hv, d, d), jnp.float32)
             h0 = h0_by_n[n]
-        xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
-              h0, jnp.asarray(case.cu_seqlens(), jnp.int32))
+        xs = kit.bf16_inputs((q, k, v, g, beta, h0)) + (jnp.asarray(case.cu_seqlens(), jnp.int32),)
         return (lambda: (q, k, v, g, beta, np.asarray(h0))), xs
 
     def public(route: bool):
@@ -227,10 +187,7 @@ def main():
     # ---- compile everything while the child runs, in priority order (what picks L first, FLA last) ----
     progs = []                                     # (case, impl label, compiled, xs, host)
 
-    def cfg_name(c):
-        import dataclasses
-        return ",".join(f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
-                        if getattr(c, f.name) != f.default) or "default"
+    cfg_name = kit.config_name
 
     both = lambda case: [(case, "recurrent", public(True)), (case, "chunked", public(False))]
     var = lambda case, cfgs: [(case, f"recurrent {cfg_name(c)}", variant(c)) for c in cfgs]
@@ -273,14 +230,8 @@ def main():
 
     # ---- wait for the tests ----
     def wait_child():
-        try:
-            rc = child.wait(timeout=max(1.0, args.tests_timeout - (time.time() - T0)))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            rc = "timeout"
-        child_log.close()
-        text = open(os.path.join(out, "gdn_short_varlen_tests.log")).read()
+        rc = child.wait(max(1.0, args.tests_timeout - left.elapsed()))
+        text = child.text
         res["tests"] = {"rc": rc, "tail": text[-1500:],
                         "figures": [ln for ln in text.splitlines() if ln.startswith("FIGURE")]}
         log(f"tests rc={rc}")
