@@ -90,6 +90,52 @@ def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool 
         raise ValueError(f"state_map_pass: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
 
 
+def _issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: bool, b, hh, hk, tok0, piece,
+                 ncb_row: int, ncb: int):
+    """The memory warpgroup's TMA copies of chunk ``n`` of a piece (tokens tok0 + n C ..) into ring slot ``slot``
+    of both map kernels, all on ``in_bar[slot]``: k (key head hk), the value block(s) ``values`` ((first column,
+    SMEM ring) per block carried), T0 or T, the cumulative gates into the three gate buffers, beta (``head_major``
+    False: chunk b ncb_row + piece ncb + n of the [NC, ...] layout)."""
+    import jax.experimental.pallas as pl
+    plgpu = mg._plgpu()
+    k_ref, v_ref, t_ref, g_ref, b_ref = refs
+    g_state, g_rows, g_cols, b_cols = vecs
+    rows = pl.ds(tok0 + n * C, C)
+    bar = in_bar.at[slot]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
+    for v0, v_s in values:
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+    if head_major:
+        t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
+    else:
+        c = b * ncb_row + piece * ncb + n
+        t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
+    plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
+    for g_buf in (g_state, g_rows, g_cols):
+        plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
+    plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+
+
+def _form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols, ag_ready):
+    """Ag = T0 e^(G_i - G_j) beta_j (``head_major``: the exponent masked before exp; else T beta_j from Triton's
+    gated T) written over T0 in ring slot ``slot``, then ``ag_ready[slot]`` arrives (both map kernels)."""
+    plgpu = mg._plgpu()
+    WGMMA = plgpu.Layout.WGMMA
+    ROWS = WGMMA.reduce(1)
+    COLS = WGMMA.reduce(0)
+    sq = (C, C)
+    t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+    if head_major:
+        g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
+        g_col = plgpu.load(g_cols.at[slot], layout=COLS)
+        keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
+        t_in = t_in * exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq), -jnp.inf))
+    ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+    t_s.at[slot][...] = ag.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ag_ready.at[slot])
+
+
 def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_dim: int, exp, k_s, v_s, t_s, g_state,
                in_bar, ag_ready, in_free):
     """The state warpgroup's chain of both map kernels (single and paired): value block ``blk`` of the augmented
@@ -144,9 +190,6 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     """
     import jax.experimental.pallas as pl
     plgpu = mg._plgpu()
-    WGMMA = plgpu.Layout.WGMMA
-    ROWS = WGMMA.reduce(1)
-    COLS = WGMMA.reduce(0)
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
     _check(pieces, padded, key_dim, value_dim)
@@ -192,25 +235,18 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         else:                            # no initial state: the first piece's M is never read, its blocks walk 0
             count = jnp.where((iv < n_id) & (piece == 0), 0, ncb).astype(jnp.int32)
         wg = lax.axis_index("wg")
+        ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s, vecs=(g_state, g_rows, g_cols, b_cols),
+                    in_bar=in_bar, head_major=head_major, b=b, hh=hh, hk=hk, tok0=tok0,
+                    piece=piece, ncb_row=ncb_row, ncb=ncb)
+        ag_bufs = dict(head_major=head_major, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
+                       b_cols=b_cols, ag_ready=ag_ready)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(n, slot):
-                rows = pl.ds(tok0 + n * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
-                if head_major:
-                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
-                else:
-                    c = b * ncb_row + piece * ncb + n
-                    t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
-                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
-                for g_buf in (g_state, g_rows, g_cols):
-                    plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+                _issue_chunk(n, slot, ((v0, v_s),), **ring)
 
             if need_first:
                 for n in range(min(stages, ncb)):
@@ -230,23 +266,12 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         @pl.when(wg == 1)
         def _ag():
             plgpu.set_max_registers(232, action="increase")
-            sq = (C, C)
 
             @pl.loop(0, count)
             def _chunk(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
-                t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-                if head_major:               # T = T0 e^(G_i - G_j), the exponent masked before exp
-                    g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
-                    g_col = plgpu.load(g_cols.at[slot], layout=COLS)
-                    keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
-                    t_in = t_in * _exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq),
-                                                 -jnp.inf))
-                ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
-                t_s.at[slot][...] = ag.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ag_ready.at[slot])
+                _form_ag(slot, **ag_bufs)
                 plgpu.barrier_arrive(in_free.at[slot])
 
         @pl.when(wg == 0)
@@ -282,9 +307,6 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
     kernel's, so are the results."""
     import jax.experimental.pallas as pl
     plgpu = mg._plgpu()
-    WGMMA = plgpu.Layout.WGMMA
-    ROWS = WGMMA.reduce(1)
-    COLS = WGMMA.reduce(0)
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -328,39 +350,21 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
         else:
             count = jnp.where((blocks[0] < n_id) & (piece == 0), 0, ncb).astype(jnp.int32)
         wg = lax.axis_index("wg")
+        ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s, vecs=(g_state, g_rows, g_cols, b_cols),
+                    in_bar=in_bar, head_major=head_major, b=b, hh=hh, hk=hk, tok0=tok0,
+                    piece=piece, ncb_row=ncb_row, ncb=ncb)
+        ag_bufs = dict(head_major=head_major, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
+                       b_cols=b_cols, ag_ready=ag_ready)
 
-        def form_ag(slot):               # Ag = T0 e^(G_i - G_j) beta_j (or T beta_j) in place of T0
-            sq = (C, C)
-            t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-            if head_major:
-                g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
-                g_col = plgpu.load(g_cols.at[slot], layout=COLS)
-                keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
-                t_in = t_in * _exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq), -jnp.inf))
-            ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
-            t_s.at[slot][...] = ag.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ag_ready.at[slot])
+        def form_ag(slot):               # Ag in place of T0, formed one chunk ahead by the memory warpgroup
+            _form_ag(slot, **ag_bufs)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(96, action="decrease")
 
             def issue(n, slot):
-                rows = pl.ds(tok0 + n * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0s[0], BV)], va_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0s[1], BV)], vb_s.at[slot], bar)
-                if head_major:
-                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
-                else:
-                    c = b * ncb_row + piece * ncb + n
-                    t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
-                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
-                for g_buf in (g_state, g_rows, g_cols):
-                    plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+                _issue_chunk(n, slot, ((v0s[0], va_s), (v0s[1], vb_s)), **ring)
 
             for n in range(stages):          # (jla _map_fwd_wy_paired)
                 @pl.when(count > n)
