@@ -482,6 +482,16 @@ def test_piece_scan_triton_lowers_for_cuda(with_h0):
         assert "gdn_split_piece_scan" in lowered.as_text() and lowered.out_info.shape == (1, 8, 8, 128, 128)
 
 
+def _weak_decay_operands(case, seed: int, *, pieces: int):
+    """The fused pass's head-major operands (Mosaic stage 1a on the GPU) of the case's bf16 inputs with g x 0.01,
+    so a start state survives a piece and the split's state maps M matter."""
+    q, k, v, g, beta, h0, _ = make_inputs(case, seed, jnp.bfloat16)
+    bf = jnp.bfloat16
+    return jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=pieces))(
+        jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
+        jnp.asarray(h0))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("need_first,paired", [(True, False), (False, True), (False, False), (True, True)])
 def test_gpu_split_map_pass_matches_twin(need_first, paired):
@@ -490,12 +500,7 @@ def test_gpu_split_map_pass_matches_twin(need_first, paired):
     zeros."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
-    case = Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128)
-    q, k, v, g, beta, h0, _ = make_inputs(case, 11, jnp.bfloat16)
-    bf = jnp.bfloat16
-    ops_ = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=4))(
-        jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
-        jnp.asarray(h0))
+    ops_ = _weak_decay_operands(Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128), 11, pieces=4)
     got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a, pieces=4, need_first=need_first,
                                                           paired=paired))(*ops_[1:6]))
     ref = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=4, need_first=need_first))
@@ -528,12 +533,7 @@ def test_gpu_split_variants_agree():
     the serial scan (P = 8, weak decay, initial state; session 6's map is checked by the op tests of session 6)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
-    case = Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128)
-    q, k, v, g, beta, h0, _ = make_inputs(case, 12, jnp.bfloat16)
-    bf = jnp.bfloat16
-    ops_ = jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=8))(
-        jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
-        jnp.asarray(h0))
+    ops_ = _weak_decay_operands(Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128), 12, pieces=8)
     runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(o, 8, kernel=True, head_major=True,
                                                                            map_impl=m, scan=s))(ops_))
             for m, s in [("map", "serial"), ("map", "triton"), ("paired", "serial"), ("map", "log")]}
