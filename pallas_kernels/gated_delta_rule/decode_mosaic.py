@@ -123,14 +123,7 @@ DEFAULT_CONFIG = MosaicDecodeConfig()
 
 _plgpu = mosaic_gpu._plgpu          # the Pallas Mosaic GPU module, imported on first use
 _num_sms = mosaic_gpu._num_sms      # this GPU's SM count (132 on an H200, and off a GPU)
-
-
-def is_hopper() -> bool:
-    try:
-        d = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
+is_hopper = mosaic_gpu.is_hopper    # whether the default device is an sm_90 GPU
 
 
 def smem_bytes(kdim: int, block_v: int, stages: int, qk_itemsize: int, v_itemsize: int) -> int:
@@ -142,7 +135,7 @@ def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bo
     """Why the Mosaic GPU decode kernel cannot run this call (decode.py then runs the Triton kernel), or None.
     Shapes and dtypes only (works on tracers). ``interpret``: GPU interpret mode (no Hopper needed)."""
     cfg = config or DEFAULT_CONFIG
-    if not interpret and not is_hopper():
+    if not interpret and not mosaic_gpu.is_hopper():
         return "the Mosaic GPU decode kernel needs an sm_90 (Hopper) GPU"
     n, t, _, kdim = q.shape
     vdim = v.shape[3]
