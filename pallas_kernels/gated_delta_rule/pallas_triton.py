@@ -368,19 +368,33 @@ def _state_pass_kernel(start_ref, len_ref, first_ref, nchunks_ref, order_ref, sl
     n = order_ref[pl.program_id(2)]
     kdim = k_ref.shape[-1]
     vs = pl.ds(vblk * block_v, block_v)
-    slot = slot_ref[n]
-    # an id outside [0, S) names no slot: read zeros, drop the write (never wrap, never clamp onto a slot)
-    in_pool = (slot >= 0) & (slot < pool_in_ref.shape[0])
-    read_slot = jnp.clip(slot, 0, pool_in_ref.shape[0] - 1)
-
-    # A fresh sequence (has_initial_state 0) or an id naming no slot loads nothing: the load is masked off (no
-    # memory traffic) and reads zeros, a select, so a NaN stale slot never enters (never a multiply).
-    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
-    s0 = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0).astype(jnp.float32)   # [K, BV]
+    s0, in_pool, read_slot = load_start_state(pool_in_ref, slot_ref, has_ref, n, h, vs, kdim=kdim, block_v=block_v)
     s = _run_sequence(h, vs, first_ref[n], nchunks_ref[n], s0, start_ref, len_ref, q_ref, k_ref, w_ref, u_ref,
                       aqk_ref, gcum_ref, o_ref, chunk=chunk, group=group, scale=scale, dtype=dtype,
                       precision=precision)
 
+    store_final_state(final, s, pool_out_ref, n, h, vs, in_pool=in_pool, read_slot=read_slot)
+
+
+def load_start_state(pool_in_ref, slot_ref, has_ref, n, h, vs, *, kdim: int, block_v: int):
+    """A sequence's start state from the slot pool, for the Pallas Triton kernels that walk one (sequence, head,
+    V block) (the chunked state pass and recurrent_varlen.py): (S [K, BV] fp32, in_pool, read_slot).
+    An id outside [0, S) names no slot (in_pool False: read zeros, drop the write; never wrap, never clamp onto a
+    slot); read_slot is the clipped id for addressing. A fresh sequence (has_ref[n] 0) or an id naming no
+    slot loads nothing: the load is masked off (no memory traffic) and reads zeros, a select, so a NaN stale slot
+    never enters (never a multiply)."""
+    num_slots = pool_in_ref.shape[0]
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)
+    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
+    s0 = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0.0).astype(jnp.float32)
+    return s0, in_pool, read_slot
+
+
+def store_final_state(final: str, s, pool_out_ref, n, h, vs, *, in_pool, read_slot):
+    """Where a sequence's final state S [K, BV] goes (``final``): "slot" pool_out[slot] (the pool, aliased; an id
+    outside [0, S) drops it), "seq" pool_out[n] (a fresh [N, Hv, K, V] array), "none" nowhere."""
     if final == "slot":
         @pl.when(in_pool)
         def _():

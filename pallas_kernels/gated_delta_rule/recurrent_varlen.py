@@ -108,13 +108,9 @@ def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, be
     vs = pl.ds(vb * block_v, block_v)
     n = order_ref[i]
     start, end = cu_ref[n], cu_ref[n + 1]
-    num_slots = pool_in_ref.shape[0]
-    slot = slot_ref[n]
-    in_pool = (slot >= 0) & (slot < num_slots)            # an id outside [0, S): zeros in, no write (never clamped)
-    read_slot = jnp.clip(slot, 0, num_slots - 1)
-    # masked load: a fresh sequence or a bad id reads no bytes, and a stale NaN slot never enters (a select)
-    read = jnp.broadcast_to((has_ref[n] != 0) & in_pool, (kdim, block_v))
-    s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=read, other=0.0).astype(jnp.float32)   # [K, BV]
+    # an id outside [0, S): zeros in, no write (never clamped); a fresh sequence or a bad id reads no bytes
+    s, in_pool, read_slot = _pt.load_start_state(pool_in_ref, slot_ref, has_ref, n, h, vs, kdim=kdim,
+                                                 block_v=block_v)                     # [K, BV] fp32
 
     def load(t):
         """Token t's (q [K], k [K], v [BV], g, beta) as stored; t is clamped to the last row (a prefetch past the
@@ -145,12 +141,7 @@ def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, be
     else:
         s = lax.fori_loop(start, end, lambda t, s: token(t, s, load(t)), s)
 
-    if final == "slot":
-        @pl.when(in_pool)
-        def _():
-            pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
-    elif final == "seq":
-        pool_out_ref[n, h, :, vs] = s.astype(pool_out_ref.dtype)
+    _pt.store_final_state(final, s, pool_out_ref, n, h, vs, in_pool=in_pool, read_slot=read_slot)
 
     # padding rows [cu[N], T): this program zeroes rows cu[N] + i + j N of its columns
     tail = cu_ref[num_seqs]
