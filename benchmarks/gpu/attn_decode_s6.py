@@ -302,12 +302,12 @@ def run_layer(quick, backend, deadline):
         variants = [("fused-qkv", fused_params, True, None), ("fused-qkv-qkernel", fused_params, True, qk)] * 3
         variants = [(f"{n}-{i // 2}", p_, f_, c_) for i, (n, p_, f_, c_) in enumerate(variants)]
     else:
-        variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),   # session 7 set
-                    ("fused-qkv-sk2", fused_params, True, None), ("fused-qkv-sk4", fused_params, True, None),
-                    ("fused-qkv-sk8", fused_params, True, None), ("fused-qkv-ns4-cfused-sk4", fused_params, True,
-                                                                  D(num_splits=4, combine="fused")),
-                    ("fused-qkv-qkernel-sk4", fused_params, True, D(q_prologue="kernel")),
-                    ("fused-qkv-again", fused_params, True, None), ("fused-qkv-sk4-again", fused_params, True, None)]
+        # session 7's call-2 set also timed split-K of the decode GEMMs (sk2 / sk4 / sk8: slower, the switch was
+        # removed; benchmarks/logs/s7/call2_attn_layer*.log, paged_attention/NOTES.md "Session 7: decode step")
+        variants = [("unfused", params, False, None), ("fused-qkv", fused_params, True, None),
+                    ("fused-qkv-qxla", fused_params, True, D(q_prologue="xla")),   # the default is "kernel" now
+                    ("fused-qkv-ns4-cfused", fused_params, True, D(num_splits=4, combine="fused")),
+                    ("fused-qkv-again", fused_params, True, None)]
     ref_out = None
     calls = []
     for name, p, fused, cfg in variants:
@@ -318,7 +318,6 @@ def run_layer(quick, backend, deadline):
                "config": None if cfg is None else cfg.__dict__}
         t1 = time.time()
         tr.DEFAULT_DECODE = cfg
-        A.DECODE_SPLIT_K = int(name.split("-sk")[1].split("-")[0]) if "-sk" in name else 0   # session 7
         api._decode_jit.clear_cache()
         api._decode_gated_jit.clear_cache()
         try:

@@ -223,38 +223,13 @@ def _decode_fused_default(params: dict, dims: AttnDims, dtype, backend: str) -> 
     return _pa.decode_backend(_pa.resolve_backend(backend, **kw), **kw) in ("pallas", "pallas_interpret")
 
 
-#: Split-K of the decode step's two GEMMs ([N, D] @ [D, H 2 Dh + 2 Hkv Dh] and [N, H Dh] @ [H Dh, D] with N <= 128
-#: streams): the contraction is cut into this many slices run as one batched GEMM with fp32 partial sums, then summed
-#: (0 or 1: one plain GEMM). A skinny GEMM has few output tiles (o_proj at N = 64: 16 tiles of 64 x 128 for 132
-#: SMs), so a plain GEMM cannot pull the weights at HBM speed; the slices multiply the tiles. Measured on the H200:
-#: NOTES_model_parts.md "Session 7: decode GEMMs".
-DECODE_SPLIT_K = 0
-
-
-def decode_matmul(x: jax.Array, w: jax.Array, split: int | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] in x's dtype, the contraction cut into ``split`` (default DECODE_SPLIT_K) slices where
-    it divides K: one batched GEMM [split, M, K / split] x [split, K / split, N] with fp32 partials, summed."""
-    split = DECODE_SPLIT_K if split is None else split
-    m, kdim = x.shape
-    if split <= 1 or kdim % split or m > 128:
-        return x @ w
-    xs = jnp.swapaxes(x.reshape(m, split, kdim // split), 0, 1)                 # [split, M, K / split]
-    ws = w.reshape(split, kdim // split, w.shape[1])                              # [split, K / split, N]
-    part = jnp.einsum("smk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
-    return part.sum(axis=0).astype(x.dtype)
-
-
 def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos, token_page,
                            token_offset, page_table, slot_lens, slot_ids, backend: str, config=None):
     """One decode step (hidden [N, D], one token per stream) through the fused kernels; the arguments and the
     result are ``attention_layer``'s (the metadata already checked). With qkv_proj one GEMM feeds the q, k and
     v kernels (column offsets, no slices); with three weights, three GEMMs."""
     h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    if "qkv_proj" in params and DECODE_SPLIT_K > 1:
-        y = decode_matmul(hidden, params["qkv_proj"])
-        k = v = None
-    else:
-        y, k, v = _project(params, dims, hidden)
+    y, k, v = _project(params, dims, hidden)
     cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
     if "qkv_proj" in params:
         yk, yv, k_col, v_col = y, y, h * 2 * dh, h * 2 * dh + hkv * dh
@@ -267,7 +242,7 @@ def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: 
     o = _pa.paged_attention_decode_gated(y, kp, vp, page_table, slot_lens, slot_ids, q_norm=params["q_norm"],
                                          cos=cos, sin=sin, num_heads=h, scale=dh ** -0.5, eps=dims.rms_norm_eps,
                                          backend=backend, config=config)                  # [N, H * Dh]
-    return decode_matmul(o, params["o_proj"]).astype(hidden.dtype), kv
+    return (o @ params["o_proj"]).astype(hidden.dtype), kv
 
 
 # ================================================================================================================

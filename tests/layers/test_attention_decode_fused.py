@@ -17,15 +17,12 @@ def _rel(x, ref):
     return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
 
 
-@pytest.mark.parametrize("backend,qkv,dtype,tol,split_k", [("pallas_interpret", False, jnp.float32, 1e-5, 0),
-                                                           ("pallas_interpret", True, jnp.bfloat16, 2e-2, 0),
-                                                           ("xla", True, jnp.float32, 1e-5, 0),
-                                                           ("xla", True, jnp.float32, 1e-5, 4)])
-def test_fused_decode_step_matches_unfused(backend, qkv, dtype, tol, split_k, monkeypatch):
+@pytest.mark.parametrize("backend,qkv,dtype,tol", [("pallas_interpret", False, jnp.float32, 1e-5),
+                                                   ("pallas_interpret", True, jnp.bfloat16, 2e-2),
+                                                   ("xla", True, jnp.float32, 1e-5)])
+def test_fused_decode_step_matches_unfused(backend, qkv, dtype, tol):
     """4 streams with contexts 0, 62, 64, 129 (+1 new token) in permuted slots and shuffled pages, one padding
-    stream (slot id S, page id P: writes nothing, reads nothing); the same output rows and the same pools.
-    split_k: the decode GEMMs cut into 4 slices (DECODE_SPLIT_K)."""
-    monkeypatch.setattr(A, "DECODE_SPLIT_K", split_k)
+    stream (slot id S, page id P: writes nothing, reads nothing); the same output rows and the same pools."""
     rng = np.random.default_rng(3)
     d, h, hkv, dh, ps, w, s = 32, 4, 2, 16, 8, 20, 6
     dims = AttnDims(hidden_size=d, num_heads=h, num_kv_heads=hkv, head_dim=dh, partial_rotary_factor=0.5,
@@ -60,24 +57,7 @@ def test_fused_decode_step_matches_unfused(backend, qkv, dtype, tol, split_k, mo
     np.testing.assert_array_equal(f(out)[4], 0.0)                    # no slot: o is zero, o_proj(0) = 0
     np.testing.assert_allclose(f(kv_out.k_pages), f(kv_ref.k_pages), atol=0 if dtype == jnp.float32 else 1e-2,
                                rtol=1e-5 if dtype == jnp.float32 else 1e-2)
-    if split_k:     # the sliced GEMM sums in another order: v rounds differently
-        np.testing.assert_allclose(f(kv_out.v_pages), f(kv_ref.v_pages), rtol=1e-5, atol=1e-6)
-    else:
-        np.testing.assert_array_equal(f(kv_out.v_pages), f(kv_ref.v_pages))
-
-
-@pytest.mark.parametrize("split", [1, 2, 8, 3])
-def test_decode_matmul_split_k(split):
-    """decode_matmul's slices sum to the plain product (fp32, 1e-5 rel); a split that does not divide K (3 of 64)
-    or M > 128 rows falls back to the plain GEMM."""
-    rng = np.random.default_rng(0)
-    for m in (5, 129):
-        x = jnp.asarray(rng.standard_normal((m, 64)), jnp.float32)
-        w = jnp.asarray(rng.standard_normal((64, 24)), jnp.float32)
-        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-        got = A.decode_matmul(x, w, split)
-        assert got.shape == (m, 24) and got.dtype == jnp.float32
-        assert _rel(got, ref) <= 1e-5
+    np.testing.assert_array_equal(f(kv_out.v_pages), f(kv_ref.v_pages))
 
 
 def test_decode_fused_switch(monkeypatch):
