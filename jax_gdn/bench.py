@@ -8,8 +8,10 @@ For each named case of jax_gdn.cases.BENCH_CASES, times in one run on one GPU:
   fla     FLA's chunk_gated_delta_rule (torch, Triton), FLA_FLASH_QLA=0
   jla     jax-linear-attention's Mosaic GPU gated_delta_rule (dense cases only: it takes no cu_seqlens)
 where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
-fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms after warm-up: jax
-over groups of back-to-back calls closed by block_until_ready, torch with triton.testing.do_bench (median).
+fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms, every column timed
+the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of back-to-back calls, each closed by one sync;
+the median over the groups of the wall time per call); FLA's triton.testing.do_bench median (GPU events, L2
+flushed: the tables' method before session 8) is kept beside in the row as "fla_do_bench", never in a ratio.
 
 Writes benchmarks/results/<device>.json, named from the device kind ("NVIDIA H200" -> h200.json, a CPU run ->
 cpu.json; ``--out`` overrides): {"device", "jax", "date", "rows": [{"case", "B", "T", "Hk", "Hv", "K", "V", "lens",
@@ -34,9 +36,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import numpy as np
@@ -90,27 +90,11 @@ def make_inputs_np(case: Case, seed: int = 0):
     return q, k, v, g, beta, h0
 
 
-def time_jax(fn, args, *, warmup=3, groups=15, per_group=10, slow_ms=None):
-    """Median ms per call over ``groups`` groups of ``per_group`` back-to-back calls closed by block_until_ready,
-    after ``warmup`` calls. ``slow_ms``: if one more call takes longer than this, time 5 single calls instead
-    (for slow reference paths)."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    if slow_ms is not None:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        if (time.perf_counter() - t0) * 1e3 > slow_ms:
-            groups, per_group = min(groups, 5), 1
-    times = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(per_group):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / per_group * 1e3)
-    return statistics.median(times)
+def time_jax(fn, args, **kw):
+    """Median ms per call of ``fn(*args)``: ``jax_gdn.timing.time_jax`` (the one method of every bench column; its
+    keywords: warmup, groups, per_group (None: groups of ~20 ms), slow_ms)."""
+    from jax_gdn.timing import time_jax as _time_jax
+    return _time_jax(fn, args, **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,13 +162,19 @@ def fla_call(case, host):
     return fn
 
 
-def _time_fla(case, host):
+def _time_fla(case, host, do_bench: bool = False):
+    """FLA's median ms timed as the jax columns are (``jax_gdn.timing.time_torch``); ``do_bench``: triton's do_bench
+    median instead (CUDA events, L2 flushed: the method of the tables before session 8, kept beside as
+    "fla_do_bench", never in a ratio)."""
     import torch
-    import triton
+    from jax_gdn.timing import time_torch
     fn = fla_call(case, host)
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+    if do_bench:
+        import triton
+        return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+    return time_torch(fn)
 
 
 def run_layers(backends, reps=10, small=False):
@@ -256,6 +246,10 @@ def run_kernel_rows(cases, impls, seed=0):
                 ms = time_jax(*_jla_impl(case, host))
             elif impl == "fla":
                 ms = _time_fla(case, host)
+                try:
+                    rows[-1]["fla_do_bench"] = round(_time_fla(case, host, do_bench=True), 4)
+                except Exception as e:                     # the reference figure only; the row keeps FLA's ms
+                    errors.append(f"{case.name} fla do_bench: {type(e).__name__}: {str(e)[:200]}")
             else:
                 raise ValueError(impl)
             rows[-1]["ms"][impl] = round(ms, 4)

@@ -25,8 +25,10 @@ Columns (median ms; null where an implementation cannot run the case):
               the context merged by LSE); prefill only (null for decode); "cudnn_xla" (its XLA stand-in) on CPU
 tflops (prefill): the causal FLOPs needed, 4 H Dh sum_n (L_n (L_n + 1) / 2 + L_n ctx), over each time;
 gbps (decode): the K/V bytes a decode must read, N ctx Hkv Dh 2 (K and V) * 2 bytes, over each time.
-Timing as in ``jax_gdn.bench``: jax over groups of back-to-back calls closed by block_until_ready (median of
-the groups), torch with triton.testing.do_bench (median).
+Timing, the same for every column (``jax_gdn.timing``): warm-up, then groups of ~20 ms of back-to-back calls
+closed by one sync (median of the groups; an op slower than 20 ms: 5 single calls). torch SDPA's triton do_bench
+median (GPU events, L2 flushed: the method of the tables before session 8) is kept beside in the row as
+"torch_sdpa_do_bench", never in a ratio.
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ def _cases(small: bool):
 
 
 def time_jax(fn, args, **kw):
-    """jax_gdn.bench.time_jax with its slow-path shortcut at 20 ms (the XLA reference: 5 single calls)."""
-    from jax_gdn.bench import time_jax as _time_jax
+    """jax_gdn.timing.time_jax with its slow-path shortcut at 20 ms (the XLA reference: 5 single calls)."""
+    from jax_gdn.timing import time_jax as _time_jax
     return _time_jax(fn, args, slow_ms=20.0, **kw)
 
 
@@ -117,7 +119,7 @@ def run_section(quick: bool = False, small=None) -> dict:
     h, hkv, dh = dims["h"], dims["hkv"], dims["dh"]
     dtype = jnp.bfloat16
     scale = dh ** -0.5
-    reps = dict(groups=3, per_group=2) if (quick or not on_gpu) else dict(groups=15, per_group=10)
+    reps = dict(groups=3, per_group=2) if (quick or not on_gpu) else dict(groups=15)
     rows = []
     for name, kind, lens, ctx in _cases(small):
         decode = kind == "decode"
@@ -157,8 +159,8 @@ def run_section(quick: bool = False, small=None) -> dict:
         row["ms"]["torch_sdpa"] = None
         if on_gpu:
             try:
-                row["ms"]["torch_sdpa"] = _time_torch(np.asarray(q.astype(jnp.float32)), dense, q_lens, ctx,
-                                                      decode, scale)
+                row["ms"]["torch_sdpa"], row["torch_sdpa_do_bench"] = _time_torch(
+                    np.asarray(q.astype(jnp.float32)), dense, q_lens, ctx, decode, scale)
             except Exception as err:
                 row["errors"]["torch_sdpa"] = f"{type(err).__name__}: {str(err)[:300]}"
         if decode:
@@ -208,6 +210,8 @@ def _time_cudnn(q, dense, lens, decode, h, hkv, dh, scale, reps):
 
 
 def _time_torch(q, dense, lens, ctx, decode, scale):
+    """(ms by jax_gdn.timing.time_torch, triton do_bench ms) of the SDPA calls of one case (one call per stream
+    for prefill, one batched call for decode), flash / efficient backends."""
     import torch
     import torch.nn.functional as F
     import triton
@@ -238,10 +242,12 @@ def _time_torch(q, dense, lens, ctx, decode, scale):
                     F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, enable_gqa=True)
                 else:
                     F.scaled_dot_product_attention(a, b, c, attn_mask=m, scale=scale, enable_gqa=True)
+    from jax_gdn.timing import time_torch
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         run()
         torch.cuda.synchronize()
-        return float(triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median"))
+        return (time_torch(run, slow_ms=20.0),
+                float(triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")))
 
 
 def print_section(section: dict) -> None:

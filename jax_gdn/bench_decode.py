@@ -14,9 +14,9 @@ q / k L2-normalised inside each implementation). Columns (median ms; null where 
           state; its triton do_bench median (CUDA events, L2 flushed) beside as "fla_do_bench_ms"
   copy    an XLA read + write of the same state bytes (pool * 1, not donated): the practical floor
 gbps: the state bytes a step must move, 2 N Hv K V 4 (read once, write once), over each time.
-Timing, the same for every column: groups of back-to-back calls, each feeding its new state to the next (the pool
-donated in jax), closed by one sync (block_until_ready / torch.cuda.synchronize); the median over the groups of the
-wall time per call.
+Timing, the same for every column (``jax_gdn.timing.time_threaded``): groups of ~20 ms of back-to-back calls, each
+feeding its new state to the next (the pool donated in jax), closed by one sync (block_until_ready /
+torch.cuda.synchronize); the median over the groups of the wall time per call.
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
-import time
 
 import numpy as np
 
@@ -51,20 +49,10 @@ def make_inputs_np(case: Case, seed: int = 0):
     return q, k, v, g, beta, pool, rng.permutation(n).astype(np.int32)
 
 
-def _time_threaded(step, state, *, warmup=3, groups=15, per_group=10):
-    """Median ms of ``state = step(state)`` (the state is donated each call)."""
-    import jax
-    for _ in range(warmup):
-        state = step(state)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        for _ in range(per_group):
-            state = step(state)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - t0) / per_group * 1e3)
-    return statistics.median(times)
+def _time_threaded(step, state, **timing):
+    """Median ms of ``state = step(state)`` (the state is donated each call): ``jax_gdn.timing.time_threaded``."""
+    from jax_gdn.timing import time_threaded
+    return time_threaded(step, state, "jax", **timing)
 
 
 def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> float:
@@ -100,20 +88,10 @@ def time_copy(case: Case, host, **timing) -> float:
     return _time_threaded(lambda p: fn(p), pool, **timing)
 
 
-def _time_threaded_torch(step, state, *, warmup=3, groups=15, per_group=10):
-    """``_time_threaded`` for torch: median ms of ``state = step(state)``, groups closed by a CUDA sync."""
-    import torch
-    for _ in range(warmup):
-        state = step(state)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        for _ in range(per_group):
-            state = step(state)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / per_group * 1e3)
-    return statistics.median(times)
+def _time_threaded_torch(step, state, **timing):
+    """``_time_threaded`` for torch: groups closed by a CUDA sync."""
+    from jax_gdn.timing import time_threaded
+    return time_threaded(step, state, "torch", **timing)
 
 
 def time_fla(case: Case, host, do_bench: bool = False) -> float:
