@@ -924,9 +924,11 @@ def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, ex
 STAGE1A = ("triton", "mosaic")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
+                                             "state_kv"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
-                               impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False):
+                               impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
+                               state_kv: bool = False):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -936,6 +938,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     :func:`kkt_fwd_reference` under ``impl="reference"``). ``pieces`` P > 1: the sequence split (each row cut
     into P pieces run side by side, their start states from one state-map pass, :func:`_split_start_states`);
     0: :func:`split_pieces` picks. ``exp2`` (with ``stage1a="mosaic"``): log2 gates and exp2 in the pass.
+    ``state_kv`` (``impl="mosaic"``, unsplit rows): the fused pass reads the initial state and writes the final one
+    in the op's [B, Hv, K, V] layout itself (``fused_state_pass(state_kv=True)``), instead of two XLA transposes to
+    and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and two launches); the jnp twin and the split ignore it.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -956,6 +961,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     kernel = impl == "mosaic"
     head_major = stage1a == "mosaic"
     exp2 = bool(exp2) and head_major
+    kv = bool(state_kv) and kernel and pieces == 1
     if head_major:
         ops_ = _prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2)
     else:
@@ -967,10 +973,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
                     pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
             ht = ht.reshape((b, pieces) + ht.shape[1:])[:, -1]
+    elif kv:            # the states in [B, Hv, K, V] straight into and out of the kernel (no XLA transposes)
+        h0 = None if initial_state is None else initial_state.astype(F32)
+        o, ht = run(*ops_[:6], h0, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2,
+                    state_kv=True)
     else:
         o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2)
     o = o[:, :t].astype(v.dtype)
-    return o, (None if ht is None else jnp.swapaxes(ht, -1, -2))
+    return o, (None if ht is None else ht if kv else jnp.swapaxes(ht, -1, -2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -983,16 +993,22 @@ class MosaicConfig:
     stage1a: "mosaic" (:func:`kkt_fwd`, the gate-free T0) or "triton" (Pallas Triton ``kkt_solve``, the gated T).
     pieces: the sequence split, 0 = :func:`split_pieces` decides per shape, 1 = never split, P = always P pieces.
     exp2: log2 gates and exp2 in the fused pass (jla's form; stage1a "mosaic" only), else natural log and exp.
+    state_kv: the fused pass reads / writes the states in the op's [B, Hv, K, V] layout (no XLA transposes around
+    it; unsplit rows only, the split keeps its transposed start states).
     """
     stage1a: str = "mosaic"
     pieces: int = 0
     exp2: bool = False
+    state_kv: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
             raise ValueError(f"MosaicConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
         if not isinstance(self.pieces, int) or not 0 <= self.pieces <= MAX_PIECES:
             raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
+        for name in ("exp2", "state_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
 
 
 #: pieces=0: the sequence split where :func:`split_pieces` says (rows of <= MAX_SPLIT_CTAS CTAs; the Hv 32 bench rows
@@ -1058,7 +1074,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
     def run(q, k, v, g, beta, *h0):
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
-                                          stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2)
+                                          stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
+                                          state_kv=cfg.state_kv)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
 

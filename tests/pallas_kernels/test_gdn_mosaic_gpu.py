@@ -570,3 +570,63 @@ def test_gpu_split_fast_scan_matches_f64(precision):
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+# ---- session 8: the dense rows' launch choices (MosaicConfig.state_kv, the variants the GPU sweep times) --------
+def test_config_state_kv_is_checked_and_passed_through(monkeypatch):
+    """MosaicConfig.state_kv is a bool (a clear ValueError otherwise) and op_fwd hands every field of the config to
+    the dense entry (a stand-in records the call)."""
+    with pytest.raises(ValueError, match="state_kv"):
+        mg.MosaicConfig(state_kv=1)
+    with pytest.raises(ValueError, match="exp2"):
+        mg.MosaicConfig(exp2="yes")
+    seen = {}
+
+    def fake(q, k, v, g, beta, h0=None, **kw):
+        seen.update(kw, h0=h0)
+        return jnp.zeros(v.shape, v.dtype), jnp.zeros(v.shape[:1] + v.shape[2:3] + (q.shape[3], v.shape[3]))
+    monkeypatch.setattr(mg, "chunk_gated_delta_rule_fwd", fake)
+    q = jnp.zeros((1, 70, 1, 16), jnp.bfloat16)
+    v = jnp.zeros((1, 70, 2, 16), jnp.bfloat16)
+    g = jnp.zeros((1, 70, 2), jnp.float32)
+    cfg = mg.MosaicConfig(stage1a="mosaic", pieces=1, exp2=True, state_kv=True)
+    mg.op_fwd(q, q, v, g, g, scale=0.25, initial_state=jnp.zeros((1, 2, 16, 16)), output_final_state=True,
+              config=cfg)
+    assert (seen["stage1a"], seen["pieces"], seen["exp2"], seen["state_kv"]) == ("mosaic", 1, True, True)
+    assert seen["h0"] is not None and seen["impl"] == "mosaic"
+
+
+def test_reference_state_kv_is_the_same_op():
+    """state_kv changes where the kernel keeps the states, not the op: the reference route (which ignores it) and
+    the argument checks agree with state_kv off; split calls keep their transposed start states."""
+    case = Case("cpu-B2-T65-Hk1-Hv2-K16-V8", 2, 65, 1, 2, 16, 8)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 8, jnp.float32)
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta, h0)]
+    a = mg.chunk_gated_delta_rule_fwd(*args, impl="reference", stage1a="mosaic", state_kv=True)
+    b = mg.chunk_gated_delta_rule_fwd(*args, impl="reference", stage1a="mosaic", state_kv=False)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    assert rel_rms(np.asarray(a[1]), rs) < 2e-4 and np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exp2", [False, True])
+def test_gpu_state_kv_matches_f64(exp2):
+    """The fused pass reading h0 and writing the final state in [B, Hv, K, V] itself (no XLA transposes): against
+    float64 (bf16 1e-2) on T = 130 with a NaN initial state in one row (it stays there), K = V = 128, Hv = 3 Hk; the
+    states bitwise those of the transposed route (the transposed SMEM load / store is exact)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernel needs an sm_90 GPU")
+    case = Case("B2-T130-Hk1-Hv3-K128-V128", 2, 130, 1, 3, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 21, jnp.bfloat16)
+    h0 = h0.copy()
+    h0[1] = np.nan
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
+            jnp.asarray(h0))
+    runs = [mg.chunk_gated_delta_rule_fwd(*args, impl="mosaic", stage1a="mosaic", pieces=1, exp2=exp2, state_kv=kv)
+            for kv in (True, False)]
+    (o, s), (o_t, s_t) = ([np.asarray(x.astype(jnp.float32)) for x in r] for r in runs)
+    ro, rs = oracle(q[:1], k[:1], v[:1], g[:1], np.asarray(jnp.asarray(beta, bf).astype(jnp.float32))[:1], h0[:1])
+    assert np.isfinite(o[0]).all() and np.isfinite(s[0]).all() and np.isnan(s[1]).all()
+    assert rel_rms(o[:1], ro) < 1e-2 and rel_rms(s[:1], rs) < 1e-2, (rel_rms(o[:1], ro), rel_rms(s[:1], rs))
+    assert np.array_equal(s[:1], s_t[:1]) and np.array_equal(o[:1], o_t[:1])
