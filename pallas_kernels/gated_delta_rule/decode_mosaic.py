@@ -16,7 +16,8 @@ with its q, k [K] (key head h // (Hv / Hk)) and v [BV]. Per item, with a = exp(g
 optionally with q, k L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``), the same numbers as decode.py's
 ``fused_output`` form up to fp32 rounding. While item i is computed, the loads of items i + 1 .. i + stages - 2 are
 in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is refilled with item
-i - 1 + stages as soon as the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)``).
+i - 1 + stages once the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)`` after item i's
+store is issued; ``refill="early"``: before item i's wait, so stages - 1 loads are in flight while it computes).
 Scalars (slot id, has_initial_state, g, beta or the raw a, b, A_log, dt_bias) are read straight from global
 memory one trip before their item is computed (their latency overlaps the wait and the arithmetic of the item
 before). An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
@@ -88,6 +89,10 @@ class MosaicDecodeConfig:
       jax 0.11's default, where this kernel's scalar-predicate select does not lower: the first H200 run).
     copy_only: a measurement aid, not the op: every tile is stored back as loaded (o = 0), so the time is the ring's
       and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool).
+    refill: when the previous item's slot is refilled, "late" (after this item is computed and its store issued:
+      stages - 2 tile loads in flight while an item computes) or "early" (before this item's wait, as soon as the
+      previous item's store has read its slot: stages - 1 loads in flight, at the cost of waiting on that read
+      first).
     """
     block_v: int = 64
     stages: int = 4
@@ -97,6 +102,7 @@ class MosaicDecodeConfig:
     copy_only: bool = False
     entry: str = "kernel"
     semantics: str = "lane"
+    refill: str = "late"
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -113,11 +119,14 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.entry must be one of {ENTRIES}, got {self.entry!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"MosaicDecodeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.refill not in REFILLS:
+            raise ValueError(f"MosaicDecodeConfig.refill must be one of {REFILLS}, got {self.refill!r}")
 
 
 LAYOUTS = ("wgmma",)
 ENTRIES = ("kernel", "pallas_call")
 SEMANTICS = ("lane", "warpgroup")
+REFILLS = ("late", "early")
 DEFAULT_CONFIG = MosaicDecodeConfig()
 
 
@@ -283,6 +292,11 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             refill_loc = locate(refill)
             d = lax.rem(i, stages)
             flags, g, beta = cur[4:]
+            if cfg.refill == "early":                     # the previous item's slot, once its store has read it
+                @pl.when((i >= 1) & (refill < trips))
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    issue(refill_loc, lax.rem(refill, stages))
             plgpu.barrier_wait(bar.at[d])
             if interpret:                                 # the interpreter keeps no register layouts
                 s, qv, kv, vv = s_buf[d], q_buf[d], k_buf[d], v_buf[d]
@@ -328,10 +342,11 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 plgpu.copy_smem_to_gmem(o_buf.at[d], o_ref.at[nn, 0, h, vs], commit_group=False)
             plgpu.commit_smem_to_gmem_group()            # one store group per item
 
-            @pl.when((i >= 1) & (refill < trips))        # refill the previous item's slot once its store read it
-            def _():
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                issue(refill_loc, lax.rem(refill, stages))
+            if cfg.refill == "late":
+                @pl.when((i >= 1) & (refill < trips))    # refill the previous item's slot once its store read it
+                def _():
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    issue(refill_loc, lax.rem(refill, stages))
             return upcoming
 
         lax.fori_loop(0, trips, step, fetch(0))

@@ -76,15 +76,16 @@ def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
 
 
 # ---- the kernel body in Mosaic GPU interpret mode -------------------------------------------------------------
-@pytest.mark.parametrize("block_v,stages,programs,hk,hv,l2", [
-    (64, 3, 3, 1, 2, True),           # 20 items over 3 CTAs: a tail item, a ring of 3
-    (128, 2, 2, 2, 4, False),         # one value block per head, the shallowest ring, GVA 2
-    (64, 4, 1, 1, 3, True),           # one CTA walks all 30 items (GVA 3)
-], ids=["bv64-s3-p3", "bv128-s2-p2-gva2", "bv64-s4-p1-gva3"])
-def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2):
+@pytest.mark.parametrize("block_v,stages,programs,hk,hv,l2,refill", [
+    (64, 3, 3, 1, 2, True, "late"),           # 20 items over 3 CTAs: a tail item, a ring of 3
+    (128, 2, 2, 2, 4, False, "late"),         # one value block per head, the shallowest ring, GVA 2
+    (64, 4, 1, 1, 3, True, "late"),           # one CTA walks all 30 items (GVA 3)
+    (64, 2, 3, 1, 2, True, "early"),          # the early refill on the shallowest ring, a tail item
+], ids=["bv64-s3-p3", "bv128-s2-p2-gva2", "bv64-s4-p1-gva3", "bv64-s2-p3-early"])
+def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, refill):
     n, s, d = 5, 7, 128
     xs, pool, ids, has, untouched = _poisoned(block_v + stages + hv, n, hk, hv, d, d, s)
-    cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs)
+    cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs, refill=refill)
     fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
         use_qk_l2norm=l2, interpret=True, config=cfg))
@@ -165,7 +166,16 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(stages=6, programs=264), jnp.float32, False),
     (dm.MosaicDecodeConfig(entry="pallas_call"), jnp.bfloat16, True),
     (dm.MosaicDecodeConfig(copy_only=True), jnp.bfloat16, False),
-], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only"])
+    # the session-8 H200 sweep (benchmarks/gpu/gdn_decode_s8.py): ring depth, early refill, 2 CTAs, ring ceilings
+    (dm.MosaicDecodeConfig(stages=5), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(stages=6), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(stages=6, refill="early"), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(block_v=128, stages=3, refill="early"), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(stages=6, copy_only=True), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only=True), jnp.bfloat16, False),
+], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only", "s5-raw", "s6",
+        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only"])
 def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
     """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
     scalar broadcast in a select, which this lowering on 0.10.2 reproduced)."""
@@ -200,7 +210,8 @@ def test_fallback_reasons_and_config_errors():
     assert "bytes x" in dm.fallback_reason(q, q, v, config=dm.MosaicDecodeConfig(stages=8), interpret=True)
     for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
                        (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
-                       (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics")]:
+                       (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics"),
+                       (dict(refill="soon"), "refill")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
