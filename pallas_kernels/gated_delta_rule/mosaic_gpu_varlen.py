@@ -7,7 +7,8 @@
 only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: this file lays the packed row out
 for them and back.
 
-  1. **Repack** (XLA gathers): every sequence starts at a chunk boundary of one padded row of Tp = NC C tokens,
+  1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``varlen_copy_triton``
+     copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of Tp = NC C tokens,
      NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's chunks per CTA; chunk c
      of the repacked row is chunk c of ``build_chunk_map``).
      Rows no sequence owns (the tail of each sequence's last chunk, the unused chunks at the end) hold zero q, k,
@@ -21,7 +22,8 @@ for them and back.
      row r reads (first chunk, chunk count, sequence) from an int32 [N, 3] table (sequences by decreasing chunk
      count, so the long serial walks start first) and walks only its own chunks (a dynamic trip count; 0 for an
      empty sequence, whose final state is then its initial state), from h0[n], final state to [n].
-  4. **Unpack**: o gathered back to the packed token order; rows at index >= cu_seqlens[N] are zero.
+  4. **Unpack**: o gathered back to the packed token order (XLA gather, or the Triton chunk copy); rows at index
+     >= cu_seqlens[N] are zero.
 
 The slot-pool form (:func:`op_fwd_slots`) gathers the start states of the pool (``chunk_map.gather_slots``: zeros
 for has_initial_state False and for ids outside [0, S)) and scatters the final states back
@@ -54,6 +56,7 @@ STAGE1A = ("mosaic", "triton")
 ORDERS = ("longest_first", "index")
 INPUTS = ("repacked", "packed")
 STATES = ("kv", "vk")
+COPIES = ("xla", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,9 @@ class VarlenConfig:
     lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
     when that leaves at least 4 sequences a lane, else 0. Not yet run on a GPU (its H200 runs went through the
     packed inputs): off by default.
+    copies: how the rows move between the packed and the chunk-aligned row: "xla" (one gather + select fusion per
+    array, :func:`_gather_rows`) or "triton" (``varlen_copy_triton``: q, k, v, g and beta repacked by one Pallas
+    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another; bitwise the same rows).
 
     The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen"): serve256 2.153 ms against Pallas Triton's
     2.421 (repacked inputs, kv states).
@@ -85,6 +91,7 @@ class VarlenConfig:
     inputs: str = "repacked"
     states: str = "kv"
     lanes: int = 0
+    copies: str = "xla"
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -95,6 +102,8 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.inputs must be one of {INPUTS}; got {self.inputs!r}")
         if self.states not in STATES:
             raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
+        if self.copies not in COPIES:
+            raise ValueError(f"VarlenConfig.copies must be one of {COPIES}; got {self.copies!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
             raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
                              f"got {self.lanes!r}")
@@ -168,6 +177,38 @@ def tail_rows(cu_seqlens):
     return src, keep
 
 
+def chunk_rows(cm, ncp: int):
+    """(chunk_start, chunk_len) [NCp] int32 of the chunk map padded with zero-length slots to the repacked row's
+    NCp chunks (the Triton copies' map)."""
+    pad = ncp - cm.chunk_start.shape[0]
+    return tuple(jnp.pad(x.astype(jnp.int32), (0, pad)) for x in (cm.chunk_start, cm.chunk_len))
+
+
+def repack_all(xs, src, keep, *, copies: str = "xla", chunks=None, interpret: bool = False):
+    """Arrays [1, T, ...] of the packed row -> [1, Tp, ...] on the repacked row: ``copies="xla"`` by
+    :func:`repack` (src / keep), ``"triton"`` by one ``varlen_copy_triton.repack_rows`` launch over ``chunks`` =
+    :func:`chunk_rows` (the same rows, bitwise)."""
+    if copies == "xla":
+        return repack(xs, src, keep)
+    from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+    t = xs[0].shape[1]
+    outs = vc.repack_rows(tuple(x[0].reshape(t, -1) for x in xs), *chunks, chunk=C, interpret=interpret)
+    return tuple(y.reshape((1, y.shape[0]) + x.shape[2:]) for x, y in zip(xs, outs))
+
+
+def unpack(o_r, back, valid, *, copies: str = "xla", chunks=None, end=None, total_len: int = 0,
+           interpret: bool = False):
+    """o_r [1, Tp, Hv, V] on the repacked row -> [1, T, Hv, V] on the packed row, zero at index >= cu_seqlens[N]
+    (``copies="xla"``: one gather + select by back / valid; ``"triton"``: ``varlen_copy_triton.unpack_rows`` over
+    ``chunks`` with ``end`` = cu_seqlens[N:])."""
+    if copies == "xla":
+        return _gather_rows(o_r[0], back, valid)[None]
+    from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+    tp = o_r.shape[1]
+    y = vc.unpack_rows(o_r[0].reshape(tp, -1), *chunks, end, total_len=total_len, chunk=C, interpret=interpret)
+    return y.reshape((1, total_len) + o_r.shape[2:])
+
+
 def _gather_rows(x, idx, keep):
     """x [T, ...] -> [len(idx), ...]: x[idx] where keep, zeros elsewhere (a select: NaN-safe)."""
     out = jnp.take(x, idx, axis=0, mode="clip")
@@ -213,7 +254,8 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
     (``packed_qkv``: q, k, v chunk n < L // C from the packed row at t0 + n C, the partial last chunk from
     ``tails`` at rows s C, as the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves
-    them unset: nothing may read them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K] fp32 or None; ``state_kv``:
+    them unset: nothing may read them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K]
+    fp32 or None; ``state_kv``:
     h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
     [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
     kdim = k.shape[3]
@@ -266,22 +308,23 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs",
-                                             "states", "lanes"))
+                                             "states", "lanes", "copies"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", inputs: str = "repacked", states: str = "kv",
-                                      lanes: int = 0):
+                                      lanes: int = 0, copies: str = "xla"):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``: as :class:`VarlenConfig`.
+    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``, ``copies``: as :class:`VarlenConfig` (the Triton
+    copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes)
+    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes, copies=copies)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -298,14 +341,18 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     scale = kdim ** -0.5 if scale is None else float(scale)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
     packed_qkv = inputs == "packed"
-    g_r, b_r = repack((g.astype(F32), beta.astype(F32)), src, keep)
+    cp = dict(copies=copies, chunks=chunk_rows(cm, src.shape[0] // C), interpret=not kernel)
     tails = None
     if packed_qkv:
-        k_r = repack((k,), src, keep)[0] if stage1a == "mosaic" else None
+        if stage1a == "mosaic":
+            k_r, g_r, b_r = repack_all((k, g.astype(F32), beta.astype(F32)), src, keep, **cp)
+        else:
+            k_r, (g_r, b_r) = None, repack_all((g.astype(F32), beta.astype(F32)), src, keep, **cp)
         qkv = (q, k, v)
         tails = repack((q, k, v), *tail_rows(cu))
     else:
-        qkv = repack((q, k, v), src, keep)
+        *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
+        qkv = tuple(qkv)
         k_r = qkv[1]
     state_kv = states == "kv"
     h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
@@ -326,7 +373,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
                                                   out_final=output_final_state, head_major=head_major,
                                                   packed_qkv=packed_qkv, state_kv=state_kv, lane_rows=rows,
                                                   tails=tails)
-    o = _gather_rows(o_r[0], back, valid)[None].astype(v.dtype)
+    o = unpack(o_r, back, valid, end=cu[-1:], total_len=t, **cp).astype(v.dtype)
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
 
@@ -345,7 +392,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes)
+            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes, copies=cfg.copies)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -365,7 +412,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                                      order=cfg.order, inputs=cfg.inputs, states=cfg.states,
-                                                     lanes=cfg.lanes)
+                                                     lanes=cfg.lanes, copies=cfg.copies)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                              pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)

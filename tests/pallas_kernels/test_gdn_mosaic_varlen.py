@@ -20,6 +20,7 @@ import pytest
 from jax_gdn.cases import Case
 from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
 from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
+from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
 from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms
 
 LENS = (1, 63, 0, 64, 65, 130)        # odd lengths, an empty sequence, chunk-exact ones
@@ -39,12 +40,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         inputs="repacked", states="kv", lanes=0):
+         inputs="repacked", states="kv", lanes=0, copies="xla"):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
-        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states, lanes=lanes)
+        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states, lanes=lanes,
+        copies=copies)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -55,16 +57,17 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs,states,lanes", [
-    ("mosaic", "repacked", "vk", 0), ("triton", "repacked", "kv", 0), ("mosaic", "packed", "kv", 2),
-    ("triton", "packed", "vk", 4)])
-def test_reference_matches_f64(stage1a, inputs, states, lanes):
+@pytest.mark.parametrize("stage1a,inputs,states,lanes,copies", [
+    ("mosaic", "repacked", "vk", 0, "xla"), ("triton", "repacked", "kv", 0, "xla"),
+    ("mosaic", "packed", "kv", 2, "xla"), ("triton", "packed", "vk", 4, "xla"), ("mosaic", "repacked", "kv", 0, "triton")])
+def test_reference_matches_f64(stage1a, inputs, states, lanes, copies):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
     ``inputs="packed"``: full chunks read in place, partial ones from the tails (NaN padding right behind the last);
-    ``lanes``: the persistent walk (each lane's sequences back to back)."""
+    ``lanes``: the persistent walk (each lane's sequences back to back); ``copies="triton"``: the repack and unpack
+    by the Pallas Triton copy kernels (interpret mode)."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
+    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes, copies=copies)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -100,6 +103,35 @@ def test_nan_token_stays_in_its_sequence(inputs):
     assert np.isnan(o_bad[0, cu[3]:cu[4]]).any() and np.isnan(s_bad[3]).any()
     assert np.array_equal(o_bad[0, others], o_clean[0, others])
     assert np.array_equal(np.delete(s_bad, 3, 0), np.delete(s_clean, 3, 0))
+
+
+@pytest.mark.parametrize("lens,pad", [(LENS, PAD), ((130, 0, 1, 65), 0), ((64,), 1)])
+def test_triton_copies_match_xla_gather_bitwise(lens, pad, interpret=True):
+    """varlen_copy_triton (interpret mode) against the XLA gathers it replaces (``mv.repack`` / ``_gather_rows``),
+    bit for bit: bf16 q-like [T, Hk K] and v-like [T, Hv V] and fp32 g-like [T, Hv] arrays in one repack launch,
+    odd lengths with a 0-length sequence, padding tokens past cu_seqlens[N] and every source row past a chunk's end
+    NaN or not; interpret mode starts every output as NaN, so a destination row the kernels do not write (the zero
+    tails, the unused chunk slots, the packed padding rows) fails the comparison."""
+    t = sum(lens) + pad
+    cu = jnp.asarray(cu_of(lens))
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((t, d)).astype(np.float32) for d in (2 * 16, 4 * 8, 4)]
+    for x in xs:
+        x[int(cu[-1]):] = np.nan
+    xs = [jnp.asarray(xs[0], jnp.bfloat16), jnp.asarray(xs[1], jnp.bfloat16), jnp.asarray(xs[2])]
+    cm, src, keep, back, valid, _ = mv.layout(cu, t)
+    chunks = mv.chunk_rows(cm, src.shape[0] // mv.C)
+    got = vc.repack_rows(tuple(xs), *chunks, interpret=interpret)
+    want = mv.repack(tuple(x[None] for x in xs), src, keep)
+    for a, b in zip(got, want):
+        assert a.shape == b[0].shape and a.dtype == b.dtype
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b[0]).view(np.uint8))
+    o_r = jnp.asarray(rng.standard_normal((src.shape[0], 4 * 8)), jnp.bfloat16)
+    o_r = o_r.at[jnp.where(keep, src.shape[0], jnp.arange(src.shape[0]))].set(jnp.nan, mode="drop")  # unowned rows
+    got = vc.unpack_rows(o_r, *chunks, cu[-1:], total_len=t, interpret=interpret)
+    want = mv._gather_rows(o_r, back, valid)
+    assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert np.all(np.asarray(got[int(cu[-1]):], np.float32) == 0)
 
 
 def test_layout_maps_and_walk_table():
@@ -225,6 +257,10 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(states="kk")
     with pytest.raises(ValueError, match="lanes"):
         mv.VarlenConfig(lanes=-2)
+    with pytest.raises(ValueError, match="copies"):
+        mv.VarlenConfig(copies="cuda")
+    with pytest.raises(ValueError, match="array 1"):
+        vc.repack_rows((jnp.zeros((5, 4)), jnp.zeros((6, 4))), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="initial_state"):
         mv.chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, h0[:2], impl="reference")
     with pytest.raises(ValueError, match=r"one packed row"):
@@ -269,6 +305,35 @@ def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
     o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
+    ro, rs = _oracle(args, bf)
+    cu = args[-1]
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    assert np.array_equal(s[2], args[5][2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,pad", [(LENS, PAD), ((130, 0, 1, 65), 0), ((64,), 1)])
+def test_gpu_triton_copies_match_xla_gather_bitwise(lens, pad):
+    """The Triton copy kernels compiled for the GPU (masked loads / stores past the arrays' ends, which interpret
+    mode cannot show) against the XLA gathers, bit for bit (the CPU test's body)."""
+    test_triton_copies_match_xla_gather_bitwise(lens, pad, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
+def test_gpu_kernel_triton_copies_matches_f64(dims):
+    """The default kernel path with ``copies="triton"`` at bf16 against the float64 oracle (1e-2): odd lengths,
+    an empty sequence, NaN padding (rows exactly zero), grouped heads, initial states."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    hk, hv, kdim, vdim = dims
+    args = _inputs(hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=11)
+    bf = jnp.bfloat16
+    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+    args = (q, k, v) + args[3:]
+    o, s = _run(args, dtype=bf, impl="mosaic", copies="triton")
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()

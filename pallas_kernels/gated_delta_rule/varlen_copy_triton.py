@@ -1,0 +1,139 @@
+"""The Mosaic varlen path's row copies as Pallas Triton kernels (``mosaic_gpu_varlen.VarlenConfig.copies``): the
+repack of the packed row to chunk-aligned rows and the unpack of the output back, each one launch at HBM speed
+where the XLA gathers they replace (``mosaic_gpu_varlen._gather_rows``) run one gather fusion per array.
+
+Both walk the chunk map (``chunk_map.build_chunk_map``): chunk c covers packed tokens
+[chunk_start[c], chunk_start[c] + chunk_len[c]) and repacked rows [c C, c C + chunk_len[c]); chunk slots past the
+real count have length 0. A chunk's rows are contiguous on both sides, so every copy is a [C, BD] tile at a
+dynamic row offset with a row mask (no per-element index):
+
+  * :func:`repack_rows`: grid (NCp, column blocks of all arrays): program (c, j) loads rows
+    [chunk_start[c], + C) of its array's column block j, masked to the chunk's length (masked rows read nothing:
+    padding tokens, NaN or not, and the next sequence's tokens never reach the tile) and stores the tile, zeros
+    past the length, to rows [c C, c C + C). Every repacked row is written: bitwise what the XLA gather with a
+    select gives.
+  * :func:`unpack_rows`: grid (NCp + ceil(T / C), column blocks): program c < NCp stores rows [c C, c C + len) of
+    its chunk to packed rows [chunk_start[c], + len) (each packed token t < cu_seqlens[N] belongs to exactly one
+    chunk); program NCp + b stores zeros to the rows of block b at index >= cu_seqlens[N] (padding). Every packed
+    row is written once.
+
+Interpret mode (CPU tests) clamps dynamic slices at the array's end, so there the packed side is padded by C rows
+(as ``pallas_triton`` does); on the GPU the masks keep every access inside the arrays.
+
+Shape legend: T packed tokens, D columns of one array (H x head dim, or H for g / beta), C = 64 chunk,
+NCp chunk slots of the repacked row (>= T // C + N), BD columns per program (a power of two).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+TILE_BYTES = 512        # bytes of one row of a program's tile: [C, 256] bf16 / [C, 128] fp32, 4 warps
+NUM_WARPS = 4
+
+
+def column_block(d: int, itemsize: int) -> int:
+    """BD: the largest power of two dividing ``d`` and at most TILE_BYTES / itemsize columns."""
+    return min(TILE_BYTES // itemsize, d & -d)
+
+
+def _blocks(xs):
+    """[(first program column, end, BD)] per array: the arrays' column blocks laid side by side on grid axis 1."""
+    out, lo = [], 0
+    for x in xs:
+        bd = column_block(x.shape[1], jnp.dtype(x.dtype).itemsize)
+        out.append((lo, lo + x.shape[1] // bd, bd))
+        lo += x.shape[1] // bd
+    return out
+
+
+def _check(xs, name):
+    for i, x in enumerate(xs):
+        if x.ndim != 2 or x.shape[0] != xs[0].shape[0] or x.shape[1] < 1:
+            raise ValueError(f"{name}: every array must be [T, D] with the same T and D >= 1; "
+                             f"got array {i} of shape {x.shape}")
+
+
+def _repack_kernel(start_ref, len_ref, *refs, blocks, chunk):
+    c, j = pl.program_id(0), pl.program_id(1)      # (read outside pl.when: interpret mode needs it)
+    start, length = start_ref[c], len_ref[c]
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    m = len(blocks)
+    for a, (lo, hi, bd) in enumerate(blocks):
+        @pl.when((j >= lo) & (j < hi))
+        def _(a=a, lo=lo, bd=bd):
+            cols = pl.ds((j - lo) * bd, bd)
+            ok = jnp.broadcast_to(rows < length, (chunk, bd))
+            tile = plgpu.load(refs[a].at[pl.ds(start, chunk), cols], mask=ok, other=0)
+            refs[m + a][pl.ds(c * chunk, chunk), cols] = tile
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
+def repack_rows(xs, chunk_start, chunk_len, *, chunk: int = 64, interpret: bool = False):
+    """Arrays xs[i] [T, D_i] of the packed row -> [NCp C, D_i] on the chunk-aligned row, one launch.
+
+    chunk_start, chunk_len [NCp] int32 (the chunk map, padded with zero-length slots to NCp): repacked row
+    c C + i is packed row chunk_start[c] + i where i < chunk_len[c], else zeros (bitwise the XLA gather + select
+    of ``mosaic_gpu_varlen._gather_rows``)."""
+    xs = tuple(xs)
+    _check(xs, "repack_rows")
+    ncp = chunk_start.shape[0]
+    if interpret:
+        xs = tuple(jnp.pad(x, ((0, chunk), (0, 0))) for x in xs)
+    blocks = _blocks(xs)
+    call = pl.pallas_call(
+        functools.partial(_repack_kernel, blocks=blocks, chunk=chunk),
+        grid=(ncp, blocks[-1][1]),
+        out_shape=tuple(jax.ShapeDtypeStruct((ncp * chunk, x.shape[1]), x.dtype) for x in xs),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        name="gdn_varlen_repack")
+    return tuple(call(chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32), *xs))
+
+
+def _unpack_kernel(start_ref, len_ref, end_ref, x_ref, y_ref, *, nchunks, chunk, bd, total):
+    c, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * bd, bd)
+    rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+
+    @pl.when(c < nchunks)
+    def _chunk():
+        cc = jnp.minimum(c, nchunks - 1)
+        start, length = start_ref[cc], len_ref[cc]
+        tile = x_ref[pl.ds(cc * chunk, chunk), cols]
+        plgpu.store(y_ref.at[pl.ds(start, chunk), cols], tile,
+                    mask=jnp.broadcast_to(rows < length, (chunk, bd)))
+
+    @pl.when(c >= nchunks)
+    def _padding():
+        r0 = (c - nchunks) * chunk
+        r = r0 + rows
+        ok = jnp.broadcast_to((r >= end_ref[0]) & (r < total), (chunk, bd))
+        plgpu.store(y_ref.at[pl.ds(r0, chunk), cols], jnp.zeros((chunk, bd), y_ref.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("total_len", "chunk", "interpret"))
+def unpack_rows(x, chunk_start, chunk_len, end, *, total_len: int, chunk: int = 64, interpret: bool = False):
+    """x [NCp C, D] on the chunk-aligned row -> [T, D] (T = ``total_len``) on the packed row, one launch: packed
+    row chunk_start[c] + i is x[c C + i] for i < chunk_len[c]; rows at index >= ``end`` (cu_seqlens[N], int32
+    [1]) are zeros. chunk_start, chunk_len [NCp] int32 as :func:`repack_rows`."""
+    _check((x,), "unpack_rows")
+    ncp = chunk_start.shape[0]
+    if x.shape[0] != ncp * chunk:
+        raise ValueError(f"unpack_rows: x must have NCp C = {ncp * chunk} rows; got {x.shape}")
+    d = x.shape[1]
+    bd = column_block(d, jnp.dtype(x.dtype).itemsize)
+    rows_out = total_len + (chunk if interpret else 0)
+    call = pl.pallas_call(
+        functools.partial(_unpack_kernel, nchunks=ncp, chunk=chunk, bd=bd, total=total_len),
+        grid=(ncp + -(-total_len // chunk), d // bd),
+        out_shape=jax.ShapeDtypeStruct((rows_out, d), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        name="gdn_varlen_unpack")
+    y = call(chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32),
+             jnp.asarray(end, jnp.int32).reshape(1), x)
+    return y[:total_len] if interpret else y
