@@ -383,7 +383,8 @@ def markdown_tables(result: dict) -> str:
 
         def rate(r, i):
             return (f"{r['tflops'][i]:.0f} TFLOP/s" if (r.get("tflops") or {}).get(i)
-                    else f"{r['gbps'][i]:.0f} GB/s" if (r.get("gbps") or {}).get(i) else "-")
+                    else f"{r['gbps'][i]:.0f} GB/s ({r['gbps'][i] / 48:.0f}% of HBM)" if (r.get("gbps") or {}).get(i)
+                    else "-")
         out += _header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + [f"{i} rate" for i in rated],
                        text_cols=2)
         for r in result["attention"]["rows"]:
