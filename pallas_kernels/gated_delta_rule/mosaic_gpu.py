@@ -589,7 +589,7 @@ def kkt_chunks_per_cta(batch: int, heads: int, chunks: int) -> int:
     return 1
 
 
-def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interpret=None):
+def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interpret=None, num_chunks=None):
     """Gate-free T0 = (I + A0)^-1, A0_ij = beta_i k_i.k_j (j < i), one Mosaic GPU kernel. Returns
     T0 [B, Hv, Tp, C] in k's dtype (row i of chunk c at [b, h, c C + i], zeros above the diagonal).
 
@@ -598,6 +598,8 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
     :func:`fused_state_pass` (``head_major``). Blocked: 16 x 16 diagonal blocks by forward substitution in fp32,
     merged 16 -> 32 -> 64 by X <- X - X (L X) on the tensor cores (16-bit operands); each CTA walks
     ``chunks_per_cta`` chunks with the next chunk's keys prefetched and T0's stores left in flight.
+    ``num_chunks`` (int32 [1] or None; the varlen path's used chunk slots): a CTA whose chunks all lie at or past
+    num_chunks[0] exits at once, leaving its rows of T0 unset (nothing may read them).
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -671,14 +673,20 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
 
         plgpu.wait_smem_to_gmem(0)
 
-    def body_kw(k_ref, beta_ref, t_ref, **scr):
-        body(k_ref, beta_ref, t_ref, **scr)
+    def body_kw(k_ref, beta_ref, *refs, **scr):
+        if num_chunks is None:
+            return body(k_ref, beta_ref, *refs, **scr)
+        n_ref, t_ref = refs
+
+        @pl.when(lax.axis_index("n") * cpc < n_ref[0])
+        def _():
+            body(k_ref, beta_ref, t_ref, **scr)
 
     return plgpu.kernel(
         body_kw, out_type=jax.ShapeDtypeStruct((batch, heads, padded, C), dtype), scratch_types=scratch,
         grid=(batch, nc // cpc, heads), grid_names=("b", "n", "h"),
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret, kernel_name="gdn_mosaic_kkt",
-    )(k, beta_hm)
+    )(k, beta_hm, *(() if num_chunks is None else (num_chunks,)))
 
 
 def kkt_fwd_reference(k, beta_hm, *, heads: int):
