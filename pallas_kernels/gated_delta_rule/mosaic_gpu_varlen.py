@@ -8,8 +8,8 @@ only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: 
 for them and back.
 
   1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``varlen_copy_triton``
-     copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of Tp = NC C tokens,
-     NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's chunks per CTA; chunk c
+     copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of
+     Tp = NC C tokens, NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's chunks per CTA; chunk c
      of the repacked row is chunk c of ``build_chunk_map``).
      Rows no sequence owns (the tail of each sequence's last chunk, the unused chunks at the end) hold zero q, k,
      v, g and beta: a zero token neither decays nor updates the state. Padding tokens (index >= cu_seqlens[N]) and
@@ -82,6 +82,8 @@ class VarlenConfig:
     copies: how the rows move between the packed and the chunk-aligned row: "xla" (one gather + select fusion per
     array, :func:`_gather_rows`) or "triton" (``varlen_copy_triton``: q, k, v, g and beta repacked by one Pallas
     Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another; bitwise the same rows).
+    kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
+    past them exit at once; serve256 uses 732 of its 864 slots); False: every slot (zero tokens past the used ones).
 
     The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen"): serve256 2.153 ms against Pallas Triton's
     2.421 (repacked inputs, kv states).
@@ -92,6 +94,7 @@ class VarlenConfig:
     states: str = "kv"
     lanes: int = 0
     copies: str = "xla"
+    kkt_used: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -104,6 +107,8 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
         if self.copies not in COPIES:
             raise ValueError(f"VarlenConfig.copies must be one of {COPIES}; got {self.copies!r}")
+        if not isinstance(self.kkt_used, bool):
+            raise ValueError(f"VarlenConfig.kkt_used must be a bool; got {self.kkt_used!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
             raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
                              f"got {self.lanes!r}")
@@ -177,6 +182,11 @@ def tail_rows(cu_seqlens):
     return src, keep
 
 
+def used_chunks(cm):
+    """int32 [1]: the chunk slots in use (sum of the sequences' chunk counts; they come first)."""
+    return jnp.sum(cm.seq_num_chunks, dtype=jnp.int32).reshape(1)
+
+
 def chunk_rows(cm, ncp: int):
     """(chunk_start, chunk_len) [NCp] int32 of the chunk map padded with zero-length slots to the repacked row's
     NCp chunks (the Triton copies' map)."""
@@ -220,10 +230,13 @@ def repack(xs, src, keep):
     return tuple(_gather_rows(x[0], src, keep)[None] for x in xs)
 
 
-def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None):
+def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None,
+                     num_chunks=None):
     """(t, gcum, beta_c, head_major): the fused pass's stage-1a operands for the repacked row (g_r, b_r [1, Tp, Hv]
     fp32; k_r [1, Tp, Hk, K], read only by stage1a "mosaic"). ``stage1a="triton"`` runs kkt_solve on the packed
-    row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through ``chunk_map`` (interpret mode without ``kernel``)."""
+    row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through ``chunk_map`` (interpret mode without ``kernel``).
+    ``num_chunks`` (int32 [1], stage1a "mosaic"): T0 only for chunks below it (the kernel leaves the rest unset;
+    the twin makes them NaN, so a read of them shows)."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
     _, tp, hv = g_r.shape
     nc = tp // C
@@ -231,8 +244,13 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
         g = floor_log_decay(g_r[0])                                                   # [Tp, Hv]
         gcum = jnp.cumsum(g.T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
         beta_hm = b_r[0].T[None]                                                      # [1, Hv, Tp]
-        t0 = (mg.kkt_fwd(k_r, beta_hm, heads=hv) if kernel
-              else mg.kkt_fwd_reference(k_r, beta_hm, heads=hv))
+        if kernel:
+            t0 = mg.kkt_fwd(k_r, beta_hm, heads=hv, num_chunks=num_chunks)
+        else:
+            t0 = mg.kkt_fwd_reference(k_r, beta_hm, heads=hv)
+            if num_chunks is not None:
+                unset = (jnp.arange(tp) // C >= num_chunks[0])[None, None, :, None]
+                t0 = jnp.where(unset, jnp.asarray(jnp.nan, t0.dtype), t0)
         return t0, gcum, beta_hm, True
     from pallas_kernels.gated_delta_rule import pallas_triton as kt
     kf, gf, bf = packed
@@ -308,23 +326,24 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs",
-                                             "states", "lanes", "copies"))
+                                             "states", "lanes", "copies", "kkt_used"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", inputs: str = "repacked", states: str = "kv",
-                                      lanes: int = 0, copies: str = "xla"):
+                                      lanes: int = 0, copies: str = "xla", kkt_used: bool = False):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``, ``copies``: as :class:`VarlenConfig` (the Triton
-    copies run in interpret mode with ``impl="reference"``).
+    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``, ``copies``, ``kkt_used``: as :class:`VarlenConfig`
+    (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes, copies=copies)
+    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes, copies=copies,
+                 kkt_used=kkt_used)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -358,7 +377,8 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
            else jnp.swapaxes(initial_state.astype(F32), -1, -2))
     tmat, gcum, beta_c, head_major = stage1a_operands(k_r, g_r, b_r, kernel=kernel, stage1a=stage1a, vdim=vdim,
-                                                      packed=(k[0], g[0], beta[0]), chunk_map=cm)
+                                                      packed=(k[0], g[0], beta[0]), chunk_map=cm,
+                                                      num_chunks=used_chunks(cm) if kkt_used else None)
     ops_ = qkv + (tmat, gcum, beta_c, h0t)
     n_lanes = num_lanes(lanes, n, hv, vdim)
     rows = None
@@ -392,7 +412,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes, copies=cfg.copies)
+            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -412,7 +432,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                                      order=cfg.order, inputs=cfg.inputs, states=cfg.states,
-                                                     lanes=cfg.lanes, copies=cfg.copies)
+                                                     lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                              pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)

@@ -40,13 +40,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         inputs="repacked", states="kv", lanes=0, copies="xla"):
+         inputs="repacked", states="kv", lanes=0, copies="xla", kkt_used=False):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
         stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states, lanes=lanes,
-        copies=copies)
+        copies=copies, kkt_used=kkt_used)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -57,17 +57,19 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs,states,lanes,copies", [
-    ("mosaic", "repacked", "vk", 0, "xla"), ("triton", "repacked", "kv", 0, "xla"),
-    ("mosaic", "packed", "kv", 2, "xla"), ("triton", "packed", "vk", 4, "xla"), ("mosaic", "repacked", "kv", 0, "triton")])
-def test_reference_matches_f64(stage1a, inputs, states, lanes, copies):
+@pytest.mark.parametrize("stage1a,inputs,states,lanes,copies,kkt_used", [
+    ("mosaic", "repacked", "vk", 0, "xla", False), ("triton", "repacked", "kv", 0, "xla", False),
+    ("mosaic", "packed", "kv", 2, "xla", False), ("triton", "packed", "vk", 4, "xla", False),
+    ("mosaic", "repacked", "kv", 0, "triton", True)])
+def test_reference_matches_f64(stage1a, inputs, states, lanes, copies, kkt_used):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
     ``inputs="packed"``: full chunks read in place, partial ones from the tails (NaN padding right behind the last);
     ``lanes``: the persistent walk (each lane's sequences back to back); ``copies="triton"``: the repack and unpack
-    by the Pallas Triton copy kernels (interpret mode)."""
+    by the Pallas Triton copy kernels (interpret mode); ``kkt_used``: T0 of the unused chunk slots is NaN in the
+    twin (the kernel leaves it unset), so a read of it would show."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes, copies=copies)
+    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -259,6 +261,8 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(lanes=-2)
     with pytest.raises(ValueError, match="copies"):
         mv.VarlenConfig(copies="cuda")
+    with pytest.raises(ValueError, match="kkt_used"):
+        mv.VarlenConfig(kkt_used=1)
     with pytest.raises(ValueError, match="array 1"):
         vc.repack_rows((jnp.zeros((5, 4)), jnp.zeros((6, 4))), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="initial_state"):
@@ -324,7 +328,7 @@ def test_gpu_triton_copies_match_xla_gather_bitwise(lens, pad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
 def test_gpu_kernel_triton_copies_matches_f64(dims):
-    """The default kernel path with ``copies="triton"`` at bf16 against the float64 oracle (1e-2): odd lengths,
+    """The default kernel path with ``copies="triton"`` and ``kkt_used`` at bf16 against the float64 oracle (1e-2): odd lengths,
     an empty sequence, NaN padding (rows exactly zero), grouped heads, initial states."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
@@ -333,7 +337,7 @@ def test_gpu_kernel_triton_copies_matches_f64(dims):
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", copies="triton")
+    o, s = _run(args, dtype=bf, impl="mosaic", copies="triton", kkt_used=True)
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
