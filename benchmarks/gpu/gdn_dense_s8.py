@@ -6,9 +6,10 @@ mosaic_gpu.py's MosaicConfig and split policy, NOTES.md "Session 8: dense Mosaic
 
 1. The 5 dense BENCH_CASES rows (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state out). Per
    row: jla (``jax_gdn.bench._jla_impl``, the bench's column), our dense entry with ``mosaic_gpu.DEFAULT_CONFIG``
-   ("default") and variants of it (MosaicConfig fields: ``kv`` state_kv, ``exp2``, ``pP`` pieces = P), each a jitted
-   ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it; "api" is the bench's own mosaic_gpu column
-   (``jax_gdn.bench._jax_impl``) on the first rows, to show it times as "default". Everything is compiled first,
+   ("default") and variants of it (MosaicConfig fields: ``kv`` state_kv, ``exp2``, ``pP`` pieces = P, ``p2.chain``
+   P = 2 with split_chain), each a jitted ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it; "api"
+   is the bench's own mosaic_gpu column (``jax_gdn.bench._jax_impl``) on the first rows, to show it times as
+   "default". Everything is compiled first,
    most informative first (a thread pool; what the deadline leaves uncompiled is skipped), then timed in 3
    interleaved rounds (the variant order rotated each round, so each variant runs in different positions), every
    cell with ``jax_gdn.bench.time_jax`` in this one process.
@@ -34,20 +35,24 @@ ROUNDS = 3
 TEST_FILE = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
 TEST_IDS = ["test_gpu_state_kv_matches_f64[False]", "test_gpu_state_kv_matches_f64[True]",
             "test_gpu_kernel_k128_grouped_and_nan_row", "test_gpu_mosaic_stage1a_matches_f64[130-1]",
-            "test_gpu_split_op_weak_decay_matches_f64[1000-8-True]", "test_gpu_split_k128_grouped[mosaic]"]
-QUICK_TEST_IDS = ["test_config_state_kv_is_checked_and_passed_through", "test_reference_state_kv_is_the_same_op"]
+            "test_gpu_split_chain_matches_f64", "test_gpu_split_op_weak_decay_matches_f64[1000-8-True]",
+            "test_gpu_split_k128_grouped[mosaic]"]
+QUICK_TEST_IDS = ["test_config_state_kv_is_checked_and_passed_through", "test_reference_state_kv_is_the_same_op",
+                  "test_split_chain_start_states_match_the_maps[True]"]
 
 #: rows in priority order (the closest gaps to jla first), and per row the variants beside jla and the default,
 #: in compile priority: name -> MosaicConfig overrides
 ROW_ORDER = ["B16-T1024-Hk16-Hv32", "B1-T8192-Hk16-Hv32", "B1-T8192-Hk2-Hv8", "B4-T4096-Hk16-Hv32",
              "B1-T32768-Hk16-Hv32"]
-HV32 = [("kv.exp2", dict(state_kv=True, exp2=True)), ("kv", dict(state_kv=True)), ("exp2", dict(exp2=True))]
+KV, KV_EXP2, EXP2 = ("kv", dict(state_kv=True)), ("kv.exp2", dict(state_kv=True, exp2=True)), ("exp2", dict(exp2=True))
+P2, P2_CHAIN = ("p2", dict(pieces=2)), ("p2.chain", dict(pieces=2, split_chain=True))
+HV32 = [KV, KV_EXP2, EXP2]
 VARIANTS = {
     "B16-T1024-Hk16-Hv32": HV32,
-    "B1-T8192-Hk16-Hv32": [("p2", dict(pieces=2))] + HV32 + [("p2.exp2", dict(pieces=2, exp2=True))],
-    "B1-T8192-Hk2-Hv8": [("exp2", dict(exp2=True)), ("p4", dict(pieces=4)), ("p4.exp2", dict(pieces=4, exp2=True))],
+    "B1-T8192-Hk16-Hv32": [P2, KV, P2_CHAIN, KV_EXP2, EXP2],
+    "B1-T8192-Hk2-Hv8": [EXP2, ("p4", dict(pieces=4)), ("p4.exp2", dict(pieces=4, exp2=True))],
     "B4-T4096-Hk16-Hv32": HV32,
-    "B1-T32768-Hk16-Hv32": [("kv.exp2", dict(state_kv=True, exp2=True)), ("p2", dict(pieces=2))] + HV32[1:],
+    "B1-T32768-Hk16-Hv32": [KV, P2, P2_CHAIN, KV_EXP2, EXP2],
 }
 API_ROWS = ("B16-T1024-Hk16-Hv32", "B1-T8192-Hk16-Hv32")
 
@@ -78,6 +83,7 @@ def main():
     log(f"device {result['device']} jax {jax.__version__}; default {mg.DEFAULT_CONFIG}; {left():.0f} s left")
     if quick:
         cases = {"B16-T1024-Hk16-Hv32": Case("quick-B2-T130-Hk1-Hv2-K16-V16", 2, 130, 1, 2, 16, 16),
+                 "B1-T8192-Hk16-Hv32": Case("quick-B1-T520-Hk1-Hv2-K16-V16", 1, 520, 1, 2, 16, 16),
                  "B1-T8192-Hk2-Hv8": Case("quick-B1-T1024-Hk1-Hv2-K16-V16", 1, 1024, 1, 2, 16, 16)}
         timer = lambda fn, args: time_jax(fn, args, warmup=1, groups=1, per_group=1)   # noqa: E731
         impl = "reference"
@@ -96,7 +102,7 @@ def main():
             return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(jnp.float32), beta, h0,
                                                  scale=float(q.shape[3]) ** -0.5, output_final_state=True,
                                                  impl=impl, stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                                 state_kv=cfg.state_kv)
+                                                 state_kv=cfg.state_kv, split_chain=cfg.split_chain)
         return jax.jit(fn)
 
     def xla_ref(q, k, v, g, beta, h0):

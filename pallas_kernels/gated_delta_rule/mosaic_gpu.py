@@ -921,22 +921,25 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
     return best
 
 
-def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False):
+def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False,
+                        chain: bool = False):
     """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
     M S_start + E) from one state-map pass, then a scan over the pieces (``mosaic_gpu_split.start_states``: its
-    MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan)."""
+    MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan). ``chain`` (P = 2 only): piece 1's start
+    from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan)."""
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split
-    return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2)
+    return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
+                                         map_impl="chain" if chain and pieces == 2 else None)
 
 
 STAGE1A = ("triton", "mosaic")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
-                                             "state_kv"))
+                                             "state_kv", "split_chain"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
                                impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
-                               state_kv: bool = False):
+                               state_kv: bool = False, split_chain: bool = False):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -949,6 +952,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     ``state_kv`` (``impl="mosaic"``, unsplit rows): the fused pass reads the initial state and writes the final one
     in the op's [B, Hv, K, V] layout itself (``fused_state_pass(state_kv=True)``), instead of two XLA transposes to
     and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and two launches); the jnp twin and the split ignore it.
+    ``split_chain`` (P = 2): piece 1's start state from one state-only pass over piece 0 from the initial state
+    (``mosaic_gpu_split.start_states(map_impl="chain")``) instead of the map pass and the scan.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -976,7 +981,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
         ops_ = _prepare(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
-        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2)
+        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
+                                        chain=split_chain)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
                     pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
@@ -1003,18 +1009,21 @@ class MosaicConfig:
     exp2: log2 gates and exp2 in the fused pass (jla's form; stage1a "mosaic" only), else natural log and exp.
     state_kv: the fused pass reads / writes the states in the op's [B, Hv, K, V] layout (no XLA transposes around
     it; unsplit rows only, the split keeps its transposed start states).
+    split_chain: at P = 2, piece 1's start state from one state-only pass over piece 0 from the initial state (no
+    state map M, no scan: ``mosaic_gpu_split.start_states(map_impl="chain")``); other P ignore it.
     """
     stage1a: str = "mosaic"
     pieces: int = 0
     exp2: bool = False
     state_kv: bool = False
+    split_chain: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
             raise ValueError(f"MosaicConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
         if not isinstance(self.pieces, int) or not 0 <= self.pieces <= MAX_PIECES:
             raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
-        for name in ("exp2", "state_kv"):
+        for name in ("exp2", "state_kv", "split_chain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
 
@@ -1083,7 +1092,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
                                           stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                          state_kv=cfg.state_kv)
+                                          state_kv=cfg.state_kv, split_chain=cfg.split_chain)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
 

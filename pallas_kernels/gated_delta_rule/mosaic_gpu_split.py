@@ -47,7 +47,7 @@ C = mg.C
 BV = mg.BV
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-MAPS = ("map", "paired", "fused")
+MAPS = ("map", "paired", "fused", "chain")
 SCANS = ("serial", "log", "triton")
 #: the start states' map pass: "map" (:func:`state_map_pass`), "paired" (the same, two blocks per CTA) or "fused"
 #: (session 6: the fused kernel over [0 | v])
@@ -569,7 +569,9 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
     (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
     ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
-    (paired where PAIRED says), "paired" always paired, "fused" session 6's; ``scan`` (default SCAN) and its
+    (paired where PAIRED says), "paired" always paired, "fused" session 6's, "chain" (P = 2 only, session 8): piece
+    1's start state is piece 0's end, from one state-only pass of the fused kernel (``write_o=False``) over piece 0
+    from the initial state itself (B Hv V / 64 CTAs, no M, no scan); ``scan`` (default SCAN) and its
     ``precision`` (default SCAN_PRECISION)."""
     map_impl = MAP if map_impl is None else map_impl
     scan = SCAN if scan is None else scan
@@ -578,6 +580,14 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     _, k, v, t, gcum, beta_c, h0t = ops_
     b, _, hv, vdim = v.shape
     kdim = k.shape[3]
+    if map_impl == "chain":
+        if pieces != 2:
+            raise ValueError(f"start_states: map_impl='chain' walks one piece (pieces=2); got pieces={pieces}")
+        run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
+        _, end0 = run(k, k, v, t, gcum, beta_c, h0t, scale=1.0, out_final=True, head_major=head_major, exp2=exp2,
+                      pieces=2, run_pieces=1, write_o=False)                         # [B, Hv, V, K]
+        start0 = jnp.zeros_like(end0) if h0t is None else h0t.astype(F32)
+        return jnp.stack([start0, end0], axis=1).reshape(b * 2, hv, vdim, kdim)
     kw = dict(pieces=pieces, need_first=h0t is not None, head_major=head_major, exp2=exp2)
     if not kernel:
         maps_t = state_map_pass_reference(k, v, t, gcum, beta_c, **kw)

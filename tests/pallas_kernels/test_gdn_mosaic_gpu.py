@@ -630,3 +630,43 @@ def test_gpu_state_kv_matches_f64(exp2):
     assert np.isfinite(o[0]).all() and np.isfinite(s[0]).all() and np.isnan(s[1]).all()
     assert rel_rms(o[:1], ro) < 1e-2 and rel_rms(s[:1], rs) < 1e-2, (rel_rms(o[:1], ro), rel_rms(s[:1], rs))
     assert np.array_equal(s[:1], s_t[:1]) and np.array_equal(o[:1], o_t[:1])
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_split_chain_start_states_match_the_maps(with_h0):
+    """map_impl="chain" (P = 2): piece 1's start state from a state-only pass over piece 0 from h0 equals the map
+    pass + scan's (jnp twins, weak decay so h0 matters), and the op split that way matches float64; other P refuse."""
+    case = Case("cpu-B2-T200-Hk1-Hv2-K16-V8", 2, 200, 1, 2, 16, 8)
+    _, ops_ = _split_operands(case, 2, seed=3, with_h0=with_h0)
+    chain = np.asarray(ms.start_states(ops_, 2, kernel=False, head_major=True, map_impl="chain"))
+    maps = np.asarray(ms.start_states(ops_, 2, kernel=False, head_major=True, map_impl="map", scan="serial"))
+    assert chain.shape == maps.shape and rel_rms(chain, maps) < 1e-5, rel_rms(chain, maps)
+    assert np.abs(chain[1::2]).max() > 0.05
+    with pytest.raises(ValueError, match="chain"):
+        ms.start_states(_split_operands(case, 4, seed=3)[1], 4, kernel=False, head_major=True, map_impl="chain")
+    q, k, v, g, beta, h0, _ = make_inputs(case, 9, jnp.float32, with_h0=with_h0)
+    g = (g * 0.01).astype(np.float32)
+    o, s = mg.chunk_gated_delta_rule_fwd(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
+                                         None if h0 is None else jnp.asarray(h0), impl="reference",
+                                         stage1a="mosaic", pieces=2, split_chain=True)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4
+
+
+@pytest.mark.gpu
+def test_gpu_split_chain_matches_f64():
+    """The op split at P = 2 with piece 1's start from the fused kernel's state-only pass over piece 0 (split_chain)
+    against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B1-T1000-Hk1-Hv2-K128-V128", 1, 1000, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 17, jnp.bfloat16)
+    g = (g * 0.01).astype(np.float32)
+    bf = jnp.bfloat16
+    o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+                                         jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
+                                         pieces=2, split_chain=True)
+    o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
+    assert np.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
