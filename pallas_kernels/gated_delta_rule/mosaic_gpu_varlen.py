@@ -9,10 +9,11 @@ for them and back.
 
   1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``varlen_copy_triton``
      copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of
-     Tp = NC C tokens, NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's chunks per CTA; chunk c
-     of the repacked row is chunk c of ``build_chunk_map``).
-     Rows no sequence owns (the tail of each sequence's last chunk, the unused chunks at the end) hold zero q, k,
-     v, g and beta: a zero token neither decays nor updates the state. Padding tokens (index >= cu_seqlens[N]) and
+     Tp = NC C tokens, NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's
+     chunks per CTA; chunk c of the repacked row is chunk c of ``build_chunk_map``).
+     The tail of each sequence's last chunk holds zero q, k, v, g and beta: a zero token neither decays nor
+     updates the state. The unused chunk slots at the end are zeros too ("xla") or left unset ("triton"): no
+     walk reads them. Padding tokens (index >= cu_seqlens[N]) and
      other sequences' tokens are never gathered into a chunk, so a NaN there reaches nothing (a select, never a
      multiply).
   2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`mosaic_gpu.kkt_fwd`, gate-free T0, head-major;
@@ -81,7 +82,8 @@ class VarlenConfig:
     packed inputs): off by default.
     copies: how the rows move between the packed and the chunk-aligned row: "xla" (one gather + select fusion per
     array, :func:`_gather_rows`) or "triton" (``varlen_copy_triton``: q, k, v, g and beta repacked by one Pallas
-    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another; bitwise the same rows).
+    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another; bitwise the same rows, but the
+    unused chunk slots of the repacked row are left unset instead of zeroed: nothing reads them).
     kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
     past them exit at once; serve256 uses 732 of its 864 slots); False: every slot (zero tokens past the used ones).
 
@@ -197,7 +199,8 @@ def chunk_rows(cm, ncp: int):
 def repack_all(xs, src, keep, *, copies: str = "xla", chunks=None, interpret: bool = False):
     """Arrays [1, T, ...] of the packed row -> [1, Tp, ...] on the repacked row: ``copies="xla"`` by
     :func:`repack` (src / keep), ``"triton"`` by one ``varlen_copy_triton.repack_rows`` launch over ``chunks`` =
-    :func:`chunk_rows` (the same rows, bitwise)."""
+    :func:`chunk_rows` (the same rows, bitwise, in the chunks in use; the unused
+    slots left unset)."""
     if copies == "xla":
         return repack(xs, src, keep)
     from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
