@@ -10,7 +10,8 @@ a watchdog prints the table and exits at budget + 15 s whatever is running:
              has) -> (o, pool)`` with the pool donated, compiled by its first call: Triton (the default DecodeConfig),
              Mosaic at each ``sweep`` config (the default, ring depth 5 / 6, the early refill, BV 128, 2 CTAs per
              SM, and ``copy_only``: the ring and TMA path alone, the kernel's ceiling; at N 64 only the default
-             ring's ceiling). A config that fails to compile is reported and left out.
+             ring's ceiling; the kernels of both N are built before the copy_only configs). A config that fails to
+             compile or run is reported and left out.
   rounds     3 rounds; each times the XLA copy of the pool (``bench_decode.time_copy``) and every step with the
              bench's timer (``bench_decode._time_threaded``: groups of 10 back-to-back calls threading the donated
              pool, one sync a group, the median over 15 groups of the wall time per call), the order rotated by a
@@ -51,8 +52,10 @@ NAME = "gdn_decode_s8"
 HBM_GBPS = 4800.0
 TEST_FILE = "tests/pallas_kernels/test_gdn_decode_mosaic.py"
 ROUNDS = 3
-#: seconds kept back from the timing rounds for the layer step and the GPU tests
-RESERVE_LAYER, RESERVE_TESTS = 14.0, 30.0
+#: seconds each step keeps back for what comes after it: the layer step (RESERVE_LAYER), then at least KEEP[step]
+#: for the GPU tests (the timing comes first: rounds 2 and 3 leave the tests 20 s, round 1 and the builds less)
+RESERVE_LAYER = 14.0
+KEEP = dict(build=20.0, round1=8.0, numerics=8.0, rounds=20.0, layer=6.0)
 
 
 def sweep(MC):
@@ -183,34 +186,39 @@ def main():
     # ---- build: inputs and one compiled step per implementation ----
     state = {}
 
-    def build(case):
-        t = time.time()
-        host = bench_decode.make_inputs_np(case)
-        q, k, v, g, beta, pool, ids = host
-        xs = kit.bf16_inputs((q, k, v, g, beta))
-        ids_d, has_d = jnp.asarray(ids), jnp.ones(ids.shape, bool)
-        log(f"{case.name}: inputs {time.time() - t:.1f} s")
-        fns = {}
+    def build(case, ceilings: bool):
+        """The case's inputs and steps: the kernels (``ceilings`` False), then the copy_only configs (True: built
+        after every case's kernels, so a ring that never ran on a GPU before cannot cost the others' builds)."""
+        if case.name not in state:
+            t = time.time()
+            host = bench_decode.make_inputs_np(case)
+            xs = kit.bf16_inputs(host[:5])
+            ids_d, has_d = jnp.asarray(host[6]), jnp.ones(host[6].shape, bool)
+            state[case.name] = dict(case=case, host=host, xs=xs, ids=ids_d, has=has_d, fns={},
+                                    pool=jnp.asarray(host[5]))
+            res["kernel"][case.name] = {"copy": {"rounds": []}}
+            log(f"{case.name}: inputs {time.time() - t:.1f} s")
+        st = state[case.name]
         todo = [("triton", "triton", None)] + [(lb, "mosaic", c) for lb, c in configs]
+        todo = [x for x in todo if x[0].startswith("copy_only") == ceilings]
         if case is not cases[0]:                                # the ring's ceilings at the first (largest) N only
-            todo = [t for t in todo if not t[0].startswith("copy_only") or t[0] == "copy_only s4"]
+            todo = [x for x in todo if not x[0].startswith("copy_only") or x[0] == "copy_only s4"]
         for label, kind, cfg in todo:
-            if left() < RESERVE_TESTS + RESERVE_LAYER:
+            if left() < RESERVE_LAYER + KEEP["build"]:
                 res["skipped"].append(f"{case.name} build {label}")
                 continue
             t = time.time()
             try:
-                fn = step_fn(xs, kind, cfg)
-                jax.block_until_ready(fn(jnp.asarray(pool), ids_d, has_d))
-                fns[label] = fn
+                fn = step_fn(st["xs"], kind, cfg)
+                jax.block_until_ready(fn(jnp.array(st["pool"], copy=True), st["ids"], st["has"]))
+                st["fns"][label] = fn
+                res["kernel"][case.name][label] = {"rounds": []}
                 res["compile_s"][f"{case.name} {label}"] = round(time.time() - t, 2)
                 log(f"  built {case.name} {label} ({time.time() - t:.1f} s, {left():.0f} s left)")
             except Exception as e:                          # report and go on without it
                 res["errors"].append(f"build {case.name} {label}: {type(e).__name__}: {str(e)[:800]}")
                 log(f"  FAIL build {case.name} {label}: {type(e).__name__}: {str(e)[:600]}")
                 traceback.print_exc()
-        state[case.name] = dict(case=case, host=host, xs=xs, ids=ids_d, has=has_d, fns=fns, pool=jnp.asarray(pool))
-        res["kernel"][case.name] = {label: {"rounds": []} for label in ["copy"] + list(fns)}
         save()
 
     # ---- one timing round: every implementation once, the order rotated ----
@@ -269,7 +277,7 @@ def main():
         p_ref_w = p_ref[w_d]
         del p_ref
         for label, fn in st["fns"].items():
-            if left() < RESERVE_TESTS + 2:
+            if left() < RESERVE_LAYER + KEEP["numerics"]:
                 res["skipped"].append(f"numerics {case_name} {label}")
                 continue
             try:
@@ -353,7 +361,7 @@ def main():
                 f"{len(calls)} -> {'ok' if lay['ok'] else 'FAILED'}")
             save()
             for backend in ("triton", "mosaic"):                # the layer step, slots donated and threaded
-                if left() < RESERVE_TESTS + 4:
+                if left() < KEEP["layer"] + 4:
                     res["skipped"].append(f"layer timing {backend}")
                     continue
                 decode.BACKEND = backend
@@ -367,21 +375,23 @@ def main():
             dm.fused_recurrent_slots_mosaic = real
 
     # ---- the run ----
-    for case in cases:
-        guarded(f"build {case.name}", RESERVE_TESTS + RESERVE_LAYER + 5, lambda case=case: build(case))
-    reserve = RESERVE_TESTS + RESERVE_LAYER
+    for ceilings in (False, True):
+        for case in cases:
+            guarded(f"build {case.name}{' ceilings' if ceilings else ''}", RESERVE_LAYER + KEEP["build"] + 5,
+                    lambda case=case, c=ceilings: build(case, c))
+    need = RESERVE_LAYER + KEEP["round1"]
     for case in cases:
         if case.name in state:
-            guarded(f"round 1 {case.name}", reserve + 2, lambda c=case.name: one_round(0, c, reserve + 1))
+            guarded(f"round 1 {case.name}", need + 1, lambda c=case.name: one_round(0, c, need))
     for case in cases:
         if case.name in state:
-            guarded(f"numerics {case.name}", RESERVE_TESTS + RESERVE_LAYER / 2, lambda c=case.name: numerics(c))
+            guarded(f"numerics {case.name}", RESERVE_LAYER + KEEP["numerics"] + 1, lambda c=case.name: numerics(c))
+    need = RESERVE_LAYER + KEEP["rounds"]
     for r in range(1, ROUNDS):
         for case in cases:
             if case.name in state:
-                guarded(f"round {r + 1} {case.name}", reserve + 2,
-                        lambda r=r, c=case.name: one_round(r, c, reserve + 1))
-    guarded("layer", RESERVE_TESTS + 5, layer)
+                guarded(f"round {r + 1} {case.name}", need + 1, lambda r=r, c=case.name: one_round(r, c, need))
+    guarded("layer", KEEP["layer"] + 8, layer)
     state.clear()                                               # the pools go before the child takes the GPU
     if not args.no_tests:
         def tests():
