@@ -24,7 +24,8 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, varlen_copy_triton.py, NOT
    bf16-rounded inputs (serve256, varlen16: relative RMS of o and the final states, o finite, padding rows zero,
    m.new bitwise equal to m.old: the copies move the same bits and kkt_used changes no used chunk);
    serve256's stages, each its own jitted call timed the same way, A/B rotated: maps (layout), repack xla /
-   triton, kkt (+ the gate cumsum) over all / used slots, fused (repacked inputs, kv states), unpack xla / triton.
+   triton (512-byte tile rows, 4 warps; triton_1k: 1 KB rows, 8 warps), kkt (+ the gate cumsum) over all / used
+   slots, fused (repacked inputs, kv states), unpack xla / triton.
 A deadline (--budget, default 150 s from start) skips what would not fit; every measurement is wrapped in
 try/except. A table is printed last.
 --quick: CPU, one tiny case, Triton copies and kkt_solve in interpret mode, the jnp twins (impl="reference"), no
@@ -186,8 +187,17 @@ def main():
                 (q, k, v, g.astype(f32), beta.astype(f32)), src, keep, copies=copies, chunks=(cs, cl),
                 interpret=not kern))
         rargs = (q, k, v, g, beta, src, keep) + tuple(chunks)
+        from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+
+        def repack_wide(q, k, v, g, beta, cs, cl):     # 1 KB tile rows, 8 warps (a tile-size probe)
+            t_ = q.shape[1]
+            xs = (q, k, v, g.astype(f32), beta.astype(f32))
+            return vc.repack_rows(tuple(x[0].reshape(t_, -1) for x in xs), cs, cl, interpret=not kern,
+                                  tile_bytes=1024, num_warps=8)
         firsts = rotated(row, [("st.repack_xla", repack_fn("xla"), rargs),
-                               ("st.repack_triton", repack_fn("triton"), rargs)], rounds)
+                               ("st.repack_triton", repack_fn("triton"), rargs),
+                               ("st.repack_triton_1k", jax.jit(repack_wide), (q, k, v, g, beta) + tuple(chunks))],
+                         rounds)
         packed = firsts.get("st.repack_triton") or firsts.get("st.repack_xla")
         if packed is None:
             return

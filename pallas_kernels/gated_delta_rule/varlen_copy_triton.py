@@ -38,16 +38,16 @@ TILE_BYTES = 512        # bytes of one row of a program's tile: [C, 256] bf16 / 
 NUM_WARPS = 4
 
 
-def column_block(d: int, itemsize: int) -> int:
-    """BD: the largest power of two dividing ``d`` and at most TILE_BYTES / itemsize columns."""
-    return min(TILE_BYTES // itemsize, d & -d)
+def column_block(d: int, itemsize: int, tile_bytes: int = TILE_BYTES) -> int:
+    """BD: the largest power of two dividing ``d`` and at most ``tile_bytes`` / itemsize columns."""
+    return min(tile_bytes // itemsize, d & -d)
 
 
-def _blocks(xs):
+def _blocks(xs, tile_bytes):
     """[(first program column, end, BD)] per array: the arrays' column blocks laid side by side on grid axis 1."""
     out, lo = [], 0
     for x in xs:
-        bd = column_block(x.shape[1], jnp.dtype(x.dtype).itemsize)
+        bd = column_block(x.shape[1], jnp.dtype(x.dtype).itemsize, tile_bytes)
         out.append((lo, lo + x.shape[1] // bd, bd))
         lo += x.shape[1] // bd
     return out
@@ -77,24 +77,26 @@ def _repack_kernel(start_ref, len_ref, *refs, blocks, chunk):
                 refs[m + a][pl.ds(c * chunk, chunk), cols] = tile
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
-def repack_rows(xs, chunk_start, chunk_len, *, chunk: int = 64, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "tile_bytes", "num_warps"))
+def repack_rows(xs, chunk_start, chunk_len, *, chunk: int = 64, interpret: bool = False,
+                tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS):
     """Arrays xs[i] [T, D_i] of the packed row -> [NCp C, D_i] on the chunk-aligned row, one launch.
 
     chunk_start, chunk_len [NCp] int32 (the chunk map, padded with zero-length slots to NCp): repacked row
     c C + i is packed row chunk_start[c] + i where i < chunk_len[c], else zeros (bitwise the XLA gather + select
-    of ``mosaic_gpu_varlen._gather_rows``), except in chunk slots of length 0, which are left unset."""
+    of ``mosaic_gpu_varlen._gather_rows``), except in chunk slots of length 0, which are left unset.
+    ``tile_bytes`` / ``num_warps``: a program's tile row in bytes and its warps (the defaults are the module's)."""
     xs = tuple(xs)
     _check(xs, "repack_rows")
     ncp = chunk_start.shape[0]
     if interpret:
         xs = tuple(jnp.pad(x, ((0, chunk), (0, 0))) for x in xs)
-    blocks = _blocks(xs)
+    blocks = _blocks(xs, tile_bytes)
     call = pl.pallas_call(
         functools.partial(_repack_kernel, blocks=blocks, chunk=chunk),
         grid=(ncp, blocks[-1][1]),
         out_shape=tuple(jax.ShapeDtypeStruct((ncp * chunk, x.shape[1]), x.dtype) for x in xs),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="gdn_varlen_repack")
     return tuple(call(chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32), *xs))
 
@@ -120,23 +122,24 @@ def _unpack_kernel(start_ref, len_ref, end_ref, x_ref, y_ref, *, nchunks, chunk,
         plgpu.store(y_ref.at[pl.ds(r0, chunk), cols], jnp.zeros((chunk, bd), y_ref.dtype), mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("total_len", "chunk", "interpret"))
-def unpack_rows(x, chunk_start, chunk_len, end, *, total_len: int, chunk: int = 64, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("total_len", "chunk", "interpret", "tile_bytes", "num_warps"))
+def unpack_rows(x, chunk_start, chunk_len, end, *, total_len: int, chunk: int = 64, interpret: bool = False,
+                tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS):
     """x [NCp C, D] on the chunk-aligned row -> [T, D] (T = ``total_len``) on the packed row, one launch: packed
     row chunk_start[c] + i is x[c C + i] for i < chunk_len[c]; rows at index >= ``end`` (cu_seqlens[N], int32
-    [1]) are zeros. chunk_start, chunk_len [NCp] int32 as :func:`repack_rows`."""
+    [1]) are zeros. chunk_start, chunk_len [NCp] int32, ``tile_bytes``, ``num_warps`` as :func:`repack_rows`."""
     _check((x,), "unpack_rows")
     ncp = chunk_start.shape[0]
     if x.shape[0] != ncp * chunk:
         raise ValueError(f"unpack_rows: x must have NCp C = {ncp * chunk} rows; got {x.shape}")
     d = x.shape[1]
-    bd = column_block(d, jnp.dtype(x.dtype).itemsize)
+    bd = column_block(d, jnp.dtype(x.dtype).itemsize, tile_bytes)
     rows_out = total_len + (chunk if interpret else 0)
     call = pl.pallas_call(
         functools.partial(_unpack_kernel, nchunks=ncp, chunk=chunk, bd=bd, total=total_len),
         grid=(ncp + -(-total_len // chunk), d // bd),
         out_shape=jax.ShapeDtypeStruct((rows_out, d), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="gdn_varlen_unpack")
     y = call(chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32),
              jnp.asarray(end, jnp.int32).reshape(1), x)
