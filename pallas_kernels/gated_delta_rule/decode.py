@@ -40,10 +40,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gated_delta_rule import pallas_triton as _pt
 
 L2_EPS = 1e-6
-#: "triton" (this file's kernel) or "mosaic": ``decode_mosaic.py`` (Mosaic GPU, TMA ring) where it takes the call
-#: (T = 1, K, V in {64, 128}, Hopper; no explicit DecodeConfig), else this kernel. Off until the H200 says it wins
-#: (NOTES.md, "Session 7: Mosaic decode").
+#: "triton" (this file's kernel), "mosaic": ``decode_mosaic.py`` (Mosaic GPU, TMA ring) where it takes the call
+#: (T = 1, K, V in {64, 128}, Hopper or its interpret mode; no explicit DecodeConfig), else this kernel; or "auto":
+#: Mosaic only where it is compiled (a Hopper GPU), this kernel elsewhere (interpret mode included). "triton" until
+#: the H200 says Mosaic wins (NOTES.md, "Session 7: Mosaic decode" and "Session 8: Mosaic decode").
 BACKEND = "triton"
+BACKENDS = ("triton", "mosaic", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +381,9 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         scale = kdim ** -0.5
     if n == 0 or t == 0:
         return jnp.zeros(v.shape, v.dtype), ssm_state
-    if BACKEND == "mosaic" and config is None:
+    if BACKEND not in BACKENDS:
+        raise ValueError(f"decode.BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
+    if config is None and (BACKEND == "mosaic" or (BACKEND == "auto" and not interpret)):
         from pallas_kernels.gated_delta_rule import decode_mosaic
         if decode_mosaic.fallback_reason(q, k, v, interpret=interpret) is None:
             return decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(

@@ -115,7 +115,8 @@ def test_kernel_interpret_raw_gates_and_bf16():
 
 def test_backend_switch_routes_the_op(monkeypatch):
     """decode.BACKEND = "mosaic": the public op (backend "pallas_interpret") runs the Mosaic kernel where it takes
-    the call (K = V = 128, T = 1) and the Triton kernel otherwise (T = 2), both right."""
+    the call (K = V = 128, T = 1) and the Triton kernel otherwise (T = 2), both right; "auto" runs Triton in
+    interpret mode (Mosaic only where compiled); a misspelt BACKEND is refused by name."""
     from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
     calls = []
     real = dm.fused_recurrent_slots_mosaic
@@ -137,6 +138,16 @@ def test_backend_switch_routes_the_op(monkeypatch):
     fused_recurrent_gated_delta_rule_slots(*[jnp.asarray(x) for x in x2], ssm_state=jnp.asarray(pool2),
                                            slot_ids=np.array([0, 2]), backend="pallas_interpret")
     assert calls == [1]
+    monkeypatch.setattr(decode, "BACKEND", "auto")                 # Mosaic only where compiled: Triton here
+    o2, new_pool2 = fused_recurrent_gated_delta_rule_slots(
+        *[jnp.asarray(x) for x in xs], ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has,
+        use_qk_l2norm=True, backend="pallas_interpret")
+    assert calls == [1]
+    _check(o2, new_pool2, xs, pool, ids, has, untouched, True)
+    monkeypatch.setattr(decode, "BACKEND", "mosiac")
+    with pytest.raises(ValueError, match="decode.BACKEND"):
+        fused_recurrent_gated_delta_rule_slots(*[jnp.asarray(x) for x in xs], ssm_state=jnp.asarray(pool),
+                                               slot_ids=ids, has_initial_state=has, backend="pallas_interpret")
 
 
 # ---- the jnp twin of the tile algebra ----------------------------------------------------------------------------
