@@ -18,8 +18,9 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, varlen_copy_triton.py, NOT
                  other cases
      auto        ops.chunk_gated_delta_rule(backend="auto") with mosaic_gpu.AUTO_VARLEN on and m.new as the
                  varlen default (what turning the switch on would run; tiny64 must stay on recurrent_varlen)
-     fla         FLA's chunk_gated_delta_rule timed as jax_gdn.bench._time_fla does (its first call autotunes,
-                 ~40 s: last, only if the budget still holds it; --no-fla skips it)
+     fla         FLA's chunk_gated_delta_rule timed as jax_gdn.bench._time_fla does, right after the case's JAX
+                 rounds (its first call autotunes, ~40 s: made on serve256 while the child's tests run; --no-fla
+                 skips it)
    numerics of m.old / m.new / pallas against the XLA backend in fp32 (matmul precision "highest") on the same
    bf16-rounded inputs (serve256, varlen16: relative RMS of o and the final states, o finite, padding rows zero,
    m.new bitwise equal to m.old: the copies move the same bits and kkt_used changes no used chunk);
@@ -60,12 +61,18 @@ def main():
     opts, out_dir, left = kit.parse(ap, T_START, cpu_quick=True)
     quick = opts.quick
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": [], "skipped": []}
+    child = None
     if not opts.no_tests:
         args = ["-v", "-p", "no:randomly", "-p", "no:cacheprovider", "-rfE"] + TEST_IDS
         log(f"== GPU tests (timeout {opts.test_timeout:.0f} s): pytest {' '.join(args)}")
         import os
-        kit.run_tests(args, quick=quick, timeout=opts.test_timeout,
-                      log_path=os.path.join(out_dir, f"{NAME}_tests.log")).record(result, log, max_failures=40)
+        child = kit.ChildTests.start(args, quick=quick, log_path=os.path.join(out_dir, f"{NAME}_tests.log"))
+    fla_warm = False
+    if not quick and not opts.no_fla:     # FLA's autotuning first call (~40 s) while the child's tests compile
+        fla_warm = _warm_fla(result)
+    if child is not None:
+        child.wait(max(opts.test_timeout - child_elapsed(child), 1.0))
+        child.record(result, log, max_failures=40)
         _write(out_dir, result)
 
     import dataclasses
@@ -230,6 +237,27 @@ def main():
         rotated(row, [("st.unpack_xla", unpack_fn("xla"), uargs), ("st.unpack_triton", unpack_fn("triton"), uargs)],
                 rounds)
 
+    fla = {"warm": fla_warm}
+
+    def time_fla(row, case, host):
+        """FLA timed as jax_gdn.bench does, right after the case's JAX rounds (8 s needed once warm, else 55)."""
+        if quick or opts.no_fla:
+            return
+        need = 8.0 if fla["warm"] else 55.0
+        if left() < need:
+            row.setdefault("skipped", []).append("fla")
+            log(f"  fla skipped for {row['case']} ({left():.0f} s left, needs {need:.0f})")
+            return
+        try:
+            from jax_gdn.bench import _time_fla
+            row["ms"]["fla"] = round(_time_fla(case, host), 4)
+            fla["warm"] = True
+            log(f"  {row['case'][:22]:22s} {'fla':16s} {row['ms']['fla']:8.4f} ms   ({left():.0f} s left)")
+        except Exception as e:  # noqa: BLE001
+            row["ms"]["fla"] = None
+            result["errors"].append(f"{row['case']} fla: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  FAIL fla {type(e).__name__}: {str(e)[:300]}")
+
     host_of = {}
     for ci, case in enumerate(cases):
         if left() < 10:
@@ -246,6 +274,7 @@ def main():
         if not quick:
             entries.append(("auto", _auto_fn(op_fn, cu, mg, mv, new_cfg), args))
         outs = rotated(row, entries, rounds if case.name != CASES[2] else 2, min_left=6.0)
+        time_fla(row, case, host)
         if ci < 2 or quick:
             numerics(row, {k: outs.get(k) for k in ("pallas", "m.old", "m.new")}, args, cu)
         del outs
@@ -264,32 +293,35 @@ def main():
              min_left=15.0)
         del args
 
-    if not quick and not opts.no_fla:
-        from jax_gdn.bench import _time_fla
-        warm = False
-        for row in result["rows"]:
-            need = 8.0 if warm else 55.0             # FLA's first call autotunes (~40 s)
-            if left() < need:
-                row.setdefault("skipped", []).append("fla")
-                log(f"  fla skipped for {row['case']} ({left():.0f} s left, needs {need:.0f})")
-                continue
-            case = next(c for c in cases if c.name == row["case"])
-            try:
-                row["ms"]["fla"] = round(_time_fla(case, host_of[case.name]), 4)
-                warm = True
-                log(f"  {row['case'][:22]:22s} {'fla':16s} {row['ms']['fla']:8.4f} ms   ({left():.0f} s left)")
-            except Exception as e:  # noqa: BLE001
-                row["ms"]["fla"] = None
-                result["errors"].append(f"{row['case']} fla: {type(e).__name__}: {str(e)[:300]}")
-                log(f"  FAIL fla {type(e).__name__}: {str(e)[:300]}")
-            _write(out_dir, result)
     finish(result, opts, out_dir)
+
+
+def child_elapsed(child) -> float:
+    return time.time() - child.t0
+
+
+def _warm_fla(result) -> bool:
+    """FLA's first call on serve256 (it autotunes its kernels, ~40 s; the varlen cases share the tuned configs),
+    made while the child's GPU tests run (mostly compiling); FLA is timed later, alone. False if it failed."""
+    t = time.time()
+    try:
+        import torch
+        from jax_gdn.bench import fla_call, make_inputs_np
+        from jax_gdn.cases import BENCH_CASES
+        case = next(c for c in BENCH_CASES if c.name == CASES[0])
+        fla_call(case, make_inputs_np(case, 0))()
+        torch.cuda.synchronize()
+        log(f"  fla warmed on {case.name} in {time.time() - t:.1f} s (beside the child's tests)")
+        return True
+    except Exception as e:  # noqa: BLE001
+        result["errors"].append(f"fla warm-up: {type(e).__name__}: {str(e)[:300]}")
+        log(f"  FAIL fla warm-up {type(e).__name__}: {str(e)[:300]}")
+        return False
 
 
 def _auto_fn(op_fn, cu, mg, mv, new_cfg):
     """backend="auto" as it would run with AUTO_VARLEN on and m.new the varlen default (set while tracing: the
     switches are read when the call is traced)."""
-    import jax
     inner = op_fn("auto", cu)
 
     def fn(*args):
@@ -305,7 +337,6 @@ def _auto_fn(op_fn, cu, mg, mv, new_cfg):
         if "c" not in compiled:
             compiled["c"] = fn(*args)
         return compiled["c"](*args)
-    del jax
     return call
 
 
