@@ -14,6 +14,7 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, varlen_copy_triton.py, NOT
      pallas      ops.chunk_gated_delta_rule(backend="pallas")  (Triton; tiny64: recurrent_varlen)
      m.old       the Mosaic varlen path, session 7's form (VarlenConfig(): XLA gathers, kkt over every slot)
      m.new       VarlenConfig(copies="triton", kkt_used=True)
+     m.copies    VarlenConfig(copies="triton") alone, serve256 only
      m.new.L-1   m.new with the persistent walk (lanes=-1; never ran on a GPU before), serve256 only, after the
                  other cases
      auto        ops.chunk_gated_delta_rule(backend="auto") with mosaic_gpu.AUTO_VARLEN on and m.new as the
@@ -273,10 +274,12 @@ def main():
                    ("m.new", varlen_fn(new_cfg, cu), args)]
         if not quick:
             entries.append(("auto", _auto_fn(op_fn, cu, mg, mv, new_cfg), args))
+        if ci == 0:                                 # the copies alone (in case kkt_used fails to build)
+            entries.append(("m.copies", varlen_fn(dataclasses.replace(old_cfg, copies="triton"), cu), args))
         outs = rotated(row, entries, rounds if case.name != CASES[2] else 2, min_left=6.0)
         time_fla(row, case, host)
         if ci < 2 or quick:
-            numerics(row, {k: outs.get(k) for k in ("pallas", "m.old", "m.new")}, args, cu)
+            numerics(row, {k: outs.get(k) for k in ("pallas", "m.old", "m.copies", "m.new") if k in outs}, args, cu)
         del outs
         if ci == 0:
             try:
@@ -341,7 +344,7 @@ def _auto_fn(op_fn, cu, mg, mv, new_cfg):
 
 
 def finish(result, opts, out_dir):
-    keys = ["pallas", "m.old", "m.new", "m.new.L-1", "auto", "fla"]
+    keys = ["pallas", "m.old", "m.copies", "m.new", "m.new.L-1", "auto", "fla"]
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
     log(f"\n==== {NAME}: median ms per call over rotated rounds (m.old = VarlenConfig(), m.new = copies triton + "
         f"kkt_used) ====")
