@@ -12,8 +12,8 @@ pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py, varlen_copy_triton.py, NOT
    states out), every JAX column timed by jax_gdn.bench.time_jax, in this one process, in rotated rounds (round 1:
    A B C, round 2: C A B ... ; the median over rounds is reported, every round's figure kept in the JSON):
      pallas      ops.chunk_gated_delta_rule(backend="pallas")  (Triton; tiny64: recurrent_varlen)
-     m.old       the Mosaic varlen path, session 7's form (VarlenConfig(): XLA gathers, kkt over every slot)
-     m.new       VarlenConfig(copies="triton", kkt_used=True)
+     m.old       the Mosaic varlen path, session 7's form (XLA gathers, kkt over every slot)
+     m.new       VarlenConfig(copies="triton", kkt_used=True) (the default after call 2)
      m.copies    VarlenConfig(copies="triton") alone, serve256 only
      m.new.L-1   m.new with the persistent walk (lanes=-1; never ran on a GPU before), serve256 only, after the
                  other cases
@@ -47,7 +47,7 @@ NAME = "gdn_varlen_s8"
 
 _V = "tests/pallas_kernels/test_gdn_mosaic_varlen.py::"
 TEST_IDS = [_V + "test_gpu_triton_copies_match_xla_gather_bitwise",
-            _V + "test_gpu_kernel_triton_copies_matches_f64",
+            _V + "test_gpu_kernel_xla_copies_matches_f64",
             _V + "test_gpu_kernel_matches_f64[dims0-mosaic-repacked-kv-0]",
             _V + "test_gpu_slots_api_beside_xla",
             _V + "test_gpu_kernel_matches_f64[dims0-mosaic-repacked-vk-3]"]
@@ -59,7 +59,11 @@ def main():
     ap = kit.arg_parser(__doc__, budget=150.0, test_timeout=30.0,
                         quick_help="CPU smoke run at tiny sizes (interpret mode / jnp twins)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--plan", choices=("a", "b"), default="a",
+                    help="a: call 2's plan; b: what call 2 could not fit (varlen16, tiny64, then serve256's "
+                         "persistent walk, maps and unpack)")
     opts, out_dir, left = kit.parse(ap, T_START, cpu_quick=True)
+    plan_b = opts.plan == "b"
     quick = opts.quick
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": [], "skipped": []}
     child = None
@@ -87,8 +91,8 @@ def main():
     from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
     from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
 
-    old_cfg = mv.VarlenConfig()
-    new_cfg = mv.VarlenConfig(copies="triton", kkt_used=True)
+    old_cfg = mv.VarlenConfig(copies="xla", kkt_used=False)        # session 7's form
+    new_cfg = mv.VarlenConfig(copies="triton", kkt_used=True)       # the default since call 2
     configs = {"m.old": old_cfg, "m.new": new_cfg, "m.new.L-1": dataclasses.replace(new_cfg, lanes=-1)}
     result.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   configs={k: dataclasses.asdict(c) for k, c in configs.items()},
@@ -100,7 +104,7 @@ def main():
         impl, triton_backend, rounds = "reference", "pallas_interpret", 2
     else:
         by_name = {c.name: c for c in BENCH_CASES}
-        cases = [by_name[n] for n in CASES if n in by_name]
+        cases = [by_name[n] for n in (CASES[1:] + CASES[:1] if plan_b else CASES) if n in by_name]
         timer, impl, triton_backend, rounds = time_jax, "mosaic", "pallas", ROUNDS
     log(f"device {result['device']} jax {jax.__version__}; cases {[c.name for c in cases]}; {left():.0f} s left")
 
@@ -184,7 +188,13 @@ def main():
         f32 = jnp.float32
         kern = impl == "mosaic"
         lay = jax.jit(lambda cu: mv.layout(cu, t))
-        cell(row, "st.maps", lay, (cu,))
+        if plan_b:       # the maps the default path uses (the index arrays of the XLA copies are dead code there)
+            def maps_used(cu):
+                cm, src, _, _, _, walk = mv.layout(cu, t)
+                return mv.chunk_rows(cm, src.shape[0] // mv.C), mv.used_chunks(cm), walk
+            cell(row, "st.maps_used", jax.jit(maps_used), (cu,))
+        else:
+            cell(row, "st.maps", lay, (cu,))
         cm, src, keep, back, valid, walk = lay(cu)
         chunks = mv.chunk_rows(cm, src.shape[0] // mv.C)
         used = mv.used_chunks(cm)
@@ -202,10 +212,13 @@ def main():
             xs = (q, k, v, g.astype(f32), beta.astype(f32))
             return vc.repack_rows(tuple(x[0].reshape(t_, -1) for x in xs), cs, cl, interpret=not kern,
                                   tile_bytes=1024, num_warps=8)
-        firsts = rotated(row, [("st.repack_xla", repack_fn("xla"), rargs),
-                               ("st.repack_triton", repack_fn("triton"), rargs),
-                               ("st.repack_triton_1k", jax.jit(repack_wide), (q, k, v, g, beta) + tuple(chunks))],
-                         rounds)
+        if plan_b:       # measured in call 2: computed once here, not timed
+            firsts = {"st.repack_triton": repack_fn("triton")(*rargs)}
+        else:
+            firsts = rotated(row, [("st.repack_xla", repack_fn("xla"), rargs),
+                                   ("st.repack_triton", repack_fn("triton"), rargs),
+                                   ("st.repack_triton_1k", jax.jit(repack_wide),
+                                    (q, k, v, g, beta) + tuple(chunks))], rounds)
         packed = firsts.get("st.repack_triton") or firsts.get("st.repack_xla")
         if packed is None:
             return
@@ -214,8 +227,11 @@ def main():
         def kkt_fn(use):
             return jax.jit(lambda k_r, g_r, b_r, used: mv.stage1a_operands(
                 k_r, g_r, b_r, kernel=kern, stage1a="mosaic", vdim=v.shape[3], num_chunks=used if use else None))
-        firsts = rotated(row, [("st.kkt_all", kkt_fn(False), (k_r, g_r, b_r, used)),
-                               ("st.kkt_used", kkt_fn(True), (k_r, g_r, b_r, used))], rounds)
+        if plan_b:
+            firsts = {"st.kkt_used": kkt_fn(True)(k_r, g_r, b_r, used)}
+        else:
+            firsts = rotated(row, [("st.kkt_all", kkt_fn(False), (k_r, g_r, b_r, used)),
+                                   ("st.kkt_used", kkt_fn(True), (k_r, g_r, b_r, used))], rounds)
         ops1a = firsts.get("st.kkt_used") or firsts.get("st.kkt_all")
         if ops1a is None:
             return
@@ -270,18 +286,29 @@ def main():
         cu = jnp.asarray(case.cu_seqlens(), jnp.int32)
         row = {"case": case.name, "N": len(case.lens), "T": case.T, "ms": {}, "rounds": {}, "numerics": {}}
         result["rows"].append(row)
-        entries = [("pallas", op_fn(triton_backend, cu), args), ("m.old", varlen_fn(old_cfg, cu), args),
-                   ("m.new", varlen_fn(new_cfg, cu), args)]
-        if not quick:
+        first = case.name == CASES[0] or (quick and ci == 0)
+        entries = [("pallas", op_fn(triton_backend, cu), args), ("m.new", varlen_fn(new_cfg, cu), args)]
+        if not (plan_b and first):
+            entries.insert(1, ("m.old", varlen_fn(old_cfg, cu), args))
+        if not quick and not (plan_b and first):
             entries.append(("auto", _auto_fn(op_fn, cu, mg, mv, new_cfg), args))
-        if ci == 0:                                 # the copies alone (in case kkt_used fails to build)
+        if first and not plan_b:                    # the copies alone (in case kkt_used fails to build)
             entries.append(("m.copies", varlen_fn(dataclasses.replace(old_cfg, copies="triton"), cu), args))
+        if first and plan_b and not quick:          # the persistent walk, A/B against the default
+            entries.append(("m.new.L-1", varlen_fn(configs["m.new.L-1"], cu), args))
         outs = rotated(row, entries, rounds if case.name != CASES[2] else 2, min_left=6.0)
         time_fla(row, case, host)
-        if ci < 2 or quick:
+        if plan_b and first:                        # serve256's numerics were call 2's: the walk bitwise only
+            lanes = outs.get("m.new.L-1")
+            if lanes is not None and outs.get("m.new") is not None:
+                row["numerics"]["m.new.L-1"] = {"bitwise_new": bool(
+                    np.array_equal(np.asarray(lanes[0]).view(np.uint16), np.asarray(outs["m.new"][0]).view(np.uint16))
+                    and np.array_equal(np.asarray(lanes[1]), np.asarray(outs["m.new"][1])))}
+                log(f"  numerics m.new.L-1: bitwise m.new {row['numerics']['m.new.L-1']['bitwise_new']}")
+        elif case.name != CASES[2] or quick:
             numerics(row, {k: outs.get(k) for k in ("pallas", "m.old", "m.copies", "m.new") if k in outs}, args, cu)
         del outs
-        if ci == 0:
+        if first:
             try:
                 stages(row, args, cu)
             except Exception as e:  # noqa: BLE001
@@ -289,7 +316,7 @@ def main():
                 log(f"  stages FAIL {type(e).__name__}: {str(e)[:300]}")
         _write(out_dir, result)
 
-    if not quick and result["rows"] and result["rows"][0]["case"] == CASES[0] and CASES[0] in host_of:
+    if not quick and not plan_b and result["rows"] and result["rows"][0]["case"] == CASES[0] and CASES[0] in host_of:
         row, case = result["rows"][0], cases[0]         # the persistent walk, never run on a GPU before: last
         args = kit.bf16_inputs(host_of[case.name])
         cell(row, "m.new.L-1", varlen_fn(configs["m.new.L-1"], jnp.asarray(case.cu_seqlens(), jnp.int32)), args,
@@ -346,8 +373,8 @@ def _auto_fn(op_fn, cu, mg, mv, new_cfg):
 def finish(result, opts, out_dir):
     keys = ["pallas", "m.old", "m.copies", "m.new", "m.new.L-1", "auto", "fla"]
     keys = [k for k in keys if any(k in r["ms"] for r in result["rows"])]
-    log(f"\n==== {NAME}: median ms per call over rotated rounds (m.old = VarlenConfig(), m.new = copies triton + "
-        f"kkt_used) ====")
+    log(f"\n==== {NAME} (plan {opts.plan}): median ms per call over rotated rounds (m.old = copies xla, every kkt "
+        f"slot; m.new = copies triton + kkt_used) ====")
     log(f"{'case':26s} " + " ".join(f"{k:>10s}" for k in keys) + "  new/fla new/pallas new/old")
 
     def c(x):
@@ -364,6 +391,9 @@ def finish(result, opts, out_dir):
         if st:
             log(f"stages {r['case']} ({r.get('chunks')}): " + ", ".join(f"{k[3:]} {v}" for k, v in st.items()))
         for name, n in r.get("numerics", {}).items():
+            if "o" not in n:
+                log(f"numerics {r['case'][:26]} {name}: {n}")
+                continue
             log(f"numerics {r['case'][:26]} {name}: o {n['o']:.2e} state {n['state']:.2e} finite {n['o_finite']} "
                 f"pad0 {n['pad_zero']} bitwise_old {n.get('bitwise_old', '-')}")
     kit.log_closing(log, result, kit.Deadline(opts.budget, T_START))

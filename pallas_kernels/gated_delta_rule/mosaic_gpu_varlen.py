@@ -78,25 +78,27 @@ class VarlenConfig:
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
     lanes: 0 (one CTA row per sequence, grid (N, Hv, V / 64)) or the persistent walk (:func:`lane_table`): L > 0
     lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
-    when that leaves at least 4 sequences a lane, else 0. Not yet run on a GPU (its H200 runs went through the
-    packed inputs): off by default.
-    copies: how the rows move between the packed and the chunk-aligned row: "xla" (one gather + select fusion per
-    array, :func:`_gather_rows`) or "triton" (``varlen_copy_triton``: q, k, v, g and beta repacked by one Pallas
-    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another; bitwise the same rows, but the
-    unused chunk slots of the repacked row are left unset instead of zeroed: nothing reads them).
+    when that leaves at least 4 sequences a lane, else 0. Its float64 GPU test passed (session 8, repacked inputs,
+    vk states, 3 lanes); not yet timed: off by default.
+    copies: how the rows move between the packed and the chunk-aligned row: "triton" (``varlen_copy_triton``: q, k,
+    v, g and beta repacked by one Pallas
+    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another: serve256's repack 0.381 ms
+    against 0.524) or "xla" (one gather + select fusion per array, :func:`_gather_rows`); bitwise the same rows,
+    but "triton" leaves the unused chunk slots of the repacked row unset instead of zeroed: nothing reads them.
     kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
-    past them exit at once; serve256 uses 732 of its 864 slots); False: every slot (zero tokens past the used ones).
+    past them exit at once; serve256 uses 732 of its 864 slots: 0.306 ms against 0.353); False: every slot.
 
-    The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen"): serve256 2.153 ms against Pallas Triton's
-    2.421 (repacked inputs, kv states).
+    The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen", "Session 8: Mosaic varlen"): serve256
+    1.933 ms (copies "triton" + kkt_used; 2.142 with the XLA gathers and every kkt slot, same process) against
+    Pallas Triton's 2.435 and FLA's 2.843 (0.68x).
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
     inputs: str = "repacked"
     states: str = "kv"
     lanes: int = 0
-    copies: str = "xla"
-    kkt_used: bool = False
+    copies: str = "triton"
+    kkt_used: bool = True
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
