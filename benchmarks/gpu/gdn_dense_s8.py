@@ -230,8 +230,8 @@ def main():
                     rows[name]["rounds"].setdefault(key, []).append(ms_)
                 except Exception as e:  # noqa: BLE001
                     result["errors"].append(f"{name} {key} round {rnd}: {type(e).__name__}: {str(e)[:300]}")
-            log(f"  round {rnd} {name:22s} " + " ".join(
-                f"{jobs[i][1]}={rows[name]['rounds'].get(jobs[i][1], ['-'])[-1]}" for i in order)
+            got = {k: v[rnd] for k, v in rows[name]["rounds"].items() if len(v) > rnd}
+            log(f"  round {rnd} {name:22s} " + " ".join(f"{jobs[i][1]}={got.get(jobs[i][1], '-')}" for i in order)
                 + f"   ({left():.0f} s left)")
         save()
     for row in rows.values():

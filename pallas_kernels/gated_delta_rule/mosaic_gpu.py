@@ -876,14 +876,18 @@ MIN_PIECE_CHUNKS = 8
 
 #: the split's time model (:func:`split_cost`), in chunk steps of the fused pass (1.86 us on the H200): one map-pass
 #: step (mosaic_gpu_split.state_map_pass: no output warpgroup, no q) as a fraction of a fused step, and the fixed
-#: and per-piece costs of the launches and the scan; fit to B1-T8192-Hk2-Hv8 on the H200 (session 7, call 4: P = 8
-#: 0.140 ms with the Triton scan, P = 4 0.162 and P = 8 0.164 with the XLA scan, unsplit 0.260; NOTES.md).
+#: and per-piece costs of the launches and the scan. SPLIT_PER_PIECE refit in session 8 (NOTES.md "Session 8: dense
+#: Mosaic", H200, both P with the Triton scan, 3 interleaved rounds): B1-T8192-Hk2-Hv8 P = 4 0.1436 against P = 8
+#: 0.1571 (P = 4 wins every round; the model: 7.2 steps = 0.013 ms between them); it also has P = 2 beat P = 1 on
+#: the 64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830, B1-T32768 0.928 against 1.078: the model 18.8 and 96
+#: steps, measured 13 and 81). (Session 7's 2.4 came from P = 8 with the Triton scan against P = 4 with XLA's.)
 SPLIT_MAP_STEP = 0.6
 SPLIT_FIXED = 1.0
-SPLIT_PER_PIECE = 2.4
-#: (jla's MAX_SPLIT_CTAS) split only rows whose unsplit pass runs at most this many CTAs (B Hv V / 64): at 64
-#: (B1-T8192-Hk16-Hv32) P = 2 measured 0.288 against 0.303 unsplit in another run, inside the runs' spread.
-MAX_SPLIT_CTAS = 32
+SPLIT_PER_PIECE = 5.8
+#: split only rows whose unsplit pass runs at most this many CTAs (B Hv V / 64; jla's rule is 32): session 8 measured
+#: P = 2 faster than unsplit in every round on both 64-CTA bench rows (above; 0.93x and 0.87x jla). Rows of more
+#: CTAs are not split (at 128+ the fused pass alone fills a wave; unmeasured, and the model agrees).
+MAX_SPLIT_CTAS = 64
 
 
 def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
@@ -906,7 +910,7 @@ def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: in
 def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
                  has_h0: bool = True) -> int:
     """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
-    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (every dense
+    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (the dense
     Hv 32 bench row) and on ties."""
     if batch * heads * max(value_dim // BV, 1) > MAX_SPLIT_CTAS:
         return 1
@@ -1014,8 +1018,8 @@ class MosaicConfig:
     """
     stage1a: str = "mosaic"
     pieces: int = 0
-    exp2: bool = False
-    state_kv: bool = False
+    exp2: bool = True
+    state_kv: bool = True
     split_chain: bool = False
 
     def __post_init__(self):
@@ -1028,11 +1032,19 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
 
 
-#: pieces=0: the sequence split where :func:`split_pieces` says (rows of <= MAX_SPLIT_CTAS CTAs; the Hv 32 bench rows
-#: never split). On from the H200 runs of session 7 (NOTES.md, "Session 7: Mosaic split"): the split's GPU tests at
-#: weak decay (a start state survives its piece) pass at P = 2, 4, 8, and B1-T8192-Hk2-Hv8 ran 0.140 ms at P = 8
-#: (the state-only map kernel and the Triton scan) against jla's 0.166 in the same process and 0.260 unsplit.
-DEFAULT_CONFIG = MosaicConfig(pieces=0)
+#: The launch choices of "mosaic_gpu" / "auto", from the H200 (NOTES.md "Session 8: dense Mosaic", one process, 3
+#: interleaved rounds, bf16, ms; each change won every round it was timed in):
+#:   pieces=0: the sequence split where :func:`split_pieces` says (rows of <= MAX_SPLIT_CTAS CTAs): P = 2 on the
+#:     64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830 unsplit, jla 0.2790; B1-T32768 0.928 against 1.078, jla
+#:     1.061), P = 4 at B1-T8192-Hk2-Hv8 (0.1436 against 0.1571 at P = 8, jla 0.1383); on since session 7, whose
+#:     weak-decay GPU tests of the split pass at P = 2, 4, 8;
+#:   state_kv=True: the unsplit rows' states read and written by the fused pass in [B, Hv, K, V] (two XLA
+#:     transposes and their launches gone): B16-T1024 0.359 against 0.392, B4-T4096 0.337 against 0.346;
+#:   exp2=True: log2 gates and exp2 (jla's form): B16 kv 0.359 -> 0.354, B4 kv 0.337 -> 0.334, Hk2-Hv8 P = 4
+#:     0.1436 -> 0.1422; numerics unchanged (o 3.39e-3, state 2.4e-3 relative RMS against fp32 XLA);
+#:   split_chain=False: P = 2 through one state-only fused pass over piece 0 lost to the map kernel + scan every
+#:     round (0.270 against 0.2585; 1.003 against 0.928).
+DEFAULT_CONFIG = MosaicConfig()
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
 # 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.

@@ -41,6 +41,9 @@ def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison
 
 def test_defaults():
     assert mg.ENABLED is True and mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
+    # session 8's measured choices (NOTES.md): states in [B, Hv, K, V] inside the pass, exp2, the split's map + scan
+    assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
+                                                split_chain=False)
     with pytest.raises(ValueError, match="stage1a"):
         mg.MosaicConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="pieces"):
@@ -111,13 +114,16 @@ def test_kkt_reference_is_the_gate_free_inverse():
 
 
 def test_split_policy():
-    """No split where the rows fill the H200's 132 SMs (every Hv 32 bench row); Hk2-Hv8 splits."""
-    for b, t, hv in [(1, 8192, 32), (4, 4096, 32), (1, 32768, 32), (16, 1024, 32), (1, 131072, 32)]:
+    """The H200's fastest P on each dense bench row (NOTES.md "Session 8: dense Mosaic"): no split where the rows
+    fill the 132 SMs (B4-T4096, B16-T1024: 256+ CTAs), P = 2 on the 64-CTA rows, P = 4 at Hk2-Hv8."""
+    for b, t, hv in [(4, 4096, 32), (16, 1024, 32), (2, 8192, 32)]:
         assert mg.split_pieces(b, hv, 128, 128, t, sms=132) == 1, (b, t, hv)
-    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) == 8        # the H200's fastest P there (NOTES.md)
-    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132, has_h0=False) == 8
+    for b, t, hv in [(1, 8192, 32), (1, 32768, 32), (1, 131072, 32)]:
+        assert mg.split_pieces(b, hv, 128, 128, t, sms=132) == 2, (b, t, hv)
+    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) == 4        # P = 4 beat P = 8 in every round
+    assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132, has_h0=False) == 4
     assert mg.split_pieces(1, 8, 128, 128, 256, sms=132) == 1        # pieces of >= 8 chunks only
-    assert mg.split_pieces(1, 24, 128, 128, 8192, sms=132) == 1      # 48 CTAs > MAX_SPLIT_CTAS
+    assert mg.split_pieces(1, 40, 128, 128, 8192, sms=132) == 1      # 80 CTAs > MAX_SPLIT_CTAS
     assert mg.DEFAULT_CONFIG.pieces == 0                             # the policy decides
 
 
@@ -666,6 +672,27 @@ def test_gpu_split_chain_matches_f64():
     o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
                                          jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
                                          pieces=2, split_chain=True)
+    o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
+    assert np.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,hv,pieces", [(4000, 2, 4), (130, 3, 1)])
+def test_gpu_default_config_matches_f64(t, hv, pieces):
+    """The backend's DEFAULT_CONFIG as op_fwd runs it (exp2, state_kv, the split policy: P = 4 at T = 4000 with 4
+    CTAs, unsplit at T = 130) against float64 at weak decay (g x 0.01: a wrong piece start or state layout shows),
+    initial state in, K = V = 128, grouped heads, bf16 1e-2."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    assert mg.split_pieces(1, hv, 128, 128, t + (-t) % 64) == pieces
+    case = Case(f"B1-T{t}-Hk1-Hv{hv}-K128-V128", 1, t, 1, hv, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 23, jnp.bfloat16)
+    g = (g * 0.01).astype(np.float32)
+    bf = jnp.bfloat16
+    o, s = mg.op_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf),
+                     scale=128 ** -0.5, initial_state=jnp.asarray(h0), output_final_state=True)
     o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
