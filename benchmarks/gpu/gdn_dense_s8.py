@@ -1,7 +1,8 @@
 """The dense Mosaic GPU rows at or under jla (issue 14, session 8, helper S8; pallas_kernels/gated_delta_rule/
 mosaic_gpu.py's MosaicConfig and split policy, NOTES.md "Session 8: dense Mosaic").
 
-    python benchmarks/gpu/gdn_dense_s8.py [--quick] [--budget S] [--test-timeout S] [--no-tests] [--rows N,...]
+    python benchmarks/gpu/gdn_dense_s8.py [--quick] [--plan a|b] [--budget S] [--test-timeout S] [--no-tests]
+                                          [--rows N,...] [--workers W]
     (writes $OUT/gdn_dense_s8.{json,log}; OUT=/tmp/out)
 
 1. The 5 dense BENCH_CASES rows (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state out). Per
@@ -19,6 +20,8 @@ mosaic_gpu.py's MosaicConfig and split policy, NOTES.md "Session 8: dense Mosaic
    alone (``kkt_fwd``), the split's start states (map pass + scan) and the fused pass alone.
 4. GPU tests of mosaic_gpu.py's dense path and the new state_kv (tests/pallas_kernels/test_gdn_mosaic_gpu.py) LAST,
    in a child process, killed at --test-timeout.
+--plan b (after call 2 set the defaults): the new default against call 2's ("s7": exp2 and state_kv off), the best
+unsplit on the split rows, P = 8 and the XLA serial scan (jla's) at Hk2-Hv8, and the GPU tests of the new defaults.
 A table is printed last: each variant's median over the rounds, its ratio to jla, and in how many rounds it beat
 the default and jla (same round). --quick: CPU, tiny rows, the jnp twins (impl="reference"), no jla.
 """
@@ -55,6 +58,22 @@ VARIANTS = {
     "B1-T32768-Hk16-Hv32": [KV, P2, P2_CHAIN, KV_EXP2, EXP2],
 }
 API_ROWS = ("B16-T1024-Hk16-Hv32", "B1-T8192-Hk16-Hv32")
+#: --plan b (after call 2 set the defaults: exp2, state_kv, P = 2 on 64-CTA rows, P = 4 at Hk2-Hv8): the new
+#: default against call 2's (``s7``: exp2 and state_kv off, session 7's split policy is not reproduced: its pieces
+#: are named), the best unsplit on the split rows, and the XLA serial scan (jla's dense scan) at Hk2-Hv8; overrides
+#: of the *new* defaults. "scan" in an override: the split's scan composed by hand (not a MosaicConfig field).
+S7 = dict(exp2=False, state_kv=False)
+VARIANTS_B = {
+    "B16-T1024-Hk16-Hv32": [("s7", S7)],
+    "B1-T8192-Hk16-Hv32": [("p1", dict(pieces=1)), ("s7.p1", dict(S7, pieces=1)), ("p2.noexp2", dict(exp2=False))],
+    "B1-T8192-Hk2-Hv8": [("p4.serial", dict(pieces=4, scan="serial")), ("p8", dict(pieces=8)),
+                         ("s7.p8", dict(S7, pieces=8))],
+    "B4-T4096-Hk16-Hv32": [("s7", S7)],
+    "B1-T32768-Hk16-Hv32": [("p1", dict(pieces=1)), ("s7.p1", dict(S7, pieces=1))],
+}
+TEST_IDS_B = ["test_gpu_default_config_matches_f64[4000-2-4]", "test_gpu_default_config_matches_f64[130-3-1]",
+              "test_gpu_split_op_weak_decay_matches_f64[1000-8-True]", "test_gpu_split_chain_matches_f64",
+              "test_gpu_split_k128_grouped[mosaic]"]
 
 
 def main():
@@ -62,6 +81,8 @@ def main():
                         quick_help="CPU smoke run at tiny sizes (the jnp twins)")
     ap.add_argument("--rows", default="", help="comma-separated row-name prefixes (default: all five)")
     ap.add_argument("--workers", type=int, default=6, help="compile threads (1: serial)")
+    ap.add_argument("--plan", default="a", choices=("a", "b"),
+                    help="a: call 2's sweep (the variants of the defaults of then); b: the new defaults checked")
     opts, out_dir, left = kit.parse(ap, T_START, cpu_quick=True)
     quick = opts.quick
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": [], "skipped": []}
@@ -96,8 +117,22 @@ def main():
         want = opts.rows.split(",")
         cases = {n: c for n, c in cases.items() if any(n.startswith(w) for w in want)}
 
-    def op(cfg):
-        """The dense entry as op_fwd runs it with ``cfg`` (impl="reference" under --quick)."""
+    def op(cfg, scan=None):
+        """The dense entry as op_fwd runs it with ``cfg`` (impl="reference" under --quick); ``scan``: the split's
+        start states with that scan, composed as the entry does."""
+        if scan is not None:
+            def fn(q, k, v, g, beta, h0):
+                t, p = q.shape[1], cfg.pieces
+                ops_ = mg._prepare_head_major(q, k, v, g.astype(jnp.float32), beta, h0, kernel=kernel, pieces=p,
+                                              exp2=cfg.exp2)
+                starts = ms.start_states(ops_, p, kernel=kernel, head_major=True, exp2=cfg.exp2, scan=scan)
+                run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
+                o, ht = run(*ops_[:6], starts, scale=float(q.shape[3]) ** -0.5, out_final=True, head_major=True,
+                            pieces=p, exp2=cfg.exp2)
+                ht = ht.reshape((q.shape[0], p) + ht.shape[1:])[:, -1]
+                return o[:, :t].astype(v.dtype), jnp.swapaxes(ht, -1, -2)
+            return jax.jit(fn)
+
         def fn(q, k, v, g, beta, h0):
             return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(jnp.float32), beta, h0,
                                                  scale=float(q.shape[3]) ** -0.5, output_final_state=True,
@@ -137,11 +172,14 @@ def main():
                 result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
         jobs.append((name, "default", op(mg.DEFAULT_CONFIG), args, 0))
         row["configs"]["default"] = dataclasses.asdict(mg.DEFAULT_CONFIG)
-        for tier, (key, over) in enumerate(VARIANTS.get(name, HV32), start=1):
+        variants = VARIANTS.get(name, HV32) if opts.plan == "a" else VARIANTS_B.get(name, [])
+        for tier, (key, over) in enumerate(variants, start=1):
+            over = dict(over)
+            scan = over.pop("scan", None)
             cfg = dataclasses.replace(mg.DEFAULT_CONFIG, **over)
-            row["configs"][key] = dataclasses.asdict(cfg)
-            jobs.append((name, key, op(cfg), args, tier))
-        if not quick and name in API_ROWS:
+            row["configs"][key] = dict(dataclasses.asdict(cfg), **({"scan": scan} if scan else {}))
+            jobs.append((name, key, op(cfg, scan), args, tier))
+        if not quick and name in API_ROWS and opts.plan == "a":
             from jax_gdn.bench import _jax_impl
             fn, aargs = _jax_impl(case, host, "mosaic_gpu")
             jobs.append((name, "api", fn, aargs, 2))
@@ -250,7 +288,7 @@ def main():
 
     # ---- the GPU tests, last, in a child process ----------------------------------------------------------------
     if not opts.no_tests:
-        ids = QUICK_TEST_IDS if quick else TEST_IDS
+        ids = QUICK_TEST_IDS if quick else TEST_IDS if opts.plan == "a" else TEST_IDS_B
         timeout = min(opts.test_timeout, left() - 3)
         if timeout < 10:
             result["skipped"].append("tests")
