@@ -88,7 +88,15 @@ class MosaicDecodeConfig:
       named here; the default of jax 0.10, and what the CPU lowering tests check) or "warpgroup" (layouts inferred;
       jax 0.11's default, where this kernel's scalar-predicate select does not lower: the first H200 run).
     copy_only: a measurement aid, not the op: every tile is stored back as loaded (o = 0), so the time is the ring's
-      and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool).
+      and the TMA path's alone (the kernel's ceiling; compare the XLA copy of the pool). True: the tile still goes
+      through registers (shared memory -> registers -> shared memory, as the kernel does); "tma": it does not (TMA
+      load, then TMA store of the same shared memory).
+    swizzle: the state tile's shared-memory layout, 128-byte swizzled (True: what the WGMMA-layout register load
+      needs; each TMA box row is then 128 bytes, [K, 32] fp32 columns) or plain (False: one [K, BV] box, rows of
+      4 BV bytes; only with copy_only="tma", a measurement of the TMA box shape).
+    defer_scalars: False: an item's scalars (slot id, has_initial_state, g / beta or the raw gates) are loaded a trip
+      ahead and used at once (flags, clipping, the gate math: the warpgroup waits on those loads there); True: only
+      loaded a trip ahead, used on the next trip (the refill's slot id too), so their latency overlaps an item.
     refill: when the previous item's slot is refilled, "late" (after this item is computed and its store issued:
       stages - 2 tile loads in flight while an item computes) or "early" (before this item's wait, as soon as the
       previous item's store has read its slot: stages - 1 loads in flight, at the cost of waiting on that read
@@ -103,6 +111,8 @@ class MosaicDecodeConfig:
     entry: str = "kernel"
     semantics: str = "lane"
     refill: str = "late"
+    swizzle: bool = True
+    defer_scalars: bool = False
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -121,6 +131,11 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.refill not in REFILLS:
             raise ValueError(f"MosaicDecodeConfig.refill must be one of {REFILLS}, got {self.refill!r}")
+        if self.copy_only not in (False, True, "tma"):
+            raise ValueError(f"MosaicDecodeConfig.copy_only must be False, True or 'tma', got {self.copy_only!r}")
+        if not self.swizzle and self.copy_only != "tma":
+            raise ValueError("MosaicDecodeConfig.swizzle=False needs copy_only='tma' (the WGMMA-layout register load "
+                             "of the tile needs the swizzled layout)")
 
 
 LAYOUTS = ("wgmma",)
@@ -200,16 +215,28 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + log1p
 
 
-def _gates(g_ref, beta_ref, gate_refs, *, n, h, group):
-    """(g, beta) fp32 scalars of stream n, value head h (see decode._read_gates)."""
+def _gate_loads(g_ref, beta_ref, gate_refs, *, n, h, group):
+    """The global loads behind stream n, value head h's gates, as loaded: (g, beta) or, with raw gates,
+    (a, b, A_log, dt_bias)."""
     if gate_refs is None:
-        return g_ref[n, 0, h].astype(F32), beta_ref[n, 0, h].astype(F32)
+        return g_ref[n, 0, h], beta_ref[n, 0, h]
     alog_ref, dtb_ref, a_off, b_off = gate_refs
     hk, j = h // group, lax.rem(h, group)
-    a = g_ref[n, 0, hk, a_off + j].astype(F32)
-    b = beta_ref[n, 0, hk, b_off + j].astype(F32)
-    g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(a + dtb_ref[h].astype(F32))
+    return g_ref[n, 0, hk, a_off + j], beta_ref[n, 0, hk, b_off + j], alog_ref[h], dtb_ref[h]
+
+
+def _gate_math(loaded):
+    """(g, beta) fp32 from :func:`_gate_loads`' values (see decode._read_gates)."""
+    if len(loaded) == 2:
+        return loaded[0].astype(F32), loaded[1].astype(F32)
+    a, b, alog, dtb = (x.astype(F32) for x in loaded)
+    g = -jnp.exp(alog) * _softplus(a + dtb)
     return g, 1.0 / (1.0 + jnp.exp(-b))
+
+
+def _gates(g_ref, beta_ref, gate_refs, *, n, h, group):
+    """(g, beta) fp32 scalars of stream n, value head h."""
+    return _gate_math(_gate_loads(g_ref, beta_ref, gate_refs, n=n, h=h, group=group))
 
 
 def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float,
@@ -283,13 +310,47 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             flags = valid.astype(jnp.int32) + 2 * in_pool.astype(jnp.int32) + 4 * read.astype(jnp.int32)
             return nn, h, vb, slot, flags, g, beta
 
+        def coords(i):
+            """Item i's (stream, head, value block, valid) from its number alone (no loads)."""
+            b = pid + i * programs
+            valid = b < total
+            b = jnp.minimum(b, total - 1)
+            return b // (hv * nvb), lax.rem(b // nvb, hv), lax.rem(b, nvb), valid
+
+        def loads(i):
+            """defer_scalars: item i's scalar loads, nothing computed from them yet (the next trip does)."""
+            nn, h = coords(i)[:2]
+            return (slot_ref[nn], has_ref[nn]) + tuple(_gate_loads(g_ref, beta_ref, gate_refs, n=nn, h=h,
+                                                                   group=group))
+
+        def cook(i, loaded):
+            """defer_scalars: :func:`fetch`'s tuple of item i from :func:`loads`' values."""
+            nn, h, vb, valid = coords(i)
+            slot, has = loaded[:2]
+            in_pool = valid & (slot >= 0) & (slot < num_slots)
+            read = in_pool & (has != 0)
+            g, beta = _gate_math(loaded[2:])
+            flags = valid.astype(jnp.int32) + 2 * in_pool.astype(jnp.int32) + 4 * read.astype(jnp.int32)
+            return nn, h, vb, jnp.clip(slot, 0, num_slots - 1), flags, g, beta
+
         for i in range(min(stages, trips)):
             issue(locate(i), i)
 
-        def step(i, cur):
+        def step_deferred(i, carry):
+            loaded, refill_slot = carry                   # loaded on the trip before
+            upcoming = loads(i + 1), slot_ref[coords(i + stages)[0]]     # this trip's loads, used on the next
+            refill = i - 1 + stages
+            nn, h, vb = coords(refill)[:3]
+            step(i, cook(i, loaded), refill, (nn, h, vb, jnp.clip(refill_slot, 0, num_slots - 1)))
+            return upcoming
+
+        def step_now(i, cur):
             upcoming = fetch(i + 1)                       # used by the next trip
             refill = i - 1 + stages                       # the item loaded into the previous item's slot
-            refill_loc = locate(refill)
+            step(i, cur, refill, locate(refill))
+            return upcoming
+
+        def step(i, cur, refill, refill_loc):
             d = lax.rem(i, stages)
             flags, g, beta = cur[4:]
             if cfg.refill == "early":                     # the previous item's slot, once its store has read it
@@ -298,6 +359,10 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     issue(refill_loc, lax.rem(refill, stages))
             plgpu.barrier_wait(bar.at[d])
+            if cfg.copy_only == "tma":                    # the ring alone, no registers: TMA in, TMA out
+                o_buf.at[d][...] = jnp.zeros((bv,), o_buf.dtype) if interpret else plgpu.layout_cast(
+                    jnp.zeros((bv,), o_buf.dtype), COLS)
+                return _store_and_refill(i, d, cur, refill, refill_loc)
             if interpret:                                 # the interpreter keeps no register layouts
                 s, qv, kv, vv = s_buf[d], q_buf[d], k_buf[d], v_buf[d]
             else:
@@ -309,7 +374,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                     s_buf.at[d][...] = s
                 o_buf.at[d][...] = jnp.zeros((bv,), o_buf.dtype) if interpret else plgpu.layout_cast(
                     jnp.zeros((bv,), o_buf.dtype), COLS)
-                return _store_and_refill(i, d, cur, upcoming, refill, refill_loc)
+                return _store_and_refill(i, d, cur, refill, refill_loc)
             read = lax.broadcast_in_dim((flags & 4) != 0, s.shape, ())     # explicit: warpgroup semantics
             s = lax.select(read, s, jnp.zeros_like(s))   # fresh stream / bad id: zeros (a stale NaN never leaks)
             qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
@@ -325,9 +390,9 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
             o = scale * (a * sq + jnp.sum(qv * kv) * delta)
             s_buf.at[d][...] = a * s + kb * lax.broadcast_in_dim(delta, (kdim, bv), [1])
             o_buf.at[d][...] = o.astype(o_buf.dtype)
-            return _store_and_refill(i, d, cur, upcoming, refill, refill_loc)
+            return _store_and_refill(i, d, cur, refill, refill_loc)
 
-        def _store_and_refill(i, d, cur, upcoming, refill, refill_loc):
+        def _store_and_refill(i, d, cur, refill, refill_loc):
             nn, h, vb, slot, flags = cur[:5]
             valid, in_pool = (flags & 1) != 0, (flags & 2) != 0
             vs = pl.ds(vb * bv, bv)
@@ -347,13 +412,15 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 def _():
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     issue(refill_loc, lax.rem(refill, stages))
-            return upcoming
 
-        lax.fori_loop(0, trips, step, fetch(0))
+        if cfg.defer_scalars:
+            lax.fori_loop(0, trips, step_deferred, (loads(0), slot_ref[coords(stages - 1)[0]]))
+        else:
+            lax.fori_loop(0, trips, step_now, fetch(0))
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        _tile_smem((stages, kdim, bv), swizzled=not interpret),
+        _tile_smem((stages, kdim, bv), swizzled=cfg.swizzle and not interpret),
         plgpu.SMEM((stages, kdim), q.dtype),
         plgpu.SMEM((stages, kdim), k.dtype),
         plgpu.SMEM((stages, bv), v.dtype),

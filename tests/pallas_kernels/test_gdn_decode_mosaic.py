@@ -81,11 +81,14 @@ def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
     (128, 2, 2, 2, 4, False, "late"),         # one value block per head, the shallowest ring, GVA 2
     (64, 4, 1, 1, 3, True, "late"),           # one CTA walks all 30 items (GVA 3)
     (64, 2, 3, 1, 2, True, "early"),          # the early refill on the shallowest ring, a tail item
-], ids=["bv64-s3-p3", "bv128-s2-p2-gva2", "bv64-s4-p1-gva3", "bv64-s2-p3-early"])
+    (64, 3, 4, 1, 2, True, "defer"),          # scalars loaded a trip ahead and used on the next (a tail item)
+], ids=["bv64-s3-p3", "bv128-s2-p2-gva2", "bv64-s4-p1-gva3", "bv64-s2-p3-early", "bv64-s3-p4-defer"])
 def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, refill):
     n, s, d = 5, 7, 128
     xs, pool, ids, has, untouched = _poisoned(block_v + stages + hv, n, hk, hv, d, d, s)
-    cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs, refill=refill)
+    defer = refill == "defer"
+    cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs,
+                                refill="late" if defer else refill, defer_scalars=defer)
     fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
         use_qk_l2norm=l2, interpret=True, config=cfg))
@@ -94,8 +97,25 @@ def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, ref
     _check(o, new_pool, xs, pool, ids, has, untouched, l2)
 
 
-def test_kernel_interpret_raw_gates_and_bf16():
-    """The gates made inside from raw a, b (Qwen3-Next's [b | a] per key head), bf16 q/k/v (o in bf16)."""
+@pytest.mark.parametrize("cfg", [dm.MosaicDecodeConfig(stages=2, programs=3, copy_only="tma", swizzle=False),
+                                 dm.MosaicDecodeConfig(stages=3, programs=2, copy_only=True)],
+                         ids=["tma-plain", "regs"])
+def test_copy_only_interpret_stores_the_pool_as_loaded(cfg):
+    """copy_only (a measurement aid): every valid slot's tile is stored back as loaded (NaN included), o is zero,
+    ids outside [0, S) write nothing."""
+    n, s, d = 4, 6, 128
+    xs, pool, ids, has, untouched = _poisoned(31, n, 1, 2, d, d, s)
+    o, new_pool = jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+        interpret=True, config=cfg))([jnp.asarray(x) for x in xs], jnp.asarray(pool))
+    np.testing.assert_array_equal(np.asarray(new_pool), pool)
+    assert not np.asarray(o).any()
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["now", "defer"])
+def test_kernel_interpret_raw_gates_and_bf16(defer):
+    """The gates made inside from raw a, b (Qwen3-Next's [b | a] per key head), bf16 q/k/v (o in bf16); the gate
+    math at once or on the next trip (``defer_scalars``)."""
     n, s, hk, hv, d = 4, 6, 1, 2, 128
     xs, pool, ids, has, untouched = _poisoned(11, n, hk, hv, d, d, s, jnp.bfloat16)
     r = hv // hk
@@ -107,7 +127,8 @@ def test_kernel_interpret_raw_gates_and_bf16():
     args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]]
     fn = jax.jit(lambda q, k, v, ba, pool, gates: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, ba, ba, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=dm.MosaicDecodeConfig(stages=2, programs=3)))
+        use_qk_l2norm=True, interpret=True, raw_gates=gates,
+        config=dm.MosaicDecodeConfig(stages=2, programs=3, defer_scalars=defer)))
     o, new_pool = fn(*args, ba, jnp.asarray(pool), gates)
     assert o.dtype == jnp.bfloat16
     _check(o, new_pool, xs, pool, ids, has, untouched, True, o_tol=1e-2)
@@ -185,8 +206,15 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(stages=6, copy_only=True), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only=True), jnp.bfloat16, False),
+    # the second run's: scalars deferred, the ring without registers, with and without the swizzled tile
+    (dm.MosaicDecodeConfig(defer_scalars=True), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(defer_scalars=True), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(copy_only="tma"), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(copy_only="tma", swizzle=False), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only="tma", swizzle=False), jnp.bfloat16, False),
 ], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only", "s5-raw", "s6",
-        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only"])
+        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only", "defer", "defer-raw",
+        "tma-only", "tma-only-plain", "bv128-s3-tma-only-plain"])
 def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
     """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
     scalar broadcast in a select, which this lowering on 0.10.2 reproduced)."""
@@ -222,7 +250,8 @@ def test_fallback_reasons_and_config_errors():
     for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
                        (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
                        (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics"),
-                       (dict(refill="soon"), "refill")]:
+                       (dict(refill="soon"), "refill"), (dict(copy_only="regs"), "copy_only"),
+                       (dict(swizzle=False), "swizzle")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
