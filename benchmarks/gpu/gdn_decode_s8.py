@@ -1,7 +1,12 @@
 """One device run (session 8, issue 14): the GDN decode step against the XLA copy of its state bytes; the Mosaic GPU
 kernel's launch sweep (pallas_kernels/gated_delta_rule/decode_mosaic.py) beside the Triton kernel (decode.py).
 
-    python benchmarks/gpu/gdn_decode_s8.py [--quick] [--budget SECONDS] [--no-tests]   (results under $OUT)
+    python benchmarks/gpu/gdn_decode_s8.py [--quick] [--budget SECONDS] [--no-tests] [--run 2]   (under $OUT)
+
+--run 1 (default) is the launch sweep below; --run 2 the second device run's set (``sweep``): the default against
+``defer_scalars``, with the layer's raw gates at kernel level too, the ring without registers (copy_only "tma") with
+swizzled and plain TMA boxes, the layer step for each, and only the layer / defer / model GPU tests (outputs
+gdn_decode_s8_r2.*).
 
 Steps, in this order, each skipped when the deadline (``--budget``, default 120 s from the start) would not fit it;
 a watchdog prints the table and exits at budget + 15 s whatever is running:
@@ -58,9 +63,14 @@ RESERVE_LAYER = 14.0
 KEEP = dict(build=20.0, round1=8.0, numerics=8.0, rounds=20.0, layer=6.0)
 
 
-def sweep(MC):
-    """The Mosaic configs timed (labels in the table): the default first."""
-    return [("mosaic", MC()),
+def sweep(MC, run: int):
+    """(label, kind, config, raw gates) of each step timed, Triton first, then Mosaic (the default first); labels
+    starting "copy_only" are the ring's ceilings (built last). Run 1: the launch sweep; run 2 (after run 1 put the
+    ring alone at 0.31 ms and the layer step through Mosaic 0.023 ms behind Triton's): the scalars deferred, the raw
+    gates at kernel level, the ring without registers and with plain (unswizzled) TMA boxes."""
+    if run == 1:
+        return [("triton", "triton", None, False)] + [(lb, "mosaic", c, False) for lb, c in [
+            ("mosaic", MC()),
             ("mosaic s5", MC(stages=5)),
             ("mosaic s6", MC(stages=6)),
             ("mosaic s4 early", MC(refill="early")),
@@ -70,28 +80,64 @@ def sweep(MC):
             ("copy_only s4", MC(copy_only=True)),
             ("copy_only s6", MC(stages=6, copy_only=True)),
             ("copy_only bv128 s3", MC(block_v=128, stages=3, copy_only=True)),
-            ("copy_only s3 cta2", MC(stages=3, ctas_per_sm=2, copy_only=True))]
+            ("copy_only s3 cta2", MC(stages=3, ctas_per_sm=2, copy_only=True))]]
+    return [("triton", "triton", None, False),
+            ("mosaic", "mosaic", MC(), False),
+            ("mosaic defer", "mosaic", MC(defer_scalars=True), False),
+            ("triton raw", "triton", None, True),
+            ("mosaic raw", "mosaic", MC(), True),
+            ("mosaic defer raw", "mosaic", MC(defer_scalars=True), True),
+            ("copy_only s4", "mosaic", MC(copy_only=True), False),
+            ("copy_only tma", "mosaic", MC(copy_only="tma"), False),
+            ("copy_only tma plain", "mosaic", MC(copy_only="tma", swizzle=False), False),
+            ("copy_only tma plain s6", "mosaic", MC(stages=6, copy_only="tma", swizzle=False), False),
+            ("copy_only tma plain bv128 s3", "mosaic", MC(block_v=128, stages=3, copy_only="tma", swizzle=False),
+             False)]
+
+
+#: the ring's ceilings also timed at the second N (the others at the first only)
+SECOND_N_CEILINGS = ("copy_only s4", "copy_only tma plain")
+
+
+def layer_variants(MC, run: int):
+    """(label, decode.BACKEND, decode_mosaic.DEFAULT_CONFIG) of the layer steps compared (Triton's first)."""
+    out = [("triton", "triton", None), ("mosaic", "mosaic", MC())]
+    return out + ([("mosaic defer", "mosaic", MC(defer_scalars=True))] if run == 2 else [])
+
+
+def verdicts(lines):
+    """{test id: verdict} from pytest -v -s output, where a test's prints may push its verdict to a later line."""
+    out, current = {}, None
+    for ln in lines:
+        if "::" in ln:
+            current = ln.split()[0]
+        words = ln.split()
+        for w in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+            if current and w in words:
+                out[current] = w
+    return out
 
 
 def main():
     ap = kit.arg_parser(__doc__, budget=120.0, test_timeout=60.0,
                         quick_help="CPU smoke run at tiny sizes (interpret modes)")
+    ap.add_argument("--run", type=int, default=1, choices=(1, 2), help="which sweep (see sweep())")
     args, out, left = kit.parse(ap, T0, cpu_quick=True)
+    name = NAME if args.run == 1 else f"{NAME}_r{args.run}"
     quick = args.quick
     res = {"quick": quick, "budget_s": args.budget, "configs": {}, "kernel": {}, "numerics": [], "layer": {},
            "compile_s": {}, "skipped": [], "errors": []}
 
     def save():
-        kit.save(out, NAME, res, log.lines)
+        kit.save(out, name, res, log.lines)
 
     def table():
-        log(f"\n==== {NAME} (ms per call, median of 15 groups of 10 threaded calls; rounds in time order) ====")
+        log(f"\n==== {name} (ms per call, median of 15 groups of 10 threaded calls; rounds in time order) ====")
         for case, rows in res["kernel"].items():
             copy = rows.get("copy", {}).get("median")
             log(f"{case}  (state bytes {res['state_bytes'][case] / 1e9:.3f} GB; x copy = time / the copy's median)")
             log(f"  {'impl':22s} {'r1':>8s} {'r2':>8s} {'r3':>8s} {'median':>8s} {'GB/s':>6s} {'%HBM':>5s} "
                 f"{'x copy':>6s} {'<tri':>4s}  numerics")
-            tri = rows.get("triton", {}).get("rounds", [])
             for label, r in rows.items():
                 ms = "".join(f"{t:8.4f} " if t is not None else "       - " for t in
                              (r["rounds"] + [None] * ROUNDS)[:ROUNDS])
@@ -105,6 +151,7 @@ def main():
                     continue
                 gbps = res["state_bytes"][case] / med / 1e6
                 xc = f"{med / copy:6.3f}" if copy else "     -"
+                tri = rows.get("triton raw" if label.endswith(" raw") else "triton", {}).get("rounds", [])
                 wins = (f"{sum(m < t for m, t in zip(r['rounds'], tri))}/{min(len(tri), len(r['rounds']))}"
                         if label.startswith("mosaic") else "")
                 r["faster_than_triton_rounds"] = wins
@@ -115,15 +162,20 @@ def main():
                 log(f"  fastest mosaic config: {best[1]} {best[0]:.4f}")
         lay = res["layer"]
         if lay:
-            log(f"layer (gdn_layer_decode fused, N {lay.get('N')}): mosaic vs triton o {lay.get('o_rel')} "
-                f"ssm {lay.get('ssm_rel')} conv equal {lay.get('conv_equal')} untouched {lay.get('untouched_same')} "
-                f"mosaic ran {lay.get('mosaic_calls')} ok {lay.get('ok')}; ms triton {lay.get('ms_triton')} "
-                f"mosaic {lay.get('ms_mosaic')}")
+            log(f"layer (gdn_layer_decode, fused step, raw gates inside; N {lay.get('N')} over S {lay.get('S')}): "
+                "ms of 2 rounds; numerics against the Triton step")
+            for label, v in lay.get("variants", {}).items():
+                num = "" if "o_rel" not in v else (
+                    f"o {v['o_rel']:.1e} ssm {v['ssm_rel']:.1e} conv equal {v['conv_equal']} untouched "
+                    f"{v['untouched_same']} mosaic ran {v['mosaic_calls']} ok {v['ok']}")
+                log(f"  {label:22s} {str(v.get('ms')):24s} {num}")
         t = res.get("tests")
         if t:
-            log(kit.tally(t) + f" in {t['seconds']} s")
-            for v in t["verdicts"]:
-                log("  " + v.split("::", 1)[1][:200])
+            found = t.get("by_test", {})
+            log(f"GPU tests rc={t['rc']} in {t['seconds']} s: {sum(v == 'PASSED' for v in found.values())} passed, "
+                f"{sum(v in ('FAILED', 'ERROR') for v in found.values())} failed of {len(found)} with a verdict")
+            for tid, v in found.items():
+                log(f"  {tid.split('::', 1)[-1][:150]} {v}")
             for f in t["failures"][:10]:
                 log("  " + f[:200])
         if res["skipped"]:
@@ -157,30 +209,47 @@ def main():
     res.update(device=str(getattr(dev, "device_kind", dev.platform)), jax=jax.__version__, hopper=dm.is_hopper())
     log(f"device {res['device']} jax {jax.__version__} hopper {res['hopper']} ({left.elapsed():.0f} s)")
     MC = dm.MosaicDecodeConfig
-    configs = sweep(MC)
+    configs = sweep(MC, args.run)
     if quick:
-        configs = [c for c in configs if c[0] in ("mosaic", "mosaic s4 early", "copy_only s4")]
+        keep = ("triton", "mosaic", "mosaic s4 early", "copy_only s4", "mosaic defer raw", "triton raw",
+                "copy_only tma plain")
+        configs = [c for c in configs if c[0] in keep]
         cases = [Case("quick-N4-Hk1-Hv2", 4, 1, 1, 2, 128, 128), Case("quick-N6-Hk1-Hv2", 6, 1, 1, 2, 128, 128)]
         timing = dict(warmup=1, groups=2, per_group=2)
     else:
         cases = [Case("decode-N256-Hk16-Hv32", 256, 1, 16, 32, 128, 128),
                  Case("decode-N64-Hk16-Hv32", 64, 1, 16, 32, 128, 128)]
         timing = dict(warmup=3, groups=15, per_group=10)
-    res["configs"] = {label: dataclasses.asdict(cfg) for label, cfg in configs}
+    res["run"] = args.run
+    res["configs"] = {label: dict(kind=kind, raw_gates=raw, **(dataclasses.asdict(cfg) if cfg else {}))
+                      for label, kind, cfg, raw in configs}
     res["state_bytes"] = {c.name: bench_decode.state_bytes(c) for c in cases}
     res["timing"] = timing
     guarded = lambda label, need, fn: kit.guarded(label, need, fn, left=left, log=log, res=res, save=save)
 
-    def step_fn(xs, kind, cfg=None):
-        """jit((pool, ids, has) -> (o, pool)), the pool donated: one executable for timing and numerics."""
+    def raw_gate_inputs(xs, case):
+        """The layer's form of the gates: raw a, b in Qwen3-Next's [b (r) | a (r)] per key head with A_log = dt_bias
+        = 0, b = logit(beta), softplus(a) = -g (the same g and beta up to fp32 rounding)."""
+        n, r = case.B, case.Hv // case.Hk
+        beta = np.asarray(xs[4].astype(jnp.float32), np.float64)
+        b_raw = np.log(beta / (1 - beta)).astype(np.float32)
+        a_raw = np.log(np.expm1(-np.asarray(xs[3], np.float64))).astype(np.float32)
+        ba = jnp.asarray(np.concatenate([b_raw.reshape(n, 1, case.Hk, r), a_raw.reshape(n, 1, case.Hk, r)], -1))
+        return ba, decode.RawGates(jnp.zeros((case.Hv,)), jnp.zeros((case.Hv,)), a_offset=r, b_offset=0)
+
+    def step_fn(xs, kind, cfg=None, raw=None):
+        """jit((pool, ids, has) -> (o, pool)), the pool donated: one executable for timing and numerics. raw: None
+        or (ba, RawGates): the gates made inside from the raw projections."""
+        args, gates = (xs, None) if raw is None else (tuple(xs[:3]) + (raw[0], raw[0]), raw[1])
+
         def run(pool, ids, has):
             if kind == "triton":
                 return decode.fused_recurrent_gated_delta_rule_slots_fwd(
-                    *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
-                    interpret=quick, config=decode.DecodeConfig())
+                    *args, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+                    interpret=quick, config=decode.DecodeConfig(), raw_gates=gates)
             return dm.fused_recurrent_gated_delta_rule_slots_fwd(
-                *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
-                interpret=quick, config=cfg)
+                *args, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+                interpret=quick, config=cfg, raw_gates=gates)
         return jax.jit(run, donate_argnums=0)
 
     # ---- build: inputs and one compiled step per implementation ----
@@ -195,21 +264,20 @@ def main():
             xs = kit.bf16_inputs(host[:5])
             ids_d, has_d = jnp.asarray(host[6]), jnp.ones(host[6].shape, bool)
             state[case.name] = dict(case=case, host=host, xs=xs, ids=ids_d, has=has_d, fns={},
-                                    pool=jnp.asarray(host[5]))
+                                    pool=jnp.asarray(host[5]), raw=raw_gate_inputs(xs, case))
             res["kernel"][case.name] = {"copy": {"rounds": []}}
             log(f"{case.name}: inputs {time.time() - t:.1f} s")
         st = state[case.name]
-        todo = [("triton", "triton", None)] + [(lb, "mosaic", c) for lb, c in configs]
-        todo = [x for x in todo if x[0].startswith("copy_only") == ceilings]
-        if case is not cases[0]:                                # the ring's ceilings at the first (largest) N only
-            todo = [x for x in todo if not x[0].startswith("copy_only") or x[0] == "copy_only s4"]
-        for label, kind, cfg in todo:
+        todo = [x for x in configs if x[0].startswith("copy_only") == ceilings]
+        if case is not cases[0]:                                # most ring ceilings at the first (largest) N only
+            todo = [x for x in todo if not x[0].startswith("copy_only") or x[0] in SECOND_N_CEILINGS]
+        for label, kind, cfg, raw in todo:
             if left() < RESERVE_LAYER + KEEP["build"]:
                 res["skipped"].append(f"{case.name} build {label}")
                 continue
             t = time.time()
             try:
-                fn = step_fn(st["xs"], kind, cfg)
+                fn = step_fn(st["xs"], kind, cfg, st["raw"] if raw else None)
                 jax.block_until_ready(fn(jnp.array(st["pool"], copy=True), st["ids"], st["has"]))
                 st["fns"][label] = fn
                 res["kernel"][case.name][label] = {"rounds": []}
@@ -335,43 +403,59 @@ def main():
         calls = []
         real = dm.fused_recurrent_slots_mosaic
         dm.fused_recurrent_slots_mosaic = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        saved = decode.BACKEND
+        saved = decode.BACKEND, dm.DEFAULT_CONFIG
+        variants = layer_variants(MC, args.run)
+        lay["variants"] = {}
 
-        def make(donate):
+        def make():                                             # traced on its first call (BACKEND then)
             return jax.jit(lambda p, x, sl, i, h: gdn.gdn_layer_decode(p, dims, x, sl, i, h, backend=kb,
-                                                                       step="fused"),
-                           donate_argnums=(2,) if donate else ())
+                                                                       step="fused"), donate_argnums=2)
+
+        def fresh():
+            return GdnSlots(conv_state=jnp.array(slots.conv_state), ssm_state=jnp.array(slots.ssm_state))
+        fns = {}
+
+        def use(backend, cfg):
+            decode.BACKEND = backend
+            dm.DEFAULT_CONFIG = cfg or saved[1]
         try:
-            decode.BACKEND = "triton"
-            ref_o, ref_s = make(False)(params, hidden, slots, ids_d, has_d)
-            decode.BACKEND = "mosaic"
-            o, sl = make(False)(params, hidden, slots, ids_d, has_d)
             w = jnp.asarray(ids[(ids >= 0) & (ids < s)])
-            lay["mosaic_calls"] = len(calls)
-            lay["o_rel"] = round(rel_dev(o, ref_o), 8)
-            lay["ssm_rel"] = rel_dev(sl.ssm_state[w], ref_s.ssm_state[w])
-            lay["conv_equal"] = bool(jnp.array_equal(sl.conv_state, ref_s.conv_state))
             u = jnp.asarray(untouched)
-            lay["untouched_same"] = bool(jnp.array_equal(sl.ssm_state[u], slots.ssm_state[u], equal_nan=True))
-            lay["finite"] = bool(jnp.isfinite(o.astype(jnp.float32)).all())
-            lay["ok"] = bool(len(calls) > 0 and lay["o_rel"] < 2e-2 and lay["ssm_rel"] < 1e-4 and lay["conv_equal"]
-                             and lay["untouched_same"] and lay["finite"])
-            log(f"  layer: mosaic vs triton o {lay['o_rel']:.2e} ssm {lay['ssm_rel']:.2e} conv equal "
-                f"{lay['conv_equal']} untouched {lay['untouched_same']} finite {lay['finite']} mosaic ran "
-                f"{len(calls)} -> {'ok' if lay['ok'] else 'FAILED'}")
-            save()
-            for backend in ("triton", "mosaic"):                # the layer step, slots donated and threaded
-                if left() < KEEP["layer"] + 4:
-                    res["skipped"].append(f"layer timing {backend}")
+            ref_o = ref_s = None
+            for label, backend, cfg in variants:                 # one step each, against the first (Triton's)
+                use(backend, cfg)
+                del calls[:]
+                fns[label] = make()                              # one executable per variant, timed below too
+                o, sl = fns[label](params, hidden, fresh(), ids_d, has_d)
+                if ref_o is None:
+                    ref_o, ref_s = o, sl
                     continue
-                decode.BACKEND = backend
-                fn = make(True)
-                sl0 = GdnSlots(conv_state=jnp.array(slots.conv_state), ssm_state=jnp.array(slots.ssm_state))
-                ms = bench_decode._time_threaded(lambda sl: fn(params, hidden, sl, ids_d, has_d)[1], sl0, **timing)
-                lay[f"ms_{backend}"] = round(ms, 4)
-                log(f"  layer step {backend}: {ms:.4f} ms")
+                v = lay["variants"][label] = {"config": str(cfg)}
+                v["mosaic_calls"] = len(calls)
+                v["o_rel"] = rel_dev(o, ref_o)
+                v["ssm_rel"] = rel_dev(sl.ssm_state[w], ref_s.ssm_state[w])
+                v["conv_equal"] = bool(jnp.array_equal(sl.conv_state, ref_s.conv_state))
+                v["untouched_same"] = bool(jnp.array_equal(sl.ssm_state[u], slots.ssm_state[u], equal_nan=True))
+                v["finite"] = bool(jnp.isfinite(o.astype(jnp.float32)).all())
+                v["ok"] = bool(len(calls) > 0 and v["o_rel"] < 2e-2 and v["ssm_rel"] < 1e-4 and v["conv_equal"]
+                               and v["untouched_same"] and v["finite"])
+                log(f"  layer {label} vs triton: o {v['o_rel']:.2e} ssm {v['ssm_rel']:.2e} conv equal "
+                    f"{v['conv_equal']} untouched {v['untouched_same']} finite {v['finite']} mosaic ran "
+                    f"{len(calls)} -> {'ok' if v['ok'] else 'FAILED'}")
+            save()
+            for rnd in range(2):                                 # the layer steps, slots donated and threaded
+                for label, backend, cfg in variants:
+                    if left() < KEEP["layer"] + 3:
+                        res["skipped"].append(f"layer timing {label} round {rnd + 1}")
+                        continue
+                    use(backend, cfg)
+                    fn = fns[label]
+                    ms = bench_decode._time_threaded(lambda sl: fn(params, hidden, sl, ids_d, has_d)[1], fresh(),
+                                                     **timing)
+                    lay["variants"].setdefault(label, {}).setdefault("ms", []).append(round(ms, 4))
+                    log(f"  layer step {label} round {rnd + 1}: {ms:.4f} ms")
         finally:
-            decode.BACKEND = saved
+            decode.BACKEND, dm.DEFAULT_CONFIG = saved
             dm.fused_recurrent_slots_mosaic = real
 
     # ---- the run ----
@@ -397,11 +481,16 @@ def main():
         def tests():
             pytest_args = ["-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider", TEST_FILE,
                            "--deselect", TEST_FILE + "::test_gpu_kernel_variants_match_xla_step[pallas-call]"]
+            if args.run == 2:                                   # run 1 passed the others
+                pytest_args += ["-k", "layer or defer or model"]
             t = max(min(args.test_timeout, left() - 3), 5)
             log(f"== GPU tests (timeout {t:.0f} s): -m pytest {' '.join(pytest_args)}")
             child = kit.run_tests(pytest_args, quick=quick, timeout=t,
-                                  log_path=os.path.join(out, f"{NAME}_tests.log"))
+                                  log_path=os.path.join(out, f"{name}_tests.log"))
             child.record(res, log)
+            res["tests"]["by_test"] = found = verdicts(child.lines)    # -s can push a verdict to a later line
+            log(f"  verdicts: {sum(v == 'PASSED' for v in found.values())} passed, "
+                f"{sum(v in ('FAILED', 'ERROR') for v in found.values())} failed of {len(found)}")
             for ln in child.lines:
                 if "FIGURE" in ln:
                     log("  " + ln.strip()[:300])

@@ -333,8 +333,8 @@ def test_gpu_kernel_bf16_matches_xla_step(semantics):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [
     dm.MosaicDecodeConfig(block_v=128, stages=3), dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2),
-    dm.MosaicDecodeConfig(stages=6, refill="early"), dm.MosaicDecodeConfig(entry="pallas_call")],
-    ids=["bv128-s3", "s3-2cta", "s6-early", "pallas-call"])
+    dm.MosaicDecodeConfig(stages=6, refill="early"), dm.MosaicDecodeConfig(defer_scalars=True),
+    dm.MosaicDecodeConfig(entry="pallas_call")], ids=["bv128-s3", "s3-2cta", "s6-early", "defer", "pallas-call"])
 def test_gpu_kernel_variants_match_xla_step(cfg):
     _gpu_kernel_check(jnp.bfloat16, cfg)
 
