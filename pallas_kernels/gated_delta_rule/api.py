@@ -24,7 +24,8 @@ GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch 
 ``mosaic_gpu.VARLEN`` is set; what it does not take, fp32 inputs, other head dims, a non-Hopper GPU, decode, runs
 "pallas" with a warning that names the reason; it needs a GPU), "auto" (= "pallas" when
 ``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where ``mosaic_gpu.AUTO``
-is set and it takes them (packed / slot calls only while ``mosaic_gpu.AUTO_VARLEN`` is also set), else "xla").
+is set and it takes them (packed / slot calls only while ``mosaic_gpu.AUTO_VARLEN`` is also set: on since session 8,
+serve256 1.92 ms against Triton's 2.41 on the H200), else "xla").
 Mixes of short sequences (B T <= MAX_MEAN_LEN N = 8 N, shapes only) run "pallas" / "pallas_interpret" (and "auto"
 on a GPU, before any Mosaic choice) through ``recurrent_varlen.py``, one per-token kernel launch, instead of the
 chunked kernels (tiny64 on the H200: 0.110 ms against 0.355; ``recurrent_varlen.MAX_MEAN_LEN = 0`` turns it off).

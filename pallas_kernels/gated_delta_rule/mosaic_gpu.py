@@ -1052,9 +1052,11 @@ AUTO = True
 #: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through mosaic_gpu_varlen.py (repack to
 #: chunk-aligned sequences, the fused pass walking a per-CTA table, unpack); off: they run Pallas Triton as before.
 VARLEN = True
-#: "auto" picks the Mosaic path for packed / slot calls too (needs VARLEN and AUTO). Off until an H200 run shows it
-#: faster than Pallas Triton on the serving mixes (NOTES.md, "Session 7: Mosaic varlen").
-AUTO_VARLEN = False
+#: "auto" picks the Mosaic path for packed / slot calls too (needs VARLEN and AUTO). On from the H200 runs of session
+#: 8 (NOTES.md, "Session 8: Mosaic varlen"; rotated rounds, one process, ms): serve256 1.918 against Pallas Triton's
+#: 2.413 (FLA 2.843 in call 2), varlen16 0.672 against 0.808; mixes of short sequences (tiny64: 0.095) keep the
+#: per-token recurrent_varlen kernel, which api.py routes first.
+AUTO_VARLEN = True
 
 
 def auto_picks(*, cu_seqlens=None, slots: bool = False) -> bool:
