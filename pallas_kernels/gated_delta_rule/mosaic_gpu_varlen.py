@@ -79,7 +79,8 @@ class VarlenConfig:
     lanes: 0 (one CTA row per sequence, grid (N, Hv, V / 64)) or the persistent walk (:func:`lane_table`): L > 0
     lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
     when that leaves at least 4 sequences a lane, else 0. Its float64 GPU test passed (session 8, repacked inputs,
-    vk states, 3 lanes); not yet timed: off by default.
+    vk states, 3 lanes); serve256 1.891 ms against 1.918 without (bitwise the same result), varlen16 (2 lanes for
+    16 sequences) not yet timed: off by default.
     copies: how the rows move between the packed and the chunk-aligned row: "triton" (``varlen_copy_triton``: q, k,
     v, g and beta repacked by one Pallas
     Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another: serve256's repack 0.381 ms
@@ -90,7 +91,7 @@ class VarlenConfig:
 
     The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen", "Session 8: Mosaic varlen"): serve256
     1.933 ms (copies "triton" + kkt_used; 2.142 with the XLA gathers and every kkt slot, same process) against
-    Pallas Triton's 2.435 and FLA's 2.843 (0.68x).
+    Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
