@@ -337,7 +337,7 @@ def finish(result, left):
         f"in the same round) ====")
     for r in result["rows"]:
         rounds, ms_ = r["rounds"], r["ms"]
-        jla, dflt = ms_.get("jla"), ms_.get("default")
+        jla = ms_.get("jla")
         log(f"{r['case']} (default P = {r.get('default_pieces')})")
         for key in ["jla", "default"] + [k for k in ms_ if k not in ("jla", "default")]:
             if key not in ms_:

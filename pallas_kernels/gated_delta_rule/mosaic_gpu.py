@@ -1047,7 +1047,8 @@ class MosaicConfig:
 DEFAULT_CONFIG = MosaicConfig()
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
-# 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state) against Triton's 3.8e-3 / 3.0e-3.
+# 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state)
+# against Triton's 3.8e-3 / 3.0e-3.
 AUTO = True
 #: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through mosaic_gpu_varlen.py (repack to
 #: chunk-aligned sequences, the fused pass walking a per-CTA table, unpack); off: they run Pallas Triton as before.
