@@ -19,8 +19,8 @@ in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is
 i - 1 + stages once the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)`` after item i's
 store is issued; ``refill="early"``: before item i's wait, so stages - 1 loads are in flight while it computes).
 Scalars (slot id, has_initial_state, g, beta or the raw a, b, A_log, dt_bias) are read straight from global
-memory one trip before their item is computed (their latency overlaps the wait and the arithmetic of the item
-before). An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
+memory one trip before their item is computed and used only then (``defer_scalars``, the default: their latency and
+the raw gates' exp / log overlap the item before; used at once they cost the layer's step ~0.04 ms at N256). An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
 from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other slots are never touched.
 
 Shape legend: N streams, S slots, Hk / Hv key / value heads, K / V head dims, BV value block, P CTAs.
@@ -37,10 +37,12 @@ TMA copies, barriers and the ring, with plain loads in place of the register lay
 and they lower for CUDA on the CPU (the layout and transfer checks of Mosaic GPU run there). :func:`decode_reference`
 is the jnp twin of the tile algebra, checked against float64.
 
-Switch: ``decode.BACKEND = "mosaic"`` routes ``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
+Switch: ``decode.BACKEND = "mosaic"`` (or "auto": compiled only) routes ``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
 "pallas" decode and the layer's fused decode step) here where :func:`fallback_reason` is None; default "triton"
-until the H200 says this kernel wins (NOTES.md, "Session 7: Mosaic decode": on the H200, jax 0.11.2, it compiles,
-runs in place and matches the fp32 XLA step to 1.3e-7 (o) / 4.4e-8 (state); it has not been timed yet).
+until the H200 says this kernel wins. NOTES.md, "Session 8: Mosaic decode" (H200, jax 0.11.2): right and in place
+for every config (o 1.7e-3 bf16, state 6e-8 against the fp32 XLA step), 0.317 ms at N256-Hk16-Hv32 against Triton's
+0.323 and the XLA copy's 0.280, but not faster at N64 (0.098 vs 0.099, rounds split) nor in the layer's step (0.157
+vs 0.151 ms); the TMA ring alone (``copy_only``) takes 0.307-0.320, so no arithmetic change reaches the copy.
 """
 from __future__ import annotations
 
@@ -97,10 +99,15 @@ class MosaicDecodeConfig:
     defer_scalars: False: an item's scalars (slot id, has_initial_state, g / beta or the raw gates) are loaded a trip
       ahead and used at once (flags, clipping, the gate math: the warpgroup waits on those loads there); True: only
       loaded a trip ahead, used on the next trip (the refill's slot id too), so their latency overlaps an item.
+      H200 (NOTES, session 8 run 2): with the layer's raw gates 0.329 / 0.0996 ms (N256 / N64) against 0.370 /
+      0.1125 used at once; plain gates 0.321 / 0.098 against 0.317 / 0.104.
     refill: when the previous item's slot is refilled, "late" (after this item is computed and its store issued:
       stages - 2 tile loads in flight while an item computes) or "early" (before this item's wait, as soon as the
       previous item's store has read its slot: stages - 1 loads in flight, at the cost of waiting on that read
       first).
+
+    Defaults from the session-8 H200 sweeps (NOTES.md): ring depth 5 / 6, the early refill (+0.03 ms), BV 128 and 2
+    CTAs per SM were no faster at N256 and slower at N64; deferred scalars won with the raw gates.
     """
     block_v: int = 64
     stages: int = 4
@@ -112,7 +119,7 @@ class MosaicDecodeConfig:
     semantics: str = "lane"
     refill: str = "late"
     swizzle: bool = True
-    defer_scalars: bool = False
+    defer_scalars: bool = True
 
     def __post_init__(self):
         if self.block_v not in (64, 128):

@@ -77,7 +77,7 @@ def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
 
 # ---- the kernel body in Mosaic GPU interpret mode -------------------------------------------------------------
 @pytest.mark.parametrize("block_v,stages,programs,hk,hv,l2,refill", [
-    (64, 3, 3, 1, 2, True, "late"),           # 20 items over 3 CTAs: a tail item, a ring of 3
+    (64, 3, 3, 1, 2, True, "now"),            # 20 items over 3 CTAs: a tail item, a ring of 3, scalars at once
     (128, 2, 2, 2, 4, False, "late"),         # one value block per head, the shallowest ring, GVA 2
     (64, 4, 1, 1, 3, True, "late"),           # one CTA walks all 30 items (GVA 3)
     (64, 2, 3, 1, 2, True, "early"),          # the early refill on the shallowest ring, a tail item
@@ -86,9 +86,8 @@ def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
 def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, refill):
     n, s, d = 5, 7, 128
     xs, pool, ids, has, untouched = _poisoned(block_v + stages + hv, n, hk, hv, d, d, s)
-    defer = refill == "defer"
     cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs,
-                                refill="late" if defer else refill, defer_scalars=defer)
+                                refill=refill if refill in dm.REFILLS else "late", defer_scalars=refill != "now")
     fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
         use_qk_l2norm=l2, interpret=True, config=cfg))
@@ -206,14 +205,15 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(stages=6, copy_only=True), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only=True), jnp.bfloat16, False),
-    # the second run's: scalars deferred, the ring without registers, with and without the swizzled tile
-    (dm.MosaicDecodeConfig(defer_scalars=True), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(defer_scalars=True), jnp.bfloat16, True),
+    # the second run's: scalars used at once (deferred is the default), the ring without registers, with and
+    # without the swizzled tile
+    (dm.MosaicDecodeConfig(defer_scalars=False), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(defer_scalars=False), jnp.bfloat16, True),
     (dm.MosaicDecodeConfig(copy_only="tma"), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(copy_only="tma", swizzle=False), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only="tma", swizzle=False), jnp.bfloat16, False),
 ], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only", "s5-raw", "s6",
-        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only", "defer", "defer-raw",
+        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only", "now", "now-raw",
         "tma-only", "tma-only-plain", "bv128-s3-tma-only-plain"])
 def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
     """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
