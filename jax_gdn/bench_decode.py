@@ -8,6 +8,8 @@ q / k L2-normalised inside each implementation). Columns (median ms; null where 
   pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the decode kernel over a pool
           of S = N slots in a shuffled order, the pool donated (updated in place); its launch parameters
           (``decode.decode_config`` for the case) are stored in the row as "pallas_config"
+  mosaic  the Mosaic GPU decode kernel (``decode_mosaic``, its DEFAULT_CONFIG; what ``decode.BACKEND = "auto"`` would
+          run on Hopper; off by default) on the same pool, donated; null where it does not take the call
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial
@@ -29,7 +31,7 @@ import numpy as np
 
 from jax_gdn.cases import CPU_DECODE, DECODE_CASES, Case
 
-IMPLS = ("pallas", "xla", "fla", "copy")
+IMPLS = ("pallas", "mosaic", "xla", "fla", "copy")
 
 
 def state_bytes(case: Case) -> int:
@@ -80,6 +82,24 @@ def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> fl
     return _time_threaded(fn, jnp.asarray(pool), **timing)
 
 
+def time_mosaic_decode(case: Case, host, config=None, **timing):
+    """Median ms of the Mosaic GPU decode kernel's step (``decode_mosaic``; ``config``: a MosaicDecodeConfig, default
+    its DEFAULT_CONFIG), or None where ``decode_mosaic.fallback_reason`` refuses the call (not a Hopper GPU)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gated_delta_rule import decode_mosaic
+    q, k, v, g, beta, pool, ids = host
+    bf = jnp.bfloat16
+    xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
+    if decode_mosaic.fallback_reason(*xs[:3], config=config) is not None:
+        return None
+    ids = jnp.asarray(ids)
+    fn = jax.jit(lambda p: decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=jnp.ones(ids.shape, bool), use_qk_l2norm=True,
+        config=config)[1], donate_argnums=0)
+    return _time_threaded(fn, jnp.asarray(pool), **timing)
+
+
 def time_copy(case: Case, host, **timing) -> float:
     import jax
     import jax.numpy as jnp
@@ -124,7 +144,7 @@ def _has_gpu() -> bool:
 
 
 def run_section(quick: bool = False) -> dict:
-    """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, xla, fla, copy}, "gbps": {...}}], "note"}.
+    """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, mosaic, xla, fla, copy}, "gbps": {...}}], "note"}.
     ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
     from pallas_kernels.gated_delta_rule import decode
     gpu = _has_gpu()
@@ -138,6 +158,8 @@ def run_section(quick: bool = False) -> dict:
             try:
                 if impl == "pallas":
                     ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, **timing)
+                elif impl == "mosaic":
+                    ms[impl] = time_mosaic_decode(case, host, **timing) if gpu else None
                 elif impl == "xla":
                     ms[impl] = time_jax_decode(case, "xla", host, **timing)
                 elif impl == "copy":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 8's final H200 run (device tool, carry [".whl"]), from the committed code: the GDN kernel rows (pallas,
-# mosaic_gpu, FLA, jla; the slow XLA reference column is left out) and the GDN decode rows, merged into a copy of
+# mosaic_gpu, FLA, jla; the slow XLA reference column is left out) and the GDN decode rows (with the Mosaic decode
+# kernel as its own column), merged into a copy of
 # benchmarks/results/h200.json, every column timed by jax_gdn.timing. The attention section was measured in call 1
 # (devrun_s8a.sh) on unchanged attention code. Everything lands in $OUT/w, packed into $OUT/final.tgz.
 R=${OUT:-/tmp/out}; W=$R/w
