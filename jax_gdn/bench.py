@@ -346,13 +346,13 @@ def markdown_tables(result: dict) -> str:
     out = []
     if result.get("rows"):
         out += _header(["case", "pallas Triton (ours)", "Mosaic GPU (ours)", "xla (ours)", "FLA",
-                        "jax-linear-attention", "ours / FLA", "ours / jla"])
+                        "jax-linear-attention", "ours / FLA", "ours / jla", "FLA by do_bench (not in a ratio)"])
         for r in result["rows"]:
             ms = r["ms"]
             ours = ours_ms(ms)
             ratio = lambda b: _f(ours / ms[b], "{:.2f}") if ours and ms.get(b) else "-"
             out.append(f"| {r['case']} | " + " | ".join(_f(ms.get(i)) for i in IMPLS)
-                       + f" | {ratio('fla')} | {ratio('jla')} |")
+                       + f" | {ratio('fla')} | {ratio('jla')} | {_f(r.get('fla_do_bench'))} |")
         out.append("")
     if result.get("layers"):
         out += _header(["backend", "phase 1", "phase 2", "phase 3", "GDN layer", "GDN tokens/s", "attention layer",
