@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 03 - Benchmarks: the Pallas kernel against FLA, jax-linear-attention and XLA
+# # 03 - Benchmarks: the Pallas kernels against FLA, jax-linear-attention and XLA
 #
 # This notebook only **reads** `benchmarks/results/h200.json`, written on an H200 by
 #
@@ -26,11 +26,14 @@
 # returned) it holds the median forward time in ms of
 #
 # * `pallas` - our Pallas (Triton lowering) kernel, `jax_gdn.ops.chunk_gated_delta_rule(backend="pallas")`,
+# * `mosaic_gpu` - our Pallas Mosaic GPU kernels, `backend="mosaic_gpu"` (what "auto" runs on Hopper),
 # * `fla` - FLA's Triton `chunk_gated_delta_rule` (torch), the reference implementation,
 # * `jla` - jax-linear-attention's Mosaic GPU kernel (dense cases only: it takes no `cu_seqlens`),
 # * `xla` - our pure-JAX chunked form, `backend="xla"`.
 #
-# A value the benchmark could not measure is `null`; it is reported as missing here, never filled in.
+# Every column is timed the same way (`jax_gdn/timing.py`: groups of ~20 ms of back-to-back calls, one sync each,
+# the median per call). A value the benchmark could not measure (or did not run: the slow `xla` column since
+# session 8) is `null`; it is reported as missing here, never filled in.
 # Set the environment variable `JAX_GDN_BENCH_JSON` to read another results file.
 
 # %%
@@ -51,8 +54,8 @@ import jax_gdn
 
 # the repository the package is installed from (pip install -e .); JAX_GDN_BENCH_JSON names another file
 ROOT = pathlib.Path(jax_gdn.__file__).resolve().parents[1]
-IMPLS = ["pallas", "fla", "jla", "xla"]
-COLORS = {"pallas": "C3", "fla": "C0", "jla": "C2", "xla": "C7"}
+IMPLS = ["pallas", "mosaic_gpu", "fla", "jla", "xla"]
+COLORS = {"pallas": "C3", "mosaic_gpu": "C1", "fla": "C0", "jla": "C2", "xla": "C7"}
 path = pathlib.Path(os.environ.get("JAX_GDN_BENCH_JSON", ROOT / "benchmarks" / "results" / "h200.json"))
 if path.is_file():
     result = json.loads(path.read_text())
@@ -82,11 +85,11 @@ def tokens(row):
 
 missing = []
 if rows:
-    print(f"{'case':28s}{'tokens':>8s}" + "".join(f"{i:>9s}" for i in IMPLS)
-          + "".join(f"{i + '/fla':>11s}" for i in IMPLS if i != "fla"))
+    print(f"{'case':28s}{'tokens':>8s}" + "".join(f"{i:>11s}" for i in IMPLS)
+          + "".join(f"{i + '/fla':>15s}" for i in IMPLS if i != "fla"))
     for r in rows:
-        cells = "".join(f"{ms(r, i):9.3f}" if ms(r, i) is not None else f"{'-':>9s}" for i in IMPLS)
-        ratios = "".join(f"{ms(r, i) / ms(r, 'fla'):11.2f}" if ms(r, i) and ms(r, "fla") else f"{'-':>11s}"
+        cells = "".join(f"{ms(r, i):11.3f}" if ms(r, i) is not None else f"{'-':>11s}" for i in IMPLS)
+        ratios = "".join(f"{ms(r, i) / ms(r, 'fla'):15.2f}" if ms(r, i) and ms(r, "fla") else f"{'-':>15s}"
                          for i in IMPLS if i != "fla")
         print(f"{r['case']:28s}{tokens(r):8d}{cells}{ratios}")
         missing += [f"{r['case']} / {i}" for i in IMPLS if ms(r, i) is None]
