@@ -297,12 +297,10 @@ GPU_VARIANTS = [("mosaic", "repacked", "kv", 0), ("mosaic", "repacked", "vk", 0)
                 ("mosaic", "repacked", "vk", 3)]     # the persistent walk: passed in session 8 (call 2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("stage1a,inputs,states,lanes", GPU_VARIANTS)
-@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
-def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
-    """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
-    NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
+def _check_kernel_f64(dims, **run_kw):
+    """The Mosaic varlen kernel path (``_run(..., **run_kw)``) at bf16 against the float64 oracle (1e-2) on
+    ``_inputs``' odd lengths with an empty sequence, NaN padding tokens (rows exactly zero), grouped heads and
+    initial states (the empty sequence's state passes through bitwise)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     hk, hv, kdim, vdim = dims
@@ -310,13 +308,22 @@ def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
+    o, s = _run(args, dtype=bf, impl="mosaic", **run_kw)
     ro, rs = _oracle(args, bf)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
     assert np.all(o[0, cu[-1]:] == 0)
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
     assert np.array_equal(s[2], args[5][2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage1a,inputs,states,lanes", GPU_VARIANTS)
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
+def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
+    """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
+    NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
+    _check_kernel_f64(dims, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
 
 
 @pytest.mark.gpu
@@ -333,20 +340,7 @@ def test_gpu_kernel_xla_copies_matches_f64(dims):
     """The kernel path with session 7's ``copies="xla"`` and every kkt slot (the defaults are "triton" and
     ``kkt_used``, which test_gpu_kernel_matches_f64 runs) at bf16 against the float64 oracle (1e-2): odd lengths,
     an empty sequence, NaN padding (rows exactly zero), grouped heads, initial states."""
-    if not _hopper():
-        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
-    hk, hv, kdim, vdim = dims
-    args = _inputs(hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=11)
-    bf = jnp.bfloat16
-    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
-    args = (q, k, v) + args[3:]
-    o, s = _run(args, dtype=bf, impl="mosaic", copies="xla", kkt_used=False)
-    ro, rs = _oracle(args, bf)
-    cu = args[-1]
-    assert np.isfinite(o).all() and np.isfinite(s).all()
-    assert np.all(o[0, cu[-1]:] == 0)
-    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
-    assert np.array_equal(s[2], args[5][2])
+    _check_kernel_f64(dims, copies="xla", kkt_used=False)
 
 
 @pytest.mark.gpu
