@@ -910,8 +910,8 @@ def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: in
 def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
                  has_h0: bool = True) -> int:
     """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
-    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (the dense
-    Hv 32 bench row) and on ties."""
+    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (the bench's
+    B4-T4096 and B16-T1024 rows) and on ties."""
     if batch * heads * max(value_dim // BV, 1) > MAX_SPLIT_CTAS:
         return 1
     nchunks = padded // C
