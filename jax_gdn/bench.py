@@ -162,19 +162,26 @@ def fla_call(case, host):
     return fn
 
 
-def _time_fla(case, host, do_bench: bool = False):
-    """FLA's median ms timed as the jax columns are (``jax_gdn.timing.time_torch``); ``do_bench``: triton's do_bench
-    median instead (CUDA events, L2 flushed: the method of the tables before session 8, kept beside as
-    "fla_do_bench", never in a ratio)."""
+def _fla_warm(case, host):
+    """``fla_call`` after its first call (FLA autotunes there), synced."""
     import torch
-    from jax_gdn.timing import time_torch
     fn = fla_call(case, host)
     fn()
     torch.cuda.synchronize()
-    if do_bench:
-        import triton
-        return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
-    return time_torch(fn)
+    return fn
+
+
+def _time_fla(case, host):
+    """FLA's median ms timed as the jax columns are (``jax_gdn.timing.time_torch``)."""
+    from jax_gdn.timing import time_torch
+    return time_torch(_fla_warm(case, host))
+
+
+def _do_bench(fn) -> float:
+    """triton's do_bench median of ``fn`` (CUDA events, L2 flushed: the method of the tables before session 8, kept
+    beside as "fla_do_bench", never in a ratio)."""
+    import triton
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
 
 def run_layers(backends, reps=10, small=False):
@@ -245,9 +252,11 @@ def run_kernel_rows(cases, impls, seed=0):
             elif impl == "jla":
                 ms = time_jax(*_jla_impl(case, host))
             elif impl == "fla":
-                ms = _time_fla(case, host)
+                from jax_gdn.timing import time_torch
+                fla = _fla_warm(case, host)                # one set of FLA inputs for both figures
+                ms = time_torch(fla)
                 try:
-                    rows[-1]["fla_do_bench"] = round(_time_fla(case, host, do_bench=True), 4)
+                    rows[-1]["fla_do_bench"] = round(_do_bench(fla), 4)
                 except Exception as e:                     # the reference figure only; the row keeps FLA's ms
                     errors.append(f"{case.name} fla do_bench: {type(e).__name__}: {str(e)[:200]}")
             else:
@@ -378,12 +387,13 @@ def markdown_tables(result: dict) -> str:
                        f"{_f(ms['pallas'] / r['floor_ms'], '{:.2f}') if ms.get('pallas') else '-'} |")
         out.append("")
     if result.get("attention"):
+        from jax_gdn.bench_model import PEAK_TBPS
         impls = ("pallas", "cudnn_packed", "xla", "torch_sdpa", "cudnn")
         rated = ("pallas", "cudnn_packed")
 
         def rate(r, i):
             return (f"{r['tflops'][i]:.0f} TFLOP/s" if (r.get("tflops") or {}).get(i)
-                    else f"{r['gbps'][i]:.0f} GB/s ({r['gbps'][i] / 48:.0f}% of HBM)" if (r.get("gbps") or {}).get(i)
+                    else f"{r['gbps'][i]:.0f} GB/s ({r['gbps'][i] / (10 * PEAK_TBPS):.0f}% of HBM)" if (r.get("gbps") or {}).get(i)
                     else "-")
         out += _header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + [f"{i} rate" for i in rated],
                        text_cols=2)

@@ -108,12 +108,6 @@ def time_copy(case: Case, host, **timing) -> float:
     return _time_threaded(lambda p: fn(p), pool, **timing)
 
 
-def _time_threaded_torch(step, state, **timing):
-    """``_time_threaded`` for torch: groups closed by a CUDA sync."""
-    from jax_gdn.timing import time_threaded
-    return time_threaded(step, state, "torch", **timing)
-
-
 def time_fla(case: Case, host, do_bench: bool = False) -> float:
     """Median ms of FLA's step timed as the jax columns are (threaded groups); ``do_bench``: triton's do_bench
     median of one call from the same initial state instead."""
@@ -135,7 +129,8 @@ def time_fla(case: Case, host, do_bench: bool = False) -> float:
     torch.cuda.synchronize()
     if do_bench:
         return float(triton.testing.do_bench(lambda: step(th0), warmup=50, rep=300, return_mode="median"))
-    return _time_threaded_torch(step, th0)
+    from jax_gdn.timing import time_threaded
+    return time_threaded(step, th0, "torch")
 
 
 def _has_gpu() -> bool:
