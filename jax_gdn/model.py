@@ -46,6 +46,8 @@ backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated
 (attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for
 the ops of ``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit
 implementation that cannot run this model's dims on this platform is refused with the registry's reason.
+A resolved "pallas" names the Pallas family: the GDN prefill then asks the slot op for its own per-call pick
+(Mosaic GPU on a Hopper GPU for packed calls, Triton elsewhere; ``jax_gdn.layers.gdn.PREFILL_KERNEL``).
 
 Parameters (the model's layout; every Linear weight [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);

@@ -451,7 +451,7 @@ def gdn_full(q, k, v, g, beta, slots: GdnSlots, slot, has_initial_state, *, back
     has_init = jnp.reshape(jnp.asarray(has_initial_state, bool), (1,))
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_init, chunk_size=chunk_size, backend=_layer_backend(backend, q, k, v))
+        has_initial_state=has_init, chunk_size=chunk_size, backend=_op_backend(backend, q, k, v))
     return o[0], slots.replace(ssm_state=ssm)
 
 
@@ -476,7 +476,7 @@ def gdn_full_batched(q, k, v, g, beta, slots: GdnSlots, slot_ids, has_initial_st
 
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         split(q), split(k), split(v), split(g), split(beta), ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=_layer_backend(backend, q, k, v))
+        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=_op_backend(backend, q, k, v))
     return o.reshape((t,) + o.shape[2:]), slots.replace(ssm_state=ssm)
 
 
@@ -510,6 +510,26 @@ def _pallas_support(q, k, v, interpret: bool) -> tuple[bool, str]:
     return True, ""
 
 
+#: Which Pallas kernel the layer's prefill asks the slot op for when its GDN backend resolves to "pallas" (the
+#: model's "auto" on a GPU): "auto" (the op's own per-call pick, ``pallas_kernels/gated_delta_rule/api.py``: Mosaic
+#: GPU on a Hopper GPU for packed and slot calls while ``mosaic_gpu.AUTO_VARLEN`` is set, the recurrent kernel for
+#: mixes of short sequences, else Pallas Triton) or "pallas" (always the Triton chunked kernels, the form before
+#: session 9). Only where the Pallas kernel takes the inputs; an explicit "pallas_interpret" / "xla" passes through.
+PREFILL_KERNEL = "auto"
+PREFILL_KERNELS = ("auto", "pallas")
+
+
+def _op_backend(backend: str, q, k, v) -> str:
+    """The backend name the layer passes to the slot op: ``_layer_backend``'s, except that a resolved "pallas"
+    whose kernel takes the inputs becomes the op's "auto" while ``PREFILL_KERNEL`` is "auto" (see there)."""
+    if PREFILL_KERNEL not in PREFILL_KERNELS:
+        raise ValueError(f"PREFILL_KERNEL must be one of {PREFILL_KERNELS}; got {PREFILL_KERNEL!r}")
+    resolved = _layer_backend(backend, q, k, v)
+    if resolved == "pallas" and PREFILL_KERNEL == "auto" and _pallas_support(q, k, v, False)[0]:
+        return "auto"
+    return resolved
+
+
 def _layer_backend(backend: str, q, k, v) -> str:
     """"auto" -> "pallas" on a GPU when the kernel accepts these dims/dtypes, else "xla" (so "auto" is always
     eligible); explicit names pass through (validated by the ops)."""
@@ -535,7 +555,7 @@ def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backe
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=meta.slot_ids,
         has_initial_state=meta.has_initial_state, cu_seqlens=meta.cu_seqlens, chunk_size=chunk_size,
-        backend=_layer_backend(backend, q, k, v))
+        backend=_op_backend(backend, q, k, v))
     return o[0], slots.replace(ssm_state=ssm), True
 
 

@@ -56,3 +56,50 @@ def test_layer_pallas_gpu_matches_xla(dtype, tol):
     assert rel_rms(f32(out_a), f32(out_p)) < 1e-6
     # slot 4, 6, 8 (unused) untouched
     np.testing.assert_array_equal(s_p.ssm_state[np.array([4, 6, 8])], slots.ssm_state[np.array([4, 6, 8])])
+
+
+def test_op_backend_prefill_kernel(monkeypatch):
+    """The slot op's backend from the layer's: a resolved "pallas" whose kernel takes the inputs becomes the op's
+    "auto" (its per-call Mosaic / Triton / recurrent pick) while PREFILL_KERNEL is "auto", stays "pallas" when it
+    is "pallas"; "xla" / "pallas_interpret" pass through; a bad switch value is named."""
+    q = jnp.zeros((5, 2, 16), jnp.bfloat16)
+    v = jnp.zeros((5, 4, 16), jnp.bfloat16)
+    assert gdn._op_backend("xla", q, q, v) == "xla"
+    assert gdn._op_backend("pallas_interpret", q, q, v) == "pallas_interpret"
+    monkeypatch.setattr(gdn, "_layer_backend", lambda backend, *a: "pallas")
+    monkeypatch.setattr(gdn, "_pallas_support", lambda *a: (True, ""))
+    assert gdn._op_backend("pallas", q, q, v) == "auto"
+    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "pallas")
+    assert gdn._op_backend("pallas", q, q, v) == "pallas"
+    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "auto")
+    monkeypatch.setattr(gdn, "_pallas_support", lambda *a: (False, "head dims"))
+    assert gdn._op_backend("pallas", q, q, v) == "pallas"      # the explicit name's own refusal stays the op's
+    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "mosaic")
+    with pytest.raises(ValueError, match="PREFILL_KERNEL"):
+        gdn._op_backend("pallas", q, q, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, kernel):
+    """The layer's packed prefill in bf16 through each PREFILL_KERNEL (a fresh jit each: the switch is read while
+    tracing) against the XLA backend; on a Hopper GPU "auto" runs the Mosaic GPU varlen kernels (seen in the
+    compiled program) and "pallas" the Triton ones."""
+    monkeypatch.setattr(gdn, "PREFILL_KERNEL", kernel)
+    dims = GdnDims(512, 4, 8, 128, 128)
+    lengths, slot_ids, positions = [1, 63, 64, 65, 130, 1000], [7, 2, 0, 5, 3, 1], [0, 10, 0, 3, 0, 100]
+    params, meta, slots, h = _case(dims, lengths, slot_ids, positions, 9, dtype=jnp.bfloat16)
+    run = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))
+    out_p, s_p = run(params, dims, h, slots, meta, backend="pallas")
+    out_x, s_x = prefill_jit(params, dims, h, slots, meta, backend="xla")
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    used = np.asarray(slot_ids)
+    assert rel_rms(f32(out_p) - f32(h), f32(out_x) - f32(h)) < 1e-2
+    assert rel_rms(s_p.ssm_state[used], s_x.ssm_state[used]) < 1e-2
+    np.testing.assert_array_equal(s_p.ssm_state[np.array([4, 6, 8])], slots.ssm_state[np.array([4, 6, 8])])
+    hlo = run.lower(params, dims, h, slots, meta, backend="pallas").as_text()
+    hopper = "9.0" in str(getattr(jax.devices()[0], "compute_capability", ""))
+    if kernel == "auto" and hopper:
+        assert "mosaic_gpu" in hlo
+    if kernel == "pallas":
+        assert "mosaic_gpu" not in hlo

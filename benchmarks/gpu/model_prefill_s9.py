@@ -1,0 +1,108 @@
+"""The model's GDN prefill on Mosaic GPU against Pallas Triton, at Qwen3-Next-80B dims on one H200 (session 9).
+
+    python benchmarks/gpu/model_prefill_s9.py [--quick] [--budget S] [--layers L] [--no-tests]
+    (writes $OUT/model_prefill_s9.{json,log}; OUT=/tmp/out)
+
+Session 9 makes the layers pass the op's own "auto" to the slot op (``jax_gdn.layers.gdn.PREFILL_KERNEL = "auto"``),
+so on a Hopper GPU the model's packed GDN prefill runs the Mosaic GPU varlen kernels; "pallas" keeps Triton. This
+run, on one set of random bf16 weights made on the device (8 layers: 2 x (3 GDN + 1 attention), MoE 512 experts):
+1. For each PREFILL_KERNEL ("pallas" first, then "auto", each a fresh ``HybridModel``, so a fresh trace): the
+   bench's model rows through the public API (``jax_gdn.bench_model.our_rows``: varlen16 prefill, one
+   32768-token stream, decode of 64 streams x 1189 after their context; wall ms per call closed by a sync, median
+   of --reps after a first call), and the varlen16 prefill's last-token logits of each stream.
+2. The logits of "auto" against "pallas" (bf16 relative RMS and the argmax agreement), every logit finite, the
+   compiled program count (no recompiles when warm).
+3. The GPU tests of the layer's switch (tests/layers/test_gdn_backends.py) in a child process, last.
+A table is printed last. --quick: tiny dims on the CPU ("auto" and "pallas" then both run XLA: a dry run).
+"""
+from __future__ import annotations
+
+import time
+
+import script_kit as kit
+
+T_START = time.time()
+log = kit.Log()
+NAME = "model_prefill_s9"
+KERNELS = ("pallas", "auto")
+
+
+def main():
+    ap = kit.arg_parser(__doc__, budget=240.0, test_timeout=60.0)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    opts, out, left = kit.parse(ap, T_START, cpu_quick=True)
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_gdn import bench_model as bm
+    from jax_gdn.layers import gdn
+    from jax_gdn.model import HybridModel, init_params
+
+    res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": opts.layers, "rows": {},
+           "errors": [], "skipped": []}
+    cfg = (bm.tiny_config if opts.quick else bm.qwen3_next_80b_config)(opts.layers)
+    cases = bm._cases(opts.quick)
+    dtype = jnp.float32 if opts.quick else jnp.bfloat16
+    params = jax.jit(functools.partial(init_params, cfg, dtype=dtype))(jax.random.PRNGKey(0))
+    jax.block_until_ready(params)
+    log(f"params made on the device: {left.elapsed():.0f} s")
+    logits = {}
+    _, lens = cases["varlen"]
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)
+    cu = bm._cu(lens)
+    slots = np.arange(len(lens), dtype=np.int32)
+
+    for kernel in KERNELS:
+        def step(kernel=kernel):
+            gdn.PREFILL_KERNEL = kernel
+            model = HybridModel(cfg, params, dtype=dtype, backend="auto")
+            log(f"{kernel}: {model}")
+            cache = model.init_cache(**bm._shared_cache_kwargs(cases, opts.reps))
+            lg, cache = model.prefill(cache, ids, cu, slots)
+            logits[kernel] = np.asarray(jnp.asarray(lg, jnp.float32))
+            model.check(cache)
+            del cache
+            keys = ("varlen", "decode", "long") if left() > 120 else ("varlen", "decode")
+            rows = bm.our_rows(model, cases, reps=opts.reps, log=log, keys=keys)
+            res["rows"][kernel] = rows
+            del model
+        kit.guarded(f"rows {kernel}", 60, step, res=res, log=log, save=lambda: kit.save(out, NAME, res, log.lines),
+                    left=left)
+    gdn.PREFILL_KERNEL = "auto"
+
+    if all(k in logits for k in KERNELS):
+        a, p = logits["auto"], logits["pallas"]
+        res["logits"] = {"rel_rms_auto_vs_pallas": kit.relative_rms(a, p),
+                         "argmax_agree": float(np.mean(np.argmax(a, -1) == np.argmax(p, -1))),
+                         "finite": bool(np.isfinite(a).all() and np.isfinite(p).all())}
+        log(f"logits auto vs pallas: {res['logits']}")
+    kit.save(out, NAME, res, log.lines)
+
+    if not opts.no_tests and left() > 30:
+        tests = kit.run_tests(["-q", "-rA", "-v", "-m", "gpu", "-p", "no:cacheprovider",
+                               "tests/layers/test_gdn_backends.py"], quick=opts.quick,
+                              timeout=min(opts.test_timeout, left() - 5), log_path=f"{out}/{NAME}_tests.log")
+        tests.record(res, log)
+    kit.save(out, NAME, res, log.lines)
+
+    log("")
+    log(f"{'kernel':<8} {'row':<8} {'ms':>9} {'first s':>8}")
+    for kernel, rows in res["rows"].items():
+        for key in ("varlen", "long", "decode"):
+            r = rows.get(key) or {}
+            ms = r.get("ms")
+            log(f"{kernel:<8} {key:<8} {ms if ms is None else round(ms, 3)!s:>9} "
+                f"{round(r.get('first_call_s') or 0, 1):>8} {r.get('error', '')[:60]}")
+        log(f"{kernel:<8} compiled programs {rows.get('compiled_programs')}")
+    log(f"logits: {res.get('logits')}")
+    kit.log_closing(log, res, left)
+    kit.save(out, NAME, res, log.lines)
+
+
+if __name__ == "__main__":
+    main()
