@@ -926,24 +926,27 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
 
 
 def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False,
-                        chain: bool = False):
+                        chain: bool = False, scan: str | None = None, first: str | None = None):
     """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
     M S_start + E) from one state-map pass, then a scan over the pieces (``mosaic_gpu_split.start_states``: its
     MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan). ``chain`` (P = 2 only): piece 1's start
-    from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan)."""
+    from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan). ``scan`` /
+    ``first``: start_states' (None: its SCAN / FIRST)."""
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split
     return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
-                                         map_impl="chain" if chain and pieces == 2 else None)
+                                         map_impl="chain" if chain and pieces == 2 else None, scan=scan,
+                                         first=first)
 
 
 STAGE1A = ("triton", "mosaic")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
-                                             "state_kv", "split_chain"))
+                                             "state_kv", "split_chain", "split_scan", "split_first"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
                                impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
-                               state_kv: bool = False, split_chain: bool = False):
+                               state_kv: bool = False, split_chain: bool = False, split_scan: str | None = None,
+                               split_first: str | None = None):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -958,6 +961,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and two launches); the jnp twin and the split ignore it.
     ``split_chain`` (P = 2): piece 1's start state from one state-only pass over piece 0 from the initial state
     (``mosaic_gpu_split.start_states(map_impl="chain")``) instead of the map pass and the scan.
+    ``split_scan`` / ``split_first`` (P > 1): the start states' scan and first-piece form (None:
+    ``mosaic_gpu_split.SCAN`` / ``FIRST``; see ``mosaic_gpu_split.start_states``).
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -986,7 +991,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
         h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
-                                        chain=split_chain)
+                                        chain=split_chain, scan=split_scan, first=split_first)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
                     pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
@@ -1015,12 +1020,17 @@ class MosaicConfig:
     it; unsplit rows only, the split keeps its transposed start states).
     split_chain: at P = 2, piece 1's start state from one state-only pass over piece 0 from the initial state (no
     state map M, no scan: ``mosaic_gpu_split.start_states(map_impl="chain")``); other P ignore it.
+    split_scan: the split's piece scan, "serial" / "log" / "triton" (None: ``mosaic_gpu_split.SCAN``).
+    split_first: the split's first piece with an initial state, "map" (from [I | 0]) or "h0" (walked from h0
+    itself; None: ``mosaic_gpu_split.FIRST``).
     """
     stage1a: str = "mosaic"
     pieces: int = 0
     exp2: bool = True
     state_kv: bool = True
     split_chain: bool = False
+    split_scan: Optional[str] = None
+    split_first: Optional[str] = None
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -1030,6 +1040,12 @@ class MosaicConfig:
         for name in ("exp2", "state_kv", "split_chain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms
+        if self.split_scan is not None and self.split_scan not in ms.SCANS:
+            raise ValueError(f"MosaicConfig.split_scan must be None or one of {ms.SCANS}; got {self.split_scan!r}")
+        if self.split_first is not None and self.split_first not in ms.FIRSTS:
+            raise ValueError(f"MosaicConfig.split_first must be None or one of {ms.FIRSTS}; "
+                             f"got {self.split_first!r}")
 
 
 #: The launch choices of "mosaic_gpu" / "auto", from the H200 (NOTES.md "Session 8: dense Mosaic", one process, 3
@@ -1107,7 +1123,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
                                           stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                          state_kv=cfg.state_kv, split_chain=cfg.split_chain)
+                                          state_kv=cfg.state_kv, split_chain=cfg.split_chain,
+                                          split_scan=cfg.split_scan, split_first=cfg.split_first)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
 

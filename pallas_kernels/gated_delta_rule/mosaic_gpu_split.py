@@ -69,6 +69,11 @@ PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "def
 #: single (two waves), i.e. a paired step ~1.86x a single one.
 PAIRED = "auto"
 PAIRED_STEP = 1.86
+FIRSTS = ("map", "h0")
+#: the first piece of a row with an initial state (session 9): "map" maps it from [I | 0] like the others (its M_0
+#: then multiplies h0 in the scan), "h0" walks it from h0 itself (``state_map_pass(h0t=...)``: its identity blocks
+#: walk nothing, B Hv K / 64 fewer busy CTAs, one scan product less; jla maps it from [I | 0]). "map" until timed.
+FIRST = "map"
 
 
 def use_pairs(ctas: int, key_dim: int, value_dim: int, paired=None, sms: int | None = None) -> bool:
@@ -137,13 +142,15 @@ def _form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols,
 
 
 def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_dim: int, exp, k_s, v_s, t_s, g_state,
-               in_bar, ag_ready, in_free):
+               in_bar, ag_ready, in_free, s_start=None):
     """The state warpgroup's chain of both map kernels (single and paired): value block ``blk`` of the augmented
     values [0 | v] (blocks below ``n_id`` are the identity rows of [I | 0]^T, which read no v) walks ``count`` chunks
     from its start rows, per chunk W^T = v^T - (S^T k^T) Gamma, v_new^T = W^T Ag^T (Ag formed by the Ag warpgroup,
     ``ag_ready``), S^T <- e^(G_last) S^T + (e^(G_last - G) v_new)^T k; frees the input slot (``in_free``) after
-    each chunk. ``need_first`` False: a block that walks nothing holds zeros, not its identity rows. Returns S^T
-    [BV, K] fp32 (the piece's rows of [M | E]^T)."""
+    each chunk. ``need_first`` False: a block that walks nothing holds zeros, not its identity rows. ``s_start``
+    (the map from the initial state, :func:`state_map_pass` with ``h0t``): (flag, rows [BV, K] fp32 in the WGMMA
+    layout): where the flag holds, the chain starts from those rows instead. Returns S^T [BV, K] fp32 (the
+    piece's rows of [M | E]^T)."""
     plgpu = mg._plgpu()
     WGMMA = plgpu.Layout.WGMMA
     COLS = WGMMA.reduce(0)
@@ -153,6 +160,9 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
     if not need_first:
         s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
     v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
+    if s_start is not None:
+        use, rows = s_start              # a vector mask (as _form_ag's): rows may be garbage where not use
+        s0 = jnp.where(mg._iota(shape, 0) < jnp.where(use, BV, 0), rows, s0)
 
     def step(n, s_t):
         slot = lax.rem(n, stages)
@@ -177,7 +187,7 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
 
 
 def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
-                   exp2: bool = False, paired=None, interpret=None):
+                   exp2: bool = False, paired=None, h0t=None, interpret=None):
     """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
     p of row b; rows :K hold M^T, rows K: hold E^T), one Mosaic GPU kernel.
 
@@ -187,6 +197,11 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     gcum is the chunk-local cumulative log-decay (log2 units with ``exp2``). ``need_first`` False (no initial
     state): the first piece's M is not computed (its rows :K are zeros). ``paired`` (default PAIRED, see
     :func:`use_pairs`): two row blocks per CTA (:func:`_state_map_pass_paired`, the same arithmetic per block).
+    ``h0t`` [B, Hv, V, K] fp32 (the initial state transposed; session 9, ``FIRST = "h0"``): the first piece starts
+    from it, not from [I | 0]: its value blocks carry the true end state S_1^T of piece 0 (rows K: of piece 0,
+    i.e. the start of piece 1), its identity blocks walk nothing and store zeros (M_0 = 0, so every scan gives the
+    same starts; ``piece_scan(first_end=True)`` skips the product); ``need_first`` is then ignored, and the single
+    kernel runs (no paired form).
     """
     import jax.experimental.pallas as pl
     plgpu = mg._plgpu()
@@ -200,7 +215,13 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     piece_len = ncb * C
     n_id = key_dim // BV             # identity blocks (rows of M^T)
     nb = n_id + value_dim // BV
-    if use_pairs(batch * run * heads * nb, key_dim, value_dim, paired):
+    from_h0 = h0t is not None
+    if from_h0:
+        if h0t.shape != (batch, heads, value_dim, key_dim):
+            raise ValueError(f"state_map_pass: h0t must be [B, Hv, V, K] = {(batch, heads, value_dim, key_dim)}; "
+                             f"got {h0t.shape}")
+        need_first = False               # the first piece's identity blocks walk nothing (M_0 = 0)
+    elif use_pairs(batch * run * heads * nb, key_dim, value_dim, paired):
         return _state_map_pass_paired(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first,
                                       head_major=head_major, exp2=exp2, interpret=interpret)
     dtype = k.dtype
@@ -222,9 +243,12 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         done=plgpu.Barrier(num_arrivals=3),
         state_smem=plgpu.SMEM((BV, key_dim), F32),
     )
+    if from_h0:
+        scratch["h0_bar"] = plgpu.Barrier(num_barriers=1)
 
-    def body(k_ref, v_ref, t_ref, g_ref, b_ref, ht_ref, *, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, in_bar,
-             in_free, ag_ready, done, state_smem):
+    def body(k_ref, v_ref, t_ref, g_ref, b_ref, *refs, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, in_bar,
+             in_free, ag_ready, done, state_smem, h0_bar=None):
+        h0_ref, ht_ref = refs if from_h0 else (None, refs[0])
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         b, piece = lax.div(r, run), lax.rem(r, run)
         tok0 = piece * piece_len
@@ -277,9 +301,20 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         @pl.when(wg == 0)
         def _state():
             plgpu.set_max_registers(232, action="increase")
+            s_start = None
+            if from_h0:                      # piece 0's value blocks start from h0 (TMA into the staging tile)
+                use = (piece == 0) & (iv >= n_id)
+
+                @pl.when(use)
+                def _():
+                    plgpu.copy_gmem_to_smem(h0_ref.at[b, hh, pl.ds(v0, BV)], state_smem, h0_bar.at[0])
+                    plgpu.barrier_wait(h0_bar.at[0])
+
+                # (optimized=False: one [BV, K] fp32 load a CTA; jax 0.10 finds no conflict-free plan for it)
+                s_start = (use, plgpu.load(state_smem, layout=plgpu.Layout.WGMMA, optimized=False))
             s_t = _map_chain(iv, n_id, count, need_first=need_first, stages=stages, dtype=dtype, key_dim=key_dim,
                              exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
-                             ag_ready=ag_ready, in_free=in_free)
+                             ag_ready=ag_ready, in_free=in_free, s_start=s_start)
             state_smem[...] = s_t
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
@@ -294,7 +329,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         grid=(batch * run, heads, nb), grid_names=("b", "h", "v"),
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
         kernel_name="gdn_mosaic_split_map", num_threads=3, thread_name="wg",
-    )(k, v, t, gcum, beta_c)
+    )(k, v, t, gcum, beta_c, *((h0t.astype(F32),) if from_h0 else ()))
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
@@ -423,16 +458,17 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
 
 
 def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
-                             head_major: bool = True, exp2: bool = False):
+                             head_major: bool = True, exp2: bool = False, h0t=None):
     """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
     fused pass's twin (``mosaic_gpu.fused_state_pass_reference``, no output) over the augmented values [0 | v]
     from the augmented start [I | 0] of each mapped piece (zeros for the first piece's identity rows without
-    ``need_first``). Also session 6's map (``MAP = "fused"``) on the GPU, with the kernel in place of the twin."""
+    ``need_first``; with ``h0t`` the first piece starts from [0 ; h0t] instead). Also session 6's map (``MAP =
+    "fused"``) on the GPU, with the kernel in place of the twin."""
     return _augmented_map(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first, head_major=head_major,
-                          exp2=exp2, kernel=False)
+                          exp2=exp2, kernel=False, h0t=h0t)
 
 
-def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp2, kernel):
+def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp2, kernel, h0t=None):
     b, tp, _, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     _check(pieces, tp, kdim, vdim, kernel=kernel)
@@ -440,7 +476,10 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
     v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [B, Tp, Hv, K + V]
     eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
     h_aug = jnp.broadcast_to(eye_t, (b, r, hv, kdim + vdim, kdim))
-    if not need_first:
+    if h0t is not None:       # the first piece from the initial state: M_0 = 0, E_0 = piece 0's end state
+        first = jnp.concatenate([jnp.zeros((b, hv, kdim, kdim), F32), h0t.astype(F32)], axis=2)
+        h_aug = h_aug.at[:, 0].set(first)
+    elif not need_first:
         h_aug = h_aug.at[:, 0].set(0.0)
     h_aug = h_aug.reshape(b * r, hv, kdim + vdim, kdim)
     run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
@@ -450,7 +489,7 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
 
 
 def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str | None = None,
-               interpret: bool = False):
+               interpret: bool = False, first_end: bool = False):
     """Every piece's start state, transposed, fp32 [B, P, Hv, V, K], from the maps of pieces 0 .. P - 2.
 
     maps_t [B, R, Hv, K + V, K] ([M_p^T ; E_p^T], R = P - 1); h0t [B, Hv, V, K] the initial state transposed, or
@@ -458,7 +497,9 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
     ``method`` "serial": R - 1 dependent products (jla's unrolled scan); "log": the prefix compositions in
     ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply.
     "triton": :func:`piece_scan_triton` (``interpret``: Pallas interpret mode, the CPU tests). ``precision``: a key
-    of PRECISIONS (default SCAN_PRECISION)."""
+    of PRECISIONS (default SCAN_PRECISION). ``first_end`` (maps from :func:`state_map_pass` with ``h0t``): rows K:
+    of piece 0 already hold piece 1's start (M_0 = 0): "serial" and "triton" take it without the product, "log"
+    composes the zero M_0 (the same starts)."""
     if method not in SCANS:
         raise ValueError(f"piece_scan: method must be one of {SCANS}; got {method!r}")
     precision = SCAN_PRECISION if precision is None else precision
@@ -471,12 +512,12 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
         raise ValueError(f"piece_scan: maps_t must be [B, R, Hv, K + V, K] with K = {key_dim}; got {maps_t.shape}")
     s0 = jnp.zeros((b, hv, vdim, kdim), F32) if h0t is None else h0t.astype(F32)
     if method == "triton":
-        return piece_scan_triton(maps_t, h0t, precision=hp, interpret=interpret)
+        return piece_scan_triton(maps_t, h0t, precision=hp, interpret=interpret, first_end=first_end)
     mt, et = maps_t[:, :, :, :kdim], maps_t[:, :, :, kdim:]
     if method == "serial":
         s, out = s0, [s0]
         for i in range(r):
-            if i == 0 and h0t is None:
+            if i == 0 and (h0t is None or first_end):
                 s = et[:, 0]
             else:
                 s = jnp.einsum("bhvk,bhkj->bhvj", s, mt[:, i], precision=hp, preferred_element_type=F32) + et[:, i]
@@ -501,13 +542,13 @@ SCAN_ROWS = 16       # value rows per program of piece_scan_triton
 SCAN_WARPS = 8
 
 
-def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False):
+def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False, first_end: bool = False):
     """:func:`piece_scan` as one Pallas Triton kernel (jla's ``scalar_gate_scan.piece_scan``, forward, no zero-map
     flags): grid (B Hv, V / 16); a program keeps its 16 rows of the running S^T in registers as K / 64 column
     tiles and walks the pieces, S_{p+1}^T rows = S_p^T rows M_p^T + E_p^T rows, each product a sum of [16, 64] x
     [64, 64] tile products, the next step's tiles loaded before this step's products. Same result as the XLA
     forms (``precision`` of the tile products). maps_t [B, R, Hv, K + V, K], h0t [B, Hv, V, K] or None ->
-    [B, R + 1, Hv, V, K] fp32."""
+    [B, R + 1, Hv, V, K] fp32. ``first_end``: piece 0's rows K: are piece 1's start (M_0 not read)."""
     import jax.experimental.pallas as pl
     b, r, hv, rows_kv, kdim = maps_t.shape
     vdim = rows_kv - kdim
@@ -541,7 +582,7 @@ def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False
         else:
             s = [jnp.zeros((rows, cols), F32) for _ in range(nb)]
         store(0, s)
-        pending = loads(0, not has_init) if r else None
+        pending = loads(0, not has_init or first_end) if r else None
         for i in range(r):
             local, tiles = pending
             if i + 1 < r:
@@ -565,18 +606,24 @@ def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False
 
 
 def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str | None = None,
-                 scan: str | None = None, precision: str | None = None):
+                 scan: str | None = None, precision: str | None = None, first: str | None = None):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
     (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
     ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
     (paired where PAIRED says), "paired" always paired, "fused" session 6's, "chain" (P = 2 only, session 8): piece
     1's start state is piece 0's end, from one state-only pass of the fused kernel (``write_o=False``) over piece 0
     from the initial state itself (B Hv V / 64 CTAs, no M, no scan); ``scan`` (default SCAN) and its
-    ``precision`` (default SCAN_PRECISION)."""
+    ``precision`` (default SCAN_PRECISION); ``first`` (default FIRST; "map" and "paired" maps): "h0" runs the first
+    piece from the initial state (:func:`state_map_pass` with ``h0t``: no identity blocks walk piece 0, and the
+    scan skips one product), "map" maps it from [I | 0] like the others; without an initial state both are the
+    same (M_0 is skipped)."""
     map_impl = MAP if map_impl is None else map_impl
     scan = SCAN if scan is None else scan
+    first = FIRST if first is None else first
     if map_impl not in MAPS:
         raise ValueError(f"start_states: map_impl must be one of {MAPS}; got {map_impl!r}")
+    if first not in FIRSTS:
+        raise ValueError(f"start_states: first must be one of {FIRSTS}; got {first!r}")
     _, k, v, t, gcum, beta_c, h0t = ops_
     b, _, hv, vdim = v.shape
     kdim = k.shape[3]
@@ -589,6 +636,9 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
         start0 = jnp.zeros_like(end0) if h0t is None else h0t.astype(F32)
         return jnp.stack([start0, end0], axis=1).reshape(b * 2, hv, vdim, kdim)
     kw = dict(pieces=pieces, need_first=h0t is not None, head_major=head_major, exp2=exp2)
+    first_end = first == "h0" and h0t is not None and map_impl in ("map", "paired")
+    if first_end:
+        kw["h0t"] = h0t
     if not kernel:
         maps_t = state_map_pass_reference(k, v, t, gcum, beta_c, **kw)
     elif map_impl in ("map", "paired"):
@@ -596,5 +646,6 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     else:
         maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
     maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)
-    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision, interpret=not kernel)
+    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision, interpret=not kernel,
+                        first_end=first_end)
     return starts.reshape(b * pieces, hv, vdim, kdim)

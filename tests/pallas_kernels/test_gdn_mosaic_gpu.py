@@ -697,3 +697,149 @@ def test_gpu_default_config_matches_f64(t, hv, pieces):
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+# ---- session 9: the split's first piece from h0 (mosaic_gpu_split.FIRST "h0"), scan / pieces as config fields ----
+def test_config_split_fields_are_checked_and_passed_through(monkeypatch):
+    """MosaicConfig.split_scan / split_first: None or a known name (a ValueError naming the field otherwise), and
+    op_fwd hands both to the dense entry."""
+    with pytest.raises(ValueError, match="split_scan"):
+        mg.MosaicConfig(split_scan="tree")
+    with pytest.raises(ValueError, match="split_first"):
+        mg.MosaicConfig(split_first="eye")
+    seen = {}
+
+    def fake(q, k, v, g, beta, h0=None, **kw):
+        seen.update(kw)
+        return jnp.zeros(v.shape, v.dtype), jnp.zeros(v.shape[:1] + v.shape[2:3] + (q.shape[3], v.shape[3]))
+    monkeypatch.setattr(mg, "chunk_gated_delta_rule_fwd", fake)
+    q = jnp.zeros((1, 70, 1, 16), jnp.bfloat16)
+    v = jnp.zeros((1, 70, 2, 16), jnp.bfloat16)
+    g = jnp.zeros((1, 70, 2), jnp.float32)
+    mg.op_fwd(q, q, v, g, g, scale=0.25, initial_state=None, output_final_state=True,
+              config=mg.MosaicConfig(split_scan="serial", split_first="h0"))
+    assert (seen["split_scan"], seen["split_first"]) == ("serial", "h0")
+    with pytest.raises(ValueError, match="first"):
+        ms.start_states((q, q, v, None, g, g, None), 2, kernel=False, head_major=True, first="eye")
+
+
+@pytest.mark.parametrize("pieces", [2, 4, 5])
+def test_split_first_from_h0_matches_the_maps(pieces):
+    """first="h0": piece 0 walked from h0 (its identity rows zero, its value rows piece 1's true start) gives every
+    scan the start states of the maps from [I | 0] (jnp twins, weak decay, K = 32 so M matters, grouped heads, odd
+    T padded to C P); without an initial state "h0" is "map"."""
+    case = Case("cpu-B2-T300-Hk2-Hv4-K32-V16", 2, 300, 2, 4, 32, 16)
+    _, ops_ = _split_operands(case, pieces, seed=5)
+    base = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan="serial", first="map"))
+    assert np.abs(base[1::pieces]).max() > 0.05
+    for scan in ms.SCANS:
+        got = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan=scan, first="h0"))
+        assert got.shape == base.shape and rel_rms(got, base) < 1e-5, (scan, rel_rms(got, base))
+    maps = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=pieces, h0t=ops_[6]))
+    maps = maps.reshape(2, pieces - 1, 4, 48, 32)
+    assert np.all(maps[:, 0, :, :32] == 0)
+    np.testing.assert_allclose(maps[:, 0, :, 32:], base.reshape(2, pieces, 4, 16, 32)[:, 1], rtol=1e-5, atol=1e-6)
+    _, ops0 = _split_operands(case, pieces, seed=5, with_h0=False)
+    a = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, first="h0"))
+    b = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, first="map"))
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("pieces", [3, 4])
+def test_piece_scan_first_end_skips_m0(pieces):
+    """piece_scan(first_end=True): piece 0's rows K: are piece 1's start (M_0 not read: garbage there changes
+    nothing), index 0 is h0; serial and the Triton kernel (interpret mode) agree with the definition on M_0 = 0."""
+    rng = np.random.default_rng(pieces)
+    b, hv, kdim, vdim = 1, 2, 8, 16
+    maps = rng.standard_normal((b, pieces - 1, hv, kdim + vdim, kdim)).astype(np.float32) * 0.3
+    maps[:, 0, :, :kdim] = 0.0
+    h0t = rng.standard_normal((b, hv, vdim, kdim)).astype(np.float32)
+    want = _scan_f64(maps, h0t)
+    garbage = maps.copy()
+    garbage[:, 0, :, :kdim] = 7.0
+    for method in ("serial", "triton"):
+        got = np.asarray(ms.piece_scan(jnp.asarray(garbage), jnp.asarray(h0t), key_dim=kdim, method=method,
+                                       interpret=True, first_end=True))
+        assert rel_rms(got, want) < 1e-5, (method, rel_rms(got, want))
+
+
+def test_reference_split_options_match_f64():
+    """The dense entry with split_first="h0" and each split_scan, at P = 3 and 5 (not powers of two), matches
+    float64 at weak decay (jnp twins, impl="reference")."""
+    case = Case("cpu-B1-T400-Hk1-Hv2-K16-V8", 1, 400, 1, 2, 16, 8)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 6, jnp.float32)
+    g = (g * 0.01).astype(np.float32)
+    ro, rs = oracle(q, k, v, g, beta, h0)
+    for pieces, scan, first in [(3, "serial", "h0"), (5, "triton", "h0"), (5, "log", "map")]:
+        o, s = mg.chunk_gated_delta_rule_fwd(*(jnp.asarray(x) for x in (q, k, v, g, beta, h0)), impl="reference",
+                                             stage1a="mosaic", pieces=pieces, split_scan=scan, split_first=first)
+        assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4, (pieces, scan, first)
+
+
+def test_state_map_pass_from_h0_lowers_for_cuda(monkeypatch):
+    """The map kernel with h0t (the first piece from the initial state: an extra TMA load and a masked select in
+    the state warpgroup) traces and lowers for CUDA on this CPU, at the bench's K = V = 128 (jax 0.10's
+    transposed-load limit shimmed as in test_state_map_pass_lowers_for_cuda)."""
+    import dataclasses
+    import inspect
+    plgpu = mg._plgpu()
+    orig = plgpu.load
+    if "idx" in inspect.signature(orig).parameters and \
+            inspect.signature(orig).parameters["idx"].default is inspect.Parameter.empty:
+        def load(ref, idx=(), **kw):
+            tr = getattr(ref, "transforms", ())
+            if tr and "Transpose" in type(tr[-1]).__name__:
+                ref = dataclasses.replace(ref, transforms=tr[:-1])
+            return orig(ref, idx, **kw)
+        monkeypatch.setattr(plgpu, "load", load)
+    bf = jnp.bfloat16
+    b, t, hk, hv, kd, vd = 1, 1024, 1, 2, 128, 128
+    k, v = jax.ShapeDtypeStruct((b, t, hk, kd), bf), jax.ShapeDtypeStruct((b, t, hv, vd), bf)
+    tt, gg = jax.ShapeDtypeStruct((b, hv, t, 64), bf), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((b, hv, vd, kd), jnp.float32)
+
+    def f(k, v, t_, g, beta, h0t):
+        return ms.state_map_pass(k, v, t_, g, beta, pieces=4, exp2=True, paired=True, h0t=h0t)
+    lowered = jax.jit(f).trace(k, v, tt, gg, gg, h0).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "gdn_mosaic_split_map" in text and "gdn_mosaic_split_map2" not in text    # never paired
+    assert lowered.out_info.shape == (b * 3, hv, kd + vd, kd)
+    with pytest.raises(ValueError, match="h0t"):
+        jax.jit(f).trace(k, v, tt, gg, gg, jax.ShapeDtypeStruct((b, hv, kd, kd + 1), jnp.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_split_map_from_h0_matches_twin():
+    """The map kernel with h0t against its jnp twin (Mosaic stage 1a's T0, two rows, grouped heads, K = V = 128,
+    weak decay): piece 0's identity rows exactly zero, its value rows piece 1's start."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    ops_ = _weak_decay_operands(Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128), 31, pieces=4)
+    got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a[:5], pieces=4, exp2=False, h0t=a[5]))(*ops_[1:]))
+    ref = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=4, h0t=ops_[6]))
+    assert np.isfinite(got).all()
+    assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
+    got = got.reshape(2, 3, 2, 256, 128)
+    assert np.all(got[:, 0, :, :128] == 0) and np.abs(got[:, 0, :, 128:]).max() > 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces,scan,first", [(4, "triton", "h0"), (4, "serial", "h0"), (5, "triton", "map"),
+                                               (5, "triton", "h0"), (3, "serial", "map"), (6, "triton", "h0")])
+def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first):
+    """The op split with session 9's options (first piece from h0, the XLA serial scan, P = 3, 5, 6) against
+    float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk,
+    exp2 on (the default), bf16 1e-2."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    case = Case("B1-T2000-Hk1-Hv2-K128-V128", 1, 2000, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, 37, jnp.bfloat16)
+    g = (g * 0.01).astype(np.float32)
+    bf = jnp.bfloat16
+    o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+                                         jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
+                                         pieces=pieces, exp2=True, split_scan=scan, split_first=first)
+    o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
+    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
+    assert np.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
