@@ -71,6 +71,14 @@ class DecodeConfig:
       the two-pass form (``_decode_two_pass_kernel``: S^T k, S^T q over [R, BV] chunks, then each chunk re-read,
       updated and stored). Off: slower at every setting measured on the H200 (N256-Hv32: 0.365-0.453 ms against
       the default's 0.320; benchmarks/logs/s6/gdn_decode_s6_run2.log, NOTES.md).
+    heads: value heads per program (a power of two dividing Hv / Hk, so they share one key head: q and k are loaded
+      and normalised once, and the heads' [K, BV] blocks are loaded as one [heads, K, BV] block before any
+      reduction); grid (V / BV, Hv / heads, N) or (N, Hv / heads, V / BV); the grid form only (programs 0,
+      row_block 0; load_hint does not apply). 1: one head (session 9 sweep, NOTES.md
+      "Session 9: decode at HBM speed").
+    row_split: 1, the block loaded as one [K, BV] tensor; R > 1 (dividing K; T = 1 and heads 1 only, other calls
+      run the default form; load_hint does not apply): loaded as R [K / R, BV] row slices, every slice's load issued before the first partial
+      K reduction, each slice updated and stored after delta (session 9 sweep).
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -85,6 +93,9 @@ class DecodeConfig:
     programs: int = 0
     load_hint: str = ""
     row_block: int = 0
+    heads: int = 1
+    row_split: int = 1
+    early_store: bool = False
 
 
 #: DecodeConfig.load_hint: "" (plain load, then a select for fresh streams), "masked" (masked load: no bytes for a
@@ -179,13 +190,30 @@ def _program_slot(slot_ref, pool_in_ref, *, v_fastest: bool, block_v: int):
 
 
 def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v, v_fastest,
-                   gate_offsets, load_hint, **token_args):
+                   gate_offsets, load_hint, row_split=1, early_store=False, **token_args):
     """One program per (stream, value head, value block). refs: [A_log, dt_bias (raw gates only),] pool_in, o,
     pool_out."""
     gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
     n, h, vs, in_pool, read_slot = _program_slot(slot_ref, pool_in_ref, v_fastest=v_fastest, block_v=block_v)
     kdim = pool_in_ref.shape[2]
     read = (has_ref[n] != 0) & in_pool
+    if row_split > 1:
+        _row_split_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, pool_in_ref, pool_out_ref, n=n, h=h, vs=vs,
+                        read=read, in_pool=in_pool, read_slot=read_slot, group=group, gate_refs=gate_refs,
+                        row_split=row_split, early_store=early_store, **token_args)
+        return
+    if early_store and token_args["num_tokens"] == 1 and load_hint != "evict_first":
+        if load_hint:
+            s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
+                           other=0.0).astype(jnp.float32)
+        else:
+            s = jnp.where(read, pool_in_ref[read_slot, h, :, vs].astype(jnp.float32), 0.0)
+
+        def store(s_new):
+            pool_out_ref[read_slot, h, :, vs] = s_new.astype(pool_out_ref.dtype)
+        _early_store_token(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, store, in_pool=in_pool, n=n, h=h,
+                           hk=h // group, hs=h, vs=vs, gate_refs=gate_refs, group=group, **token_args)
+        return
     if load_hint:                                       # masked load (no bytes for a fresh stream) with a hint
         hint = dict(evict_first=dict(eviction_policy="evict_first"), masked={})[load_hint]
         s = plgpu.load(pool_in_ref.at[read_slot, h, :, vs], mask=jnp.broadcast_to(read, (kdim, block_v)),
@@ -203,6 +231,152 @@ def _decode_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *ref
                         eviction_policy="evict_first")
         else:
             pool_out_ref[read_slot, h, :, vs] = s.astype(pool_out_ref.dtype)
+
+
+def _early_store_token(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, store, *, in_pool, n, h, hk, hs, vs, gate_refs,
+                       group, scale, use_qk_l2norm, num_tokens, fused_output, gates=None):
+    """One token (T = 1, ``DecodeConfig.early_store``) on the loaded block ``s`` ([K, BV], or [H, K, BV] with
+    ``gates`` giving the heads' (g, beta) [H]): S^T k, delta, the new state stored (``store``, when ``in_pool``),
+    then S^T q of the loaded block and o (the fused-output form)."""
+    del num_tokens, fused_output
+    q = q_ref[n, 0, hk, :].astype(jnp.float32)                                  # [K]
+    k = k_ref[n, 0, hk, :].astype(jnp.float32)
+    if use_qk_l2norm:
+        q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
+        k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    v = v_ref[n, 0, hs, vs].astype(jnp.float32)                                 # [BV] or [H, BV]
+    if gates is None:
+        g, beta = _read_gates(g_ref, beta_ref, gate_refs, n=n, t=0, h=h, group=group)
+        a = jnp.exp(g)
+        kb, qb, axis, a_s, d_s = k[:, None], q[:, None], 0, a, lambda d: d[None, :]
+    else:
+        g, beta = gates
+        a = jnp.exp(g)[:, None]                                                 # [H, 1]
+        beta = beta[:, None]
+        kb, qb, axis, a_s, d_s = k[None, :, None], q[None, :, None], 1, a[:, :, None], lambda d: d[:, None, :]
+    sk = jnp.sum(kb * s, axis=axis)
+    delta = beta * (v - a * sk)
+
+    @pl.when(in_pool)
+    def _():
+        store(a_s * s + kb * d_s(delta))
+
+    sq = jnp.sum(qb * s, axis=axis)
+    o_ref[n, 0, hs, vs] = (scale * (a * sq + jnp.sum(q * k) * delta)).astype(o_ref.dtype)
+
+
+def _row_split_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, pool_in_ref, pool_out_ref, *, n, h, vs, read, in_pool,
+                    read_slot, group, gate_refs, row_split, scale, use_qk_l2norm, num_tokens, fused_output,
+                    early_store=False):
+    """One token (T = 1) on the [K, BV] block of (n, h, vs) loaded as ``row_split`` row slices (``DecodeConfig.
+    row_split``): every slice's load issued first, partial S^T k and S^T q per slice, then delta and o, then each
+    slice updated and stored (the fused-output form whatever ``fused_output`` says: the same numbers up to fp32
+    rounding). ``early_store``: S^T q after the slices' stores (``DecodeConfig.early_store``)."""
+    del num_tokens, fused_output
+    hk = h // group
+    kdim = pool_in_ref.shape[2]
+    rows = kdim // row_split
+    sl = [pl.ds(i * rows, rows) for i in range(row_split)]
+    parts = [jnp.where(read, pool_in_ref[read_slot, h, r, vs].astype(jnp.float32), 0.0) for r in sl]   # [R, BV]
+    q = q_ref[n, 0, hk, :].astype(jnp.float32)
+    k = k_ref[n, 0, hk, :].astype(jnp.float32)
+    qs = ks = jnp.float32(1.0)
+    if use_qk_l2norm:
+        qs, ks = lax.rsqrt(jnp.sum(q * q) + L2_EPS), lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    qk = jnp.sum(q * k) * qs * ks
+    k_parts = [k_ref[n, 0, hk, r].astype(jnp.float32) * ks for r in sl]
+
+    def reduce(vecs):
+        out = None
+        for part, x_r in zip(parts, vecs):
+            p = jnp.sum(x_r[:, None] * part, axis=0)
+            out = p if out is None else out + p
+        return out
+
+    q_parts = [q_ref[n, 0, hk, r].astype(jnp.float32) * qs for r in sl]
+    sk = reduce(k_parts)
+    sq = None if early_store else reduce(q_parts)
+    g, beta = _read_gates(g_ref, beta_ref, gate_refs, n=n, t=0, h=h, group=group)
+    a = jnp.exp(g)
+    delta = beta * (v_ref[n, 0, h, vs].astype(jnp.float32) - a * sk)                # [BV]
+    if not early_store:
+        o_ref[n, 0, h, vs] = (scale * (a * sq + qk * delta)).astype(o_ref.dtype)
+
+    @pl.when(in_pool)
+    def _():
+        for r, part, k_r in zip(sl, parts, k_parts):
+            pool_out_ref[read_slot, h, r, vs] = (a * part + k_r[:, None] * delta[None, :]).astype(pool_out_ref.dtype)
+
+    if early_store:
+        o_ref[n, 0, h, vs] = (scale * (a * reduce(q_parts) + qk * delta)).astype(o_ref.dtype)
+
+
+def _decode_heads_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v, v_fastest,
+                         gate_offsets, heads, scale, use_qk_l2norm, num_tokens, fused_output, early_store=False):
+    """One program per (stream, ``heads`` value heads of one key head, value block) (``DecodeConfig.heads``): the
+    heads' [heads, K, BV] state block loaded as one tensor, q and k read and normalised once, T tokens as
+    ``_run_tokens`` with a head axis in front."""
+    gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
+    if v_fastest:
+        vb, hb, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        n, hb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_slots = pool_in_ref.shape[0]
+    slot = slot_ref[n]
+    in_pool = (slot >= 0) & (slot < num_slots)
+    read_slot = jnp.clip(slot, 0, num_slots - 1)
+    vs = pl.ds(vb * block_v, block_v)
+    h0 = hb * heads
+    hs = pl.ds(h0, heads)
+    hk = h0 // group
+    read = (has_ref[n] != 0) & in_pool
+    s = jnp.where(read, pool_in_ref[read_slot, hs, :, vs].astype(jnp.float32), 0.0)    # [H, K, BV]
+
+    def gates(t):
+        if gate_refs is None:
+            return g_ref[n, t, hs].astype(jnp.float32), beta_ref[n, t, hs].astype(jnp.float32)
+        alog_ref, dtb_ref, a_off, b_off = gate_refs
+        j0 = h0 % group
+        a = g_ref[n, t, hk, pl.ds(a_off + j0, heads)].astype(jnp.float32)
+        b = beta_ref[n, t, hk, pl.ds(b_off + j0, heads)].astype(jnp.float32)
+        g = -jnp.exp(alog_ref[hs].astype(jnp.float32)) * _softplus(a + dtb_ref[hs].astype(jnp.float32))
+        return g, jax.nn.sigmoid(b)
+
+    def token(t, s):
+        q = q_ref[n, t, hk, :].astype(jnp.float32)                              # [K]
+        k = k_ref[n, t, hk, :].astype(jnp.float32)
+        if use_qk_l2norm:
+            q = q * lax.rsqrt(jnp.sum(q * q) + L2_EPS)
+            k = k * lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+        v = v_ref[n, t, hs, vs].astype(jnp.float32)                             # [H, BV]
+        g, beta = gates(t)                                                      # [H]
+        a = jnp.exp(g)[:, None]                                                 # [H, 1]
+        k3, q3 = k[None, :, None], q[None, :, None]
+        if fused_output:
+            sk, sq = jnp.sum(k3 * s, axis=1), jnp.sum(q3 * s, axis=1)           # [H, BV]
+            delta = beta[:, None] * (v - a * sk)
+            o = scale * (a * sq + jnp.sum(q * k) * delta)
+            s = a[:, :, None] * s + k3 * delta[:, None, :]
+        else:
+            s = a[:, :, None] * s
+            delta = beta[:, None] * (v - jnp.sum(k3 * s, axis=1))
+            s = s + k3 * delta[:, None, :]
+            o = scale * jnp.sum(q3 * s, axis=1)
+        o_ref[n, t, hs, vs] = o.astype(o_ref.dtype)
+        return s
+
+    if early_store and num_tokens == 1:
+        def store(s_new):
+            pool_out_ref[read_slot, hs, :, vs] = s_new.astype(pool_out_ref.dtype)
+        _early_store_token(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s, store, in_pool=in_pool, n=n, h=h0,
+                           hk=hk, hs=hs, vs=vs, gate_refs=None, group=group, scale=scale,
+                           use_qk_l2norm=use_qk_l2norm, num_tokens=1, fused_output=True, gates=gates(0))
+        return
+    s = token(0, s) if num_tokens == 1 else lax.fori_loop(0, num_tokens, token, s)
+
+    @pl.when(in_pool)
+    def _():
+        pool_out_ref[read_slot, hs, :, vs] = s.astype(pool_out_ref.dtype)
 
 
 def _decode_two_pass_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, group, block_v,
@@ -327,6 +501,11 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
         raise ValueError(f"DecodeConfig.load_hint must be one of {LOAD_HINTS}, got {config.load_hint!r}")
     if config.row_block < 0 or (config.row_block and kdim % config.row_block):
         raise ValueError(f"DecodeConfig.row_block ({config.row_block}) must be 0 or divide K = {kdim}")
+    heads = config.heads
+    if heads < 1 or heads & (heads - 1) or (hv // hk) % heads:
+        raise ValueError(f"DecodeConfig.heads ({heads}) must be a power of two dividing Hv / Hk = {hv // hk}")
+    if config.row_split < 1 or kdim % config.row_split:
+        raise ValueError(f"DecodeConfig.row_split ({config.row_split}) must be >= 1 and divide K = {kdim}")
     operands = dict(slot_ids=slot_ids.astype(jnp.int32), has_initial_state=has_initial_state.astype(jnp.int32),
                     q=q, k=k, v=v, g=g, beta=beta)
     gate_offsets = None
@@ -347,8 +526,13 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
         kernel = functools.partial(_decode_two_pass_kernel, v_fastest=config.v_fastest, row_block=config.row_block,
                                    **common)
         grid = (nvb, hv, n) if config.v_fastest else (n, hv, nvb)
+    elif heads > 1:
+        kernel = functools.partial(_decode_heads_kernel, v_fastest=config.v_fastest, heads=heads,
+                                   early_store=config.early_store, **common)
+        grid = (nvb, hv // heads, n) if config.v_fastest else (n, hv // heads, nvb)
     else:
         kernel = functools.partial(_decode_kernel, v_fastest=config.v_fastest, load_hint=config.load_hint,
+                                   row_split=config.row_split if t == 1 else 1, early_store=config.early_store,
                                    **common)
         grid = (nvb, hv, n) if config.v_fastest else (n, hv, nvb)
     call = pl.pallas_call(

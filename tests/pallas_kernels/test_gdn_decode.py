@@ -83,12 +83,19 @@ CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf
            decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)] + [      # persistent: 5 divides no count
            decode.DecodeConfig(block_v=16, load_hint=h) for h in ("masked", "evict_first")] + [  # masked loads
            decode.DecodeConfig(block_v=16, row_block=8), decode.DecodeConfig(block_v=32, row_block=16,
-                                                                            v_fastest=False)]   # two-pass (T = 1)
+                                                                            v_fastest=False)] + [  # two-pass (T = 1)
+           decode.DecodeConfig(block_v=16, row_split=4), decode.DecodeConfig(block_v=32, row_split=2,
+                                                                             v_fastest=False)] + [  # row slices
+           decode.DecodeConfig(block_v=16, early_store=True), decode.DecodeConfig(block_v=16, early_store=True,
+                                                                                  load_hint="masked"),
+           decode.DecodeConfig(block_v=16, row_split=4, early_store=True)]     # the state stored before S^T q
 
 
 def _config_id(c):
     return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}" + (
-        f"-{c.load_hint}" if c.load_hint else "") + (f"-rb{c.row_block}" if c.row_block else "")
+        f"-{c.load_hint}" if c.load_hint else "") + (f"-rb{c.row_block}" if c.row_block else "") + (
+        f"-h{c.heads}" if c.heads > 1 else "") + (f"-rs{c.row_split}" if c.row_split > 1 else "") + (
+        "-early" if c.early_store else "")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -99,6 +106,35 @@ def test_decode_configs_interpret(config, t):
     xs[3][0, 0, 1] = -np.inf                              # a hard reset (a = 0) on one head of one stream
     ids = np.array([1, s, -1, 5], np.int32)              # the last block is a real one (a persistent grid's
     has = np.array([False, True, True, True])            # masked extra trip would clobber it)
+    pool[1] = np.nan                                      # stale slot read as zeros (has False)
+    pool[3] = np.nan                                      # untouched: stays NaN
+    o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
+    fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, interpret=True,
+        config=config))
+    o, new_pool = fn([jnp.asarray(x) for x in xs], jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
+    assert rel_rms(new_pool[[1, 5]], pool_ref[[1, 5]]) < TOL
+    assert np.isnan(new_pool[3]).all()
+    for untouched in (0, 2, 4):                           # ids S and -1 wrote nowhere
+        np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+# several value heads per program (DecodeConfig.heads): they share one key head, so GVA 4 here (Hk 2, Hv 8)
+HEADS_CONFIGS = [decode.DecodeConfig(block_v=16, heads=2), decode.DecodeConfig(block_v=32, heads=4, v_fastest=False),
+                 decode.DecodeConfig(block_v=16, heads=2, fused_output=False),
+                 decode.DecodeConfig(block_v=16, heads=2, early_store=True)]
+
+
+@pytest.mark.parametrize("config", HEADS_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_heads_interpret(config, t):
+    n, s, hk, hv, dk, dv = 4, 6, 2, 8, 16, 32
+    xs, pool = _case(50 + t, n, t, hk, hv, dk, dv, s)
+    xs[3][0, 0, 5] = -np.inf                              # a hard reset (a = 0) on one head of one stream
+    ids = np.array([1, s, -1, 5], np.int32)
+    has = np.array([False, True, True, True])
     pool[1] = np.nan                                      # stale slot read as zeros (has False)
     pool[3] = np.nan                                      # untouched: stays NaN
     o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
@@ -129,12 +165,17 @@ def _raw_gates(g, beta, hk, r, layout):
     return jnp.asarray(a), jnp.asarray(b), decode.RawGates(a_log, dt_bias)
 
 
-@pytest.mark.parametrize("layout,t,row_block", [("ba", 1, 0), ("separate", 2, 0), ("ba", 1, 8)],
-                         ids=["ba-T1", "separate-T2", "ba-T1-two-pass"])
-def test_decode_raw_gates_match_f64(layout, t, row_block):
+@pytest.mark.parametrize("layout,t,extra", [
+    ("ba", 1, {}), ("separate", 2, {}), ("ba", 1, dict(row_block=8)), ("ba", 1, dict(heads=2)),
+    ("separate", 2, dict(heads=2)), ("ba", 1, dict(row_split=4)), ("ba", 1, dict(early_store=True)),
+    ("separate", 1, dict(heads=2, early_store=True))],
+    ids=["ba-T1", "separate-T2", "ba-T1-two-pass", "ba-T1-heads2", "separate-T2-heads2", "ba-T1-row-split4",
+         "ba-T1-early", "separate-T1-heads2-early"])
+def test_decode_raw_gates_match_f64(layout, t, extra):
     """The gates made inside the kernel from raw a, b (RawGates: the layer's fused decode step) against the float64
-    loop run with the gates they stand for; GVA 3, permuted ids with -1 and S, a fresh stream over a NaN slot."""
-    n, s, hk, hv, dk, dv = 4, 6, 2, 6, 16, 32
+    loop run with the gates they stand for; GVA 3 (4 with heads > 1: they share a key head), permuted ids with -1
+    and S, a fresh stream over a NaN slot."""
+    n, s, hk, hv, dk, dv = 4, 6, 2, 8 if extra.get("heads", 1) > 1 else 6, 16, 32
     xs, pool = _case(60 + t, n, t, hk, hv, dk, dv, s)
     ids = np.array([2, -1, 5, s], np.int32)
     has = np.array([True, True, False, True])
@@ -144,8 +185,7 @@ def test_decode_raw_gates_match_f64(layout, t, row_block):
     a_src, b_src, gates = _raw_gates(xs[3], xs[4], hk, hv // hk, layout)
     fn = jax.jit(lambda q, k, v, a, b, pool, gates: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, a, b, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=decode.DecodeConfig(block_v=16,
-                                                                                       row_block=row_block)))
+        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=decode.DecodeConfig(block_v=16, **extra)))
     o, new_pool = fn(*[jnp.asarray(x) for x in xs[:3]], a_src, b_src, jnp.asarray(pool), gates)
     o, new_pool = np.asarray(o), np.asarray(new_pool)
     assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
@@ -165,16 +205,22 @@ def test_decode_lowers_to_triton():
     ba = jnp.zeros((n, 1, hk, 4), jnp.bfloat16)
     pool = jnp.zeros((n + 1, hv, d, d))
     ids, has = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
-    cfgs = [decode.DecodeConfig(load_hint=h) for h in decode.LOAD_HINTS] + [decode.DecodeConfig(row_block=16)]
+    cfgs = [decode.DecodeConfig(load_hint=h) for h in decode.LOAD_HINTS] + [decode.DecodeConfig(row_block=16)] + [
+        decode.DecodeConfig(heads=2, num_warps=4), decode.DecodeConfig(row_split=4),
+        decode.DecodeConfig(heads=2, fused_output=False), decode.DecodeConfig(early_store=True),
+        decode.DecodeConfig(heads=2, early_store=True), decode.DecodeConfig(row_split=4, early_store=True)]
     for cfg in cfgs:
         f = lambda q, v, g, pool, cfg=cfg: decode.fused_recurrent_gated_delta_rule_slots_fwd(
             q, q, v, g, g, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
             config=cfg)
         assert "gdn_decode" in jax.jit(f).trace(q, v, g, pool).lower(lowering_platforms=("cuda",)).as_text()
     gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=2)
-    f = lambda q, v, ba, pool: decode.fused_recurrent_gated_delta_rule_slots_fwd(
-        q, q, v, ba, ba, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, raw_gates=gates)
-    assert "gdn_decode" in jax.jit(f).trace(q, v, ba, pool).lower(lowering_platforms=("cuda",)).as_text()
+    for cfg in (None, decode.DecodeConfig(heads=2), decode.DecodeConfig(row_split=2),
+                decode.DecodeConfig(early_store=True), decode.DecodeConfig(heads=2, early_store=True)):
+        f = lambda q, v, ba, pool, cfg=cfg: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+            q, q, v, ba, ba, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, raw_gates=gates,
+            config=cfg)
+        assert "gdn_decode" in jax.jit(f).trace(q, v, ba, pool).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_decode_config_errors():
@@ -187,6 +233,12 @@ def test_decode_config_errors():
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
             has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(row_block=12))
+    for bad, msg in [(dict(heads=2), r"heads \(2\) must be a power of two dividing Hv / Hk = 1"),
+                     (dict(row_split=3), r"row_split \(3\) must be >= 1 and divide K = 16")]:
+        with pytest.raises(ValueError, match=msg):
+            decode.fused_recurrent_gated_delta_rule_slots_fwd(
+                *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
+                has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(**bad))
     with pytest.raises(ValueError, match="load_hint must be one of"):
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
@@ -249,6 +301,31 @@ def test_gpu_decode_in_place(dtype):
     eo, es = rel_rms(np.asarray(o, np.float64), o_ref), rel_rms(np.asarray(new_pool), pool_ref)
     print(f"FIGURE decode {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e} "
           f"in_place={new_pool.unsafe_buffer_pointer() == ptr}")
+    assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [decode.DecodeConfig(heads=2, num_warps=4), decode.DecodeConfig(row_split=4),
+                                    decode.DecodeConfig(heads=2, block_v=32), decode.DecodeConfig(early_store=True),
+                                    decode.DecodeConfig(heads=2, num_warps=4, early_store=True)], ids=_config_id)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_decode_configs_match_f64(config, dtype):
+    """Session 9's launch variants (DecodeConfig.heads, row_split, early_store) on the GPU at K = V = 128, Qwen3-Next heads,
+    against the float64 loop: ids -1 and S, fresh streams, the pool donated."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    n, s = 24, 32
+    xs, pool = _case(9, n, 1, 16, 32, 128, 128, s, dtype=dtype)
+    ids = np.random.default_rng(10).permutation(s)[:n].astype(np.int32)
+    ids[3], ids[5] = -1, s
+    has = np.arange(n) % 3 != 0
+    o_ref, pool_ref = _expected(xs, pool, ids, has, True)
+    fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, config=config),
+        donate_argnums=1)
+    args = [jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
+    o, new_pool = fn(args, jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
+    eo, es = rel_rms(np.asarray(o, np.float64), o_ref), rel_rms(np.asarray(new_pool), pool_ref)
+    print(f"FIGURE decode {_config_id(config)} {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e}")
     assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
 
 
