@@ -13,6 +13,9 @@ run, on one set of random bf16 weights made on the device (8 layers: 2 x (3 GDN 
 2. The logits of "auto" against "pallas" (bf16 relative RMS and the argmax agreement), every logit finite, the
    compiled program count (no recompiles when warm).
 3. The GPU tests of the layer's switch (tests/layers/test_gdn_backends.py) in a child process, last.
+--logits-only: step 1 without the rows, for three models: the GDN prefill on XLA (``backend={"gated_delta_rule":
+"xla"}``, the other ops as "auto"), "pallas" and "auto"; step 2 then also gives each route's logits against the XLA
+one's (how far bf16 kernel differences travel through 8 layers of random weights and top-10 routing).
 A table is printed last. --quick: tiny dims on the CPU ("auto" and "pallas" then both run XLA: a dry run).
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main():
     ap = kit.arg_parser(__doc__, budget=240.0, test_timeout=60.0)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--logits-only", action="store_true")
     opts, out, left = kit.parse(ap, T_START, cpu_quick=True)
     import functools
 
@@ -57,16 +61,20 @@ def main():
     cu = bm._cu(lens)
     slots = np.arange(len(lens), dtype=np.int32)
 
-    for kernel in KERNELS:
+    kernels = (("xla",) if opts.logits_only else ()) + KERNELS
+    for kernel in kernels:
         def step(kernel=kernel):
-            gdn.PREFILL_KERNEL = kernel
-            model = HybridModel(cfg, params, dtype=dtype, backend="auto")
+            gdn.PREFILL_KERNEL = "auto" if kernel == "xla" else kernel
+            backend = {"gated_delta_rule": "xla"} if kernel == "xla" else "auto"
+            model = HybridModel(cfg, params, dtype=dtype, backend=backend)
             log(f"{kernel}: {model}")
             cache = model.init_cache(**bm._shared_cache_kwargs(cases, opts.reps))
             lg, cache = model.prefill(cache, ids, cu, slots)
             logits[kernel] = np.asarray(jnp.asarray(lg, jnp.float32))
             model.check(cache)
             del cache
+            if opts.logits_only:
+                return
             keys = ("varlen", "decode", "long") if left() > 120 else ("varlen", "decode")
             rows = bm.our_rows(model, cases, reps=opts.reps, log=log, keys=keys)
             res["rows"][kernel] = rows
@@ -80,6 +88,11 @@ def main():
         res["logits"] = {"rel_rms_auto_vs_pallas": kit.relative_rms(a, p),
                          "argmax_agree": float(np.mean(np.argmax(a, -1) == np.argmax(p, -1))),
                          "finite": bool(np.isfinite(a).all() and np.isfinite(p).all())}
+        if "xla" in logits:
+            x = logits["xla"]
+            res["logits"].update({f"rel_rms_{k}_vs_xla": kit.relative_rms(logits[k], x) for k in KERNELS})
+            res["logits"].update({f"argmax_agree_{k}_vs_xla": float(np.mean(np.argmax(logits[k], -1) ==
+                                                                             np.argmax(x, -1))) for k in KERNELS})
         log(f"logits auto vs pallas: {res['logits']}")
     kit.save(out, NAME, res, log.lines)
 

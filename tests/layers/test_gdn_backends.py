@@ -79,27 +79,46 @@ def test_op_backend_prefill_kernel(monkeypatch):
         gdn._op_backend("pallas", q, q, v)
 
 
+def _fresh_prefill():
+    """A jit of its own function object: jit's trace cache is keyed on the function, and PREFILL_KERNEL is read
+    while tracing, so a jit of gdn.gdn_layer_prefill itself would replay the first route's trace."""
+    return jax.jit(lambda *a, **kw: gdn.gdn_layer_prefill(*a, **kw), static_argnames=("dims", "backend"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["auto", "pallas"])
-def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, kernel):
-    """The layer's packed prefill in bf16 through each PREFILL_KERNEL (a fresh jit each: the switch is read while
-    tracing) against the XLA backend; on a Hopper GPU "auto" runs the Mosaic GPU varlen kernels (seen in the
-    compiled program) and "pallas" the Triton ones."""
-    monkeypatch.setattr(gdn, "PREFILL_KERNEL", kernel)
-    dims = GdnDims(512, 4, 8, 128, 128)
-    lengths, slot_ids, positions = [1, 63, 64, 65, 130, 1000], [7, 2, 0, 5, 3, 1], [0, 10, 0, 3, 0, 100]
-    params, meta, slots, h = _case(dims, lengths, slot_ids, positions, 9, dtype=jnp.bfloat16)
-    run = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))
-    out_p, s_p = run(params, dims, h, slots, meta, backend="pallas")
+@pytest.mark.parametrize("size", ["small", "80b"])
+def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, size):
+    """The layer's packed bf16 prefill through each PREFILL_KERNEL route against the XLA backend: "pallas" (Pallas
+    Triton) and "auto" (on a Hopper GPU the Mosaic GPU varlen kernels, seen in the compiled program). "80b": the
+    Qwen3-Next-80B GDN dims on the varlen16 lengths (19027 tokens, fresh streams over stale NaN slots). Each route
+    within 1e-2 of XLA, and "auto" within 1.5x of Triton's own error (bf16 rounding of the kernels' inputs bounds
+    both)."""
+    from jax_gdn.cases import VARLEN16_LENS
+    if size == "small":
+        dims = GdnDims(512, 4, 8, 128, 128)
+        lengths, slot_ids, positions = [1, 63, 64, 65, 130, 1000], [7, 2, 0, 5, 3, 1], [0, 10, 0, 3, 0, 100]
+    else:
+        dims = GdnDims(2048, 16, 32, 128, 128)
+        lengths = list(VARLEN16_LENS)
+        slot_ids = list(range(15, -1, -1))
+        positions = [0] * 12 + [7, 0, 300, 0]
+    num_slots = max(slot_ids) + 3
+    params, meta, slots, h = _case(dims, lengths, slot_ids, positions, num_slots, dtype=jnp.bfloat16)
     out_x, s_x = prefill_jit(params, dims, h, slots, meta, backend="xla")
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     used = np.asarray(slot_ids)
-    assert rel_rms(f32(out_p) - f32(h), f32(out_x) - f32(h)) < 1e-2
-    assert rel_rms(s_p.ssm_state[used], s_x.ssm_state[used]) < 1e-2
-    np.testing.assert_array_equal(s_p.ssm_state[np.array([4, 6, 8])], slots.ssm_state[np.array([4, 6, 8])])
-    hlo = run.lower(params, dims, h, slots, meta, backend="pallas").as_text()
-    hopper = "9.0" in str(getattr(jax.devices()[0], "compute_capability", ""))
-    if kernel == "auto" and hopper:
-        assert "mosaic_gpu" in hlo
-    if kernel == "pallas":
-        assert "mosaic_gpu" not in hlo
+    unused = np.setdiff1d(np.arange(num_slots), used)
+    err = {}
+    for kernel in ("pallas", "auto"):
+        monkeypatch.setattr(gdn, "PREFILL_KERNEL", kernel)
+        run = _fresh_prefill()
+        out_p, s_p = run(params, dims, h, slots, meta, backend="pallas")
+        err[kernel] = (rel_rms(f32(out_p) - f32(h), f32(out_x) - f32(h)), rel_rms(s_p.ssm_state[used],
+                                                                                  s_x.ssm_state[used]))
+        assert max(err[kernel]) < 1e-2, (kernel, err[kernel])
+        np.testing.assert_array_equal(s_p.ssm_state[unused], slots.ssm_state[unused])
+        hlo = run.lower(params, dims, h, slots, meta, backend="pallas").as_text()
+        hopper = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+        assert ("mosaic_gpu" in hlo) == (kernel == "auto" and hopper), kernel
+    print(f"FIGURE layer prefill {size} (o, ssm) rel RMS against XLA: {err}")
+    assert err["auto"][0] <= 1.5 * err["pallas"][0] + 1e-4
