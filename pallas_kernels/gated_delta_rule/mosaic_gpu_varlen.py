@@ -428,10 +428,15 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
     """``chunk_gated_delta_rule_slots`` on "mosaic_gpu": the start states gathered from the pool (zeros where
     has_initial_state is False or the id is outside [0, S)), the packed (``cu_seqlens``) or dense call, the final
     states scattered back (an id outside [0, S) drops its write). Returns (o [B, T, Hv, V], new pool [S, Hv, K, V]
-    fp32). ``impl="reference"``: the jnp twins (CPU tests)."""
+    fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`mosaic_gpu.op_fwd` with its
+    ``DEFAULT_CONFIG``: exp2, state_kv, the split policy); ``config`` applies to packed calls. ``impl="reference"``:
+    the jnp twins (CPU tests)."""
     from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
     cfg = config or DEFAULT_CONFIG
     h0 = gather_slots(ssm_state.astype(F32), slot_ids, has_initial_state)               # [N, Hv, K, V]
+    if cu_seqlens is None and impl == "mosaic":
+        o, ht = mg.op_fwd(q, k, v, g, beta, scale=float(scale), initial_state=h0, output_final_state=True)
+        return o, scatter_slots(ssm_state, slot_ids, ht)
 
     def run(q, k, v, g, beta, h0, *cu):
         if cu:
@@ -440,8 +445,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
                                                      order=cfg.order, inputs=cfg.inputs, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
-                                             output_final_state=True, impl=impl, stage1a=cfg.stage1a,
-                                             pieces=mg.DEFAULT_CONFIG.pieces if impl == "mosaic" else 1)
+                                             output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)
     o, ht = no_autodiff(run)(q, k, v, g, beta, h0, *cu)
     return o, scatter_slots(ssm_state, slot_ids, ht)

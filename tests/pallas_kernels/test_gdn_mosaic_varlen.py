@@ -250,6 +250,31 @@ def test_slots_reference_dense_rows():
     assert rel_rms(np.asarray(o), np.asarray(ro)) < 2e-4 and rel_rms(np.asarray(new), np.asarray(rnew)) < 2e-4
 
 
+def test_slots_dense_kernel_route_is_the_dense_op(monkeypatch):
+    """Without cu_seqlens the kernel route (impl "mosaic") is the dense op itself (mosaic_gpu.op_fwd with its
+    DEFAULT_CONFIG: exp2, state_kv, the split policy), called on the gathered start states; its final states go
+    back to the pool by the slot ids (an id outside [0, S) writes nothing). A stand-in for op_fwd checks the
+    plumbing on the CPU (the kernels need a Hopper GPU)."""
+    from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+    case = Case("cpu-B2-T65", 2, 65, 1, 2, 16, 8)
+    q, k, v, g, beta, _, _ = make_inputs(case, 1, jnp.float32, with_h0=False)
+    pool = np.random.default_rng(1).standard_normal((3, 2, 16, 8)).astype(np.float32)
+    ids, has = jnp.asarray([2, 3], jnp.int32), jnp.asarray([True, True])
+    seen = {}
+
+    def fake_op_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state):
+        seen.update(scale=scale, h0=np.asarray(initial_state), final=output_final_state)
+        return jnp.zeros(v.shape, v.dtype), initial_state + 1.0
+    monkeypatch.setattr(mg, "op_fwd", fake_op_fwd)
+    x = tuple(jnp.asarray(a) for a in (q, k, v, g, beta))
+    o, new = mv.op_fwd_slots(*x, scale=0.25, ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has)
+    assert seen["scale"] == 0.25 and seen["final"]
+    np.testing.assert_array_equal(seen["h0"][0], pool[2])
+    np.testing.assert_array_equal(seen["h0"][1], 0.0)          # id 3 = S: zeros in, its write dropped
+    np.testing.assert_array_equal(np.asarray(new)[2], pool[2] + 1.0)
+    np.testing.assert_array_equal(np.asarray(new)[:2], pool[:2])
+
+
 def test_checks_name_the_argument():
     args = _inputs()
     q, k, v, g, beta, h0, cu = (jnp.asarray(x) for x in args)
@@ -388,3 +413,31 @@ def test_gpu_slots_api_beside_xla():
     om, ox, pm, px = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (om, ox, pm, px))
     assert np.isnan(pm[6]).all() and np.isfinite(pm[:6]).all()
     assert rel_rms(om, ox) < 1e-2 and rel_rms(pm[:6], px[:6]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [130, 4000])
+def test_gpu_slots_api_dense_beside_xla(t):
+    """chunk_gated_delta_rule_slots(backend='mosaic_gpu') without cu_seqlens (the dense op's own route and
+    defaults: exp2, state_kv; T 4000 at B 3, Hv 2 splits into pieces), ids -1 and S, a NaN slot nobody names: o and
+    the pool against the XLA backend on the same bf16-rounded inputs (1e-2)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    from jax_gdn import ops
+    case = Case(f"gpu-B3-T{t}", 3, t, 1, 2, 128, 128)
+    q, k, v, g, beta, _, _ = make_inputs(case, 5, jnp.float32, with_h0=False)
+    bf = jnp.bfloat16
+    q, k, v, beta = (np.asarray(jnp.asarray(a, bf).astype(jnp.float32)) for a in (q, k, v, beta))
+    g = 0.02 * np.asarray(g)                          # weak decay: a wrong start state would show
+    pool = np.random.default_rng(3).standard_normal((4, 2, 128, 128)).astype(np.float32)
+    pool[3] = np.nan
+    ids, has = jnp.asarray([2, -1, 4], jnp.int32), jnp.asarray([True, True, True])
+    kw = dict(ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has)
+    om, pm = ops.chunk_gated_delta_rule_slots(*(jnp.asarray(a, bf) for a in (q, k, v)), jnp.asarray(g),
+                                              jnp.asarray(beta, bf), backend="mosaic_gpu", **kw)
+    with jax.default_matmul_precision("highest"):
+        ox, px = ops.chunk_gated_delta_rule_slots(*(jnp.asarray(a) for a in (q, k, v, g, beta)), backend="xla", **kw)
+    om, ox, pm, px = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (om, ox, pm, px))
+    assert np.isnan(pm[3]).all() and np.isfinite(pm[:3]).all()
+    np.testing.assert_array_equal(pm[:2], pool[:2])              # only slot 2 is written
+    assert rel_rms(om, ox) < 1e-2 and rel_rms(pm[2], px[2]) < 1e-2
