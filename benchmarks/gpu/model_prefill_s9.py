@@ -79,7 +79,7 @@ def main():
             rows = bm.our_rows(model, cases, reps=opts.reps, log=log, keys=keys)
             res["rows"][kernel] = rows
             del model
-        kit.guarded(f"rows {kernel}", 60, step, res=res, log=log, save=lambda: kit.save(out, NAME, res, log.lines),
+        kit.guarded(f"rows {kernel}", 35 if opts.logits_only else 60, step, res=res, log=log, save=lambda: kit.save(out, NAME, res, log.lines),
                     left=left)
     gdn.PREFILL_KERNEL = "auto"
 
