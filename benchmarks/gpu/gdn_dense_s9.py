@@ -12,7 +12,8 @@ MosaicConfig split fields and mosaic_gpu_split.py's first piece from h0, NOTES.m
 1. B1-T8192-Hk2-Hv8 (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state out): jla
    (``jax_gdn.bench._jla_impl``), our dense entry with ``mosaic_gpu.DEFAULT_CONFIG`` ("default": P = 4, map from
    [I | 0], Triton scan) and variants (``pP`` pieces = P, ``.serial`` split_scan "serial" (jla's dense scan),
-   ``.h0`` split_first "h0": piece 0 walked from h0, no identity blocks on it, one scan product less), each a
+   ``.h0`` split_first "h0": piece 0 walked from h0, no identity blocks on it, one scan product less, ``.tf32``
+   split_precision "default": the scan's products in tf32), each a
    jitted ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it. --others: the other four dense rows'
    default and jla too (a regression check when a change touches shared code). Compiled in a thread pool (what
    the deadline leaves uncompiled is skipped), timed in 3 interleaved rounds (order rotated and reversed), every
@@ -40,13 +41,10 @@ ROUNDS = 3
 ROW = "B1-T8192-Hk2-Hv8"
 OTHERS = ["B16-T1024-Hk16-Hv32", "B1-T8192-Hk16-Hv32", "B4-T4096-Hk16-Hv32", "B1-T32768-Hk16-Hv32"]
 TEST_FILE = "tests/pallas_kernels/test_gdn_mosaic_gpu.py::"
-TEST_IDS = ["test_gpu_split_map_from_h0_matches_twin",
-            "test_gpu_split_options_weak_decay_matches_f64[4-triton-h0]",
-            "test_gpu_split_options_weak_decay_matches_f64[4-serial-h0]",
-            "test_gpu_split_options_weak_decay_matches_f64[5-triton-map]",
-            "test_gpu_split_options_weak_decay_matches_f64[5-triton-h0]",
-            "test_gpu_split_options_weak_decay_matches_f64[6-triton-h0]",
-            "test_gpu_split_options_weak_decay_matches_f64[3-serial-map]"]
+TEST_IDS = ["test_gpu_split_map_from_h0_matches_twin"] + [
+    f"test_gpu_split_options_weak_decay_matches_f64[{i}]" for i in
+    ("4-triton-h0-highest", "5-triton-h0-highest", "4-serial-h0-highest", "5-triton-map-highest",
+     "5-triton-h0-default", "6-triton-h0-highest", "3-serial-map-highest")]
 QUICK_TEST_IDS = ["test_config_split_fields_are_checked_and_passed_through",
                   "test_split_first_from_h0_matches_the_maps[4]", "test_piece_scan_first_end_skips_m0[4]"]
 
@@ -56,9 +54,11 @@ VARIANTS = [
     ("p4.serial", dict(pieces=4, split_scan="serial")),
     ("p5", dict(pieces=5)),
     ("p5.h0", dict(pieces=5, split_first="h0")),
+    ("p4.h0.tf32", dict(pieces=4, split_first="h0", split_precision="default")),
     ("p4.h0.serial", dict(pieces=4, split_first="h0", split_scan="serial")),
     ("p6", dict(pieces=6)),
     ("p5.h0.serial", dict(pieces=5, split_first="h0", split_scan="serial")),
+    ("p5.h0.tf32", dict(pieces=5, split_first="h0", split_precision="default")),
     ("p3", dict(pieces=3)),
     ("p6.h0", dict(pieces=6, split_first="h0")),
     ("p8", dict(pieces=8)),
@@ -137,7 +137,8 @@ def main():
                                                  scale=float(q.shape[3]) ** -0.5, output_final_state=True,
                                                  impl=impl, stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
                                                  state_kv=cfg.state_kv, split_chain=cfg.split_chain,
-                                                 split_scan=cfg.split_scan, split_first=cfg.split_first)
+                                                 split_scan=cfg.split_scan, split_first=cfg.split_first,
+                                                 split_precision=cfg.split_precision)
         return jax.jit(fn)
 
     def xla_ref(q, k, v, g, beta, h0):
@@ -328,6 +329,10 @@ def parts(case, row, pieces, quick):
                 m, h, key_dim=kd, method=method, interpret=not kernel, first_end=first == "h0"))
             starts = jax.block_until_ready(fn(maps[first], ops_[6]))
             out[f"scan.{method}.{first}"] = round(timer(fn, (maps[first], ops_[6])), 4)
+    fn = jax.jit(lambda m, h: ms.piece_scan(m, h, key_dim=kd, method="triton", precision="default",
+                                            interpret=not kernel, first_end=True))
+    jax.block_until_ready(fn(maps["h0"], ops_[6]))
+    out["scan.triton.h0.tf32"] = round(timer(fn, (maps["h0"], ops_[6])), 4)
     starts = starts.reshape(b * pieces, hv, vd, kd)
     run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
     fused = jax.jit(lambda *o: run(*o, scale=kd ** -0.5, out_final=True, head_major=True, pieces=pieces,

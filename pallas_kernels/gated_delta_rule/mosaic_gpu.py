@@ -926,27 +926,29 @@ def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: i
 
 
 def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False,
-                        chain: bool = False, scan: str | None = None, first: str | None = None):
+                        chain: bool = False, scan: str | None = None, first: str | None = None,
+                        precision: str | None = None):
     """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
     M S_start + E) from one state-map pass, then a scan over the pieces (``mosaic_gpu_split.start_states``: its
     MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan). ``chain`` (P = 2 only): piece 1's start
     from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan). ``scan`` /
-    ``first``: start_states' (None: its SCAN / FIRST)."""
+    ``first`` / ``precision``: start_states' (None: its SCAN / FIRST / SCAN_PRECISION)."""
     from pallas_kernels.gated_delta_rule import mosaic_gpu_split
     return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
                                          map_impl="chain" if chain and pieces == 2 else None, scan=scan,
-                                         first=first)
+                                         first=first, precision=precision)
 
 
 STAGE1A = ("triton", "mosaic")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
-                                             "state_kv", "split_chain", "split_scan", "split_first"))
+                                             "state_kv", "split_chain", "split_scan", "split_first",
+                                             "split_precision"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
                                impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
                                state_kv: bool = False, split_chain: bool = False, split_scan: str | None = None,
-                               split_first: str | None = None):
+                               split_first: str | None = None, split_precision: str | None = None):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -961,8 +963,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and two launches); the jnp twin and the split ignore it.
     ``split_chain`` (P = 2): piece 1's start state from one state-only pass over piece 0 from the initial state
     (``mosaic_gpu_split.start_states(map_impl="chain")``) instead of the map pass and the scan.
-    ``split_scan`` / ``split_first`` (P > 1): the start states' scan and first-piece form (None:
-    ``mosaic_gpu_split.SCAN`` / ``FIRST``; see ``mosaic_gpu_split.start_states``).
+    ``split_scan`` / ``split_first`` / ``split_precision`` (P > 1): the start states' scan, first-piece form and
+    the scan's products' precision (None: ``mosaic_gpu_split.SCAN`` / ``FIRST`` / ``SCAN_PRECISION``; see
+    ``mosaic_gpu_split.start_states``).
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -991,7 +994,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
         h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
-                                        chain=split_chain, scan=split_scan, first=split_first)
+                                        chain=split_chain, scan=split_scan, first=split_first,
+                                        precision=split_precision)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
                     pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
@@ -1023,6 +1027,8 @@ class MosaicConfig:
     split_scan: the split's piece scan, "serial" / "log" / "triton" (None: ``mosaic_gpu_split.SCAN``).
     split_first: the split's first piece with an initial state, "map" (from [I | 0]) or "h0" (walked from h0
     itself; None: ``mosaic_gpu_split.FIRST``).
+    split_precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32) (None:
+    ``mosaic_gpu_split.SCAN_PRECISION``).
     """
     stage1a: str = "mosaic"
     pieces: int = 0
@@ -1031,6 +1037,7 @@ class MosaicConfig:
     split_chain: bool = False
     split_scan: Optional[str] = None
     split_first: Optional[str] = None
+    split_precision: Optional[str] = None
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -1046,6 +1053,9 @@ class MosaicConfig:
         if self.split_first is not None and self.split_first not in ms.FIRSTS:
             raise ValueError(f"MosaicConfig.split_first must be None or one of {ms.FIRSTS}; "
                              f"got {self.split_first!r}")
+        if self.split_precision is not None and self.split_precision not in ms.PRECISIONS:
+            raise ValueError(f"MosaicConfig.split_precision must be None or one of {tuple(ms.PRECISIONS)}; "
+                             f"got {self.split_precision!r}")
 
 
 #: The launch choices of "mosaic_gpu" / "auto", from the H200 (NOTES.md "Session 8: dense Mosaic", one process, 3
@@ -1124,7 +1134,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
                                           output_final_state=output_final_state, impl="mosaic",
                                           stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
                                           state_kv=cfg.state_kv, split_chain=cfg.split_chain,
-                                          split_scan=cfg.split_scan, split_first=cfg.split_first)
+                                          split_scan=cfg.split_scan, split_first=cfg.split_first,
+                                          split_precision=cfg.split_precision)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
 

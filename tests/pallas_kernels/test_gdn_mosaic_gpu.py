@@ -707,6 +707,8 @@ def test_config_split_fields_are_checked_and_passed_through(monkeypatch):
         mg.MosaicConfig(split_scan="tree")
     with pytest.raises(ValueError, match="split_first"):
         mg.MosaicConfig(split_first="eye")
+    with pytest.raises(ValueError, match="split_precision"):
+        mg.MosaicConfig(split_precision="fp64")
     seen = {}
 
     def fake(q, k, v, g, beta, h0=None, **kw):
@@ -717,8 +719,8 @@ def test_config_split_fields_are_checked_and_passed_through(monkeypatch):
     v = jnp.zeros((1, 70, 2, 16), jnp.bfloat16)
     g = jnp.zeros((1, 70, 2), jnp.float32)
     mg.op_fwd(q, q, v, g, g, scale=0.25, initial_state=None, output_final_state=True,
-              config=mg.MosaicConfig(split_scan="serial", split_first="h0"))
-    assert (seen["split_scan"], seen["split_first"]) == ("serial", "h0")
+              config=mg.MosaicConfig(split_scan="serial", split_first="h0", split_precision="default"))
+    assert (seen["split_scan"], seen["split_first"], seen["split_precision"]) == ("serial", "h0", "default")
     with pytest.raises(ValueError, match="first"):
         ms.start_states((q, q, v, None, g, g, None), 2, kernel=False, head_major=True, first="eye")
 
@@ -824,12 +826,14 @@ def test_gpu_split_map_from_h0_matches_twin():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pieces,scan,first", [(4, "triton", "h0"), (4, "serial", "h0"), (5, "triton", "map"),
-                                               (5, "triton", "h0"), (3, "serial", "map"), (6, "triton", "h0")])
-def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first):
-    """The op split with session 9's options (first piece from h0, the XLA serial scan, P = 3, 5, 6) against
-    float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk,
-    exp2 on (the default), bf16 1e-2."""
+@pytest.mark.parametrize("pieces,scan,first,prec", [(4, "triton", "h0", "highest"), (4, "serial", "h0", "highest"),
+                                                    (5, "triton", "map", "highest"), (5, "triton", "h0", "highest"),
+                                                    (3, "serial", "map", "highest"), (6, "triton", "h0", "highest"),
+                                                    (5, "triton", "h0", "default")])
+def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first, prec):
+    """The op split with session 9's options (first piece from h0, the XLA serial scan, P = 3, 5, 6, the scan in
+    tf32) against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128,
+    Hv = 2 Hk, exp2 on (the default), bf16 1e-2."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     case = Case("B1-T2000-Hk1-Hv2-K128-V128", 1, 2000, 1, 2, 128, 128)
@@ -838,7 +842,8 @@ def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first):
     bf = jnp.bfloat16
     o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
                                          jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
-                                         pieces=pieces, exp2=True, split_scan=scan, split_first=first)
+                                         pieces=pieces, exp2=True, split_scan=scan, split_first=first,
+                                         split_precision=prec)
     o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
