@@ -12,10 +12,11 @@ run, on one set of random bf16 weights made on the device (8 layers: 2 x (3 GDN 
    of --reps after a first call), and the varlen16 prefill's last-token logits of each stream.
 2. The logits of "auto" against "pallas" (bf16 relative RMS and the argmax agreement), every logit finite, the
    compiled program count (no recompiles when warm).
-3. The GPU tests of the layer's switch (tests/layers/test_gdn_backends.py) in a child process, last.
---logits-only: step 1 without the rows, for three models: the GDN prefill on XLA (``backend={"gated_delta_rule":
-"xla"}``, the other ops as "auto"), "pallas" and "auto"; step 2 then also gives each route's logits against the XLA
-one's (how far bf16 kernel differences travel through 8 layers of random weights and top-10 routing).
+3. The GPU tests of the layer's switch (tests/layers/test_gdn_backends.py) and of the Mosaic dense slot route
+   (test_gdn_mosaic_varlen.py::test_gpu_slots_api_dense_beside_xla) in a child process, last.
+A third model, first, has its GDN prefill on XLA (``backend={"gated_delta_rule": "xla"}``, the other ops "auto"):
+its logits only, so step 2 also gives each route's logits against the XLA one's (how far bf16 kernel differences
+travel through 8 layers of random weights and top-10 routing). --logits-only: the logits without the rows.
 A table is printed last. --quick: tiny dims on the CPU ("auto" and "pallas" then both run XLA: a dry run).
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main():
     cu = bm._cu(lens)
     slots = np.arange(len(lens), dtype=np.int32)
 
-    kernels = (("xla",) if opts.logits_only else ()) + KERNELS
+    kernels = ("xla",) + KERNELS
     for kernel in kernels:
         def step(kernel=kernel):
             gdn.PREFILL_KERNEL = "auto" if kernel == "xla" else kernel
@@ -73,7 +74,7 @@ def main():
             logits[kernel] = np.asarray(jnp.asarray(lg, jnp.float32))
             model.check(cache)
             del cache
-            if opts.logits_only:
+            if opts.logits_only or kernel == "xla":
                 return
             keys = ("varlen", "decode", "long") if left() > 120 else ("varlen", "decode")
             rows = bm.our_rows(model, cases, reps=opts.reps, log=log, keys=keys)
@@ -98,7 +99,9 @@ def main():
 
     if not opts.no_tests and left() > 30:
         tests = kit.run_tests(["-q", "-rA", "-v", "-m", "gpu", "-p", "no:cacheprovider",
-                               "tests/layers/test_gdn_backends.py"], quick=opts.quick,
+                               "tests/layers/test_gdn_backends.py",
+                               "tests/pallas_kernels/test_gdn_mosaic_varlen.py::test_gpu_slots_api_dense_beside_xla"],
+                              quick=opts.quick,
                               timeout=min(opts.test_timeout, left() - 5), log_path=f"{out}/{NAME}_tests.log")
         tests.record(res, log)
     kit.save(out, NAME, res, log.lines)
