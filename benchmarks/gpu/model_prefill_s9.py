@@ -62,6 +62,39 @@ def main():
     cu = bm._cu(lens)
     slots = np.arange(len(lens), dtype=np.int32)
 
+    def phase2():
+        """The layer's phase 2 alone as the model calls it (gdn_full_varlen over a 64-slot fp32 pool, donated and
+        threaded through the calls, jax_gdn.timing), varlen16 at 80B GDN dims, fresh streams, per route."""
+        from jax_gdn import timing
+        from jax_gdn.config import GdnDims
+        from jax_gdn.state import BatchMeta, GdnSlots
+        d = GdnDims(16, 2, 2, 16, 16) if opts.quick else GdnDims(2048, 16, 32, 128, 128)
+        t = int(sum(lens))
+        r = np.random.default_rng(3)
+        qk = [jnp.asarray(r.standard_normal((t, d.num_k_heads, d.head_k_dim)) / d.head_k_dim ** 0.5, dtype)
+              for _ in range(2)]
+        v = jnp.asarray(r.standard_normal((t, d.num_v_heads, d.head_v_dim)), dtype)
+        g = jnp.asarray(-0.1 * r.random((t, d.num_v_heads)), jnp.float32)
+        beta = jnp.asarray(r.random((t, d.num_v_heads)), dtype)
+        meta = BatchMeta.from_lengths(list(lens), slot_ids=list(range(len(lens))), positions=[0] * len(lens))
+        out = {}
+        for kernel in KERNELS:
+            gdn.PREFILL_KERNEL = kernel
+            fn = jax.jit(lambda pool, q, k, v, g, beta, meta: gdn.gdn_full_varlen(
+                q, k, v, g, beta, GdnSlots(conv_state=jnp.zeros((1,)), ssm_state=pool), meta,
+                backend="xla" if opts.quick else "pallas"),
+                donate_argnums=0)
+
+            def step(pool, fn=fn):
+                o, new, _ = fn(pool, *qk, v, g, beta, meta)
+                return new.ssm_state
+            pool = jnp.zeros((64, d.num_v_heads, d.head_k_dim, d.head_v_dim), jnp.float32)
+            out[kernel] = round(timing.time_threaded(step, pool, "jax"), 4)
+            log(f"phase 2 {kernel}: {out[kernel]} ms")
+        gdn.PREFILL_KERNEL = "auto"
+        res["phase2_ms"] = out
+    kit.guarded("phase2", 20, phase2, res=res, log=log, save=lambda: kit.save(out, NAME, res, log.lines), left=left)
+
     kernels = ("xla",) + KERNELS
     for kernel in kernels:
         def step(kernel=kernel):
@@ -116,6 +149,7 @@ def main():
                 f"{round(r.get('first_call_s') or 0, 1):>8} {r.get('error', '')[:60]}")
         log(f"{kernel:<8} compiled programs {rows.get('compiled_programs')}")
     log(f"logits: {res.get('logits')}")
+    log(f"phase 2 alone (ms): {res.get('phase2_ms')}")
     kit.log_closing(log, res, left)
     kit.save(out, NAME, res, log.lines)
 
