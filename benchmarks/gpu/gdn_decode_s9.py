@@ -2,7 +2,12 @@
 column timed by the common method (``jax_gdn.timing.time_threaded``: groups of ~20 ms of back-to-back calls
 threading the donated pool, one sync a group, the median per call).
 
-    python benchmarks/gpu/gdn_decode_s9.py [--quick] [--budget SECONDS] [--no-tests]   (under $OUT; budget 240)
+    python benchmarks/gpu/gdn_decode_s9.py [--quick] [--budget SECONDS] [--no-tests] [--run 2]   (under $OUT)
+
+--run 1 (budget 240): the set below. --run 2 (budget 160; outputs gdn_decode_s9_r2.*): the gap between the Pallas
+copy and the kernel taken apart (``plan(run=2)``), ``DecodeConfig.prenorm``, and each kernel's registers (its PTX,
+kept by a hook on the Triton compile, through ptxas -v) with ``.maxnreg`` caps (``MAXNREG``) as a diagnostic.
+
 
 Implementations (``plan()``), at N 256 (all), N 64 and N 1 (the XLA copies, the kernel's-shape Pallas copy and the
 kernels), Hk 16, Hv 32, K = V = 128, bf16 q, k, v, beta, fp32 g and pool of S = N slots, ids shuffled
@@ -58,10 +63,34 @@ RESERVE_LAYER = 16.0          # seconds kept for the layer step by the steps bef
 KEEP_TESTS = 25.0             # seconds the timing rounds leave for the layer + tests at least
 
 
-def plan(DC):
+#: run 2: the PTX of these labels gets a ``.maxnreg`` directive (registers per thread) before the driver compiles it
+MAXNREG = {"tri default mx128": 128, "tri default mx160": 160, "tri bv64 w4 mx64": 64, "tri bv64 w4 mx80": 80,
+           "tri prenorm mx128": 128}
+
+
+def plan(DC, run: int = 1):
     """(label, kind, spec, Ns) of each implementation: kind "xla_copy" / "xla_copy_donated" / "pcopy" (spec
-    (block_v, warps, krows, heads, mode)) / "tri" (spec a DecodeConfig); Ns: the case sizes it runs at."""
+    (block_v, warps, krows, heads, mode)) / "tri" (spec a DecodeConfig) / "tri_nol2" (the kernel without its q / k
+    norms: a diagnostic); Ns: the case sizes it runs at. Run 2: the gap between the Pallas copy and the kernel taken
+    apart (diagnostics adding the kernel's pieces to the copy one at a time), the norms moved to XLA (prenorm), and
+    the registers: each kernel's PTX through ptxas (registers, spills) and ``.maxnreg`` caps (``MAXNREG``)."""
     all_n, big = (256, 64, 1), (256,)
+    if run == 2:
+        mid = (256, 64)
+        rows = [("copy", "xla_copy", None, all_n),
+                ("pcopy bv64 w2", "pcopy", (64, 2, 128, 1, "copy"), mid),
+                ("diag loads", "pcopy", (64, 2, 128, 1, "loads"), big),
+                ("diag qknorm", "pcopy", (64, 2, 128, 1, "qknorm"), big),
+                ("diag nodep nol2", "pcopy", (64, 2, 128, 1, "nodep_nol2"), big),
+                ("diag nodep", "pcopy", (64, 2, 128, 1, "nodep"), big),
+                ("diag nol2", "tri_nol2", DC(), mid),
+                ("tri default", "tri", DC(), all_n),
+                ("tri bv64 w4", "tri", DC(num_warps=4), all_n),
+                ("tri prenorm", "tri", DC(prenorm=True), all_n),
+                ("tri prenorm bv64 w4", "tri", DC(prenorm=True, num_warps=4), mid)]
+        rows += [(lb, "tri", DC(num_warps=4 if "w4" in lb else 2, prenorm="prenorm" in lb), mid if "128" in lb else big)
+                 for lb in MAXNREG]
+        return rows
     rows = [("copy", "xla_copy", None, all_n), ("copy donated", "xla_copy_donated", None, all_n)]
     pc = [((64, 2, 128, 1), all_n), ((32, 1, 128, 1), big), ((64, 4, 128, 1), big), ((128, 4, 128, 1), big),
           ((128, 8, 128, 1), big), ((64, 1, 64, 1), big), ((64, 2, 64, 1), big), ((128, 4, 64, 1), big),
@@ -90,12 +119,95 @@ def plan(DC):
     return rows
 
 
+def insert_maxnreg(asm: str, regs: int) -> str:
+    """The PTX with ``.maxnreg regs`` on its (first) kernel entry, before the body's opening brace."""
+    at = asm.find(".entry")
+    brace = asm.find("{", at)
+    if at < 0 or brace < 0:
+        raise ValueError("no .entry in the PTX")
+    return asm[:brace] + f".maxnreg {regs}\n" + asm[brace:]
+
+
+def install_ptx_hook(hook: dict) -> str:
+    """Wraps the Triton compile of Pallas calls (jaxlib > 0.10.2: ``pallas_call_registration.triton.compile`` gives
+    the PTX the runtime loads) so that each kernel's PTX is kept in ``hook["ptx"]`` as (label, ptx), with
+    ``.maxnreg hook["maxnreg"]`` inserted when that is set. Returns what was done (nothing on jax 0.10.2: its
+    lowering hands the Triton IR to XLA instead)."""
+    import types
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as pcr
+    except Exception as e:                              # noqa: BLE001
+        return f"no hook: {type(e).__name__}"
+    real = getattr(pcr, "triton", None)
+    if real is None or not hasattr(real, "compile"):
+        return "no hook: no triton.compile"
+
+    class Proxy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def compile(self, *a, **kw):
+            r = real.compile(*a, **kw)
+            asm = r.asm.decode() if isinstance(r.asm, bytes) else r.asm
+            if hook.get("maxnreg"):
+                asm = insert_maxnreg(asm, hook["maxnreg"])
+                r = types.SimpleNamespace(asm=asm, smem_bytes=r.smem_bytes, hsaco_path=getattr(r, "hsaco_path", None))
+            hook["ptx"].append((hook.get("label"), asm))
+            return r
+    pcr.triton = Proxy()
+    return "hooked"
+
+
+def ptxas_report(ptx_list, out_dir, log):
+    """{label: {"regs", "spill_stores", "spill_loads", "entry"}} of ptxas -v on each kept PTX (the ptxas found on
+    PATH, or triton's bundled one)."""
+    import re
+    import shutil
+    import subprocess
+    exe = shutil.which("ptxas")
+    if exe is None:
+        try:
+            import triton
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+            exe = cand if os.path.exists(cand) else None
+        except Exception:                               # noqa: BLE001
+            exe = None
+    if exe is None:
+        log("  ptxas not found")
+        return {"error": "ptxas not found"}
+    out = {}
+    pdir = os.path.join(out_dir, "ptx")
+    os.makedirs(pdir, exist_ok=True)
+    for i, (label, asm) in enumerate(ptx_list):
+        entry = (re.search(r"\.entry\s+(\w+)", asm) or [None, "?"])[1]
+        target = (re.search(r"\.target\s+(\w+)", asm) or [None, "sm_90a"])[1]
+        key = f"{label} #{i} {entry}"
+        path = os.path.join(pdir, f"k{i}.ptx")
+        with open(path, "w") as f:
+            f.write(asm)
+        try:
+            r = subprocess.run([exe, "-v", f"--gpu-name={target}", path, "-o", os.devnull], capture_output=True,
+                               text=True, timeout=60)
+            txt = r.stdout + r.stderr
+            regs = re.findall(r"Used (\d+) registers", txt)
+            st = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+            out[key] = {"regs": int(regs[-1]) if regs else None,
+                        "spill_stores": int(st[-1][0]) if st else None, "spill_loads": int(st[-1][1]) if st else None,
+                        "rc": r.returncode, "note": "" if regs else txt[-300:]}
+        except Exception as e:                          # noqa: BLE001
+            out[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        log(f"  ptxas {key}: {out[key]}")
+    return out
+
+
 def _pcopy_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_out_ref, *,
                   block_v, krows, heads, mode, scale):
     """A Pallas Triton copy with the decode kernel's launch: grid (V / BV * K / krows, Hv / heads, N), the value
     block fastest; slot lookup, fresh-stream select and dropped writes as the kernel. mode "copy": the block stored
-    as loaded (o not written); "nodep": the kernel's reductions and o (fused form), the state stored as
-    a S + k (beta v)^T (no wait on the reductions; wrong numbers: a diagnostic)."""
+    as loaded (o not written); the diagnostics (wrong numbers on purpose) add the kernel's pieces one at a time:
+    "loads" + q, k, v, g, beta loaded and an o stored (no reduction); "qknorm" + q / k norms and the state stored as
+    a S + k (beta v)^T (k held for the update); "nodep" + the two K reductions and the kernel's o (the store waits
+    on no reduction of the block); "nodep_nol2" the same without the norms."""
     from jax import lax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -122,10 +234,25 @@ def _pcopy_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_
     s = jnp.where(read, pool_in_ref[read_slot, h, :, vs], 0.0)
     q = q_ref[n, 0, hk, :].astype(jnp.float32)
     k = k_ref[n, 0, hk, :].astype(jnp.float32)
-    q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
-    k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
     v = v_ref[n, 0, h, vs].astype(jnp.float32)
     a, beta = jnp.exp(g_ref[n, 0, h].astype(jnp.float32)), beta_ref[n, 0, h].astype(jnp.float32)
+    if mode == "loads":                                 # the copy + the kernel's small loads, no reduction
+        o_ref[n, 0, h, vs] = (a * beta * v).astype(o_ref.dtype)
+
+        @pl.when(in_pool)
+        def _():
+            pool_out_ref[read_slot, h, :, vs] = s
+        return
+    if mode != "nodep_nol2":
+        q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
+        k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    if mode == "qknorm":                                # + the norms and k held for the update, no K reduction
+        o_ref[n, 0, h, vs] = (a * beta * v * jnp.sum(q * k)).astype(o_ref.dtype)
+
+        @pl.when(in_pool)
+        def _():
+            pool_out_ref[read_slot, h, :, vs] = a * s + k[:, None] * (beta * v)[None, :]
+        return
     sk, sq = jnp.sum(k[:, None] * s, axis=0), jnp.sum(q[:, None] * s, axis=0)
     delta = beta * (v - a * sk)
     o_ref[n, 0, h, vs] = (scale * (a * sq + jnp.sum(q * k) * delta)).astype(o_ref.dtype)
@@ -157,16 +284,18 @@ def pcopy_call(xs, pool, ids, has, *, spec, interpret):
 def main():
     ap = kit.arg_parser(__doc__, budget=240.0, test_timeout=40.0,
                         quick_help="CPU smoke run at tiny sizes (interpret mode)")
+    ap.add_argument("--run", type=int, default=1, choices=(1, 2), help="which set (see plan())")
     args, out, left = kit.parse(ap, T0, cpu_quick=True)
     quick = args.quick
+    name = NAME if args.run == 1 else f"{NAME}_r{args.run}"
     res = {"quick": quick, "budget_s": args.budget, "configs": {}, "kernel": {}, "numerics": [], "layer": {},
            "compile_s": {}, "skipped": [], "errors": []}
 
     def save():
-        kit.save(out, NAME, res, log.lines)
+        kit.save(out, name, res, log.lines)
 
     def table():
-        log(f"\n==== {NAME} (ms per call, common method: groups of ~20 ms threaded calls, median; 3 rotated rounds) ====")
+        log(f"\n==== {name} (ms per call, common method: groups of ~20 ms threaded calls, median; 3 rotated rounds) ====")
         for case, rows in res["kernel"].items():
             copy = rows.get("copy", {}).get("median")
             dflt = rows.get("tri default", {}).get("rounds", [])
@@ -190,6 +319,10 @@ def main():
                     wins = f"{sum(m < t for m, t in zip(r['rounds'], dflt))}/{min(len(dflt), len(r['rounds']))}"
                     r["wins"] = wins
                 log(f"  {label:20s} {ms}{med:7.4f} {pct:5.1f} {xc} {wins:>4s} {ntxt}")
+        if isinstance(res.get("ptxas"), dict) and res["ptxas"]:
+            log(f"registers per thread (ptxas -v on each kernel's PTX; hook: {res.get('ptx_hook')})")
+            for key, v in res["ptxas"].items():
+                log(f"  {key[:60]:60s} {v}")
         lay = res["layer"]
         if lay.get("variants"):
             log(f"layer (gdn_layer_decode fused, raw gates; N {lay.get('N')} over S {lay.get('S')}; ms per round; "
@@ -232,8 +365,18 @@ def main():
     dev = jax.devices()[0]
     res.update(device=str(getattr(dev, "device_kind", dev.platform)), jax=jax.__version__)
     log(f"device {res['device']} jax {jax.__version__} ({left.elapsed():.0f} s)")
-    impls = plan(decode.DecodeConfig)
-    if quick:
+    impls = plan(decode.DecodeConfig, args.run)
+    res["run"] = args.run
+    hook = {"ptx": []}
+    res["ptx_hook"] = install_ptx_hook(hook) if args.run == 2 else "off"
+    log(f"ptx hook: {res['ptx_hook']}")
+    if quick and args.run == 2:
+        impls = [x for x in impls if x[0] in ("copy", "pcopy bv64 w2", "diag loads", "diag qknorm", "diag nodep nol2",
+                                               "diag nol2", "tri default", "tri prenorm", "tri default mx128")]
+        cases = {256: Case("quick-N6-Hk1-Hv2", 6, 1, 1, 2, 128, 128), 64: Case("quick-N4-Hk1-Hv2", 4, 1, 1, 2, 128, 128),
+                 1: Case("quick-N1-Hk1-Hv2", 1, 1, 1, 2, 128, 128)}
+        timing = dict(warmup=1, groups=2, per_group=2)
+    elif quick:
         keep = ("copy", "copy donated", "pcopy bv64 w2", "pcopy bv64 w2 k64", "pcopy bv64 w4 h2", "diag nodep",
                 "tri default", "tri early", "tri h2 bv64 w4", "tri h2 bv64 w4 early", "tri rs4", "tri rs4 early")
         impls = [x for x in impls if x[0] in keep]
@@ -255,8 +398,8 @@ def main():
             return jax.jit(lambda p, ids, has: pcopy_call(xs, p, ids, has, spec=spec, interpret=quick),
                            donate_argnums=0)
         return jax.jit(lambda p, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
-            *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, interpret=quick,
-            config=spec), donate_argnums=0)
+            *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=kind == "tri",
+            interpret=quick, config=spec), donate_argnums=0)
 
     state = {}
 
@@ -277,6 +420,7 @@ def main():
                 continue
             t = time.time()
             try:
+                hook.update(label=f"{case.name} {label}", maxnreg=MAXNREG.get(label))
                 fn = step_fn(st["xs"], kind, spec)
                 jax.block_until_ready(fn(jnp.array(st["pool"], copy=True), st["ids"], st["has"]))
                 st["fns"][label] = (kind, fn)
@@ -287,6 +431,8 @@ def main():
                 res["errors"].append(f"build {case.name} {label}: {type(e).__name__}: {str(e)[:800]}")
                 log(f"  FAIL build {case.name} {label}: {type(e).__name__}: {str(e)[:600]}")
                 traceback.print_exc()
+            finally:
+                hook.update(label=None, maxnreg=None)
         save()
 
     def one_round(r, case_name, need):
@@ -363,9 +509,9 @@ def main():
                         zeros = bool((p[f_d] == 0).all()) if len(fresh) else True
                         o_rel, state_rel = 0.0, 0.0 if (same and zeros) else 1.0
                         ok = state_rel == 0 and untouched_same and in_place
-                    elif kind == "pcopy":                       # diagnostic: o only (the state is wrong on purpose)
+                    elif label.startswith("diag"):              # wrong numbers on purpose: where it writes only
                         o_rel, state_rel = rel_dev(o, o_ref), float("nan")
-                        ok = o_rel < 1e-2 and untouched_same and in_place
+                        ok = untouched_same and in_place
                     else:
                         o_rel, state_rel = rel_dev(o, o_ref), rel_dev(p[w_d], p_ref_w)
                         finite = bool(jnp.isfinite(o.astype(jnp.float32)).all())
@@ -403,9 +549,10 @@ def main():
         lay = res["layer"]
         lay.update(dims=str(dims), N=n, S=s)
         cfg_of = {lb: spec for lb, kind, spec, _ in impls if kind == "tri"}
-        labels = ["tri default"] + candidates()
+        hook.update(label="layer", maxnreg=None)
+        labels = ["tri default"] + (candidates() if args.run == 1 else ["tri bv64 w4"])
         if quick:
-            labels = ["tri default", "tri h2 bv64 w4"]
+            labels = ["tri default", "tri h2 bv64 w4" if args.run == 1 else "tri prenorm"]
         lay["labels"] = labels
         params = gdn.init_params(dims, jax.random.PRNGKey(0), dt, randomize_norms=True)
         rng = np.random.default_rng(3)
@@ -475,14 +622,21 @@ def main():
     for r in range(1, ROUNDS):
         for c in names:
             guarded(f"round {r + 1} {c}", need + 1, lambda r=r, c=c: one_round(r, c, need))
+    if args.run == 2:
+        def registers():
+            res["ptxas"] = ptxas_report([x for x in hook["ptx"] if x[0] and "N256" in str(x[0]) or
+                                         x[0] == "layer"], out, log)
+        guarded("ptxas", 10, registers)
     guarded("layer", 12, layer)
     state.clear()
     if not args.no_tests:
         def tests():
             pytest_args = ["-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider", TEST_FILE]
+            if args.run == 2:                                   # run 1 passed the others
+                pytest_args += ["-k", "prenorm or w4 or in_place"]
             t = max(min(args.test_timeout, left() - 3), 5)
             log(f"== GPU tests (timeout {t:.0f} s): -m pytest {' '.join(pytest_args)}")
-            child = kit.run_tests(pytest_args, quick=quick, timeout=t, log_path=os.path.join(out, f"{NAME}_tests.log"))
+            child = kit.run_tests(pytest_args, quick=quick, timeout=t, log_path=os.path.join(out, f"{name}_tests.log"))
             child.record(res, log)
             for ln in child.lines:
                 if "FIGURE" in ln:

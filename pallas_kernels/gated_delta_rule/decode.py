@@ -74,11 +74,21 @@ class DecodeConfig:
     heads: value heads per program (a power of two dividing Hv / Hk, so they share one key head: q and k are loaded
       and normalised once, and the heads' [K, BV] blocks are loaded as one [heads, K, BV] block before any
       reduction); grid (V / BV, Hv / heads, N) or (N, Hv / heads, V / BV); the grid form only (programs 0,
-      row_block 0; load_hint does not apply). 1: one head (session 9 sweep, NOTES.md
-      "Session 9: decode at HBM speed").
+      row_block 0; load_hint does not apply). Off (1): slower on the H200 (N256-Hv32: 2 heads BV 64 4 warps 0.312 ms,
+      BV 32 2 warps 0.330, BV 128 8 warps 0.379, against the default's 0.298; NOTES.md "Session 9: decode at HBM
+      speed", benchmarks/logs/s9/gdn_decode_s9_run1.log).
     row_split: 1, the block loaded as one [K, BV] tensor; R > 1 (dividing K; T = 1 and heads 1 only, other calls
-      run the default form; load_hint does not apply): loaded as R [K / R, BV] row slices, every slice's load issued before the first partial
-      K reduction, each slice updated and stored after delta (session 9 sweep).
+      run the default form; load_hint does not apply): loaded as R [K / R, BV] row slices, every slice's load
+      issued before the first partial K reduction, each slice updated and stored after delta. Off: slower
+      (N256: R 2 0.313, R 4 0.316 ms).
+    early_store: T = 1 only (other T as before): the new state is stored as soon as S^T k and delta are known, and
+      S^T q (the second K reduction) and o come after the store in program order, so the store does not wait on the
+      second reduction and o's store (the fused-output numbers; the plain, heads and row_split forms). Off: no
+      faster (N256: 0.2998 against 0.2982; the store's wait is not the cost, see ``diag nodep`` in NOTES.md).
+    prenorm: with use_qk_l2norm, q and k are L2-normalised in fp32 by XLA before the kernel (one small fusion over
+      N Hk K elements; the kernel gets fp32 q, k and runs without its per-program norm reductions); the same
+      numbers up to fp32 rounding. Applies to ``fused_recurrent_gated_delta_rule_slots_fwd`` (the entry point), not
+      to ``fused_recurrent_slots``.
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
@@ -96,6 +106,7 @@ class DecodeConfig:
     heads: int = 1
     row_split: int = 1
     early_store: bool = False
+    prenorm: bool = False
 
 
 #: DecodeConfig.load_hint: "" (plain load, then a select for fresh streams), "masked" (masked load: no bytes for a
@@ -548,6 +559,12 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
     return call(*operands.values())
 
 
+def _l2_normalize(x):
+    """x * rsqrt(sum x^2 + 1e-6) over the last axis in fp32 (the kernel's in-kernel form), returned in fp32."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: DecodeConfig = None, raw_gates: RawGates | None = None):
@@ -581,6 +598,9 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
     if padded:
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
     cfg = config or decode_config(n, hv, kp, vp)
+    if use_qk_l2norm and cfg.prenorm:                  # one small XLA fusion; the kernel runs without the norms
+        q, k = _l2_normalize(q), _l2_normalize(k)
+        use_qk_l2norm = False
 
     gate_arrays = () if raw_gates is None else (raw_gates.a_log, raw_gates.dt_bias)
 

@@ -88,14 +88,15 @@ CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf
                                                                              v_fastest=False)] + [  # row slices
            decode.DecodeConfig(block_v=16, early_store=True), decode.DecodeConfig(block_v=16, early_store=True,
                                                                                   load_hint="masked"),
-           decode.DecodeConfig(block_v=16, row_split=4, early_store=True)]     # the state stored before S^T q
+           decode.DecodeConfig(block_v=16, row_split=4, early_store=True)] + [  # the state stored before S^T q
+           decode.DecodeConfig(block_v=16, prenorm=True)]                       # q, k normalised by XLA first
 
 
 def _config_id(c):
     return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}" + (
         f"-{c.load_hint}" if c.load_hint else "") + (f"-rb{c.row_block}" if c.row_block else "") + (
         f"-h{c.heads}" if c.heads > 1 else "") + (f"-rs{c.row_split}" if c.row_split > 1 else "") + (
-        "-early" if c.early_store else "")
+        "-early" if c.early_store else "") + ("-prenorm" if c.prenorm else "")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -307,10 +308,12 @@ def test_gpu_decode_in_place(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [decode.DecodeConfig(heads=2, num_warps=4), decode.DecodeConfig(row_split=4),
                                     decode.DecodeConfig(heads=2, block_v=32), decode.DecodeConfig(early_store=True),
-                                    decode.DecodeConfig(heads=2, num_warps=4, early_store=True)], ids=_config_id)
+                                    decode.DecodeConfig(heads=2, num_warps=4, early_store=True),
+                                    decode.DecodeConfig(prenorm=True), decode.DecodeConfig(num_warps=4)],
+                         ids=_config_id)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_gpu_decode_configs_match_f64(config, dtype):
-    """Session 9's launch variants (DecodeConfig.heads, row_split, early_store) on the GPU at K = V = 128, Qwen3-Next heads,
+    """Session 9's launch variants (DecodeConfig.heads, row_split, early_store, prenorm, 4 warps) on the GPU at K = V = 128, Qwen3-Next heads,
     against the float64 loop: ids -1 and S, fresh streams, the pool donated."""
     jax.config.update("jax_default_matmul_precision", "highest")
     n, s = 24, 32
