@@ -1,31 +1,33 @@
 """B1-T8192-Hk2-Hv8 at or under jla (issue 14, session 9, helper S9; pallas_kernels/gated_delta_rule/mosaic_gpu.py's
 MosaicConfig split fields and mosaic_gpu_split.py's first piece from h0, NOTES.md "Session 9: the Hk2-Hv8 row").
 
-    python benchmarks/gpu/gdn_dense_s9.py [--quick] [--budget S] [--test-timeout S] [--no-tests] [--others]
-                                          [--workers W] [--only K,...]
+    python benchmarks/gpu/gdn_dense_s9.py [--quick] [--plan 1|2] [--budget S] [--test-timeout S] [--no-tests]
+                                          [--others] [--workers W] [--only K,...]
     (writes $OUT/gdn_dense_s9.{json,log}; OUT=/tmp/out)
 
-0. The GPU tests of the split options (tests/pallas_kernels/test_gdn_mosaic_gpu.py: the map kernel from h0 against
-   its twin, the op split with first="h0" / the XLA serial scan / P = 3, 5, 6 against float64 at weak decay) start
-   FIRST in a child process, while this process compiles; the timing waits for the child (--test-timeout from
-   the start, then it is killed), so the GPU is quiet while timing.
-1. B1-T8192-Hk2-Hv8 (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state out): jla
-   (``jax_gdn.bench._jla_impl``), our dense entry with ``mosaic_gpu.DEFAULT_CONFIG`` ("default": P = 4, map from
-   [I | 0], Triton scan) and variants (``pP`` pieces = P, ``.serial`` split_scan "serial" (jla's dense scan),
-   ``.h0`` split_first "h0": piece 0 walked from h0, no identity blocks on it, one scan product less, ``.tf32``
-   split_precision "default": the scan's products in tf32), each a
-   jitted ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it. --others: the other four dense rows'
-   default and jla too (a regression check when a change touches shared code). Compiled in a thread pool (what
-   the deadline leaves uncompiled is skipped), timed in 3 interleaved rounds (order rotated and reversed), every
-   cell with ``jax_gdn.bench.time_jax`` in this one process.
+0. GPU tests (tests/pallas_kernels/test_gdn_mosaic_gpu.py) start FIRST in a child process, while this process
+   compiles; the timing waits for the child (--test-timeout from the start, then it is killed), so the GPU is
+   quiet while timing. Plan 1: the map kernel from h0 against its twin, the op split with first="h0" / the XLA
+   serial scan / P = 3, 5, 6 against float64 at weak decay; plan 2: op_fwd's new defaults and the split at P = 2,
+   4, 8 against float64 at weak decay, the split variants agree, the tf32 scan at P = 5.
+1. Plan 1 (run 1): B1-T8192-Hk2-Hv8 (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state
+   out): jla (``jax_gdn.bench._jla_impl``), our dense entry with ``mosaic_gpu.DEFAULT_CONFIG`` ("default") and
+   variants (``pP`` pieces = P, ``.serial`` split_scan "serial" (jla's dense scan), ``.h0`` split_first "h0":
+   piece 0 walked from h0, no identity blocks on it, one scan product less), each a jitted
+   ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it; --others adds the other four dense rows'
+   default and jla. Plan 2 (run 2, after FIRST = "h0" and SCAN = "auto"): all five dense rows, jla and the new
+   default, and on the split rows session 8's split ("s8": first piece mapped from [I | 0], Triton scan) and the
+   Triton / tf32 scans with the first piece from h0. Compiled in a thread pool (what the deadline leaves
+   uncompiled is skipped), timed in 3 interleaved rounds (order rotated and reversed), every cell with
+   ``jax_gdn.bench.time_jax`` in this one process.
 2. Numerics of every timed variant against the XLA backend in fp32 (precision highest): o and final state relative
    RMS (bf16 bound 1e-2), o finite.
 3. The launches of each compiled op (non-trivial instructions of the optimized HLO's entry computation: fusions,
    custom calls (the kernels), copies, ...), so the glue is counted.
-4. Parts at P = 4 and 5 where the budget allows (separate jitted calls, so each carries a dispatch): prep (glue +
-   kkt), the map pass from [I | 0] and from h0, the Triton / serial scans, the fused pass.
+4. Parts at P = 4 (and 5 in plan 1) where the budget allows (separate jitted calls, so each carries a dispatch):
+   prep (glue + kkt), the map pass from [I | 0] and from h0, the Triton / serial scans, the fused pass.
 A table is printed last: each variant's median over the rounds, its ratio to jla, and in how many rounds it beat
-the default and jla (same round). --quick: CPU, a tiny row, the jnp twins (impl="reference"), no jla.
+the default and jla (same round). --quick: CPU, tiny rows, the jnp twins (impl="reference"), no jla.
 """
 from __future__ import annotations
 
@@ -63,6 +65,19 @@ VARIANTS = [
     ("p6.h0", dict(pieces=6, split_first="h0")),
     ("p8", dict(pieces=8)),
 ]
+#: --plan 2 (after run 1 set FIRST = "h0", SCAN = "auto"): per row, the variants beside jla and the new default;
+#: "s8" is session 8's split (first piece mapped from [I | 0], the Triton scan at every P)
+S8 = dict(split_first="map", split_scan="triton")
+VARIANTS_2 = {
+    ROW: [("s8", S8), ("p4.h0.triton", dict(split_scan="triton")),
+          ("p4.h0.triton.tf32", dict(split_scan="triton", split_precision="default")),
+          ("p4.h0.serial.tf32", dict(split_scan="serial", split_precision="default"))],
+    "B1-T8192-Hk16-Hv32": [("s8", S8), ("p2.h0.triton", dict(split_scan="triton"))],
+    "B1-T32768-Hk16-Hv32": [("s8", S8)],
+}
+TEST_IDS_2 = ["test_gpu_default_config_matches_f64[4000-2-4]", "test_gpu_default_config_matches_f64[130-3-1]"] + [
+    f"test_gpu_split_op_weak_decay_matches_f64[{i}]" for i in ("1000-2-True", "1000-4-True", "1000-8-True")] + [
+    "test_gpu_split_variants_agree", "test_gpu_split_options_weak_decay_matches_f64[5-triton-h0-default]"]
 TRIVIAL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant"}
 
 
@@ -90,6 +105,9 @@ def main():
     ap.add_argument("--others", action="store_true", help="also the other four dense rows' default and jla")
     ap.add_argument("--workers", type=int, default=8, help="compile threads (1: serial)")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--plan", default="2", choices=("1", "2"),
+                    help="1: run 1's sweep at Hk2-Hv8; 2: the new defaults (FIRST h0, SCAN auto) on all five rows "
+                         "against session 8's split")
     opts, out_dir, left = kit.parse(ap, T_START, cpu_quick=True)
     quick = opts.quick
     result = {"quick": quick, "budget_s": opts.budget, "rows": [], "errors": [], "skipped": []}
@@ -97,7 +115,7 @@ def main():
     # ---- the GPU tests start first, in a child (they compile while we compile) ---------------------------------
     child = None
     if not opts.no_tests:
-        ids = QUICK_TEST_IDS if quick else TEST_IDS
+        ids = QUICK_TEST_IDS if quick else TEST_IDS if opts.plan == "1" else TEST_IDS_2
         args = ["-v", "-p", "no:randomly", "-p", "no:cacheprovider"] + [TEST_FILE + i for i in ids]
         child = kit.ChildTests.start(args, quick=quick)
         log(f"== GPU tests: {len(ids)} started in a child process (killed at {opts.test_timeout:.0f} s from start)")
@@ -119,17 +137,24 @@ def main():
     log(f"device {result['device']} jax {jax.__version__}; default {mg.DEFAULT_CONFIG}; {left():.0f} s left")
     if quick:
         cases = {ROW: Case("quick-B1-T1024-Hk1-Hv2-K16-V16", 1, 1024, 1, 2, 16, 16)}
-        if opts.others:
+        if opts.others or opts.plan == "2":
             cases[OTHERS[0]] = Case("quick-B2-T130-Hk1-Hv2-K16-V16", 2, 130, 1, 2, 16, 16)
         timer = lambda fn, args: time_jax(fn, args, warmup=1, groups=1, per_group=1)   # noqa: E731
         impl = "reference"
     else:
-        names = [ROW] + (OTHERS if opts.others else [])
+        names = [ROW] + (OTHERS if opts.others or opts.plan == "2" else [])
         cases = {n: next(c for c in BENCH_CASES if c.lens is None and c.name.startswith(n)) for n in names}
         timer = lambda fn, args: time_jax(fn, args, groups=9)   # noqa: E731 (x 3 rounds: 27 groups)
         impl = "mosaic"
     kernel = impl == "mosaic"
-    variants = [v for v in VARIANTS if not opts.only or v[0] in opts.only.split(",")]
+    quick_rows = {ROW: ROW, OTHERS[0]: "B1-T8192-Hk16-Hv32"}      # --quick: the split variants on both rows
+
+    def row_variants(name):
+        if opts.plan == "1":
+            vs = VARIANTS if name == ROW else []
+        else:
+            vs = VARIANTS_2.get(quick_rows.get(name, name) if quick else name, [])
+        return [v for v in vs if not opts.only or v[0] in opts.only.split(",")]
 
     def op(cfg):
         def fn(q, k, v, g, beta, h0):
@@ -173,9 +198,7 @@ def main():
                 result["errors"].append(f"{case.name} jla: {type(e).__name__}: {str(e)[:300]}")
         jobs.append((name, "default", op(mg.DEFAULT_CONFIG), args, 0))
         row["configs"]["default"] = dataclasses.asdict(mg.DEFAULT_CONFIG)
-        if name != ROW:
-            continue
-        for tier, (key, over) in enumerate(variants, start=1):
+        for tier, (key, over) in enumerate(row_variants(name), start=1):
             cfg = dataclasses.replace(mg.DEFAULT_CONFIG, **over)
             row["configs"][key] = dataclasses.asdict(cfg)
             jobs.append((name, key, op(cfg), args, tier))
@@ -289,7 +312,7 @@ def main():
     save()
 
     # ---- parts at P = 4 and 5 ------------------------------------------------------------------------------------
-    for p in (4, 5):
+    for p in ((4, 5) if opts.plan == "1" else (4,)):
         kit.guarded(f"parts P={p}", 12, lambda p=p: parts(cases[ROW], rows[ROW], p, quick), left=left, log=log,
                     res=result, save=save)
     finish_tests()

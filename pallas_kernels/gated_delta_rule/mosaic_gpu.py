@@ -31,8 +31,9 @@ Two kernels and a little XLA glue:
   * the sequence split (step 3, jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces``): where
     B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
     from one state-map pass over pieces 0 .. P - 2 (a piece's map is affine, S_end = M S_start + E:
-    ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place) and a scan
-    over the pieces (``mosaic_gpu_split.piece_scan``: one Pallas Triton launch by default, or XLA).
+    ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place; the first
+    piece walked from the initial state itself) and a scan over the pieces (``mosaic_gpu_split.piece_scan``:
+    XLA's unrolled products up to 4 pieces, one Pallas Triton launch above).
 
 Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
@@ -890,18 +891,24 @@ SPLIT_PER_PIECE = 5.8
 MAX_SPLIT_CTAS = 64
 
 
+def _first_from_h0() -> bool:
+    from pallas_kernels.gated_delta_rule import mosaic_gpu_split
+    return mosaic_gpu_split.FIRST == "h0"
+
+
 def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
                sms: int | None = None, *, has_h0: bool = True) -> float:
     """The split's time model in fused-pass chunk steps (one CTA per SM at K = 128): the fused pass runs
     ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(CTAs / SMs) waves of as
     many steps at SPLIT_MAP_STEP each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV identity
-    blocks without an initial state), plus SPLIT_FIXED + SPLIT_PER_PIECE (P - 1) for the launch and the scan."""
+    blocks without an initial state or with ``mosaic_gpu_split.FIRST = "h0"``), plus SPLIT_FIXED + SPLIT_PER_PIECE
+    (P - 1) for the launch and the scan."""
     sms = _num_sms() if sms is None else sms
     steps = -(-nchunks // pieces)
     cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
     if pieces > 1:
         ctas = batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1)
-        if not has_h0:
+        if not has_h0 or _first_from_h0():
             ctas -= batch * heads * (key_dim // BV)
         cost += -(-ctas // sms) * steps * SPLIT_MAP_STEP + SPLIT_FIXED + SPLIT_PER_PIECE * (pieces - 1)
     return cost
@@ -1024,7 +1031,7 @@ class MosaicConfig:
     it; unsplit rows only, the split keeps its transposed start states).
     split_chain: at P = 2, piece 1's start state from one state-only pass over piece 0 from the initial state (no
     state map M, no scan: ``mosaic_gpu_split.start_states(map_impl="chain")``); other P ignore it.
-    split_scan: the split's piece scan, "serial" / "log" / "triton" (None: ``mosaic_gpu_split.SCAN``).
+    split_scan: the split's piece scan, "serial" / "log" / "triton" / "auto" (None: ``mosaic_gpu_split.SCAN``).
     split_first: the split's first piece with an initial state, "map" (from [I | 0]) or "h0" (walked from h0
     itself; None: ``mosaic_gpu_split.FIRST``).
     split_precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32) (None:
@@ -1048,8 +1055,9 @@ class MosaicConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
         from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms
-        if self.split_scan is not None and self.split_scan not in ms.SCANS:
-            raise ValueError(f"MosaicConfig.split_scan must be None or one of {ms.SCANS}; got {self.split_scan!r}")
+        if self.split_scan is not None and self.split_scan not in ms.SCAN_CHOICES:
+            raise ValueError(f"MosaicConfig.split_scan must be None or one of {ms.SCAN_CHOICES}; "
+                             f"got {self.split_scan!r}")
         if self.split_first is not None and self.split_first not in ms.FIRSTS:
             raise ValueError(f"MosaicConfig.split_first must be None or one of {ms.FIRSTS}; "
                              f"got {self.split_first!r}")
@@ -1069,7 +1077,11 @@ class MosaicConfig:
 #:   exp2=True: log2 gates and exp2 (jla's form): B16 kv 0.359 -> 0.354, B4 kv 0.337 -> 0.334, Hk2-Hv8 P = 4
 #:     0.1436 -> 0.1422; numerics unchanged (o 3.39e-3, state 2.4e-3 relative RMS against fp32 XLA);
 #:   split_chain=False: P = 2 through one state-only fused pass over piece 0 lost to the map kernel + scan every
-#:     round (0.270 against 0.2585; 1.003 against 0.928).
+#:     round (0.270 against 0.2585; 1.003 against 0.928);
+#:   split_scan / split_first / split_precision None: mosaic_gpu_split's SCAN ("auto": XLA's serial scan up to 4
+#:     pieces, Triton above), FIRST ("h0": the first piece walked from the initial state) and SCAN_PRECISION
+#:     (IEEE fp32). Session 9, run 1 (B1-T8192-Hk2-Hv8, P = 4, 3 rounds): first "h0" + serial 0.1307, first "h0"
+#:     + Triton 0.1321, session 8's (map + Triton) 0.1429; jla 0.1372.
 DEFAULT_CONFIG = MosaicConfig()
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,

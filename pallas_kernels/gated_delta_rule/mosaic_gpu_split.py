@@ -20,13 +20,16 @@ where a piece maps s -> s M_p^T + E_p^T.
     [I | 0] start states in HBM). No output warpgroup and no q: WG0 the chain (W = v - Gamma k S,
     v_new = Ag W, S <- e^G_last S + (e^(G_last - G) v_new)^T k), WG1 forms Ag = T0 e^(G_i - G_j) beta_j in SMEM,
     WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
-    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then). ``PAIRED``: two blocks per
-    CTA (jla's ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where
-    that saves a wave.
+    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then); with one and ``FIRST = "h0"``
+    (the default since session 9) likewise, and the first piece's value blocks start from h0's rows, so they
+    carry piece 1's true start (no M_0 needed). ``PAIRED``: two blocks per CTA (jla's ``_map_fwd_wy_paired``,
+    :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where that saves a wave.
   * :func:`piece_scan`: "serial" (jla's unrolled XLA scan: P - 2 dependent [V, K] x [K, K] products, the first
-    taken as E_0^T without an initial state), "log" (XLA, Hillis-Steele prefix compositions, ceil(log2(P - 1))
-    batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the transposed layout) or "triton"
-    (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel); products in SCAN_PRECISION.
+    taken as E_0^T without an initial state or with ``FIRST = "h0"``), "log" (XLA, Hillis-Steele prefix
+    compositions, ceil(log2(P - 1)) batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the
+    transposed layout) or "triton"
+    (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel); products in SCAN_PRECISION; ``SCAN =
+    "auto"``: serial up to SERIAL_MAX_PIECES pieces, Triton above.
   * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
 
 ``MAP`` "fused" keeps session 6's map (the fused kernel with ``write_o=False`` over [0 | v] from [I | 0], every
@@ -49,14 +52,17 @@ F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 MAPS = ("map", "paired", "fused", "chain")
 SCANS = ("serial", "log", "triton")
+SCAN_CHOICES = SCANS + ("auto",)
 #: the start states' map pass: "map" (:func:`state_map_pass`), "paired" (the same, two blocks per CTA) or "fused"
 #: (session 6: the fused kernel over [0 | v])
 MAP = "map"
-#: the scan over the pieces: "serial" (jla's unrolled form), "log" (log-depth compositions) or "triton" (one Pallas
-#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched).
-#: "triton" from the H200 (session 7, call 4, B1-T8192-Hk2-Hv8, P = 8, each alone): 0.059 against the XLA serial
-#: scan's 0.095-0.099 and the log scan's 0.086; in the op 0.140 against 0.159 with the serial scan.
-SCAN = "triton"
+#: the scan over the pieces: "serial" (jla's unrolled form), "log" (log-depth compositions), "triton" (one Pallas
+#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched) or
+#: "auto": "serial" up to SERIAL_MAX_PIECES pieces, "triton" above. H200, B1-T8192-Hk2-Hv8: at P = 8 "triton" (session
+#: 7, call 4: the op 0.140 against 0.159 serial); at P = 4 "serial" (session 9, run 1, 3 interleaved rounds: the op
+#: 0.1307 against 0.1321 with the first piece from h0, 0.1369 against 0.1429 without; each won 3/3).
+SCAN = "auto"
+SERIAL_MAX_PIECES = 4
 #: the scan's matmul precision: "highest" (IEEE fp32), "high" (bf16 x 3 on the tensor cores) or "default" (tf32).
 #: On the H200 the precision barely moved the scans (XLA serial 0.099 / 0.096 / 0.095, Triton 0.059 / - / 0.055):
 #: they are latency bound, so the states keep IEEE fp32.
@@ -72,8 +78,10 @@ PAIRED_STEP = 1.86
 FIRSTS = ("map", "h0")
 #: the first piece of a row with an initial state (session 9): "map" maps it from [I | 0] like the others (its M_0
 #: then multiplies h0 in the scan), "h0" walks it from h0 itself (``state_map_pass(h0t=...)``: its identity blocks
-#: walk nothing, B Hv K / 64 fewer busy CTAs, one scan product less; jla maps it from [I | 0]). "map" until timed.
-FIRST = "map"
+#: walk nothing, B Hv K / 64 fewer busy CTAs, one scan product less; jla maps it from [I | 0]). "h0" from the H200
+#: (session 9, run 1, B1-T8192-Hk2-Hv8, P = 4, 3 interleaved rounds): the op 0.1321 against 0.1429 (Triton scan),
+#: 0.1307 against 0.1369 (serial scan), each 3/3; jla 0.1372.
+FIRST = "h0"
 
 
 def use_pairs(ctas: int, key_dim: int, value_dim: int, paired=None, sms: int | None = None) -> bool:
@@ -494,8 +502,9 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
 
     maps_t [B, R, Hv, K + V, K] ([M_p^T ; E_p^T], R = P - 1); h0t [B, Hv, V, K] the initial state transposed, or
     None (zeros: then M_0 is not read and may hold anything finite). Start of piece p + 1 = S_p M_p^T + E_p^T.
-    ``method`` "serial": R - 1 dependent products (jla's unrolled scan); "log": the prefix compositions in
-    ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b + [0 ; B_b]), then one apply.
+    ``method`` (not "auto": :func:`start_states` resolves it) "serial": R - 1 dependent products (jla's unrolled
+    scan); "log": the prefix compositions in ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b
+    + [0 ; B_b]), then one apply.
     "triton": :func:`piece_scan_triton` (``interpret``: Pallas interpret mode, the CPU tests). ``precision``: a key
     of PRECISIONS (default SCAN_PRECISION). ``first_end`` (maps from :func:`state_map_pass` with ``h0t``): rows K:
     of piece 0 already hold piece 1's start (M_0 = 0): "serial" and "triton" take it without the product, "log"
@@ -612,13 +621,15 @@ def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: boo
     ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
     (paired where PAIRED says), "paired" always paired, "fused" session 6's, "chain" (P = 2 only, session 8): piece
     1's start state is piece 0's end, from one state-only pass of the fused kernel (``write_o=False``) over piece 0
-    from the initial state itself (B Hv V / 64 CTAs, no M, no scan); ``scan`` (default SCAN) and its
-    ``precision`` (default SCAN_PRECISION); ``first`` (default FIRST; "map" and "paired" maps): "h0" runs the first
-    piece from the initial state (:func:`state_map_pass` with ``h0t``: no identity blocks walk piece 0, and the
-    scan skips one product), "map" maps it from [I | 0] like the others; without an initial state both are the
-    same (M_0 is skipped)."""
+    from the initial state itself (B Hv V / 64 CTAs, no M, no scan); ``scan`` (default SCAN; "auto": "serial" up
+    to SERIAL_MAX_PIECES pieces, else "triton") and its ``precision`` (default SCAN_PRECISION); ``first``
+    (default FIRST; "map" and "paired" maps): "h0" runs the first piece from the initial state
+    (:func:`state_map_pass` with ``h0t``: no identity blocks walk piece 0, and the scan skips one product), "map"
+    maps it from [I | 0] like the others; without an initial state both are the same (M_0 is skipped)."""
     map_impl = MAP if map_impl is None else map_impl
     scan = SCAN if scan is None else scan
+    if scan == "auto":
+        scan = "serial" if pieces <= SERIAL_MAX_PIECES else "triton"
     first = FIRST if first is None else first
     if map_impl not in MAPS:
         raise ValueError(f"start_states: map_impl must be one of {MAPS}; got {map_impl!r}")

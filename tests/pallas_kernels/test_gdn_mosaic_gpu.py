@@ -43,7 +43,10 @@ def test_defaults():
     assert mg.ENABLED is True and mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
     # session 8's measured choices (NOTES.md): states in [B, Hv, K, V] inside the pass, exp2, the split's map + scan
     assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
-                                                split_chain=False)
+                                                split_chain=False, split_scan=None, split_first=None)
+    # session 9 (NOTES.md "Session 9: the Hk2-Hv8 row"): the split's first piece from h0, XLA's scan up to P = 4
+    from pallas_kernels.gated_delta_rule import mosaic_gpu_split
+    assert (mosaic_gpu_split.FIRST, mosaic_gpu_split.SCAN, mosaic_gpu_split.SERIAL_MAX_PIECES) == ("h0", "auto", 4)
     with pytest.raises(ValueError, match="stage1a"):
         mg.MosaicConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="pieces"):
@@ -848,3 +851,24 @@ def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first, prec):
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.parametrize("pieces,want", [(4, "serial"), (8, "triton")])
+def test_split_scan_auto_resolves_by_pieces(monkeypatch, pieces, want):
+    """scan="auto" (the default SCAN) runs the XLA serial scan up to SERIAL_MAX_PIECES pieces and the Triton kernel
+    above (a stand-in piece_scan records the method)."""
+    case = Case("cpu-B1-T1024-Hk1-Hv2-K16-V8", 1, 1024, 1, 2, 16, 8)
+    _, ops_ = _split_operands(case, pieces, seed=2)
+    seen = []
+    real = ms.piece_scan
+
+    def spy(*a, method="serial", **kw):
+        seen.append(method)
+        return real(*a, method=method, **kw)
+    monkeypatch.setattr(ms, "piece_scan", spy)
+    ms.start_states(ops_, pieces, kernel=False, head_major=True, scan="auto")
+    ms.start_states(ops_, pieces, kernel=False, head_major=True)
+    assert seen == [want, want]
+    with pytest.raises(ValueError, match="split_scan"):
+        mg.MosaicConfig(split_scan="fast")
+    assert mg.MosaicConfig(split_scan="auto").split_scan == "auto"
