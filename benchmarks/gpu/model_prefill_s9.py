@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--logits-only", action="store_true")
+    ap.add_argument("--rows-for", default=",".join(KERNELS), help="the routes whose rows are timed (others: logits)")
     opts, out, left = kit.parse(ap, T_START, cpu_quick=True)
     import functools
 
@@ -107,7 +108,7 @@ def main():
             logits[kernel] = np.asarray(jnp.asarray(lg, jnp.float32))
             model.check(cache)
             del cache
-            if opts.logits_only or kernel == "xla":
+            if opts.logits_only or kernel not in opts.rows_for.split(","):
                 return
             keys = ("varlen", "decode", "long") if left() > 120 else ("varlen", "decode")
             rows = bm.our_rows(model, cases, reps=opts.reps, log=log, keys=keys)
