@@ -76,7 +76,7 @@ class DecodeConfig:
       reduction); grid (V / BV, Hv / heads, N) or (N, Hv / heads, V / BV); the grid form only (programs 0,
       row_block 0; load_hint does not apply). Off (1): slower on the H200 (N256-Hv32: 2 heads BV 64 4 warps 0.312 ms,
       BV 32 2 warps 0.330, BV 128 8 warps 0.379, against the default's 0.298; NOTES.md "Session 9: decode at HBM
-      speed", benchmarks/logs/s9/gdn_decode_s9_run1.log).
+      speed", benchmarks/logs/s9/call2/gdn_decode_s9/gdn_decode_s9.log).
     row_split: 1, the block loaded as one [K, BV] tensor; R > 1 (dividing K; T = 1 and heads 1 only, other calls
       run the default form; load_hint does not apply): loaded as R [K / R, BV] row slices, every slice's load
       issued before the first partial K reduction, each slice updated and stored after delta. Off: slower
