@@ -8,23 +8,23 @@ MosaicConfig split fields and mosaic_gpu_split.py's first piece from h0, NOTES.m
 0. GPU tests (tests/pallas_kernels/test_gdn_mosaic_gpu.py) start FIRST in a child process, while this process
    compiles; the timing waits for the child (--test-timeout from the start, then it is killed), so the GPU is
    quiet while timing. Plan 1: the map kernel from h0 against its twin, the op split with first="h0" / the XLA
-   serial scan / P = 3, 5, 6 against float64 at weak decay; plan 2: op_fwd's new defaults and the split at P = 2,
-   4, 8 against float64 at weak decay, the split variants agree, the tf32 scan at P = 5.
+   serial scan / P = 3, 5, 6 against float64 at weak decay; plan 2: op_fwd's new defaults (P = 4) and the split
+   at P = 2 and 8 against float64 at weak decay, the split variants agree.
 1. Plan 1 (run 1): B1-T8192-Hk2-Hv8 (bench inputs: bf16 q, k, v, beta, fp32 g and initial state, final state
    out): jla (``jax_gdn.bench._jla_impl``), our dense entry with ``mosaic_gpu.DEFAULT_CONFIG`` ("default") and
    variants (``pP`` pieces = P, ``.serial`` split_scan "serial" (jla's dense scan), ``.h0`` split_first "h0":
    piece 0 walked from h0, no identity blocks on it, one scan product less), each a jitted
    ``mosaic_gpu.chunk_gated_delta_rule_fwd`` as ``op_fwd`` calls it; --others adds the other four dense rows'
-   default and jla. Plan 2 (run 2, after FIRST = "h0" and SCAN = "auto"): all five dense rows, jla and the new
-   default, and on the split rows session 8's split ("s8": first piece mapped from [I | 0], Triton scan) and the
-   Triton / tf32 scans with the first piece from h0. Compiled in a thread pool (what the deadline leaves
+   default and jla. Plan 2 (run 2, after FIRST = "h0" and SCAN = "auto"): the three split rows (Hk2-Hv8 and the
+   64-CTA rows at P = 2), jla, the new default and session 8's split ("s8": first piece mapped from [I | 0], Triton
+   scan); --others adds the unsplit rows. Compiled in a thread pool (what the deadline leaves
    uncompiled is skipped), timed in 3 interleaved rounds (order rotated and reversed), every cell with
    ``jax_gdn.bench.time_jax`` in this one process.
 2. Numerics of every timed variant against the XLA backend in fp32 (precision highest): o and final state relative
    RMS (bf16 bound 1e-2), o finite.
 3. The launches of each compiled op (non-trivial instructions of the optimized HLO's entry computation: fusions,
    custom calls (the kernels), copies, ...), so the glue is counted.
-4. Parts at P = 4 (and 5 in plan 1) where the budget allows (separate jitted calls, so each carries a dispatch):
+4. Parts at P = 4 and 5 (plan 1) where the budget allows (separate jitted calls, so each carries a dispatch):
    prep (glue + kkt), the map pass from [I | 0] and from h0, the Triton / serial scans, the fused pass.
 A table is printed last: each variant's median over the rounds, its ratio to jla, and in how many rounds it beat
 the default and jla (same round). --quick: CPU, tiny rows, the jnp twins (impl="reference"), no jla.
@@ -68,16 +68,11 @@ VARIANTS = [
 #: --plan 2 (after run 1 set FIRST = "h0", SCAN = "auto"): per row, the variants beside jla and the new default;
 #: "s8" is session 8's split (first piece mapped from [I | 0], the Triton scan at every P)
 S8 = dict(split_first="map", split_scan="triton")
-VARIANTS_2 = {
-    ROW: [("s8", S8), ("p4.h0.triton", dict(split_scan="triton")),
-          ("p4.h0.triton.tf32", dict(split_scan="triton", split_precision="default")),
-          ("p4.h0.serial.tf32", dict(split_scan="serial", split_precision="default"))],
-    "B1-T8192-Hk16-Hv32": [("s8", S8), ("p2.h0.triton", dict(split_scan="triton"))],
-    "B1-T32768-Hk16-Hv32": [("s8", S8)],
-}
-TEST_IDS_2 = ["test_gpu_default_config_matches_f64[4000-2-4]", "test_gpu_default_config_matches_f64[130-3-1]"] + [
-    f"test_gpu_split_op_weak_decay_matches_f64[{i}]" for i in ("1000-2-True", "1000-4-True", "1000-8-True")] + [
-    "test_gpu_split_variants_agree", "test_gpu_split_options_weak_decay_matches_f64[5-triton-h0-default]"]
+#: (the split rows only: B16-T1024 and B4-T4096 are not split, and no code they run changed; --others adds them)
+VARIANTS_2 = {ROW: [("s8", S8)], "B1-T8192-Hk16-Hv32": [("s8", S8)], "B1-T32768-Hk16-Hv32": [("s8", S8)]}
+TEST_IDS_2 = ["test_gpu_default_config_matches_f64[4000-2-4]"] + [
+    f"test_gpu_split_op_weak_decay_matches_f64[{i}]" for i in ("1000-2-True", "1000-8-True")] + [
+    "test_gpu_split_variants_agree"]
 TRIVIAL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant"}
 
 
@@ -142,7 +137,8 @@ def main():
         timer = lambda fn, args: time_jax(fn, args, warmup=1, groups=1, per_group=1)   # noqa: E731
         impl = "reference"
     else:
-        names = [ROW] + (OTHERS if opts.others or opts.plan == "2" else [])
+        names = [ROW] + (OTHERS if opts.others else [n for n in OTHERS if n in VARIANTS_2] if opts.plan == "2"
+                         else [])
         cases = {n: next(c for c in BENCH_CASES if c.lens is None and c.name.startswith(n)) for n in names}
         timer = lambda fn, args: time_jax(fn, args, groups=9)   # noqa: E731 (x 3 rounds: 27 groups)
         impl = "mosaic"
@@ -312,7 +308,7 @@ def main():
     save()
 
     # ---- parts at P = 4 and 5 ------------------------------------------------------------------------------------
-    for p in ((4, 5) if opts.plan == "1" else (4,)):
+    for p in ((4, 5) if opts.plan == "1" else ()):
         kit.guarded(f"parts P={p}", 12, lambda p=p: parts(cases[ROW], rows[ROW], p, quick), left=left, log=log,
                     res=result, save=save)
     finish_tests()
