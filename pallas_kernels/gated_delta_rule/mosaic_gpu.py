@@ -33,7 +33,7 @@ Two kernels and a little XLA glue:
     from one state-map pass over pieces 0 .. P - 2 (a piece's map is affine, S_end = M S_start + E:
     ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place; the first
     piece walked from the initial state itself) and a scan over the pieces (``mosaic_gpu_split.piece_scan``:
-    XLA's unrolled products up to 4 pieces, one Pallas Triton launch above).
+    one Pallas Triton launch with tf32 products; at 2 pieces an XLA stack, no product).
 
 Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
@@ -1078,10 +1078,12 @@ class MosaicConfig:
 #:     0.1436 -> 0.1422; numerics unchanged (o 3.39e-3, state 2.4e-3 relative RMS against fp32 XLA);
 #:   split_chain=False: P = 2 through one state-only fused pass over piece 0 lost to the map kernel + scan every
 #:     round (0.270 against 0.2585; 1.003 against 0.928);
-#:   split_scan / split_first / split_precision None: mosaic_gpu_split's SCAN ("auto": XLA's serial scan up to 4
-#:     pieces, Triton above), FIRST ("h0": the first piece walked from the initial state) and SCAN_PRECISION
-#:     (IEEE fp32). Session 9, run 1 (B1-T8192-Hk2-Hv8, P = 4, 3 rounds): first "h0" + serial 0.1307, first "h0"
-#:     + Triton 0.1321, session 8's (map + Triton) 0.1429; jla 0.1372.
+#:   split_scan / split_first / split_precision None: mosaic_gpu_split's SCAN ("auto": XLA's serial stack at P = 2,
+#:     Triton above), FIRST ("h0": the first piece walked from the initial state) and SCAN_PRECISION ("default":
+#:     tf32 products). Session 9 (3 interleaved rounds each): B1-T8192-Hk2-Hv8 (P = 4) first "h0" + Triton tf32
+#:     0.1222 (run 2; jla 0.1365), first "h0" + serial fp32 0.1296, session 8's (map + Triton fp32) 0.1425;
+#:     B1-T8192-Hk16-Hv32 (P = 2) first "h0" 0.2477 against session 8's 0.2555 (jla 0.2766); B1-T32768 0.9107 against
+#:     0.9106 (a tie; jla 1.046).
 DEFAULT_CONFIG = MosaicConfig()
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
