@@ -88,7 +88,8 @@ class DecodeConfig:
     prenorm: with use_qk_l2norm, q and k are L2-normalised in fp32 by XLA before the kernel (one small fusion over
       N Hk K elements; the kernel gets fp32 q, k and runs without its per-program norm reductions); the same
       numbers up to fp32 rounding. Applies to ``fused_recurrent_gated_delta_rule_slots_fwd`` (the entry point), not
-      to ``fused_recurrent_slots``.
+      to ``fused_recurrent_slots``. Off: slower at N256 (0.3036 against 0.3006 ms: the norms cost the kernel
+      nothing, the fusion ~0.003), 0.0005 faster at N64 (benchmarks/logs/s9/call3/gdn_decode_s9_2/).
 
     Defaults from one H200 sweep (NOTES.md, benchmarks/logs/decode_sweep_h200_run1.log, N256-Hk16-Hv32, the
     XLA copy of the same bytes 0.294 ms in that run): BV 64 / 2 warps / v_fastest / fused 0.314 ms; the previous
