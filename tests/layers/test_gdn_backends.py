@@ -88,7 +88,9 @@ def _custom_calls(hlo_text: str) -> set:
 def _fresh_prefill():
     """A jit of its own function object: jit's trace cache is keyed on the function, and PREFILL_KERNEL is read
     while tracing, so a jit of gdn.gdn_layer_prefill itself would replay the first route's trace."""
-    return jax.jit(lambda *a, **kw: gdn.gdn_layer_prefill(*a, **kw), static_argnames=("dims", "backend"))
+    def prefill(params, dims, hidden, slots, meta, backend):
+        return gdn.gdn_layer_prefill(params, dims, hidden, slots, meta, backend=backend)
+    return jax.jit(prefill, static_argnames=("dims", "backend"))
 
 
 @pytest.mark.gpu
