@@ -329,15 +329,7 @@ def _decode_heads_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     heads' [heads, K, BV] state block loaded as one tensor, q and k read and normalised once, T tokens as
     ``_run_tokens`` with a head axis in front."""
     gate_refs, pool_in_ref, o_ref, pool_out_ref = _split_refs(refs, gate_offsets)
-    if v_fastest:
-        vb, hb, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        n, hb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_slots = pool_in_ref.shape[0]
-    slot = slot_ref[n]
-    in_pool = (slot >= 0) & (slot < num_slots)
-    read_slot = jnp.clip(slot, 0, num_slots - 1)
-    vs = pl.ds(vb * block_v, block_v)
+    n, hb, vs, in_pool, read_slot = _program_slot(slot_ref, pool_in_ref, v_fastest=v_fastest, block_v=block_v)
     h0 = hb * heads
     hs = pl.ds(h0, heads)
     hk = h0 // group

@@ -99,16 +99,18 @@ def _config_id(c):
         "-early" if c.early_store else "") + ("-prenorm" if c.prenorm else "")
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("t", [1, 3])
-def test_decode_configs_interpret(config, t):
-    n, s, hk, hv, dk, dv = 4, 6, 1, 3, 16, 32
-    xs, pool = _case(40 + t, n, t, hk, hv, dk, dv, s)
-    xs[3][0, 0, 1] = -np.inf                              # a hard reset (a = 0) on one head of one stream
-    ids = np.array([1, s, -1, 5], np.int32)              # the last block is a real one (a persistent grid's
-    has = np.array([False, True, True, True])            # masked extra trip would clobber it)
-    pool[1] = np.nan                                      # stale slot read as zeros (has False)
-    pool[3] = np.nan                                      # untouched: stays NaN
+def _check_config_interpret(config, t, *, seed, hk, hv, reset_head):
+    """The decode kernel with ``config`` in interpret mode against the float64 step on 4 streams over 6 slots: ids
+    1 (stale NaN slot, has False: read as zeros), S and -1 (no slot: nothing written), 5 (the last block, a real one:
+    a persistent grid's masked extra trip would clobber it); a hard reset (g = -inf) on head ``reset_head`` of
+    stream 0; slot 3 (NaN, named by nobody) stays NaN."""
+    n, s, dk, dv = 4, 6, 16, 32
+    xs, pool = _case(seed + t, n, t, hk, hv, dk, dv, s)
+    xs[3][0, 0, reset_head] = -np.inf
+    ids = np.array([1, s, -1, 5], np.int32)
+    has = np.array([False, True, True, True])
+    pool[1] = np.nan
+    pool[3] = np.nan
     o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
     fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, interpret=True,
@@ -120,6 +122,12 @@ def test_decode_configs_interpret(config, t):
     assert np.isnan(new_pool[3]).all()
     for untouched in (0, 2, 4):                           # ids S and -1 wrote nowhere
         np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_configs_interpret(config, t):
+    _check_config_interpret(config, t, seed=40, hk=1, hv=3, reset_head=1)
 
 
 # several value heads per program (DecodeConfig.heads): they share one key head, so GVA 4 here (Hk 2, Hv 8)
@@ -131,24 +139,7 @@ HEADS_CONFIGS = [decode.DecodeConfig(block_v=16, heads=2), decode.DecodeConfig(b
 @pytest.mark.parametrize("config", HEADS_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("t", [1, 3])
 def test_decode_heads_interpret(config, t):
-    n, s, hk, hv, dk, dv = 4, 6, 2, 8, 16, 32
-    xs, pool = _case(50 + t, n, t, hk, hv, dk, dv, s)
-    xs[3][0, 0, 5] = -np.inf                              # a hard reset (a = 0) on one head of one stream
-    ids = np.array([1, s, -1, 5], np.int32)
-    has = np.array([False, True, True, True])
-    pool[1] = np.nan                                      # stale slot read as zeros (has False)
-    pool[3] = np.nan                                      # untouched: stays NaN
-    o_ref, pool_ref = _expected(xs, np.where(np.isnan(pool), 0, pool), ids, has, True)
-    fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
-        *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, interpret=True,
-        config=config))
-    o, new_pool = fn([jnp.asarray(x) for x in xs], jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
-    o, new_pool = np.asarray(o), np.asarray(new_pool)
-    assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
-    assert rel_rms(new_pool[[1, 5]], pool_ref[[1, 5]]) < TOL
-    assert np.isnan(new_pool[3]).all()
-    for untouched in (0, 2, 4):                           # ids S and -1 wrote nowhere
-        np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
+    _check_config_interpret(config, t, seed=50, hk=2, hv=8, reset_head=5)     # GVA 4: heads share one key head
 
 
 def _raw_gates(g, beta, hk, r, layout):

@@ -443,13 +443,10 @@ def test_split_map_pass_argument_checks():
         ms.start_states((k, k, v, t, g, g, None), 2, kernel=False, head_major=True, map_impl="scan")
 
 
-@pytest.mark.parametrize("need_first,exp2,head_major,paired", [(True, False, True, False), (False, True, True, False),
-                                                               (True, False, False, False), (True, False, True, True),
-                                                               (False, False, False, True)])
-def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_major, paired):
-    """The map kernel traces and lowers for CUDA on this CPU (Mosaic GPU's layout, transfer and TMA checks). jax
-    0.10 here: plgpu.load takes the index positionally and cannot load a transposed swizzled tile, so the check
-    drops the transpose of v's tile ([64, 64]: the shapes still match); jax 0.11 (the GPU) needs neither."""
+def _shim_transposed_load(monkeypatch):
+    """jax 0.10 (this CPU): plgpu.load takes the index positionally and cannot load a transposed swizzled tile, so
+    the lowering checks drop the transpose of the loaded tile's view (the shapes still match); jax 0.11 (the GPU)
+    needs no shim and gets none."""
     import dataclasses
     import inspect
     plgpu = mg._plgpu()
@@ -462,6 +459,16 @@ def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_majo
                 ref = dataclasses.replace(ref, transforms=tr[:-1])
             return orig(ref, idx, **kw)
         monkeypatch.setattr(plgpu, "load", load)
+
+
+@pytest.mark.parametrize("need_first,exp2,head_major,paired", [(True, False, True, False), (False, True, True, False),
+                                                               (True, False, False, False), (True, False, True, True),
+                                                               (False, False, False, True)])
+def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_major, paired):
+    """The map kernel traces and lowers for CUDA on this CPU (Mosaic GPU's layout, transfer and TMA checks). jax
+    0.10 here: plgpu.load takes the index positionally and cannot load a transposed swizzled tile, so the check
+    drops the transpose of v's tile ([64, 64]: the shapes still match); jax 0.11 (the GPU) needs neither."""
+    _shim_transposed_load(monkeypatch)
     bf = jnp.bfloat16
     b, t, hk, hv, kd, vd = 2, 512, 1, 2, 128, 128 if paired else 64
     k, v = jax.ShapeDtypeStruct((b, t, hk, kd), bf), jax.ShapeDtypeStruct((b, t, hv, vd), bf)
@@ -786,18 +793,7 @@ def test_state_map_pass_from_h0_lowers_for_cuda(monkeypatch):
     """The map kernel with h0t (the first piece from the initial state: an extra TMA load and a masked select in
     the state warpgroup) traces and lowers for CUDA on this CPU, at the bench's K = V = 128 (jax 0.10's
     transposed-load limit shimmed as in test_state_map_pass_lowers_for_cuda)."""
-    import dataclasses
-    import inspect
-    plgpu = mg._plgpu()
-    orig = plgpu.load
-    if "idx" in inspect.signature(orig).parameters and \
-            inspect.signature(orig).parameters["idx"].default is inspect.Parameter.empty:
-        def load(ref, idx=(), **kw):
-            tr = getattr(ref, "transforms", ())
-            if tr and "Transpose" in type(tr[-1]).__name__:
-                ref = dataclasses.replace(ref, transforms=tr[:-1])
-            return orig(ref, idx, **kw)
-        monkeypatch.setattr(plgpu, "load", load)
+    _shim_transposed_load(monkeypatch)
     bf = jnp.bfloat16
     b, t, hk, hv, kd, vd = 1, 1024, 1, 2, 128, 128
     k, v = jax.ShapeDtypeStruct((b, t, hk, kd), bf), jax.ShapeDtypeStruct((b, t, hv, vd), bf)
