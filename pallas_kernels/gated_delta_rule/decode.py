@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+from pallas_kernels.gated_delta_rule.reference import l2norm
 
 L2_EPS = 1e-6
 #: "triton" (this file's kernel), "mosaic": ``decode_mosaic.py`` (Mosaic GPU, TMA ring) where it takes the call
@@ -129,17 +130,20 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))          # jax.nn.softplus's form
 
 
-def _read_gates(g_ref, beta_ref, gate_refs, *, n, t, h, group):
-    """(g_t, beta_t) fp32 scalars of stream n, token t, value head h: read, or (``gate_refs`` = (A_log, dt_bias)
-    refs [Hv]) made from the raw projections, g_ref = a and beta_ref = b [N, T, Hk, Ca] with value head h at
-    column ``h % group`` of key head h // group (see ``fused_recurrent_slots``'s ``raw_gates``)."""
+def _read_gates(g_ref, beta_ref, gate_refs, *, n, t, h, group, heads: int = 1):
+    """(g_t, beta_t) fp32 of stream n, token t, value head h (scalars; with ``heads`` > 1, [heads] vectors of the
+    value heads h .. h + heads - 1 of one key head): read, or (``gate_refs`` = (A_log, dt_bias) refs [Hv]) made
+    from the raw projections, g_ref = a and beta_ref = b [N, T, Hk, Ca] with value head h at column ``h % group``
+    of key head h // group (see ``fused_recurrent_slots``'s ``raw_gates``)."""
+    def at(i):
+        return i if heads == 1 else pl.ds(i, heads)
     if gate_refs is None:
-        return g_ref[n, t, h].astype(jnp.float32), beta_ref[n, t, h].astype(jnp.float32)
+        return g_ref[n, t, at(h)].astype(jnp.float32), beta_ref[n, t, at(h)].astype(jnp.float32)
     alog_ref, dtb_ref, a_off, b_off = gate_refs
     hk, j = h // group, h % group
-    a = g_ref[n, t, hk, a_off + j].astype(jnp.float32)
-    b = beta_ref[n, t, hk, b_off + j].astype(jnp.float32)
-    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * _softplus(a + dtb_ref[h].astype(jnp.float32))
+    a = g_ref[n, t, hk, at(a_off + j)].astype(jnp.float32)
+    b = beta_ref[n, t, hk, at(b_off + j)].astype(jnp.float32)
+    g = -jnp.exp(alog_ref[at(h)].astype(jnp.float32)) * _softplus(a + dtb_ref[at(h)].astype(jnp.float32))
     return g, jax.nn.sigmoid(b)
 
 
@@ -337,14 +341,7 @@ def _decode_heads_kernel(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     s = jnp.where(read, pool_in_ref[read_slot, hs, :, vs].astype(jnp.float32), 0.0)    # [H, K, BV]
 
     def gates(t):
-        if gate_refs is None:
-            return g_ref[n, t, hs].astype(jnp.float32), beta_ref[n, t, hs].astype(jnp.float32)
-        alog_ref, dtb_ref, a_off, b_off = gate_refs
-        j0 = h0 % group
-        a = g_ref[n, t, hk, pl.ds(a_off + j0, heads)].astype(jnp.float32)
-        b = beta_ref[n, t, hk, pl.ds(b_off + j0, heads)].astype(jnp.float32)
-        g = -jnp.exp(alog_ref[hs].astype(jnp.float32)) * _softplus(a + dtb_ref[hs].astype(jnp.float32))
-        return g, jax.nn.sigmoid(b)
+        return _read_gates(g_ref, beta_ref, gate_refs, n=n, t=t, h=h0, group=group, heads=heads)
 
     def token(t, s):
         q = q_ref[n, t, hk, :].astype(jnp.float32)                              # [K]
@@ -552,12 +549,6 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
     return call(*operands.values())
 
 
-def _l2_normalize(x):
-    """x * rsqrt(sum x^2 + 1e-6) over the last axis in fp32 (the kernel's in-kernel form), returned in fp32."""
-    x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
-
-
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: DecodeConfig = None, raw_gates: RawGates | None = None):
@@ -592,7 +583,7 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
     cfg = config or decode_config(n, hv, kp, vp)
     if use_qk_l2norm and cfg.prenorm:                  # one small XLA fusion; the kernel runs without the norms
-        q, k = _l2_normalize(q), _l2_normalize(k)
+        q, k = l2norm(q.astype(jnp.float32), eps=L2_EPS), l2norm(k.astype(jnp.float32), eps=L2_EPS)
         use_qk_l2norm = False
 
     gate_arrays = () if raw_gates is None else (raw_gates.a_log, raw_gates.dt_bias)
