@@ -404,7 +404,7 @@ def markdown_tables(result: dict) -> str:
                        + " | ".join(rate(r, i) for i in rated) + " |")
         out.append("")
     if result.get("decode"):
-        impls = ("pallas", "mosaic", "xla", "fla", "copy")
+        impls = ("pallas", "triton", "xla", "fla", "copy")           # jax_gdn.bench_decode.IMPLS
         out += _header(["GDN decode step"] + [f"{i} ms (GB/s)" for i in impls])
         for r in result["decode"]["rows"]:
             cells = [f"{r['ms'][i]:.3f} ({r['gbps'][i]:.0f})" if r["ms"].get(i) else "-" for i in impls]

@@ -5,11 +5,12 @@
 
 Cases: ``jax_gdn.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
 q / k L2-normalised inside each implementation). Columns (median ms; null where an implementation cannot run):
-  pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the decode kernel over a pool
-          of S = N slots in a shuffled order, the pool donated (updated in place); its launch parameters
-          (``decode.decode_config`` for the case) are stored in the row as "pallas_config"
-  mosaic  the Mosaic GPU decode kernel (``decode_mosaic``, its DEFAULT_CONFIG; what ``decode.BACKEND = "auto"`` would
-          run on Hopper; off by default) on the same pool, donated; null where it does not take the call
+  pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the op as shipped over a pool
+          of S = N slots in a shuffled order, the pool donated (updated in place): on Hopper the Mosaic GPU kernel
+          (``decode.BACKEND = "auto"``: ``decode_mosaic.DEFAULT_CONFIG``, the direct transfer), elsewhere the Pallas
+          Triton kernel; the row names the kernel and its launch parameters as "pallas_kernel" / "pallas_config"
+  triton  the Pallas Triton decode kernel (``decode.py``, ``decode.decode_config`` for the case) on the same pool,
+          donated: what "pallas" ran before session 10 and still runs off Hopper
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial
@@ -31,7 +32,7 @@ import numpy as np
 
 from jax_gdn.cases import CPU_DECODE, DECODE_CASES, Case
 
-IMPLS = ("pallas", "mosaic", "xla", "fla", "copy")
+IMPLS = ("pallas", "triton", "xla", "fla", "copy")
 
 
 def state_bytes(case: Case) -> int:
@@ -82,24 +83,6 @@ def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> fl
     return _time_threaded(fn, jnp.asarray(pool), **timing)
 
 
-def time_mosaic_decode(case: Case, host, config=None, **timing):
-    """Median ms of the Mosaic GPU decode kernel's step (``decode_mosaic``; ``config``: a MosaicDecodeConfig, default
-    its DEFAULT_CONFIG), or None where ``decode_mosaic.fallback_reason`` refuses the call (not a Hopper GPU)."""
-    import jax
-    import jax.numpy as jnp
-    from pallas_kernels.gated_delta_rule import decode_mosaic
-    q, k, v, g, beta, pool, ids = host
-    bf = jnp.bfloat16
-    xs = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf))
-    if decode_mosaic.fallback_reason(*xs[:3], config=config) is not None:
-        return None
-    ids = jnp.asarray(ids)
-    fn = jax.jit(lambda p: decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
-        *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=jnp.ones(ids.shape, bool), use_qk_l2norm=True,
-        config=config)[1], donate_argnums=0)
-    return _time_threaded(fn, jnp.asarray(pool), **timing)
-
-
 def time_copy(case: Case, host, **timing) -> float:
     import jax
     import jax.numpy as jnp
@@ -133,6 +116,21 @@ def time_fla(case: Case, host, do_bench: bool = False) -> float:
     return time_threaded(step, th0, "torch")
 
 
+def pallas_route(case: Case, gpu: bool) -> tuple[str, dict]:
+    """("mosaic" or "triton", its launch parameters) of the op's backend "pallas" at this case (``decode.BACKEND``
+    and ``decode_mosaic.fallback_reason``, as decode.py decides at trace time)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gated_delta_rule import decode, decode_mosaic
+    q = jax.ShapeDtypeStruct((case.B, 1, case.Hk, case.K), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((case.B, 1, case.Hv, case.V), jnp.bfloat16)
+    interpret = not gpu
+    if (decode.BACKEND == "mosaic" or (decode.BACKEND == "auto" and not interpret)) and \
+            decode_mosaic.fallback_reason(q, q, v, interpret=interpret) is None:
+        return "mosaic", dataclasses.asdict(decode_mosaic.DEFAULT_CONFIG)
+    return "triton", dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
+
+
 def _has_gpu() -> bool:
     import jax
     return any(d.platform == "gpu" for d in jax.devices())
@@ -153,8 +151,10 @@ def run_section(quick: bool = False) -> dict:
             try:
                 if impl == "pallas":
                     ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, **timing)
-                elif impl == "mosaic":
-                    ms[impl] = time_mosaic_decode(case, host, **timing) if gpu else None
+                elif impl == "triton":
+                    cfg = decode.decode_config(case.B, case.Hv, case.K, case.V)
+                    ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, config=cfg,
+                                               **timing)
                 elif impl == "xla":
                     ms[impl] = time_jax_decode(case, "xla", host, **timing)
                 elif impl == "copy":
@@ -165,9 +165,9 @@ def run_section(quick: bool = False) -> dict:
                 print(f"decode {case.name} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
                 ms[impl] = None
         nbytes = state_bytes(case)
-        launch = dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
+        kernel, launch = pallas_route(case, gpu)
         row = {"case": case.name, "N": case.B, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
-               "state_bytes": nbytes, "ms": ms, "pallas_config": launch,
+               "state_bytes": nbytes, "ms": ms, "pallas_kernel": kernel, "pallas_config": launch,
                "gbps": {k: (None if t is None else nbytes / t / 1e6) for k, t in ms.items()}}
         if gpu and ms.get("fla") is not None:
             try:

@@ -2,8 +2,14 @@
 column timed by the common method (``jax_gdn.timing.time_threaded``: groups of ~20 ms of back-to-back calls
 threading the donated pool, one sync a group, the median per call).
 
-    python benchmarks/gpu/gdn_decode_s9.py [--quick] [--budget SECONDS] [--no-tests] [--run 2]   (under $OUT)
+    python benchmarks/gpu/gdn_decode_s9.py [--quick] [--budget SECONDS] [--no-tests] [--run 2|3]   (under $OUT)
 
+--run 3 (session 10; outputs gdn_decode_s9_r3.*): the Mosaic GPU kernel's "direct" transfer (``decode_mosaic``,
+``MosaicDecodeConfig(transfer="direct")``: one CTA per tile, global loads straight into a register layout, no ring)
+beside the copies and the Triton default (``plan(run=3)``); kind "mosaic", labels "mcopy ..." its copy_only twins
+(checked bitwise as the Pallas copies are); the layer step through ``decode.BACKEND = "mosaic"`` with the direct
+kernel as ``decode_mosaic.DEFAULT_CONFIG`` (strided rows bv64, rows bv64 / bv128) against the Triton default; GPU tests: the Mosaic decode
+file's direct and switch tests.
 --run 1 (budget 240): the set below. --run 2 (budget 160; outputs gdn_decode_s9_r2.*): the gap between the Pallas
 copy and the kernel taken apart (``plan(run=2)``), ``DecodeConfig.prenorm``, and each kernel's registers (its PTX,
 kept by a hook on the Triton compile, through ptxas -v) with ``.maxnreg`` caps (``MAXNREG``) as a diagnostic.
@@ -77,6 +83,18 @@ def plan(DC, run: int = 1):
     apart (diagnostics adding the kernel's pieces to the copy one at a time), the norms moved to XLA (prenorm), and
     the registers: each kernel's PTX through ptxas (registers, spills) and ``.maxnreg`` caps (``MAXNREG``)."""
     all_n, big = (256, 64, 1), (256,)
+    if run == 3:
+        from pallas_kernels.gated_delta_rule.decode_mosaic import MosaicDecodeConfig as MC
+        mid = (256, 64)
+        direct = lambda **kw: MC(transfer="direct", **kw)
+        return [("copy", "xla_copy", None, all_n),
+                ("pcopy bv64 w2", "pcopy", (64, 2, 128, 1, "copy"), mid),
+                ("tri default", "tri", DC(), all_n),
+                ("mosaic rows bv64", "mosaic", direct(layout="rows"), all_n),
+                ("mosaic rows bv128", "mosaic", direct(layout="rows", block_v=128), all_n),
+                ("mosaic strided bv64", "mosaic", direct(layout="strided_rows"), all_n),
+                ("mcopy rows bv64", "mosaic", direct(layout="rows", copy_only=True), big),
+                ("mcopy strided bv64", "mosaic", direct(layout="strided_rows", copy_only=True), big)]
     if run == 2:
         mid = (256, 64)
         rows = [("copy", "xla_copy", None, all_n),
@@ -286,7 +304,7 @@ def pcopy_call(xs, pool, ids, has, *, spec, interpret):
 def main():
     ap = kit.arg_parser(__doc__, budget=240.0, test_timeout=40.0,
                         quick_help="CPU smoke run at tiny sizes (interpret mode)")
-    ap.add_argument("--run", type=int, default=1, choices=(1, 2), help="which set (see plan())")
+    ap.add_argument("--run", type=int, default=1, choices=(1, 2, 3), help="which set (see plan())")
     args, out, left = kit.parse(ap, T0, cpu_quick=True)
     quick = args.quick
     name = NAME if args.run == 1 else f"{NAME}_r{args.run}"
@@ -381,6 +399,9 @@ def main():
     elif quick:
         keep = ("copy", "copy donated", "pcopy bv64 w2", "pcopy bv64 w2 k64", "pcopy bv64 w4 h2", "diag nodep",
                 "tri default", "tri early", "tri h2 bv64 w4", "tri h2 bv64 w4 early", "tri rs4", "tri rs4 early")
+        if args.run == 3:
+            keep = ("copy", "pcopy bv64 w2", "tri default", "mosaic rows bv64", "mosaic strided bv64",
+                    "mcopy strided bv64")
         impls = [x for x in impls if x[0] in keep]
         cases = {256: Case("quick-N6-Hk1-Hv2", 6, 1, 1, 2, 128, 128), 64: Case("quick-N4-Hk1-Hv2", 4, 1, 1, 2, 128, 128),
                  1: Case("quick-N1-Hk1-Hv2", 1, 1, 1, 2, 128, 128)}
@@ -399,6 +420,11 @@ def main():
         if kind == "pcopy":
             return jax.jit(lambda p, ids, has: pcopy_call(xs, p, ids, has, spec=spec, interpret=quick),
                            donate_argnums=0)
+        if kind == "mosaic":
+            from pallas_kernels.gated_delta_rule import decode_mosaic
+            return jax.jit(lambda p, ids, has: decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
+                *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
+                interpret=quick, config=spec), donate_argnums=0)
         return jax.jit(lambda p, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *xs, scale=None, ssm_state=p, slot_ids=ids, has_initial_state=has, use_qk_l2norm=kind == "tri",
             interpret=quick, config=spec), donate_argnums=0)
@@ -506,7 +532,7 @@ def main():
                            "untouched_same": None, "ok": in_place}
                 else:
                     untouched_same = bool(jnp.array_equal(p[u_d], keep[u_d], equal_nan=True))
-                    if kind == "pcopy" and label.startswith("pcopy"):
+                    if label.startswith(("pcopy", "mcopy")):
                         same = bool(jnp.array_equal(p[c_d], keep[c_d], equal_nan=True))
                         zeros = bool((p[f_d] == 0).all()) if len(fresh) else True
                         o_rel, state_rel = 0.0, 0.0 if (same and zeros) else 1.0
@@ -550,11 +576,15 @@ def main():
             dims, n, s, dt, kb = qwen3_next_80b_config(4).gdn_dims, 64, 72, jnp.bfloat16, "pallas"
         lay = res["layer"]
         lay.update(dims=str(dims), N=n, S=s)
-        cfg_of = {lb: spec for lb, kind, spec, _ in impls if kind == "tri"}
+        cfg_of = {lb: spec for lb, kind, spec, _ in impls if kind in ("tri", "mosaic")}
         hook.update(label="layer", maxnreg=None)
         labels = ["tri default"] + (candidates() if args.run == 1 else ["tri bv64 w4"])
+        if args.run == 3:           # the Mosaic direct kernels through decode.BACKEND = "mosaic" (raw gates inside)
+            labels = ["tri default", "mosaic strided bv64", "mosaic rows bv64", "mosaic rows bv128"]
         if quick:
             labels = ["tri default", "tri h2 bv64 w4" if args.run == 1 else "tri prenorm"]
+            if args.run == 3:
+                labels = ["tri default", "mosaic rows bv64"]     # "mosaic": Mosaic GPU interpret mode here
         lay["labels"] = labels
         params = gdn.init_params(dims, jax.random.PRNGKey(0), dt, randomize_norms=True)
         rng = np.random.default_rng(3)
@@ -569,7 +599,9 @@ def main():
                                                 dt), ssm_state=jnp.asarray(ssm))
         hidden = jnp.asarray(rng.standard_normal((n, dims.hidden_size)), dt)
         ids_d, has_d = jnp.asarray(ids), jnp.asarray(has)
+        from pallas_kernels.gated_delta_rule import decode_mosaic
         saved = decode.decode_config
+        saved_mosaic = decode.BACKEND, decode_mosaic.DEFAULT_CONFIG
         lay["variants"] = {}
         fns = {}
 
@@ -581,10 +613,22 @@ def main():
             for label in labels:
                 cfg = cfg_of[label]
                 used = []
-                decode.decode_config = lambda *a, cfg=cfg, used=used: used.append(1) or cfg   # read at trace time
+                if label.startswith("mosaic"):          # read at trace time: the Mosaic route and its config
+                    decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = "mosaic", cfg
+                    real = decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd
+                    decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd = (
+                        lambda *a, real=real, used=used, **kw: used.append(1) or real(*a, **kw))
+                else:
+                    decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = saved_mosaic
+                    decode.decode_config = lambda *a, cfg=cfg, used=used: used.append(1) or cfg
                 fns[label] = jax.jit(lambda p, x, sl, i, h: gdn.gdn_layer_decode(
                     p, dims, x, sl, i, h, backend=kb, step="fused"), donate_argnums=2)
-                o, sl = fns[label](params, hidden, fresh(), ids_d, has_d)
+                try:
+                    o, sl = fns[label](params, hidden, fresh(), ids_d, has_d)
+                finally:
+                    if label.startswith("mosaic"):
+                        decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd = real
+                    decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = saved_mosaic
                 v = lay["variants"][label] = {"config": kit.config_name(cfg), "config_used": len(used)}
                 if ref is None:
                     ref = (o, sl)
@@ -611,6 +655,7 @@ def main():
                     log(f"  layer step {label} round {rnd + 1}: {ms:.4f} ms")
         finally:
             decode.decode_config = saved
+            decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = saved_mosaic
 
     # ---- the run ----
     for nn in (256, 64, 1):
@@ -636,6 +681,8 @@ def main():
             pytest_args = ["-v", "-s", "-m", "gpu", "-p", "no:randomly", "-p", "no:cacheprovider", TEST_FILE]
             if args.run == 2:                                   # run 1 passed the others
                 pytest_args += ["-k", "prenorm or w4 or in_place"]
+            if args.run == 3:
+                pytest_args[-1:] = ["tests/pallas_kernels/test_gdn_decode_mosaic.py", "-k", "direct or switch or public"]
             t = max(min(args.test_timeout, left() - 3), 5)
             log(f"== GPU tests (timeout {t:.0f} s): -m pytest {' '.join(pytest_args)}")
             child = kit.run_tests(pytest_args, quick=quick, timeout=t, log_path=os.path.join(out, f"{name}_tests.log"))

@@ -14,6 +14,13 @@ delta = beta_t (v_t - a S^T k_t), o_t = scale (a S^T q_t + (q_t . k_t) delta), S
 numbers up to fp32 rounding, with two independent K reductions. The state bytes (read once, written once) are the
 whole cost: 256 streams x 32 heads x 128 x 128 fp32 is 0.54 GB each way.
 
+Where it runs: with ``BACKEND = "auto"`` (the default) a one-token call on a Hopper GPU goes to ``decode_mosaic.py``'s
+direct kernel instead, and this kernel runs the rest (T > 1, interpret mode, other GPUs, an explicit DecodeConfig).
+Why that one is faster (ncu on the H200, session 10): Triton lays the [128, 64] block out with 32 rows a thread, so
+each thread also holds 32 values of q and of k; this kernel takes 249 registers a thread, 4 two-warp programs an SM,
+0.298 ms at N256, where its copy twin (138 registers, 6 programs) takes 0.274; Pallas Triton gives no handle on the
+layout. The Mosaic kernel's layout holds 16 rows a thread and runs at its own copy's speed (0.278).
+
 Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads, K / V head dims (powers of two
 >= 16: the entry point pads), BV value block.
 
@@ -41,11 +48,12 @@ from pallas_kernels.gated_delta_rule import pallas_triton as _pt
 from pallas_kernels.gated_delta_rule.reference import l2norm
 
 L2_EPS = 1e-6
-#: "triton" (this file's kernel), "mosaic": ``decode_mosaic.py`` (Mosaic GPU, TMA ring) where it takes the call
-#: (T = 1, K, V in {64, 128}, Hopper or its interpret mode; no explicit DecodeConfig), else this kernel; or "auto":
-#: Mosaic only where it is compiled (a Hopper GPU), this kernel elsewhere (interpret mode included). "triton" until
-#: the H200 says Mosaic wins (NOTES.md, "Session 7: Mosaic decode" and "Session 8: Mosaic decode").
-BACKEND = "triton"
+#: "auto" (the default): ``decode_mosaic.py`` (Mosaic GPU, its DEFAULT_CONFIG: the direct transfer) where it is
+#: compiled (a Hopper GPU) and takes the call (T = 1, K, V in {64, 128}; no explicit DecodeConfig), this file's
+#: Triton kernel elsewhere (interpret mode included); "mosaic": the same, Mosaic also in its interpret mode; "triton":
+#: this kernel always. Session 10 (H200, N256-Hk16-Hv32): Mosaic direct 0.2777 ms against this kernel's 0.2981; the
+#: layer's fused decode step 0.123 against 0.131 ms (NOTES.md "Session 10").
+BACKEND = "auto"
 BACKENDS = ("triton", "mosaic", "auto")
 
 

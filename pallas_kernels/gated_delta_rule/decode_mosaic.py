@@ -1,27 +1,37 @@
-"""Mosaic GPU (Hopper) decode kernel: the per-token gated delta rule over a state-slot pool, in place, with the state
-tiles streamed through shared memory by TMA (issue 14's "decode kernel at HBM speed").
+"""Mosaic GPU (Hopper) decode kernel: the per-token gated delta rule over a state-slot pool, in place (issue 14's
+"decode kernel at HBM speed"), in two forms (``MosaicDecodeConfig.transfer``).
 
 The same op as :mod:`decode` (the Pallas Triton kernel; same arguments, same contract), for one token per stream
-(T = 1). A persistent grid of P CTAs (one warpgroup each; P = SMs x ``ctas_per_sm``) walks the work items
-b = p, p + P, p + 2P, ... of the N x Hv x V / BV items (stream n, value head h, value block vb; vb fastest, then
-h, then n: CTAs running together read neighbouring blocks of one slot). Each CTA keeps a ring of ``stages`` shared
-memory slots; slot d holds one item's state tile [K, BV] fp32 (TMA-loaded from ``pool[slot_ids[n], h, :, vb]``)
-with its q, k [K] (key head h // (Hv / Hk)) and v [BV]. Per item, with a = exp(g):
+(T = 1). Per work item (stream n, value head h, value block vb) with its [K, BV] fp32 state tile S (from
+``pool[slot_ids[n], h, :, vb]``), q, k [K] (key head h // (Hv / Hk)), v [BV] and a = exp(g):
 
     sk = S^T k,  sq = S^T q                   (fp32, one reduction each over K)
     delta = beta (v - a sk)
     o = scale (a sq + (q . k) delta)          (= S'^T (scale q))
-    S' = a S + k delta^T                      (written over the tile in shared memory, then TMA-stored in place)
+    S' = a S + k delta^T                      (stored in place)
 
 optionally with q, k L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``), the same numbers as decode.py's
-``fused_output`` form up to fp32 rounding. While item i is computed, the loads of items i + 1 .. i + stages - 2 are
-in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is refilled with item
-i - 1 + stages once the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)`` after item i's
-store is issued; ``refill="early"``: before item i's wait, so stages - 1 loads are in flight while it computes).
-Scalars (slot id, has_initial_state, g, beta or the raw a, b, A_log, dt_bias) are read straight from global
-memory one trip before their item is computed and used only then (``defer_scalars``, the default: their latency and
-the raw gates' exp / log overlap the item before; used at once they cost the layer's step ~0.04 ms at N256). An id outside [0, S) reads zeros and its store is dropped; a fresh stream (has_initial_state False) starts
-from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other slots are never touched.
+``fused_output`` form up to fp32 rounding. An id outside [0, S) reads zeros and its store is dropped; a fresh stream
+(has_initial_state False) starts from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other
+slots are never touched.
+
+``transfer="direct"`` (:data:`DEFAULT_CONFIG`, what ``decode.BACKEND = "auto"`` runs on Hopper): one CTA (one
+warpgroup) per item, value block fastest, then head, then stream. The tile goes from global memory straight into
+registers in a layout chosen for this op (:func:`rows_layout`: each thread 16 rows x 4 columns at K = 128, BV = 64,
+so it keeps 16 rows of q and k where the Triton kernel's layout keeps 32), is updated there and stored back from
+them; q, k, v and o move the same way, the scalars are read at the top of the CTA. 152 registers a thread, 3 CTAs an
+SM, and on the H200 as fast as its own copy twin (``copy_only``): 0.2777 ms at N256-Hk16-Hv32 (3.87 TB/s of state
+bytes, 81% of 4.8) against the Triton kernel's 0.2981 (249 registers, 4 two-warp programs an SM).
+
+``transfer="tma"`` (sessions 7-8; the dataclass's defaults): a persistent grid of P CTAs (one warpgroup each;
+P = SMs x ``ctas_per_sm``) walks the items b = p, p + P, ...; each CTA keeps a ring of ``stages`` shared-memory
+slots, each holding one item's tile, q, k and v, TMA-loaded. While item i is computed, the loads of items
+i + 1 .. i + stages - 2 are in flight; item i's store is issued asynchronously, and slot (i - 1) % stages is refilled
+with item i - 1 + stages once the previous store has read it (``wait_smem_to_gmem(1, wait_read_only=True)`` after
+item i's store is issued; ``refill="early"``: before item i's wait, so stages - 1 loads are in flight while it
+computes). Scalars are read one trip before their item is computed and used only then (``defer_scalars``). The ring
+alone (``copy_only``) runs 0.307-0.320 ms at N256: no arithmetic change gets it to the copy's speed (NOTES.md,
+"Session 8: Mosaic decode").
 
 Shape legend: N streams, S slots, Hk / Hv key / value heads, K / V head dims, BV value block, P CTAs.
 
@@ -30,19 +40,17 @@ Shape legend: N streams, S slots, Hk / Hv key / value heads, K / V head dims, BV
     ->  o [N, 1, Hv, V] in v's dtype, pool (updated in place: a mutable ref aliased in and out of the kernel)
 
 Scope (:func:`fallback_reason` names what it refuses; decode.py then runs the Triton kernel): one token per
-stream, K and V in {64, 128} with BV | V, q / k / v of a float dtype whose rows are whole multiples of 128 bytes
-(TMA copies here move multiples of the warpgroup size in bytes), an sm_90 GPU. Mosaic GPU kernels do not compile
-on this repo's CPU jax (0.10.2); they do run in its GPU interpret mode (``interpret=True``: the kernel body itself,
-TMA copies, barriers and the ring, with plain loads in place of the register layouts), which the CPU tests use,
-and they lower for CUDA on the CPU (the layout and transfer checks of Mosaic GPU run there). :func:`decode_reference`
-is the jnp twin of the tile algebra, checked against float64.
+stream, K and V in {64, 128} with BV | V, q and k of one dtype, an sm_90 GPU; the TMA ring also needs q / k / v rows
+of whole multiples of 128 bytes and its ring to fit in shared memory. Mosaic GPU kernels do not compile on this
+repo's CPU jax (0.10.2); they do run in its GPU interpret mode (``interpret=True``: the kernel body itself, TMA
+copies, barriers and the ring, with plain loads in place of the register layouts), which the CPU tests use, and
+they lower for CUDA on the CPU (the layout and transfer checks of Mosaic GPU run there). :func:`decode_reference` is
+the jnp twin of the tile algebra, checked against float64.
 
-Switch: ``decode.BACKEND = "mosaic"`` (or "auto": compiled only) routes ``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
-"pallas" decode and the layer's fused decode step) here where :func:`fallback_reason` is None; default "triton"
-until the H200 says this kernel wins. NOTES.md, "Session 8: Mosaic decode" (H200, jax 0.11.2): right and in place
-for every config (o 1.7e-3 bf16, state 6e-8 against the fp32 XLA step), 0.317 ms at N256-Hk16-Hv32 against Triton's
-0.323 and the XLA copy's 0.280, but not faster at N64 (0.098 vs 0.099, rounds split) nor in the layer's step (0.157
-vs 0.151 ms); the TMA ring alone (``copy_only``) takes 0.307-0.320, so no arithmetic change reaches the copy.
+Switch: ``decode.BACKEND`` ("auto" by default: this kernel where it is compiled, a Hopper GPU; the Triton kernel in
+interpret mode and elsewhere; "mosaic": here in interpret mode too; "triton": never here) routes
+``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's "pallas" decode and the layer's fused decode step)
+here where :func:`fallback_reason` is None and no explicit DecodeConfig is passed.
 """
 from __future__ import annotations
 
@@ -82,7 +90,11 @@ class MosaicDecodeConfig:
     programs: P > 0 fixes the grid size instead (tests, sweeps).
     layout: "wgmma" (the tile in registers in the WGMMA layout: each thread 4 rows x BV / 4 columns; the K
       reductions are 4 in-thread rows, 3 lane shuffles and a cross-warp step through shared memory; the tile in
-      swizzled shared memory).
+      swizzled shared memory) or "rows" (transfer="direct" only, :func:`rows_layout`: each thread R consecutive
+      rows x 4 consecutive columns, min(32, BV / 4) lanes across the columns so that one load instruction of a
+      warp reads whole 256-byte row pieces (BV 64), the rest of the lanes and the 4 warps down K; R = 16 at
+      K = 128, BV = 64) or "strided_rows" (the same, each thread every lk-th row of its warp's instead, so that
+      one load instruction reads neighbouring rows: the Triton kernel's arrangement of the tile).
     entry: "kernel" (``pl.kernel`` over a ``plgpu.Mesh``, the pool a mutable ref closed over: the API Pallas keeps)
       or "pallas_call" (the pool an aliased operand, ``input_output_aliases``; deprecated for Mosaic GPU, kept as
       the second way in should the first fail on the GPU's jax; GPU only: interpret mode cannot read its grid).
@@ -101,6 +113,13 @@ class MosaicDecodeConfig:
       loaded a trip ahead, used on the next trip (the refill's slot id too), so their latency overlaps an item.
       H200 (NOTES, session 8 run 2): with the layer's raw gates 0.329 / 0.0996 ms (N256 / N64) against 0.370 /
       0.1125 used at once; plain gates 0.321 / 0.098 against 0.317 / 0.104.
+    transfer: how a state tile moves between the pool and registers. "tma" (the persistent TMA ring above) or
+      "direct" (session 10): no ring and no shared memory for the tile; one CTA (one warpgroup) per item, the tile
+      loaded from global memory straight into registers in ``layout`` and stored back from them, q / k / v and o
+      likewise; stages, ctas_per_sm, programs, refill, swizzle and defer_scalars do not apply (the scalars are read
+      at the top of the CTA, as the Triton kernel does). Why: the Triton kernel holds 249 registers a thread at
+      2 warps (4 programs an SM, ncu on the H200) where its copy twin holds 138 (6 programs), since each thread
+      keeps 32 rows of q and k beside its 32 x 4 tile elements; a layout with 16 consecutive rows a thread keeps 16.
     refill: when the previous item's slot is refilled, "late" (after this item is computed and its store issued:
       stages - 2 tile loads in flight while an item computes) or "early" (before this item's wait, as soon as the
       previous item's store has read its slot: stages - 1 loads in flight, at the cost of waiting on that read
@@ -120,6 +139,7 @@ class MosaicDecodeConfig:
     refill: str = "late"
     swizzle: bool = True
     defer_scalars: bool = True
+    transfer: str = "tma"
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
@@ -136,6 +156,13 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.entry must be one of {ENTRIES}, got {self.entry!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"MosaicDecodeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"MosaicDecodeConfig.transfer must be one of {TRANSFERS}, got {self.transfer!r}")
+        if self.layout != "wgmma" and self.transfer != "direct":
+            raise ValueError(f"MosaicDecodeConfig.layout={self.layout!r} needs transfer='direct' (the TMA ring's tile "
+                             "is read from swizzled shared memory in the WGMMA layout)")
+        if self.transfer == "direct" and self.copy_only == "tma":
+            raise ValueError("MosaicDecodeConfig.copy_only='tma' needs transfer='tma'")
         if self.refill not in REFILLS:
             raise ValueError(f"MosaicDecodeConfig.refill must be one of {REFILLS}, got {self.refill!r}")
         if self.copy_only not in (False, True, "tma"):
@@ -145,11 +172,16 @@ class MosaicDecodeConfig:
                              "of the tile needs the swizzled layout)")
 
 
-LAYOUTS = ("wgmma",)
+LAYOUTS = ("wgmma", "rows", "strided_rows")
+TRANSFERS = ("tma", "direct")
 ENTRIES = ("kernel", "pallas_call")
 SEMANTICS = ("lane", "warpgroup")
 REFILLS = ("late", "early")
-DEFAULT_CONFIG = MosaicDecodeConfig()
+#: What ``decode.BACKEND = "auto"`` (the default) runs on Hopper: the direct transfer with the strided-rows layout
+#: (session 10, H200, N256-Hk16-Hv32: 0.2777 ms against the Triton kernel's 0.2981 and this dataclass's TMA-ring
+#: defaults' 0.2991 in one run; N64 0.0758 against 0.0813; the layer's fused decode step 0.123 against 0.131;
+#: NOTES.md "Session 10"). The dataclass's own defaults stay the TMA ring's, which the ring's tests name.
+DEFAULT_CONFIG = MosaicDecodeConfig(transfer="direct", layout="strided_rows")
 
 
 _plgpu = mosaic_gpu._plgpu          # the Pallas Mosaic GPU module, imported on first use
@@ -179,6 +211,8 @@ def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bo
     if q.dtype != k.dtype:
         return f"q and k must share a dtype; got {q.dtype}, {k.dtype}"
     bv = min(cfg.block_v, vdim)
+    if cfg.transfer == "direct":                    # no TMA, no ring: plain vector loads and stores
+        return None
     if (kdim * jnp.dtype(q.dtype).itemsize) % TMA_UNIT or (bv * jnp.dtype(v.dtype).itemsize) % TMA_UNIT:
         return (f"q / k rows ({kdim} x {jnp.dtype(q.dtype).name}) and v blocks ({bv} x {jnp.dtype(v.dtype).name}) "
                 f"must be multiples of {TMA_UNIT} bytes")
@@ -191,16 +225,41 @@ def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bo
 _LOAD_IDX_OPTIONAL = None
 
 
-def _load(ref, layout):
-    """plgpu.load with a register layout (jax 0.10 takes the index positionally, 0.11 deprecates it)."""
+def _load(ref, layout, optimized: bool = True):
+    """plgpu.load with a register layout (jax 0.10 takes the index positionally, 0.11 deprecates it).
+    ``optimized=False``: a plain per-thread transfer (what a load from global memory needs)."""
     global _LOAD_IDX_OPTIONAL
     plgpu = _plgpu()
     if _LOAD_IDX_OPTIONAL is None:
         param = inspect.signature(plgpu.load).parameters.get("idx")
         _LOAD_IDX_OPTIONAL = param is None or param.default is not inspect.Parameter.empty
     if _LOAD_IDX_OPTIONAL:
-        return plgpu.load(ref, layout=layout)
-    return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+
+
+def rows_layout(kdim: int, block_v: int, strided: bool = False):
+    """The "rows" register layout of a [K, BV] fp32 tile over one warpgroup (``MosaicDecodeConfig.layout``), as a
+    Pallas Mosaic GPU layout: lv = min(32, BV / 4) lanes across the columns (4 consecutive columns each, one
+    16-byte vector), lk = 32 / lv lanes and the 4 warps down K (each warp K / 4 rows), each thread R = K / (4 lk)
+    rows: consecutive ones, or with ``strided`` ("strided_rows") every lk-th row of its warp's, so that the lk lane
+    groups of one load instruction read neighbouring rows (the Triton kernel's own arrangement of this tile). Its
+    K-reduced form (q, k [K]) holds R values a thread; its BV-reduced form (v, o, S^T k [BV]) 4."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    lv = min(32, block_v // 4)
+    lk = 32 // lv
+    rows = kdim // (4 * lk)
+    if rows < 1 or kdim % (4 * lk):
+        raise ValueError(f"rows_layout: K = {kdim} does not split over 4 warps x {lk} lanes")
+    if strided:     # tiled [.., 4 warps, .., R rows, .., lk lanes, lv lanes, .., 4]
+        tiled = fa.TiledLayout(fa.Tiling(((kdim, block_v), (kdim // 4, block_v), (lk, block_v), (1, 4))),
+                               warp_dims=(-8,), lane_dims=(-4, -3), vector_dim=-1, _check_canonical=False)
+    else:           # tiled [.., 4 warps, .., lk lanes, .., lv lanes, R rows, .., 4]
+        tiled = fa.TiledLayout(fa.Tiling(((kdim, block_v), (kdim // 4, block_v), (rows, block_v), (rows, 4))),
+                               warp_dims=(-8,), lane_dims=(-6, -3), vector_dim=-1, _check_canonical=False)
+    tiled = tiled.canonicalize()
+    return _plgpu().Layout.TILED(tiled.tiling, warp_dims=tiled.warp_dims, lane_dims=tiled.lane_dims,
+                                 vector_dim=tiled.vector_dim)
 
 
 def _tile_smem(shape, swizzled: bool):
@@ -255,6 +314,10 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     cfg = config or DEFAULT_CONFIG
+    if cfg.transfer == "direct":
+        return _slots_direct(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has_initial_state,
+                             scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates, cfg=cfg,
+                             interpret=interpret)
     n, _, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     num_slots = pool.shape[0]
@@ -469,6 +532,102 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
         return o, jax.freeze(pool_ref)
 
     return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it
+
+
+
+def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm, raw_gates, cfg,
+                  interpret):
+    """``MosaicDecodeConfig.transfer = "direct"``: one CTA (one warpgroup) per item b = (stream, value head, value
+    block; value block fastest), its [K, BV] tile loaded from the pool straight into registers (``cfg.layout``),
+    updated there and stored back; no shared memory but the K reductions' cross-warp scratch. Same arguments,
+    contract and result as :func:`fused_recurrent_slots_mosaic`."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    n, _, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    num_slots = pool.shape[0]
+    group = hv // hk
+    bv = min(cfg.block_v, vdim)
+    if vdim % bv:
+        raise ValueError(f"MosaicDecodeConfig.block_v ({cfg.block_v}) must divide V = {vdim}")
+    nvb = vdim // bv
+    total = n * hv * nvb
+    scale = float(scale)
+    gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
+    interp = False
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    tile = plgpu.Layout.WGMMA if cfg.layout == "wgmma" else rows_layout(kdim, bv, cfg.layout == "strided_rows")
+    ROWS, COLS = tile.reduce(1), tile.reduce(0)
+    semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
+    params = plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH, lowering_semantics=semantics)
+
+    def load(ref, layout):
+        return ref[...] if interpret else _load(ref, layout, optimized=False)
+
+    def bcast(x, dims):                                 # to the tile's shape and layout (lane semantics asks)
+        y = lax.broadcast_in_dim(x, (kdim, bv), dims)
+        return y if interpret else plgpu.layout_cast(y, tile)
+
+    def body(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
+        refs = list(refs)
+        gate_refs = None
+        if gate_offsets is not None:
+            gate_refs = (refs.pop(0), refs.pop(0)) + gate_offsets
+        pool_ref, o_ref = refs
+        b = lax.axis_index("p")
+        nn, h, vb = b // (hv * nvb), lax.rem(b // nvb, hv), lax.rem(b, nvb)
+        slot = slot_ref[nn]
+        in_pool = (slot >= 0) & (slot < num_slots)
+        read = in_pool & (has_ref[nn] != 0)
+        slot = jnp.clip(slot, 0, num_slots - 1)
+        vs = pl.ds(vb * bv, bv)
+        s = load(pool_ref.at[slot, h, :, vs], tile)                                  # [K, BV] fp32
+        s = lax.select(bcast(read, ()), s, jnp.zeros_like(s))                      # fresh / bad id: zeros
+        if cfg.copy_only:                       # a measurement aid: the tile back as loaded (fresh: zeros), o = 0
+            @pl.when(in_pool)
+            def _():
+                pool_ref.at[slot, h, :, vs][...] = s
+            zero = jnp.zeros((bv,), o_ref.dtype)
+            o_ref.at[nn, 0, h, vs][...] = zero if interpret else plgpu.layout_cast(zero, COLS)
+            return
+        qv = load(q_ref.at[nn, 0, h // group], ROWS).astype(F32)                   # [K]
+        kv = load(k_ref.at[nn, 0, h // group], ROWS).astype(F32)
+        vv = load(v_ref.at[nn, 0, h, vs], COLS).astype(F32)                        # [BV]
+        g, beta = _gates(g_ref, beta_ref, gate_refs, n=nn, h=h, group=group)
+        if use_qk_l2norm:
+            qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
+            kv = kv * lax.rsqrt(jnp.sum(kv * kv) + L2_EPS)
+        a = jnp.exp(g)
+        kb, qb = bcast(kv, [0]), bcast(qv, [0])
+        sk = jnp.sum(s * kb, axis=0)                                                # [BV]  S^T k
+        sq = jnp.sum(s * qb, axis=0)                                                # [BV]  S^T q
+        delta = beta * (vv - a * sk)
+        o = scale * (a * sq + jnp.sum(qv * kv) * delta)
+
+        @pl.when(in_pool)
+        def _():
+            pool_ref.at[slot, h, :, vs][...] = a * s + kb * bcast(delta, [1])
+        o_ref.at[nn, 0, h, vs][...] = o.astype(o_ref.dtype)
+
+    operands = [slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), q, k, v, g, beta]
+    if raw_gates is not None:
+        operands += [raw_gates.a_log, raw_gates.dt_bias]
+    out_type = jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype)
+
+    def run(pool, *operands):
+        pool_ref = jax.new_ref(pool, memory_space=plgpu.GMEM)   # aliased in and out of the kernel: in place
+
+        def kernel(*refs):
+            *ins, o_ref = refs
+            body(*ins, pool_ref, o_ref)
+
+        o = pl.kernel(kernel, out_type=out_type, mesh=plgpu.Mesh(grid=(total,), grid_names=("p",)),
+                      compiler_params=params, interpret=interp, name="gdn_decode_mosaic_direct")(*operands)
+        return o, jax.freeze(pool_ref)
+
+    return jax.jit(run)(pool, *operands)
 
 
 def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float, use_qk_l2norm: bool,

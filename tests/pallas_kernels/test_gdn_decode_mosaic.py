@@ -96,6 +96,73 @@ def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, ref
     _check(o, new_pool, xs, pool, ids, has, untouched, l2)
 
 
+@pytest.mark.parametrize("layout,block_v,hk,hv,l2,dtype", [
+    ("rows", 64, 1, 2, True, jnp.float32),     # 20 tiles, one CTA each
+    ("rows", 128, 2, 4, False, jnp.float32),   # one value block per head, GVA 2
+    ("wgmma", 64, 1, 3, True, jnp.bfloat16),   # the WGMMA layout straight from global memory, GVA 3, bf16 o
+    ("strided_rows", 64, 1, 2, True, jnp.float32),   # every other row a thread
+], ids=["rows-bv64", "rows-bv128-gva2", "wgmma-bv64-gva3-bf16", "strided-bv64"])
+def test_direct_interpret_matches_f64(layout, block_v, hk, hv, l2, dtype):
+    """transfer="direct" (one CTA per tile, global memory straight to registers): the kernel body in interpret mode
+    against float64, with the poisoned ids, the fresh stream over a NaN slot and the untouched NaN slot."""
+    n, s, d = 5, 7, 128
+    xs, pool, ids, has, untouched = _poisoned(block_v + hv, n, hk, hv, d, d, s, dtype)
+    cfg = dm.MosaicDecodeConfig(transfer="direct", layout=layout, block_v=block_v)
+    fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+        use_qk_l2norm=l2, interpret=True, config=cfg))
+    o, new_pool = fn([jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(x) for x in xs[3:]], jnp.asarray(pool))
+    assert o.shape == (n, 1, hv, d) and o.dtype == dtype
+    _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=1e-2 if dtype == jnp.bfloat16 else TOL)
+
+
+def test_shipped_route_is_the_direct_kernel():
+    """What ships (session 10's H200 decision): decode.BACKEND "auto" (Mosaic where compiled, Triton elsewhere) and
+    the Mosaic kernel's DEFAULT_CONFIG the direct transfer in the strided-rows layout."""
+    assert decode.BACKEND == "auto"
+    assert dm.DEFAULT_CONFIG.transfer == "direct" and dm.DEFAULT_CONFIG.layout == "strided_rows"
+    assert dm.DEFAULT_CONFIG.block_v == 64
+    q = jnp.zeros((3, 1, 2, 128), jnp.bfloat16)
+    assert dm.fallback_reason(q, q, jnp.zeros((3, 1, 4, 128), jnp.bfloat16), interpret=True) is None
+
+
+def test_direct_interpret_head_dim_64():
+    """transfer="direct" at K = V = 64 (the layouts' other head dim: 8 rows a thread), both layouts."""
+    n, s, d = 4, 5, 64
+    for layout in ("rows", "strided_rows"):
+        xs, pool, ids, has, untouched = _poisoned(5, n, 1, 2, d, d, s)
+        cfg = dm.MosaicDecodeConfig(transfer="direct", layout=layout)
+        o, new_pool = jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+            *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+            use_qk_l2norm=True, interpret=True, config=cfg))([jnp.asarray(x) for x in xs], jnp.asarray(pool))
+        _check(o, new_pool, xs, pool, ids, has, untouched, True)
+
+
+def test_direct_copy_only_and_raw_gates_interpret():
+    """transfer="direct": copy_only stores every written tile as loaded (a fresh stream's as zeros, ids outside
+    [0, S) nothing) with o zero; the raw gates (Qwen3-Next's [b | a]) made inside match float64."""
+    n, s, hk, hv, d = 4, 6, 1, 2, 128
+    xs, pool, ids, has, untouched = _poisoned(13, n, hk, hv, d, d, s)
+    run = lambda cfg, *a, **kw: jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+        interpret=True, config=cfg, **kw))(*a)
+    o, new_pool = run(dm.MosaicDecodeConfig(transfer="direct", layout="rows", copy_only=True),
+                      [jnp.asarray(x) for x in xs], jnp.asarray(pool))
+    expect = pool.copy()
+    expect[ids[2]] = 0.0                                           # the fresh stream's slot: zeros
+    np.testing.assert_array_equal(np.asarray(new_pool), expect)
+    assert not np.asarray(o).any()
+    r = hv // hk
+    a = np.log(np.expm1(-xs[3].astype(np.float64))).astype(np.float32).reshape(n, 1, hk, r)   # softplus(a) = -g
+    b = np.log(xs[4] / (1 - xs[4])).astype(np.float32).reshape(n, 1, hk, r)
+    ba = jnp.asarray(np.concatenate([b, a], axis=-1))
+    gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=r, b_offset=0)
+    o, new_pool = run(dm.MosaicDecodeConfig(transfer="direct", layout="rows"),
+                      [jnp.asarray(x) for x in xs[:3]] + [ba, ba], jnp.asarray(pool), use_qk_l2norm=True,
+                      raw_gates=gates)
+    _check(o, new_pool, xs, pool, ids, has, untouched, True)
+
+
 @pytest.mark.parametrize("cfg", [dm.MosaicDecodeConfig(stages=2, programs=3, copy_only="tma", swizzle=False),
                                  dm.MosaicDecodeConfig(stages=3, programs=2, copy_only=True)],
                          ids=["tma-plain", "regs"])
@@ -212,9 +279,17 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     (dm.MosaicDecodeConfig(copy_only="tma"), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(copy_only="tma", swizzle=False), jnp.bfloat16, False),
     (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only="tma", swizzle=False), jnp.bfloat16, False),
+    # session 10: the direct transfer (global memory straight to registers), both layouts
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", block_v=128), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", copy_only=True), jnp.float32, False),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="wgmma"), jnp.bfloat16, False),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows"), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows", block_v=128), jnp.float32, False),
 ], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only", "s5-raw", "s6",
         "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only", "now", "now-raw",
-        "tma-only", "tma-only-plain", "bv128-s3-tma-only-plain"])
+        "tma-only", "tma-only-plain", "bv128-s3-tma-only-plain", "direct-rows", "direct-rows-bv128-raw",
+        "direct-rows-copy-only", "direct-wgmma", "direct-strided-raw", "direct-strided-bv128-fp32"])
 def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
     """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
     scalar broadcast in a select, which this lowering on 0.10.2 reproduced)."""
@@ -245,13 +320,15 @@ def test_fallback_reasons_and_config_errors():
                                              interpret=True)
     assert "K, V in" in dm.fallback_reason(q[..., :32], q[..., :32], v, interpret=True)
     f8 = q[..., :64].astype(jnp.float8_e4m3fn)                     # 64-byte rows: not a TMA load here
-    assert "multiples of 128 bytes" in dm.fallback_reason(f8, f8, v, interpret=True)
+    ring = dm.MosaicDecodeConfig()                                 # the TMA ring's own limits
+    assert "multiples of 128 bytes" in dm.fallback_reason(f8, f8, v, config=ring, interpret=True)
     assert "bytes x" in dm.fallback_reason(q, q, v, config=dm.MosaicDecodeConfig(stages=8), interpret=True)
     for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
                        (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
                        (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics"),
                        (dict(refill="soon"), "refill"), (dict(copy_only="regs"), "copy_only"),
-                       (dict(swizzle=False), "swizzle")]:
+                       (dict(swizzle=False), "swizzle"), (dict(transfer="dma"), "transfer"),
+                       (dict(transfer="direct", copy_only="tma"), "copy_only")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
@@ -337,6 +414,38 @@ def test_gpu_kernel_bf16_matches_xla_step(semantics):
     dm.MosaicDecodeConfig(entry="pallas_call")], ids=["bv128-s3", "s3-2cta", "s6-early", "defer", "pallas-call"])
 def test_gpu_kernel_variants_match_xla_step(cfg):
     _gpu_kernel_check(jnp.bfloat16, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg,dtype", [
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.float32),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.bfloat16),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", block_v=128), jnp.bfloat16),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="wgmma"), jnp.bfloat16),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", semantics="warpgroup"), jnp.bfloat16),
+    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows"), jnp.bfloat16),
+], ids=["direct-rows-fp32", "direct-rows-bf16", "direct-rows-bv128-bf16", "direct-wgmma-bf16", "direct-rows-wg-bf16",
+        "direct-strided-bf16"])
+def test_gpu_direct_matches_xla_step(cfg, dtype):
+    _gpu_kernel_check(dtype, cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_runs_the_direct_kernel():
+    """The public op (backend "pallas") on the H200 runs the Mosaic kernel (its custom call in the compiled program)
+    and matches the XLA step: fp32 o and state 1e-5, in place."""
+    from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
+    jax.config.update("jax_default_matmul_precision", "highest")
+    xs, pool, ids, has, untouched = _gpu_case(jnp.float32)
+    args = [jnp.asarray(x) for x in xs]
+    run = lambda backend: jax.jit(lambda a, p: fused_recurrent_gated_delta_rule_slots(
+        *a, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has), use_qk_l2norm=True,
+        backend=backend), donate_argnums=1)
+    fn = run("pallas")
+    text = fn.lower(args, jnp.asarray(pool)).compile().as_text()
+    assert "mosaic_gpu" in text
+    o, new_pool = fn(args, jnp.asarray(pool))
+    _check(o, new_pool, xs, pool, ids, has, untouched, True)
 
 
 def test_layer_fused_decode_through_switch_interpret(monkeypatch):
