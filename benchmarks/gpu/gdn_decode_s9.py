@@ -618,8 +618,8 @@ def main():
                     real = decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd
                     decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd = (
                         lambda *a, real=real, used=used, **kw: used.append(1) or real(*a, **kw))
-                else:
-                    decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = saved_mosaic
+                else:                                   # the Triton kernel, whatever decode.BACKEND ships as
+                    decode.BACKEND, decode_mosaic.DEFAULT_CONFIG = "triton", saved_mosaic[1]
                     decode.decode_config = lambda *a, cfg=cfg, used=used: used.append(1) or cfg
                 fns[label] = jax.jit(lambda p, x, sl, i, h: gdn.gdn_layer_decode(
                     p, dims, x, sl, i, h, backend=kb, step="fused"), donate_argnums=2)
