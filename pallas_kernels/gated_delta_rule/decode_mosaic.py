@@ -305,6 +305,49 @@ def _gates(g_ref, beta_ref, gate_refs, *, n, h, group):
     return _gate_math(_gate_loads(g_ref, beta_ref, gate_refs, n=n, h=h, group=group))
 
 
+def _dims(q, v, pool, cfg, raw_gates, interpret):
+    """What both transfers read off the call: (n, kdim, hv, vdim, num_slots, group, bv, nvb, total, gate_offsets,
+    interp) with bv the value block (checked to divide V), total the N Hv V / BV items, gate_offsets the raw gates'
+    (a, b) columns or None, interp the interpret-mode parameters or False."""
+    n, _, hk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    bv = min(cfg.block_v, vdim)
+    if vdim % bv:
+        raise ValueError(f"MosaicDecodeConfig.block_v ({cfg.block_v}) must divide V = {vdim}")
+    gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
+    interp = False                                  # GPU; interpret mode: InterpretGPUParams
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    return (n, kdim, hv, vdim, pool.shape[0], hv // hk, bv, vdim // bv, n * hv * (vdim // bv), gate_offsets,
+            interp)
+
+
+def _operands(slot_ids, has_initial_state, q, k, v, g, beta, raw_gates):
+    """The kernels' operands, in their refs' order: ids, flags (int32), q, k, v, g, beta[, A_log, dt_bias]."""
+    operands = [slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), q, k, v, g, beta]
+    if raw_gates is not None:
+        operands += [raw_gates.a_log, raw_gates.dt_bias]
+    return operands
+
+
+def _tile_update(s, qv, kv, vv, g, beta, *, scale: float, use_qk_l2norm: bool, bcast):
+    """(o [BV], S' [K, BV]) of one tile by the module docstring's formulas, in fp32: s the tile as read (zeros for
+    a fresh stream), qv, kv [K] and vv [BV] as loaded, g, beta fp32 scalars. ``bcast(x, dims)`` broadcasts a [K]
+    (dims [0]) or [BV] (dims [1]) vector to the tile's shape (and register layout, where the lowering asks)."""
+    qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
+    if use_qk_l2norm:
+        qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
+        kv = kv * lax.rsqrt(jnp.sum(kv * kv) + L2_EPS)
+    a = jnp.exp(g)
+    kb, qb = bcast(kv, [0]), bcast(qv, [0])
+    sk = jnp.sum(s * kb, axis=0)                    # [BV]  S^T k
+    sq = jnp.sum(s * qb, axis=0)                    # [BV]  S^T q
+    delta = beta * (vv - a * sk)
+    o = scale * (a * sq + jnp.sum(qv * kv) * delta)
+    return o, a * s + kb * bcast(delta, [1])
+
+
 def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float,
                                  use_qk_l2norm: bool, raw_gates=None, config: MosaicDecodeConfig = None,
                                  interpret: bool = False):
@@ -318,24 +361,12 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
         return _slots_direct(q, k, v, g, beta, pool=pool, slot_ids=slot_ids, has_initial_state=has_initial_state,
                              scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates, cfg=cfg,
                              interpret=interpret)
-    n, _, hk, kdim = q.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    num_slots = pool.shape[0]
-    group = hv // hk
-    bv = min(cfg.block_v, vdim)
-    if vdim % bv:
-        raise ValueError(f"MosaicDecodeConfig.block_v ({cfg.block_v}) must divide V = {vdim}")
-    nvb = vdim // bv
-    total = n * hv * nvb
+    n, kdim, hv, vdim, num_slots, group, bv, nvb, total, gate_offsets, interp = _dims(q, v, pool, cfg, raw_gates,
+                                                                                    interpret)
     programs = min(cfg.programs or _num_sms() * cfg.ctas_per_sm, total)
     trips = -(-total // programs)
     stages = cfg.stages
     scale = float(scale)
-    gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
-    interp = False                                  # GPU; interpret mode: InterpretGPUParams
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interp = InterpretGPUParams()
     WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
     semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
@@ -447,18 +478,8 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 return _store_and_refill(i, d, cur, refill, refill_loc)
             read = lax.broadcast_in_dim((flags & 4) != 0, s.shape, ())     # explicit: warpgroup semantics
             s = lax.select(read, s, jnp.zeros_like(s))   # fresh stream / bad id: zeros (a stale NaN never leaks)
-            qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
-            if use_qk_l2norm:
-                qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
-                kv = kv * lax.rsqrt(jnp.sum(kv * kv) + L2_EPS)
-            a = jnp.exp(g)
-            kb = lax.broadcast_in_dim(kv, (kdim, bv), [0])
-            qb = lax.broadcast_in_dim(qv, (kdim, bv), [0])
-            sk = jnp.sum(s * kb, axis=0)                  # [BV]  S^T k
-            sq = jnp.sum(s * qb, axis=0)                  # [BV]  S^T q
-            delta = beta * (vv - a * sk)
-            o = scale * (a * sq + jnp.sum(qv * kv) * delta)
-            s_buf.at[d][...] = a * s + kb * lax.broadcast_in_dim(delta, (kdim, bv), [1])
+            o, s_buf.at[d][...] = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                               bcast=lambda x, dims: lax.broadcast_in_dim(x, (kdim, bv), dims))
             o_buf.at[d][...] = o.astype(o_buf.dtype)
             return _store_and_refill(i, d, cur, refill, refill_loc)
 
@@ -497,9 +518,7 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
         plgpu.SMEM((stages, bv), v.dtype),                # o staged for its TMA store
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
     ]
-    operands = [slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), q, k, v, g, beta]
-    if raw_gates is not None:
-        operands += [raw_gates.a_log, raw_gates.dt_bias]
+    operands = _operands(slot_ids, has_initial_state, q, k, v, g, beta, raw_gates)
 
     out_type = jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype)
 
@@ -543,21 +562,9 @@ def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale,
     contract and result as :func:`fused_recurrent_slots_mosaic`."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
-    n, _, hk, kdim = q.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    num_slots = pool.shape[0]
-    group = hv // hk
-    bv = min(cfg.block_v, vdim)
-    if vdim % bv:
-        raise ValueError(f"MosaicDecodeConfig.block_v ({cfg.block_v}) must divide V = {vdim}")
-    nvb = vdim // bv
-    total = n * hv * nvb
+    n, kdim, hv, vdim, num_slots, group, bv, nvb, total, gate_offsets, interp = _dims(q, v, pool, cfg, raw_gates,
+                                                                                    interpret)
     scale = float(scale)
-    gate_offsets = None if raw_gates is None else (int(raw_gates.a_offset), int(raw_gates.b_offset))
-    interp = False
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interp = InterpretGPUParams()
     tile = plgpu.Layout.WGMMA if cfg.layout == "wgmma" else rows_layout(kdim, bv, cfg.layout == "strided_rows")
     ROWS, COLS = tile.reduce(1), tile.reduce(0)
     semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
@@ -596,24 +603,14 @@ def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale,
         kv = load(k_ref.at[nn, 0, h // group], ROWS).astype(F32)
         vv = load(v_ref.at[nn, 0, h, vs], COLS).astype(F32)                        # [BV]
         g, beta = _gates(g_ref, beta_ref, gate_refs, n=nn, h=h, group=group)
-        if use_qk_l2norm:
-            qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
-            kv = kv * lax.rsqrt(jnp.sum(kv * kv) + L2_EPS)
-        a = jnp.exp(g)
-        kb, qb = bcast(kv, [0]), bcast(qv, [0])
-        sk = jnp.sum(s * kb, axis=0)                                                # [BV]  S^T k
-        sq = jnp.sum(s * qb, axis=0)                                                # [BV]  S^T q
-        delta = beta * (vv - a * sk)
-        o = scale * (a * sq + jnp.sum(qv * kv) * delta)
+        o, s_new = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, bcast=bcast)
 
         @pl.when(in_pool)
         def _():
-            pool_ref.at[slot, h, :, vs][...] = a * s + kb * bcast(delta, [1])
+            pool_ref.at[slot, h, :, vs][...] = s_new
         o_ref.at[nn, 0, h, vs][...] = o.astype(o_ref.dtype)
 
-    operands = [slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), q, k, v, g, beta]
-    if raw_gates is not None:
-        operands += [raw_gates.a_log, raw_gates.dt_bias]
+    operands = _operands(slot_ids, has_initial_state, q, k, v, g, beta, raw_gates)
     out_type = jax.ShapeDtypeStruct((n, 1, hv, vdim), v.dtype)
 
     def run(pool, *operands):
