@@ -6,7 +6,10 @@ grouped heads, a few CTAs with a tail item, ring depths 2-4, both value blocks, 
 NaN-stale slot, NaN untouched slots left bitwise as they were, the raw gates, and the route through
 ``decode.BACKEND = "mosaic"`` and the public op; its jnp twin (``decode_reference``) at small odd dims; the lowering
 for CUDA of every config (Mosaic GPU's layout and transfer checks run at lowering) with the pool aliased; the
-refusals. GPU (`pytest -m gpu`): the compiled kernel against the XLA step at Qwen3-Next heads, in place.
+refusals. The direct transfer (session 10, what ships on Hopper): interpret mode against float64 in each layout (rows,
+strided rows, WGMMA; K = V = 128 and 64; raw gates; copy_only), its lowering, and the shipped defaults. GPU
+(`pytest -m gpu`): the compiled kernels against the XLA step at Qwen3-Next heads, in place, and the public op running
+the direct kernel.
 Tolerances (relative RMS vs float64, the reference fed the same rounded inputs, all math fp32): 1e-5 on o and the
 state; bf16 o 1e-2 (its own rounding); the GPU run against the fp32 XLA step: fp32 1e-5, bf16 q/k/v 2e-2.
 """
