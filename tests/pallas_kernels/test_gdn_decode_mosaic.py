@@ -342,17 +342,17 @@ def test_fallback_reasons_and_config_errors():
 
 
 # ---- GPU (device tool): the compiled kernel -----------------------------------------------------------------------
-def _gpu_case(dtype, n=48, s=64, hk=16, hv=32):
-    xs, pool, ids, has, untouched = _poisoned(7, n, hk, hv, 128, 128, s, dtype)
+def _gpu_case(dtype, n=48, s=64, hk=16, hv=32, d=128):
+    xs, pool, ids, has, untouched = _poisoned(7, n, hk, hv, d, d, s, dtype)
     return xs, pool, ids, has, untouched
 
 
-def _gpu_kernel_check(dtype, cfg):
+def _gpu_kernel_check(dtype, cfg, d=128):
     """The compiled kernel against the fp32 XLA step (matmul precision highest) and float64, in place: permuted
     ids with -1 and S, a fresh stream over a NaN slot, untouched slots bitwise unchanged, o finite everywhere."""
     jax.config.update("jax_default_matmul_precision", "highest")
     from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
-    xs, pool, ids, has, untouched = _gpu_case(dtype)
+    xs, pool, ids, has, untouched = _gpu_case(dtype, d=d)
     args = [jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
     fn = jax.jit(lambda a, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *a, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
@@ -434,6 +434,13 @@ def test_gpu_kernel_variants_match_xla_step(cfg):
         "direct-strided-bf16"])
 def test_gpu_direct_matches_xla_step(cfg, dtype):
     _gpu_kernel_check(dtype, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "strided_rows"])
+def test_gpu_direct_head_dim_64(layout):
+    """The shipped transfer at K = V = 64 (8 rows a thread), compiled: against the XLA step and float64."""
+    _gpu_kernel_check(jnp.bfloat16, dm.MosaicDecodeConfig(transfer="direct", layout=layout), d=64)
 
 
 @pytest.mark.gpu
