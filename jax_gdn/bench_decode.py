@@ -118,15 +118,13 @@ def time_fla(case: Case, host, do_bench: bool = False) -> float:
 
 def pallas_route(case: Case, gpu: bool) -> tuple[str, dict]:
     """("mosaic" or "triton", its launch parameters) of the op's backend "pallas" at this case (``decode.BACKEND``
-    and ``decode_mosaic.fallback_reason``, as decode.py decides at trace time)."""
+    and ``decode_mosaic.fallback_reason``: ``decode.routes_to_mosaic``, what decode.py decides at trace time)."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.gated_delta_rule import decode, decode_mosaic
     q = jax.ShapeDtypeStruct((case.B, 1, case.Hk, case.K), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((case.B, 1, case.Hv, case.V), jnp.bfloat16)
-    interpret = not gpu
-    if (decode.BACKEND == "mosaic" or (decode.BACKEND == "auto" and not interpret)) and \
-            decode_mosaic.fallback_reason(q, q, v, interpret=interpret) is None:
+    if decode.routes_to_mosaic(q, q, v, interpret=not gpu):
         return "mosaic", dataclasses.asdict(decode_mosaic.DEFAULT_CONFIG)
     return "triton", dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
 
@@ -137,7 +135,8 @@ def _has_gpu() -> bool:
 
 
 def run_section(quick: bool = False) -> dict:
-    """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, mosaic, xla, fla, copy}, "gbps": {...}}], "note"}.
+    """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, triton, xla, fla, copy}, "gbps": {...},
+    "pallas_kernel", "pallas_config"}], "note"}.
     ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
     from pallas_kernels.gated_delta_rule import decode
     gpu = _has_gpu()

@@ -557,6 +557,18 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
     return call(*operands.values())
 
 
+def routes_to_mosaic(q, k, v, *, interpret: bool = False, config: DecodeConfig = None) -> bool:
+    """Whether :func:`fused_recurrent_gated_delta_rule_slots_fwd` hands this call to ``decode_mosaic.py``:
+    ``BACKEND`` asks for it ("mosaic"; "auto" unless in interpret mode), no explicit DecodeConfig, and
+    ``decode_mosaic.fallback_reason`` is None. Shapes and dtypes only (works on tracers and ShapeDtypeStructs)."""
+    if BACKEND not in BACKENDS:
+        raise ValueError(f"decode.BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
+    if config is not None or not (BACKEND == "mosaic" or (BACKEND == "auto" and not interpret)):
+        return False
+    from pallas_kernels.gated_delta_rule import decode_mosaic
+    return decode_mosaic.fallback_reason(q, k, v, interpret=interpret) is None
+
+
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: DecodeConfig = None, raw_gates: RawGates | None = None):
@@ -574,15 +586,12 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         scale = kdim ** -0.5
     if n == 0 or t == 0:
         return jnp.zeros(v.shape, v.dtype), ssm_state
-    if BACKEND not in BACKENDS:
-        raise ValueError(f"decode.BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
-    if config is None and (BACKEND == "mosaic" or (BACKEND == "auto" and not interpret)):
+    if routes_to_mosaic(q, k, v, interpret=interpret, config=config):
         from pallas_kernels.gated_delta_rule import decode_mosaic
-        if decode_mosaic.fallback_reason(q, k, v, interpret=interpret) is None:
-            return decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
-                q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
-                has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-                raw_gates=raw_gates)
+        return decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
+            q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+            raw_gates=raw_gates)
     kp, vp = _pt.kernel_head_dim(kdim), _pt.kernel_head_dim(vdim)
     q, k, v = _pt.pad_last(q, kp), _pt.pad_last(k, kp), _pt.pad_last(v, vp)
     pool = ssm_state

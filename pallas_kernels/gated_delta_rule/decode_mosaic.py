@@ -178,9 +178,10 @@ ENTRIES = ("kernel", "pallas_call")
 SEMANTICS = ("lane", "warpgroup")
 REFILLS = ("late", "early")
 #: What ``decode.BACKEND = "auto"`` (the default) runs on Hopper: the direct transfer with the strided-rows layout
-#: (session 10, H200, N256-Hk16-Hv32: 0.2777 ms against the Triton kernel's 0.2981 and this dataclass's TMA-ring
-#: defaults' 0.2991 in one run; N64 0.0758 against 0.0813; the layer's fused decode step 0.123 against 0.131;
-#: NOTES.md "Session 10"). The dataclass's own defaults stay the TMA ring's, which the ring's tests name.
+#: (session 10, H200, N256-Hk16-Hv32: 0.2777 ms against the Triton kernel's 0.2981 in one run (call 3); the
+#: TMA ring's defaults took 0.2991 in call 2 beside Triton's 0.2993; N64 0.0758 against 0.0813; the layer's fused
+#: decode step 0.122 against 0.132 (call 5); NOTES.md "Session 10"). The dataclass's own defaults stay the TMA
+#: ring's, which the ring's tests name.
 DEFAULT_CONFIG = MosaicDecodeConfig(transfer="direct", layout="strided_rows")
 
 
@@ -210,9 +211,9 @@ def fallback_reason(q, k, v, *, config: MosaicDecodeConfig = None, interpret: bo
         return f"the Mosaic GPU decode kernel takes K, V in {HEAD_DIMS}; got K={kdim}, V={vdim}"
     if q.dtype != k.dtype:
         return f"q and k must share a dtype; got {q.dtype}, {k.dtype}"
-    bv = min(cfg.block_v, vdim)
     if cfg.transfer == "direct":                    # no TMA, no ring: plain vector loads and stores
         return None
+    bv = min(cfg.block_v, vdim)
     if (kdim * jnp.dtype(q.dtype).itemsize) % TMA_UNIT or (bv * jnp.dtype(v.dtype).itemsize) % TMA_UNIT:
         return (f"q / k rows ({kdim} x {jnp.dtype(q.dtype).name}) and v blocks ({bv} x {jnp.dtype(v.dtype).name}) "
                 f"must be multiples of {TMA_UNIT} bytes")
@@ -331,10 +332,28 @@ def _operands(slot_ids, has_initial_state, q, k, v, g, beta, raw_gates):
     return operands
 
 
+def _compiler_params(cfg):
+    """Both transfers' Mosaic GPU compiler parameters: the K reductions' cross-warp scratch, the lowering semantics."""
+    plgpu = _plgpu()
+    semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
+    return plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH, lowering_semantics=semantics)
+
+
+def _take_gate_refs(refs, gate_offsets):
+    """(gate_refs, the other refs) of a kernel body's refs after beta's: with raw gates (``gate_offsets`` not None)
+    the first two are A_log and dt_bias, and gate_refs is (A_log, dt_bias, a column, b column) for :func:`_gates`."""
+    refs = list(refs)
+    if gate_offsets is None:
+        return None, refs
+    return (refs.pop(0), refs.pop(0)) + gate_offsets, refs
+
+
 def _tile_update(s, qv, kv, vv, g, beta, *, scale: float, use_qk_l2norm: bool, bcast):
-    """(o [BV], S' [K, BV]) of one tile by the module docstring's formulas, in fp32: s the tile as read (zeros for
-    a fresh stream), qv, kv [K] and vv [BV] as loaded, g, beta fp32 scalars. ``bcast(x, dims)`` broadcasts a [K]
-    (dims [0]) or [BV] (dims [1]) vector to the tile's shape (and register layout, where the lowering asks)."""
+    """(o [BV], new_state) of one tile by the module docstring's formulas, in fp32: s the tile as read (zeros for
+    a fresh stream), qv, kv [K] and vv [BV] as loaded, g, beta fp32 scalars. ``new_state()`` traces S' [K, BV]
+    where it is called (the direct transfer calls it inside its store's ``pl.when``, the ring right away).
+    ``bcast(x, dims)`` broadcasts a [K] (dims [0]) or [BV] (dims [1]) vector to the tile's shape (and register
+    layout, where the lowering asks)."""
     qv, kv, vv = qv.astype(F32), kv.astype(F32), vv.astype(F32)
     if use_qk_l2norm:
         qv = qv * lax.rsqrt(jnp.sum(qv * qv) + L2_EPS)
@@ -345,7 +364,7 @@ def _tile_update(s, qv, kv, vv, g, beta, *, scale: float, use_qk_l2norm: bool, b
     sq = jnp.sum(s * qb, axis=0)                    # [BV]  S^T q
     delta = beta * (vv - a * sk)
     o = scale * (a * sq + jnp.sum(qv * kv) * delta)
-    return o, a * s + kb * bcast(delta, [1])
+    return o, lambda: a * s + kb * bcast(delta, [1])
 
 
 def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale: float,
@@ -369,14 +388,10 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
     scale = float(scale)
     WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
-    semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
-    params = plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH, lowering_semantics=semantics)
+    params = _compiler_params(cfg)
 
     def body(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
-        refs = list(refs)
-        gate_refs = None
-        if gate_offsets is not None:
-            gate_refs = (refs.pop(0), refs.pop(0)) + gate_offsets
+        gate_refs, refs = _take_gate_refs(refs, gate_offsets)
         pool_ref, o_ref, s_buf, q_buf, k_buf, v_buf, o_buf, bar = refs
         pid = pl.program_id(0) if cfg.entry == "pallas_call" else lax.axis_index("p")
 
@@ -478,8 +493,9 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
                 return _store_and_refill(i, d, cur, refill, refill_loc)
             read = lax.broadcast_in_dim((flags & 4) != 0, s.shape, ())     # explicit: warpgroup semantics
             s = lax.select(read, s, jnp.zeros_like(s))   # fresh stream / bad id: zeros (a stale NaN never leaks)
-            o, s_buf.at[d][...] = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                               bcast=lambda x, dims: lax.broadcast_in_dim(x, (kdim, bv), dims))
+            o, new_state = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                        bcast=lambda x, dims: lax.broadcast_in_dim(x, (kdim, bv), dims))
+            s_buf.at[d][...] = new_state()
             o_buf.at[d][...] = o.astype(o_buf.dtype)
             return _store_and_refill(i, d, cur, refill, refill_loc)
 
@@ -553,7 +569,6 @@ def fused_recurrent_slots_mosaic(q, k, v, g, beta, *, pool, slot_ids, has_initia
     return jax.jit(run)(pool, *operands)            # a mutable ref with a memory space needs a jit around it
 
 
-
 def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale, use_qk_l2norm, raw_gates, cfg,
                   interpret):
     """``MosaicDecodeConfig.transfer = "direct"``: one CTA (one warpgroup) per item b = (stream, value head, value
@@ -567,8 +582,7 @@ def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale,
     scale = float(scale)
     tile = plgpu.Layout.WGMMA if cfg.layout == "wgmma" else rows_layout(kdim, bv, cfg.layout == "strided_rows")
     ROWS, COLS = tile.reduce(1), tile.reduce(0)
-    semantics = dict(lane=plgpu.LoweringSemantics.Lane, warpgroup=plgpu.LoweringSemantics.Warpgroup)[cfg.semantics]
-    params = plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH, lowering_semantics=semantics)
+    params = _compiler_params(cfg)
 
     def load(ref, layout):
         return ref[...] if interpret else _load(ref, layout, optimized=False)
@@ -578,10 +592,7 @@ def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale,
         return y if interpret else plgpu.layout_cast(y, tile)
 
     def body(slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
-        refs = list(refs)
-        gate_refs = None
-        if gate_offsets is not None:
-            gate_refs = (refs.pop(0), refs.pop(0)) + gate_offsets
+        gate_refs, refs = _take_gate_refs(refs, gate_offsets)
         pool_ref, o_ref = refs
         b = lax.axis_index("p")
         nn, h, vb = b // (hv * nvb), lax.rem(b // nvb, hv), lax.rem(b, nvb)
@@ -603,11 +614,11 @@ def _slots_direct(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, scale,
         kv = load(k_ref.at[nn, 0, h // group], ROWS).astype(F32)
         vv = load(v_ref.at[nn, 0, h, vs], COLS).astype(F32)                        # [BV]
         g, beta = _gates(g_ref, beta_ref, gate_refs, n=nn, h=h, group=group)
-        o, s_new = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, bcast=bcast)
+        o, new_state = _tile_update(s, qv, kv, vv, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, bcast=bcast)
 
         @pl.when(in_pool)
         def _():
-            pool_ref.at[slot, h, :, vs][...] = s_new
+            pool_ref.at[slot, h, :, vs][...] = new_state()
         o_ref.at[nn, 0, h, vs][...] = o.astype(o_ref.dtype)
 
     operands = _operands(slot_ids, has_initial_state, q, k, v, g, beta, raw_gates)

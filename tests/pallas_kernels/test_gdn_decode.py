@@ -273,27 +273,34 @@ def test_decode_errors():
 # ----------------------------------------------------------------------------------------------------------------
 # GPU (device tool): K = V = 128
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_gpu_decode_in_place(dtype):
+def _gpu_check(fn, dtype, *, seed, n, s, label):
+    """Runs ``fn(xs, pool, ids, has) -> (o, new pool)`` (pool donated) at K = V = 128, Qwen3-Next heads (Hk 16, Hv 32)
+    on a case with ids -1 and S and every third stream fresh, against the float64 loop; prints the FIGURE line
+    (``label``, whether the pool was updated in place) and asserts o and the pool within the dtype's tolerance."""
     jax.config.update("jax_default_matmul_precision", "highest")
-    n, s = 48, 64
-    xs, pool = _case(7, n, 1, 16, 32, 128, 128, s, dtype=dtype)
-    ids = np.random.default_rng(8).permutation(s)[:n].astype(np.int32)
+    xs, pool = _case(seed, n, 1, 16, 32, 128, 128, s, dtype=dtype)
+    ids = np.random.default_rng(seed + 1).permutation(s)[:n].astype(np.int32)
     ids[3], ids[5] = -1, s
     has = np.arange(n) % 3 != 0
     o_ref, pool_ref = _expected(xs, pool, ids, has, True)
-    fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
-        *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, backend="pallas"),
-        donate_argnums=1)
     args = [jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
     pool_dev = jnp.asarray(pool)
     ptr = pool_dev.unsafe_buffer_pointer()
     o, new_pool = fn(args, pool_dev, jnp.asarray(ids), jnp.asarray(has))
     eo, es = rel_rms(np.asarray(o, np.float64), o_ref), rel_rms(np.asarray(new_pool), pool_ref)
-    print(f"FIGURE decode {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e} "
+    print(f"FIGURE decode {label}{jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e} "
           f"in_place={new_pool.unsafe_buffer_pointer() == ptr}")
     assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_decode_in_place(dtype):
+    """The public op (backend "pallas": on Hopper the Mosaic kernel since session 10) against the float64 loop."""
+    fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
+        *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, backend="pallas"),
+        donate_argnums=1)
+    _gpu_check(fn, dtype, seed=7, n=48, s=64, label="")
 
 
 @pytest.mark.gpu
@@ -306,21 +313,10 @@ def test_gpu_decode_in_place(dtype):
 def test_gpu_decode_configs_match_f64(config, dtype):
     """Session 9's launch variants (DecodeConfig.heads, row_split, early_store, prenorm, 4 warps) on the GPU at K = V = 128, Qwen3-Next heads,
     against the float64 loop: ids -1 and S, fresh streams, the pool donated."""
-    jax.config.update("jax_default_matmul_precision", "highest")
-    n, s = 24, 32
-    xs, pool = _case(9, n, 1, 16, 32, 128, 128, s, dtype=dtype)
-    ids = np.random.default_rng(10).permutation(s)[:n].astype(np.int32)
-    ids[3], ids[5] = -1, s
-    has = np.arange(n) % 3 != 0
-    o_ref, pool_ref = _expected(xs, pool, ids, has, True)
     fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, config=config),
         donate_argnums=1)
-    args = [jnp.asarray(x, dtype) for x in xs[:3]] + [jnp.asarray(xs[3]), jnp.asarray(xs[4])]
-    o, new_pool = fn(args, jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
-    eo, es = rel_rms(np.asarray(o, np.float64), o_ref), rel_rms(np.asarray(new_pool), pool_ref)
-    print(f"FIGURE decode {_config_id(config)} {jnp.dtype(dtype).name} o_rel_rms={eo:.3e} pool_rel_rms={es:.3e}")
-    assert eo < (1e-2 if dtype == jnp.bfloat16 else TOL) and es < TOL
+    _gpu_check(fn, dtype, seed=9, n=24, s=32, label=f"{_config_id(config)} ")
 
 
 def test_bench_decode_section_smoke():

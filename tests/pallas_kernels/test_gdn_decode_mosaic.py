@@ -67,6 +67,17 @@ def _poisoned(seed, n, hk, hv, dk, dv, s, dtype=jnp.float32):
     return xs, pool, ids, has, untouched
 
 
+def _raw_gates(xs, hk, hv):
+    """(ba, RawGates) that make the case's g and beta inside the kernel: Qwen3-Next's [b | a] per key head [N, 1, Hk,
+    2 Hv / Hk] with A_log = dt_bias = 0, so g = -softplus(a) and beta = sigmoid(b)."""
+    g, beta = xs[3], xs[4]
+    n, r = g.shape[0], hv // hk
+    a = np.log(np.expm1(-g.astype(np.float64))).astype(np.float32).reshape(n, 1, hk, r)   # softplus(a) = -g
+    b = np.log(beta / (1 - beta)).astype(np.float32).reshape(n, 1, hk, r)
+    ba = jnp.asarray(np.concatenate([b, a], axis=-1))
+    return ba, decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=r, b_offset=0)
+
+
 def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
     o_ref, pool_ref = _expected(xs, pool, ids, has, l2)
     o, new_pool = np.asarray(o, np.float64), np.asarray(new_pool)
@@ -155,11 +166,7 @@ def test_direct_copy_only_and_raw_gates_interpret():
     expect[ids[2]] = 0.0                                           # the fresh stream's slot: zeros
     np.testing.assert_array_equal(np.asarray(new_pool), expect)
     assert not np.asarray(o).any()
-    r = hv // hk
-    a = np.log(np.expm1(-xs[3].astype(np.float64))).astype(np.float32).reshape(n, 1, hk, r)   # softplus(a) = -g
-    b = np.log(xs[4] / (1 - xs[4])).astype(np.float32).reshape(n, 1, hk, r)
-    ba = jnp.asarray(np.concatenate([b, a], axis=-1))
-    gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=r, b_offset=0)
+    ba, gates = _raw_gates(xs, hk, hv)
     o, new_pool = run(dm.MosaicDecodeConfig(transfer="direct", layout="rows"),
                       [jnp.asarray(x) for x in xs[:3]] + [ba, ba], jnp.asarray(pool), use_qk_l2norm=True,
                       raw_gates=gates)
@@ -187,12 +194,7 @@ def test_kernel_interpret_raw_gates_and_bf16(defer):
     math at once or on the next trip (``defer_scalars``)."""
     n, s, hk, hv, d = 4, 6, 1, 2, 128
     xs, pool, ids, has, untouched = _poisoned(11, n, hk, hv, d, d, s, jnp.bfloat16)
-    r = hv // hk
-    g, beta = xs[3], xs[4]
-    a = np.log(np.expm1(-g.astype(np.float64))).astype(np.float32).reshape(n, 1, hk, r)   # softplus(a) = -g
-    b = np.log(beta / (1 - beta)).astype(np.float32).reshape(n, 1, hk, r)
-    ba = jnp.asarray(np.concatenate([b, a], axis=-1))
-    gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=r, b_offset=0)
+    ba, gates = _raw_gates(xs, hk, hv)
     args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]]
     fn = jax.jit(lambda q, k, v, ba, pool, gates: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, ba, ba, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),

@@ -670,23 +670,30 @@ def test_split_chain_start_states_match_the_maps(with_h0):
     assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4
 
 
-@pytest.mark.gpu
-def test_gpu_split_chain_matches_f64():
-    """The op split at P = 2 with piece 1's start from the fused kernel's state-only pass over piece 0 (split_chain)
-    against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk."""
+def _split_weak_decay_check(t: int, seed: int, **split):
+    """The Mosaic op split as ``split`` asks (``mg.chunk_gated_delta_rule_fwd``'s options) against float64 at weak
+    decay (g x 0.01: a wrong start state shows): one stream of T tokens, initial state in, K = V = 128, Hv = 2 Hk,
+    bf16 inputs; o finite, o and the final state within 1e-2."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
-    case = Case("B1-T1000-Hk1-Hv2-K128-V128", 1, 1000, 1, 2, 128, 128)
-    q, k, v, g, beta, h0, _ = make_inputs(case, 17, jnp.bfloat16)
+    case = Case(f"B1-T{t}-Hk1-Hv2-K128-V128", 1, t, 1, 2, 128, 128)
+    q, k, v, g, beta, h0, _ = make_inputs(case, seed, jnp.bfloat16)
     g = (g * 0.01).astype(np.float32)
     bf = jnp.bfloat16
     o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
                                          jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
-                                         pieces=2, split_chain=True)
+                                         **split)
     o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+def test_gpu_split_chain_matches_f64():
+    """The op split at P = 2 with piece 1's start from the fused kernel's state-only pass over piece 0 (split_chain)
+    against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk."""
+    _split_weak_decay_check(1000, 17, pieces=2, split_chain=True)
 
 
 @pytest.mark.gpu
@@ -834,20 +841,8 @@ def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first, prec):
     """The op split with session 9's options (first piece from h0, the XLA serial scan, P = 3, 5, 6, the scan in
     tf32) against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128,
     Hv = 2 Hk, exp2 on (the default), bf16 1e-2."""
-    if not _hopper():
-        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
-    case = Case("B1-T2000-Hk1-Hv2-K128-V128", 1, 2000, 1, 2, 128, 128)
-    q, k, v, g, beta, h0, _ = make_inputs(case, 37, jnp.bfloat16)
-    g = (g * 0.01).astype(np.float32)
-    bf = jnp.bfloat16
-    o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
-                                         jnp.asarray(beta, bf), jnp.asarray(h0), impl="mosaic", stage1a="mosaic",
-                                         pieces=pieces, exp2=True, split_scan=scan, split_first=first,
-                                         split_precision=prec)
-    o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
-    ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
-    assert np.isfinite(o).all()
-    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    _split_weak_decay_check(2000, 37, pieces=pieces, exp2=True, split_scan=scan, split_first=first,
+                            split_precision=prec)
 
 
 @pytest.mark.parametrize("pieces,want", [(2, "serial"), (4, "triton")])
