@@ -73,7 +73,7 @@ def time_jax_decode(case: Case, backend: str, host, config=None, **timing) -> fl
             return ops.fused_recurrent_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=ids, use_qk_l2norm=True,
                                                               backend=backend)
     else:
-        from pallas_kernels.gated_delta_rule import decode
+        from pallas_kernels.gated_delta_rule.triton import decode
 
         def run(pool):
             return decode.fused_recurrent_gated_delta_rule_slots_fwd(
@@ -121,7 +121,8 @@ def pallas_route(case: Case, gpu: bool) -> tuple[str, dict]:
     and ``decode_mosaic.fallback_reason``: ``decode.routes_to_mosaic``, what decode.py decides at trace time)."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.gated_delta_rule import decode, decode_mosaic
+    from pallas_kernels.gated_delta_rule.triton import decode
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as decode_mosaic
     q = jax.ShapeDtypeStruct((case.B, 1, case.Hk, case.K), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((case.B, 1, case.Hv, case.V), jnp.bfloat16)
     if decode.routes_to_mosaic(q, q, v, interpret=not gpu):
@@ -138,7 +139,7 @@ def run_section(quick: bool = False) -> dict:
     """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, triton, xla, fla, copy}, "gbps": {...},
     "pallas_kernel", "pallas_config"}], "note"}.
     ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
-    from pallas_kernels.gated_delta_rule import decode
+    from pallas_kernels.gated_delta_rule.triton import decode
     gpu = _has_gpu()
     cases = CPU_DECODE if quick or not gpu else DECODE_CASES
     timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}

@@ -79,7 +79,7 @@ def _gdn_pallas_interpret(**case):
 
 
 def _gdn_mosaic(*, platform, dtype, head_k_dim, head_v_dim, num_k_heads, num_v_heads):
-    mod, why = _import("pallas_kernels.gated_delta_rule.mosaic_gpu")
+    mod, why = _import("pallas_kernels.gated_delta_rule.mosaic_gpu.chunk")
     if mod is None:
         return why
     if platform != "gpu" or not mod.is_hopper():

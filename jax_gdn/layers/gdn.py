@@ -648,7 +648,7 @@ def decode_step_backend(backend: str, dims: GdnDims, dtype) -> Optional[str]:
     """The Pallas backend of the fused decode step ("pallas" or "pallas_interpret") for the GDN backend ``backend``,
     or None where it cannot run (not a Pallas backend, K != V, a head dim the kernels would pad, or the conv kernel
     refuses the dims / dtype). Static."""
-    from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+    from pallas_kernels.gated_delta_rule.triton import chunk as _pt
     resolved = gdn_ops.resolve_backend(backend)
     if resolved not in ("pallas", "pallas_interpret"):
         return None
@@ -662,7 +662,7 @@ def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids
     """The fused decode step's phases 1-2 (see ``DECODE_STEP``): (o [N, Hv, V], z [N, Hv, V], slots)."""
     from pallas_kernels.conv1d import api as conv_api
     from pallas_kernels.conv1d.reference import qkvz_block_cols
-    from pallas_kernels.gated_delta_rule import decode as decode_kernel
+    from pallas_kernels.gated_delta_rule.triton import decode as decode_kernel
     n = hidden.shape[0]
     hk, hv, d, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_ratio
     x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)

@@ -1,7 +1,7 @@
 """The package's public ops (FLA-style signatures): thin re-exports.
 
 The gated delta rule lives in one folder, ``pallas_kernels/gated_delta_rule/`` (``api.py`` checks and dispatches,
-``reference.py`` is the XLA form, ``pallas_triton.py`` / ``decode.py`` the GPU kernels, ``chunk_map.py`` the chunk
+``reference.py`` is the XLA form, ``gated_delta_rule/triton/chunk.py`` / ``decode.py`` the GPU kernels, ``chunk_map.py`` the chunk
 map, ``validation.py`` the checks); its docstrings hold the shapes, backends, padding contract and edge cases.
 ``jax_gdn.ops.{reference, varlen, validation}`` re-export those modules for existing imports. ``conv1d`` and
 ``norms`` are the other ops of the layer.

@@ -13,14 +13,14 @@ scale defaulting to K ** -0.5. ``use_qk_l2norm`` normalises q and k in fp32 (``x
 before the scale.
 
 The op's folder: ``api.py`` (this file), ``reference.py`` (XLA chunked form + per-token recurrence, the "xla"
-backend), ``pallas_triton.py`` (the prefill kernels), ``decode.py`` (the decode kernel), ``recurrent_varlen.py``
+backend), ``gated_delta_rule/triton/chunk.py`` (the prefill kernels), ``decode.py`` (the decode kernel), ``recurrent_varlen.py``
 (the per-token prefill kernel for short sequences), ``chunk_map.py`` (the one chunk map from cu_seqlens, slot
 helpers), ``validation.py`` (argument checks), ``NOTES.md``.
 
-Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``pallas_triton.py`` / ``decode.py``),
+Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``gated_delta_rule/triton/chunk.py`` / ``decode.py``),
 "pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (prefill on a Hopper
 GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch choices in
-``mosaic_gpu.DEFAULT_CONFIG``; packed ``cu_seqlens`` and the slot pool through ``mosaic_gpu_varlen.py`` while
+``mosaic_gpu.DEFAULT_CONFIG``; packed ``cu_seqlens`` and the slot pool through ``gated_delta_rule/mosaic_gpu/varlen.py`` while
 ``mosaic_gpu.VARLEN`` is set; what it does not take, fp32 inputs, other head dims, a non-Hopper GPU, decode, runs
 "pallas" with a warning that names the reason; it needs a GPU), "auto" (= "pallas" when
 ``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where ``mosaic_gpu.AUTO``
@@ -65,10 +65,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import (decode, mosaic_gpu, mosaic_gpu_varlen, pallas_triton, recurrent_varlen,
-                                             validation)
+from pallas_kernels.gated_delta_rule import validation
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
+from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mosaic_gpu_varlen
+from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
+from pallas_kernels.gated_delta_rule.triton import decode, recurrent_varlen
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
-from pallas_kernels.gated_delta_rule.pallas_triton import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
+from pallas_kernels.gated_delta_rule.triton.chunk import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
                                                            check_supported, kernel_head_dim, supported)
 from pallas_kernels.gated_delta_rule.reference import (chunk_gated_delta_rule_slots_xla, chunk_gated_delta_rule_xla,
                                                        fused_recurrent_gated_delta_rule_slots_xla, l2norm,

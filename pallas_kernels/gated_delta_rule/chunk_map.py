@@ -1,6 +1,6 @@
 """The one chunk map of the gated delta rule: which chunk of C tokens covers which tokens of which sequence.
 
-Used by every backend (the XLA chunked form in ``reference.py``, the Pallas kernels in ``pallas_triton.py``) and
+Used by every backend (the XLA chunked form in ``reference.py``, the Pallas kernels in ``gated_delta_rule/triton/chunk.py``) and
 re-exported by ``jax_gdn.ops.varlen``. Also the packing helpers the ops share: ``token_streams`` (stream of each
 packed token) and the slot-pool gather / scatter of the padding contract.
 

@@ -291,7 +291,9 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
         calls.append(("slots_fwd", chunk_map.chunk_len.shape, interpret))
         return "o", "pool"
 
-    from pallas_kernels.gated_delta_rule import api, pallas_triton, recurrent_varlen
+    from pallas_kernels.gated_delta_rule import api
+    from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
+    from pallas_kernels.gated_delta_rule.triton import recurrent_varlen
     monkeypatch.setattr(recurrent_varlen, "MAX_MEAN_LEN", 0)   # T = 10 for N = 2 would take the short-sequence kernel
     monkeypatch.setattr(api, "check_supported", check_supported)
     monkeypatch.setattr(pallas_triton, "chunk_gated_delta_rule_fwd", chunk_gated_delta_rule_fwd)

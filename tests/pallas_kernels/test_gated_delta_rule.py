@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jax_gdn import cases
-from pallas_kernels.gated_delta_rule import api, pallas_triton
+from pallas_kernels.gated_delta_rule import api
+from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
 from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms, tol
 from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
-from pallas_kernels.gated_delta_rule import decode
+from pallas_kernels.gated_delta_rule.triton import decode
 from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms
 
 TOL = 1e-5

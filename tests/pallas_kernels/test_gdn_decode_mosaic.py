@@ -1,4 +1,4 @@
-"""The Mosaic GPU decode kernel (pallas_kernels/gated_delta_rule/decode_mosaic.py) against the float64 per-token loop.
+"""The Mosaic GPU decode kernel (pallas_kernels/gated_delta_rule/mosaic_gpu/decode.py) against the float64 per-token loop.
 
 CPU: the kernel body itself in Mosaic GPU interpret mode (TMA copies, barriers, the ring and the persistent item
 loop; plain loads in place of the register layouts) at K = V = 128 (TMA rows are whole multiples of 128 bytes),
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule import decode, decode_mosaic as dm
+from pallas_kernels.gated_delta_rule.triton import decode
+from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as dm
 from tests.numpy_reference import gated_delta_rule_f64, rel_rms
 
 TOL = 1e-5

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.cases import Case
-from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 from tests.gdn_harness import make_inputs, oracle, rel_rms, tol
 
 
@@ -46,7 +46,7 @@ def test_defaults():
                                                 split_chain=False, split_scan=None, split_first=None)
     # session 9 (NOTES.md "Session 9: the Hk2-Hv8 row"): the split's first piece from h0, the Triton scan in tf32
     # above P = 2 (at P = 2 XLA's stack, no product)
-    from pallas_kernels.gated_delta_rule import mosaic_gpu_split as split
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import split
     assert (split.FIRST, split.SCAN, split.SERIAL_MAX_PIECES, split.SCAN_PRECISION) == ("h0", "auto", 2, "default")
     with pytest.raises(ValueError, match="stage1a"):
         mg.MosaicConfig(stage1a="cuda")
@@ -339,8 +339,8 @@ def test_registry_entry(monkeypatch):
     assert "head dims" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, head_v_dim=96))
 
 
-# ---- the sequence split's start states (mosaic_gpu_split.py, session 7) ----------------------------------------
-from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms  # noqa: E402
+# ---- the sequence split's start states (gated_delta_rule/mosaic_gpu/split.py, session 7) ----------------------------------------
+from pallas_kernels.gated_delta_rule.mosaic_gpu import split as ms  # noqa: E402
 
 
 def _scan_f64(maps_t, h0t):

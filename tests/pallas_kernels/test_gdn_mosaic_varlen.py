@@ -1,5 +1,5 @@
 """Packed sequences (cu_seqlens) and the slot pool on the Mosaic GPU backend
-(pallas_kernels/gated_delta_rule/mosaic_gpu_varlen.py).
+(pallas_kernels/gated_delta_rule/mosaic_gpu/varlen.py).
 
 CPU: the repack / walk table / unpack around the jnp twin of the walked fused pass (``impl="reference"``, both
 stage 1a choices: kkt_fwd's twin on the repacked row, Pallas Triton kkt_solve in interpret mode on the packed row)
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from jax_gdn.cases import Case
-from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
-from pallas_kernels.gated_delta_rule import mosaic_gpu_varlen as mv
-from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mv
+from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc
 from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms
 
 LENS = (1, 63, 0, 64, 65, 130)        # odd lengths, an empty sequence, chunk-exact ones
@@ -255,7 +255,7 @@ def test_slots_dense_kernel_route_is_the_dense_op(monkeypatch):
     DEFAULT_CONFIG: exp2, state_kv, the split policy), called on the gathered start states; its final states go
     back to the pool by the slot ids (an id outside [0, S) writes nothing). A stand-in for op_fwd checks the
     plumbing on the CPU (the kernels need a Hopper GPU)."""
-    from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
     case = Case("cpu-B2-T65", 2, 65, 1, 2, 16, 8)
     q, k, v, g, beta, _, _ = make_inputs(case, 1, jnp.float32, with_h0=False)
     pool = np.random.default_rng(1).standard_normal((3, 2, 16, 8)).astype(np.float32)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.ops import chunk_gated_delta_rule, chunk_gated_delta_rule_slots
-from pallas_kernels.gated_delta_rule import recurrent_varlen as rv
+from pallas_kernels.gated_delta_rule.triton import recurrent_varlen as rv
 from tests.numpy_reference import gated_delta_rule_f64, rel_rms
 
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}

@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta_rule import mosaic_gpu
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
 
 F32 = jnp.float32
 L2_EPS = 1e-6            # decode.L2_EPS
@@ -692,7 +692,7 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
     ``raw_gates``); ssm_state [S, Hv, K, V] fp32 (donate it); slot_ids [N] (outside [0, S): zeros in, no write);
     has_initial_state [N]. ``interpret``: Mosaic GPU interpret mode (CPU). Raises ValueError naming
     :func:`fallback_reason` where the kernel does not take the call. Returns (o [N, 1, Hv, V], new ssm_state)."""
-    from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+    from pallas_kernels.gated_delta_rule.triton import chunk as _pt
     cfg = config or DEFAULT_CONFIG
     reason = fallback_reason(q, k, v, config=cfg, interpret=interpret)
     if reason is not None:

@@ -14,7 +14,7 @@ head h // (Hv // Hk), with the decode kernel's fused output form (``decode.py``)
 (= S = exp(g_t) S; S = S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T (scale q_t) up to fp32 rounding), optionally
 with q_t, k_t L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``). All math is fp32; o takes v's dtype.
 
-Against the chunked kernels (``pallas_triton.py``: chunk map, intra-chunk solve, state pass, zero tail: four to
+Against the chunked kernels (``gated_delta_rule/triton/chunk.py``: chunk map, intra-chunk solve, state pass, zero tail: four to
 five launches) this is one launch with no chunk map, and a sequence of L tokens costs L serial steps of a few
 [K, BV] reductions instead of ceil(L / 64) chunk steps of [64, K] x [K, BV] dots plus the intra-chunk solve: it
 wins where the state bytes and the launches are the cost (lengths of a few tokens), loses on long sequences (a
@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import pallas_triton as _pt
+from pallas_kernels.gated_delta_rule.triton import chunk as _pt
 
 L2_EPS = 1e-6
 

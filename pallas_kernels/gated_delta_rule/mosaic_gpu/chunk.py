@@ -13,7 +13,7 @@ Two kernels and a little XLA glue:
     A0_ij = beta_i k_i.k_j (j < i), 16 x 16 diagonal blocks by forward substitution, merged on the tensor cores;
     T0 [B, Hv, Tp, C] in the input dtype. (``stage1a="triton"``: Pallas Triton ``kkt_solve``'s gated T instead,
     the session-5 port.)
-  * :func:`fused_state_pass` (step 1, jla's fused_fwd_wy): stages 1b + 2 of pallas_triton.py in one
+  * :func:`fused_state_pass` (step 1, jla's fused_fwd_wy): stages 1b + 2 of gated_delta_rule/triton/chunk.py in one
     warp-specialised kernel that builds the WY factors inside the chunk loop. With T = T0 * e^(G_i - G_j) (the
     gates enter A as a diagonal similarity) the WY identity reads
 
@@ -35,7 +35,7 @@ Two kernels and a little XLA glue:
     piece walked from the initial state itself) and a scan over the pieces (``mosaic_gpu_split.piece_scan``:
     one Pallas Triton launch with tf32 products; at 2 pieces an XLA stack, no product).
 
-Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu_varlen.py``, which lays them out for
+Scope (dense rows here; packed sequences and the slot pool in ``gated_delta_rule/mosaic_gpu/varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
 multiple of Hk, any T (padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and
 the real rows unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None,
@@ -153,7 +153,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     h0t [B * R, Hv, V, K] fp32 (each run piece's initial state, transposed) or None (zeros).
     ``write_o`` False: no output (the map pass), the output warpgroup only forms Ag.
     ``exp2``: gcum holds log2 gates (G log2 e) and every decay is exp2 (as jla), else natural-log gates and exp.
-    ``walk`` (varlen, ``mosaic_gpu_varlen.py``): int32 [R, 3] table, row r = (first chunk c0, chunk count n_r,
+    ``walk`` (varlen, ``gated_delta_rule/mosaic_gpu/varlen.py``): int32 [R, 3] table, row r = (first chunk c0, chunk count n_r,
     sequence s_r); then B = 1, P = 1, the grid is (R, Hv, V / BV) and CTA row r walks chunks c0 .. c0 + n_r - 1
     of the one row (a dynamic trip count, 0 allowed: the final state is then the initial one), starting from
     h0t[s_r] and storing its final state to [s_r]; h0t and the final state are [num_states, Hv, V, K] (S^T),
@@ -829,7 +829,7 @@ def _pad_time(x, pad):
 
 def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 1):
     """Pads T to a multiple of C (zero tokens) and runs stage 1a (Pallas Triton): the fused pass's operands."""
-    from pallas_kernels.gated_delta_rule import pallas_triton as kt
+    from pallas_kernels.gated_delta_rule.triton import chunk as kt
     from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
     b, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -892,7 +892,7 @@ MAX_SPLIT_CTAS = 64
 
 
 def _first_from_h0() -> bool:
-    from pallas_kernels.gated_delta_rule import mosaic_gpu_split
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_gpu_split
     return mosaic_gpu_split.FIRST == "h0"
 
 
@@ -940,7 +940,7 @@ def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, ex
     MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan). ``chain`` (P = 2 only): piece 1's start
     from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan). ``scan`` /
     ``first`` / ``precision``: start_states' (None: its SCAN / FIRST / SCAN_PRECISION)."""
-    from pallas_kernels.gated_delta_rule import mosaic_gpu_split
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_gpu_split
     return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
                                          map_impl="chain" if chain and pieces == 2 else None, scan=scan,
                                          first=first, precision=precision)
@@ -1054,7 +1054,7 @@ class MosaicConfig:
         for name in ("exp2", "state_kv", "split_chain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
-        from pallas_kernels.gated_delta_rule import mosaic_gpu_split as ms
+        from pallas_kernels.gated_delta_rule.mosaic_gpu import split as ms
         if self.split_scan is not None and self.split_scan not in ms.SCAN_CHOICES:
             raise ValueError(f"MosaicConfig.split_scan must be None or one of {ms.SCAN_CHOICES}; "
                              f"got {self.split_scan!r}")
@@ -1090,7 +1090,7 @@ DEFAULT_CONFIG = MosaicConfig()
 # 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state)
 # against Triton's 3.8e-3 / 3.0e-3.
 AUTO = True
-#: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through mosaic_gpu_varlen.py (repack to
+#: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through gated_delta_rule/mosaic_gpu/varlen.py (repack to
 #: chunk-aligned sequences, the fused pass walking a per-CTA table, unpack); off: they run Pallas Triton as before.
 VARLEN = True
 #: "auto" picks the Mosaic path for packed / slot calls too (needs VARLEN and AUTO). On from the H200 runs of session
@@ -1140,7 +1140,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
     """The "mosaic_gpu" backend of ``chunk_gated_delta_rule`` (dense rows; api.py has checked the arguments and
     :func:`fallback_reason`). Returns (o [B, T, Hv, V] in v's dtype, final_state [B, Hv, K, V] fp32 or None).
     jax.grad / jax.jvp raise NotImplementedError naming backend='xla' (no backward pass)."""
-    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
     cfg = config or DEFAULT_CONFIG
 
     def run(q, k, v, g, beta, *h0):

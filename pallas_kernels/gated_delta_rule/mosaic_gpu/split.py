@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 
 C = mg.C
 BV = mg.BV

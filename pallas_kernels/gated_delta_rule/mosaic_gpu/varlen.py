@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta_rule import mosaic_gpu as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 from pallas_kernels.gated_delta_rule.chunk_map import (build_chunk_map, gather_slots, launch_order, max_chunks,
                                                        scatter_slots)
 
@@ -206,7 +206,7 @@ def repack_all(xs, src, keep, *, copies: str = "xla", chunks=None, interpret: bo
     slots left unset)."""
     if copies == "xla":
         return repack(xs, src, keep)
-    from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+    from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc
     t = xs[0].shape[1]
     outs = vc.repack_rows(tuple(x[0].reshape(t, -1) for x in xs), *chunks, chunk=C, interpret=interpret)
     return tuple(y.reshape((1, y.shape[0]) + x.shape[2:]) for x, y in zip(xs, outs))
@@ -219,7 +219,7 @@ def unpack(o_r, back, valid, *, copies: str = "xla", chunks=None, end=None, tota
     ``chunks`` with ``end`` = cu_seqlens[N:])."""
     if copies == "xla":
         return _gather_rows(o_r[0], back, valid)[None]
-    from pallas_kernels.gated_delta_rule import varlen_copy_triton as vc
+    from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc
     tp = o_r.shape[1]
     y = vc.unpack_rows(o_r[0].reshape(tp, -1), *chunks, end, total_len=total_len, chunk=C, interpret=interpret)
     return y.reshape((1, total_len) + o_r.shape[2:])
@@ -258,7 +258,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
                 unset = (jnp.arange(tp) // C >= num_chunks[0])[None, None, :, None]
                 t0 = jnp.where(unset, jnp.asarray(jnp.nan, t0.dtype), t0)
         return t0, gcum, beta_hm, True
-    from pallas_kernels.gated_delta_rule import pallas_triton as kt
+    from pallas_kernels.gated_delta_rule.triton import chunk as kt
     kf, gf, bf = packed
     if not kernel:       # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
         kf, gf, bf = (jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1)) for x in (kf, gf, bf))
@@ -411,7 +411,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
     """``chunk_gated_delta_rule(..., cu_seqlens=...)`` on "mosaic_gpu" (api.py has checked the arguments and
     ``mosaic_gpu.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
     None). jax.grad / jax.jvp raise NotImplementedError naming backend='xla'."""
-    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
     cfg = config or DEFAULT_CONFIG
 
     def run(q, k, v, g, beta, cu, *h0):
@@ -431,7 +431,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
     fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`mosaic_gpu.op_fwd` with its
     ``DEFAULT_CONFIG``: exp2, state_kv, the split policy); ``config`` applies to packed calls. ``impl="reference"``:
     the jnp twins (CPU tests)."""
-    from pallas_kernels.gated_delta_rule.pallas_triton import no_autodiff
+    from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
     cfg = config or DEFAULT_CONFIG
     h0 = gather_slots(ssm_state.astype(F32), slot_ids, has_initial_state)               # [N, Hv, K, V]
     if cu_seqlens is None and impl == "mosaic":
