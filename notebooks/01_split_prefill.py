@@ -18,14 +18,15 @@
 #
 # One Gated DeltaNet layer (`jax_gdn.layers.gdn`) prefills a **packed batch** of N streams (T tokens stacked
 # along one axis, `cu_seqlens` marks where each stream starts) through five phases. Each phase is a pure
-# function: all state comes in as an argument and goes out as a return value (no hidden mutation).
+# function: all state comes in as an argument and goes out as a return value (no hidden mutation). The block
+# around the mixer (`jax_gdn.layers.block`) owns the input norm, the residual add and the FFN / MoE.
 #
 # ```
 # hidden [T, D] --phase1_proj_batched-->  mixed_qkv [T, conv_dim], z [T, Hv, V], beta, g [T, Hv] (fp32)
 #               --phase1_conv1d_varlen--> conv_out [T, conv_dim]      reads/writes slots.conv_state[slot_ids]
 #               --phase1_l2_batched-->    q, k [T, Hk, K] (unit rows), v [T, Hv, V]
 #               --gdn_full_varlen-->      o [T, Hv, V]                reads/writes slots.ssm_state[slot_ids]
-#               --phase3-->               hidden + out_proj(norm(o) * silu(z))   [T, D]
+#               --phase3-->               out_proj(norm(o) * silu(z))   [T, D]
 # ```
 #
 # This notebook runs a small random layer through each phase, prints what each one reads and writes, checks
@@ -105,9 +106,9 @@ show(meta, f"BatchMeta (N = {meta.num_seqs} streams, T = {T} tokens):")
 
 
 # %% [markdown]
-# ## Phase 1a - input RMSNorm + in_proj (`phase1_proj_batched`)
+# ## Phase 1a - in_proj and the gates (`phase1_proj_batched`)
 #
-# Reads only `hidden` and the parameters; batched over all T tokens (no per-stream logic, no state).
+# Reads only the hidden states and the parameters; batched over all T tokens (no per-stream logic, no state).
 # The Qwen3-Next fused projection is de-interleaved per key head into `[q | k | v]`, `z`, `b`, `a`;
 # `beta = sigmoid(b)` and the log-decay `g = -exp(A_log) * softplus(a + dt_bias)` (<= 0) are fp32.
 
@@ -166,9 +167,9 @@ for s in range(NUM_SLOTS):
     print(f"  slot {s}: ssm_state finite = {finite(slots_b.ssm_state[s])}")
 
 # %% [markdown]
-# ## Phase 3 - gated RMSNorm, out_proj, residual (`phase3`)
+# ## Phase 3 - gated RMSNorm with z, then out_proj (`phase3`)
 #
-# Batched over tokens again; an optional FFN callable (the MoE / MLP block) would run after the residual add.
+# Batched over tokens again. The residual add and the FFN / MoE that follow belong to the block.
 
 # %%
 out = phase3(params, dims, o, p1.z, hidden)
@@ -180,7 +181,7 @@ print("writes:"); shapes(hidden_out=out)
 #
 # `gdn_layer_monolithic` is an independent straight-line form of **one** stream (its own `lax.conv` over the
 # state-prefixed input, and the non-slot op with `use_qk_l2norm=True`). Running it stream by stream must give
-# the packed result; so must `gdn_layer_prefill`, the five phases chained in one `jax.jit` (what the model runs).
+# the packed result; so must `gdn_layer_prefill`, the five phases chained in one `jax.jit` (the mixer as the model's block runs it).
 
 # %%
 cu = np.asarray(meta.cu_seqlens)
@@ -210,22 +211,22 @@ print("unused slots 1 and 3 still NaN:", bool(jnp.isnan(slots_jit.ssm_state[jnp.
 # call, and a **new** stream joins the second call in the free slot 1.
 
 # %%
-first = [3, 35, 1, 18]                          # tokens of each stream in call 1 (57 in all)
+first = [3, 35, 1, 18]                          # tokens of each stream in the first call (57 in all)
 rest = [l - f for l, f in zip(lengths, first)]  # [2, 35, 0, 15]
 h_streams = [hidden[cu[i]:cu[i + 1]] for i in range(len(lengths))]
 new_stream = jax.random.normal(jax.random.PRNGKey(7), (5, dims.hidden_size))
 
-# call 1: all four streams, fresh
+# first call: all four streams, fresh
 meta1 = BatchMeta.from_lengths(first, slot_ids=slot_ids)
 h1 = jnp.concatenate([h[:f] for h, f in zip(h_streams, first)])
 out1, slots1 = gdn_layer_prefill(params, dims, h1, nan_slots, meta1, backend="xla")
 
-# call 2: streams 0, 1, 3 continue (positions = tokens already seen), a new stream starts in slot 1.
-# Same T (57) and N (4) as call 1, so the compiled program is reused: lengths are data, not shapes.
+# second call: streams 0, 1, 3 continue (positions = tokens already seen), a new stream starts in slot 1.
+# Same T (57) and N (4) as the first call, so the compiled program is reused: lengths are data, not shapes.
 cont = [0, 1, 3]
 meta2 = BatchMeta.from_lengths([rest[i] for i in cont] + [5], slot_ids=[slot_ids[i] for i in cont] + [1],
                                positions=[first[i] for i in cont] + [0])
-show(meta2, "call 2 BatchMeta:")
+show(meta2, "second call's BatchMeta:")
 h2 = jnp.concatenate([h_streams[i][first[i]:] for i in cont] + [new_stream])
 out2, slots2 = gdn_layer_prefill(params, dims, h2, slots1, meta2, backend="xla")
 
@@ -307,7 +308,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With the layer's own decay (per-token `exp(g)` around 0.8-0.9 for this random init, a memory of ~10 tokens)
+# With the layer's own decay (per-token `exp(g)` of about 0.8-0.9 for this random init, a memory of ~10 tokens)
 # the norm reaches its level within a few tokens and then fluctuates with the input. Scaling the decay down
 # (right) shows the other bound: each delta-rule update only rewrites the state along the unit key `k_t`
 # (the value read back there becomes `beta v_t + (1 - beta) S^T k_t`), so even with no forgetting at all

@@ -203,7 +203,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The JAX model matches transformers to fp32 rounding (relative errors around 1e-6 to 1e-5) over the packed
+# The JAX model matches transformers to fp32 rounding (relative errors of 1e-6 to 1e-5) over the packed
 # prefill of every prompt token and every decode step, and the greedy continuations are identical. The same
 # loader reads Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe` with the multimodal layout) and sharded checkpoints;
 # those are covered by `tests/model/test_hf_parity.py`.
