@@ -20,7 +20,9 @@ and q, k, v are rounded to the dtype the kernel sees before the oracle takes the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +119,13 @@ class GatedDeltaRuleBackendTest:
     dtypes: tuple = (F32, BF16)
     head_k_dim: int = 16
     head_v_dim: int = 32
+    #: jax_default_matmul_precision around the calls (None: leave it)
+    matmul_precision: Optional[str] = None
+
+    def precision(self):
+        if self.matmul_precision is None:
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
 
     def pytest_generate_tests(self, metafunc):
         if "dtype" in metafunc.fixturenames:
@@ -125,8 +134,10 @@ class GatedDeltaRuleBackendTest:
     # ---- calls through the public ops, under jit --------------------------------------------------------------
     def chunk(self, xs, dtype, *, initial_state=None, cu_seqlens=None):
         fn = jax.jit(functools.partial(chunk_gated_delta_rule, output_final_state=True, backend=self.backend))
-        o, final = fn(*device_inputs(xs, dtype), initial_state=None if initial_state is None else
-                      jnp.asarray(initial_state), cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens))
+        with self.precision():
+            o, final = fn(*device_inputs(xs, dtype), initial_state=None if initial_state is None else
+                          jnp.asarray(initial_state),
+                          cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens))
         assert o.dtype == dtype and final.dtype == jnp.float32
         return np.asarray(o.astype(jnp.float32)), np.asarray(final)
 
@@ -134,8 +145,9 @@ class GatedDeltaRuleBackendTest:
         fn = jax.jit(lambda xs, pool, ids, has, cu: chunk_gated_delta_rule_slots(
             *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, cu_seqlens=cu, backend=self.backend),
             donate_argnums=1)
-        o, new_pool = fn(device_inputs(xs, dtype), jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has),
-                         None if cu_seqlens is None else jnp.asarray(cu_seqlens))
+        with self.precision():
+            o, new_pool = fn(device_inputs(xs, dtype), jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has),
+                             None if cu_seqlens is None else jnp.asarray(cu_seqlens))
         assert o.dtype == dtype
         return np.asarray(o.astype(jnp.float32)), np.asarray(new_pool)
 
@@ -143,7 +155,8 @@ class GatedDeltaRuleBackendTest:
         fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
             *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=use_qk_l2norm,
             backend=self.backend), donate_argnums=1)
-        o, new_pool = fn(device_inputs(xs, dtype), jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
+        with self.precision():
+            o, new_pool = fn(device_inputs(xs, dtype), jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has))
         assert o.dtype == dtype
         return np.asarray(o.astype(jnp.float32)), np.asarray(new_pool)
 

@@ -11,3 +11,4 @@ class TestMosaicGpu(GatedDeltaRuleBackendTest):
     backend = "mosaic_gpu"
     dtypes = (jnp.dtype(jnp.bfloat16),)
     head_k_dim = head_v_dim = 128
+    matmul_precision = "highest"

@@ -9,3 +9,4 @@ from tests.pallas_kernels.gated_delta_rule.base import GatedDeltaRuleBackendTest
 class TestTritonGpu(GatedDeltaRuleBackendTest):
     backend = "pallas"
     head_k_dim = head_v_dim = 128
+    matmul_precision = "highest"
