@@ -8,12 +8,12 @@ and where they differ ``dtypes`` and the head dims; the class is collected as ``
 Shape legend: B rows, T tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims.
 
 Cases: dense rows of 1, 63, 64, 65 and 130 tokens (around the chunk of 64) with initial states; grouped value
-heads Hv = 2 Hk and 4 Hk; packed sequences (cu_seqlens) with per-sequence initial states and zero-length and
+heads Hv = 2 Hk, 3 Hk and 4 Hk; packed sequences (cu_seqlens) with per-sequence initial states and zero-length and
 one-token sequences, both as a long mix (chunked kernels) and as a mix of short sequences (the per-token route of
 the Pallas backends); tokens past cu_seqlens[N] NaN-poisoned (zero rows, no state touched); the slot pool with
 NaN-poisoned slots (untouched ones stay NaN bit for bit, a fresh stream over a NaN slot reads zeros), ids -1 and
 S (zeros read, writes dropped, no wrap onto S - 1), the pool donated under jit; g = -inf and g = -1e37 (hard
-resets).
+resets); head dims outside the kernels' list (K = 24, V = 40), padded inside the op.
 
 Inputs are drawn in a real layer's ranges (unit-norm q and k, g = log(uniform(0.5, 0.999)), beta in (0.05, 0.99))
 and q, k, v are rounded to the dtype the kernel sees before the oracle takes them.
@@ -27,6 +27,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_gdn.ops import (chunk_gated_delta_rule, chunk_gated_delta_rule_slots,
                          fused_recurrent_gated_delta_rule_slots)
@@ -44,7 +45,7 @@ DECODE_TOL_STATE = {F32: 1e-5, BF16: 1e-5}
 
 #: packed sequences with a zero-length and a one-token one: a long mix (chunked kernels) and a short one
 #: (B T <= 8 N: the per-token route of the Pallas backends)
-VARLEN_LENS = {"long-mix": (3, 0, 64, 1, 70, 2), "short-mix": (1, 0, 3, 1, 2, 1)}
+VARLEN_LENS = {"long-mix": (3, 0, 64, 1, 70, 2, 5), "short-mix": (1, 0, 3, 1, 2, 1, 2)}
 PAD_TOKENS = 5
 
 
@@ -74,12 +75,12 @@ def cu_of(lens) -> np.ndarray:
 
 def pool_case(seed, num_slots, hv, dk, dv):
     """A pool [S, Hv, K, V] fp32 with slots 0 and 3 NaN-poisoned (0: stale under a fresh stream; 3: named by no
-    stream), and the streams' (slot_ids, has_initial_state): ids -1 and S name no slot; slot S - 1 is named by no
-    stream either (a wrapped -1 or a clamped S would land there)."""
+    stream), and 7 streams' (slot_ids, has_initial_state): ids -1, S and S + 3 name no slot; slot S - 1 is named
+    by no stream either (a wrapped -1 or a clamped S would land there)."""
     pool = np.random.default_rng(seed).standard_normal((num_slots, hv, dk, dv)).astype(np.float32)
     pool[[0, 3]] = np.nan
-    ids = np.array([4, 1, 0, -1, num_slots, 2], np.int32)
-    has = np.array([True, True, False, True, True, True])
+    ids = np.array([4, 1, 0, -1, num_slots, 2, num_slots + 3], np.int32)
+    has = np.array([True, True, False, True, True, True, True])
     return pool, ids, has
 
 
@@ -119,6 +120,9 @@ class GatedDeltaRuleBackendTest:
     dtypes: tuple = (F32, BF16)
     head_k_dim: int = 16
     head_v_dim: int = 32
+    #: head dims (K, V) outside the kernels' list, zero-padded inside the Pallas ops; None where the backend
+    #: takes only its own dims (and runs another backend for these)
+    padded_head_dims: Optional[tuple] = (24, 40)
     #: jax_default_matmul_precision around the calls (None: leave it)
     matmul_precision: Optional[str] = None
 
@@ -163,6 +167,27 @@ class GatedDeltaRuleBackendTest:
     def inputs(self, seed, b, t, hk, hv, dtype):
         return make_inputs(seed, b, t, hk, hv, self.head_k_dim, self.head_v_dim, dtype)
 
+    def test_padded_head_dims(self):
+        """K, V = padded_head_dims, Hv = 3 Hk, the first of ``dtypes``: dense prefill of 65 tokens from initial
+        states, and one decode step over pool_case's pool."""
+        if self.padded_head_dims is None:
+            pytest.skip(f"backend {self.backend!r} takes only its own head dims")
+        dtype = jnp.dtype(self.dtypes[0])
+        dk, dv = self.padded_head_dims
+        xs = make_inputs(30, 1, 65, 1, 3, dk, dv, dtype)
+        h0 = np.random.default_rng(31).standard_normal((1, 3, dk, dv)).astype(np.float32)
+        o, final = self.chunk(xs, dtype, initial_state=h0)
+        o_ref, f_ref = gated_delta_rule_f64(*xs, initial_state=h0)
+        assert o.shape == o_ref.shape and final.shape == f_ref.shape
+        eo, es = rel_rms(o, o_ref), rel_rms(final, f_ref)
+        assert eo < CHUNK_TOL[dtype] and es < CHUNK_TOL[dtype], f"prefill: o {eo:.3e}, state {es:.3e}"
+        xs = make_inputs(32, 7, 1, 1, 3, dk, dv, dtype)
+        pool, ids, has = pool_case(33, 6, 3, dk, dv)
+        o, new_pool = self.decode_slots(xs, dtype, pool, ids, has)
+        o_ref, f_ref = gated_delta_rule_f64(*xs, initial_state=start_states(pool, ids, has))
+        assert rel_rms(o, o_ref) < DECODE_TOL_O[dtype]
+        check_pool(new_pool, pool, ids, f_ref, DECODE_TOL_STATE[dtype])
+
     # ---- chunk_gated_delta_rule ---------------------------------------------------------------------------------
     def full_sweep(self, dtype) -> bool:
         """Whether ``dtype`` runs every length / head ratio of a sweep (the first of ``dtypes``) or one of them:
@@ -182,9 +207,9 @@ class GatedDeltaRuleBackendTest:
             assert eo < CHUNK_TOL[dtype] and es < CHUNK_TOL[dtype], f"T={t}: o {eo:.3e}, state {es:.3e}"
 
     def test_grouped_value_heads(self, dtype):
-        """Hv = 2 Hk and 4 Hk (the other dtypes: 4 Hk; Hk = 2: value head h reads key head h // (Hv // Hk)), no
-        initial state."""
-        for hv in (4, 8) if self.full_sweep(dtype) else (8,):
+        """Hv = 2 Hk, 3 Hk and 4 Hk (the other dtypes: 4 Hk; Hk = 2: value head h reads key head h // (Hv // Hk)),
+        no initial state."""
+        for hv in (4, 6, 8) if self.full_sweep(dtype) else (8,):
             xs = self.inputs(hv, 1, 65, 2, hv, dtype)
             o, final = self.chunk(xs, dtype)
             o_ref, f_ref = gated_delta_rule_f64(*xs)
@@ -212,12 +237,12 @@ class GatedDeltaRuleBackendTest:
             np.testing.assert_array_equal(final[empty], h0[empty], err_msg=f"{name}: zero-length sequence")
 
     def test_hard_resets(self, dtype):
-        """g = -inf at token 3 (both heads) and at 64 (head 1, a chunk's first token), g = -1e37 at token 40 and
-        over tokens 80..120 of row 1: exp(g) = 0 as in the per-token form, nothing NaN."""
+        """g = -inf at token 3 (both heads) and at 64 (head 1, a chunk's first token), g = -1e37 at token 100, and
+        g = -5e37 over a whole chunk (tokens 64..127) of row 1: exp(g) = 0 as in the per-token form, nothing NaN."""
         xs = self.inputs(5, 2, 130, 1, 2, dtype)
         g = xs[3]
-        g[0, 3], g[0, 64, 1], g[0, 40] = -np.inf, -np.inf, -1e37
-        g[1, 80:121] = -1e37
+        g[0, 3], g[0, 64, 1], g[0, 100] = -np.inf, -np.inf, -1e37
+        g[1, 64:128] = -5e37
         h0 = np.random.default_rng(6).standard_normal((2, 2, self.head_k_dim, self.head_v_dim)).astype(np.float32)
         o, final = self.chunk(xs, dtype, initial_state=h0)
         assert np.isfinite(o).all() and np.isfinite(final).all()
@@ -227,9 +252,9 @@ class GatedDeltaRuleBackendTest:
 
     # ---- chunk_gated_delta_rule_slots -------------------------------------------------------------------------
     def test_slots_varlen_pool(self, dtype):
-        """Six packed streams over a pool of 6 slots (pool_case: permuted ids, -1 and S, a fresh stream over a NaN
-        slot, an untouched NaN slot, S - 1 untouched), a zero-length stream, padding tokens NaN-poisoned, the pool
-        donated."""
+        """Seven packed streams over a pool of 6 slots (pool_case: permuted ids, -1, S and S + 3, a fresh stream
+        over a NaN slot, an untouched NaN slot, S - 1 untouched), a zero-length stream, padding tokens
+        NaN-poisoned, the pool donated."""
         for name, lens in VARLEN_LENS.items():
             cu = cu_of(lens)
             real = int(cu[-1])
@@ -260,15 +285,15 @@ class GatedDeltaRuleBackendTest:
 
     # ---- fused_recurrent_gated_delta_rule_slots (decode) ------------------------------------------------------
     def test_decode_slots_pool(self, dtype):
-        """Six streams of T = 1 (Hv = 2 Hk) and T = 3 (Hv = 4 Hk, the L2 norm fused) over pool_case's pool,
+        """Seven streams of T = 1 (Hv = 2 Hk) and T = 3 (Hv = 4 Hk, the L2 norm fused) over pool_case's pool,
         donated; stream 2 (fresh, over a NaN slot) has g = -inf at its first token on head 1."""
         for t, hv, l2 in ((1, 2, False), (3, 4, True)):
-            xs = self.inputs(20 + t, 6, t, 1, hv, dtype)
+            xs = self.inputs(20 + t, 7, t, 1, hv, dtype)
             xs[3][2, 0, 1] = -np.inf
             pool, ids, has = pool_case(21 + t, 6, hv, self.head_k_dim, self.head_v_dim)
             o, new_pool = self.decode_slots(xs, dtype, pool, ids, has, use_qk_l2norm=l2)
             o_ref, f_ref = gated_delta_rule_f64(*xs, initial_state=start_states(pool, ids, has), use_qk_l2norm=l2)
-            assert o.shape == (6, t, hv, self.head_v_dim)
+            assert o.shape == (7, t, hv, self.head_v_dim)
             eo = rel_rms(o, o_ref)
             assert eo < DECODE_TOL_O[dtype], f"T={t}: o {eo:.3e}"
             check_pool(new_pool, pool, ids, f_ref, DECODE_TOL_STATE[dtype])
