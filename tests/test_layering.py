@@ -156,6 +156,8 @@ def read_imports(module: str, path: pathlib.Path, modules: dict) -> tuple[list, 
 
 @dataclasses.dataclass(frozen=True)
 class Tree:
+    """The library as read from the source: its modules, their imports and their private attribute uses."""
+
     modules: dict
     imports: list            # every Import of every library module
     private_uses: list

@@ -154,9 +154,10 @@ class PagedAttentionBackendTest:
         self.check_prefill(case, self.head_dim ** -0.5, dtype)
 
     def test_prefill_grouped_heads(self, dtype):
-        """G = 1 (Hkv = 3), G = 3 (Hkv = 2) and G = 8 (Hkv = 1), 8-token pages, two padding streams and no
-        padding tokens."""
-        for group, hkv in ((1, 3), (3, 2), (8, 1)):
+        """G = 1 (Hkv = 3), G = 3 (Hkv = 2) and G = 8 (Hkv = 1) (the dtypes after the first: G = 8), 8-token pages,
+        two padding streams and no padding tokens."""
+        full = jnp.dtype(dtype) == jnp.dtype(self.dtypes[0])
+        for group, hkv in ((1, 3), (3, 2), (8, 1)) if full else ((8, 1),):
             case = make_case(np.random.default_rng(group), streams=[(4, 20, 33), (0, 0, 70), (1, 100, 2)],
                              hkv=hkv, group=group, dh=self.head_dim, ps=8, pad_streams=2, pad_tokens=0,
                              dtype=dtype)
