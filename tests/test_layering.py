@@ -28,12 +28,12 @@ LIBRARIES = ("pallas_kernels", "jax_gdn")
 #: names its ``__init__`` only. A module may import modules of its own layer and of the layers below it.
 LAYERS = (
     ("kernels", ("pallas_kernels",)),
-    ("data", ("jax_gdn.config", "jax_gdn.state")),
+    ("data", ("jax_gdn.config", "jax_gdn.state", "jax_gdn.options")),
     ("ops", ("jax_gdn.ops",)),
     ("layers", ("jax_gdn.layers",)),
     ("model", ("jax_gdn.model", "jax_gdn.checkpoint", "jax_gdn.sharding")),
-    ("apps", ("jax_gdn.serving", "jax_gdn.training", "jax_gdn.train", "jax_gdn.cli", "jax_gdn.demo",
-              "jax_gdn.serve_sim", "jax_gdn.model_demo", "jax_gdn.__main__", "jax_gdn")),
+    ("apps", ("jax_gdn.serving", "jax_gdn.training", "jax_gdn.train", "jax_gdn.cli", "jax_gdn.cli_types",
+              "jax_gdn.demo", "jax_gdn.serve_sim", "jax_gdn.model_demo", "jax_gdn.__main__", "jax_gdn")),
 )
 #: top-level packages the library never imports
 FOREIGN = ("torch", "fla", "transformers")
