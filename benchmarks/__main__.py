@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true",
                    help="print the results JSON (the named sections, default all) as the README's tables; runs nothing")
     p.add_argument("--plot", action="store_true", help="redraw the gdn rows' PNG beside the results JSON; runs nothing")
+    p.add_argument("--merge-from", nargs="+", default=None, metavar="JSON",
+                   help="put into --out the sections of these results files stamped later than --out's (the files "
+                        "of several GPU calls); runs nothing")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, few calls: a smoke run of the code, not a measurement (written only with --out)")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
@@ -70,6 +73,13 @@ def validate(args, parser) -> tuple:
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     chosen = [s for s in SECTIONS if s in args.sections or (args.all and SECTIONS[s].in_all)]
+    if args.merge_from is not None:
+        if chosen or args.markdown or args.plot or args.quick or args.cases or args.impls or not args.out:
+            parser.error("--merge-from takes --out and nothing else")
+        missing = [f for f in args.merge_from if not os.path.isfile(f)]
+        if missing:
+            parser.error(f"--merge-from: no such file(s) {', '.join(missing)}")
+        return chosen, None, None
     if not chosen and not (args.markdown or args.plot):
         parser.error(f"name a section ({', '.join(SECTIONS)}) or --all")
     if (args.markdown or args.plot) and args.cases:
@@ -153,6 +163,16 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
     chosen, cases, impls = validate(args, parser)
     devices = max((SECTIONS[s].devices for s in chosen), default=1)
+    if args.merge_from is not None:
+        try:
+            _check_writable(args.out)
+            target = results.load(args.out)
+            taken = results.merge_files(target, [results.load(f) for f in args.merge_from])
+        except ValueError as err:
+            parser.error(str(err))
+        results.write(target, args.out)
+        print(f"{args.out}: took {', '.join(taken) or 'nothing (no newer section)'}")
+        return 0
     if args.markdown or args.plot:
         path = args.out or results.default_path(results.device_kind(), devices)
         data = results.load(path)

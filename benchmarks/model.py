@@ -1,4 +1,4 @@
-"""Benchmark section "model": the whole hybrid model at Qwen3-Next-80B dims against HF transformers, same GPU, same run.
+"""Section "model": the whole hybrid model at Qwen3-Next-80B dims against HF transformers, same GPU, same run.
 
 Model: Qwen3-Next-80B-A3B dims (hidden 2048, vocab 151936; GDN 16 key / 32 value heads x 128, conv 4; attention
 16 q / 2 kv heads x 256, partial RoPE 0.25; MoE 512 experts top-10, moe_intermediate 512, shared expert 512 with
@@ -23,7 +23,7 @@ Timing, the same for both columns: wall clock of one call closed by a device syn
 ``torch.cuda.synchronize``), median of ``reps`` calls after one warm-up call (ours: the warm-up is the first call,
 its time is ``first_call_s``: compile + run). HF's ``triton.testing.do_bench`` median is kept beside as
 ``hf_do_bench_ms`` (the anchor's method). Order: our rows first (JAX with XLA_PYTHON_CLIENT_PREALLOCATE=false,
-set here when JAX is not yet initialised), then HF in a child process (``--hf-only``: torch and JAX never share
+set by the CLI before JAX starts), then HF in a child process (``--hf-only``: torch and JAX never share
 a process, and HF's memory is gone when the child exits; a hang is cut by the stage's time budget), then the
 compile measurement (a child process), then the parts.
 

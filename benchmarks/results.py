@@ -93,3 +93,23 @@ def merge_rows(old_rows, new_rows, order=()) -> list:
     by.update({r["case"]: r for r in new_rows})
     rank = {name: i for i, name in enumerate(order)}
     return sorted(by.values(), key=lambda r: rank.get(r["case"], len(rank)))
+
+
+def merge_files(target: dict, sources) -> list:
+    """Puts into ``target`` (a results JSON's content) every section of ``sources`` (results JSONs of the same
+    device, e.g. the files several GPU calls brought back) whose stamp is newer than ``target``'s stamp of that key,
+    with its stamp; the newest source's "device", "jax" and "date" come along. Returns the keys taken. Files of a
+    several-GPU section (runs numbered, rows / events) are not merged here: that section writes one file per run."""
+    taken = []
+    for src in sources:
+        for key, st in (src.get("runs") or {}).items():
+            if str(key).isdigit() or key not in src:
+                continue
+            mine = (target.get("runs") or {}).get(key) or {}
+            if st.get("date", "") > mine.get("date", ""):
+                target[key] = src[key]
+                target.setdefault("runs", {})[key] = st
+                taken.append(key)
+                if src.get("date", "") >= target.get("date", ""):
+                    target.update({k: src[k] for k in ("device", "jax", "date") if k in src})
+    return taken

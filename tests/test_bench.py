@@ -180,3 +180,26 @@ def test_kernel_rows_ratio_the_faster_of_our_backends(capsys):
     assert "| none | - | - | 9.000 | 1.000 | 1.000 | - | - |" in text
     gdn.print_section(rows)
     assert "ours/jla" in capsys.readouterr().out
+
+
+def test_merge_from_takes_the_sections_stamped_later(stored, tmp_path, capsys):
+    """The files of several GPU calls merged into one: each call's re-measured section (a later stamp) is taken,
+    the sections it only carried along (stamps as old as the target's) are not."""
+    out, before = stored
+    one, two = dict(before), dict(before)
+    one["decode"] = {"rows": [{"case": "d"}]}
+    one["runs"] = dict(before["runs"], decode={"commit": "c1", "date": "2027-01-01T00:00:00+00:00",
+                                               "command": "python -m benchmarks decode"})
+    two["moe"] = {"rows": [{"case": "m"}]}
+    two["runs"] = dict(before["runs"], moe={"commit": "c1", "date": "2027-01-01T00:05:00+00:00",
+                                            "command": "python -m benchmarks moe"})
+    paths = []
+    for i, data in enumerate((one, two)):
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    assert cli.main(["--merge-from", *map(str, paths), "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    assert after["decode"] == one["decode"] and after["moe"] == two["moe"]
+    assert after["rows"] == before["rows"] and after["model"] == before["model"]
+    assert after["runs"]["moe"]["date"] == "2027-01-01T00:05:00+00:00"
+    assert "took decode, moe" in capsys.readouterr().out
