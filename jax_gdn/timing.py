@@ -1,24 +1,23 @@
-"""One timing method for every column of every bench table (JAX and torch alike).
+"""One timing method for every column of every benchmark table (JAX and torch alike).
 
-    ms = time_jax(fn, args)            # jitted JAX callable
-    ms = time_torch(fn)                # torch callable (CUDA)
+    ms = time_jax(fn, args)                 # jitted JAX callable
+    ms = time_calls(fn, sync)               # any callable, closed by sync(result), e.g. torch.cuda.synchronize
     ms = time_threaded(step, state, sync)   # state = step(state), e.g. a donated pool
 
 The method: ``warmup`` calls, then ``groups`` groups of ``per_group`` back-to-back calls, each group closed by one
-sync (``jax.block_until_ready`` / ``torch.cuda.synchronize``); the result is the median over the groups of the wall
-time per call, in ms. No cache flush for anyone (a case whose inputs fit the 50 MB L2 of an H200 runs warm for every
+sync (``jax.block_until_ready``, or the sync the caller passes: benchmarks/timing.py passes torch's); the result is
+the median over the groups of the wall time per call, in ms. No cache flush for anyone (a case whose inputs fit the 50 MB L2 of an H200 runs warm for every
 column alike).
 
 ``per_group=None`` (the default) sizes the groups from one probe group of ``MIN_PER_GROUP`` calls so that a group
 lasts about ``GROUP_MS`` (between ``MIN_PER_GROUP`` and ``MAX_PER_GROUP`` calls). Why: each group pays a fixed cost
 that is not the op's, the first call's dispatch latency and the closing sync (~0.1-0.2 ms on the H200); in groups
-of 10 calls of a 0.15 ms op that was 10-15% of the figure (NOTES: paged attention "Session 8: one timing method").
+of 10 calls of a 0.15 ms op that was 10-15% of the figure.
 With groups of ~20 ms it is ~1%, and what is left per call is the op's own cost in a pipelined loop: its kernels,
 the gaps between them, and its host dispatch where that is slower than the GPU (a host-bound caller pays that too).
 
 triton's ``do_bench`` (CUDA events around each call, L2 flushed between calls) measures something else (GPU time
-only, cold L2); the benches keep its figure for torch anchors beside theirs as ``*_do_bench`` for comparison with
-older tables, never in a ratio.
+only, cold L2); the benchmarks keep its figure for torch anchors beside theirs as ``*_do_bench``, never in a ratio.
 """
 from __future__ import annotations
 
@@ -71,30 +70,24 @@ def time_calls(call, sync, *, warmup: int = 3, groups: int = 15, per_group: int 
     return statistics.median(one_group(per_group) for _ in range(groups))
 
 
-def _jax_sync(out):
+def jax_sync(out):
+    """``jax.block_until_ready(out)`` (returned): the sync of every JAX column."""
     import jax
-    jax.block_until_ready(out)
-
-
-def _torch_sync(_out):
-    import torch
-    torch.cuda.synchronize()
+    return jax.block_until_ready(out)
 
 
 def time_jax(fn, args, **kw) -> float:
     """``time_calls`` of ``fn(*args)`` closed by ``jax.block_until_ready``."""
-    return time_calls(lambda: fn(*args), _jax_sync, **kw)
+    return time_calls(lambda: fn(*args), jax_sync, **kw)
 
 
-def time_torch(fn, **kw) -> float:
-    """``time_calls`` of ``fn()`` closed by ``torch.cuda.synchronize``."""
-    return time_calls(fn, _torch_sync, **kw)
-
-
-def time_threaded(step, state, sync, **kw) -> float:
+def time_threaded(step, state, sync="jax", **kw) -> float:
     """``time_calls`` of ``state = step(state)`` (each call's result feeds the next: a donated state pool); ``sync``
-    is ``"jax"``, ``"torch"`` or a callable."""
-    sync = {"jax": _jax_sync, "torch": _torch_sync}.get(sync, sync)
+    is ``"jax"`` or a callable given the new state (e.g. one that calls ``torch.cuda.synchronize``)."""
+    if sync == "jax":
+        sync = jax_sync
+    elif not callable(sync):
+        raise ValueError(f"sync must be 'jax' or a callable, got {sync!r}")
     box = [state]
 
     def call():

@@ -19,10 +19,10 @@
 # This notebook only **reads** `benchmarks/results/h200.json`, written on an H200 by
 #
 # ```
-# python -m jax_gdn.bench          # (on the GPU machine: bash benchmarks/gpu_session.sh bench)
+# python -m benchmarks gdn         # (on the GPU machine: bash benchmarks/gpu.sh gdn)
 # ```
 #
-# Per named case (`jax_gdn.cases.BENCH_CASES`: K = V = 128, bf16 q/k/v/beta, fp32 g and state, the final state
+# Per named case (`benchmarks.cases.BENCH_CASES`: K = V = 128, bf16 q/k/v/beta, fp32 g and state, the final state
 # returned) it holds the median forward time in ms of
 #
 # * `pallas` - our Pallas (Triton lowering) kernel, `jax_gdn.ops.chunk_gated_delta_rule(backend="pallas")`,
@@ -32,8 +32,8 @@
 # * `xla` - our pure-JAX chunked form, `backend="xla"`.
 #
 # Every column is timed the same way (`jax_gdn/timing.py`: groups of ~20 ms of back-to-back calls, one sync each,
-# the median per call). A value the benchmark could not measure (or did not run: the slow `xla` column since
-# session 8) is `null`; it is reported as missing here, never filled in.
+# the median per call). A value the benchmark could not measure (or did not run: the slow `xla` column is
+# measured only when asked for) is `null`; it is reported as missing here, never filled in.
 # Set the environment variable `JAX_GDN_BENCH_JSON` to read another results file.
 
 # %%
@@ -65,7 +65,7 @@ if path.is_file():
 else:
     result, rows = {}, []
     print(f"MISSING: {path} does not exist yet - no benchmark has been recorded.\n"
-          "Run `python -m jax_gdn.bench` on a GPU machine and rerun this notebook; the cells below say what is "
+          "Run `python -m benchmarks gdn` on a GPU machine and rerun this notebook; the cells below say what is "
           "missing instead of plotting.")
 
 
@@ -214,30 +214,17 @@ else:
 # %% [markdown]
 # ## One layer: where the time goes
 #
-# The `"layers"` entry of the results file, or a `python -m jax_gdn.bench_layers --json FILE` output in the
-# same folder (if either was recorded): one GDN layer's split prefill at
+# The `"layers"` entry of the results file (`python -m benchmarks layers`), if it was recorded: one GDN layer's
+# split prefill at
 # Qwen3-Next-80B dims on the 16-stream varlen case, per backend - phase 1 (input norm, in_proj, varlen conv,
 # q/k L2 norm), phase 2 (the chunked gated delta rule over the slot pool), phase 3 (gated norm, out_proj,
 # residual) - and one gated attention layer prefill on the same batch for scale.
 
 # %%
 layers, layers_src = result.get("layers"), f"{path.name}['layers']"
-if not layers and path.parent.is_dir():   # else a `bench_layers --json` file (a list of entries) beside it
-    for f in sorted(path.parent.glob("*.json")):
-        try:
-            data = json.loads(f.read_text())
-        except ValueError:
-            continue
-        if isinstance(data, list) and data and all(isinstance(e, dict) and "gdn" in e for e in data):
-            layers, layers_src = data, f.name
-            break
-if isinstance(layers, dict):          # {backend: entry} or one entry
-    layers = [dict(v, backend=v.get("backend", k)) for k, v in layers.items()] \
-        if all(isinstance(v, dict) and "gdn" in v for v in layers.values()) else [layers]
 layers = [e for e in (layers or []) if isinstance(e, dict) and "gdn" in e]
 if not layers:
-    print("MISSING: no 'layers' entry in the results file and no `bench_layers --json` output beside it (run "
-          "`python -m jax_gdn.bench_layers --json benchmarks/results/h200_layers.json` on the GPU) - "
+    print("MISSING: no 'layers' entry in the results file (run `python -m benchmarks layers` on the GPU) - "
           "no layer split to plot")
 else:
     print("layer results from", layers_src)
@@ -278,25 +265,28 @@ else:
 # %% [markdown]
 # ## The other sections: MoE, attention, GDN decode, the whole model
 #
-# Sections measured by `python -m jax_gdn.bench --all` (or one flag each) sit under their own keys of the same
+# Sections measured by `python -m benchmarks --all` (or one section each) sit under their own keys of the same
 # results file: `"moe"` (one MoE layer at 80B and Qwen3.5-35B-A3B dims), `"attention"` (paged attention prefill
 # and decode against torch SDPA and cuDNN), `"decode"` (the one-token GDN step over the state pool against FLA)
 # and `"model"` (the model at 80B dims, 8 layers, against HF transformers). The tables are
-# `jax_gdn.bench.markdown_tables`, which also prints the README's (`python -m jax_gdn.bench --markdown`). The
+# `benchmarks.report.markdown_tables`, which also prints the README's (`python -m benchmarks --markdown`). The
 # figure shows, per row, the time of the section's peer divided by ours (above 1: ours is faster).
 
 # %%
+import sys
 from IPython.display import Markdown, display
-from jax_gdn.bench import markdown_tables
+
+sys.path.insert(0, str(ROOT))              # the benchmarks package sits at the repository root, not installed
+from benchmarks.report import markdown_tables
 
 SECTIONS = {"moe": ("pallas", "xla", "our XLA path"), "attention": ("pallas", "torch_sdpa", "torch SDPA"),
             "decode": ("pallas", "fla", "FLA"), "model": ("ours", "hf", "HF transformers")}
 present = [name for name in SECTIONS if result.get(name)]
 missing = [name for name in SECTIONS if name not in present]
 if missing:
-    print("MISSING sections (run `python -m jax_gdn.bench --all` on the GPU):", ", ".join(missing))
+    print("MISSING sections (run `python -m benchmarks --all` on the GPU):", ", ".join(missing))
 if present:
-    display(Markdown(markdown_tables({name: result[name] for name in present})))
+    display(Markdown(markdown_tables(result, present)))
     labels, speedup, colors = [], [], []
     for j, name in enumerate(present):
         ours, peer, peer_name = SECTIONS[name]

@@ -1,6 +1,6 @@
 """The one test harness of the gated delta rule op, shared by tests/ops and tests/pallas_kernels.
 
-* named shapes from ``jax_gdn.cases`` (``Case``: B, T, Hk, Hv, K, V, lens);
+* named shapes from ``benchmarks.cases`` (``Case``: B, T, Hk, Hv, K, V, lens);
 * ``make_inputs``: seeded inputs in a real layer's ranges (unit-norm q and k, g = log(uniform(0.5, 0.999)),
   beta in (0.05, 0.99)), rounded to the dtype the kernel will see so that the oracle takes the same values;
 * ``oracle``: the float64 per-token loop (tests/numpy_reference.py);
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_gdn.cases import Case
+from benchmarks.cases import Case
 from tests.numpy_reference import gated_delta_rule_f64, l2norm_f64, rel_rms  # noqa: F401
 
 #: relative RMS against the float64 loop: fp32 inputs (IEEE fp32 dots) 2e-4; bf16 / fp16 inputs (half-precision

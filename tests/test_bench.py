@@ -1,69 +1,171 @@
-"""The benchmark tool's JSON handling on CPU (no timing is asserted: speed is measured on the GPU only)."""
+"""The benchmark CLI's own logic on CPU: names refused before anything runs, the results JSON merged (never a section
+dropped that was not re-measured) and stamped, the README's tables from the committed results. No timing is
+asserted: speed is measured on the GPU only."""
 import json
+import re
 import shutil
 from pathlib import Path
 
-from jax_gdn import bench
+import pytest
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200.json"
+from benchmarks import __main__ as cli
+from benchmarks import gdn, results, sharding
+from benchmarks.cases import BENCH_CASES
+from benchmarks.report import markdown_tables
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+H200 = RESULTS / "h200.json"
 
 
-def test_layers_only_merges_into_existing_results(tmp_path):
+@pytest.fixture
+def stored(tmp_path):
+    """A copy of the committed H200 results and its content."""
     out = tmp_path / "h200.json"
-    shutil.copy(RESULTS, out)
-    before = json.loads(out.read_text())
-    assert bench.main(["--layers-only", "--layers-small", "--layer-backends", "xla", "--out", str(out)]) == 0
+    shutil.copy(H200, out)
+    return out, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["gdn", "--cases", "no-such-case"], "unknown case(s) no-such-case; known: gdn: B1-T8192-Hk16-Hv32"),
+    (["decode", "moe", "--cases", "decode-N64-Hk16-Hv32,nope"], "unknown case(s) nope"),
+    (["no-such-section"], "unknown section(s) no-such-section; known: gdn, decode"),
+    ([], "name a section"),
+    (["model", "--cases", "x"], "none of model has named cases"),
+    (["gdn", "--impls", "pallas,cuda"], "--impls: unknown column(s) cuda"),
+    (["moe", "--impls", "fla"], "--impls applies to the gdn section only"),
+    (["sharding", "decode"], "run it on its own"),
+    (["model", "--budget", "0"], "--budget must be > 0"),
+])
+def test_unknown_names_are_refused_before_anything_runs(stored, capsys, monkeypatch, argv, says):
+    out, before = stored
+    monkeypatch.setattr(cli, "_run_one", lambda *a: pytest.fail("a section ran"))
+    with pytest.raises(SystemExit) as err:
+        cli.main(argv + ["--out", str(out)])
+    assert err.value.code == 2
+    assert says in capsys.readouterr().err
+    assert json.loads(out.read_text()) == before
+
+
+def test_sharding_refuses_with_fewer_than_two_devices(capsys, tmp_path):
+    import jax
+    if len(jax.devices()) >= 2:
+        pytest.skip("this process has 2 devices")
+    assert cli.main(["sharding", "--quick", "--out", str(tmp_path / "x2.json")]) == 2
+    assert "sharding needs 2 devices" in capsys.readouterr().err
+    assert not (tmp_path / "x2.json").exists()
+
+
+def test_quick_run_merges_its_section_and_keeps_the_others(stored):
+    """A --quick CPU smoke of the CLI: the moe section re-measured (tiny dims) replaces only "moe" and its stamp;
+    every other key of the file is kept as it was."""
+    out, before = stored
+    assert cli.main(["moe", "--quick", "--out", str(out), "--commit", "abc1234"]) == 0
     after = json.loads(out.read_text())
-    assert after["rows"] == before["rows"]                      # the kernel rows are kept as measured
-    (entry,) = after["layers"]
-    assert entry["backend"] == "xla" and entry["T"] == sum(entry["lens"])
-    shares = entry["gdn"]["share"]
-    assert abs(sum(shares.values()) - 1.0) < 1e-6
-    assert entry["gdn"]["tokens_per_s"] > 0 and entry["attention"]["tokens_per_s"] > 0
+    assert {k: v for k, v in after.items() if k not in ("moe", "runs", "date", "jax", "device")} == \
+        {k: v for k, v in before.items() if k not in ("moe", "runs", "date", "jax", "device")}
+    assert [r["case"] for r in after["moe"]["rows"]] == ["tiny_t65", "tiny_decode_t4"]
+    stamp = after["runs"]["moe"]
+    assert stamp["commit"] == "abc1234" and stamp["date"] == after["date"]
+    assert stamp["command"] == f"python -m benchmarks moe --quick --out {out} --commit abc1234"
+    assert {k: v for k, v in after["runs"].items() if k != "moe"} == \
+        {k: v for k, v in before["runs"].items() if k != "moe"}
 
 
-def test_committed_results_have_every_case_and_anchor():
-    from jax_gdn.cases import BENCH_CASES
-    data = json.loads(RESULTS.read_text())
-    assert [r["case"] for r in data["rows"]] == [c.name for c in BENCH_CASES]
-    for r in data["rows"]:
-        assert set(r["ms"]) == set(bench.IMPLS)
-        assert r["ms"]["pallas"] is not None and r["ms"]["fla"] is not None
+def test_a_failing_section_keeps_what_was_stored_and_the_run_exits_1(stored, monkeypatch, capsys):
+    out, before = stored
+
+    def run_one(name, *a):
+        if name == "decode":
+            raise RuntimeError("no GPU here")
+        return {"moe": {"rows": [{"case": "x"}]}}
+    monkeypatch.setattr(cli, "_run_one", run_one)
+    assert cli.main(["decode", "moe", "--out", str(out)]) == 1
+    after = json.loads(out.read_text())
+    assert after["decode"] == before["decode"] and after["runs"]["decode"] == before["runs"]["decode"]
+    assert after["moe"] == {"rows": [{"case": "x"}]}
+    assert "decode" in capsys.readouterr().out.split("FAILED: RuntimeError: no GPU here")[0].splitlines()[-1]
+
+
+def test_some_cases_or_columns_replace_only_those(stored, monkeypatch):
+    """gdn over one case and one column: that cell is new, the other columns of the row and every other row keep
+    their stored figures."""
+    out, before = stored
+    name = BENCH_CASES[2].name
+
+    def fake(quick, cases=None, impls=None):
+        assert cases == [name] and impls == ["pallas"]
+        return [{"case": name, "ms": {i: (0.5 if i == "pallas" else None) for i in gdn.IMPLS}}]
+    monkeypatch.setattr(gdn, "run_section", fake)
+    monkeypatch.setattr(gdn, "plot", lambda *a: None)
+    assert cli.main(["gdn", "--cases", name, "--impls", "pallas", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == [c.name for c in BENCH_CASES]
+    old = {r["case"]: r for r in before["rows"]}
+    for r in rows:
+        if r["case"] != name:
+            assert r == old[r["case"]]
+    row = next(r for r in rows if r["case"] == name)
+    assert row["ms"]["pallas"] == 0.5 and row["ms"]["fla"] == old[name]["ms"]["fla"]
+    assert row["fla_do_bench"] == old[name]["fla_do_bench"]
+
+
+def test_merge_rows_by_case_in_the_cases_order():
+    old = [{"case": "a", "v": 1}, {"case": "b", "v": 1}, {"case": "gone", "v": 1}]
+    got = results.merge_rows(old, [{"case": "b", "v": 2}, {"case": "c", "v": 2}], order=("c", "b", "a"))
+    assert got == [{"case": "c", "v": 2}, {"case": "b", "v": 2}, {"case": "a", "v": 1}, {"case": "gone", "v": 1}]
+
+
+def test_sharding_merge_replaces_what_it_remeasured_and_tags_the_run():
+    old = {"rows": [{"case": "v", "layers": 12, "devices": 2, "moe_sharding": "tensor", "ms": 1.0, "run": 1},
+                    {"case": "long", "layers": 48, "devices": 2, "moe_sharding": "tensor", "ms": 9.0, "run": 1}],
+           "events": [{"event": "allreduce", "dtype": "bfloat16", "ms": 0.4, "run": 1}]}
+    new = {"rows": [{"case": "v", "layers": 12, "devices": 2, "moe_sharding": "tensor", "ms": 0.9}],
+           "events": [{"event": "allreduce", "dtype": "bfloat16", "ms": 0.38},
+                      {"event": "allreduce", "dtype": "float32", "ms": 0.7}]}
+    got = sharding.merge(old, new, run=2)
+    assert [(r["case"], r["ms"], r["run"]) for r in got["rows"]] == [("long", 9.0, 1), ("v", 0.9, 2)]
+    assert [(e["dtype"], e["run"]) for e in got["events"]] == [("bfloat16", 2), ("float32", 2)]
 
 
 def test_results_file_is_named_from_the_device_kind():
-    assert bench.device_file_name("NVIDIA H200") == "h200"
-    assert bench.device_file_name("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
-    assert bench.device_file_name("cpu") == "cpu"
+    assert results.device_file_name("NVIDIA H200") == "h200"
+    assert results.device_file_name("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert results.device_file_name("cpu") == "cpu"
+    assert Path(results.default_path("NVIDIA H200", 2)) == RESULTS / "h200x2.json"
 
 
-def test_a_failing_section_is_reported_and_the_others_still_run(monkeypatch, capsys):
-    import types
-    good = types.SimpleNamespace(run_section=lambda quick: {"rows": [{"case": "x"}]}, print_section=lambda s: None)
-
-    def broken(quick):
-        raise RuntimeError("no GPU here")
-    bad = types.SimpleNamespace(run_section=broken, print_section=lambda s: None)
-    modules = {"jax_gdn.bench_fake_good": good, "jax_gdn.bench_fake_bad": bad}
-    monkeypatch.setattr(bench, "SECTIONS", {"bad": "jax_gdn.bench_fake_bad", "good": "jax_gdn.bench_fake_good"})
-    monkeypatch.setattr("importlib.import_module", lambda name: modules[name])
-    result = {}
-    errors = bench.run_sections(result, ["bad", "good"], quick=True)
-    assert result == {"good": {"rows": [{"case": "x"}]}}
-    assert len(errors) == 1 and "section bad: RuntimeError: no GPU here" in errors[0]
+def test_committed_results_are_stamped_and_tell_no_history():
+    """Every section of every committed results file names the commit, date and command that measured it, and no
+    text in them names development rounds, helpers, calls or deleted scripts and logs."""
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        stamped = data["runs"]
+        keys = ({str(r["run"]) for r in data["rows"]} if path.stem.endswith("x2")
+                else {k for k in ("rows", "layers", "moe", "attention", "decode", "model") if data.get(k)})
+        for key in keys:
+            assert {"commit", "date", "command"} <= set(stamped[key]), (path.name, key)
+            assert stamped[key]["command"].startswith("python -m benchmarks "), (path.name, key)
+        text = path.read_text()
+        assert not re.search(r"(?i)session [0-9]|helper [A-Z]|call [0-9]|round [0-9]|benchmarks/(gpu|logs)/", text), \
+            path.name
+    data = json.loads(H200.read_text())
+    assert [r["case"] for r in data["rows"]] == [c.name for c in BENCH_CASES]
+    for r in data["rows"]:
+        assert set(r["ms"]) == set(gdn.IMPLS)
+        assert r["ms"]["pallas"] is not None and r["ms"]["fla"] is not None
 
 
 def test_markdown_tables_cover_every_section_of_the_committed_results():
-    data = json.loads(RESULTS.read_text())
-    text = bench.markdown_tables(data)
-    for heading in ("| case | pallas Triton (ours) | Mosaic GPU (ours)", "| backend | phase 1", "| MoE layer", "| attention |",
-                    "| GDN decode step", "| model ("):
+    data = json.loads(H200.read_text())
+    text = markdown_tables(data)
+    for heading in ("| case | pallas Triton (ours) | Mosaic GPU (ours)", "| backend | phase 1", "| MoE layer",
+                    "| attention |", "| GDN decode step", "| model (", "| part (ms per layer) |"):
         assert heading in text, heading
-    # one table row per measured row of each part
     for row in data["rows"]:
         assert f"\n| {row['case']} |" in text, row["case"]
     for row in data["moe"]["rows"]:
         assert f"| {row['case']} | {row['tokens']} |" in text
+    assert f"commit {data['runs']['decode']['commit']}: `python -m benchmarks decode`" in text
 
 
 def test_kernel_rows_ratio_the_faster_of_our_backends(capsys):
@@ -72,9 +174,32 @@ def test_kernel_rows_ratio_the_faster_of_our_backends(capsys):
     rows = [{"case": "dense", "ms": {"pallas": 0.44, "mosaic_gpu": 0.31, "xla": 9.0, "fla": 0.62, "jla": 0.31}},
             {"case": "varlen", "ms": {"pallas": 0.9, "mosaic_gpu": None, "xla": 9.0, "fla": 1.0, "jla": None}},
             {"case": "none", "ms": {"pallas": None, "mosaic_gpu": None, "xla": 9.0, "fla": 1.0, "jla": 1.0}}]
-    text = bench.markdown_tables({"rows": rows})
+    text = "\n".join(gdn.markdown(rows))
     assert "| dense | 0.440 | 0.310 | 9.000 | 0.620 | 0.310 | 0.50 | 1.00 |" in text
     assert "| varlen | 0.900 | - | 9.000 | 1.000 | - | 0.90 | - |" in text
     assert "| none | - | - | 9.000 | 1.000 | 1.000 | - | - |" in text
-    bench.print_table({"device": "x", "jax": "y", "date": "z", "rows": rows})
+    gdn.print_section(rows)
     assert "ours/jla" in capsys.readouterr().out
+
+
+def test_merge_from_takes_the_sections_stamped_later(stored, tmp_path, capsys):
+    """The files of several GPU calls merged into one: each call's re-measured section (a later stamp) is taken,
+    the sections it only carried along (stamps as old as the target's) are not."""
+    out, before = stored
+    one, two = dict(before), dict(before)
+    one["decode"] = {"rows": [{"case": "d"}]}
+    one["runs"] = dict(before["runs"], decode={"commit": "c1", "date": "2027-01-01T00:00:00+00:00",
+                                               "command": "python -m benchmarks decode"})
+    two["moe"] = {"rows": [{"case": "m"}]}
+    two["runs"] = dict(before["runs"], moe={"commit": "c1", "date": "2027-01-01T00:05:00+00:00",
+                                            "command": "python -m benchmarks moe"})
+    paths = []
+    for i, data in enumerate((one, two)):
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    assert cli.main(["--merge-from", *map(str, paths), "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    assert after["decode"] == one["decode"] and after["moe"] == two["moe"]
+    assert after["rows"] == before["rows"] and after["model"] == before["model"]
+    assert after["runs"]["moe"]["date"] == "2027-01-01T00:05:00+00:00"
+    assert "took decode, moe" in capsys.readouterr().out

@@ -256,8 +256,8 @@ def test_layer_rejects_bad_metadata_before_writing():
 
 
 def test_bench_attention_section_shape_on_cpu(capsys):
-    """jax_gdn.bench_attention.run_section on CPU (small dims, interpret mode): the JSON the bench stores."""
-    from jax_gdn import bench_attention
+    """benchmarks.attention.run_section on CPU (small dims, interpret mode): the JSON the CLI stores."""
+    from benchmarks import attention as bench_attention
     sec = bench_attention.run_section(quick=True)
     assert sec["small"] and [r["case"] for r in sec["rows"]] == [
         "prefill-varlen16", "prefill-varlen16-ctx2k", "prefill-32k", "decode-64x4096", "decode-256x1024"]

@@ -101,7 +101,7 @@ def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, size):
     Qwen3-Next-80B GDN dims on the varlen16 lengths (19027 tokens, fresh streams over stale NaN slots). Each route
     within 1e-2 of XLA, and "auto" within 1.5x of Triton's own error (bf16 rounding of the kernels' inputs bounds
     both)."""
-    from jax_gdn.cases import VARLEN16_LENS
+    from benchmarks.cases import VARLEN16_LENS
     if size == "small":
         dims = GdnDims(512, 4, 8, 128, 128)
         lengths, slot_ids, positions = [1, 63, 64, 65, 130, 1000], [7, 2, 0, 5, 3, 1], [0, 10, 0, 3, 0, 100]

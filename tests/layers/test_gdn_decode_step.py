@@ -98,7 +98,7 @@ def test_gpu_fused_decode_step_80b_dims():
     """On the GPU at Qwen3-Next-80B GDN dims (Hk 16, Hv 32, K = V = 128, D 2048), 48 streams with padding ids: the
     fused step (compiled Triton kernels) against the unfused step with the XLA backend, fp32 (1e-5 on the output and
     the states) and bf16 (2e-2 / 1e-2 against the fp32 unfused step)."""
-    from jax_gdn import bench_model
+    from benchmarks import configs as bench_model
     dims = bench_model.qwen3_next_80b_config(4).gdn_dims
     n, s = 48, 56
     rng = np.random.default_rng(11)

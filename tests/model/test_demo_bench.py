@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_gdn.bench_layers import bench_layers
+from benchmarks.layers import bench_layers
 from jax_gdn.checkpoint import random_state_dict
 from jax_gdn.model_demo import run_model_demo, tiny_config
 

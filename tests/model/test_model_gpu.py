@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn.bench_layers import bench_layers
+from benchmarks.layers import bench_layers
 from jax_gdn.checkpoint import random_model
 from jax_gdn.model_demo import tiny_config
 

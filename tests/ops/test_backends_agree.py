@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn import cases
+from benchmarks import cases
 from tests.gdn_harness import backends_for, make_inputs, oracle, rel_rms, run, tol
 
-# the interpret-mode kernel runs every shape of jax_gdn.cases in tests/pallas_kernels; here each backend gets one
+# the interpret-mode kernel runs every shape of benchmarks.cases in tests/pallas_kernels; here each backend gets one
 # varlen case in fp32 and one grouped-heads case in bf16 (interpret mode costs ~7 s a shape on CI's CPU)
 PARAMS = ([(cases.CPU_VARLEN, b, jnp.float32) for b in backends_for(cases.CPU_VARLEN)]
           + [(cases.CPU_GVA[1], b, jnp.bfloat16) for b in backends_for(cases.CPU_GVA[1])])

@@ -157,7 +157,7 @@ def test_80b_dims_on_gpu(dtype):
     8e-3 relative: q, k are L2-normed (<= 1) but v is SiLU of the conv, up to ~9 here, where one bf16 ulp is
     0.0625, so an absolute bound alone fails on correct values: the first H200 run had 6 of 16.1M elements
     1 ulp off, 3.3e-3 relative); padding rows zero; the pools equal."""
-    from jax_gdn.cases import VARLEN16_LENS
+    from benchmarks.cases import VARLEN16_LENS
     hk, hv, d, kc = 16, 32, 128, 4
     c = (2 * hk + hv) * d
     lens = list(VARLEN16_LENS)

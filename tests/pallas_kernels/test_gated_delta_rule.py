@@ -1,7 +1,7 @@
 """Pallas gated delta rule kernel vs the float64 per-token loop (tests/numpy_reference.py).
 
 CPU: the same kernels in interpret mode at tiny dims (dk != dv). GPU (`pytest -m gpu`): K = V = 128, bf16 and fp32.
-Shapes, inputs, oracle and tolerances come from the shared harness (tests/gdn_harness.py: jax_gdn.cases shapes,
+Shapes, inputs, oracle and tolerances come from the shared harness (tests/gdn_harness.py: benchmarks.cases shapes,
 relative RMS vs float64: fp32 2e-4, bf16 / fp16 1e-2; kernel dots run in IEEE fp32 for fp32 inputs, half
 operands with fp32 accumulation for half inputs).
 """
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn import cases
+from benchmarks import cases
 from pallas_kernels.gated_delta_rule import api
 from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map

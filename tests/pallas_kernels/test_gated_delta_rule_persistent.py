@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn import cases
+from benchmarks import cases
 from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
 from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
 from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms, tol

@@ -320,8 +320,8 @@ def test_gpu_decode_configs_match_f64(config, dtype):
 
 
 def test_bench_decode_section_smoke():
-    """jax_gdn.bench_decode's quick section (CPU: interpret mode, no FLA) has the JSON layout bench.py stores."""
-    from jax_gdn import bench_decode
+    """benchmarks.decode's quick section (CPU: interpret mode, no FLA) has the JSON layout the CLI stores."""
+    from benchmarks import decode as bench_decode
     section = bench_decode.run_section(quick=True)
     row = section["rows"][0]
     assert set(row) >= {"case", "N", "Hk", "Hv", "K", "V", "ms", "gbps"}

@@ -383,7 +383,7 @@ def test_gpu_kernel_fp32_matches_xla_step():
 @pytest.mark.gpu
 def test_gpu_layer_decode_through_switch(monkeypatch):
     """decode.BACKEND = "mosaic" under the layer's fused decode step (raw gates inside) matches the Triton step."""
-    from jax_gdn.bench_model import qwen3_next_80b_config
+    from benchmarks.configs import qwen3_next_80b_config
     from jax_gdn.layers import gdn
     from jax_gdn.state import GdnSlots
     dims = qwen3_next_80b_config(4).gdn_dims

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn.cases import Case
+from benchmarks.cases import Case
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 from tests.gdn_harness import make_inputs, oracle, rel_rms, tol
 

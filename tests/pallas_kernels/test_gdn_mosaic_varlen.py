@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gdn.cases import Case
+from benchmarks.cases import Case
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mv
 from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc

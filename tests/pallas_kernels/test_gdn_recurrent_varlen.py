@@ -279,7 +279,7 @@ def test_lowers_to_triton(final):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_gpu_tiny64_slots_in_place(dtype):
-    from jax_gdn.cases import TINY64_LENS
+    from benchmarks.cases import TINY64_LENS
     jax.config.update("jax_default_matmul_precision", "highest")
     lens = TINY64_LENS[:48] + (0, 130, 65)                   # one long and one empty sequence in the mix
     n, s = len(lens), 64

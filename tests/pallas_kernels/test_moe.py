@@ -475,9 +475,9 @@ def test_moe_80b_dims_on_gpu():
 
 
 def test_bench_moe_quick_section_format():
-    """jax_gdn.bench_moe's section at tiny dims: the JSON row format the bench writes (prefill rows: FLOP floor;
+    """benchmarks.moe's section at tiny dims: the JSON row format the bench writes (prefill rows: FLOP floor;
     decode rows: bytes floor of the experts hit); pallas null off a GPU."""
-    from jax_gdn import bench_moe
+    from benchmarks import moe as bench_moe
     sec = bench_moe.run_section(quick=True)
     row, drow = sec["rows"]
     assert set(row) == {"case", "tokens", "experts", "top_k", "ms", "floor_ms"} and set(row["ms"]) == {"pallas", "xla"}

@@ -1,4 +1,4 @@
-"""Benchmark section "moe": one sparse MoE layer (routing + routed experts + gated shared expert), bf16.
+"""Section "moe": one sparse MoE layer (routing + routed experts + gated shared expert), bf16.
 
 Cases: Qwen3-Next-80B-A3B dims (hidden 2048, 512 experts top-10, moe_intermediate 512, shared expert 512) at 8192
 and 19027 tokens, and Qwen3.5-35B-A3B dims (hidden 2048, 256 experts top-8, moe_intermediate 512, shared 512) at
@@ -9,7 +9,7 @@ launch config picked from the shapes) and "xla" (the XLA block path), each null 
 prefill rows, the layer's FLOPs (router + T k routed SwiGLU experts + shared expert) at 700 TFLOP/s; decode rows
 (``"floor": "bytes"``), the bytes the layer must read at 4.8 TB/s: the weights of the experts its routing hits
 (``experts_hit``, counted from the case's own inputs) + router + shared expert + x in and out. Timing:
-jax_gdn.bench.time_jax (warm-up, then the median of groups of back-to-back calls closed by block_until_ready).
+jax_gdn.timing.time_jax (warm-up, then the median of groups of back-to-back calls closed by block_until_ready).
 
     run_section(quick=False) -> {"rows": [{"case", "tokens", "experts", "top_k", "ms": {"pallas", "xla"},
                                            "floor_ms"[, "floor": "bytes", "experts_hit"]}]}
@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import traceback
 
+from benchmarks.tables import PEAK_TBPS, PEAK_TFLOPS, fmt, md_header
+
+KEY = "moe"
 IMPLS = ("pallas", "xla")
-PEAK_TFLOPS = 700.0
-PEAK_TBPS = 4.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def make_params(case: MoeCase, seed: int = 0, dtype=None):
 
 def _time_impl(case: MoeCase, params, x, backend: str, quick: bool):
     import jax
-    from jax_gdn.bench import time_jax
+    from jax_gdn.timing import time_jax
     from jax_gdn.layers.ffn import sparse_moe
     fn = jax.jit(lambda p, x: sparse_moe(p, x, top_k=case.top_k, norm_topk_prob=True, backend=backend))
     if quick:
@@ -103,11 +104,14 @@ def floor_of(case: MoeCase, params, x) -> dict:
             "experts_hit": hit}
 
 
-def run_section(quick: bool = False) -> dict:
+def run_section(quick: bool = False, cases=None) -> dict:
+    """{"rows": [...]} of ``cases`` (names; default every case; ``quick``: QUICK_CASES)."""
     import jax
     from jax_gdn.layers.ffn import resolve_moe_backend
     rows = []
     for case in (QUICK_CASES if quick else CASES):
+        if cases is not None and case.name not in cases:
+            continue
         params, x = make_params(case)
         jax.block_until_ready((params, x))
         ms = {}
@@ -139,9 +143,13 @@ def print_section(section: dict) -> None:
               f"{r['floor_ms']:>8.3f}{star} {ratio:>13}")
 
 
-if __name__ == "__main__":
-    import json
-    import sys
-    sec = run_section(quick="--quick" in sys.argv)
-    print_section(sec)
-    print(json.dumps(sec))
+def markdown(section: dict) -> list:
+    """The README's table of the MoE rows, each against its floor."""
+    out = md_header(["MoE layer", "tokens", "experts", "top-k", "pallas", "xla",
+                     "floor (FLOPs at 700 TFLOP/s; decode: bytes at 4.8 TB/s)", "pallas / floor"])
+    for r in section["rows"]:
+        ms = r["ms"]
+        out.append(f"| {r['case']} | {r['tokens']} | {r['experts']} | {r['top_k']} | {fmt(ms.get('pallas'))} | "
+                   f"{fmt(ms.get('xla'))} | {fmt(r['floor_ms'])} | "
+                   f"{fmt(ms['pallas'] / r['floor_ms'], '{:.2f}') if ms.get('pallas') else '-'} |")
+    return out

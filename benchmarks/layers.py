@@ -1,12 +1,12 @@
-"""Layer benchmark: one GDN layer's whole split prefill (phases 1-3) and one gated attention layer prefill, at
-Qwen3-Next-80B dims on the 16-stream varlen case, per backend.
-
-    python -m jax_gdn.bench_layers [--backends xla,pallas] [--reps 10] [--small] [--json PATH] [--attention-only]
+"""Section "layers": one GDN layer's whole split prefill (phases 1-3) and one gated attention layer prefill, at
+Qwen3-Next-80B dims on the 16-stream varlen case, per backend (on a GPU: "pallas" and "cudnn", the attention-only
+backend; ``bench_layers`` takes any backend of the layers).
 
 Qwen3-Next-80B-A3B dims: hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256
-(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens: ``jax_gdn.cases.VARLEN16_LENS``
+(partial RoPE 0.25); bf16 activations and weights, fp32 recurrent state. Lens: ``benchmarks.cases.VARLEN16_LENS``
 (T = 19027 tokens, N = 16), every stream fresh.
-``--small`` shrinks dims and lens so that it runs on a CPU in seconds (a smoke test, not a measurement).
+``small`` (the section's ``quick``) shrinks dims and lens so that it runs on a CPU in seconds (a smoke test, not a
+measurement).
 
 GDN phases (jax_gdn.layers.gdn, each jitted on its own, inputs precomputed):
   phase1  input RMSNorm + in_proj (phase1_proj_batched), varlen causal conv (phase1_conv1d_varlen), q/k L2 norm
@@ -27,19 +27,21 @@ Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cases import VARLEN16_LENS
+
+KEY = "layers"
+#: the backends of the section on a GPU (off a GPU: "xla")
+GPU_BACKENDS = ("pallas", "cudnn")
 LENS_SMALL = [190, 64, 51, 1, 130, 77, 63, 65]
 
 
 def _dims(small: bool):
-    from jax_gdn.cases import VARLEN16_LENS
     from jax_gdn.config import AttnDims, GdnDims
     if small:
         return (GdnDims(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32),
@@ -201,32 +203,37 @@ def print_table(results) -> None:
             print(f"{'':>22}conv {oc['conv']:>8}: {oc['error']}")
 
 
-def main(argv=None) -> list:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default=None,
-                        help="comma list of xla / pallas / pallas_interpret / cudnn / cudnn_xla (default: "
-                             "pallas,cudnn,xla on a GPU, xla else)")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--small", action="store_true", help="tiny dims and lens (CPU smoke test)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--attention-only", action="store_true", help="time only the attention layer")
-    args = parser.parse_args(argv)
-    backends = (args.backends.split(",") if args.backends
-                else (["pallas", "cudnn", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
-    results = []
+def run_section(quick: bool = False, backends=None, reps: int = 10) -> list:
+    """``bench_layers`` of each backend (default: GPU_BACKENDS on a GPU, "xla" elsewhere); a backend that fails is
+    reported and left out. ``quick``: tiny dims (a CPU smoke run, not a measurement)."""
+    if backends is None:
+        backends = GPU_BACKENDS if jax.default_backend() == "gpu" else ("xla",)
+    entries = []
     for backend in backends:
         try:
-            results.append(bench_layers(backend, args.reps, small=args.small, dtype=jnp.dtype(args.dtype),
-                                        with_gdn=not args.attention_only))
-        except Exception as err:  # report and go on with the other backend
-            print(f"backend {backend}: failed: {type(err).__name__}: {err}")
-    print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+            entries.append(bench_layers(backend, reps, small=quick))
+        except Exception as e:                             # report and go on with the other backend
+            print(f"layers {backend}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return entries
 
 
-if __name__ == "__main__":
-    main()
+def print_section(entries) -> None:
+    print_table(entries)
+
+
+def markdown(entries) -> list:
+    """The README's table of the layer entries."""
+    from benchmarks.tables import md_header
+    out = md_header(["backend", "phase 1", "phase 2", "phase 3", "GDN layer", "GDN tokens/s", "attention layer",
+                    "attention tokens/s"])
+    for e in entries:
+        g, a = e["gdn"], e["attention"]
+        if g is None:                       # an attention-only backend (cudnn): the GDN layer is not timed
+            gdn_cells = "- | - | - | - | -"
+        else:
+            sh = g["share"]
+            gdn_cells = (f"{g['phase1_ms']:.2f} ms ({sh['phase1']:.0%}) | {g['phase2_ms']:.2f} ms "
+                         f"({sh['phase2']:.0%}) | {g['phase3_ms']:.2f} ms ({sh['phase3']:.0%}) | "
+                         f"{g['layer_ms']:.2f} ms | {g['tokens_per_s'] / 1e6:.2f} M")
+        out.append(f"| {e['backend']} | {gdn_cells} | {a['ms']:.2f} ms | {a['tokens_per_s'] / 1e6:.2f} M |")
+    return out

@@ -1,16 +1,14 @@
-"""Decode benchmark section: one gated delta rule token per stream over the fp32 state pool, in one run on one GPU.
+"""Section "decode": one gated delta rule token per stream over the fp32 state pool, every column in one run on one
+GPU.
 
-    python -m jax_gdn.bench_decode [--quick] [--json PATH]
-    (or through ``python -m jax_gdn.bench --decode``: key "decode" of the results JSON)
-
-Cases: ``jax_gdn.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
+Cases: ``benchmarks.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
 q / k L2-normalised inside each implementation). Columns (median ms; null where an implementation cannot run):
   pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the op as shipped over a pool
           of S = N slots in a shuffled order, the pool donated (updated in place): on Hopper the Mosaic GPU kernel
           (``decode.BACKEND = "auto"``: ``decode_mosaic.DEFAULT_CONFIG``, the direct transfer), elsewhere the Pallas
           Triton kernel; the row names the kernel and its launch parameters as "pallas_kernel" / "pallas_config"
   triton  the Pallas Triton decode kernel (``decode.py``, ``decode.decode_config`` for the case) on the same pool,
-          donated: what "pallas" ran before session 10 and still runs off Hopper
+          donated: what "pallas" runs off Hopper
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial
@@ -23,16 +21,16 @@ torch.cuda.synchronize); the median over the groups of the wall time per call.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 
 import numpy as np
 
-from jax_gdn.cases import CPU_DECODE, DECODE_CASES, Case
+from benchmarks.cases import CPU_DECODE, DECODE_CASES, Case
 
+KEY = "decode"
 IMPLS = ("pallas", "triton", "xla", "fla", "copy")
+CASES = DECODE_CASES
+QUICK_CASES = CPU_DECODE
 
 
 def state_bytes(case: Case) -> int:
@@ -92,28 +90,13 @@ def time_copy(case: Case, host, **timing) -> float:
 
 
 def time_fla(case: Case, host, do_bench: bool = False) -> float:
-    """Median ms of FLA's step timed as the jax columns are (threaded groups); ``do_bench``: triton's do_bench
-    median of one call from the same initial state instead."""
-    os.environ.setdefault("FLA_FLASH_QLA", "0")
-    import torch
-    import triton
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-    q, k, v, g, beta, pool, _ = host
-    dev, bf = "cuda", torch.bfloat16
-    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
-    tg = torch.from_numpy(g).to(dev)
-    tb = torch.from_numpy(beta).to(dev, bf)
-    th0 = torch.from_numpy(pool).to(dev)
-
-    def step(h):
-        return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tb, initial_state=h, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)[1]
-    step(th0)
-    torch.cuda.synchronize()
+    """Median ms of FLA's step timed as the jax columns are (threaded groups: ``benchmarks.peers.fla_recurrent_step``);
+    ``do_bench``: triton's do_bench median of one call from the same initial state instead."""
+    from benchmarks import peers, timing
+    step, th0 = peers.fla_recurrent_step(host)
     if do_bench:
-        return float(triton.testing.do_bench(lambda: step(th0), warmup=50, rep=300, return_mode="median"))
-    from jax_gdn.timing import time_threaded
-    return time_threaded(step, th0, "torch")
+        return timing.do_bench(lambda: step(th0))
+    return timing.time_torch_threaded(step, th0)
 
 
 def pallas_route(case: Case, gpu: bool) -> tuple[str, dict]:
@@ -135,13 +118,14 @@ def _has_gpu() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
 
 
-def run_section(quick: bool = False) -> dict:
+def run_section(quick: bool = False, cases=None) -> dict:
     """{"rows": [{"case", "N", "Hk", "Hv", "K", "V", "ms": {pallas, triton, xla, fla, copy}, "gbps": {...},
     "pallas_kernel", "pallas_config"}], "note"}.
-    ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke run of this code, not a measurement)."""
+    ``cases``: names (default every case). ``quick``: the tiny CPU case, pallas in interpret mode, few calls (a smoke
+    run of this code, not a measurement); a run without a GPU is one too."""
     from pallas_kernels.gated_delta_rule.triton import decode
     gpu = _has_gpu()
-    cases = CPU_DECODE if quick or not gpu else DECODE_CASES
+    cases = [c for c in (QUICK_CASES if quick or not gpu else CASES) if cases is None or c.name in cases]
     timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}
     rows = []
     for case in cases:
@@ -188,17 +172,11 @@ def print_section(section: dict) -> None:
         print(f"  {r['case']:26s}{cells}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    section = run_section(quick=args.quick)
-    print_section(section)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"decode": section}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+def markdown(section: dict) -> list:
+    """The README's table of the decode rows."""
+    from benchmarks.tables import md_header
+    out = md_header(["GDN decode step"] + [f"{i} ms (GB/s)" for i in IMPLS])
+    for r in section["rows"]:
+        cells = [f"{r['ms'][i]:.3f} ({r['gbps'][i]:.0f})" if r["ms"].get(i) else "-" for i in IMPLS]
+        out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    return out

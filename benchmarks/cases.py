@@ -1,4 +1,4 @@
-"""The one list of named shapes that the kernel tests and the benchmark draw from.
+"""The one list of named shapes that the kernel tests and the benchmarks draw from.
 
 Shape legend: B batch rows, T tokens per row (the packed total for varlen), Hk key heads, Hv value heads,
 K / V head dims, lens the per-sequence lengths of a varlen case (then B == 1 and T == sum(lens)).
@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
+import numpy as np
+
 VARLEN16_LENS = (1907, 64, 513, 2048, 130, 777, 1, 4000, 63, 65, 1500, 3000, 260, 999, 2200, 1500)
-# Serving mixes (issue 14). Many short sequences: 256 lengths from a long-tailed law (log-normal, mean ~150),
+# Serving mixes. Many short sequences: 256 lengths from a long-tailed law (log-normal, mean ~150),
 #   numpy.random.default_rng(0).lognormal(log(150) - 0.5, 1.0, 256), rounded, clipped to [1, 2048]:
 #   38567 tokens, 4 to 1952 per sequence, 97 of them <= 64, 732 chunks of 64 (the static bound T // 64 + N: 858).
 SERVE256_LENS = (
@@ -106,3 +108,23 @@ CPU_DECODE = (Case("cpu-decode-N4-Hk1-Hv2-K16-V16", 4, 1, 1, 2, 16, 16),)
 
 CASES = {c.name: c for c in (DECODE_CASES + CPU_DECODE + BENCH_CASES + GPU_TEST_CASES + CPU_DENSE + CPU_GVA
                              + (CPU_VARLEN,))}
+
+
+# ---- the whole-model rows (benchmarks.model, benchmarks.sharding) ----
+def model_cases(quick: bool = False) -> dict:
+    """{"varlen": (name, lens), "long": (name, (T,)), "decode": (name, N streams, context per stream, streams per
+    context-filling prefill call)}: the varlen16 mix, one 32768-token stream, 64 streams x 1189 tokens (16 x 1189
+    fits the varlen16 program's token bucket); ``quick``: tiny stand-ins (a CPU smoke run)."""
+    if quick:
+        lens = (37, 1, 64, 5)
+        return {"varlen": ("varlen4-T107", lens), "long": ("B1-T200", (200,)),
+                "decode": ("decode-N8-ctx26", 8, 26, 4)}          # 2 prefill calls of 4 x 26 tokens
+    t = sum(VARLEN16_LENS)
+    ctx = t // 16                                                  # 1189: 16 x 1189 fits varlen16's bucket
+    return {"varlen": (f"varlen16-T{t}", VARLEN16_LENS), "long": ("B1-T32768", (32768,)),
+            "decode": (f"decode-N64-ctx{ctx}", 64, ctx, 16)}
+
+
+def cu_seqlens(lens) -> np.ndarray:
+    """[N + 1] int32 offsets of streams of ``lens`` tokens packed back to back."""
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

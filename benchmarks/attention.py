@@ -1,11 +1,8 @@
-"""Attention benchmark section: paged causal attention at Qwen3-Next-80B attention dims (16 query heads, 2 kv heads,
-head dim 256, bf16), all implementations in one run on one GPU.
-
-    python -m jax_gdn.bench_attention [--quick] [--json PATH]
-    (or through ``python -m jax_gdn.bench --attention``: key "attention" of the results JSON)
+"""Section "attention": paged causal attention at Qwen3-Next-80B attention dims (16 query heads, 2 kv heads, head dim
+256, bf16), all implementations in one run on one GPU.
 
 Cases:
-  prefill-varlen16        the 16 streams of ``jax_gdn.cases.VARLEN16_LENS`` (19027 tokens), fresh
+  prefill-varlen16        the 16 streams of ``benchmarks.cases.VARLEN16_LENS`` (19027 tokens), fresh
   prefill-varlen16-ctx2k  the same streams, each continuing 2048 tokens already in its pages
   prefill-32k             one fresh stream of 32768 tokens (the long-prompt case: 8.8 TFLOP causal per layer)
   decode-64x4096          64 streams, one query each against 4096 tokens of context
@@ -27,23 +24,22 @@ tflops (prefill): the causal FLOPs needed, 4 H Dh sum_n (L_n (L_n + 1) / 2 + L_n
 gbps (decode): the K/V bytes a decode must read, N ctx Hkv Dh 2 (K and V) * 2 bytes, over each time.
 Timing, the same for every column (``jax_gdn.timing``): warm-up, then groups of ~20 ms of back-to-back calls
 closed by one sync (median of the groups; an op slower than 20 ms: 5 single calls). torch SDPA's triton do_bench
-median (GPU events, L2 flushed: the method of the tables before session 8) is kept beside in the row as
-"torch_sdpa_do_bench", never in a ratio.
+median (GPU events, L2 flushed) is kept beside in the row as "torch_sdpa_do_bench", never in a ratio.
 """
 from __future__ import annotations
 
-import argparse
-import json
-
 import numpy as np
 
+from benchmarks.cases import VARLEN16_LENS
+
+KEY = "attention"
 H, HKV, DH = 16, 2, 256
 PAGE = 16
 SMALL = dict(h=4, hkv=2, dh=64)          # CPU smoke dims
 
 
-def _cases(small: bool):
-    from jax_gdn.cases import VARLEN16_LENS
+def attention_cases(small: bool):
+    """[(name, kind, lens, context per stream)]: the section's cases (``small``: CPU smoke stand-ins)."""
     if small:
         lens = (70, 1, 33, 130)
         return [("prefill-varlen16", "prefill", lens, 0), ("prefill-varlen16-ctx2k", "prefill", lens, 40),
@@ -108,8 +104,9 @@ def decode_bytes(n, ctx, hkv=HKV, dh=DH, itemsize=2):
     return n * ctx * hkv * dh * 2 * itemsize
 
 
-def run_section(quick: bool = False, small=None) -> dict:
-    """Times every case and implementation; returns {"rows": [...], "device", "dims"} (see the module doc)."""
+def run_section(quick: bool = False, cases=None, small=None) -> dict:
+    """Times every case (``cases``: names, default all) and implementation; returns {"rows": [...], "device",
+    "dims"} (see the module doc). Off a GPU (or ``small``) the CPU stand-ins at small dims, a smoke run."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.paged_attention import api
@@ -121,7 +118,9 @@ def run_section(quick: bool = False, small=None) -> dict:
     scale = dh ** -0.5
     reps = dict(groups=3, per_group=2) if (quick or not on_gpu) else dict(groups=15)
     rows = []
-    for name, kind, lens, ctx in _cases(small):
+    for name, kind, lens, ctx in attention_cases(small):
+        if cases is not None and name not in cases:
+            continue
         decode = kind == "decode"
         q_lens = lens
         args, page_table = build_case(lens, ctx, h=h, hkv=hkv, dh=dh, dtype=dtype)
@@ -210,44 +209,17 @@ def _time_cudnn(q, dense, lens, decode, h, hkv, dh, scale, reps):
 
 
 def _time_torch(q, dense, lens, ctx, decode, scale):
-    """(ms by jax_gdn.timing.time_torch, triton do_bench ms) of the SDPA calls of one case (one call per stream
-    for prefill, one batched call for decode), flash / efficient backends."""
+    """(ms by benchmarks.timing.time_torch, triton do_bench ms) of the SDPA calls of one case
+    (``benchmarks.peers.torch_sdpa``), flash / efficient backends."""
     import torch
-    import torch.nn.functional as F
-    import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    dev, bf = "cuda", torch.bfloat16
 
-    def tt(x):
-        return torch.tensor(np.asarray(x, np.float32), device=dev).to(bf).contiguous()
-    if decode:
-        n = len(lens)
-        qt = tt(q).reshape(n, 1, q.shape[1], q.shape[2]).transpose(1, 2).contiguous()     # [N, H, 1, Dh]
-        kt = torch.stack([tt(k) for k, _ in dense]).transpose(1, 2).contiguous()          # [N, Hkv, ctx, Dh]
-        vt = torch.stack([tt(v) for _, v in dense]).transpose(1, 2).contiguous()
-
-        def run():
-            F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        qs = [tt(q[cu[i]:cu[i] + x]).transpose(0, 1)[None].contiguous() for i, x in enumerate(lens)]  # [1, H, L, Dh]
-        ks = [tt(k).transpose(0, 1)[None].contiguous() for k, _ in dense]
-        vs = [tt(v).transpose(0, 1)[None].contiguous() for _, v in dense]
-        masks = [None if ctx == 0 else causal_lower_right(x, x + ctx) for x in lens]
-
-        def run():
-            for a, b, c, m in zip(qs, ks, vs, masks):
-                if m is None:
-                    F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, enable_gqa=True)
-                else:
-                    F.scaled_dot_product_attention(a, b, c, attn_mask=m, scale=scale, enable_gqa=True)
-    from jax_gdn.timing import time_torch
+    from benchmarks import peers, timing
+    run = peers.torch_sdpa(q, dense, lens, ctx, decode, scale)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         run()
         torch.cuda.synchronize()
-        return (time_torch(run, slow_ms=20.0),
-                float(triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")))
+        return timing.time_torch(run, slow_ms=20.0), timing.do_bench(run, warmup=10, rep=100)
 
 
 def print_section(section: dict) -> None:
@@ -263,18 +235,21 @@ def print_section(section: dict) -> None:
             print(f"{'':>24}   {impl}: {err}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    section = run_section(quick=args.quick)
-    print_section(section)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"attention": section}, f, indent=1)
-    return section
+def markdown(section: dict) -> list:
+    """The README's table of the attention rows: ms per implementation, the rate of ours and of cuDNN packed."""
+    from benchmarks.tables import PEAK_TBPS, fmt, md_header
+    impls = ("pallas", "cudnn_packed", "xla", "torch_sdpa", "cudnn")
+    rated = ("pallas", "cudnn_packed")
 
-
-if __name__ == "__main__":
-    main()
+    def rate(r, i):
+        return (f"{r['tflops'][i]:.0f} TFLOP/s" if (r.get("tflops") or {}).get(i)
+                else f"{r['gbps'][i]:.0f} GB/s ({r['gbps'][i] / (10 * PEAK_TBPS):.0f}% of HBM)"
+                if (r.get("gbps") or {}).get(i) else "-")
+    out = md_header(["attention", "kind", "context"] + [f"{i} ms" for i in impls] + [f"{i} rate" for i in rated],
+                    text_cols=2)
+    for r in section["rows"]:
+        ms = r["ms"]
+        out.append(f"| {r['case']} | {r['kind']} | {r.get('context', '-')} | "
+                   + " | ".join(fmt(ms.get(i)) for i in impls) + " | "
+                   + " | ".join(rate(r, i) for i in rated) + " |")
+    return out

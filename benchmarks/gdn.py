@@ -1,0 +1,175 @@
+"""Section "gdn" (results key "rows"): the chunked gated delta rule forward, ours against its peers, one row per
+named case of ``benchmarks.cases.BENCH_CASES`` (K = V = 128, Qwen3-Next head counts), every column in one run on
+one GPU:
+  pallas      jax_gdn.ops.chunk_gated_delta_rule(backend="pallas") (Pallas Triton)
+  mosaic_gpu  jax_gdn.ops.chunk_gated_delta_rule(backend="mosaic_gpu") (Pallas Mosaic GPU; null where it would fall
+              back to Triton: packed sequences, a non-Hopper device)
+  xla         jax_gdn.ops.chunk_gated_delta_rule(backend="xla") (the pure-JAX chunked form; slow: measured only when
+              ``--impls`` names it, null otherwise)
+  fla         FLA's chunk_gated_delta_rule (torch, Triton), FLA_FLASH_QLA=0
+  jla         jax-linear-attention's Mosaic GPU gated_delta_rule (dense cases only: it takes no cu_seqlens)
+where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
+fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms, every column timed
+the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of back-to-back calls, each closed by one sync;
+the median over the groups of the wall time per call); FLA's triton.testing.do_bench median (GPU events, L2
+flushed) is kept beside in the row as "fla_do_bench", never in a ratio. The ratio columns divide "ours" = the
+faster of pallas and mosaic_gpu (what backend "auto" runs where both can). A PNG bar plot of the rows is drawn
+beside the results JSON.
+"""
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+
+from benchmarks.cases import BENCH_CASES, CPU_DENSE, CPU_VARLEN, Case
+from benchmarks.tables import fmt, md_header
+
+KEY = "rows"
+IMPLS = ("pallas", "mosaic_gpu", "xla", "fla", "jla")
+#: the columns measured unless --impls says otherwise (the XLA form is the slow reference)
+DEFAULT_IMPLS = ("pallas", "mosaic_gpu", "fla", "jla")
+OURS = ("pallas", "mosaic_gpu")
+CASES = BENCH_CASES
+QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
+
+
+def ours_ms(ms: dict):
+    """The faster of our GPU backends in a row's "ms" (None when neither ran)."""
+    got = [ms[i] for i in OURS if ms.get(i) is not None]
+    return min(got) if got else None
+
+
+def make_inputs_np(case: Case, seed: int = 0):
+    """Host inputs: q, k [B,T,Hk,K] (unit rows), v [B,T,Hv,V], g [B,T,Hv] (log-decay), beta [B,T,Hv], h0 [N,Hv,K,V]."""
+    rng = np.random.default_rng(seed)
+    b, t = case.B, case.T
+    q = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+    k = rng.standard_normal((b, t, case.Hk, case.K), np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, case.Hv, case.V), np.float32)
+    g = np.log(rng.uniform(0.9, 0.999, (b, t, case.Hv))).astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, (b, t, case.Hv)).astype(np.float32)
+    h0 = (0.1 * rng.standard_normal((case.num_seqs, case.Hv, case.K, case.V))).astype(np.float32)
+    return q, k, v, g, beta, h0
+
+
+def jax_impl(case, host, backend):
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import ops
+    q, k, v, g, beta, h0 = host
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+            jnp.asarray(beta, bf), jnp.asarray(h0))
+    cu = case.cu_seqlens()
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    if backend == "mosaic_gpu":            # a row of this column is the Mosaic kernels' or null, never Triton's
+        from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
+        why = mosaic_gpu.fallback_reason(*args[:3], cu_seqlens=cu)
+        if why is not None:
+            raise NotImplementedError(why)
+
+    @jax.jit
+    def fn(q, k, v, g, beta, h0):
+        return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu, backend=backend)
+    return fn, args
+
+
+def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int = 0, traceback_on_error=False):
+    """The rows of ``cases`` (names; default every case) x ``impls``: [{"case", "B", "T", "Hk", "Hv", "K", "V",
+    "lens", "ms": {impl: ms or None}, "fla_do_bench"}]; an implementation that fails on a case gets null (its
+    error printed). ``quick``: tiny CPU cases and few calls (a smoke run of this code, not a measurement)."""
+    from jax_gdn.timing import time_jax
+
+    from benchmarks import peers
+    from benchmarks.timing import do_bench, time_torch
+    pool = QUICK_CASES if quick else CASES
+    todo = [c for c in pool if cases is None or c.name in cases]
+    timing = dict(warmup=1, groups=2, per_group=1) if quick else {}
+    rows = []
+    for case in todo:
+        host = make_inputs_np(case, seed)
+        row = {"case": case.name, "B": case.B, "T": case.T, "Hk": case.Hk, "Hv": case.Hv, "K": case.K, "V": case.V,
+               "lens": list(case.lens) if case.lens else None, "ms": {i: None for i in IMPLS}}
+        for impl in impls:
+            print(f"gdn {case.name} {impl}", flush=True)
+            try:
+                if impl in ("pallas", "mosaic_gpu", "xla"):
+                    ms = time_jax(*jax_impl(case, host, impl), **timing)
+                elif impl == "jla":
+                    ms = time_jax(*peers.jla_chunk(case, host), **timing)
+                elif impl == "fla":
+                    fla = peers.fla_chunk_warm(case, host)         # one set of FLA inputs for both figures
+                    ms = time_torch(fla)
+                    try:
+                        row["fla_do_bench"] = round(do_bench(fla), 4)
+                    except Exception as e:                     # the reference figure only; the row keeps FLA's ms
+                        print(f"  {case.name} fla do_bench: {type(e).__name__}: {str(e)[:200]}")
+                else:
+                    raise ValueError(impl)
+                row["ms"][impl] = round(ms, 4)
+            except Exception as e:                             # a peer that cannot run a case gets null
+                print(f"  {case.name} {impl}: null: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                if traceback_on_error:
+                    traceback.print_exc()
+        rows.append(row)
+    return rows
+
+
+def print_section(rows, device: str = "") -> None:
+    print_table({"device": device, "rows": rows})
+
+
+def print_table(result):
+    head = f"{'case':30s}" + "".join(f"{i:>11s}" for i in IMPLS) + f"{'ours/fla':>9s}{'ours/jla':>9s}"
+    print(f"gated delta rule forward, median ms ({result.get('device', '')})")
+    print(head)
+    for r in result["rows"]:
+        ms = r["ms"]
+        cells = "".join(f"{ms[i]:11.3f}" if ms.get(i) is not None else f"{'-':>11s}" for i in IMPLS)
+        ours = ours_ms(ms)
+        ratio = lambda b: (f"{ours / ms[b]:9.2f}" if ours and ms.get(b) else f"{'-':>9s}")
+        print(f"{r['case']:30s}{cells}{ratio('fla')}{ratio('jla')}")
+
+
+def plot(result, png_path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (`python -m benchmarks --plot` redraws it where it is installed)")
+        return
+    rows = result["rows"]
+    x = np.arange(len(rows))
+    width = 0.8 / len(IMPLS)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for j, impl in enumerate(IMPLS):
+        vals = [r["ms"].get(impl) for r in rows]
+        ax.bar(x + (j - (len(IMPLS) - 1) / 2) * width, [v if v is not None else 0 for v in vals], width, label=impl)
+    ax.set_xticks(x, [r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms (median, lower is better)")
+    ax.set_yscale("log")
+    ax.set_title(f"chunked gated delta rule forward, {result['device']}, jax {result['jax']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    print("plot:", png_path)
+
+
+def markdown(rows) -> list:
+    """The README's table of the kernel rows."""
+    out = md_header(["case", "pallas Triton (ours)", "Mosaic GPU (ours)", "xla (ours)", "FLA", "jax-linear-attention",
+                     "ours / FLA", "ours / jla", "FLA by do_bench (not in a ratio)"])
+    for r in rows:
+        ms = r["ms"]
+        ours = ours_ms(ms)
+        ratio = lambda b: fmt(ours / ms[b], "{:.2f}") if ours and ms.get(b) else "-"        # noqa: E731
+        out.append(f"| {r['case']} | " + " | ".join(fmt(ms.get(i)) for i in IMPLS)
+                   + f" | {ratio('fla')} | {ratio('jla')} | {fmt(r.get('fla_do_bench'))} |")
+    return out

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU runner: the peers' wheels, their environment, then the GPU tests and / or benchmark sections, one process
+# each, logs under $OUT and a short table last.
+#
+# usage (from the repository root, on the GPU machine, with the peers' wheels carried in .whl/):
+#   bash benchmarks/gpu.sh [STEP ...]
+#     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn decode attention moe layers model
+#     sharding); default: tests
+#   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
+#     step wrote; COMMIT (the commit to stamp;
+#     the tree on the GPU machine has no .git); BUDGET (seconds for all steps, default 570: a step gets what is left,
+#     the next ones are skipped once less than 20 s remain); BENCH_ARGS (more options for every section, e.g.
+#     "--cases B1-T8192-Hk16-Hv32").
+# Each section merges into benchmarks/results/<device>.json of this tree (<device>x2.json for sharding) and the
+# file is copied to $OUT: copy it back over the committed one before the next call, whose tree is sent afresh.
+# Wall time of each step on one H200, from the code (compile + timing), first call of a fresh machine:
+#   tests ~5 min; gdn ~5 min (8 cases x pallas, mosaic_gpu, FLA (autotunes on its first call per shape), jla);
+#   decode ~1.5 min; attention ~2 min; moe ~2 min; layers ~1.5 min; model ~5 min (our rows ~1.5 min, HF in a child
+#   ~2 min, the 48-layer compile in a child ~0.5 min, the parts ~1.5 min); sharding (2 GPUs) ~8 min.
+set -o pipefail
+OUT=${OUT:-/tmp/out}
+BUDGET=${BUDGET:-570}
+mkdir -p "$OUT"
+start=$SECONDS
+touch "$OUT/.start"
+export PYTHONUNBUFFERED=1
+export FLA_FLASH_QLA=0                       # FLA's plain Triton kernels: the path every FLA figure was taken on
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
+
+# the peers (FLA, jax-linear-attention) as wheels, once per machine
+if ls .whl/*.whl >/dev/null 2>&1; then
+  stamp=/tmp/site/.installed-$(ls .whl/*.whl | md5sum | cut -c1-12)
+  if [ ! -e "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >"$OUT/pip.log" 2>&1 && touch "$stamp" || { echo "pip install failed: $OUT/pip.log"; tail -5 "$OUT/pip.log"; }
+  fi
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "no .whl/ carried: the FLA and jla columns will be null"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+python3 -c "import fla, jla, torch, transformers; print('fla', fla.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
+
+commit=()
+[ -n "$COMMIT" ] && commit=(--commit "$COMMIT")
+summary=()
+for step in ${*:-tests}; do
+  left=$((BUDGET - (SECONDS - start)))
+  if [ "$left" -lt 20 ]; then summary+=("$step skipped (${left} s of the budget left)"); continue; fi
+  t0=$SECONDS
+  echo "== $step (${left} s left)" | tee -a "$OUT/run.log"
+  case $step in
+    tests)
+      timeout "$left" python3 -m pytest -q -m gpu tests --ignore=tests/test_notebooks.py -p no:randomly -p no:cacheprovider \
+        >"$OUT/tests.log" 2>&1   # the notebooks need jupyter, absent there
+      rc=$?
+      grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
+      res=$(tail -1 "$OUT/tests.log") ;;
+    model)        # HF runs in a child process beside JAX: JAX takes its memory as it goes
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks model --budget $((left - 15)) \
+        "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
+      rc=${PIPESTATUS[0]} ;;
+    sharding)
+      timeout "$left" python3 -m benchmarks sharding --budget $((left - 15)) "${commit[@]}" $BENCH_ARGS 2>&1 \
+        | tee -a "$OUT/run.log"
+      rc=${PIPESTATUS[0]} ;;
+    *)
+      timeout "$left" python3 -m benchmarks "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
+      rc=${PIPESTATUS[0]} ;;
+  esac
+  [ "$step" != tests ] && res=$(grep -E "^$step +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1)
+  [ "$rc" = 124 ] && res="cut at the budget ($left s)"
+  summary+=("$step rc=$rc $((SECONDS - t0)) s: $res")
+done
+find benchmarks/results -newer "$OUT/.start" -type f \( -name "*.json" -o -name "*.png" \) -exec cp {} "$OUT"/ \;
+rm -f "$OUT/.start"
+echo
+echo "== gpu.sh: $((SECONDS - start)) s; results copied to \$OUT: $(cd "$OUT" && ls *.json *.png 2>/dev/null | tr '\n' ' ')"
+for line in "${summary[@]}"; do echo "  $line"; done

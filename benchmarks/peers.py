@@ -1,0 +1,125 @@
+"""The peers the sections time beside ours, each built the same way as our column of the same row: FLA's chunked
+and recurrent gated delta rules (torch, Triton), jax-linear-attention's Mosaic GPU gated delta rule, and torch's
+scaled_dot_product_attention. Each builder returns a callable on the device; the section times it with
+``benchmarks.timing`` (the one method of every column).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _fla_env() -> None:
+    """FLA's own FLA_FLASH_QLA path off (its plain Triton kernels, as every FLA figure of the results was taken);
+    benchmarks/gpu.sh sets it as well."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+
+
+def jla_chunk(case, host):
+    """(jitted fn, args) of jax-linear-attention's ``gated_delta_rule`` on a dense case's host inputs (bf16 q, k,
+    v, beta; fp32 g and initial state; final state out). Raises NotImplementedError on a varlen case (jla takes no
+    cu_seqlens)."""
+    if case.lens is not None:
+        raise NotImplementedError("jla takes no cu_seqlens")
+    import jax
+    import jax.numpy as jnp
+    from jla.ops.mosaic_gpu.gated_delta_rule import gated_delta_rule
+    q, k, v, g, beta, h0 = host
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+            jnp.asarray(beta, bf), jnp.asarray(h0))
+
+    @jax.jit
+    def fn(q, k, v, g, beta, h0):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    return fn, args
+
+
+def fla_chunk(case, host):
+    """A no-argument callable running FLA's ``chunk_gated_delta_rule`` on the case's host inputs (torch, CUDA), bf16
+    q, k, v and beta, fp32 g and initial state, final state out."""
+    _fla_env()
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    q, k, v, g, beta, h0 = host
+    dev = "cuda"
+    bf = torch.bfloat16
+    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
+    tg = torch.from_numpy(g).to(dev)
+    tb = torch.from_numpy(beta).to(dev, bf)
+    th0 = torch.from_numpy(h0).to(dev)
+    kw = {}
+    if case.lens is not None:
+        kw["cu_seqlens"] = torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)
+
+    def fn():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+    return fn
+
+
+def fla_chunk_warm(case, host):
+    """``fla_chunk`` after its first call (FLA autotunes there), synced."""
+    import torch
+    fn = fla_chunk(case, host)
+    fn()
+    torch.cuda.synchronize()
+    return fn
+
+
+def fla_recurrent_step(host):
+    """(step, h0) of FLA's ``fused_recurrent_gated_delta_rule`` on decode host inputs (q, k, v [N, 1, H, K|V], g,
+    beta [N, 1, Hv], pool [N, Hv, K, V]): ``step(h)`` is one token for every stream from the dense states ``h``
+    (no slot indexing), q / k L2-normalised in the kernel, and returns the new states; warmed up and synced."""
+    _fla_env()
+    import torch
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    q, k, v, g, beta, pool, _ = host
+    dev, bf = "cuda", torch.bfloat16
+    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
+    tg = torch.from_numpy(g).to(dev)
+    tb = torch.from_numpy(beta).to(dev, bf)
+    th0 = torch.from_numpy(pool).to(dev)
+
+    def step(h):
+        return fused_recurrent_gated_delta_rule(tq, tk, tv, tg, beta=tb, initial_state=h, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)[1]
+    step(th0)
+    torch.cuda.synchronize()
+    return step, th0
+
+
+def torch_sdpa(q, dense, lens, ctx, decode, scale):
+    """A no-argument callable of the SDPA calls of one attention case (one call per stream for prefill, lower-right
+    causal mask when continuing ``ctx`` tokens; one batched call for decode), bf16 on CUDA, enable_gqa; the caller
+    runs it under ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``. ``q`` [T, H, Dh] and ``dense`` (per
+    stream (K, V) [L, Hkv, Dh]) are host arrays."""
+    import torch
+    import torch.nn.functional as F
+    dev, bf = "cuda", torch.bfloat16
+
+    def tt(x):
+        return torch.tensor(np.asarray(x, np.float32), device=dev).to(bf).contiguous()
+    if decode:
+        n = len(lens)
+        qt = tt(q).reshape(n, 1, q.shape[1], q.shape[2]).transpose(1, 2).contiguous()     # [N, H, 1, Dh]
+        kt = torch.stack([tt(k) for k, _ in dense]).transpose(1, 2).contiguous()          # [N, Hkv, ctx, Dh]
+        vt = torch.stack([tt(v) for _, v in dense]).transpose(1, 2).contiguous()
+
+        def run():
+            F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
+        return run
+    from torch.nn.attention.bias import causal_lower_right
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    qs = [tt(q[cu[i]:cu[i] + x]).transpose(0, 1)[None].contiguous() for i, x in enumerate(lens)]  # [1, H, L, Dh]
+    ks = [tt(k).transpose(0, 1)[None].contiguous() for k, _ in dense]
+    vs = [tt(v).transpose(0, 1)[None].contiguous() for _, v in dense]
+    masks = [None if ctx == 0 else causal_lower_right(x, x + ctx) for x in lens]
+
+    def run():
+        for a, b, c, m in zip(qs, ks, vs, masks):
+            if m is None:
+                F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                F.scaled_dot_product_attention(a, b, c, attn_mask=m, scale=scale, enable_gqa=True)
+    return run
