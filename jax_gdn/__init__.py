@@ -22,6 +22,8 @@ _EXPORTS = {
     "HybridModel": "jax_gdn.model",
     "OutOfKvPagesError": "jax_gdn.model",
     "HybridConfig": "jax_gdn.config",
+    "preset": "jax_gdn.config",
+    "PRESETS": "jax_gdn.config",
     "GdnDims": "jax_gdn.config",
     "AttnDims": "jax_gdn.config",
     "chunk_gated_delta_rule": "jax_gdn.ops",

@@ -79,3 +79,37 @@ def test_requests_are_fixed_by_the_seed():
 def test_cli_lists_serve_sim():
     from jax_gdn.__main__ import COMMANDS, USAGE
     assert COMMANDS["serve-sim"] == "jax_gdn.serve_sim" and "serve-sim" in USAGE
+
+
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--json", "/no/such/dir/x.json"], ["--requests", "0"],
+                                  ["--budget", "2", "--max-seqs", "4"], ["--prompt-len", "5,2"], ["--rate", "0"],
+                                  ["--dims", "huge"], ["--model", "/no/such/dir"], ["--gen-len", "x"]])
+def test_cli_refuses_bad_options_before_any_work(monkeypatch, capsys, argv):
+    import jax_gdn.serve_sim as serve_sim
+
+    def no_work(*_a, **_k):
+        raise AssertionError("built a model before the options were checked")
+    monkeypatch.setattr(serve_sim, "build_model", no_work)
+    with pytest.raises(SystemExit) as exc:
+        serve_sim.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_layers_and_json(monkeypatch, tmp_path):
+    import json
+
+    import jax_gdn.serve_sim as serve_sim
+    seen = {}
+
+    def fake_build(model_dir, dims, layers, dtype, backend, seed):
+        seen.update(dims=dims, layers=layers, dtype=dtype)
+        return "model"
+    monkeypatch.setattr(serve_sim, "build_model", fake_build)
+    monkeypatch.setattr(serve_sim, "simulate", lambda model, sim, progress: {"all_served": True, "sim": sim.max_seqs})
+    out = tmp_path / "res.json"
+    assert serve_sim.main(["--layers", "3", "--max-seqs", "2", "--json", str(out)]) == 0
+    assert seen == {"dims": "tiny", "layers": 3, "dtype": "float32"}
+    assert json.loads(out.read_text()) == {"all_served": True, "sim": 2}
+    serve_sim.main(["--dims", "qwen3_next_80b"])
+    assert seen == {"dims": "qwen3_next_80b", "layers": 8, "dtype": "bfloat16"}
