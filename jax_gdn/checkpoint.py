@@ -531,7 +531,8 @@ def load_sharded_params(path: str, config: HybridConfig, dtype, rules,
     if stored is None:
         stored = scan_checkpoint(path, keep=_kept)
         check_tensors(config, {k: t.shape for k, t in stored.items()}, lambda k: repr(stored[k].path), repr(path))
-    handles = {fn: safe_open(os.path.join(path, fn), framework="np") for fn in sorted({t.file for t in stored.values()})}
+    handles = {fn: safe_open(os.path.join(path, fn), framework="np")
+               for fn in sorted({t.file for t in stored.values()})}
     files = {k: (handles[t.file], t.shape) for k, t in stored.items()}      # tensor -> (handle, stored shape)
     prefix = _text_prefix(files, config)
     gdn_transposed = gdn_hidden_axis(config.gdn_layout).get("out_proj", 1) == 1   # model keeps [in, out]

@@ -36,7 +36,8 @@ def add_model_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=DEFAULTS["backend"], choices=["auto", "xla", "pallas",
                                                                           "pallas_interpret"])
-    parser.add_argument("--max-tokens", type=positive_int, default=DEFAULTS["max_tokens"], help="KV pool size in tokens")
+    parser.add_argument("--max-tokens", type=positive_int, default=DEFAULTS["max_tokens"],
+                        help="KV pool size in tokens")
     parser.add_argument("--page-size", type=positive_int, default=DEFAULTS["page_size"])
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     return parser
@@ -60,7 +61,9 @@ def _sync(x):
 
 def run_model_demo(args=None, *, verbose: bool = True) -> dict:
     """Runs the demo and returns {"model", "streams", "prompt_tokens", "prefill_compile_s", "prefill_s",
-    "prefill_tok_s", "decode_compile_s", "decode_step_s", "decode_tok_s", "generated"}."""
+    "prefill_tok_s", "decode_compile_s", "decode_step_s", "decode_tok_s", "generated", "finite" (the last logits),
+    "prefill_repeat_rel_err" (the second prefill, after releasing the slots, against the first: max abs difference
+    over max abs logit)}."""
     from jax_gdn.checkpoint import load_pretrained, random_model
     from jax_gdn.config import preset
     opt = _options(args)
@@ -91,11 +94,15 @@ def run_model_demo(args=None, *, verbose: bool = True) -> dict:
     logits, cache = model.prefill(cache, ids, cu, slots)
     _sync(logits)
     prefill_compile_s = time.perf_counter() - t0
+    first_logits = np.asarray(logits, np.float64)
     cache = model.release(cache, slots)
     t0 = time.perf_counter()
     logits, cache = model.prefill(cache, ids, cu, slots)
     _sync(logits)
     prefill_s = time.perf_counter() - t0
+    # the released slots start fresh: the same prompts give the same logits (a stale state would not)
+    repeat_err = float(np.max(np.abs(np.asarray(logits, np.float64) - first_logits))
+                       / max(float(np.max(np.abs(first_logits))), 1e-30))
 
     # ---- greedy decode ----
     generated = [[] for _ in range(n)]
@@ -120,7 +127,7 @@ def run_model_demo(args=None, *, verbose: bool = True) -> dict:
         "prefill_tok_s": sum(lens) / prefill_s, "decode_compile_s": decode_compile_s,
         "decode_step_s": decode_step_s, "decode_tok_s": n / decode_step_s if step_times else float("nan"),
         "generated": generated, "device": str(jax.devices()[0]),
-        "finite": bool(np.all(np.isfinite(np.asarray(logits)))),
+        "finite": bool(np.all(np.isfinite(np.asarray(logits)))), "prefill_repeat_rel_err": repeat_err,
     }
     if verbose:
         print(f"{result['model']} on {result['device']}")

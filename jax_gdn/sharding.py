@@ -162,8 +162,9 @@ class ShardRules:
     mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). moe_sharding: "tensor" (every device holds I / n
     columns of every expert), "expert" (device i holds the whole experts [i E / n, (i + 1) E / n);
     ``jax_gdn.layers.moe_ep``) or "auto" (default: ``resolve_moe_sharding``, expert where n divides E); the
-    resolved choice is ``self.moe_sharding``. Raises ValueError when the mesh has more than one axis, when moe_sharding is
-    neither, or when the mesh size does not divide the head / intermediate / expert counts the model splits.
+    resolved choice is ``self.moe_sharding``. Raises ValueError when the mesh has more than one axis, when
+    moe_sharding is none of these, or when the mesh size does not divide the head / intermediate / expert counts the
+    model splits.
     """
 
     def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh, moe_sharding: str = "auto"):

@@ -99,3 +99,17 @@ def test_module_dispatch_commands_and_unknown():
     assert main(["bench"]) == 2
     r = subprocess.run([sys.executable, "-m", "jax_gdn", "no-such-command"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command 'no-such-command'" in r.stderr and "serve-sim" in r.stderr
+
+
+def test_model_section_checks_finite_logits_and_the_repeat_prefill(monkeypatch):
+    import types
+    base = dict(streams=2, prompt_tokens=9, prefill_compile_s=1.0, prefill_s=0.5, prefill_tok_s=18.0,
+                decode_compile_s=0.2, decode_step_s=0.01, decode_tok_s=200.0)
+    args = demo.build_parser().parse_args([])
+    for res, want in ((dict(base, finite=True, prefill_repeat_rel_err=0.0), [True, True]),
+                      (dict(base, finite=False, prefill_repeat_rel_err=0.5), [False, False])):
+        monkeypatch.setattr(demo, "_model_hook", lambda res=res: types.SimpleNamespace(
+            run_model_demo=lambda options, verbose=True: res))
+        rows = demo.run_model_section(args)
+        assert [r["ok"] for r in rows if r.get("ok") is not None] == want
+        assert demo.verdict({"model": rows})[0] == all(want)
