@@ -356,13 +356,12 @@ def print_summary(res: dict) -> None:
           f"{res['calls']['decode']} decode calls, {res['calls']['release']} releases), S={sim['max_seqs']} slots, "
           f"budget {sim['token_budget']} tokens/step")
     print(f"  compiles        {c['total']} XLA programs in the process ({c['warmup']} in warm-up, "
-          f"{c['after_warmup']} after), {c['compile_s']:.1f} s")
+          f"{c['after_warmup']} after), {c['compile_s']:.1f} s" + (":" if c["model_programs"] is not None else ""))
     if c["model_programs"] is not None:
-        print(f"                  of which the model's own prefill / decode / release programs "
-              f"(model.compiled_programs()): {c['model_programs']} ({c['model_programs_after_warmup']} after "
-              f"warm-up); the other {c['total'] - c['model_programs']} are small eager programs outside those "
-              f"calls (init_cache filling the pools, staging call arguments, slicing padded logits), each "
-              f"compiled once")
+        print(f"                  {c['model_programs']} the model's own prefill / decode / release programs "
+              f"(model.compiled_programs(); {c['model_programs_after_warmup']} after warm-up)")
+        print(f"                  {c['total'] - c['model_programs']} small eager programs outside those calls "
+              f"(init_cache filling the pools, staging call arguments, slicing padded logits)")
     print(f"  tokens          {res['tokens']['prompt']} prompt + {res['tokens']['generated']} generated in "
           f"{res['wall_s']:.2f} s busy")
     print(f"  tokens/s        prefill {tps['prefill']:.0f}   decode {tps['decode']:.0f}   total {tps['total']:.0f}")

@@ -112,3 +112,18 @@ def test_cli_layers_and_json(monkeypatch, tmp_path):
     assert json.loads(out.read_text()) == {"all_served": True, "sim": 2}
     serve_sim.main(["--dims", "qwen3_next_80b"])
     assert seen == {"dims": "qwen3_next_80b", "layers": 8, "dtype": "bfloat16"}
+
+
+def test_summary_says_what_each_compile_count_holds(capsys):
+    from jax_gdn.serve_sim import print_summary
+    p = {"p50": 1.0, "p90": 1.0, "p99": 1.0, "max": 1.0, "mean": 1.0, "n": 1}
+    print_summary({"model": "M", "device": "cpu", "requests": 1, "steps": 2, "sim": {"max_seqs": 4, "token_budget": 32},
+                   "calls": {"prefill": 1, "decode": 1, "release": 1}, "tokens": {"prompt": 1, "generated": 1},
+                   "compiles": {"total": 24, "warmup": 24, "after_warmup": 0, "compile_s": 1.0, "model_programs": 12,
+                                "model_programs_after_warmup": 0},
+                   "wall_s": 1.0, "tokens_per_s": {"prefill": 1, "decode": 1, "total": 2}, "ttft_s": p,
+                   "ttft_steps": p, "step_ms": p, "step_ms_by_kind": {}, "all_served": True})
+    out = capsys.readouterr().out
+    assert "24 XLA programs in the process" in out
+    assert "12 the model's own prefill / decode / release programs (model.compiled_programs()" in out
+    assert "12 small eager programs outside those calls" in out
