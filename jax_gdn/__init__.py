@@ -1,17 +1,18 @@
-"""jax-gdn: JAX prefill for hybrid Gated DeltaNet + attention models (Qwen3-Next, Qwen3.5).
+"""jax-gdn: hybrid Gated DeltaNet + attention language models (Qwen3-Next, Qwen3.5) in JAX.
 
-    from jax_gdn import load_pretrained
-    model = load_pretrained(path, dtype=jnp.bfloat16)
+    import jax_gdn
+    model = jax_gdn.load_pretrained(path, dtype=jnp.bfloat16)          # a HF checkpoint directory
+    model = jax_gdn.HybridModel.random(jax_gdn.preset("tiny"), 0)      # or random weights for a preset
     cache = model.init_cache(max_seqs=8, max_tokens=4096, page_size=16)
     logits, cache = model.prefill(cache, input_ids, cu_seqlens, slot_ids)
     logits, cache = model.decode(cache, input_ids, slot_ids)
     cache = model.release(cache, slot_ids)
     model.check(cache)      # steps never sync; this raises OutOfKvPagesError if one ran out of KV pages
 
-``HybridModel.random(config, key, dtype=...)`` makes random weights on the device (``jax_gdn.model.init_params``).
-
-The ops (``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``, ``chunk_gated_delta_rule_slots``) are
-re-exported from :mod:`jax_gdn.ops`; everything is imported lazily, on first use.
+``preset(name, **overrides)`` builds a :class:`HybridConfig` from ``PRESETS`` ("tiny", "qwen3_next_80b",
+"qwen3_5_35b_a3b"). The ops (``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``,
+``chunk_gated_delta_rule_slots``, FLA's signatures) come from :mod:`jax_gdn.ops`. Every name is imported on first
+use.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ _EXPORTS = {
     "HybridModel": "jax_gdn.model",
     "OutOfKvPagesError": "jax_gdn.model",
     "HybridConfig": "jax_gdn.config",
+    "preset": "jax_gdn.config",
+    "PRESETS": "jax_gdn.config",
     "GdnDims": "jax_gdn.config",
     "AttnDims": "jax_gdn.config",
     "chunk_gated_delta_rule": "jax_gdn.ops",

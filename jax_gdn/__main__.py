@@ -1,42 +1,41 @@
-"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo), ``bench`` (jax_gdn.bench), ``bench_layers``
-(jax_gdn.bench_layers) or ``serve-sim`` (jax_gdn.serve_sim); each forwards the remaining arguments to that module's
-``main(argv)``."""
+"""``python -m jax_gdn <command> [options]``: ``demo`` (jax_gdn.demo) or ``serve-sim`` (jax_gdn.serve_sim); each
+forwards the remaining arguments to that module's ``main(argv)``. The benchmarks are ``python -m benchmarks``."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-USAGE = """usage: python -m jax_gdn {demo,bench,bench_layers,serve-sim} [options]
+USAGE = """usage: python -m jax_gdn {demo,serve-sim} [options]
 
-  demo          small random GDN stack through the split-prefill protocol, checked against the monolithic
-                layer, then the hybrid model (python -m jax_gdn demo --help)
-  bench         gated delta rule benchmarks (the same as python -m jax_gdn.bench)
-  bench_layers  one GDN / attention layer benchmark (the same as python -m jax_gdn.bench_layers)
-  serve-sim     serving simulation: random arrivals, chunked prefill mixed with decode under a token budget,
-                releases; prints compiles, tokens/s, time to first token, step latency (python -m jax_gdn
-                serve-sim --help; tiny random model on CPU by default, --model DIR, --dims 80b --layers 8)"""
+commands:
+  demo       small random GDN stack through the split-prefill protocol, checked against the monolithic layer,
+             then the hybrid model; ends with PASS or FAIL against the printed tolerances (exit 1 on FAIL)
+             (python -m jax_gdn demo --help)
+  serve-sim  serving simulation: random arrivals, chunked prefill mixed with decode under a token budget,
+             releases; prints compiles, tokens/s, time to first token, step latency (python -m jax_gdn
+             serve-sim --help; the tiny preset on CPU by default, --model DIR, --dims qwen3_next_80b --layers 8)
 
-COMMANDS = {"demo": "jax_gdn.demo", "bench": "jax_gdn.bench", "bench_layers": "jax_gdn.bench_layers",
-            "serve-sim": "jax_gdn.serve_sim"}
+The benchmarks are a separate CLI: python -m benchmarks --help"""
+
+COMMANDS = {"demo": "jax_gdn.demo", "serve-sim": "jax_gdn.serve_sim"}
 
 
 def main(argv=None) -> int:
+    """Runs ``argv[0]``'s command with the rest of ``argv``. Returns the exit status: 0 (``--help``, or the command
+    succeeded), 2 (no command, or an unknown one), else the command's own."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
         print(USAGE)
-        return 0 if argv else 2
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        print(f"python -m jax_gdn: unknown command {command!r} (choose from {', '.join(COMMANDS)})\n\n{USAGE}",
+              file=sys.stderr)
         return 2
-    try:
-        module = importlib.import_module(COMMANDS[command])
-    except ModuleNotFoundError as err:
-        if err.name != COMMANDS[command]:
-            raise
-        print(f"{command}: module {COMMANDS[command]} is not available in this checkout", file=sys.stderr)
-        return 2
-    rc = module.main(rest)
+    rc = importlib.import_module(COMMANDS[command]).main(rest)
     return rc if isinstance(rc, int) else 0
 
 

@@ -16,17 +16,19 @@ Qwen3-Next projections stay fused (phase 1 of jax_gdn.layers.gdn splits them per
 [C, Kc]; MoE experts are stacked to [E, D, 2I] / [E, I, D]. Norms, A_log and dt_bias are fp32, every other weight
 is in the model dtype.
 
-Errors are ValueError naming the file, tensor or field. From the safetensors headers, before any tensor is read:
-an index that is not JSON, has no ``weight_map`` or names a shard that is missing; a tensor stored in two files
-(never silently the last one); an integer or bool tensor (never cast to float silently); a file safetensors cannot
-open. Then: an unknown model_type or a missing config field, a missing or unexpected tensor, a shape not matching
-the config.
+Errors are ValueError naming the file and the tensor or field, the same with or without a mesh, all raised before
+any tensor is read: config.json missing, not JSON, an unknown model_type or a missing field; from the safetensors
+headers (``scan_checkpoint``), an index that is not JSON, has no ``weight_map`` or names a shard that is missing,
+a tensor stored in two files (never silently the last one), an integer or bool tensor (never cast to float
+silently), a file safetensors cannot open; then (``check_tensors``, against ``hf_tensor_shapes``: the one place
+the stored shapes are written) a missing or unexpected tensor, a stored shape not matching the config.
 
 Shape legend: D hidden, Vocab vocabulary, E experts, I (moe_)intermediate, Hk/Hv GDN key/value heads, K/V GDN head
 dims, H/Hkv attention heads, Dh attention head dim, C conv channels, Kc conv kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -45,11 +47,19 @@ _INDEX = "model.safetensors.index.json"
 # Reading
 # ================================================================================================================
 def read_hf_config(path: str) -> dict:
+    """The ``config.json`` of checkpoint directory ``path`` as a dict. Raises ValueError naming the file when it is
+    missing, not JSON, or not a JSON object."""
     fn = os.path.join(path, "config.json")
     if not os.path.isfile(fn):
         raise ValueError(f"load_pretrained: {path!r} has no config.json")
-    with open(fn) as f:
-        return json.load(f)
+    try:
+        with open(fn) as f:
+            data = json.load(f)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"load_pretrained: {fn!r} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"load_pretrained: {fn!r} holds a JSON {type(data).__name__}, expected an object")
+    return data
 
 
 def _safetensor_files(path: str) -> list:
@@ -97,45 +107,55 @@ def _param_dtype(name: str, dtype):
     return jnp.float32 if base.endswith(("norm", "A_log", "dt_bias")) else dtype
 
 
-def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True,
-                    dtype=None) -> dict:
-    """name -> array for every tensor ``keep(name)`` accepts, over all files of the checkpoint directory ``path``
-    (tqdm bar over shards).
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a checkpoint is and what its header says: ``file`` (relative to the directory), its
+    ``path``, the stored ``shape`` and the safetensors ``dtype`` name (F32, BF16, F16, ...)."""
 
-    The headers of all files are checked before any tensor is read; ValueError, naming the file(s) and the tensor,
-    for a kept tensor stored in two files (never silently the last one read) and for one that is not floating
-    point (integer or bool: every parameter of the model is a float, and a quantized or foreign tensor is never
-    cast silently). A file safetensors cannot open raises ValueError naming it.
+    file: str
+    path: str
+    shape: tuple
+    dtype: str
 
-    dtype None: NumPy arrays as stored. Else each tensor goes to the device right after it is read, cast to
-    ``dtype`` (norms, A_log, dt_bias to fp32), so the host never holds more than one tensor.
-    """
+
+def scan_checkpoint(path: str, keep: Callable[[str], bool] = lambda k: True) -> Dict[str, StoredTensor]:
+    """name -> StoredTensor for every tensor ``keep(name)`` accepts, from the safetensors headers of checkpoint
+    directory ``path`` (no tensor is read). Raises ValueError, naming the file(s) and the tensor, for a kept tensor
+    stored in two files (never silently the last one) and for one that is not floating point (integer or bool:
+    every parameter of the model is a float, and a quantized or foreign tensor is never cast silently); naming the
+    file for one safetensors cannot open."""
     from safetensors import SafetensorError, safe_open
 
-    def opened(fn):
+    found = {}
+    for fn in _safetensor_files(path):
+        full = os.path.join(path, fn)
         try:
-            return safe_open(os.path.join(path, fn), framework="np")
+            handle = safe_open(full, framework="np")
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"load_pretrained: {os.path.join(path, fn)!r} is not a readable safetensors file: "
-                             f"{err}") from None
-
-    files = _safetensor_files(path)
-    where = {}                                         # kept tensor -> the file holding it
-    for fn in files:
-        with opened(fn) as f:
+            raise ValueError(f"load_pretrained: {full!r} is not a readable safetensors file: {err}") from None
+        with handle as f:
             for key in f.keys():
                 if not keep(key):
                     continue
-                if key in where:
+                if key in found:
                     raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}: "
-                                     f"{where[key]!r} and {fn!r} (remove the stale one, or name each tensor's "
+                                     f"{found[key].file!r} and {fn!r} (remove the stale one, or name each tensor's "
                                      f"file in {_INDEX})")
-                stored = f.get_slice(key).get_dtype()      # safetensors names: F32, BF16, F16, I64, BOOL, ...
+                sl = f.get_slice(key)
+                stored = sl.get_dtype()
                 if not stored.startswith(("F", "BF")):
-                    raise ValueError(f"load_pretrained: tensor {key!r} in {os.path.join(path, fn)!r} is {stored}; "
-                                     f"the model's parameters are floating point (a quantized checkpoint is not "
-                                     f"supported), and it is not cast")
-                where[key] = fn
+                    raise ValueError(f"load_pretrained: tensor {key!r} in {full!r} is {stored}; the model's "
+                                     f"parameters are floating point (a quantized checkpoint is not supported), "
+                                     f"and it is not cast")
+                found[key] = StoredTensor(fn, full, tuple(sl.get_shape()), stored)
+    return found
+
+
+def _read_tensors(path: str, stored: Dict[str, StoredTensor], progress: bool, dtype) -> dict:
+    """Reads the tensors ``stored`` lists, file by file (tqdm bar over files when there are several)."""
+    from safetensors import safe_open
+
+    files = sorted({t.file for t in stored.values()})
     it = files
     if progress and len(files) > 1:
         try:
@@ -145,143 +165,191 @@ def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, pro
             pass
     out = {}
     for fn in it:
-        with opened(fn) as f:
+        with safe_open(os.path.join(path, fn), framework="np") as f:
             for key in f.keys():
-                if where.get(key) == fn:
+                if key in stored and stored[key].file == fn:
                     x = f.get_tensor(key)
                     out[key] = x if dtype is None else jnp.asarray(x, _param_dtype(key, dtype))
     return out
 
 
+def read_state_dict(path: str, keep: Callable[[str], bool] = lambda k: True, progress: bool = True,
+                    dtype=None) -> dict:
+    """name -> array for every tensor ``keep(name)`` accepts, over all files of the checkpoint directory ``path``
+    (tqdm bar over shards).
+
+    The headers of all files are checked before any tensor is read (``scan_checkpoint``: a tensor in two files,
+    a non-float tensor, an unreadable file raise ValueError naming the file(s) and the tensor).
+
+    dtype None: NumPy arrays as stored. Else each tensor goes to the device right after it is read, cast to
+    ``dtype`` (norms, A_log, dt_bias to fp32), so the host never holds more than one tensor.
+    """
+    return _read_tensors(path, scan_checkpoint(path, keep), progress, dtype)
+
+
 # ================================================================================================================
 # HF names -> model params
 # ================================================================================================================
-class _Tensors:
-    """Pops tensors by HF name (so each is freed once converted), checking shapes; whatever is left at the end
-    is an unexpected tensor."""
-
-    def __init__(self, sd: dict, prefix: str):
-        self.sd = sd
-        self.prefix = prefix
-
-    def has(self, name: str) -> bool:
-        return self.prefix + name in self.sd
-
-    def get(self, name: str, shape: tuple):
-        key = self.prefix + name
-        if key not in self.sd:
-            raise ValueError(f"checkpoint: missing tensor {key!r} (expected shape {tuple(shape)})")
-        x = self.sd[key]
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"checkpoint: tensor {key!r} has shape {tuple(x.shape)}, the config implies "
-                             f"{tuple(shape)}")
-        del self.sd[key]
-        return x
-
-
-def _gdn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
-    """The GDN block's mixer: jax_gdn.layers.gdn params without ``input_layernorm`` (which is the block's
-    input_norm); HF names, Linear weights transposed to [in, out], conv squeezed to [C, Kc]."""
-    d = c.hidden_size
-    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_value_head_dim)
-    conv_dim = 2 * hk * dk + hv * dv
-    out = {}
-    if c.gdn_layout == "qwen3_next":
-        out["in_proj_qkvz"] = t.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, d)).T
-        out["in_proj_ba"] = t.get(p + "in_proj_ba.weight", (2 * hv, d)).T
-    else:
-        out["in_proj_qkv"] = t.get(p + "in_proj_qkv.weight", (conv_dim, d)).T
-        out["in_proj_z"] = t.get(p + "in_proj_z.weight", (hv * dv, d)).T
-        out["in_proj_b"] = t.get(p + "in_proj_b.weight", (hv, d)).T
-        out["in_proj_a"] = t.get(p + "in_proj_a.weight", (hv, d)).T
-    out["conv1d"] = t.get(p + "conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim))[:, 0, :]
-    out["dt_bias"] = t.get(p + "dt_bias", (hv,))
-    out["A_log"] = t.get(p + "A_log", (hv,))
-    out["norm"] = t.get(p + "norm.weight", (dv,))
-    out["out_proj"] = t.get(p + "out_proj.weight", (d, hv * dv)).T
-    return out
-
-
-def _attn_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
-    d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    return {
-        "q_proj": t.get(p + "q_proj.weight", (h * 2 * dh, d)).T,
-        "k_proj": t.get(p + "k_proj.weight", (hkv * dh, d)).T,
-        "v_proj": t.get(p + "v_proj.weight", (hkv * dh, d)).T,
-        "o_proj": t.get(p + "o_proj.weight", (d, h * dh)).T,
-        "q_norm": t.get(p + "q_norm.weight", (dh,)),
-        "k_norm": t.get(p + "k_norm.weight", (dh,)),
-    }
-
-
-def _mlp_params(t: _Tensors, p: str, d: int, inter: int) -> dict:
-    return {"gate_proj": t.get(p + "gate_proj.weight", (inter, d)).T,
-            "up_proj": t.get(p + "up_proj.weight", (inter, d)).T,
-            "down_proj": t.get(p + "down_proj.weight", (d, inter)).T}
-
-
-def _moe_params(t: _Tensors, p: str, c: HybridConfig) -> dict:
-    d, e, inter = c.hidden_size, c.num_experts, c.moe_intermediate_size
-    if t.has(p + "experts.gate_up_proj"):                     # fused (transformers >= 5 in-memory layout)
-        gate_up = t.get(p + "experts.gate_up_proj", (e, 2 * inter, d))
-        down = t.get(p + "experts.down_proj", (e, d, inter))
-    else:                                                     # one tensor per expert (released checkpoints)
-        gate_up = jnp.stack([jnp.concatenate([t.get(f"{p}experts.{j}.gate_proj.weight", (inter, d)),
-                                              t.get(f"{p}experts.{j}.up_proj.weight", (inter, d))], axis=0)
-                             for j in range(e)])
-        down = jnp.stack([t.get(f"{p}experts.{j}.down_proj.weight", (d, inter)) for j in range(e)])
-    out = {"router": t.get(p + "gate.weight", (e, d)).T,
-           "experts_gate_up": jnp.transpose(gate_up, (0, 2, 1)),  # [E, D, 2I]
-           "experts_down": jnp.transpose(down, (0, 2, 1))}        # [E, I, D]
-    if c.shared_expert_intermediate_size:
-        out["shared_expert"] = _mlp_params(t, p + "shared_expert.", d, c.shared_expert_intermediate_size)
-        out["shared_expert_gate"] = t.get(p + "shared_expert_gate.weight", (1, d)).T
-    return out
-
-
-def _text_prefix(sd: dict, config: HybridConfig) -> str:
-    if config.model_type in ("qwen3_5", "qwen3_5_moe") or any(k.startswith("model.language_model.") for k in sd):
+def _text_prefix(names, config: HybridConfig) -> str:
+    if config.model_type in ("qwen3_5", "qwen3_5_moe") or any(k.startswith("model.language_model.") for k in names):
         return "model.language_model."
     return "model."
 
 
-def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtype=jnp.bfloat16) -> dict:
-    """HF-named tensors -> {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (the block layout
-    of jax_gdn.layers.block; HybridModel stacks the layers once) as jnp arrays: weights in ``dtype``, norms, A_log
-    and dt_bias in fp32. Raises ValueError naming a missing, unexpected or mis-shaped tensor. ``sd`` is not modified
-    (a shallow copy is consumed)."""
-    sd = {k: v for k, v in sd.items() if not any(rx.match(k) for rx in _SKIP)}
-    prefix = _text_prefix(sd, config)
-    t = _Tensors(sd, "")
+def hf_tensor_shapes(config: HybridConfig, names) -> Dict[str, tuple]:
+    """HF name -> stored shape of every tensor a checkpoint of ``config`` must hold, in the naming ``names`` (the
+    checkpoint's tensor names) uses: the text prefix (``model.`` or ``model.language_model.``) and, per MoE layer,
+    fused (``experts.gate_up_proj``) or per-expert weights. A tied model's ``lm_head.weight`` is not listed (a
+    saved copy is accepted, see ``check_tensors``). The one place the stored shapes are written down: both
+    loaders check against it."""
     c = config
     d, vocab = c.hidden_size, c.vocab_size
-    params = {"embed": t.get(prefix + "embed_tokens.weight", (vocab, d)),
-              "final_norm": t.get(prefix + "norm.weight", (d,))}
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    conv_dim = 2 * hk * dk + hv * dv
+    h, hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    prefix = _text_prefix(names, config)
+    out = {prefix + "embed_tokens.weight": (vocab, d), prefix + "norm.weight": (d,)}
     if not c.tie_word_embeddings:
-        params["lm_head"] = t.get("lm_head.weight", (vocab, d)).T
-    elif t.has("lm_head.weight"):
-        t.get("lm_head.weight", (vocab, d))                   # tied: a saved copy is accepted and ignored
+        out["lm_head.weight"] = (vocab, d)
+
+    def mlp(p, inter):
+        out.update({p + "gate_proj.weight": (inter, d), p + "up_proj.weight": (inter, d),
+                    p + "down_proj.weight": (d, inter)})
+
+    for i, kind in enumerate(c.layer_types):
+        p = f"{prefix}layers.{i}."
+        out.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        if kind == "linear_attention":
+            q = p + "linear_attn."
+            if c.gdn_layout == "qwen3_next":
+                out.update({q + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, d),
+                            q + "in_proj_ba.weight": (2 * hv, d)})
+            else:
+                out.update({q + "in_proj_qkv.weight": (conv_dim, d), q + "in_proj_z.weight": (hv * dv, d),
+                            q + "in_proj_b.weight": (hv, d), q + "in_proj_a.weight": (hv, d)})
+            out.update({q + "conv1d.weight": (conv_dim, 1, c.linear_conv_kernel_dim), q + "dt_bias": (hv,),
+                        q + "A_log": (hv,), q + "norm.weight": (dv,), q + "out_proj.weight": (d, hv * dv)})
+        else:
+            q = p + "self_attn."
+            out.update({q + "q_proj.weight": (h * 2 * dh, d), q + "k_proj.weight": (hkv * dh, d),
+                        q + "v_proj.weight": (hkv * dh, d), q + "o_proj.weight": (d, h * dh),
+                        q + "q_norm.weight": (dh,), q + "k_norm.weight": (dh,)})
+        m = p + "mlp."
+        if c.layer_is_moe(i):
+            e, inter = c.num_experts, c.moe_intermediate_size
+            out[m + "gate.weight"] = (e, d)
+            if m + "experts.gate_up_proj" in names:             # fused [E, 2I, D] / [E, D, I]
+                out.update({m + "experts.gate_up_proj": (e, 2 * inter, d), m + "experts.down_proj": (e, d, inter)})
+            else:                                               # one tensor per expert (released checkpoints)
+                for j in range(e):
+                    mlp(f"{m}experts.{j}.", inter)
+            if c.shared_expert_intermediate_size:
+                mlp(m + "shared_expert.", c.shared_expert_intermediate_size)
+                out[m + "shared_expert_gate.weight"] = (1, d)
+        else:
+            mlp(m, c.intermediate_size)
+    return out
+
+
+def check_tensors(config: HybridConfig, shapes: Dict[str, tuple], where: Callable[[str], str],
+                  source: str) -> None:
+    """Checks a checkpoint's tensors (``shapes``: name -> stored shape, ``mtp.*`` / vision tensors already
+    dropped) against ``hf_tensor_shapes(config, shapes)``: raises ValueError for a missing tensor (naming it and
+    ``source``, the checkpoint), a tensor whose shape differs from the config's (naming it and ``where(name)``, its
+    file) and unexpected tensors (each with its file). Both loaders run this one check before reading a tensor."""
+    want = hf_tensor_shapes(config, shapes)
+    missing = [k for k in want if k not in shapes]
+    if missing:
+        raise ValueError(f"checkpoint {source}: missing tensor {missing[0]!r} (expected shape {want[missing[0]]})"
+                         + (f" and {len(missing) - 1} more: {missing[1:5]}" if len(missing) > 1 else ""))
+    if config.tie_word_embeddings and "lm_head.weight" in shapes:
+        want = dict(want, **{"lm_head.weight": (config.vocab_size, config.hidden_size)})  # tied: a copy is ignored
+    for k, shape in want.items():
+        if tuple(shapes[k]) != tuple(shape):
+            raise ValueError(f"checkpoint: tensor {k!r} has shape {tuple(shapes[k])} in {where(k)}, the config "
+                             f"implies {tuple(shape)}")
+    extra = sorted(set(shapes) - set(want))
+    if extra:
+        raise ValueError(f"checkpoint: unexpected tensor(s) for {config.model_type} with this config: "
+                         + ", ".join(f"{k!r} in {where(k)}" for k in extra[:8])
+                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+
+
+def _kept(name: str) -> bool:
+    """False for the tensors the model never reads: multi-token prediction (``mtp.*``) and the vision tower."""
+    return not any(rx.match(name) for rx in _SKIP)
+
+
+def _gdn_params(sd: dict, p: str, c: HybridConfig) -> dict:
+    """The GDN block's mixer: jax_gdn.layers.gdn params without ``input_layernorm`` (which is the block's
+    input_norm); HF names, Linear weights transposed to [in, out], conv squeezed to [C, Kc]."""
+    names = (("in_proj_qkvz", "in_proj_ba") if c.gdn_layout == "qwen3_next"
+             else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    out = {n: sd.pop(p + n + ".weight").T for n in names}
+    out["conv1d"] = sd.pop(p + "conv1d.weight")[:, 0, :]
+    out["dt_bias"] = sd.pop(p + "dt_bias")
+    out["A_log"] = sd.pop(p + "A_log")
+    out["norm"] = sd.pop(p + "norm.weight")
+    out["out_proj"] = sd.pop(p + "out_proj.weight").T
+    return out
+
+
+def _attn_params(sd: dict, p: str) -> dict:
+    out = {n: sd.pop(p + n + ".weight").T for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    out.update(q_norm=sd.pop(p + "q_norm.weight"), k_norm=sd.pop(p + "k_norm.weight"))
+    return out
+
+
+def _mlp_params(sd: dict, p: str) -> dict:
+    return {n: sd.pop(p + n + ".weight").T for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_params(sd: dict, p: str, c: HybridConfig) -> dict:
+    if p + "experts.gate_up_proj" in sd:                      # fused (transformers >= 5 in-memory layout)
+        gate_up = sd.pop(p + "experts.gate_up_proj")
+        down = sd.pop(p + "experts.down_proj")
+    else:                                                     # one tensor per expert (released checkpoints)
+        gate_up = jnp.stack([jnp.concatenate([sd.pop(f"{p}experts.{j}.gate_proj.weight"),
+                                              sd.pop(f"{p}experts.{j}.up_proj.weight")], axis=0)
+                             for j in range(c.num_experts)])
+        down = jnp.stack([sd.pop(f"{p}experts.{j}.down_proj.weight") for j in range(c.num_experts)])
+    out = {"router": sd.pop(p + "gate.weight").T,
+           "experts_gate_up": jnp.transpose(gate_up, (0, 2, 1)),  # [E, D, 2I]
+           "experts_down": jnp.transpose(down, (0, 2, 1))}        # [E, I, D]
+    if c.shared_expert_intermediate_size:
+        out["shared_expert"] = _mlp_params(sd, p + "shared_expert.")
+        out["shared_expert_gate"] = sd.pop(p + "shared_expert_gate.weight").T
+    return out
+
+
+def params_from_state_dict(config: HybridConfig, sd: Dict[str, np.ndarray], dtype=jnp.bfloat16, *,
+                           where: Optional[Callable[[str], str]] = None, source: str = "state dict") -> dict:
+    """HF-named tensors -> {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (the block layout
+    of jax_gdn.layers.block; HybridModel stacks the layers once) as jnp arrays: weights in ``dtype``, norms, A_log
+    and dt_bias in fp32. Raises ValueError (``check_tensors``) naming a missing, unexpected or mis-shaped tensor
+    and, through ``where(name)``, its file. ``sd`` is not modified (a shallow copy is consumed)."""
+    sd = {k: v for k, v in sd.items() if _kept(k)}
+    check_tensors(config, {k: tuple(v.shape) for k, v in sd.items()}, where or (lambda k: f"the {source}"), source)
+    prefix = _text_prefix(sd, config)
+    c = config
+    params = {"embed": sd.pop(prefix + "embed_tokens.weight"), "final_norm": sd.pop(prefix + "norm.weight")}
+    lm_head = sd.pop("lm_head.weight", None)                  # tied: a saved copy is accepted and ignored
+    if not c.tie_word_embeddings:
+        params["lm_head"] = lm_head.T
     layers = []
     for i, kind in enumerate(c.layer_types):
         p = f"{prefix}layers.{i}."
         # one block layout for both mixers (jax_gdn.layers.block): the block owns both norms and residuals
-        layer = {"input_norm": t.get(p + "input_layernorm.weight", (d,)),
-                 "post_norm": t.get(p + "post_attention_layernorm.weight", (d,))}
+        layer = {"input_norm": sd.pop(p + "input_layernorm.weight"),
+                 "post_norm": sd.pop(p + "post_attention_layernorm.weight")}
         if kind == "linear_attention":
-            layer["mixer"] = _gdn_params(t, p + "linear_attn.", c)
+            layer["mixer"] = _gdn_params(sd, p + "linear_attn.", c)
         else:
-            layer["mixer"] = _attn_params(t, p + "self_attn.", c)
-        if c.layer_is_moe(i):
-            layer["ffn"] = _moe_params(t, p + "mlp.", c)
-        else:
-            layer["ffn"] = _mlp_params(t, p + "mlp.", d, c.intermediate_size)
+            layer["mixer"] = _attn_params(sd, p + "self_attn.")
+        layer["ffn"] = _moe_params(sd, p + "mlp.", c) if c.layer_is_moe(i) else _mlp_params(sd, p + "mlp.")
         layers.append(layer)
     params["layers"] = layers
-    extra = sorted(sd)
-    if extra:
-        raise ValueError(f"checkpoint: unexpected tensor(s) for {c.model_type} with this config: {extra[:8]}"
-                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
 
     def cast(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else ""
@@ -295,6 +363,10 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", pro
                     moe_sharding: str = "auto"):
     """Loads a HF checkpoint directory (config.json + safetensors) into a :class:`jax_gdn.model.HybridModel`.
 
+    Before any tensor is read: the config (``read_hf_config``, ``HybridConfig.from_hf``), the safetensors headers
+    (``scan_checkpoint``) and every tensor's name and shape against the config (``check_tensors``), the same
+    checks with or without a mesh; every error is a ValueError naming the file and the tensor or field.
+
     mesh: a one-axis jax.sharding.Mesh; each device then reads only its slices of the files
     (``load_sharded_params``, rules of ``jax_gdn.sharding``) and the model runs split over the mesh;
     moe_sharding: "tensor" (expert columns split), "expert" (whole experts split) or "auto" (default: expert where
@@ -302,15 +374,20 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, *, backend: str = "auto", pro
     from jax_gdn.model import HybridModel
     if not os.path.isdir(path):
         raise ValueError(f"load_pretrained: {path!r} is not a directory")
-    config = HybridConfig.from_hf(read_hf_config(path))
+    try:
+        config = HybridConfig.from_hf(read_hf_config(path))
+    except ValueError as err:
+        raise ValueError(f"load_pretrained: {os.path.join(path, 'config.json')!r}: {err}") from None
+    stored = scan_checkpoint(path, keep=_kept)
+    where = lambda k: repr(stored[k].path)  # noqa: E731
+    check_tensors(config, {k: t.shape for k, t in stored.items()}, where, repr(path))
     if mesh is not None:
         from jax_gdn.sharding import ShardRules
         rules = ShardRules(config, mesh, moe_sharding)    # refuses a mesh that does not divide the heads first
-        params = load_sharded_params(path, config, dtype, rules)
+        params = load_sharded_params(path, config, dtype, rules, stored=stored)
         return HybridModel(config, params, dtype=dtype, backend=backend, mesh=mesh, moe_sharding=moe_sharding)
-    sd = read_state_dict(path, keep=lambda k: not any(rx.match(k) for rx in _SKIP), progress=progress,
-                         dtype=dtype)
-    params = params_from_state_dict(config, sd, dtype)
+    sd = _read_tensors(path, stored, progress, dtype)
+    params = params_from_state_dict(config, sd, dtype, where=where, source=repr(path))
     del sd
     return HybridModel(config, params, dtype=dtype, backend=backend)
 
@@ -435,46 +512,31 @@ def _sources(config: HybridConfig, files: dict, prefix: str, gdn_transposed: boo
     return params, layers, used
 
 
-def load_sharded_params(path: str, config: HybridConfig, dtype, rules) -> dict:
+def load_sharded_params(path: str, config: HybridConfig, dtype, rules,
+                        stored: Optional[Dict[str, StoredTensor]] = None) -> dict:
     """The model's stacked params placed on ``rules.mesh`` (a :class:`jax_gdn.sharding.ShardRules`) straight from
     the safetensors files: every device's slice is read with ``get_slice`` (only its rows / columns, cast on the
-    host, sent to that device), so the host holds one slice of one leaf at a time, never the model. Shapes are
-    checked against the config before any tensor is read (ValueError naming the tensor); so are tensors stored in
-    two files, non-float tensors and tensors the model does not use."""
+    host, sent to that device), so the host holds one slice of one leaf at a time, never the model.
+
+    Before any tensor is read, the same checks as the one-device loader: ``scan_checkpoint`` (tensors stored in
+    two files, non-float tensors, unreadable files) and ``check_tensors`` (missing, unexpected and mis-shaped
+    tensors, each error naming the tensor and its file); ``stored``: that scan, when the caller made it."""
     import jax
     from jax.sharding import NamedSharding
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     from jax_gdn.model import init_params, layer_plan
-    from jax_gdn.sharding import _gdn_hidden_axis
+    from jax_gdn.sharding import gdn_hidden_axis
 
-    files = {}                                             # tensor -> (handle, stored shape)
-    file_of = {}                                           # tensor -> the file it was found in
-    for fn in _safetensor_files(path):
-        full = os.path.join(path, fn)
-        try:
-            handle = safe_open(full, framework="np")
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"load_pretrained: {full!r} is not a readable safetensors file: {err}") from None
-        for key in handle.keys():
-            if any(rx.match(key) for rx in _SKIP):
-                continue
-            if key in files:
-                raise ValueError(f"load_pretrained: tensor {key!r} is stored in two files of {path!r}: "
-                                 f"{file_of[key]!r} and {fn!r}")
-            sl = handle.get_slice(key)
-            if not sl.get_dtype().startswith(("F", "BF")):
-                raise ValueError(f"load_pretrained: tensor {key!r} in {full!r} is {sl.get_dtype()}; the model's "
-                                 f"parameters are floating point (a quantized checkpoint is not supported)")
-            files[key] = (handle, tuple(sl.get_shape()))
-            file_of[key] = fn
+    if stored is None:
+        stored = scan_checkpoint(path, keep=_kept)
+        check_tensors(config, {k: t.shape for k, t in stored.items()}, lambda k: repr(stored[k].path), repr(path))
+    handles = {fn: safe_open(os.path.join(path, fn), framework="np")
+               for fn in sorted({t.file for t in stored.values()})}
+    files = {k: (handles[t.file], t.shape) for k, t in stored.items()}      # tensor -> (handle, stored shape)
     prefix = _text_prefix(files, config)
-    gdn_transposed = _gdn_hidden_axis(config.gdn_layout).get("out_proj", 1) == 1   # model keeps [in, out]
-    top, layers, used = _sources(config, files, prefix, gdn_transposed)
-    extra = sorted(set(files) - used)
-    if extra:
-        raise ValueError(f"checkpoint: unexpected tensor(s) for {config.model_type} with this config: {extra[:8]}"
-                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+    gdn_transposed = gdn_hidden_axis(config.gdn_layout).get("out_proj", 1) == 1   # model keeps [in, out]
+    top, layers, _ = _sources(config, files, prefix, gdn_transposed)
     plan = layer_plan(config)
     p, r = plan.period, plan.repeats
     import jax.tree_util as jtu
@@ -491,10 +553,10 @@ def load_sharded_params(path: str, config: HybridConfig, dtype, rules) -> dict:
     jtu.tree_map_with_path(check, sources, want, is_leaf=leaf)
 
     def place(kp, src):
-        name, lead = rules._leaf_name(kp)
+        name, lead = rules.leaf_name(kp)
         cast = _param_dtype(name, dtype)
         split = rules.split(name, tuple(src.shape[lead:]))
-        spec = rules._spec(name, src, lead)
+        spec = rules.leaf_spec(name, src, lead)
         sharding = NamedSharding(rules.mesh, spec)
         if split is None:
             return jax.make_array_from_callback(src.shape, sharding,

@@ -1,4 +1,8 @@
-"""Frozen dimension dataclasses: the one place where layer shapes are defined.
+"""Frozen dimension dataclasses and named model presets: the one place where layer shapes are defined.
+
+    from jax_gdn.config import preset
+    config = preset("qwen3_next_80b", num_hidden_layers=8)    # 6 GDN + 2 attention layers at the real dims
+    config = preset("tiny")                                   # a small random-test model for CPU
 
 Shape legend used across the package:
   T   stacked tokens of all streams in one call     N   number of streams (sequences) in the call
@@ -140,6 +144,16 @@ class HybridConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"HybridConfig.model_type {self.model_type!r} is not supported; expected one of "
                              f"{sorted(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HybridConfig.{name} must be a positive int, got {value!r}")
+        for name in ("intermediate_size", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"HybridConfig.{name} must be an int >= 0, got {value!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"HybridConfig.layer_types has {len(self.layer_types)} entries, expected "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -156,6 +170,9 @@ class HybridConfig:
                              f"[1, num_experts={self.num_experts}]")
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError("HybridConfig.moe_intermediate_size must be positive when num_experts > 0")
+        dense = [i for i in range(self.num_hidden_layers) if not self.layer_is_moe(i)]
+        if dense and self.intermediate_size < 1:
+            raise ValueError(f"HybridConfig.intermediate_size must be positive: layers {dense[:4]} have a dense MLP")
         # validates the per-layer dims
         self.gdn_dims, self.attn_dims  # noqa: B018
 
@@ -264,3 +281,85 @@ class HybridConfig:
                 kw.update(decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
                           mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())))
         return cls(**kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Named presets
+# ----------------------------------------------------------------------------------------------------------------
+def _every_fourth_attention(num_layers: int) -> tuple:
+    """Qwen3-Next / Qwen3.5 layer pattern (HF ``full_attention_interval`` 4): 3 GDN layers, then one attention."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers))
+
+
+#: name -> HybridConfig field values. Sources:
+#:
+#: * "tiny": a small random-test model for CPU (seconds to compile): 3 GDN + 1 attention layer, the sparse MoE
+#:   with a shared expert in layers 0, 2, 3 and a dense SwiGLU MLP in layer 1 (``mlp_only_layers``), so every
+#:   block kind runs. Head ratios follow the real models (Hv = 2 Hk, H = 2 Hkv).
+#: * "qwen3_next_80b": Qwen3-Next-80B-A3B, the released ``config.json`` of Qwen/Qwen3-Next-80B-A3B-Instruct (48
+#:   layers, hidden 2048; GDN 16 key / 32 value heads x 128, conv 4; attention 16 q / 2 kv heads x 256, rotary
+#:   quarter of the head; 512 experts top-10, moe_intermediate 512, shared expert 512, in every layer; vocab
+#:   151936; rope_theta 1e7; dense intermediate_size 5120, unused since every layer is MoE). transformers'
+#:   ``Qwen3NextConfig()`` defaults carry the same dims except rope_theta 1e4 and intermediate_size 5632.
+#: * "qwen3_5_35b_a3b": Qwen3.5-35B-A3B's text model, the defaults of transformers' ``Qwen3_5MoeTextConfig``
+#:   (transformers 5.24; its docstring names Qwen/Qwen3.5-35B-A3B): 40 layers, hidden 2048, the same GDN and
+#:   attention heads as Qwen3-Next, 256 experts top-8, moe_intermediate 512, shared expert 512, vocab 248320,
+#:   rope_theta 1e4, separate GDN projections (layout "qwen3_5"); top-k weights always renormalised. The
+#:   experts match the MoE benchmark's Qwen3.5-35B-A3B case (hidden 2048, 256 experts top-8, 512 / 512).
+#:
+#: ``load_pretrained`` reads a checkpoint's own config.json; the presets make random models and benchmarks.
+PRESETS = {
+    "tiny": dict(
+        model_type="qwen3_next", vocab_size=1024, hidden_size=128, num_hidden_layers=4,
+        layer_types=_every_fourth_attention(4), intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, rope_theta=10000.0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,), rms_norm_eps=1e-6),
+    "qwen3_next_80b": dict(
+        model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        layer_types=_every_fourth_attention(48), intermediate_size=5120,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+        rope_theta=10000000.0, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen3_5_35b_a3b": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        layer_types=_every_fourth_attention(40), intermediate_size=0,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+        rope_theta=10000.0, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+
+
+def preset(name: str, **overrides) -> HybridConfig:
+    """The HybridConfig of preset ``name`` (a key of :data:`PRESETS`) with ``overrides`` (HybridConfig fields)
+    applied, validated like any HybridConfig.
+
+    ``num_hidden_layers`` alone (without ``layer_types``) keeps the 3 GDN + 1 attention pattern at the new depth
+    and drops the ``mlp_only_layers`` past it: ``preset("qwen3_next_80b", num_hidden_layers=8)`` is 6 GDN + 2
+    attention layers at the real dims. Raises ValueError for an unknown name (listing the known ones) or an
+    unknown field."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(HybridConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"preset({name!r}): unknown HybridConfig field(s) {unknown}")
+    values = dict(PRESETS[name])
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        n = overrides["num_hidden_layers"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"preset({name!r}): num_hidden_layers must be a positive int, got {n!r}")
+        values["layer_types"] = _every_fourth_attention(n)
+        if "mlp_only_layers" not in overrides:
+            values["mlp_only_layers"] = tuple(i for i in values["mlp_only_layers"] if i < n)
+    values.update(overrides)
+    if isinstance(values.get("layer_types"), list):
+        values["layer_types"] = tuple(values["layer_types"])
+    if isinstance(values.get("mlp_only_layers"), list):
+        values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
+    return HybridConfig(**values)

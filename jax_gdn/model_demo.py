@@ -1,7 +1,8 @@
 """Model demo: a packed prefill of several streams, then greedy decode steps, with per-phase times and tokens/s.
 
-By default it builds a tiny random Qwen3-Next in memory (3 GDN + 1 attention layers, sparse MoE with a shared
-expert and one dense layer); ``--model DIR`` loads a HF checkpoint directory instead.
+By default it builds the ``"tiny"`` preset (jax_gdn.config.PRESETS: 3 GDN + 1 attention layers, sparse MoE with a
+shared expert and one dense layer) with random weights in memory; ``--model DIR`` loads a HF checkpoint directory
+instead.
 
     python -m jax_gdn.model_demo [--model DIR] [--lens 1,63,130,257,65] [--decode-steps 8] [--dtype bfloat16]
 
@@ -19,31 +20,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_gdn.cli_types import existing_dir, nonnegative_int, positive_int, positive_int_list
+
 DEFAULTS = dict(model=None, lens="1,63,130,257,65", decode_steps=8, dtype="float32", backend="auto",
                 max_tokens=4096, page_size=16, seed=0)
 
 
-def tiny_config():
-    """The demo's in-memory model: a tiny Qwen3-Next (3 GDN + 1 attention layer, MoE in 3 of 4 layers)."""
-    from jax_gdn.config import HybridConfig
-    return HybridConfig(model_type="qwen3_next", vocab_size=1024, hidden_size=128, num_hidden_layers=4,
-                        layer_types=("linear_attention",) * 3 + ("full_attention",), intermediate_size=256,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                        linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                        shared_expert_intermediate_size=64, mlp_only_layers=(1,))
-
-
 def add_model_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default=DEFAULTS["model"], metavar="DIR",
-                        help="HF checkpoint directory (qwen3_next / qwen3_5 / qwen3_5_moe); default: tiny random")
-    parser.add_argument("--lens", default=DEFAULTS["lens"], help="comma-separated prompt lengths, one per stream")
-    parser.add_argument("--decode-steps", type=int, default=DEFAULTS["decode_steps"])
+    parser.add_argument("--model", type=existing_dir, default=DEFAULTS["model"], metavar="DIR",
+                        help="HF checkpoint directory (qwen3_next / qwen3_5 / qwen3_5_moe); default: the tiny "
+                             "preset with random weights")
+    parser.add_argument("--lens", type=positive_int_list, default=DEFAULTS["lens"],
+                        help="comma-separated prompt lengths, one per stream")
+    parser.add_argument("--decode-steps", type=nonnegative_int, default=DEFAULTS["decode_steps"])
     parser.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=DEFAULTS["backend"], choices=["auto", "xla", "pallas",
                                                                           "pallas_interpret"])
-    parser.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="KV pool size in tokens")
-    parser.add_argument("--page-size", type=int, default=DEFAULTS["page_size"])
+    parser.add_argument("--max-tokens", type=positive_int, default=DEFAULTS["max_tokens"],
+                        help="KV pool size in tokens")
+    parser.add_argument("--page-size", type=positive_int, default=DEFAULTS["page_size"])
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     return parser
 
@@ -66,8 +61,11 @@ def _sync(x):
 
 def run_model_demo(args=None, *, verbose: bool = True) -> dict:
     """Runs the demo and returns {"model", "streams", "prompt_tokens", "prefill_compile_s", "prefill_s",
-    "prefill_tok_s", "decode_compile_s", "decode_step_s", "decode_tok_s", "generated"}."""
+    "prefill_tok_s", "decode_compile_s", "decode_step_s", "decode_tok_s", "generated", "finite" (the last logits),
+    "prefill_repeat_rel_err" (the second prefill, after releasing the slots, against the first: max abs difference
+    over max abs logit)}."""
     from jax_gdn.checkpoint import load_pretrained, random_model
+    from jax_gdn.config import preset
     opt = _options(args)
     dtype = jnp.dtype(opt["dtype"])
     lens = [int(x) for x in str(opt["lens"]).split(",") if x.strip()] if isinstance(opt["lens"], str) \
@@ -79,7 +77,7 @@ def run_model_demo(args=None, *, verbose: bool = True) -> dict:
     if opt["model"]:
         model = load_pretrained(opt["model"], dtype=dtype, backend=opt["backend"])
     else:
-        model = random_model(tiny_config(), seed=opt["seed"], dtype=dtype, backend=opt["backend"])
+        model = random_model(preset("tiny"), seed=opt["seed"], dtype=dtype, backend=opt["backend"])
     load_s = time.perf_counter() - t0
     cfg = model.config
     n = len(lens)
@@ -96,11 +94,15 @@ def run_model_demo(args=None, *, verbose: bool = True) -> dict:
     logits, cache = model.prefill(cache, ids, cu, slots)
     _sync(logits)
     prefill_compile_s = time.perf_counter() - t0
+    first_logits = np.asarray(logits, np.float64)
     cache = model.release(cache, slots)
     t0 = time.perf_counter()
     logits, cache = model.prefill(cache, ids, cu, slots)
     _sync(logits)
     prefill_s = time.perf_counter() - t0
+    # the released slots start fresh: the same prompts give the same logits (a stale state would not)
+    repeat_err = float(np.max(np.abs(np.asarray(logits, np.float64) - first_logits))
+                       / max(float(np.max(np.abs(first_logits))), 1e-30))
 
     # ---- greedy decode ----
     generated = [[] for _ in range(n)]
@@ -125,7 +127,7 @@ def run_model_demo(args=None, *, verbose: bool = True) -> dict:
         "prefill_tok_s": sum(lens) / prefill_s, "decode_compile_s": decode_compile_s,
         "decode_step_s": decode_step_s, "decode_tok_s": n / decode_step_s if step_times else float("nan"),
         "generated": generated, "device": str(jax.devices()[0]),
-        "finite": bool(np.all(np.isfinite(np.asarray(logits)))),
+        "finite": bool(np.all(np.isfinite(np.asarray(logits)))), "prefill_repeat_rel_err": repeat_err,
     }
     if verbose:
         print(f"{result['model']} on {result['device']}")

@@ -1,8 +1,8 @@
 """Serving simulation: random arrivals, chunked prefill under a per-step token budget mixed with decode, releases.
 
-    python -m jax_gdn serve-sim                         # tiny random Qwen3-Next on CPU (well under a minute)
-    python -m jax_gdn serve-sim --model DIR             # a HF checkpoint directory
-    python -m jax_gdn serve-sim --dims 80b --layers 8   # Qwen3-Next-80B dims, random bf16 weights (a GPU)
+    python -m jax_gdn serve-sim                                    # the tiny preset, random weights, CPU
+    python -m jax_gdn serve-sim --model DIR                        # a HF checkpoint directory
+    python -m jax_gdn serve-sim --dims qwen3_next_80b --layers 8   # Qwen3-Next-80B dims, random bf16 (a GPU)
 
 What one step does (a continuous-batching engine's loop, one model call per step):
   1. requests whose arrival step has come join the waiting queue (arrival steps drawn once from a Poisson process
@@ -20,7 +20,8 @@ Warm-up (``warmup=True``) before the measured run: where the model pads calls to
 same simulation with another seed. "after warm-up" counts cover the measured run only. Compiles are counted two
 ways: ``model.compiled_programs()`` (the model's own prefill / decode / release programs, where the model offers
 it) and every XLA backend compile in the process while the simulation runs (``jax.monitoring`` event
-``/jax/core/compile/backend_compile_duration``: also small eager programs such as a slice of the logits).
+``/jax/core/compile/backend_compile_duration``): the model's programs plus small eager programs outside them
+(init_cache filling the pools, staging call arguments, slicing padded logits), so the second count is larger.
 
 Shape legend: S slots (max_seqs), T tokens of one call (<= token_budget), N streams of one call (<= S).
 
@@ -44,6 +45,8 @@ import time
 from typing import Optional, Tuple
 
 import numpy as np
+
+from jax_gdn.cli_types import existing_dir, min_max_pair, positive_float, positive_int, writable_file
 
 # ================================================================================================================
 # Compile counter (process-wide XLA backend compiles)
@@ -352,10 +355,13 @@ def print_summary(res: dict) -> None:
     print(f"  {res['requests']} requests, {res['steps']} steps ({res['calls']['prefill']} mixed prefill + "
           f"{res['calls']['decode']} decode calls, {res['calls']['release']} releases), S={sim['max_seqs']} slots, "
           f"budget {sim['token_budget']} tokens/step")
-    mp = "" if c["model_programs"] is None else (f"; model.compiled_programs(): {c['model_programs']} "
-                                                 f"({c['model_programs_after_warmup']} after warm-up)")
-    print(f"  compiles        {c['total']} XLA programs ({c['warmup']} in warm-up, {c['after_warmup']} after), "
-          f"{c['compile_s']:.1f} s{mp}")
+    print(f"  compiles        {c['total']} XLA programs in the process ({c['warmup']} in warm-up, "
+          f"{c['after_warmup']} after), {c['compile_s']:.1f} s" + (":" if c["model_programs"] is not None else ""))
+    if c["model_programs"] is not None:
+        print(f"                  {c['model_programs']} the model's own prefill / decode / release programs "
+              f"(model.compiled_programs(); {c['model_programs_after_warmup']} after warm-up)")
+        print(f"                  {c['total'] - c['model_programs']} small eager programs outside those calls "
+              f"(init_cache filling the pools, staging call arguments, slicing padded logits)")
     print(f"  tokens          {res['tokens']['prompt']} prompt + {res['tokens']['generated']} generated in "
           f"{res['wall_s']:.2f} s busy")
     print(f"  tokens/s        prefill {tps['prefill']:.0f}   decode {tps['decode']:.0f}   total {tps['total']:.0f}")
@@ -372,79 +378,74 @@ def print_summary(res: dict) -> None:
 # ================================================================================================================
 # Models and the command line
 # ================================================================================================================
-def tiny_sim_config():
-    """The default CPU model: the demo's tiny Qwen3-Next cut to one GDN + one attention layer (MoE with a shared
-    expert in both): every shape bucket compiles in a few seconds on a CPU. ``--layers`` repeats the pattern."""
-    import dataclasses as dc
-
-    from jax_gdn.model_demo import tiny_config
-    return dc.replace(tiny_config(), num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                      mlp_only_layers=())
-
-
 def build_model(model_dir: Optional[str] = None, dims: str = "tiny", layers: Optional[int] = None,
                 dtype: str = "float32", backend: str = "auto", seed: int = 0):
-    """A checkpoint (``model_dir``), or a random model: ``dims="tiny"`` (host-made random weights) or ``"80b"``
-    (Qwen3-Next-80B dims with ``layers`` layers, random weights made on the device)."""
-    import dataclasses as dc
-
+    """A checkpoint (``model_dir``), or a random model of preset ``dims`` (jax_gdn.config.PRESETS) cut to
+    ``layers`` layers (None: the preset's depth; the 3 GDN + 1 attention pattern is kept): ``"tiny"`` with
+    host-made random weights (every norm, gate and conv randomised), the real-size presets with random weights
+    made on the device."""
     import jax.numpy as jnp
     from jax_gdn.checkpoint import load_pretrained, random_model
+    from jax_gdn.config import preset
+    from jax_gdn.model import HybridModel
     dt = jnp.dtype(dtype)
     if model_dir:
         return load_pretrained(model_dir, dtype=dt, backend=backend)
+    cfg = preset(dims) if layers is None else preset(dims, num_hidden_layers=layers)
     if dims == "tiny":
-        cfg = tiny_sim_config()
-        if layers:
-            pattern = cfg.layer_types
-            cfg = dc.replace(cfg, num_hidden_layers=layers, layer_types=tuple(pattern[i % len(pattern)]
-                                                                             for i in range(layers)),
-                             mlp_only_layers=tuple(i for i in cfg.mlp_only_layers if i < layers))
         return random_model(cfg, seed=seed, dtype=dt, backend=backend)
-    if dims == "80b":
-        from jax_gdn.bench_model import qwen3_next_80b_config, random_device_model
-        return random_device_model(qwen3_next_80b_config(layers or 8), dtype=dt, backend=backend, seed=seed)
-    raise ValueError(f"dims must be 'tiny' or '80b', got {dims!r}")
+    return HybridModel.random(cfg, seed, dtype=dt, backend=backend)
 
 
-def _pair(text: str, name: str) -> Tuple[int, int]:
-    try:
-        parts = [int(x) for x in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"--{name} must be MIN,MAX (ints), got {text!r}") from None
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2:
-        raise ValueError(f"--{name} must be MIN,MAX (ints), got {text!r}")
-    return parts[0], parts[1]
-
-
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    from jax_gdn.config import PRESETS
     d = SimConfig()
-    p = argparse.ArgumentParser(prog="python -m jax_gdn serve-sim", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, metavar="DIR", help="HF checkpoint directory (default: random model)")
-    p.add_argument("--dims", default="tiny", choices=["tiny", "80b"], help="random model dims (default tiny)")
-    p.add_argument("--layers", type=int, default=None, help="layers of the random model (80b default: 8)")
+    p = argparse.ArgumentParser(prog="python -m jax_gdn serve-sim", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=existing_dir, default=None, metavar="DIR",
+                   help="HF checkpoint directory (default: a random model of --dims)")
+    p.add_argument("--dims", default="tiny", choices=sorted(PRESETS), help="preset of the random model")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="layers of the random model (default: the preset's; real-size presets: 8)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 for tiny, bfloat16 otherwise")
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
-    p.add_argument("--requests", type=int, default=d.num_requests)
-    p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="slots (concurrent streams)")
-    p.add_argument("--budget", type=int, default=d.token_budget, help="tokens per step")
-    p.add_argument("--prompt-len", default=f"{d.prompt_len[0]},{d.prompt_len[1]}", help="MIN,MAX prompt tokens")
-    p.add_argument("--gen-len", default=f"{d.gen_len[0]},{d.gen_len[1]}", help="MIN,MAX generated tokens")
-    p.add_argument("--rate", type=float, default=d.rate, help="mean arrivals per step")
-    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--requests", type=positive_int, default=d.num_requests)
+    p.add_argument("--max-seqs", type=positive_int, default=d.max_seqs, help="slots (concurrent streams)")
+    p.add_argument("--budget", type=positive_int, default=d.token_budget, help="tokens per step (>= --max-seqs)")
+    p.add_argument("--prompt-len", type=min_max_pair, default=f"{d.prompt_len[0]},{d.prompt_len[1]}",
+                   help="MIN,MAX prompt tokens")
+    p.add_argument("--gen-len", type=min_max_pair, default=f"{d.gen_len[0]},{d.gen_len[1]}",
+                   help="MIN,MAX generated tokens")
+    p.add_argument("--rate", type=positive_float, default=d.rate, help="mean arrivals per step")
+    p.add_argument("--page-size", type=positive_int, default=d.page_size)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="write the result dict to this file")
-    args = p.parse_args(argv)
-    sim = SimConfig(num_requests=args.requests, max_seqs=args.max_seqs, token_budget=args.budget,
-                    prompt_len=_pair(args.prompt_len, "prompt-len"), gen_len=_pair(args.gen_len, "gen-len"),
-                    rate=args.rate, seed=args.seed, page_size=args.page_size, warmup=not args.no_warmup)
+    p.add_argument("--json", type=writable_file, default=None, metavar="FILE",
+                   help="write the result dict to this file (its directory must exist)")
+    return p
+
+
+def run(argv=None) -> dict:
+    """Parses ``argv`` (every option checked before any work: a bad one exits 2), builds the model, runs the
+    simulation, prints the summary and writes ``--json``. Returns the result dict."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model and args.layers is not None:
+        parser.error("--layers applies to a random model (--dims), not to --model")
+    if args.budget < args.max_seqs:
+        parser.error(f"--budget ({args.budget}) must be >= --max-seqs ({args.max_seqs}): every running stream "
+                     f"decodes one token per step")
+    try:
+        sim = SimConfig(num_requests=args.requests, max_seqs=args.max_seqs, token_budget=args.budget,
+                        prompt_len=args.prompt_len, gen_len=args.gen_len, rate=args.rate, seed=args.seed,
+                        page_size=args.page_size, warmup=not args.no_warmup)
+    except ValueError as err:
+        parser.error(str(err))
+    layers = args.layers if args.layers is not None or args.dims == "tiny" else 8
     dtype = args.dtype or ("float32" if args.dims == "tiny" and not args.model else "bfloat16")
-    model = build_model(args.model, args.dims, args.layers, dtype, args.backend, args.seed)
+    model = build_model(args.model, args.dims, layers, dtype, args.backend, args.seed)
     res = simulate(model, sim, progress=not args.no_progress)
     if args.json:
         with open(args.json, "w") as f:
@@ -452,5 +453,11 @@ def main(argv=None) -> dict:
     return res
 
 
+def main(argv=None) -> int:
+    """``python -m jax_gdn serve-sim``: exit status 0 when every request was served, else 1 (2: a bad option)."""
+    return 0 if run(argv)["all_served"] else 1
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(main())

@@ -59,9 +59,9 @@ same everywhere) and the FFN's one psum joins the devices' partial sums.
   GEMM work, the [T k, D] output and the combine halve with n; routing and the sort are still repeated; a device
   whose experts are hot gets more rows (random weights: balanced; real checkpoints: hot experts decide).
 "auto" (the default) picks "expert" where the mesh divides the experts, "tensor" otherwise: on two H200s at 80B
-dims expert parallel measured 5% faster on prefill and the same on decode (``benchmarks/gpu/shard_x2.py``, rows
-with moe_sharding "tensor" / "expert" in benchmarks/results/h200x2.json; ``jax_gdn/SHARDING_NOTES.md``). Decode reads 1/n of the
-hit experts' bytes per device either way (weight-bandwidth bound).
+dims expert parallel measured 5% faster on prefill and the same on decode (rows with moe_sharding "tensor" /
+"expert" in benchmarks/results/h200x2.json; ``jax_gdn/SHARDING_NOTES.md``). Decode reads 1/n of the hit experts'
+bytes per device either way (weight-bandwidth bound).
 
 Errors: ``ShardRules(config, mesh, moe_sharding)`` raises ValueError naming the mesh size and the head /
 intermediate / expert counts it does not divide, before anything is placed.
@@ -88,7 +88,7 @@ MOE_SHARDINGS = ("auto", "tensor", "expert")
 def resolve_moe_sharding(config: HybridConfig, n: int, moe_sharding: str) -> str:
     """"auto" (the default) -> "expert" when the model has MoE layers and ``n`` divides num_experts, else
     "tensor"; "tensor" / "expert" as given. Measured on two H200s at Qwen3-Next-80B dims, 12 layers
-    (benchmarks/results/h200x2.json, run 2): varlen16 prefill 61.3 ms expert / 64.8 ms tensor (1 GPU: 91.0),
+    (benchmarks/results/h200x2.json): varlen16 prefill 61.3 ms expert / 64.8 ms tensor (1 GPU: 91.0),
     decode 64 streams 9.31 / 9.24 ms (1 GPU: 12.39): expert parallel halves the grouped GEMMs' work and their
     [T k, D] output per device, tensor parallel repeats both at half width."""
     if moe_sharding not in MOE_SHARDINGS:
@@ -134,7 +134,7 @@ def _segments(sizes, n: int) -> tuple:
 _GDN_PROBE_HIDDEN = 1009   # a prime no other probe dim equals: finds the hidden axis of each GDN weight
 
 
-def _gdn_hidden_axis(layout: str) -> dict:
+def gdn_hidden_axis(layout: str) -> dict:
     """name -> axis holding D in jax_gdn.layers.gdn's parameter layout (read from ``param_shapes``, so a change
     of layout there ([out, in] vs [in, out]) is followed here)."""
     from jax_gdn.layers import gdn as gdn_layer
@@ -162,8 +162,9 @@ class ShardRules:
     mesh: a one-axis ``jax.sharding.Mesh`` (any axis name). moe_sharding: "tensor" (every device holds I / n
     columns of every expert), "expert" (device i holds the whole experts [i E / n, (i + 1) E / n);
     ``jax_gdn.layers.moe_ep``) or "auto" (default: ``resolve_moe_sharding``, expert where n divides E); the
-    resolved choice is ``self.moe_sharding``. Raises ValueError when the mesh has more than one axis, when moe_sharding is
-    neither, or when the mesh size does not divide the head / intermediate / expert counts the model splits.
+    resolved choice is ``self.moe_sharding``. Raises ValueError when the mesh has more than one axis, when
+    moe_sharding is none of these, or when the mesh size does not divide the head / intermediate / expert counts the
+    model splits.
     """
 
     def __init__(self, config: HybridConfig, mesh: jax.sharding.Mesh, moe_sharding: str = "auto"):
@@ -211,7 +212,7 @@ class ShardRules:
                                f"{c.num_key_value_heads}, experts {c.num_experts}).")
         self.vocab_split = c.vocab_size % n == 0
         self.kv_heads = max(c.num_key_value_heads, n) if c.attn_layers else c.num_key_value_heads
-        self._gdn_hidden = _gdn_hidden_axis(c.gdn_layout)
+        self._gdn_hidden = gdn_hidden_axis(c.gdn_layout)
 
     # ---- configs ---------------------------------------------------------------------------------------------
     @property
@@ -278,13 +279,14 @@ class ShardRules:
         return None
 
     @staticmethod
-    def _leaf_name(path) -> tuple[str, int]:
+    def leaf_name(path) -> tuple[str, int]:
         """(name, lead) of a leaf of the model's params pytree: lead 1 for leaves stacked over the period."""
         keys = [p.key if hasattr(p, "key") else p.idx for p in path]
         lead = 1 if keys and keys[0] == "period" else 0
         return keys[-1], lead
 
-    def _spec(self, name: str, x, lead: int) -> P:
+    def leaf_spec(self, name: str, x, lead: int) -> P:
+        """The PartitionSpec of a params leaf named ``name`` (``lead`` stacked axes before its one-device shape)."""
         s = self.split(name, tuple(x.shape[lead:]))
         return P() if s is None else P(*([None] * (lead + s.axis) + [self.axis]))
 
@@ -298,8 +300,8 @@ class ShardRules:
     def param_specs(self, params) -> dict:
         """PartitionSpec of every leaf of the model's (stacked) params."""
         def spec(path, x):
-            name, lead = self._leaf_name(path)
-            return self._spec(name, x, lead)
+            name, lead = self.leaf_name(path)
+            return self.leaf_spec(name, x, lead)
         return jax.tree_util.tree_map_with_path(spec, params)
 
     def sharded_shape(self, name: str, shape: tuple, lead: int = 0) -> tuple:
@@ -316,7 +318,7 @@ class ShardRules:
         the leaves whose layout changes) and sent slice by slice with ``jax.device_put`` (device to device);
         host arrays: each device receives only its slice (``jax.make_array_from_callback``, reorder per slice)."""
         def place(path, x):
-            name, lead = self._leaf_name(path)
+            name, lead = self.leaf_name(path)
             s = self.split(name, tuple(x.shape[lead:]))
             spec = P() if s is None else P(*([None] * (lead + s.axis) + [self.axis]))
             sharding = NamedSharding(self.mesh, spec)
@@ -348,8 +350,8 @@ class ShardRules:
         """True when every leaf already is a jax.Array with this mesh's sharding and the sharded layout's shape
         (what ``place_params``, ``random_params`` and the sharded loader return)."""
         def ok(path, x):
-            name, lead = self._leaf_name(path)
-            want = NamedSharding(self.mesh, self._spec(name, x, lead))
+            name, lead = self.leaf_name(path)
+            want = NamedSharding(self.mesh, self.leaf_spec(name, x, lead))
             return (isinstance(x, jax.Array) and tuple(x.shape) == self._placed_shape(name, x, lead)
                     and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
                     and x.sharding.is_equivalent_to(want, x.ndim))
@@ -370,7 +372,7 @@ class ShardRules:
 
         def build():
             def relayout(path, x):
-                name, lead = self._leaf_name(path)
+                name, lead = self.leaf_name(path)
                 if name in ("k_proj", "v_proj") and self.n > hkv:
                     s = self.split(name, tuple(x.shape[lead:]))
                     return jnp.take(x, jnp.asarray(s.index()), axis=lead + s.axis)

@@ -50,8 +50,7 @@ def test_short_simulation_serves_every_request_without_recompiles():
     # decode, release) x a few token buckets; without buckets every new (T, N) would compile (tens here)
     c = res["compiles"]
     assert c["total"] == c["warmup"] + c["after_warmup"]
-    if c["model_programs"] is None:
-        pytest.xfail("the model has no compiled_programs() / shape buckets yet (issue 9's runtime part)")
+    assert c["model_programs"] is not None                 # HybridModel.compiled_programs()
     assert c["model_programs"] <= 3 * 2 * 2, c
     assert c["model_programs_after_warmup"] == 0, c
     assert c["after_warmup"] == 0, c      # no XLA compile at all in the measured run (eager slices included)
@@ -79,3 +78,52 @@ def test_requests_are_fixed_by_the_seed():
 def test_cli_lists_serve_sim():
     from jax_gdn.__main__ import COMMANDS, USAGE
     assert COMMANDS["serve-sim"] == "jax_gdn.serve_sim" and "serve-sim" in USAGE
+
+
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--json", "/no/such/dir/x.json"], ["--requests", "0"],
+                                  ["--budget", "2", "--max-seqs", "4"], ["--prompt-len", "5,2"], ["--rate", "0"],
+                                  ["--dims", "huge"], ["--model", "/no/such/dir"], ["--gen-len", "x"]])
+def test_cli_refuses_bad_options_before_any_work(monkeypatch, capsys, argv):
+    import jax_gdn.serve_sim as serve_sim
+
+    def no_work(*_a, **_k):
+        raise AssertionError("built a model before the options were checked")
+    monkeypatch.setattr(serve_sim, "build_model", no_work)
+    with pytest.raises(SystemExit) as exc:
+        serve_sim.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_layers_and_json(monkeypatch, tmp_path):
+    import json
+
+    import jax_gdn.serve_sim as serve_sim
+    seen = {}
+
+    def fake_build(model_dir, dims, layers, dtype, backend, seed):
+        seen.update(dims=dims, layers=layers, dtype=dtype)
+        return "model"
+    monkeypatch.setattr(serve_sim, "build_model", fake_build)
+    monkeypatch.setattr(serve_sim, "simulate", lambda model, sim, progress: {"all_served": True, "sim": sim.max_seqs})
+    out = tmp_path / "res.json"
+    assert serve_sim.main(["--layers", "3", "--max-seqs", "2", "--json", str(out)]) == 0
+    assert seen == {"dims": "tiny", "layers": 3, "dtype": "float32"}
+    assert json.loads(out.read_text()) == {"all_served": True, "sim": 2}
+    serve_sim.main(["--dims", "qwen3_next_80b"])
+    assert seen == {"dims": "qwen3_next_80b", "layers": 8, "dtype": "bfloat16"}
+
+
+def test_summary_says_what_each_compile_count_holds(capsys):
+    from jax_gdn.serve_sim import print_summary
+    p = {"p50": 1.0, "p90": 1.0, "p99": 1.0, "max": 1.0, "mean": 1.0, "n": 1}
+    print_summary({"model": "M", "device": "cpu", "requests": 1, "steps": 2, "sim": {"max_seqs": 4, "token_budget": 32},
+                   "calls": {"prefill": 1, "decode": 1, "release": 1}, "tokens": {"prompt": 1, "generated": 1},
+                   "compiles": {"total": 24, "warmup": 24, "after_warmup": 0, "compile_s": 1.0, "model_programs": 12,
+                                "model_programs_after_warmup": 0},
+                   "wall_s": 1.0, "tokens_per_s": {"prefill": 1, "decode": 1, "total": 2}, "ttft_s": p,
+                   "ttft_steps": p, "step_ms": p, "step_ms_by_kind": {}, "all_served": True})
+    out = capsys.readouterr().out
+    assert "24 XLA programs in the process" in out
+    assert "12 the model's own prefill / decode / release programs (model.compiled_programs()" in out
+    assert "12 small eager programs outside those calls" in out

@@ -1,7 +1,9 @@
 """Checkpoint directories on disk (jax_gdn.checkpoint.read_state_dict / load_pretrained): which files are read (an
 index's shards, else model.safetensors, else every *.safetensors), and the errors that name the file and the
-tensor: a malformed index, a tensor stored in two files, an integer or bool tensor where the model has floats.
-Tiny safetensors files written to tmp_path; nothing is compiled."""
+tensor: a malformed index, a tensor stored in two files, an integer or bool tensor where the model has floats, a
+config.json that is not JSON or misses a field; and the one shape check both loaders (one device, ``mesh=``) run
+alike: a missing, unexpected or mis-shaped tensor (q_norm stored [Dh, 1], conv1d [C, 2, Kc]) named with its file
+and the expected shape, before any tensor is read. Tiny safetensors files written to tmp_path."""
 from __future__ import annotations
 
 import dataclasses
@@ -224,3 +226,65 @@ def test_sharded_load_names_both_files_of_a_duplicate_tensor(tmp_path):
     mesh = jax.make_mesh((1,), ("model",))
     with pytest.raises(ValueError, match=rf"tensor '{name}' is stored in two files of .*: '.*' and '.*'"):
         load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False, mesh=mesh)
+
+
+# ------------------------------------------------------------------------------------------------ both loaders alike
+def _mesh_of_one():
+    import jax
+    return jax.make_mesh((1,), ("model",))
+
+
+@pytest.mark.parametrize("text,match", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list")])
+def test_config_json_that_is_not_an_object_names_the_file(tmp_path, text, match):
+    _checkpoint(tmp_path, random_state_dict(CFG, seed=0))
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+def test_config_field_error_names_the_file(tmp_path):
+    _checkpoint(tmp_path, random_state_dict(CFG, seed=0))
+    cfg = dataclasses.asdict(CFG)
+    del cfg["linear_num_key_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json.*missing field 'linear_num_key_heads'") as err:
+        load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+# stored tensors the config does not imply: both loaders refuse each with the same message, naming the tensor, its
+# file and the expected shape, before any tensor is read
+CONV = "model.layers.0.linear_attn.conv1d.weight"          # [C, 1, Kc], C = 2 * 1 * 8 + 2 * 8 = 32, Kc = 4
+Q_NORM = "model.layers.1.self_attn.q_norm.weight"          # [Dh] = [8]
+BAD_TENSORS = {
+    "q_norm [8, 1]": (lambda sd: sd.update({Q_NORM: sd[Q_NORM][:, None]}),
+                      rf"tensor '{Q_NORM}' has shape \(8, 1\) in '.*\.safetensors', the config implies \(8,\)"),
+    "conv1d [C, 2, Kc]": (lambda sd: sd.update({CONV: np.concatenate([sd[CONV]] * 2, axis=1)}),
+                          rf"tensor '{CONV}' has shape \(32, 2, 4\) in '.*\.safetensors', the config implies "
+                          rf"\(32, 1, 4\)"),
+    "missing": (lambda sd: sd.pop(Q_NORM), rf"checkpoint '.*': missing tensor '{Q_NORM}' \(expected shape \(8,\)\)"),
+    "unexpected": (lambda sd: sd.update({"model.layers.0.linear_attn.bogus": np.ones(3, np.float32)}),
+                   r"unexpected tensor\(s\) .*'model\.layers\.0\.linear_attn\.bogus' in '.*\.safetensors'"),
+}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize("case", sorted(BAD_TENSORS))
+def test_both_loaders_refuse_a_bad_tensor_alike(tmp_path, monkeypatch, case, sharded):
+    edit, match = BAD_TENSORS[case]
+    sd = random_state_dict(CFG, seed=0)
+    edit(sd)
+    _checkpoint(tmp_path, sd)
+    reads = _count_reads(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False,
+                        mesh=_mesh_of_one() if sharded else None)
+    assert reads == []
+
+
+def test_mesh_loader_reads_a_good_checkpoint(tmp_path):
+    sd = random_state_dict(CFG, seed=0)
+    _checkpoint(tmp_path, sd)
+    model = load_pretrained(str(tmp_path), dtype=jnp.float32, backend="xla", progress=False, mesh=_mesh_of_one())
+    np.testing.assert_array_equal(np.asarray(model.params["embed"]), sd["model.embed_tokens.weight"])

@@ -10,14 +10,14 @@ import numpy as np
 
 from benchmarks.layers import bench_layers
 from jax_gdn.checkpoint import random_state_dict
-from jax_gdn.model_demo import run_model_demo, tiny_config
+from jax_gdn.config import preset
+from jax_gdn.model_demo import run_model_demo
 
 
 def test_model_demo_loads_a_checkpoint_dir_and_generates(tmp_path):
     from safetensors.numpy import save_file
-    # the demo's model cut to one GDN + one attention layer (fewer compiled ops)
-    cfg = dataclasses.replace(tiny_config(), num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                              mlp_only_layers=(0,))
+    # the tiny preset cut to one GDN + one attention layer (fewer compiled ops)
+    cfg = preset("tiny", num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), mlp_only_layers=(0,))
     save_file(random_state_dict(cfg, seed=3), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     res = run_model_demo({"model": str(tmp_path), "lens": "1,5,17", "decode_steps": 3, "dtype": "float32",

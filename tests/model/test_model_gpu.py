@@ -10,11 +10,11 @@ import pytest
 
 from benchmarks.layers import bench_layers
 from jax_gdn.checkpoint import random_model
-from jax_gdn.model_demo import tiny_config
+from jax_gdn.config import preset
 
 
 def _inputs():
-    cfg = tiny_config()
+    cfg = preset("tiny")
     lens, slots = [1, 63, 130, 257], np.array([2, 0, 3, 1], np.int32)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)

@@ -84,10 +84,10 @@ def test_expert_parallel_moe_layer(result):
 
 
 def test_moe_sharding_checked_without_a_mesh():
-    from jax_gdn.bench_model import tiny_config
+    from jax_gdn.config import preset
     from jax_gdn.model import HybridModel
     with pytest.raises(ValueError, match="moe_sharding"):
-        HybridModel(tiny_config(4), {}, moe_sharding="experts")     # refused before the params are read
+        HybridModel(preset("tiny"), {}, moe_sharding="experts")     # refused before the params are read
 
 
 def test_hf_parity_under_a_mesh_of_two(result):
