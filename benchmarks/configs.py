@@ -1,7 +1,7 @@
 """The configs and random models of the whole-model sections (benchmarks.model, benchmarks.sharding).
 
-The dims here are Qwen3-Next-80B-A3B's (HF ``Qwen3NextConfig`` defaults); ``jax_gdn.config.preset("qwen3_next_80b")``
-and ``preset("tiny")`` are the library's named presets of the same models.
+The real dims come from the library's ``qwen3_next_80b`` preset (``jax_gdn.config.PRESETS``); ``tiny_config`` is the
+quick CPU stand-in with the same layer pattern and MoE structure.
 """
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ LAYERS = 8
 
 
 def qwen3_next_80b_config(num_layers: int = LAYERS):
-    """Qwen3-Next-80B-A3B dims (HF ``Qwen3NextConfig`` defaults) with ``num_layers`` layers of the 3 GDN + 1
-    attention pattern."""
-    from jax_gdn.config import HybridConfig
-    pattern = ("linear_attention",) * 3 + ("full_attention",)
-    return HybridConfig(
-        model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=num_layers,
-        layer_types=tuple(pattern[i % 4] for i in range(num_layers)), intermediate_size=5632,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
-        rope_theta=10000.0, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True, rms_norm_eps=1e-6)
+    """The ``qwen3_next_80b`` preset with ``num_layers`` layers of its 3 GDN + 1 attention pattern."""
+    from jax_gdn.config import preset
+    return preset("qwen3_next_80b", num_hidden_layers=num_layers)
 
 
 def tiny_config(num_layers: int = LAYERS):
