@@ -17,7 +17,8 @@ Gated prefill (``paged_attention_prefill_gated``, Qwen3-Next's attention): the s
   and gates from q_proj's raw output qg [T, C] (head h's [query | gate] at columns h 2 Dh ..) and writing o
   [T, H * Dh] (o_proj's input) = o * sigmoid(gate), the gate read in the epilogue. The q RMSNorm + partial RoPE
   run where PrefillConfig.q_prologue says: "xla" (default: one XLA fusion before the kernel, which then loads a
-  plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, NOTES.md) or "reload" (on the
+  plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, ``python -m benchmarks
+  attention``) or "reload" (on the
   tile, stored to the program's own output rows and loaded back after a CTA barrier).
 Decode (``paged_attention_decode``), grid (N, Hkv / kv_per_prog, NS) (flash decoding):
   the G heads of one kv head (or, pack_kv_heads, all H heads of the stream) in one tile (rows padded to 16, the
@@ -75,7 +76,7 @@ class PrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Decode launch; the defaults are the H200 sweep's pick (NOTES.md "Decode (session 5)"), ``decode_config``
+    """Decode launch; the defaults are the H200 sweep's pick (``python -m benchmarks attention``), ``decode_config``
     adapts block_k to the dtype.
 
     block_k: keys per step (a power of two >= 16). num_splits: context splits per (stream, kv head block); None:
@@ -83,7 +84,7 @@ class DecodeConfig:
     num_warps / num_stages: Triton launch parameters. dynamic_split: each stream's split length is ceil(len / NS)
     (its length read on the device) instead of W Ps / NS (static: a stream shorter than the page table's width
     leaves splits idle). combine: how the splits merge: "pallas" (one small kernel), "xla" (one product +
-    reduction fusion), "einsum" (the session-4 fp32 einsum), "fused" (the last split program of each (stream,
+    reduction fusion), "einsum" (an fp32 einsum), "fused" (the last split program of each (stream,
     kv head block) merges, through an atomic counter: no combine kernel, a memset of the counter instead;
     right on the H200 and no faster there: equal kernel time, bench figures within their noise; off).
     Measured no faster on the H200, kept as options (off): pack_kv_heads (one program per stream reads every kv
@@ -127,8 +128,8 @@ DEFAULT_DECODE: DecodeConfig | None = None
 
 
 def prefill_config(dtype, head_dim: int) -> PrefillConfig:
-    """Launch parameters by input size (H200 sweep, NOTES.md): 2-byte inputs [128 rows, 64 keys, 8 warps];
-    fp32 tiles are halved so that q, 2 stages of K and V fit the 227 KB of shared memory at Dh 256."""
+    """Launch parameters by input size (H200 sweep, ``python -m benchmarks attention``): 2-byte inputs [128 rows,
+    64 keys, 8 warps]; fp32 tiles are halved so that q, 2 stages of K and V fit the 227 KB of shared memory at Dh 256."""
     if DEFAULT_PREFILL is not None:
         return DEFAULT_PREFILL
     if jnp.dtype(dtype).itemsize == 4:
@@ -137,13 +138,13 @@ def prefill_config(dtype, head_dim: int) -> PrefillConfig:
 
 
 def decode_config(dtype, head_dim: int) -> DecodeConfig:
-    """Decode launch (H200 sweeps, NOTES.md "Decode (session 5)" and "Session 6: decode"): Bk 64, 4 warps, 2
+    """Decode launch (H200 sweeps, ``python -m benchmarks attention``): Bk 64, 4 warps, 2
     stages, dynamic split, NS the power of two for ~2 programs per SM (``_num_splits``: 2 at 128 (stream, kv
     head) pairs, one split and no combine from ~264), the Pallas combine; fp32 at Dh 256 halves Bk (2 stages of
     K and V in shared memory). 16-bit inputs take the gated decode's q norm + RoPE in the kernel (q_prologue
-    "kernel": 3 XLA launches fewer per decode layer; session 7's interleaved A/B at 80B dims, 64 x 1189, in-program:
+    "kernel": 3 XLA launches fewer per decode layer; an interleaved A/B at 80B dims, 64 x 1189, in-program:
     0.0816 / 0.0811 / 0.0879 ms against 0.0831 / 0.0897 / 0.0889 with the XLA prologue, kernels 82-83 us against
-    86-88, NOTES.md "Session 7: decode step")."""
+    86-88)."""
     if DEFAULT_DECODE is not None:
         return DEFAULT_DECODE
     if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
@@ -550,7 +551,7 @@ def _combine_kernel(m_ref, l_ref, o_part_ref, *refs, num_splits, rows, num_rows,
 
 def _combine_xla(o_part, m_part, l_part, dtype, einsum: bool):
     """o_part [R, NS, Dh] fp32 (unnormalised), m_part, l_part [R, NS] (m in log2 units) -> o [R, Dh] in dtype.
-    einsum: the weighted sum as an fp32 einsum (the session-4 form) instead of a product + reduction."""
+    einsum: the weighted sum as an fp32 einsum instead of a product + reduction."""
     m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [R, 1]
     wgt = jnp.exp2(m_part - m_all)                                                   # [R, NS]
     denom = jnp.sum(wgt * l_part, axis=1)
@@ -576,8 +577,8 @@ def _pow2_floor(x: int) -> int:
 def _num_splits(programs: int, max_keys: int, block_k: int, waves: int, sms: int = 132) -> int:
     """Splits per (stream, kv head block) for ``programs`` of them: the largest power of two <= waves * sms /
     programs (at least 1), never more than W Ps / (4 block_k) (no split of a full-width slot under 4 steps).
-    Powers of two because the H200 run said so (NOTES.md "Session 6: decode": at 64 x 4096 the kernel took 131 /
-    136 us with 2 / 4 splits and 151-152 us with 3 / 5; not understood)."""
+    Powers of two because the H200 measured so: at 64 x 4096 the kernel took 131 / 136 us with 2 / 4 splits and
+    151-152 us with 3 / 5 (not understood)."""
     want = _pow2_floor(waves * sms // max(1, programs))
     return max(1, min(want, _pow2_floor(max_keys // (4 * block_k))))
 

@@ -246,7 +246,7 @@ def test_decode_gqa(backend, group, hkv):
 # leave some empty
 DECODE_CONFIGS = [
     dict(num_splits=3, block_k=16, combine="xla"),                           # dynamic split, XLA combine
-    dict(num_splits=3, block_k=16, dynamic_split=False, combine="xla"),      # static split (session 4)
+    dict(num_splits=3, block_k=16, dynamic_split=False, combine="xla"),      # static split
     dict(num_splits=5, block_k=32, pack_kv_heads=True),                      # both kv heads per program
     dict(num_splits=1, block_k=16),                                          # no combine
     dict(num_splits=1, block_k=64, pack_kv_heads=True),

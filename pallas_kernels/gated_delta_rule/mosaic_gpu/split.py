@@ -6,7 +6,7 @@
 # and piece_scan's "serial" and "triton" forms from jla/ops/mosaic_gpu/scalar_gate_scan.py (piece_scan_xla,
 # piece_scan). Those files state that they are adapted from FlashQLA (MIT) and flash-linear-attention (MIT). See
 # NOTICE in this folder.
-"""The sequence split's start states for the Mosaic GPU backend (``chunk.py``, port plan step 3).
+"""The sequence split's start states for the Mosaic GPU backend (``chunk.py``).
 
 The split cuts each row of Tp tokens into P pieces that the fused state pass runs side by side. Piece p's map of
 its start state is affine, S_end = M_p S_start + E_p; the start states are S_0 (the initial state) and
@@ -467,7 +467,7 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
 def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
                              head_major: bool = True, exp2: bool = False, h0t=None):
     """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
-    fused pass's twin (``mosaic_gpu.fused_state_pass_reference``, no output) over the augmented values [0 | v]
+    fused pass's twin (``chunk.fused_state_pass_reference``, no output) over the augmented values [0 | v]
     from the augmented start [I | 0] of each mapped piece (zeros for the first piece's identity rows without
     ``need_first``; with ``h0t`` the first piece starts from [0 ; h0t] instead)."""
     return _augmented_map(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first, head_major=head_major,

@@ -3,11 +3,11 @@
 # The per-CTA walk table and its dynamic trip count follow jax-linear-attention 0.1.0 (Apache-2.0),
 # jla/ops/mosaic_gpu/scalar_gate_docs.py (walk_tables, map_fwd_wy). See NOTICE in this folder.
 """Mosaic GPU (Hopper) backend of the chunked gated delta rule for packed sequences (``cu_seqlens``): the
-"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``mosaic_gpu.VARLEN`` is set; "auto"
-only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: this file lays the packed row out
-for them and back.
+"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``chunk.VARLEN`` is set; "auto"
+only while ``chunk.AUTO_VARLEN`` is). The kernels are ``chunk.py``'s: this file lays the packed row out for them
+and back.
 
-  1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``varlen_copy_triton``
+  1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``triton/varlen_copy.py``
      copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of
      Tp = NC C tokens, NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's
      chunks per CTA; chunk c of the repacked row is chunk c of ``build_chunk_map``).
@@ -16,10 +16,10 @@ for them and back.
      walk reads them. Padding tokens (index >= cu_seqlens[N]) and
      other sequences' tokens are never gathered into a chunk, so a NaN there reaches nothing (a select, never a
      multiply).
-  2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`mosaic_gpu.kkt_fwd`, gate-free T0, head-major;
+  2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`chunk.kkt_fwd`, gate-free T0, head-major;
      the chunk-local cumulative gate in XLA) or ``"triton"`` (Pallas Triton ``kkt_solve`` straight from the packed
      row through the chunk map: gated T in chunk layout, no repack of k for it).
-  3. **The fused state pass** (:func:`mosaic_gpu.fused_state_pass` with a walk table): grid (N, Hv, V / 64), CTA
+  3. **The fused state pass** (:func:`chunk.fused_state_pass` with a walk table): grid (N, Hv, V / 64), CTA
      row r reads (first chunk, chunk count, sequence) from an int32 [N, 3] table (sequences by decreasing chunk
      count, so the long serial walks start first) and walks only its own chunks (a dynamic trip count; 0 for an
      empty sequence, whose final state is then its initial state), from h0[n], final state to [n].
@@ -71,20 +71,18 @@ class VarlenConfig:
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
     lanes: 0 (one CTA row per sequence, grid (N, Hv, V / 64)) or the persistent walk (:func:`lane_table`): L > 0
     lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
-    when that leaves at least 4 sequences a lane, else 0. Its float64 GPU test passed (session 8, repacked inputs,
-    vk states, 3 lanes); serve256 1.891 ms against 1.918 without (bitwise the same result), varlen16 (2 lanes for
-    16 sequences) not yet timed: off by default.
-    copies: how the rows move between the packed and the chunk-aligned row: "triton" (``varlen_copy_triton``: q, k,
-    v, g and beta repacked by one Pallas
-    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another: serve256's repack 0.381 ms
-    against 0.524) or "xla" (one gather + select fusion per array, :func:`gather_rows`); bitwise the same rows,
+    when that leaves at least 4 sequences a lane, else 0. Right against float64 on the GPU (vk states, 3 lanes);
+    serve256 1.891 ms against 1.918 without (bitwise the same result); varlen16 (2 lanes for 16 sequences) is
+    untimed, so it stays off by default.
+    copies: how the rows move between the packed and the chunk-aligned row: "triton" (``triton/varlen_copy.py``:
+    q, k, v, g and beta repacked by one Pallas Triton launch of [C, BD] tiles at each chunk's row offset, o
+    unpacked by another: serve256's repack 0.381 ms against 0.524) or "xla" (one gather + select fusion per array, :func:`gather_rows`); bitwise the same rows,
     but "triton" leaves the unused chunk slots of the repacked row unset instead of zeroed: nothing reads them.
     kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
     past them exit at once; serve256 uses 732 of its 864 slots: 0.306 ms against 0.353); False: every slot.
 
-    The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen", "Session 8: Mosaic varlen"): serve256
-    1.933 ms (copies "triton" + kkt_used; 2.142 with the XLA gathers and every kkt slot, same process) against
-    Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
+    The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
+    2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
@@ -237,7 +235,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
         return t0, gcum, beta_hm, True
     from pallas_kernels.gated_delta_rule.triton import chunk as kt
     kf, gf, bf = packed
-    if not kernel:       # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
+    if not kernel:       # interpret mode clamps dynamic slices: pad C rows as triton.chunk's entry points do
         kf, gf, bf = (jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1)) for x in (kf, gf, bf))
     config = kt.launch_config(vdim, hv, kf.dtype)
     tmat, gcum = kt.kkt_solve(kf, gf.astype(F32), bf, chunk_start=chunk_map.chunk_start.astype(jnp.int32),
@@ -250,7 +248,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
                                     out_final: bool, head_major: bool, exp2: bool = False, state_kv: bool = False,
                                     lane_rows=None):
-    """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
+    """What :func:`chunk.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
     row r of ``walk`` = (c0, count, s, ...) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]. Chunks no
     row walks are NaN in the returned o (the kernel leaves
@@ -367,7 +365,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
 def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool, cu_seqlens,
            config: VarlenConfig = None):
     """``chunk_gated_delta_rule(..., cu_seqlens=...)`` on "mosaic_gpu" (api.py has checked the arguments and
-    ``mosaic_gpu.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
+    ``chunk.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
     None). jax.grad / jax.jvp raise NotImplementedError naming backend='xla'."""
     from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
     cfg = config or DEFAULT_CONFIG
@@ -386,7 +384,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
     """``chunk_gated_delta_rule_slots`` on "mosaic_gpu": the start states gathered from the pool (zeros where
     has_initial_state is False or the id is outside [0, S)), the packed (``cu_seqlens``) or dense call, the final
     states scattered back (an id outside [0, S) drops its write). Returns (o [B, T, Hv, V], new pool [S, Hv, K, V]
-    fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`mosaic_gpu.op_fwd` with its
+    fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`chunk.op_fwd` with its
     ``DEFAULT_CONFIG``: exp2, state_kv, the split policy); ``config`` applies to packed calls. ``impl="reference"``:
     the jnp twins (CPU tests)."""
     from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff

@@ -12,7 +12,7 @@ Three pallas_calls (four for varlen), in the order the algorithm reads (chunk C 
      u   = T (beta v)                                                   [C, V]   input dtype
      Aqk = scale (q_i . k_j) exp(G_i - G_j), j <= i                     [C, C]   input dtype
     (``intra_fused``, behind LaunchConfig.fused_intra, off: 1a + 1b as one kernel on 1-2 warps; slower on the
-    H200, NOTES.md v5.) Both skip padding chunk slots (chunk_len 0).
+    H200, ``python -m benchmarks gdn``.) Both skip padding chunk slots (chunk_len 0).
 2.  ``state_pass``  grid (V / BV, Hv, N), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
     the output fused in, 3-stage software pipeline on the tile loads (2 for fp32); sequences launched longest
     first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API);
@@ -57,7 +57,8 @@ SUB = 16  # sub-block rows inside a chunk: the smallest dot Triton lowers
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Launch parameters of the three pallas_calls (H200 measurements in NOTES.md chose the defaults).
+    """Launch parameters of the three pallas_calls (H200 measurements chose the defaults: ``python -m benchmarks
+    gdn``).
 
     solve_warps / solve_block_k: stage 1a's warps and the k columns it reads per step; wu_warps: stage 1b;
     fused_intra: stages 1a and 1b as one pallas_call (``gdn_intra_fused``, 16-row blocks, solve_warps warps,
@@ -66,8 +67,7 @@ class LaunchConfig:
     state_programs: 0, one state-pass program per (value block, head, sequence) item; P > 0, a persistent state
     pass of P programs over the longest-first item list (``gdn_state_pass_persistent``: program p runs items
     p, 2P - 1 - p, 2P + p, ... (snake order, for balance) and loads the next item's start state before running the
-    current one's chunks). Interpret-tested and cross-lowered to Triton IR on CPU; never run on a GPU (the H200 run
-    of f792283 failed in its lowering, fixed since): off until measured (NOTES.md, v5 state pass)."""
+    current one's chunks). Interpret-tested and cross-lowered to Triton IR on CPU, not timed on a GPU: off."""
     solve_warps: int = 1
     solve_block_k: int = 128
     wu_warps: int = 4
@@ -735,8 +735,7 @@ def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base:
     tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` where base leaves it None, and
     state_stages, where base leaves it None, 3 for bf16 / fp16 inputs and 2 for fp32 (3 stages of fp32 tiles need
     257 KB of shared memory, over the H200's 227 KB). 1 or 2 stages did not win on short sequences either
-    (serve256 state pass, BV 64: 1.19 / 1.36 / 1.19 ms for 1 / 2 / 3 stages; NOTES.md v5). Tuning scripts
-    (benchmarks/stages.py, benchmarks/gpu/gdn_prefill.py) pass their own ``base``."""
+    (serve256 state pass, BV 64: 1.19 / 1.36 / 1.19 ms for 1 / 2 / 3 stages). Sweeps pass their own ``base``."""
     cfg = base or LaunchConfig()
     if cfg.block_v is None:
         cfg = dataclasses.replace(cfg, block_v=_block_v(vdim, programs_per_vblock))
