@@ -31,7 +31,7 @@ _F32 = jnp.float32
 class Conv1dConfig:
     """block_t: tokens per program (a power of two); num_warps / num_stages: Triton launch parameters. Default: the
     best of the H200 sweep of the kernel's first form at 80B dims (64 x 8 warps 0.51 ms, 32 x 4 0.56, 64 x 4 0.72,
-    128 x 8 0.75, 128 x 4 1.10; jax_gdn/layers/NOTES_gdn_phases.md)."""
+    128 x 8 0.75, 128 x 4 1.10; ``python -m benchmarks layers``)."""
     block_t: int = 64
     num_warps: int = 8
     num_stages: int = 1

@@ -132,6 +132,30 @@ def recurrent_gated_delta_rule_xla(q, k, v, g, beta, *, scale: float, initial_st
 # ---------------------------------------------------------------------------------------------------------------
 # Chunked form
 # ---------------------------------------------------------------------------------------------------------------
+def forward_substitution(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with (I + A) x = rhs for strictly lower triangular A, row by row (x_i = rhs_i - A_i. x), in fp32
+    Precision.HIGHEST dots: no LAPACK call.
+
+    a [..., C, C] (zero on and above the diagonal); rhs [..., C, D]. Returns x [..., C, D]."""
+    def row(i, x):
+        a_i = lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False)            # [..., C]: zero from column i
+        r_i = lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=False)          # [..., D]
+        x_i = r_i - _einsum("...c,...cd->...d", a_i, x)                          # rows >= i of x are still zero
+        return lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
+    return lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(rhs))
+
+
+def unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with (I + A) x = rhs for strictly lower triangular A [..., C, C], rhs [..., C, D].
+
+    On CPU: :func:`forward_substitution`. XLA's CPU triangular solve calls LAPACK's trsm, which deadlocks when
+    several device programs of one process run it at once (a mesh of forced host devices, the model sharded over
+    it). Elsewhere (GPU): ``lax.linalg.triangular_solve`` (cuBLAS), as measured by ``python -m benchmarks gdn``."""
+    return lax.platform_dependent(
+        a, rhs, cpu=forward_substitution,
+        default=lambda a, rhs: lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True))
+
+
 def _chunk_core(q, k, v, g, beta, init, *, scale, varlen):
     """Chunked gated delta rule over chunks laid out [B, NC, C, ...] (padded positions all zero).
 
@@ -168,7 +192,7 @@ def _chunk_core(q, k, v, g, beta, init, *, scale, varlen):
         beta[..., None] * v,                                     # beta v          [B, NC, Hk, r, C, V]
     ], axis=-1)
     # T = (I + A)^-1 applied by forward substitution: (I + A) [w | u] = rhs
-    wu = lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    wu = unit_lower_solve(a, rhs)
     w, u = wu[..., :dk], wu[..., dk:]                            # [.., C, K], [.., C, V]
     q_gated = q[:, :, :, None] * jnp.exp(gcum)[..., None]        # q exp(G)          [B, NC, Hk, r, C, K]
     k_to_end = k[:, :, :, None] * jnp.exp(g_last[..., None] - gcum)[..., None]   # k exp(G_C - G)

@@ -2,7 +2,7 @@
 
 The reference is ``pallas_kernels.moe.reference.route_xla`` (HF ``Qwen3NextTopKRouter``: softmax in fp32,
 ``lax.top_k``, ``w / sum(w)`` when ``norm_topk_prob``). Why a kernel: on the H200 the XLA form's top-k over
-[T, E] = [19456, 512] is not a cheap reduction (see ``benchmarks/gpu/route_probe.py`` for the measurement); here
+[T, E] = [19456, 512] is not a cheap reduction (``python -m benchmarks moe`` times both); here
 each program holds BT rows of logits in registers and takes the k largest by k rounds of max + first-index
 argmax, so the logits are read once and only [T, k] is written.
 

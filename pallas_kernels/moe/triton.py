@@ -46,8 +46,8 @@ class MoeConfig:
     instead of writing y [Mp, D] for an XLA combine (``down_combined``; summation order not deterministic;
     Pallas backends only: the XLA path always combines by gather + sum).
     A block larger than its dim is cut to the largest power of two dividing the dim. The defaults are the
-    fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6" of benchmarks/gpu/moe_run.py;
-    NOTES.md); ``select_config`` picks smaller row blocks when there are few rows per expert (decode)."""
+    fastest of the H200 sweep at Qwen3-Next-80B dims, 19027 tokens (config "c6"; ``python -m benchmarks moe``);
+    ``select_config`` picks smaller row blocks when there are few rows per expert (decode)."""
     block_m: int = 128
     gate_up_n: int = 128
     gate_up_k: int = 64
@@ -62,8 +62,8 @@ class MoeConfig:
     fused_combine: bool = False      # down kernel adds its weighted rows into an fp32 [T, D] output (atomics)
 
 
-# Launch configs by mean rows per expert r = T k / E, from the H200 runs of benchmarks/gpu/moe_run.py --mode decode
-# (NOTES.md "Decode sizes"; Qwen3-Next-80B dims, r = T / 51.2). Measured routed-expert times, ms:
+# Launch configs by mean rows per expert r = T k / E, from H200 sweeps at decode sizes (``python -m benchmarks moe``;
+# Qwen3-Next-80B dims, r = T / 51.2). Measured routed-expert times, ms:
 #   r 1.25 (T 64): 16-row 0.60, c6 0.74 | r 5 (T 256): 16-row 0.87, c6 1.04 | r 20 (T 1024): 32-row 1.00,
 #   64-row 1.10, c6 1.19 | r 40 (T 2048): 64-row 1.00, c6s 1.04, 32-row 1.27 | r 80 (T 4096): c6s 1.20, 64-row
 #   1.41 | r 160 (T 8192): c6s 1.69, c6 1.98. The bounds between measured points (8, 32, 48) are interpolated.

@@ -19,13 +19,13 @@ the H200), and its causal mask is TOP-LEFT
 aligned (XLA sets ``set_causal_mask``; no bottom-right option reaches jax). So a continued stream (context c > 0)
 cannot be one causal call; it is two:
 
-  1. "new" call, causal: queries = the stream's new tokens, keys = the same tokens' keys (equal lengths, where
-     top-left == bottom-right);
-  2. "context" call, no causal mask: queries = the new tokens, keys = the c context keys;
+  * the "new" call, causal: queries = the stream's new tokens, keys = the same tokens' keys (equal lengths, where
+    top-left == bottom-right);
+  * the "context" call, no causal mask: queries = the new tokens, keys = the c context keys;
 
 merged per row by their LSEs (fp32): o = (o1 e^(l1 - m) + o2 e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)). Streams
-with no context drop out of call 2 (segment length -1: jax packs the live segments to the left) and take o1.
-``CudnnConfig(context=False)`` runs call 1 only (no merge): for calls the caller knows are all fresh; a stream
+with no context drop out of the context call (segment length -1: jax packs the live segments to the left) and take
+o1. ``CudnnConfig(context=False)`` runs the new call only (no merge): for calls the caller knows are all fresh; a stream
 that does have context then gets ZERO rows (never a wrong attention).
 
 Both calls read one packed K/V buffer [K, Hkv, Dh] gathered from the pages on the device: per stream a region
@@ -69,16 +69,16 @@ AUTO = True
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: where the statistics of a packed call keep a query's LSE: "segment" (stats[m, h, j], j the row inside segment m:
 #: cuDNN's [B, H, S_q, 1] stats with one batch row per segment, as XLA declares them) or "packed" (stats[m, h, t],
-#: t the query's index in the packed rows). benchmarks/gpu/attn_cudnn.py's probe measures which one cuDNN writes.
+#: t the query's index in the packed rows); "segment" is what cuDNN writes on the H200 (the GPU tests check it).
 STATS_ROWS = "segment"
 #: factor from the stats cuDNN returns to a natural-log LSE (1: natural log, as cuDNN documents; ln 2 if a build
 #: returned log2; the GPU probe measures it)
 STATS_TO_LN = 1.0
 #: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond" or "merge" (see CudnnConfig).
 FRESH = "cond"
-#: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig). "pallas" from the H200 run 2
-#: (benchmarks/logs/s6/attn_layer_run2.log): the XLA form took three passes (0.35 ms), the kernel 0.185 ms; the
-#: layer at varlen16 3.151 -> 2.937 ms fresh, 4.471 -> 4.345 ms with 2k context; 3.9e-3 vs the XLA layer.
+#: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig). "pallas" from the H200
+#: (``python -m benchmarks attention``): the XLA form took three passes (0.35 ms), the kernel 0.185 ms; the layer at
+#: varlen16 3.151 -> 2.937 ms fresh, 4.471 -> 4.345 ms with 2k context; 3.9e-3 vs the XLA layer.
 Q_PROLOGUE = "pallas"
 
 

@@ -29,7 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 #: Tokens per program, warps per program, and how the rotate-half partner is read: "gather" (one [Bt, Dh] load
 #: with each column's partner index, as the Pallas prefill kernel's prologue does) or "halves" (the two rotary
 #: halves loaded and stored as contiguous [Bt, R/2] tiles, the pass-through columns stored from the full tile
-#: under a column mask: every access contiguous). H200 run 2: "gather", 32, 4: 0.185 ms at varlen16 80B dims.
+#: under a column mask: every access contiguous). H200: "gather", 32, 4: 0.185 ms at varlen16 80B dims
+#: (``python -m benchmarks attention``).
 BLOCK_T = 32
 NUM_WARPS = 4
 LAYOUT = "gather"

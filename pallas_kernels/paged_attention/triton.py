@@ -17,14 +17,14 @@ Gated prefill (``paged_attention_prefill_gated``, Qwen3-Next's attention): the s
   and gates from q_proj's raw output qg [T, C] (head h's [query | gate] at columns h 2 Dh ..) and writing o
   [T, H * Dh] (o_proj's input) = o * sigmoid(gate), the gate read in the epilogue. The q RMSNorm + partial RoPE
   run where PrefillConfig.q_prologue says: "xla" (default: one XLA fusion before the kernel, which then loads a
-  plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, NOTES.md) or "reload" (on the
-  tile, stored to the program's own output rows and loaded back after a CTA barrier).
+  plain q tile), "kernel" (on the loaded tile: measured 2x slower on the H200, ``python -m benchmarks
+  attention``) or "reload" (on the tile, stored to the program's own output rows and loaded back after a CTA
+  barrier).
 Decode (``paged_attention_decode``), grid (N, Hkv / kv_per_prog, NS) (flash decoding):
   the G heads of one kv head (or, pack_kv_heads, all H heads of the stream) in one tile (rows padded to 16, the
   smallest dot); each stream's context cut into NS splits of ceil(len / NS) keys (the length read on the device:
   one program for any lengths); each program writes its partial (m, l, unnormalised o) and a combine (one XLA
-  fusion, a small kernel, or the last split program of the (stream, kv head block) after an atomic count: "fused")
-  merges them; with NS == 1 the kernel writes o itself.
+  fusion or a small kernel) merges them; with NS == 1 the kernel writes o itself.
 Gated decode (``paged_attention_decode_gated``): the same, reading q (and the gate) from qg [N, C] and writing
   o * sigmoid(gate) where o becomes final; the q RMSNorm + RoPE in XLA or on the query tile (DecodeConfig.q_prologue).
 K/V page write (``kv_write``), grid (T,): one program per token, its k heads RMS-normed and rotated and its v heads
@@ -75,7 +75,7 @@ class PrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Decode launch; the defaults are the H200 sweep's pick (NOTES.md "Decode (session 5)"), ``decode_config``
+    """Decode launch; the defaults are the H200 sweep's pick (``python -m benchmarks attention``), ``decode_config``
     adapts block_k to the dtype.
 
     block_k: keys per step (a power of two >= 16). num_splits: context splits per (stream, kv head block); None:
@@ -83,14 +83,9 @@ class DecodeConfig:
     num_warps / num_stages: Triton launch parameters. dynamic_split: each stream's split length is ceil(len / NS)
     (its length read on the device) instead of W Ps / NS (static: a stream shorter than the page table's width
     leaves splits idle). combine: how the splits merge: "pallas" (one small kernel), "xla" (one product +
-    reduction fusion), "einsum" (the session-4 fp32 einsum), "fused" (the last split program of each (stream,
-    kv head block) merges, through an atomic counter: no combine kernel, a memset of the counter instead;
-    right on the H200 and no faster there: equal kernel time, bench figures within their noise; off).
-    Measured no faster on the H200, kept as options (off): pack_kv_heads (one program per stream reads every kv
-    head: whole [Ps, Hkv Dh] page rows, all H query heads in one tile; taken where Hkv <= 4 and H <= 32),
-    heads_fastest (the kv head block is the grid's fastest axis), prefetch_pages (d > 0: the page ids of step
-    j + d are loaded in step j and carried, so that no K/V address waits on its own step's page-table load;
-    1-32% SLOWER, inferred: Triton then no longer pipelines the K/V copies).
+    reduction fusion) or "einsum" (an fp32 einsum). pack_kv_heads (off: measured no faster on the H200): one
+    program per stream reads every kv head: whole [Ps, Hkv Dh] page rows, all H query heads in one tile; taken
+    where Hkv <= 4 and H <= 32.
     q_prologue (the gated decode, ``paged_attention_decode_gated``, only): where the q RMSNorm + RoPE run: "xla"
     (one XLA fusion before the kernel) or "kernel" (on the [16, Dh] query tile in the kernel's prologue)."""
     block_k: int = 64
@@ -101,8 +96,6 @@ class DecodeConfig:
     dynamic_split: bool = True
     combine: str = "pallas"
     waves: int = 2
-    prefetch_pages: int = 0
-    heads_fastest: bool = False
     q_prologue: str = "xla"
 
     def __post_init__(self):
@@ -112,13 +105,10 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be None or >= 1, got {self.num_splits}")
-        if self.combine not in ("xla", "pallas", "einsum", "fused"):
-            raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas', 'einsum' or 'fused', got "
-                             f"{self.combine!r}")
+        if self.combine not in ("xla", "pallas", "einsum"):
+            raise ValueError(f"DecodeConfig.combine must be 'xla', 'pallas' or 'einsum', got {self.combine!r}")
         if self.waves < 1:
             raise ValueError(f"DecodeConfig.waves must be >= 1, got {self.waves}")
-        if not 0 <= int(self.prefetch_pages) <= 3:
-            raise ValueError(f"DecodeConfig.prefetch_pages must be 0 .. 3 steps ahead, got {self.prefetch_pages}")
 
 
 # Module-wide overrides (benchmarks): None picks by dtype and head dim below.
@@ -127,8 +117,8 @@ DEFAULT_DECODE: DecodeConfig | None = None
 
 
 def prefill_config(dtype, head_dim: int) -> PrefillConfig:
-    """Launch parameters by input size (H200 sweep, NOTES.md): 2-byte inputs [128 rows, 64 keys, 8 warps];
-    fp32 tiles are halved so that q, 2 stages of K and V fit the 227 KB of shared memory at Dh 256."""
+    """Launch parameters by input size (H200 sweep, ``python -m benchmarks attention``): 2-byte inputs [128 rows,
+    64 keys, 8 warps]; fp32 tiles are halved so that q, 2 stages of K and V fit the 227 KB of shared memory at Dh 256."""
     if DEFAULT_PREFILL is not None:
         return DEFAULT_PREFILL
     if jnp.dtype(dtype).itemsize == 4:
@@ -137,13 +127,13 @@ def prefill_config(dtype, head_dim: int) -> PrefillConfig:
 
 
 def decode_config(dtype, head_dim: int) -> DecodeConfig:
-    """Decode launch (H200 sweeps, NOTES.md "Decode (session 5)" and "Session 6: decode"): Bk 64, 4 warps, 2
+    """Decode launch (H200 sweeps, ``python -m benchmarks attention``): Bk 64, 4 warps, 2
     stages, dynamic split, NS the power of two for ~2 programs per SM (``_num_splits``: 2 at 128 (stream, kv
     head) pairs, one split and no combine from ~264), the Pallas combine; fp32 at Dh 256 halves Bk (2 stages of
     K and V in shared memory). 16-bit inputs take the gated decode's q norm + RoPE in the kernel (q_prologue
-    "kernel": 3 XLA launches fewer per decode layer; session 7's interleaved A/B at 80B dims, 64 x 1189, in-program:
+    "kernel": 3 XLA launches fewer per decode layer; an interleaved A/B at 80B dims, 64 x 1189, in-program:
     0.0816 / 0.0811 / 0.0879 ms against 0.0831 / 0.0897 / 0.0889 with the XLA prologue, kernels 82-83 us against
-    86-88, NOTES.md "Session 7: decode step")."""
+    86-88)."""
     if DEFAULT_DECODE is not None:
         return DEFAULT_DECODE
     if jnp.dtype(dtype).itemsize == 4 and head_dim > 128:
@@ -389,21 +379,20 @@ def paged_attention_prefill_gated(qg, k_pages, v_pages, page_table, slot_lens, c
 # Decode (flash decoding: splits over the context, then a combine)
 # ----------------------------------------------------------------------------------------------------------------
 def _decode_kernel(*refs, group, kv_per_prog, block_m, block_k, num_splits, split_len, page_size, num_pages, width,
-                   num_heads, num_slots, scale, precision, direct, prefetch, heads_fastest, fused,
-                   gated: GatedQ | None, n_extra, interpret):
+                   num_heads, num_slots, scale, precision, direct, gated: GatedQ | None, n_extra):
     """One program: stream n, kv heads hb * kv_per_prog .., split sp. Rows of the [M, Dh] query tile: the G heads
     of each of its kv heads (row i: local kv head i // G); with several kv heads per program every key tile is
     loaded once per kv head (together: the page's whole [Ps, Hkv Dh] rows when kv_per_prog == Hkv) and each row
     keeps the scores of its own kv head.
     refs: slot_ids, slot_lens, page_table, q [N, C] (head h's query at column h * head_stride), k, v pool views,
-    n_extra gated inputs (prologue "xla": qg; "kernel": q_norm, cos, sin), the split counter (fused), outputs.
-    gated: the gate (at column h 2 Dh + Dh of qg) multiplies o where o is final (NS == 1: here; fused: in the
-    merging program; else in the combine); prologue "kernel": q is qg and its tile is RMS-normed and rotated here."""
+    n_extra gated inputs (prologue "xla": qg; "kernel": q_norm, cos, sin), outputs.
+    gated: the gate (at column h 2 Dh + Dh of qg) multiplies o where o is final (NS == 1: here; else in the
+    combine); prologue "kernel": q is qg and its tile is RMS-normed and rotated here."""
     slot_ids_ref, slot_lens_ref, pt_ref, q_ref, k_ref, v_ref = refs[:6]
     extra_refs = refs[6:6 + n_extra]
     out_refs = refs[6 + n_extra:]
-    n = pl.program_id(1 if heads_fastest else 0)
-    hb = pl.program_id(0 if heads_fastest else 1)
+    n = pl.program_id(0)
+    hb = pl.program_id(1)
     sp = pl.program_id(2)
     sid = slot_ids_ref[n]
     has_slot = (sid >= 0) & (sid < num_slots)
@@ -446,11 +435,8 @@ def _decode_kernel(*refs, group, kv_per_prog, block_m, block_k, num_splits, spli
         return jnp.where(valid, rows, -1)
 
     def body(j, carry):
-        m_i, l_i, acc = carry[:3]
-        if prefetch:            # carry[3:]: rows of steps j .. j + d - 1
-            rows, pending = carry[3], carry[4:] + (rows_of(j + prefetch),)
-        else:
-            rows = rows_of(j)
+        m_i, l_i, acc = carry
+        rows = rows_of(j)
         valid = rows >= 0
         m2 = valid[:, None]
         rows = jnp.maximum(rows, 0)
@@ -469,40 +455,21 @@ def _decode_kernel(*refs, group, kv_per_prog, block_m, block_k, num_splits, spli
         for c, v in enumerate(vs):
             pc = p if kv_per_prog == 1 else jnp.where((kvl == c)[:, None], p, 0.0)
             acc = acc + _dot(pc.astype(v.dtype), v, precision=precision)
-        return (m_new, l_new, acc) + (pending if prefetch else ())
+        return m_new, l_new, acc
 
     carry = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, dh), jnp.float32))
-    carry = carry + tuple(rows_of(d) for d in range(prefetch))
     steps = jnp.maximum(stop - start + block_k - 1, 0) // block_k
-    m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)[:3]
+    m_i, l_i, acc = lax.fori_loop(0, steps, body, carry)
     if direct:                  # one split: the normalised output in q's dtype, no combine
         o_ref, = out_refs
         o = gate(acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], l_i > 0)
         plgpu.store(o_ref.at[row[:, None], cols], o.astype(o_ref.dtype), mask=row_ok[:, None])
         return
-    if fused:                   # out_refs[0] is the split counter input (aliased to out_refs[-1])
-        o_ref, m_ref, l_ref, o_fin_ref, cnt_ref = out_refs[1:]
-    else:
-        o_ref, m_ref, l_ref = out_refs
+    o_ref, m_ref, l_ref = out_refs
     plgpu.store(o_ref.at[row[:, None], sp, cols], acc, mask=row_ok[:, None])
     plgpu.store(m_ref.at[row, sp], m_i, mask=row_ok)
     plgpu.store(l_ref.at[row, sp], l_i, mask=row_ok)
-    if fused:
-        # the last of the NS programs of (stream, kv head block) to get here merges: every thread's partial
-        # stores are issued before the barrier, the counter's add is acquire-release at GPU scope (NOT run on a
-        # GPU yet: DecodeConfig.combine "fused" is off by default)
-        if not interpret:
-            plgpu.debug_barrier()
-        old = plgpu.atomic_add(cnt_ref, (n * pl.num_programs(0 if heads_fastest else 1) + hb,),
-                               jnp.array(1, jnp.int32))
-
-        @pl.when(old == num_splits - 1)
-        def _():
-            # (no L1 staleness: no program of this call read these partials before, and L1 starts clean per launch)
-            o, den = _merge_splits(m_ref, l_ref, o_ref, row, row_ok, num_splits, dh)
-            o = gate(o, den > 0)
-            plgpu.store(o_fin_ref.at[row[:, None], cols], o.astype(o_fin_ref.dtype), mask=row_ok[:, None])
 
 
 def _merge_splits(m_ref, l_ref, o_part_ref, r, ok, num_splits, dh):
@@ -550,7 +517,7 @@ def _combine_kernel(m_ref, l_ref, o_part_ref, *refs, num_splits, rows, num_rows,
 
 def _combine_xla(o_part, m_part, l_part, dtype, einsum: bool):
     """o_part [R, NS, Dh] fp32 (unnormalised), m_part, l_part [R, NS] (m in log2 units) -> o [R, Dh] in dtype.
-    einsum: the weighted sum as an fp32 einsum (the session-4 form) instead of a product + reduction."""
+    einsum: the weighted sum as an fp32 einsum instead of a product + reduction."""
     m_all = jnp.max(m_part, axis=1, keepdims=True)                                   # [R, 1]
     wgt = jnp.exp2(m_part - m_all)                                                   # [R, NS]
     denom = jnp.sum(wgt * l_part, axis=1)
@@ -576,8 +543,8 @@ def _pow2_floor(x: int) -> int:
 def _num_splits(programs: int, max_keys: int, block_k: int, waves: int, sms: int = 132) -> int:
     """Splits per (stream, kv head block) for ``programs`` of them: the largest power of two <= waves * sms /
     programs (at least 1), never more than W Ps / (4 block_k) (no split of a full-width slot under 4 steps).
-    Powers of two because the H200 run said so (NOTES.md "Session 6: decode": at 64 x 4096 the kernel took 131 /
-    136 us with 2 / 4 splits and 151-152 us with 3 / 5; not understood)."""
+    Powers of two because the H200 measured so: at 64 x 4096 the kernel took 131 / 136 us with 2 / 4 splits and
+    151-152 us with 3 / 5 (not understood)."""
     want = _pow2_floor(waves * sms // max(1, programs))
     return max(1, min(want, _pow2_floor(max_keys // (4 * block_k))))
 
@@ -587,9 +554,9 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
     """q [N, H, Dh] (one query per stream at position slot_lens[slot] - 1); k/v_pages [P, Ps, Hkv, Dh];
     page_table [S, W]; slot_lens [S]; slot_ids [N] -> o [N, H, Dh] in q's dtype (zeros for streams with no slot).
 
-    Grid (N, Hkv / kv_per_prog, NS) (the first two swapped with heads_fastest); NS = config.num_splits or
-    ``_num_splits``. With NS == 1 the kernel writes o itself; else partials o_part [N H, NS, Dh] fp32, m, l
-    [N H, NS] and a combine (config.combine: a second kernel or XLA, or "fused": the last split merges)."""
+    Grid (N, Hkv / kv_per_prog, NS); NS = config.num_splits or ``_num_splits``. With NS == 1 the kernel writes o
+    itself; else partials o_part [N H, NS, Dh] fp32, m, l [N H, NS] and a combine (config.combine: a second kernel
+    or XLA)."""
     config = config or decode_config(q.dtype, q.shape[-1])
     n, h, dh = q.shape
     o = _decode_call(q.reshape(n, h * dh), k_pages, v_pages, page_table, slot_lens, slot_ids, (), num_heads=h,
@@ -605,7 +572,7 @@ def paged_attention_decode_gated(qg, k_pages, v_pages, page_table, slot_lens, sl
     of a fused q/k/v projection); q_norm [Dh]; cos, sin [N, R] fp32 at each stream's position (R = 0: no RoPE);
     the rest as ``paged_attention_decode``. The q RMSNorm + RoPE run where config.q_prologue says ("xla": one
     XLA fusion before the kernel; "kernel": on the kernel's query tile); o * sigmoid(gate) runs where o is final
-    (the kernel with one split or the fused combine, else the combine). Returns o [N, H * Dh] in qg's dtype
+    (the kernel with one split, else the combine). Returns o [N, H * Dh] in qg's dtype
     (o_proj's input; zeros for streams with no slot)."""
     n = qg.shape[0]
     dh = k_pages.shape[-1]
@@ -638,13 +605,10 @@ def _decode_call(q2d, k_pages, v_pages, page_table, slot_lens, slot_ids, extra, 
     ns = config.num_splits or _num_splits(n * (hkv // kvp), max_keys, block_k, config.waves, _sm_count())
     split_len = None if config.dynamic_split else block_k * math.ceil(math.ceil(max_keys / ns) / block_k)
     direct = ns == 1
-    fused = config.combine == "fused" and not direct
     kernel = functools.partial(
         _decode_kernel, group=group, kv_per_prog=kvp, block_m=block_m, block_k=block_k, num_splits=ns,
         split_len=split_len, page_size=ps, num_pages=p, width=w, num_heads=h, num_slots=s, scale=float(scale),
-        precision=_precision(k_pages.dtype), direct=direct, prefetch=int(config.prefetch_pages),
-        heads_fastest=config.heads_fastest, fused=fused, gated=gated, n_extra=len(extra),
-        interpret=bool(interpret))
+        precision=_precision(k_pages.dtype), direct=direct, gated=gated, n_extra=len(extra))
     args = [slot_ids, slot_lens, page_table, q2d, k_pages.reshape(p * ps, hkv, dh),
             v_pages.reshape(p * ps, hkv, dh), *extra]
     if direct:
@@ -653,22 +617,13 @@ def _decode_call(q2d, k_pages, v_pages, page_table, slot_lens, slot_ids, extra, 
         out_shape = (jax.ShapeDtypeStruct((n * h, ns, dh), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32),
                      jax.ShapeDtypeStruct((n * h, ns), jnp.float32))
-    aliases = {}
-    if fused:                   # + o, and the per-(stream, kv head block) split counter (zeros in, aliased out)
-        out_shape = out_shape + (jax.ShapeDtypeStruct((n * h, dh), out_dtype),
-                                 jax.ShapeDtypeStruct((n * (hkv // kvp),), jnp.int32))
-        args.append(jnp.zeros((n * (hkv // kvp),), jnp.int32))
-        aliases = {len(args) - 1: 4}
     call = pl.pallas_call(
-        kernel, grid=(hkv // kvp, n, ns) if config.heads_fastest else (n, hkv // kvp, ns), out_shape=out_shape,
-        input_output_aliases=aliases,
+        kernel, grid=(n, hkv // kvp, ns), out_shape=out_shape, input_output_aliases={},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_attention_decode" + ("_gated" if gated else ""))
     out = call(*args)
     if direct:
         return out
-    if fused:
-        return out[3]
     o_part, m_part, l_part = out
     gate_in = () if gated is None else ((extra[0] if gated.prologue == "xla" else q2d),)
     if config.combine == "pallas":

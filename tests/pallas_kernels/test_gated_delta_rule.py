@@ -75,15 +75,6 @@ def test_interpret_varlen_initial_states_and_no_recompile():
     assert len(traces) == 1, "a second packing with the same T and N must reuse the compiled program"
 
 
-def test_interpret_fused_intra():
-    """LaunchConfig(fused_intra=True) (stages 1a + 1b as one kernel) against the float64 loop: varlen with a
-    zero-length and a one-token sequence, lengths 5 / 64 / 70, grouped heads (Hk 1, Hv 2), initial states."""
-    cfg = pallas_triton.LaunchConfig(fused_intra=True)
-    fwd = jax.jit(lambda *a: _fwd(*a, interpret=True, config=cfg))
-    eo, es = run_fwd(cases.CPU_VARLEN, jnp.float32, seed=17, interpret=True, fwd=fwd)
-    assert eo < tol(jnp.float32) and es < tol(jnp.float32), (eo, es)
-
-
 def test_interpret_no_final_state_unless_asked():
     """output_final_state=False: the state pass writes no final state (None back), o is the same as with it."""
     case = cases.CPU_DENSE[3]                              # T = 65: a full chunk and a one-token one

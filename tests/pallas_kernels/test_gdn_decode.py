@@ -79,30 +79,17 @@ def test_decode_matches_f64(backend, t, hk, hv, dk, dv, l2):
 # every launch variant the sweep can pick (DecodeConfig): grid order, output form, value block (16: two blocks of
 # V = 32; 128: clamped to one block), straight through the kernel entry point in interpret mode
 CONFIGS = [decode.DecodeConfig(block_v=16, v_fastest=vf, fused_output=fo) for vf in (True, False)
-           for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)] + [
-           decode.DecodeConfig(block_v=16, programs=p) for p in (5, 64)] + [      # persistent: 5 divides no count
-           decode.DecodeConfig(block_v=16, load_hint=h) for h in ("masked", "evict_first")] + [  # masked loads
-           decode.DecodeConfig(block_v=16, row_block=8), decode.DecodeConfig(block_v=32, row_block=16,
-                                                                            v_fastest=False)] + [  # two-pass (T = 1)
-           decode.DecodeConfig(block_v=16, row_split=4), decode.DecodeConfig(block_v=32, row_split=2,
-                                                                             v_fastest=False)] + [  # row slices
-           decode.DecodeConfig(block_v=16, early_store=True), decode.DecodeConfig(block_v=16, early_store=True,
-                                                                                  load_hint="masked"),
-           decode.DecodeConfig(block_v=16, row_split=4, early_store=True)] + [  # the state stored before S^T q
-           decode.DecodeConfig(block_v=16, prenorm=True)]                       # q, k normalised by XLA first
+           for fo in (True, False)] + [decode.DecodeConfig(block_v=128, num_warps=8)]
 
 
 def _config_id(c):
-    return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-p{c.programs}" + (
-        f"-{c.load_hint}" if c.load_hint else "") + (f"-rb{c.row_block}" if c.row_block else "") + (
-        f"-h{c.heads}" if c.heads > 1 else "") + (f"-rs{c.row_split}" if c.row_split > 1 else "") + (
-        "-early" if c.early_store else "") + ("-prenorm" if c.prenorm else "")
+    return f"bv{c.block_v}-vf{int(c.v_fastest)}-fo{int(c.fused_output)}-w{c.num_warps}"
 
 
 def _check_config_interpret(config, t, *, seed, hk, hv, reset_head):
     """The decode kernel with ``config`` in interpret mode against the float64 step on 4 streams over 6 slots: ids
-    1 (stale NaN slot, has False: read as zeros), S and -1 (no slot: nothing written), 5 (the last block, a real one:
-    a persistent grid's masked extra trip would clobber it); a hard reset (g = -inf) on head ``reset_head`` of
+    1 (stale NaN slot, has False: read as zeros), S and -1 (no slot: nothing written), 5 (the last block); a hard
+    reset (g = -inf) on head ``reset_head`` of
     stream 0; slot 3 (NaN, named by nobody) stays NaN."""
     n, s, dk, dv = 4, 6, 16, 32
     xs, pool = _case(seed + t, n, t, hk, hv, dk, dv, s)
@@ -130,18 +117,6 @@ def test_decode_configs_interpret(config, t):
     _check_config_interpret(config, t, seed=40, hk=1, hv=3, reset_head=1)
 
 
-# several value heads per program (DecodeConfig.heads): they share one key head, so GVA 4 here (Hk 2, Hv 8)
-HEADS_CONFIGS = [decode.DecodeConfig(block_v=16, heads=2), decode.DecodeConfig(block_v=32, heads=4, v_fastest=False),
-                 decode.DecodeConfig(block_v=16, heads=2, fused_output=False),
-                 decode.DecodeConfig(block_v=16, heads=2, early_store=True)]
-
-
-@pytest.mark.parametrize("config", HEADS_CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("t", [1, 3])
-def test_decode_heads_interpret(config, t):
-    _check_config_interpret(config, t, seed=50, hk=2, hv=8, reset_head=5)     # GVA 4: heads share one key head
-
-
 def _raw_gates(g, beta, hk, r, layout):
     """(a_src, b_src, RawGates) whose gates are g and beta: A_log = log 2, dt_bias = 0.25 per head,
     softplus(a + 0.25) = -g / 2, sigmoid(b) = beta; ``layout`` "ba" packs [b (r) | a (r)] per key head (Qwen3-Next's
@@ -157,17 +132,11 @@ def _raw_gates(g, beta, hk, r, layout):
     return jnp.asarray(a), jnp.asarray(b), decode.RawGates(a_log, dt_bias)
 
 
-@pytest.mark.parametrize("layout,t,extra", [
-    ("ba", 1, {}), ("separate", 2, {}), ("ba", 1, dict(row_block=8)), ("ba", 1, dict(heads=2)),
-    ("separate", 2, dict(heads=2)), ("ba", 1, dict(row_split=4)), ("ba", 1, dict(early_store=True)),
-    ("separate", 1, dict(heads=2, early_store=True))],
-    ids=["ba-T1", "separate-T2", "ba-T1-two-pass", "ba-T1-heads2", "separate-T2-heads2", "ba-T1-row-split4",
-         "ba-T1-early", "separate-T1-heads2-early"])
-def test_decode_raw_gates_match_f64(layout, t, extra):
+@pytest.mark.parametrize("layout,t", [("ba", 1), ("separate", 2)], ids=["ba-T1", "separate-T2"])
+def test_decode_raw_gates_match_f64(layout, t):
     """The gates made inside the kernel from raw a, b (RawGates: the layer's fused decode step) against the float64
-    loop run with the gates they stand for; GVA 3 (4 with heads > 1: they share a key head), permuted ids with -1
-    and S, a fresh stream over a NaN slot."""
-    n, s, hk, hv, dk, dv = 4, 6, 2, 8 if extra.get("heads", 1) > 1 else 6, 16, 32
+    loop run with the gates they stand for; GVA 3, permuted ids with -1 and S, a fresh stream over a NaN slot."""
+    n, s, hk, hv, dk, dv = 4, 6, 2, 6, 16, 32
     xs, pool = _case(60 + t, n, t, hk, hv, dk, dv, s)
     ids = np.array([2, -1, 5, s], np.int32)
     has = np.array([True, True, False, True])
@@ -177,7 +146,7 @@ def test_decode_raw_gates_match_f64(layout, t, extra):
     a_src, b_src, gates = _raw_gates(xs[3], xs[4], hk, hv // hk, layout)
     fn = jax.jit(lambda q, k, v, a, b, pool, gates: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, a, b, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=decode.DecodeConfig(block_v=16, **extra)))
+        use_qk_l2norm=True, interpret=True, raw_gates=gates, config=decode.DecodeConfig(block_v=16)))
     o, new_pool = fn(*[jnp.asarray(x) for x in xs[:3]], a_src, b_src, jnp.asarray(pool), gates)
     o, new_pool = np.asarray(o), np.asarray(new_pool)
     assert np.isfinite(o).all() and rel_rms(o, o_ref) < TOL
@@ -188,8 +157,8 @@ def test_decode_raw_gates_match_f64(layout, t, extra):
 
 
 def test_decode_lowers_to_triton():
-    """Each load hint, the two-pass form and the raw-gates form lower to Triton IR (cross-lowered for CUDA on any machine: interpret
-    mode does not run the Triton lowering, where jax 0.10.2 refuses the "cg" cache modifier, for one)."""
+    """The kernel (both output forms, 2 and 4 warps) and its raw-gates form lower to Triton IR (cross-lowered for
+    CUDA on any machine: interpret mode does not run the Triton lowering)."""
     n, hk, hv, d = 3, 2, 4, 32
     q = jnp.zeros((n, 1, hk, d), jnp.bfloat16)
     v = jnp.zeros((n, 1, hv, d), jnp.bfloat16)
@@ -197,18 +166,15 @@ def test_decode_lowers_to_triton():
     ba = jnp.zeros((n, 1, hk, 4), jnp.bfloat16)
     pool = jnp.zeros((n + 1, hv, d, d))
     ids, has = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
-    cfgs = [decode.DecodeConfig(load_hint=h) for h in decode.LOAD_HINTS] + [decode.DecodeConfig(row_block=16)] + [
-        decode.DecodeConfig(heads=2, num_warps=4), decode.DecodeConfig(row_split=4),
-        decode.DecodeConfig(heads=2, fused_output=False), decode.DecodeConfig(early_store=True),
-        decode.DecodeConfig(heads=2, early_store=True), decode.DecodeConfig(row_split=4, early_store=True)]
+    cfgs = [decode.DecodeConfig(), decode.DecodeConfig(num_warps=4, fused_output=False),
+            decode.DecodeConfig(v_fastest=False)]
     for cfg in cfgs:
         f = lambda q, v, g, pool, cfg=cfg: decode.fused_recurrent_gated_delta_rule_slots_fwd(
             q, q, v, g, g, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True,
             config=cfg)
         assert "gdn_decode" in jax.jit(f).trace(q, v, g, pool).lower(lowering_platforms=("cuda",)).as_text()
     gates = decode.RawGates(jnp.zeros((hv,)), jnp.zeros((hv,)), a_offset=2)
-    for cfg in (None, decode.DecodeConfig(heads=2), decode.DecodeConfig(row_split=2),
-                decode.DecodeConfig(early_store=True), decode.DecodeConfig(heads=2, early_store=True)):
+    for cfg in (None, decode.DecodeConfig(fused_output=False)):
         f = lambda q, v, ba, pool, cfg=cfg: decode.fused_recurrent_gated_delta_rule_slots_fwd(
             q, q, v, ba, ba, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, raw_gates=gates,
             config=cfg)
@@ -221,20 +187,6 @@ def test_decode_config_errors():
         decode.fused_recurrent_gated_delta_rule_slots_fwd(
             *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
             has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(block_v=24))
-    with pytest.raises(ValueError, match=r"row_block \(12\) must be 0 or divide K = 16"):
-        decode.fused_recurrent_gated_delta_rule_slots_fwd(
-            *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
-            has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(row_block=12))
-    for bad, msg in [(dict(heads=2), r"heads \(2\) must be a power of two dividing Hv / Hk = 1"),
-                     (dict(row_split=3), r"row_split \(3\) must be >= 1 and divide K = 16")]:
-        with pytest.raises(ValueError, match=msg):
-            decode.fused_recurrent_gated_delta_rule_slots_fwd(
-                *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
-                has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(**bad))
-    with pytest.raises(ValueError, match="load_hint must be one of"):
-        decode.fused_recurrent_gated_delta_rule_slots_fwd(
-            *[jnp.asarray(x) for x in xs], scale=None, ssm_state=jnp.asarray(pool), slot_ids=jnp.array([0, 1]),
-            has_initial_state=jnp.ones((2,), bool), interpret=True, config=decode.DecodeConfig(load_hint="cg"))
 
 
 def test_decode_bf16_inputs_and_default_has_initial_state():
@@ -296,7 +248,7 @@ def _gpu_check(fn, dtype, *, seed, n, s, label):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_gpu_decode_in_place(dtype):
-    """The public op (backend "pallas": on Hopper the Mosaic kernel since session 10) against the float64 loop."""
+    """The public op (backend "pallas": on Hopper the Mosaic kernel) against the float64 loop."""
     fn = jax.jit(lambda xs, pool, ids, has: fused_recurrent_gated_delta_rule_slots(
         *xs, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, backend="pallas"),
         donate_argnums=1)
@@ -304,15 +256,12 @@ def test_gpu_decode_in_place(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [decode.DecodeConfig(heads=2, num_warps=4), decode.DecodeConfig(row_split=4),
-                                    decode.DecodeConfig(heads=2, block_v=32), decode.DecodeConfig(early_store=True),
-                                    decode.DecodeConfig(heads=2, num_warps=4, early_store=True),
-                                    decode.DecodeConfig(prenorm=True), decode.DecodeConfig(num_warps=4)],
+@pytest.mark.parametrize("config", [decode.DecodeConfig(num_warps=4), decode.DecodeConfig(fused_output=False)],
                          ids=_config_id)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_gpu_decode_configs_match_f64(config, dtype):
-    """Session 9's launch variants (DecodeConfig.heads, row_split, early_store, prenorm, 4 warps) on the GPU at K = V = 128, Qwen3-Next heads,
-    against the float64 loop: ids -1 and S, fresh streams, the pool donated."""
+    """Launch variants of the Triton kernel (4 warps, the unfused output) on the GPU at K = V = 128, Qwen3-Next
+    heads, against the float64 loop: ids -1 and S, fresh streams, the pool donated."""
     fn = jax.jit(lambda xs, pool, ids, has: decode.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=ids, has_initial_state=has, use_qk_l2norm=True, config=config),
         donate_argnums=1)

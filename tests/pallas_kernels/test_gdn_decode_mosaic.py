@@ -1,21 +1,15 @@
 """The Mosaic GPU decode kernel (pallas_kernels/gated_delta_rule/mosaic_gpu/decode.py) against the float64 per-token loop.
 
-CPU: the kernel body itself in Mosaic GPU interpret mode (TMA copies, barriers, the ring and the persistent item
-loop; plain loads in place of the register layouts) at K = V = 128 (TMA rows are whole multiples of 128 bytes),
-grouped heads, a few CTAs with a tail item, ring depths 2-4, both value blocks, ids -1 and S, a fresh stream over a
-NaN-stale slot, NaN untouched slots left bitwise as they were, the raw gates, and the route through
-``decode.BACKEND = "mosaic"`` and the public op; its jnp twin (``decode_reference``) at small odd dims; the lowering
-for CUDA of every config (Mosaic GPU's layout and transfer checks run at lowering) with the pool aliased; the
-refusals. The direct transfer (session 10, what ships on Hopper): interpret mode against float64 in each layout (rows,
-strided rows, WGMMA; K = V = 128 and 64; raw gates; copy_only), its lowering, and the shipped defaults. GPU
-(`pytest -m gpu`): the compiled kernels against the XLA step at Qwen3-Next heads, in place, and the public op running
-the direct kernel.
+CPU: the kernel body itself in Mosaic GPU interpret mode (plain loads in place of the register layouts) at
+K = V = 128 and 64, grouped heads, both value blocks, ids -1 and S, a fresh stream over a NaN-stale slot, NaN
+untouched slots left bitwise as they were, the raw gates, copy_only, and the route through ``decode.BACKEND =
+"mosaic"`` and the public op; its jnp twin (``decode_reference``) at small odd dims; the lowering for CUDA (Mosaic
+GPU's layout and transfer checks run at lowering) with the pool aliased; the refusals. GPU (`pytest -m gpu`): the
+compiled kernel against the XLA step at Qwen3-Next heads, in place, and the public op running it.
 Tolerances (relative RMS vs float64, the reference fed the same rounded inputs, all math fp32): 1e-5 on o and the
 state; bf16 o 1e-2 (its own rounding); the GPU run against the fp32 XLA step: fp32 1e-5, bf16 q/k/v 2e-2.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -91,38 +85,17 @@ def _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL):
 
 
 # ---- the kernel body in Mosaic GPU interpret mode -------------------------------------------------------------
-@pytest.mark.parametrize("block_v,stages,programs,hk,hv,l2,refill", [
-    (64, 3, 3, 1, 2, True, "now"),            # 20 items over 3 CTAs: a tail item, a ring of 3, scalars at once
-    (128, 2, 2, 2, 4, False, "late"),         # one value block per head, the shallowest ring, GVA 2
-    (64, 4, 1, 1, 3, True, "late"),           # one CTA walks all 30 items (GVA 3)
-    (64, 2, 3, 1, 2, True, "early"),          # the early refill on the shallowest ring, a tail item
-    (64, 3, 4, 1, 2, True, "defer"),          # scalars loaded a trip ahead and used on the next (a tail item)
-], ids=["bv64-s3-p3", "bv128-s2-p2-gva2", "bv64-s4-p1-gva3", "bv64-s2-p3-early", "bv64-s3-p4-defer"])
-def test_kernel_interpret_matches_f64(block_v, stages, programs, hk, hv, l2, refill):
-    n, s, d = 5, 7, 128
-    xs, pool, ids, has, untouched = _poisoned(block_v + stages + hv, n, hk, hv, d, d, s)
-    cfg = dm.MosaicDecodeConfig(block_v=block_v, stages=stages, programs=programs,
-                                refill=refill if refill in dm.REFILLS else "late", defer_scalars=refill != "now")
-    fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
-        *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=l2, interpret=True, config=cfg))
-    o, new_pool = fn([jnp.asarray(x) for x in xs], jnp.asarray(pool))
-    assert o.shape == (n, 1, hv, d) and o.dtype == jnp.float32
-    _check(o, new_pool, xs, pool, ids, has, untouched, l2)
-
-
-@pytest.mark.parametrize("layout,block_v,hk,hv,l2,dtype", [
-    ("rows", 64, 1, 2, True, jnp.float32),     # 20 tiles, one CTA each
-    ("rows", 128, 2, 4, False, jnp.float32),   # one value block per head, GVA 2
-    ("wgmma", 64, 1, 3, True, jnp.bfloat16),   # the WGMMA layout straight from global memory, GVA 3, bf16 o
-    ("strided_rows", 64, 1, 2, True, jnp.float32),   # every other row a thread
-], ids=["rows-bv64", "rows-bv128-gva2", "wgmma-bv64-gva3-bf16", "strided-bv64"])
-def test_direct_interpret_matches_f64(layout, block_v, hk, hv, l2, dtype):
-    """transfer="direct" (one CTA per tile, global memory straight to registers): the kernel body in interpret mode
-    against float64, with the poisoned ids, the fresh stream over a NaN slot and the untouched NaN slot."""
+@pytest.mark.parametrize("block_v,hk,hv,l2,dtype", [
+    (64, 1, 2, True, jnp.float32),      # 20 tiles, one CTA each
+    (128, 2, 4, False, jnp.float32),    # one value block per head, GVA 2
+    (64, 1, 3, True, jnp.bfloat16),     # GVA 3, bf16 o
+], ids=["bv64", "bv128-gva2", "bv64-gva3-bf16"])
+def test_kernel_interpret_matches_f64(block_v, hk, hv, l2, dtype):
+    """One CTA per tile, global memory straight to registers: the kernel body in interpret mode against float64,
+    with the poisoned ids, the fresh stream over a NaN slot and the untouched NaN slot."""
     n, s, d = 5, 7, 128
     xs, pool, ids, has, untouched = _poisoned(block_v + hv, n, hk, hv, d, d, s, dtype)
-    cfg = dm.MosaicDecodeConfig(transfer="direct", layout=layout, block_v=block_v)
+    cfg = dm.MosaicDecodeConfig(block_v=block_v)
     fn = jax.jit(lambda xs, pool: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
         use_qk_l2norm=l2, interpret=True, config=cfg))
@@ -132,75 +105,54 @@ def test_direct_interpret_matches_f64(layout, block_v, hk, hv, l2, dtype):
 
 
 def test_shipped_route_is_the_direct_kernel():
-    """What ships (session 10's H200 decision): decode.BACKEND "auto" (Mosaic where compiled, Triton elsewhere) and
-    the Mosaic kernel's DEFAULT_CONFIG the direct transfer in the strided-rows layout."""
+    """What ships: decode.BACKEND "auto" (Mosaic where compiled, Triton elsewhere) and the Mosaic kernel's
+    DEFAULT_CONFIG (64 value columns a tile, the op itself)."""
     assert decode.BACKEND == "auto"
-    assert dm.DEFAULT_CONFIG.transfer == "direct" and dm.DEFAULT_CONFIG.layout == "strided_rows"
-    assert dm.DEFAULT_CONFIG.block_v == 64
+    assert dm.DEFAULT_CONFIG == dm.MosaicDecodeConfig(block_v=64, copy_only=False)
     q = jnp.zeros((3, 1, 2, 128), jnp.bfloat16)
     assert dm.fallback_reason(q, q, jnp.zeros((3, 1, 4, 128), jnp.bfloat16), interpret=True) is None
 
 
-def test_direct_interpret_head_dim_64():
-    """transfer="direct" at K = V = 64 (the layouts' other head dim: 8 rows a thread), both layouts."""
+def test_kernel_interpret_head_dim_64():
+    """K = V = 64 (the layout's other head dim: 8 rows a thread)."""
     n, s, d = 4, 5, 64
-    for layout in ("rows", "strided_rows"):
-        xs, pool, ids, has, untouched = _poisoned(5, n, 1, 2, d, d, s)
-        cfg = dm.MosaicDecodeConfig(transfer="direct", layout=layout)
-        o, new_pool = jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
-            *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-            use_qk_l2norm=True, interpret=True, config=cfg))([jnp.asarray(x) for x in xs], jnp.asarray(pool))
-        _check(o, new_pool, xs, pool, ids, has, untouched, True)
+    xs, pool, ids, has, untouched = _poisoned(5, n, 1, 2, d, d, s)
+    o, new_pool = jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
+        *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+        use_qk_l2norm=True, interpret=True))([jnp.asarray(x) for x in xs], jnp.asarray(pool))
+    _check(o, new_pool, xs, pool, ids, has, untouched, True)
 
 
-def test_direct_copy_only_and_raw_gates_interpret():
-    """transfer="direct": copy_only stores every written tile as loaded (a fresh stream's as zeros, ids outside
+def test_copy_only_and_raw_gates_interpret():
+    """copy_only stores every written tile as loaded (a fresh stream's as zeros, ids outside
     [0, S) nothing) with o zero; the raw gates (Qwen3-Next's [b | a]) made inside match float64."""
     n, s, hk, hv, d = 4, 6, 1, 2, 128
     xs, pool, ids, has, untouched = _poisoned(13, n, hk, hv, d, d, s)
     run = lambda cfg, *a, **kw: jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
         interpret=True, config=cfg, **kw))(*a)
-    o, new_pool = run(dm.MosaicDecodeConfig(transfer="direct", layout="rows", copy_only=True),
+    o, new_pool = run(dm.MosaicDecodeConfig(copy_only=True),
                       [jnp.asarray(x) for x in xs], jnp.asarray(pool))
     expect = pool.copy()
     expect[ids[2]] = 0.0                                           # the fresh stream's slot: zeros
     np.testing.assert_array_equal(np.asarray(new_pool), expect)
     assert not np.asarray(o).any()
     ba, gates = _raw_gates(xs, hk, hv)
-    o, new_pool = run(dm.MosaicDecodeConfig(transfer="direct", layout="rows"),
+    o, new_pool = run(dm.MosaicDecodeConfig(),
                       [jnp.asarray(x) for x in xs[:3]] + [ba, ba], jnp.asarray(pool), use_qk_l2norm=True,
                       raw_gates=gates)
     _check(o, new_pool, xs, pool, ids, has, untouched, True)
 
 
-@pytest.mark.parametrize("cfg", [dm.MosaicDecodeConfig(stages=2, programs=3, copy_only="tma", swizzle=False),
-                                 dm.MosaicDecodeConfig(stages=3, programs=2, copy_only=True)],
-                         ids=["tma-plain", "regs"])
-def test_copy_only_interpret_stores_the_pool_as_loaded(cfg):
-    """copy_only (a measurement aid): every valid slot's tile is stored back as loaded (NaN included), o is zero,
-    ids outside [0, S) write nothing."""
-    n, s, d = 4, 6, 128
-    xs, pool, ids, has, untouched = _poisoned(31, n, 1, 2, d, d, s)
-    o, new_pool = jax.jit(lambda xs, p: dm.fused_recurrent_gated_delta_rule_slots_fwd(
-        *xs, scale=None, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        interpret=True, config=cfg))([jnp.asarray(x) for x in xs], jnp.asarray(pool))
-    np.testing.assert_array_equal(np.asarray(new_pool), pool)
-    assert not np.asarray(o).any()
-
-
-@pytest.mark.parametrize("defer", [False, True], ids=["now", "defer"])
-def test_kernel_interpret_raw_gates_and_bf16(defer):
-    """The gates made inside from raw a, b (Qwen3-Next's [b | a] per key head), bf16 q/k/v (o in bf16); the gate
-    math at once or on the next trip (``defer_scalars``)."""
+def test_kernel_interpret_raw_gates_and_bf16():
+    """The gates made inside from raw a, b (Qwen3-Next's [b | a] per key head), bf16 q/k/v (o in bf16)."""
     n, s, hk, hv, d = 4, 6, 1, 2, 128
     xs, pool, ids, has, untouched = _poisoned(11, n, hk, hv, d, d, s, jnp.bfloat16)
     ba, gates = _raw_gates(xs, hk, hv)
     args = [jnp.asarray(x, jnp.bfloat16) for x in xs[:3]]
     fn = jax.jit(lambda q, k, v, ba, pool, gates: dm.fused_recurrent_gated_delta_rule_slots_fwd(
         q, k, v, ba, ba, scale=None, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
-        use_qk_l2norm=True, interpret=True, raw_gates=gates,
-        config=dm.MosaicDecodeConfig(stages=2, programs=3, defer_scalars=defer)))
+        use_qk_l2norm=True, interpret=True, raw_gates=gates))
     o, new_pool = fn(*args, ba, jnp.asarray(pool), gates)
     assert o.dtype == jnp.bfloat16
     _check(o, new_pool, xs, pool, ids, has, untouched, True, o_tol=1e-2)
@@ -262,44 +214,15 @@ def test_reference_twin_matches_f64(n, hk, hv, dk, dv, block_v, l2, dtype):
     _check(o, new_pool, xs, pool, ids, has, untouched, l2, o_tol=TOL if dtype == jnp.float32 else 1e-2)
 
 
-# ---- lowering for CUDA on the CPU (Mosaic GPU's layout, transfer and TMA checks) --------------------------------
-@pytest.mark.parametrize("semantics", dm.SEMANTICS)
+# ---- lowering for CUDA on the CPU (Mosaic GPU's layout and transfer checks) ------------------------------------
 @pytest.mark.parametrize("cfg,dtype,raw", [
     (dm.MosaicDecodeConfig(), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(block_v=128, stages=3), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(stages=6, programs=264), jnp.float32, False),
-    (dm.MosaicDecodeConfig(entry="pallas_call"), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(copy_only=True), jnp.bfloat16, False),
-    # the session-8 H200 sweep (benchmarks/gpu/gdn_decode_s8.py): ring depth, early refill, 2 CTAs, ring ceilings
-    (dm.MosaicDecodeConfig(stages=5), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(stages=6), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(stages=6, refill="early"), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(block_v=128, stages=3, refill="early"), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(stages=6, copy_only=True), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only=True), jnp.bfloat16, False),
-    # the second run's: scalars used at once (deferred is the default), the ring without registers, with and
-    # without the swizzled tile
-    (dm.MosaicDecodeConfig(defer_scalars=False), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(defer_scalars=False), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(copy_only="tma"), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(copy_only="tma", swizzle=False), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(block_v=128, stages=3, copy_only="tma", swizzle=False), jnp.bfloat16, False),
-    # session 10: the direct transfer (global memory straight to registers), both layouts
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", block_v=128), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", copy_only=True), jnp.float32, False),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="wgmma"), jnp.bfloat16, False),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows"), jnp.bfloat16, True),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows", block_v=128), jnp.float32, False),
-], ids=["default-bf16", "bv128-s3-bf16-raw", "s6-p264-fp32", "pallas-call-raw", "copy-only", "s5-raw", "s6",
-        "s6-early-raw", "bv128-s3-early", "s3-cta2", "s6-copy-only", "bv128-s3-copy-only", "now", "now-raw",
-        "tma-only", "tma-only-plain", "bv128-s3-tma-only-plain", "direct-rows", "direct-rows-bv128-raw",
-        "direct-rows-copy-only", "direct-wgmma", "direct-strided-raw", "direct-strided-bv128-fp32"])
-def test_kernel_lowers_for_cuda(cfg, dtype, raw, semantics):
-    """Both lowering semantics: "warpgroup" is jax 0.11's default (the first H200 run failed there on an implicit
-    scalar broadcast in a select, which this lowering on 0.10.2 reproduced)."""
-    cfg = dataclasses.replace(cfg, semantics=semantics)
+    (dm.MosaicDecodeConfig(), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(block_v=128), jnp.float32, False),
+    (dm.MosaicDecodeConfig(block_v=128), jnp.bfloat16, True),
+    (dm.MosaicDecodeConfig(copy_only=True), jnp.float32, False),
+], ids=["bf16", "bf16-raw", "bv128-fp32", "bv128-bf16-raw", "copy-only"])
+def test_kernel_lowers_for_cuda(cfg, dtype, raw):
     n, hk, hv, d, s = 6, 2, 4, 128, 9
     q = jax.ShapeDtypeStruct((n, 1, hk, d), dtype)
     v = jax.ShapeDtypeStruct((n, 1, hv, d), dtype)
@@ -325,16 +248,7 @@ def test_fallback_reasons_and_config_errors():
     assert "one token" in dm.fallback_reason(jnp.zeros((2, 3, 1, 128)), q, jnp.zeros((2, 3, 2, 128)),
                                              interpret=True)
     assert "K, V in" in dm.fallback_reason(q[..., :32], q[..., :32], v, interpret=True)
-    f8 = q[..., :64].astype(jnp.float8_e4m3fn)                     # 64-byte rows: not a TMA load here
-    ring = dm.MosaicDecodeConfig()                                 # the TMA ring's own limits
-    assert "multiples of 128 bytes" in dm.fallback_reason(f8, f8, v, config=ring, interpret=True)
-    assert "bytes x" in dm.fallback_reason(q, q, v, config=dm.MosaicDecodeConfig(stages=8), interpret=True)
-    for bad, match in [(dict(block_v=32), "block_v"), (dict(stages=1), "stages"), (dict(ctas_per_sm=0), "ctas_per_sm"),
-                       (dict(programs=-1), "programs"), (dict(layout="rows"), "layout"),
-                       (dict(entry="call"), "entry"), (dict(semantics="warp"), "semantics"),
-                       (dict(refill="soon"), "refill"), (dict(copy_only="regs"), "copy_only"),
-                       (dict(swizzle=False), "swizzle"), (dict(transfer="dma"), "transfer"),
-                       (dict(transfer="direct", copy_only="tma"), "copy_only")]:
+    for bad, match in [(dict(block_v=32), "block_v"), (dict(copy_only="regs"), "copy_only")]:
         with pytest.raises(ValueError, match=f"MosaicDecodeConfig.{match}"):
             dm.MosaicDecodeConfig(**bad)
     with pytest.raises(ValueError, match="decode_mosaic: .*one token"):
@@ -408,42 +322,15 @@ def test_gpu_layer_decode_through_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("semantics", dm.SEMANTICS)
-def test_gpu_kernel_bf16_matches_xla_step(semantics):
-    _gpu_kernel_check(jnp.bfloat16, dm.MosaicDecodeConfig(semantics=semantics))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [
-    dm.MosaicDecodeConfig(block_v=128, stages=3), dm.MosaicDecodeConfig(stages=3, ctas_per_sm=2),
-    dm.MosaicDecodeConfig(stages=6, refill="early"), dm.MosaicDecodeConfig(defer_scalars=True),
-    pytest.param(dm.MosaicDecodeConfig(entry="pallas_call"), marks=pytest.mark.xfail(
-        reason="jax 0.11.2 on the H200: pallas_call's Mosaic GPU lowering asserts `rule is not None` (sessions 7, 8 "
-               "and 10); the pl.kernel entry (the default) is the one that runs", strict=False))],
-    ids=["bv128-s3", "s3-2cta", "s6-early", "defer", "pallas-call"])
-def test_gpu_kernel_variants_match_xla_step(cfg):
+@pytest.mark.parametrize("cfg", [dm.MosaicDecodeConfig(), dm.MosaicDecodeConfig(block_v=128)], ids=["bv64", "bv128"])
+def test_gpu_kernel_bf16_matches_xla_step(cfg):
     _gpu_kernel_check(jnp.bfloat16, cfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg,dtype", [
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.float32),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows"), jnp.bfloat16),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", block_v=128), jnp.bfloat16),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="wgmma"), jnp.bfloat16),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="rows", semantics="warpgroup"), jnp.bfloat16),
-    (dm.MosaicDecodeConfig(transfer="direct", layout="strided_rows"), jnp.bfloat16),
-], ids=["direct-rows-fp32", "direct-rows-bf16", "direct-rows-bv128-bf16", "direct-wgmma-bf16", "direct-rows-wg-bf16",
-        "direct-strided-bf16"])
-def test_gpu_direct_matches_xla_step(cfg, dtype):
-    _gpu_kernel_check(dtype, cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["rows", "strided_rows"])
-def test_gpu_direct_head_dim_64(layout):
-    """The shipped transfer at K = V = 64 (8 rows a thread), compiled: against the XLA step and float64."""
-    _gpu_kernel_check(jnp.bfloat16, dm.MosaicDecodeConfig(transfer="direct", layout=layout), d=64)
+def test_gpu_kernel_head_dim_64():
+    """K = V = 64 (8 rows a thread), compiled: against the XLA step and float64."""
+    _gpu_kernel_check(jnp.bfloat16, dm.MosaicDecodeConfig(), d=64)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The Mosaic GPU backend of the gated delta rule (pallas_kernels/gated_delta_rule/mosaic_gpu.py, backend
+"""The Mosaic GPU backend of the gated delta rule (pallas_kernels/gated_delta_rule/mosaic_gpu/, backend
 "mosaic_gpu").
 
 CPU: the algebra the kernels implement, as their jnp twins (``fused_state_pass_reference`` behind Triton's stage 1a
@@ -41,13 +41,14 @@ def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison
 
 def test_defaults():
     assert mg.ENABLED is True and mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
-    # session 8's measured choices (NOTES.md): states in [B, Hv, K, V] inside the pass, exp2, the split's map + scan
+    # the measured choices: states in [B, Hv, K, V] inside the pass, exp2, the split where its time model says
     assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
-                                                split_chain=False, split_scan=None, split_first=None)
-    # session 9 (NOTES.md "Session 9: the Hk2-Hv8 row"): the split's first piece from h0, the Triton scan in tf32
-    # above P = 2 (at P = 2 XLA's stack, no product)
-    from pallas_kernels.gated_delta_rule.mosaic_gpu import split
-    assert (split.FIRST, split.SCAN, split.SERIAL_MAX_PIECES, split.SCAN_PRECISION) == ("h0", "auto", 2, "default")
+                                                split=mg.SplitConfig())
+    # the split's first piece from h0, the Triton scan in tf32 above P = 2 (at P = 2 XLA's stack, no product)
+    sp = mg.DEFAULT_CONFIG.split
+    assert (sp.first, sp.scan, sp.serial_max_pieces, sp.precision, sp.paired) == ("h0", "auto", 2, "default", "auto")
+    assert (sp.max_pieces, sp.min_piece_chunks, sp.max_split_ctas) == (8, 8, 64)
+    assert (sp.map_step, sp.fixed, sp.per_piece, sp.paired_step) == (0.6, 1.0, 5.8, 1.86)
     with pytest.raises(ValueError, match="stage1a"):
         mg.MosaicConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="pieces"):
@@ -90,8 +91,8 @@ def test_split_start_states_are_used(monkeypatch, part):
     scaled ("E"), or the maps' M part dropped (start = E alone: right only where the decay forgets the start)."""
     case = Case("cpu-B1-T256-Hk1-Hv1-K8-V8", 1, 256, 1, 1, 8, 8)
     if part == "E":
-        orig = mg._split_start_states
-        monkeypatch.setattr(mg, "_split_start_states", lambda *a, **kw: orig(*a, **kw).at[1:].multiply(0.5))
+        orig = ms.start_states
+        monkeypatch.setattr(ms, "start_states", lambda *a, **kw: orig(*a, **kw).at[1:].multiply(0.5))
     else:
         orig = mg.fused_state_pass_reference
 
@@ -118,7 +119,7 @@ def test_kkt_reference_is_the_gate_free_inverse():
 
 
 def test_split_policy():
-    """The H200's fastest P on each dense bench row (NOTES.md "Session 8: dense Mosaic"): no split where the rows
+    """The H200's fastest P on each dense bench row (``python -m benchmarks gdn``): no split where the rows
     fill the 132 SMs (B4-T4096, B16-T1024: 256+ CTAs), P = 2 on the 64-CTA rows, P = 4 at Hk2-Hv8."""
     for b, t, hv in [(4, 4096, 32), (16, 1024, 32), (2, 8192, 32)]:
         assert mg.split_pieces(b, hv, 128, 128, t, sms=132) == 1, (b, t, hv)
@@ -127,7 +128,7 @@ def test_split_policy():
     assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132) == 4        # P = 4 beat P = 8 in every round
     assert mg.split_pieces(1, 8, 128, 128, 8192, sms=132, has_h0=False) == 4
     assert mg.split_pieces(1, 8, 128, 128, 256, sms=132) == 1        # pieces of >= 8 chunks only
-    assert mg.split_pieces(1, 40, 128, 128, 8192, sms=132) == 1      # 80 CTAs > MAX_SPLIT_CTAS
+    assert mg.split_pieces(1, 40, 128, 128, 8192, sms=132) == 1      # 80 CTAs > max_split_ctas
     assert mg.DEFAULT_CONFIG.pieces == 0                             # the policy decides
 
 
@@ -339,7 +340,7 @@ def test_registry_entry(monkeypatch):
     assert "head dims" in registry.supports("gated_delta_rule", "mosaic_gpu", **dict(case, head_v_dim=96))
 
 
-# ---- the sequence split's start states (gated_delta_rule/mosaic_gpu/split.py, session 7) ----------------------------------------
+# ---- the sequence split's start states (gated_delta_rule/mosaic_gpu/split.py) --------------------------------------
 from pallas_kernels.gated_delta_rule.mosaic_gpu import split as ms  # noqa: E402
 
 
@@ -388,7 +389,7 @@ def test_split_piece_scans_match_f64(pieces, with_h0):
 def _split_operands(case, pieces, *, seed=0, with_h0=True, g_scale=0.01):
     q, k, v, g, beta, h0, _ = make_inputs(case, seed, jnp.float32, with_h0=with_h0)
     g = (g * g_scale).astype(np.float32)
-    ops_ = mg._prepare_head_major(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
+    ops_ = mg.prepare_head_major(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
                                   None if h0 is None else jnp.asarray(h0), kernel=False, pieces=pieces)
     return (q, k, v, g, beta, h0), ops_
 
@@ -403,7 +404,8 @@ def test_split_start_states_match_f64(t, pieces, with_h0):
     (q, k, v, g, beta, h0), ops_ = _split_operands(case, pieces, with_h0=with_h0)
     lp = ops_[1].shape[1] // pieces
     for scan in ms.SCANS:
-        starts = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan=scan))
+        starts = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True,
+                                            config=mg.SplitConfig(scan=scan)))
         starts = np.swapaxes(starts.reshape(2, pieces, 4, 16, 32), -1, -2)           # [B, P, Hv, K, V]
         for p in range(pieces):
             n = min(p * lp, t)
@@ -420,13 +422,13 @@ def test_split_start_states_match_f64(t, pieces, with_h0):
     np.testing.assert_array_equal(maps[:, 1:], full[:, 1:])
 
 
-def test_split_paired_policy(monkeypatch):
+def test_split_paired_policy():
     """Pairs where they save a wave at the measured ~1.86x step (P = 8 at Hk2-Hv8: 224 CTAs), not where one wave
-    holds every block (P = 4: 96); never with an odd count of 64-blocks (K = 64); PAIRED True / False force it."""
-    monkeypatch.setattr(ms, "PAIRED", "auto")
-    assert ms.use_pairs(224, 128, 128, sms=132) and not ms.use_pairs(96, 128, 128, sms=132)
-    assert not ms.use_pairs(224, 64, 128, sms=132, paired=True)
-    assert ms.use_pairs(96, 128, 128, paired=True) and not ms.use_pairs(224, 128, 128, paired=False)
+    holds every block (P = 4: 96); never with an odd count of 64-blocks (K = 64); paired True / False force it."""
+    auto, on, off = mg.SplitConfig(paired="auto"), mg.SplitConfig(paired=True), mg.SplitConfig(paired=False)
+    assert ms.use_pairs(224, 128, 128, sms=132, config=auto) and not ms.use_pairs(96, 128, 128, sms=132, config=auto)
+    assert not ms.use_pairs(224, 64, 128, sms=132, config=on)
+    assert ms.use_pairs(96, 128, 128, config=on) and not ms.use_pairs(224, 128, 128, config=off)
 
 
 def test_split_map_pass_argument_checks():
@@ -449,7 +451,8 @@ def _shim_transposed_load(monkeypatch):
     needs no shim and gets none."""
     import dataclasses
     import inspect
-    plgpu = mg._plgpu()
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as mosaic_plgpu
+    plgpu = mosaic_plgpu()
     orig = plgpu.load
     if "idx" in inspect.signature(orig).parameters and \
             inspect.signature(orig).parameters["idx"].default is inspect.Parameter.empty:
@@ -480,7 +483,7 @@ def test_state_map_pass_lowers_for_cuda(monkeypatch, need_first, exp2, head_majo
 
     def f(k, v, t_, g, beta):
         return ms.state_map_pass(k, v, t_, g, beta, pieces=4, need_first=need_first, exp2=exp2,
-                                 head_major=head_major, paired=paired)
+                                 head_major=head_major, config=mg.SplitConfig(paired=paired))
     lowered = jax.jit(f).trace(k, v, tt, gg, gg).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text and ("gdn_mosaic_split_map2" in text) == paired
@@ -504,7 +507,7 @@ def _weak_decay_operands(case, seed: int, *, pieces: int):
     so a start state survives a piece and the split's state maps M matter."""
     q, k, v, g, beta, h0, _ = make_inputs(case, seed, jnp.bfloat16)
     bf = jnp.bfloat16
-    return jax.jit(lambda *a: mg._prepare_head_major(*a, kernel=True, pieces=pieces))(
+    return jax.jit(lambda *a: mg.prepare_head_major(*a, kernel=True, pieces=pieces))(
         jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g * 0.01), jnp.asarray(beta, bf),
         jnp.asarray(h0))
 
@@ -519,7 +522,7 @@ def test_gpu_split_map_pass_matches_twin(need_first, paired):
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     ops_ = _weak_decay_operands(Case("B2-T1000-Hk1-Hv2-K128-V128", 2, 1000, 1, 2, 128, 128), 11, pieces=4)
     got = np.asarray(jax.jit(lambda *a: ms.state_map_pass(*a, pieces=4, need_first=need_first,
-                                                          paired=paired))(*ops_[1:6]))
+                                                          config=mg.SplitConfig(paired=paired)))(*ops_[1:6]))
     ref = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=4, need_first=need_first))
     assert np.isfinite(got).all()
     assert rel_rms(got, ref) < 1e-2, rel_rms(got, ref)
@@ -547,12 +550,12 @@ def test_gpu_split_op_weak_decay_matches_f64(t, pieces, with_h0):
 @pytest.mark.gpu
 def test_gpu_split_variants_agree():
     """The Triton and the log-depth scans and the paired map kernel give the start states of the map kernel and
-    the serial scan (P = 8, weak decay, initial state; session 6's map is checked by the op tests of session 6)."""
+    the serial scan (P = 8, weak decay, initial state)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     ops_ = _weak_decay_operands(Case("B1-T1024-Hk1-Hv2-K128-V128", 1, 1024, 1, 2, 128, 128), 12, pieces=8)
-    runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(o, 8, kernel=True, head_major=True,
-                                                                           map_impl=m, scan=s))(ops_))
+    runs = {(m, s): np.asarray(jax.jit(lambda o, m=m, s=s: ms.start_states(
+        o, 8, kernel=True, head_major=True, map_impl=m, config=mg.SplitConfig(scan=s)))(ops_))
             for m, s in [("map", "serial"), ("map", "triton"), ("paired", "serial"), ("map", "log")]}
     base = runs[("map", "serial")]
     assert np.isfinite(base).all() and np.abs(base[-2:]).max() > 0.05
@@ -577,9 +580,9 @@ def test_gpu_split_fast_scan_matches_f64(precision):
 
     @jax.jit
     def run(q, k, v, g, beta, h0):
-        ops_ = mg._prepare_head_major(q, k, v, g, beta, h0, kernel=True, pieces=8)
-        fast = ms.start_states(ops_, 8, kernel=True, head_major=True, precision=precision)
-        exact = ms.start_states(ops_, 8, kernel=True, head_major=True, precision="highest")
+        ops_ = mg.prepare_head_major(q, k, v, g, beta, h0, kernel=True, pieces=8)
+        fast = ms.start_states(ops_, 8, kernel=True, head_major=True, config=mg.SplitConfig(precision=precision))
+        exact = ms.start_states(ops_, 8, kernel=True, head_major=True, config=mg.SplitConfig(precision="highest"))
         o, ht = mg.fused_state_pass(*ops_[:6], fast, scale=128 ** -0.5, out_final=True, head_major=True, pieces=8)
         return o[:, :1000], jnp.swapaxes(ht[-1:], -1, -2), fast, exact
     o, s, fast, exact = (np.asarray(x.astype(jnp.float32)) for x in run(*args))
@@ -589,7 +592,7 @@ def test_gpu_split_fast_scan_matches_f64(precision):
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
 
 
-# ---- session 8: the dense rows' launch choices (MosaicConfig.state_kv, the variants the GPU sweep times) --------
+# ---- the dense rows' launch choices (MosaicConfig.state_kv, exp2) ---------------------------------------------
 def test_config_state_kv_is_checked_and_passed_through(monkeypatch):
     """MosaicConfig.state_kv is a bool (a clear ValueError otherwise) and op_fwd hands every field of the config to
     the dense entry (a stand-in records the call)."""
@@ -649,29 +652,9 @@ def test_gpu_state_kv_matches_f64(exp2):
     assert np.array_equal(s[:1], s_t[:1]) and np.array_equal(o[:1], o_t[:1])
 
 
-@pytest.mark.parametrize("with_h0", [True, False])
-def test_split_chain_start_states_match_the_maps(with_h0):
-    """map_impl="chain" (P = 2): piece 1's start state from a state-only pass over piece 0 from h0 equals the map
-    pass + scan's (jnp twins, weak decay so h0 matters), and the op split that way matches float64; other P refuse."""
-    case = Case("cpu-B2-T200-Hk1-Hv2-K16-V8", 2, 200, 1, 2, 16, 8)
-    _, ops_ = _split_operands(case, 2, seed=3, with_h0=with_h0)
-    chain = np.asarray(ms.start_states(ops_, 2, kernel=False, head_major=True, map_impl="chain"))
-    maps = np.asarray(ms.start_states(ops_, 2, kernel=False, head_major=True, map_impl="map", scan="serial"))
-    assert chain.shape == maps.shape and rel_rms(chain, maps) < 1e-5, rel_rms(chain, maps)
-    assert np.abs(chain[1::2]).max() > 0.05
-    with pytest.raises(ValueError, match="chain"):
-        ms.start_states(_split_operands(case, 4, seed=3)[1], 4, kernel=False, head_major=True, map_impl="chain")
-    q, k, v, g, beta, h0, _ = make_inputs(case, 9, jnp.float32, with_h0=with_h0)
-    g = (g * 0.01).astype(np.float32)
-    o, s = mg.chunk_gated_delta_rule_fwd(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
-                                         None if h0 is None else jnp.asarray(h0), impl="reference",
-                                         stage1a="mosaic", pieces=2, split_chain=True)
-    ro, rs = oracle(q, k, v, g, beta, h0)
-    assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4
-
-
 def _split_weak_decay_check(t: int, seed: int, **split):
-    """The Mosaic op split as ``split`` asks (``mg.chunk_gated_delta_rule_fwd``'s options) against float64 at weak
+    """The Mosaic op split as ``split`` asks (``mg.chunk_gated_delta_rule_fwd``'s options, a ``split`` SplitConfig
+    among them) against float64 at weak
     decay (g x 0.01: a wrong start state shows): one stream of T tokens, initial state in, K = V = 128, Hv = 2 Hk,
     bf16 inputs; o finite, o and the final state within 1e-2."""
     if not _hopper():
@@ -687,13 +670,6 @@ def _split_weak_decay_check(t: int, seed: int, **split):
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, bf).astype(jnp.float32)), h0)
     assert np.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
-
-
-@pytest.mark.gpu
-def test_gpu_split_chain_matches_f64():
-    """The op split at P = 2 with piece 1's start from the fused kernel's state-only pass over piece 0 (split_chain)
-    against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128, Hv = 2 Hk."""
-    _split_weak_decay_check(1000, 17, pieces=2, split_chain=True)
 
 
 @pytest.mark.gpu
@@ -717,16 +693,20 @@ def test_gpu_default_config_matches_f64(t, hv, pieces):
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
 
 
-# ---- session 9: the split's first piece from h0 (mosaic_gpu_split.FIRST "h0"), scan / pieces as config fields ----
+# ---- the split's first piece from h0, the scan and the split policy as config fields -----------------------------
 def test_config_split_fields_are_checked_and_passed_through(monkeypatch):
-    """MosaicConfig.split_scan / split_first: None or a known name (a ValueError naming the field otherwise), and
-    op_fwd hands both to the dense entry."""
-    with pytest.raises(ValueError, match="split_scan"):
-        mg.MosaicConfig(split_scan="tree")
-    with pytest.raises(ValueError, match="split_first"):
-        mg.MosaicConfig(split_first="eye")
-    with pytest.raises(ValueError, match="split_precision"):
-        mg.MosaicConfig(split_precision="fp64")
+    """SplitConfig's fields: known names and positive numbers (a ValueError naming the field otherwise), and
+    op_fwd hands the config's split to the dense entry."""
+    for bad, match in [(dict(scan="tree"), "scan"), (dict(first="eye"), "first"), (dict(precision="fp64"), "precision"),
+                       (dict(paired="yes"), "paired"), (dict(max_pieces=0), "max_pieces"),
+                       (dict(min_piece_chunks=1.5), "min_piece_chunks"), (dict(map_step=-1.0), "map_step"),
+                       (dict(serial_max_pieces=True), "serial_max_pieces")]:
+        with pytest.raises(ValueError, match=f"SplitConfig.{match}"):
+            mg.SplitConfig(**bad)
+    with pytest.raises(ValueError, match="MosaicConfig.split"):
+        mg.MosaicConfig(split="serial")
+    with pytest.raises(ValueError, match="MosaicConfig.pieces"):
+        mg.MosaicConfig(pieces=8, split=mg.SplitConfig(max_pieces=4))
     seen = {}
 
     def fake(q, k, v, g, beta, h0=None, **kw):
@@ -736,11 +716,10 @@ def test_config_split_fields_are_checked_and_passed_through(monkeypatch):
     q = jnp.zeros((1, 70, 1, 16), jnp.bfloat16)
     v = jnp.zeros((1, 70, 2, 16), jnp.bfloat16)
     g = jnp.zeros((1, 70, 2), jnp.float32)
+    split = mg.SplitConfig(scan="serial", first="h0", precision="default")
     mg.op_fwd(q, q, v, g, g, scale=0.25, initial_state=None, output_final_state=True,
-              config=mg.MosaicConfig(split_scan="serial", split_first="h0", split_precision="default"))
-    assert (seen["split_scan"], seen["split_first"], seen["split_precision"]) == ("serial", "h0", "default")
-    with pytest.raises(ValueError, match="first"):
-        ms.start_states((q, q, v, None, g, g, None), 2, kernel=False, head_major=True, first="eye")
+              config=mg.MosaicConfig(split=split))
+    assert seen["split"] is split
 
 
 @pytest.mark.parametrize("pieces", [2, 4, 5])
@@ -750,18 +729,20 @@ def test_split_first_from_h0_matches_the_maps(pieces):
     T padded to C P); without an initial state "h0" is "map"."""
     case = Case("cpu-B2-T300-Hk2-Hv4-K32-V16", 2, 300, 2, 4, 32, 16)
     _, ops_ = _split_operands(case, pieces, seed=5)
-    base = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan="serial", first="map"))
+    base = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True,
+                                      config=mg.SplitConfig(scan="serial", first="map")))
     assert np.abs(base[1::pieces]).max() > 0.05
     for scan in ms.SCANS:
-        got = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True, scan=scan, first="h0"))
+        got = np.asarray(ms.start_states(ops_, pieces, kernel=False, head_major=True,
+                                         config=mg.SplitConfig(scan=scan, first="h0")))
         assert got.shape == base.shape and rel_rms(got, base) < 1e-5, (scan, rel_rms(got, base))
     maps = np.asarray(ms.state_map_pass_reference(*ops_[1:6], pieces=pieces, h0t=ops_[6]))
     maps = maps.reshape(2, pieces - 1, 4, 48, 32)
     assert np.all(maps[:, 0, :, :32] == 0)
     np.testing.assert_allclose(maps[:, 0, :, 32:], base.reshape(2, pieces, 4, 16, 32)[:, 1], rtol=1e-5, atol=1e-6)
     _, ops0 = _split_operands(case, pieces, seed=5, with_h0=False)
-    a = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, first="h0"))
-    b = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, first="map"))
+    a = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, config=mg.SplitConfig(first="h0")))
+    b = np.asarray(ms.start_states(ops0, pieces, kernel=False, head_major=True, config=mg.SplitConfig(first="map")))
     np.testing.assert_array_equal(a, b)
 
 
@@ -784,7 +765,7 @@ def test_piece_scan_first_end_skips_m0(pieces):
 
 
 def test_reference_split_options_match_f64():
-    """The dense entry with split_first="h0" and each split_scan, at P = 3 and 5 (not powers of two), matches
+    """The dense entry with SplitConfig first="h0" and each scan, at P = 3 and 5 (not powers of two), matches
     float64 at weak decay (jnp twins, impl="reference")."""
     case = Case("cpu-B1-T400-Hk1-Hv2-K16-V8", 1, 400, 1, 2, 16, 8)
     q, k, v, g, beta, h0, _ = make_inputs(case, 6, jnp.float32)
@@ -792,7 +773,8 @@ def test_reference_split_options_match_f64():
     ro, rs = oracle(q, k, v, g, beta, h0)
     for pieces, scan, first in [(3, "serial", "h0"), (5, "triton", "h0"), (5, "log", "map")]:
         o, s = mg.chunk_gated_delta_rule_fwd(*(jnp.asarray(x) for x in (q, k, v, g, beta, h0)), impl="reference",
-                                             stage1a="mosaic", pieces=pieces, split_scan=scan, split_first=first)
+                                             stage1a="mosaic", pieces=pieces,
+                                             split=mg.SplitConfig(scan=scan, first=first))
         assert rel_rms(np.asarray(o), ro) < 2e-4 and rel_rms(np.asarray(s), rs) < 2e-4, (pieces, scan, first)
 
 
@@ -808,7 +790,8 @@ def test_state_map_pass_from_h0_lowers_for_cuda(monkeypatch):
     h0 = jax.ShapeDtypeStruct((b, hv, vd, kd), jnp.float32)
 
     def f(k, v, t_, g, beta, h0t):
-        return ms.state_map_pass(k, v, t_, g, beta, pieces=4, exp2=True, paired=True, h0t=h0t)
+        return ms.state_map_pass(k, v, t_, g, beta, pieces=4, exp2=True, config=mg.SplitConfig(paired=True),
+                                 h0t=h0t)
     lowered = jax.jit(f).trace(k, v, tt, gg, gg, h0).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "gdn_mosaic_split_map" in text and "gdn_mosaic_split_map2" not in text    # never paired
@@ -838,16 +821,16 @@ def test_gpu_split_map_from_h0_matches_twin():
                                                     (3, "serial", "map", "highest"), (6, "triton", "h0", "highest"),
                                                     (5, "triton", "h0", "default")])
 def test_gpu_split_options_weak_decay_matches_f64(pieces, scan, first, prec):
-    """The op split with session 9's options (first piece from h0, the XLA serial scan, P = 3, 5, 6, the scan in
-    tf32) against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128,
+    """The op split with each start-state option (first piece from h0 or mapped, the XLA serial scan, P = 3, 5, 6,
+    the scan in tf32) against float64 at weak decay (g x 0.01: a wrong start state shows), initial state in, K = V = 128,
     Hv = 2 Hk, exp2 on (the default), bf16 1e-2."""
-    _split_weak_decay_check(2000, 37, pieces=pieces, exp2=True, split_scan=scan, split_first=first,
-                            split_precision=prec)
+    _split_weak_decay_check(2000, 37, pieces=pieces, exp2=True,
+                            split=mg.SplitConfig(scan=scan, first=first, precision=prec))
 
 
 @pytest.mark.parametrize("pieces,want", [(2, "serial"), (4, "triton")])
 def test_split_scan_auto_resolves_by_pieces(monkeypatch, pieces, want):
-    """scan="auto" (the default SCAN) runs the XLA serial scan up to SERIAL_MAX_PIECES pieces and the Triton kernel
+    """scan="auto" (the default) runs the XLA serial scan up to serial_max_pieces pieces and the Triton kernel
     above (a stand-in piece_scan records the method)."""
     case = Case("cpu-B1-T1024-Hk1-Hv2-K16-V8", 1, 1024, 1, 2, 16, 8)
     _, ops_ = _split_operands(case, pieces, seed=2)
@@ -858,9 +841,9 @@ def test_split_scan_auto_resolves_by_pieces(monkeypatch, pieces, want):
         seen.append(method)
         return real(*a, method=method, **kw)
     monkeypatch.setattr(ms, "piece_scan", spy)
-    ms.start_states(ops_, pieces, kernel=False, head_major=True, scan="auto")
+    ms.start_states(ops_, pieces, kernel=False, head_major=True, config=mg.SplitConfig(scan="auto"))
     ms.start_states(ops_, pieces, kernel=False, head_major=True)
-    assert seen == [want, want]
-    with pytest.raises(ValueError, match="split_scan"):
-        mg.MosaicConfig(split_scan="fast")
-    assert mg.MosaicConfig(split_scan="auto").split_scan == "auto"
+    ms.start_states(ops_, pieces, kernel=False, head_major=True, config=mg.SplitConfig(serial_max_pieces=4))
+    assert seen == [want, want, "serial"]
+    with pytest.raises(ValueError, match="scan"):
+        mg.SplitConfig(scan="fast")

@@ -40,12 +40,12 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         inputs="repacked", states="kv", lanes=0, copies="triton", kkt_used=True):
+         states="kv", lanes=0, copies="triton", kkt_used=True):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
-        stage1a=stage1a, order=order, output_final_state=final, inputs=inputs, states=states, lanes=lanes,
+        stage1a=stage1a, order=order, output_final_state=final, states=states, lanes=lanes,
         copies=copies, kkt_used=kkt_used)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
@@ -57,19 +57,17 @@ def _oracle(args, dtype=jnp.float32):
     return oracle(*clean[:4], beta_seen, h0, cu)
 
 
-@pytest.mark.parametrize("stage1a,inputs,states,lanes,copies,kkt_used", [
-    ("mosaic", "repacked", "vk", 0, "xla", False), ("triton", "repacked", "kv", 0, "xla", False),
-    ("mosaic", "packed", "kv", 2, "xla", False), ("triton", "packed", "vk", 4, "xla", False),
-    ("mosaic", "repacked", "kv", 0, "triton", True)])
-def test_reference_matches_f64(stage1a, inputs, states, lanes, copies, kkt_used):
+@pytest.mark.parametrize("stage1a,states,lanes,copies,kkt_used", [
+    ("mosaic", "vk", 0, "xla", False), ("triton", "kv", 0, "xla", False), ("mosaic", "kv", 2, "xla", False),
+    ("triton", "vk", 4, "xla", False), ("mosaic", "kv", 0, "triton", True)])
+def test_reference_matches_f64(stage1a, states, lanes, copies, kkt_used):
     """Odd lengths with an empty sequence, NaN padding past cu_seqlens[N], grouped heads (Hv = 2 Hk), initial
     states: o (padding rows exactly zero) and every final state (the empty sequence's is its initial state).
-    ``inputs="packed"``: full chunks read in place, partial ones from the tails (NaN padding right behind the last);
     ``lanes``: the persistent walk (each lane's sequences back to back); ``copies="triton"``: the repack and unpack
     by the Pallas Triton copy kernels (interpret mode); ``kkt_used``: T0 of the unused chunk slots is NaN in the
     twin (the kernel leaves it unset), so a read of it would show."""
     args = _inputs()
-    o, s = _run(args, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used)
+    o, s = _run(args, stage1a=stage1a, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used)
     ro, rs = _oracle(args)
     cu = args[-1]
     assert np.isfinite(o).all() and np.isfinite(s).all()
@@ -88,18 +86,17 @@ def test_reference_no_initial_state_index_order_k32():
     assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
 
 
-@pytest.mark.parametrize("inputs", mv.INPUTS)
-def test_nan_token_stays_in_its_sequence(inputs):
+def test_nan_token_stays_in_its_sequence():
     """A NaN in the first token of sequence 3 (64 tokens) poisons only that sequence; every other sequence's rows
     and final state equal the clean run's bit for bit, also sequence 1 (63 tokens, then the empty sequence 2),
-    whose one chunk would cover that token in the packed row (packed reads take a partial chunk from the tails)."""
+    whose one chunk would cover that token in the packed row."""
     args = _inputs(seed=5)
-    o_clean, s_clean = _run(args, inputs=inputs)
+    o_clean, s_clean = _run(args)
     cu = args[-1]
     k, v = args[1].copy(), args[2].copy()
     k[0, cu[3]] = np.nan
     v[0, cu[3], 1] = np.nan
-    o_bad, s_bad = _run(args[:1] + (k, v) + args[3:], inputs=inputs)
+    o_bad, s_bad = _run(args[:1] + (k, v) + args[3:])
     others = np.ones(o_bad.shape[1], bool)
     others[cu[3]:cu[4]] = False
     assert np.isnan(o_bad[0, cu[3]:cu[4]]).any() and np.isnan(s_bad[3]).any()
@@ -109,11 +106,11 @@ def test_nan_token_stays_in_its_sequence(inputs):
 
 @pytest.mark.parametrize("lens,pad", [(LENS, PAD), ((130, 0, 1, 65), 0), ((64,), 1)])
 def test_triton_copies_match_xla_gather_bitwise(lens, pad, interpret=True):
-    """varlen_copy_triton (interpret mode) against the XLA gathers it replaces (``mv.repack`` / ``_gather_rows``),
+    """varlen_copy_triton (interpret mode) against the XLA gathers it replaces (``mv.repack`` / ``gather_rows``),
     bit for bit: bf16 q-like [T, Hk K] and v-like [T, Hv V] and fp32 g-like [T, Hv] arrays in one repack launch,
     odd lengths with a 0-length sequence, padding tokens past cu_seqlens[N] and every source row past a chunk's end
     NaN or not; interpret mode starts every output as NaN, so a destination row the kernels do not write (the zero
-    tails, the packed padding rows) fails the comparison; the repack leaves the unused chunk slots unset (NaN
+    tails, the padding rows) fails the comparison; the repack leaves the unused chunk slots unset (NaN
     here), which the float64 test of the path with copies="triton" shows nothing reads."""
     t = sum(lens) + pad
     cu = jnp.asarray(cu_of(lens))
@@ -135,7 +132,7 @@ def test_triton_copies_match_xla_gather_bitwise(lens, pad, interpret=True):
     o_r = jnp.asarray(rng.standard_normal((src.shape[0], 4 * 8)), jnp.bfloat16)
     o_r = o_r.at[jnp.where(keep, src.shape[0], jnp.arange(src.shape[0]))].set(jnp.nan, mode="drop")  # unowned rows
     got = vc.unpack_rows(o_r, *chunks, cu[-1:], total_len=t, interpret=interpret)
-    want = mv._gather_rows(o_r, back, valid)
+    want = mv.gather_rows(o_r, back, valid)
     assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert np.all(np.asarray(got[int(cu[-1]):], np.float32) == 0)
 
@@ -282,8 +279,6 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="order"):
         mv.VarlenConfig(order="random")
-    with pytest.raises(ValueError, match="inputs"):
-        mv.VarlenConfig(inputs="strided")
     with pytest.raises(ValueError, match="states"):
         mv.VarlenConfig(states="kk")
     with pytest.raises(ValueError, match="lanes"):
@@ -312,14 +307,8 @@ def _hopper() -> bool:
     return mg.is_hopper()
 
 
-_PACKED_XFAIL = pytest.mark.xfail(reason="inputs='packed' does not build on the H200 (jax 0.11.2, session 7 calls 3 "
-                                         "and 4: AssertionError while lowering); off by default", strict=False)
-GPU_VARIANTS = [("mosaic", "repacked", "kv", 0), ("mosaic", "repacked", "vk", 0), ("triton", "repacked", "kv", 0),
-                pytest.param("mosaic", "packed", "kv", 0, marks=_PACKED_XFAIL),
-                pytest.param("triton", "packed", "kv", 0, marks=_PACKED_XFAIL),
-                pytest.param("mosaic", "packed", "vk", 0, marks=_PACKED_XFAIL),
-                pytest.param("mosaic", "packed", "kv", 2, marks=_PACKED_XFAIL),
-                ("mosaic", "repacked", "vk", 3)]     # the persistent walk: passed in session 8 (call 2)
+GPU_VARIANTS = [("mosaic", "kv", 0), ("mosaic", "vk", 0), ("triton", "kv", 0),
+                ("mosaic", "vk", 3)]     # the persistent walk
 
 
 def _check_kernel_f64(dims, **run_kw):
@@ -343,12 +332,12 @@ def _check_kernel_f64(dims, **run_kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage1a,inputs,states,lanes", GPU_VARIANTS)
+@pytest.mark.parametrize("stage1a,states,lanes", GPU_VARIANTS)
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
-def test_gpu_kernel_matches_f64(stage1a, inputs, states, lanes, dims):
+def test_gpu_kernel_matches_f64(stage1a, states, lanes, dims):
     """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
     NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
-    _check_kernel_f64(dims, stage1a=stage1a, inputs=inputs, states=states, lanes=lanes)
+    _check_kernel_f64(dims, stage1a=stage1a, states=states, lanes=lanes)
 
 
 @pytest.mark.gpu
@@ -362,7 +351,7 @@ def test_gpu_triton_copies_match_xla_gather_bitwise(lens, pad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
 def test_gpu_kernel_xla_copies_matches_f64(dims):
-    """The kernel path with session 7's ``copies="xla"`` and every kkt slot (the defaults are "triton" and
+    """The kernel path with ``copies="xla"`` and every kkt slot (the defaults are "triton" and
     ``kkt_used``, which test_gpu_kernel_matches_f64 runs) at bf16 against the float64 oracle (1e-2): odd lengths,
     an empty sequence, NaN padding (rows exactly zero), grouped heads, initial states."""
     _check_kernel_f64(dims, copies="xla", kkt_used=False)

@@ -5,15 +5,14 @@
 # (Apache-2.0), jla/ops/mosaic_gpu/scalar_gate_fused.py (fused_fwd_wy) and jla/ops/mosaic_gpu/_common.py, which
 # were themselves adapted from flash-linear-attention (MIT) and FlashQLA (MIT). See NOTICE in this folder.
 """Mosaic GPU (Hopper, sm_90) backend of the chunked gated delta rule forward, dense prefill: the op's backend
-"mosaic_gpu" (api.py routes here; "auto" picks it only where ``AUTO`` is set, from the H200 measurements in
-NOTES.md "Session 6: Mosaic"). JLA_STUDY.md has the port plan and the measured stages.
+"mosaic_gpu" (api.py routes here; "auto" picks it where ``AUTO`` is set). At B1-T8192-Hk16-Hv32 on the H200 it
+runs in 0.316 ms against Pallas Triton's 0.443 (``python -m benchmarks gdn``).
 
 Two kernels and a little XLA glue:
-  * stage 1a, :func:`kkt_fwd` (port plan step 2, jla's kkt_fwd): the gate-free T0 = (I + A0)^-1,
+  * stage 1a, :func:`kkt_fwd` (jla's kkt_fwd): the gate-free T0 = (I + A0)^-1,
     A0_ij = beta_i k_i.k_j (j < i), 16 x 16 diagonal blocks by forward substitution, merged on the tensor cores;
-    T0 [B, Hv, Tp, C] in the input dtype. (``stage1a="triton"``: Pallas Triton ``kkt_solve``'s gated T instead,
-    the session-5 port.)
-  * :func:`fused_state_pass` (step 1, jla's fused_fwd_wy): stages 1b + 2 of gated_delta_rule/triton/chunk.py in one
+    T0 [B, Hv, Tp, C] in the input dtype. (``stage1a="triton"``: Pallas Triton ``kkt_solve``'s gated T instead.)
+  * :func:`fused_state_pass` (jla's fused_fwd_wy): stages 1b + 2 of gated_delta_rule/triton/chunk.py in one
     warp-specialised kernel that builds the WY factors inside the chunk loop. With T = T0 * e^(G_i - G_j) (the
     gates enter A as a diagonal similarity) the WY identity reads
 
@@ -28,20 +27,20 @@ Two kernels and a little XLA glue:
                    tiles, staged and stored by TMA.
       WG2 (memory) streams q, k (key head h // (Hv / Hk)), v, T0 and the gate / beta vectors by TMA into a
                    2-4 stage ring (as deep as 220 KB of SMEM allows: 2 at K = V = 128 bf16).
-  * the sequence split (step 3, jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces``): where
-    B Hv V / 64 CTAs leave the SMs idle, each row is cut into P pieces run side by side; their start states come
-    from one state-map pass over pieces 0 .. P - 2 (a piece's map is affine, S_end = M S_start + E:
-    ``mosaic_gpu_split.state_map_pass``, a state-only kernel carrying [M | E] with u read in place; the first
-    piece walked from the initial state itself) and a scan over the pieces (``mosaic_gpu_split.piece_scan``:
-    one Pallas Triton launch with tf32 products; at 2 pieces an XLA stack, no product).
+  * the sequence split (jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces`` and
+    ``MosaicConfig.split``, a :class:`SplitConfig`): where B Hv V / 64 CTAs leave the SMs idle, each row is cut
+    into P pieces run side by side; their start states come from one state-map pass over pieces 0 .. P - 2 (a
+    piece's map is affine, S_end = M S_start + E: ``split.state_map_pass``, a state-only kernel carrying [M | E]
+    with u read in place; the first piece walked from the initial state itself) and a scan over the pieces
+    (``split.piece_scan``: one Pallas Triton launch with tf32 products; at 2 pieces an XLA stack, no product).
 
-Scope (dense rows here; packed sequences and the slot pool in ``gated_delta_rule/mosaic_gpu/varlen.py``, which lays them out for
+Scope (dense rows here; packed sequences and the slot pool in ``mosaic_gpu/varlen.py``, which lays them out for
 the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one dtype, K and V in {64, 128}, Hv a
 multiple of Hk, any T (padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and
 the real rows unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None,
 the final state returned. Not here (api.py runs Pallas Triton with a warning naming the reason,
 :func:`fallback_reason`): fp32 inputs, other head dims, chunk sizes other than 64, a GPU other than sm_90 (and
-cu_seqlens / slots while ``VARLEN`` is off); JLA_STUDY.md step 4 says what each needs. Mosaic GPU kernels do not
+cu_seqlens / slots while ``VARLEN`` is off). Mosaic GPU kernels do not
 run in interpret mode on this repo's CPU jax (0.10.2; the code targets 0.11's Pallas Mosaic GPU API): each kernel
 has a jnp twin (:func:`kkt_fwd_reference`, :func:`fused_state_pass_reference`) that the CPU tests check against
 float64; the kernels' tests are GPU-marked.
@@ -59,77 +58,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (SMEM_BUDGET, bcast_cols, bcast_rows, iota, matmul,
+                                                              num_sms, ring_stages, smem)
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
+
 ENABLED = True         # api.py routes backend="mosaic_gpu" here (and "auto" where AUTO says so)
 C = 64                 # chunk size (stage 1a's T is [C, C])
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BV = 64                # value columns per CTA (WG0's S^T [BV, K] fp32 is 64 registers a thread at K = 128)
-SMEM_BUDGET = 220 * 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 F32 = jnp.float32
-
-
-def _plgpu():
-    """The Pallas Mosaic GPU module, imported on first use (keeps this module importable everywhere)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    return plgpu
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# helpers (jla: _common.py)
-# ---------------------------------------------------------------------------------------------------------------
-def _smem(shape, dtype):
-    """(jla) SMEM buffer tiled and swizzled for TMA and WGMMA (minor dim = last dim)."""
-    plgpu = _plgpu()
-    dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
-
-
-def _iota(shape, dim):
-    plgpu = _plgpu()
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _bcast_rows(vec, shape):
-    """(jla) ``vec[i]`` along row i (vec in the WGMMA row layout)."""
-    return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def _bcast_cols(vec, shape):
-    """(jla) ``vec[j]`` along column j (vec in the WGMMA column layout)."""
-    return lax.broadcast_in_dim(vec, shape, [1])
-
-
-def _matmul(a, b, shape, init=None):
-    """(jla) ``init + a @ b`` on the tensor cores (a: SMEM ref or 16-bit WGMMA registers; b: SMEM ref), fp32.
-
-    The optimization barrier keeps LLVM from reading the accumulator before ``wgmma.wait_group`` (jla saw
-    silently zeroed products without it, sm_90, jax 0.11.2)."""
-    import jax.experimental.pallas as pl
-    plgpu = _plgpu()
-
-    def body(acc):
-        plgpu.wgmma(acc, a, b)
-
-    if init is None:
-        def scoped(acc):
-            plgpu.wgmma(acc, a, b)
-            return acc[...]
-        out = pl.run_scoped(scoped, plgpu.ACC(shape, F32))
-    else:
-        out = pl.run_state(body)(plgpu.ACC.init(init))
-    return lax.optimization_barrier(out)
-
-
-def _stages(per_stage: int, fixed: int) -> int:
-    """Deepest input ring (2 to 4 stages) that fits SMEM_BUDGET."""
-    for stages in (4, 3, 2):
-        if stages * per_stage + fixed <= SMEM_BUDGET:
-            return stages
-    raise ValueError(f"mosaic_gpu fused state pass needs {2 * per_stage + fixed} bytes of shared memory")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,7 +78,7 @@ def _stages(per_stage: int, fixed: int) -> int:
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     packed_qkv: bool = False, state_kv: bool = False, lane_rows=None, tails=None):
+                     state_kv: bool = False, lane_rows=None):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
 
@@ -153,18 +93,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     h0t [B * R, Hv, V, K] fp32 (each run piece's initial state, transposed) or None (zeros).
     ``write_o`` False: no output (the map pass), the output warpgroup only forms Ag.
     ``exp2``: gcum holds log2 gates (G log2 e) and every decay is exp2 (as jla), else natural-log gates and exp.
-    ``walk`` (varlen, ``gated_delta_rule/mosaic_gpu/varlen.py``): int32 [R, 3] table, row r = (first chunk c0, chunk count n_r,
+    ``walk`` (varlen, ``mosaic_gpu/varlen.py``): int32 [R, 3] table, row r = (first chunk c0, chunk count n_r,
     sequence s_r); then B = 1, P = 1, the grid is (R, Hv, V / BV) and CTA row r walks chunks c0 .. c0 + n_r - 1
     of the one row (a dynamic trip count, 0 allowed: the final state is then the initial one), starting from
     h0t[s_r] and storing its final state to [s_r]; h0t and the final state are [num_states, Hv, V, K] (S^T),
     chunk c is tokens [c C, c C + C) of q, k, v, o and chunk c of t / gcum / beta_c in either layout. Chunks no
     row walks are neither read nor written (their rows of o are left unset).
-    ``packed_qkv`` (with a walk table of 5 columns, + (first token t0, length L), and ``tails``): q, k, v [1, T, ...]
-    are the packed row itself; the full chunks n < L // C of row r are read in place (tokens [t0 + n C, +C), all
-    the sequence's own), its last, partial chunk from ``tails`` = (q, k, v [1, N C, ...]: sequence s's tail at rows
-    [s C, s C + C), zero past its L mod C tokens), so no chunk ever holds another sequence's tokens. o stays in the
-    chunk coordinates (rows c C ...), gcum / beta_c / t must be zero-padded per chunk as usual. (Does not build on
-    the H200 with jax 0.11.2: an AssertionError while lowering; ``mosaic_gpu_varlen`` keeps it off.)
     ``lane_rows`` (persistent walk): with a walk table [L, R_max, 6] (each row + m0, the chunks its lane walked
     before it) and lane_rows [L] int32, CTA row p (grid (L, Hv, V / BV)) walks rows 0 .. lane_rows[p] - 1 of its
     lane back to back: the input ring and the barrier phases run on across rows (slot and phase from m0 + n), each
@@ -191,10 +125,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
-    if packed_qkv and (not varlen or walk.shape[-1] < 5 or not write_o or tails is None):
-        raise ValueError("fused_state_pass: packed_qkv needs a walk table of 5 columns, tails and write_o")
-    o_rows = (t.shape[0] * C if not head_major else t.shape[2]) if packed_qkv else padded   # o's chunk rows
-    if (padded % (C * pieces) and not packed_qkv) or not 1 <= run_pieces <= pieces:
+    if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
                          f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
     ncb_row = padded // C        # chunks per row
@@ -210,10 +141,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     per_stage = 2 * C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
     fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * jnp.dtype(out_dtype).itemsize
     fixed += (BV * key_dim * 4 if has_h0 or out_final else 0) + 4096 + n_vec * 1024
-    stages = _stages(per_stage, fixed)
+    stages = ring_stages(per_stage, fixed)
     n_copies = (4 if write_o else 3) + n_vec      # the map pass reads no q
 
-    out_type = [jax.ShapeDtypeStruct((batch, o_rows, heads, value_dim), out_dtype)] if write_o else []
+    out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(
             ((num_states if varlen else batch * run_pieces), heads)
@@ -222,17 +153,17 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         raise ValueError("fused_state_pass: nothing to compute (write_o and out_final both False)")
     vecs = plgpu.SMEM((stages, C), F32)
     scratch = dict(
-        q_s=_smem((stages, C, key_dim), dtype),
-        k_s=_smem((stages, C, key_dim), dtype),
-        v_s=_smem((stages, C, BV), dtype),
-        t_s=_smem((stages, C, C), dtype),        # T, then Ag = T * beta_j (written by WG1)
+        q_s=smem((stages, C, key_dim), dtype),
+        k_s=smem((stages, C, key_dim), dtype),
+        v_s=smem((stages, C, BV), dtype),
+        t_s=smem((stages, C, C), dtype),        # T, then Ag = T * beta_j (written by WG1)
         g_state=vecs,                            # WG0: column view + last gate
         g_rows=vecs,                             # WG1: row view
         g_cols=vecs,                             # WG1: column view
         b_cols=vecs,                             # WG1: beta per column of Ag
-        s_pub=_smem((2, BV, key_dim), dtype),
-        vn_pub=_smem((2, C, BV), dtype),
-        o_out=_smem((2, C, BV), out_dtype),
+        s_pub=smem((2, BV, key_dim), dtype),
+        vn_pub=smem((2, C, BV), dtype),
+        o_out=smem((2, C, BV), out_dtype),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
@@ -251,7 +182,6 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         h0_ref = refs.pop(0) if has_h0 else None
         walk_ref = refs.pop(0) if varlen else None
         nrows_ref = refs.pop(0) if lanes else None
-        qt_ref, kt_ref, vt_ref = (refs.pop(0) for _ in range(3)) if packed_qkv else (None,) * 3
         o_ref = refs.pop(0) if write_o else None
         ht_ref = refs.pop(0) if out_final else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -262,15 +192,14 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
         def row_at(j):
             """The j-th row this CTA walks: (c0, count, state row, first row of t / gcum / beta_c / o, first row of
-            q / k / v, sequence length or None, chunks this CTA walked before it)."""
+            q / k / v (the same), None, chunks this CTA walked before it)."""
             if not varlen:               # dense: piece p of row b
                 tok0 = piece * piece_len
                 return None, ncb, r, tok0, tok0, None, 0
             ent = (lambda i: walk_ref[r, j, i]) if lanes else (lambda i: walk_ref[r, i])
             c0 = ent(0)
             tok0 = c0 * C
-            return (c0, ent(1), ent(2), tok0, ent(3) if packed_qkv else tok0, ent(4) if packed_qkv else None,
-                    ent(5) if lanes else 0)
+            return c0, ent(1), ent(2), tok0, tok0, None, ent(5) if lanes else 0
 
         hk = lax.div(hh, group)
         v0 = iv * BV
@@ -289,21 +218,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.copy_gmem_to_smem(vr.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
 
             def issue(n, slot, row):     # n: chunk index within the row
-                c0, _, srow_, tok0, in0, seq_len_, _ = row
+                c0, tok0 = row[0], row[3]
                 rows = pl.ds(tok0 + n * C, C)
                 bar = in_bar.at[slot]
-                if packed_qkv:           # full chunks in place, the partial last one from the tails
-                    full = lax.div(seq_len_, C)
-
-                    @pl.when(n < full)
-                    def _():
-                        issue_qkv((q_ref, k_ref, v_ref), pl.ds(in0 + n * C, C), slot)
-
-                    @pl.when(n >= full)
-                    def _():
-                        issue_qkv((qt_ref, kt_ref, vt_ref), pl.ds(srow_ * C, C), slot)
-                else:
-                    issue_qkv((q_ref, k_ref, v_ref), rows, slot)
+                issue_qkv((q_ref, k_ref, v_ref), rows, slot)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
                     t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
@@ -403,16 +321,16 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 k_decay = _exp(g_last - g_col)
                 s_decay = _exp(g_last)
                 # W^T = v^T - (S^T k^T) Gamma, then v_new^T = W^T Ag^T
-                x_t = _matmul(s_lo, k_s.at[slot].T, (BV, C))
+                x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
-                w_t = (v_t - x_t * _bcast_cols(key_decay, (BV, C))).astype(dtype)
+                w_t = (v_t - x_t * bcast_cols(key_decay, (BV, C))).astype(dtype)
                 plgpu.barrier_wait(ag_ready.at[slot])
-                vn_t = _matmul(w_t, t_s.at[slot].T, (BV, C))
+                vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
                 vn_pub.at[half].T[...] = vn_t.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
-                vd_t = (vn_t * _bcast_cols(k_decay, (BV, C))).astype(dtype)
-                s_new = _matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+                vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)
+                s_new = matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
@@ -446,15 +364,15 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 g_col = plgpu.load(g_cols.at[slot], layout=COLS)
                 q_decay = _exp(g_row)
                 sq = (C, C)
-                keep = _iota(sq, 0) >= _iota(sq, 1)
+                keep = iota(sq, 0) >= iota(sq, 1)
                 # the exponent is masked before exp, so acausal entries never overflow (jla decay_matrix)
-                decay = _exp(jnp.where(keep, _bcast_rows(g_row, sq) - _bcast_cols(g_col, sq), -jnp.inf))
+                decay = _exp(jnp.where(keep, bcast_rows(g_row, sq) - bcast_cols(g_col, sq), -jnp.inf))
                 # Ag = T * beta_j replaces T in the input buffer (Triton's T already carries e^(G_i - G_j);
                 # kkt_fwd's gate-free T0 gets it here: T = T0 * e^(G_i - G_j), a diagonal similarity)
                 t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
                 if head_major:
                     t_in = t_in * decay
-                ag = t_in * _bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+                ag = t_in * bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
                 t_s.at[slot][...] = ag.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
@@ -463,11 +381,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     plgpu.barrier_arrive(s_free.at[half])
                     plgpu.barrier_arrive(in_free.at[slot])
                     return carry
-                p = _matmul(q_s.at[slot], k_s.at[slot].T, sq)
+                p = matmul(q_s.at[slot], k_s.at[slot].T, sq)
                 p_lo = (p * decay).astype(dtype)
                 plgpu.barrier_wait(s_ready.at[half])
-                o = _matmul(q_s.at[slot], s_pub.at[half].T, (C, BV))
-                o = _matmul(p_lo, vn_pub.at[half], (C, BV), init=o * _bcast_rows(q_decay, (C, BV)))
+                o = matmul(q_s.at[slot], s_pub.at[half].T, (C, BV))
+                o = matmul(p_lo, vn_pub.at[half], (C, BV), init=o * bcast_rows(q_decay, (C, BV)))
                 plgpu.barrier_arrive(s_free.at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk m - 2 was sent
@@ -494,7 +412,6 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
     args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
     args += [lane_rows] if lanes else []
-    args += list(tails) if packed_qkv else []
     rows = walk.shape[0] if varlen else batch * run_pieces
     name = "gdn_mosaic_varlen_state_pass" if varlen else (
         "gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map")
@@ -510,7 +427,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# stage 1a in Mosaic GPU (port plan step 2): the gate-free inverse T0 (jla: gated_delta_rule_kernels.kkt_fwd)
+# stage 1a in Mosaic GPU: the gate-free inverse T0 (jla: gated_delta_rule_kernels.kkt_fwd)
 # ---------------------------------------------------------------------------------------------------------------
 BLOCK = 16       # diagonal blocks of the blocked inverse
 SOLVE_PAD = 8    # (jla) padded rows of the fp32 solve buffers: 256-byte rows gave 8-way bank conflicts
@@ -575,17 +492,10 @@ def _diag_block_inverse_fn():
     return diag_block_inverse
 
 
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
-    except RuntimeError:
-        return 132
-
-
 def kkt_chunks_per_cta(batch: int, heads: int, chunks: int) -> int:
     """(jla) Chunks per CTA of :func:`kkt_fwd`: the most (8, 4, 2) that still leave >= 1.5 CTAs per SM."""
     for cpc in (8, 4, 2):
-        if chunks % cpc == 0 and batch * heads * (chunks // cpc) * 2 >= 3 * _num_sms():
+        if chunks % cpc == 0 and batch * heads * (chunks // cpc) * 2 >= 3 * num_sms():
             return cpc
     return 1
 
@@ -616,11 +526,11 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
     diag_inverse = _diag_block_inverse_fn()
     vec2 = plgpu.SMEM((2, C), F32)
     scratch = dict(
-        k_smem=_smem((2, C, key_dim), dtype),
+        k_smem=smem((2, C, key_dim), dtype),
         br_smem=vec2,
         bc_smem=vec2,
-        t_smem=_smem((2, C, C), dtype),
-        b_smem=_smem((C, C), dtype),
+        t_smem=smem((2, C, C), dtype),
+        b_smem=smem((C, C), dtype),
         na_smem=plgpu.SMEM((C, C + SOLVE_PAD), F32),
         x_smem=plgpu.SMEM((C, C + SOLVE_PAD), F32),
         bar=plgpu.Barrier(num_arrivals=3, num_barriers=2),
@@ -629,7 +539,7 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
     def merge_product(a, bmat, b_smem):
         b_smem[...] = bmat.astype(dtype)
         plgpu.commit_smem()
-        return _matmul(a.astype(dtype), b_smem, (C, C))
+        return matmul(a.astype(dtype), b_smem, (C, C))
 
     def body(k_ref, beta_ref, t_ref, k_smem, br_smem, bc_smem, t_smem, b_smem, na_smem, x_smem, bar):
         b, nb, hh = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
@@ -643,7 +553,7 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
 
         issue(0, 0)
         sq = (C, C)
-        ri, ci = _iota(sq, 0), _iota(sq, 1)
+        ri, ci = iota(sq, 0), iota(sq, 1)
 
         @pl.loop(0, cpc)
         def _chunk(n):
@@ -655,11 +565,11 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
                 plgpu.commit_smem()
                 issue(n + 1, 1 - slot)
 
-            s = _matmul(k_smem.at[slot], k_smem.at[slot].T, sq)        # symmetric: also serves A0^T
+            s = matmul(k_smem.at[slot], k_smem.at[slot].T, sq)        # symmetric: also serves A0^T
             lower = ri > ci
             diag_upper = (ci > ri) & (lax.div(ri, BLOCK) == lax.div(ci, BLOCK))
-            a0 = jnp.where(lower, s * _bcast_rows(plgpu.load(br_smem.at[slot], layout=ROWS), sq), 0.0)
-            neg_a_t = jnp.where(diag_upper, s * _bcast_cols(-plgpu.load(bc_smem.at[slot], layout=COLS), sq), 0.0)
+            a0 = jnp.where(lower, s * bcast_rows(plgpu.load(br_smem.at[slot], layout=ROWS), sq), 0.0)
+            neg_a_t = jnp.where(diag_upper, s * bcast_cols(-plgpu.load(bc_smem.at[slot], layout=COLS), sq), 0.0)
             x = diag_inverse(neg_a_t, na_smem.at[:, :C], x_smem.at[:, :C])
             for size in (2 * BLOCK, 4 * BLOCK):                        # merge 16 -> 32 -> 64
                 half = size // 2
@@ -744,7 +654,7 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     b, tp, hk, kdim = k.shape
     hv = v.shape[2]
     run_pieces = pieces if run_pieces is None else run_pieces
-    t, gcum, beta_c = _chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
+    t, gcum, beta_c = chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
     if pieces > 1:      # piece p of row b becomes row b * R + p (p < R)
         lp = tp // pieces
 
@@ -763,7 +673,7 @@ def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, o
     return (o if write_o else None), ht
 
 
-def _chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
+def chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
     """The twins' common input: (gated T [NC, Hv, C, C], natural-log G [NC, Hv, C], beta [NC, Hv, C]) fp32 from
     either layout of the fused pass's operands (``head_major``: T0 [B, Hv, Tp, C], G and beta [B, Hv, Tp], T
     gated here as the kernel's WG1 does; ``exp2``: G in log2 units)."""
@@ -783,7 +693,7 @@ def _chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
     return t, gcum, beta_c
 
 
-def _chunk_step(s, xs, scale: float):
+def chunk_step(s, xs, scale: float):
     """One chunk of the fused pass in jnp (fp32, precision highest): s [B, Hv, K, V] the incoming state, xs =
     (q, k [B, Hv, C, K], v [B, Hv, C, V], gated T [B, Hv, C, C], G, beta [B, Hv, C]) fp32. Returns (the outgoing
     state, o [B, Hv, C, V] fp32): W = v - e^G k S, v_new = (T * beta_j) W, o = scale (e^G q S + P v_new),
@@ -818,7 +728,7 @@ def _reference_rows(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: b
     gc = jnp.swapaxes(gcum.astype(F32).reshape(b, ncb, hv, C), 0, 1)                  # [ncb, B, Hv, C]
     bc = jnp.swapaxes(beta_c.astype(F32).reshape(b, ncb, hv, C), 0, 1)
     s0 = (jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t.astype(F32), -1, -2))
-    s, o = lax.scan(functools.partial(_chunk_step, scale=scale), s0, (qc, kc, vc, tc, gc, bc))  # o [ncb, B, Hv, C, V]
+    s, o = lax.scan(functools.partial(chunk_step, scale=scale), s0, (qc, kc, vc, tc, gc, bc))  # o [ncb, B, Hv, C, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(b, tp, hv, vdim).astype(q.dtype)
     return o, (jnp.swapaxes(s, -1, -2) if out_final else None)
 
@@ -827,7 +737,7 @@ def _pad_time(x, pad):
     return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
-def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 1):
+def prepare_chunk_layout(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 1):
     """Pads T to a multiple of C (zero tokens) and runs stage 1a (Pallas Triton): the fused pass's operands."""
     from pallas_kernels.gated_delta_rule.triton import chunk as kt
     from pallas_kernels.gated_delta_rule.chunk_map import kernel_chunk_map
@@ -840,7 +750,7 @@ def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 
     start, length, _, _ = kernel_chunk_map(b, tp, None, C)
     config = kt.launch_config(vdim, b * hv, q.dtype)
     kf, gf, bf = k.reshape(b * tp, hk, kdim), g.reshape(b * tp, hv), beta.reshape(b * tp, hv)
-    if interpret:        # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
+    if interpret:        # interpret mode clamps dynamic slices: pad C rows as triton.chunk's entry points do
         kf, gf, bf = (jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1)) for x in (kf, gf, bf))
     tmat, gcum = kt.kkt_solve(kf, gf, bf, chunk_start=start, chunk_len=length, chunk=C, num_v_heads=hv,
                               interpret=interpret, config=config)
@@ -850,7 +760,7 @@ def _prepare(q, k, v, g, beta, initial_state, *, interpret: bool, pieces: int = 
     return q, k, v, tmat, gcum, beta_c, h0t
 
 
-def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1, exp2: bool = False):
+def prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1, exp2: bool = False):
     """Stage 1a in Mosaic GPU (``kernel``) or its jnp twin: pads T to a multiple of C * pieces (zero tokens), the
     chunk-local cumulative log-decay G [B, Hv, Tp] (g floored at G_FLOOR first, as Triton's 1a does), beta
     [B, Hv, Tp] fp32 and the gate-free T0 [B, Hv, Tp, C]. Returns the fused pass's ``head_major`` operands."""
@@ -870,92 +780,120 @@ def _prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces
     return q, k, v, t0, gcum, beta_hm, h0t
 
 
-# ---- the sequence split (port plan step 3; jla's piece maps, FlashQLA's intra-card context parallelism) -------
-MAX_PIECES = 8
-MIN_PIECE_CHUNKS = 8
+# ---- the sequence split (jla's piece maps, FlashQLA's intra-card context parallelism) -------------------------
+SCANS = ("serial", "log", "triton")
+FIRSTS = ("map", "h0")
+PRECISIONS = ("highest", "high", "default")
 
 
-#: the split's time model (:func:`split_cost`), in chunk steps of the fused pass (1.86 us on the H200): one map-pass
-#: step (mosaic_gpu_split.state_map_pass: no output warpgroup, no q) as a fraction of a fused step, and the fixed
-#: and per-piece costs of the launches and the scan. SPLIT_PER_PIECE refit in session 8 (NOTES.md "Session 8: dense
-#: Mosaic", H200, both P with the Triton scan, 3 interleaved rounds): B1-T8192-Hk2-Hv8 P = 4 0.1436 against P = 8
-#: 0.1571 (P = 4 wins every round; the model: 7.2 steps = 0.013 ms between them); it also has P = 2 beat P = 1 on
-#: the 64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830, B1-T32768 0.928 against 1.078: the model 18.8 and 96
-#: steps, measured 13 and 81). (Session 7's 2.4 came from P = 8 with the Triton scan against P = 4 with XLA's.)
-SPLIT_MAP_STEP = 0.6
-SPLIT_FIXED = 1.0
-SPLIT_PER_PIECE = 5.8
-#: split only rows whose unsplit pass runs at most this many CTAs (B Hv V / 64; jla's rule is 32): session 8 measured
-#: P = 2 faster than unsplit in every round on both 64-CTA bench rows (above; 0.93x and 0.87x jla). Rows of more
-#: CTAs are not split (at 128+ the fused pass alone fills a wave; unmeasured, and the model agrees).
-MAX_SPLIT_CTAS = 64
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """The sequence split: when to split a row (:func:`split_pieces`, a time model) and how the pieces' start
+    states are made (``split.start_states``). The defaults are the H200's (``python -m benchmarks gdn``; one
+    process, 3 interleaved rounds, bf16, ms).
+
+    max_pieces, min_piece_chunks: :func:`split_pieces` tries the powers of two P <= max_pieces whose pieces hold at
+      least min_piece_chunks chunks.
+    max_split_ctas: rows whose unsplit pass runs more CTAs (B Hv V / 64) are never split (jla's rule is 32): P = 2
+      beat the unsplit pass in every round on both 64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830,
+      B1-T32768 0.928 against 1.078); at 128+ CTAs the fused pass alone fills a wave.
+    map_step, fixed, per_piece: :func:`split_cost`'s time model in chunk steps of the fused pass (1.86 us on the
+      H200): one map-pass step as a fraction of a fused step, the fixed and the per-piece cost of the launches and
+      the scan. per_piece fits B1-T8192-Hk2-Hv8, where P = 4 (0.1436) beat P = 8 (0.1571) in every round.
+    scan: the scan over the pieces, "serial" (jla's unrolled XLA form), "log" (XLA, log-depth compositions),
+      "triton" (one Pallas Triton kernel, jla's) or "auto": serial up to serial_max_pieces pieces, Triton above.
+      B1-T8192-Hk2-Hv8, P = 4, tf32 products: Triton 0.1222 against serial 0.1262; at P = 2 (first piece from h0,
+      or no h0) no scan has a product and serial (a stack) ties Triton (0.2477).
+    precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32): tf32 0.1222
+      against fp32 0.1309 at B1-T8192-Hk2-Hv8 P = 4, o and state unchanged against fp32 XLA (3.39e-3, 2.38e-3).
+    first: the first piece of a row with an initial state, "h0" (walked from h0 itself: its identity blocks walk
+      nothing, one scan product less) or "map" (mapped from [I | 0] like the others, jla's form): "h0" 0.1321
+      against 0.1429 (Triton scan), 0.1307 against 0.1369 (serial), B1-T8192-Hk2-Hv8 P = 4.
+    paired: the map pass runs two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``): "auto" where
+      ceil(CTAs / 2 / SMs) paired_step < ceil(CTAs / SMs), True / False always / never; paired_step is a paired
+      CTA's step over a single one's (H200, B1-T8192-Hk2-Hv8 P = 8, 224 blocks: 0.0617 ms paired, one wave,
+      against 0.0665 single, two waves).
+    """
+    max_pieces: int = 8
+    min_piece_chunks: int = 8
+    max_split_ctas: int = 64
+    map_step: float = 0.6
+    fixed: float = 1.0
+    per_piece: float = 5.8
+    scan: str = "auto"
+    serial_max_pieces: int = 2
+    precision: str = "default"
+    first: str = "h0"
+    paired: object = "auto"
+    paired_step: float = 1.86
+
+    def __post_init__(self):
+        for name in ("max_pieces", "min_piece_chunks", "max_split_ctas", "serial_max_pieces"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SplitConfig.{name} must be an int >= 1; got {value!r}")
+        for name in ("map_step", "fixed", "per_piece", "paired_step"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SplitConfig.{name} must be a number >= 0; got {value!r}")
+        if self.scan not in SCANS + ("auto",):
+            raise ValueError(f"SplitConfig.scan must be one of {SCANS + ('auto',)}; got {self.scan!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"SplitConfig.precision must be one of {PRECISIONS}; got {self.precision!r}")
+        if self.first not in FIRSTS:
+            raise ValueError(f"SplitConfig.first must be one of {FIRSTS}; got {self.first!r}")
+        if self.paired not in ("auto", True, False) or isinstance(self.paired, int) and not isinstance(
+                self.paired, bool):
+            raise ValueError(f"SplitConfig.paired must be 'auto', True or False; got {self.paired!r}")
 
 
-def _first_from_h0() -> bool:
-    from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_gpu_split
-    return mosaic_gpu_split.FIRST == "h0"
+DEFAULT_SPLIT = SplitConfig()
 
 
 def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
-               sms: int | None = None, *, has_h0: bool = True) -> float:
+               sms: int | None = None, *, has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> float:
     """The split's time model in fused-pass chunk steps (one CTA per SM at K = 128): the fused pass runs
     ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(CTAs / SMs) waves of as
-    many steps at SPLIT_MAP_STEP each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV identity
-    blocks without an initial state or with ``mosaic_gpu_split.FIRST = "h0"``), plus SPLIT_FIXED + SPLIT_PER_PIECE
-    (P - 1) for the launch and the scan."""
-    sms = _num_sms() if sms is None else sms
+    many steps at ``config.map_step`` each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV
+    identity blocks without an initial state or with ``config.first = "h0"``), plus ``config.fixed +
+    config.per_piece (P - 1)`` for the launch and the scan."""
+    sms = num_sms() if sms is None else sms
     steps = -(-nchunks // pieces)
     cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
     if pieces > 1:
         ctas = batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1)
-        if not has_h0 or _first_from_h0():
+        if not has_h0 or config.first == "h0":
             ctas -= batch * heads * (key_dim // BV)
-        cost += -(-ctas // sms) * steps * SPLIT_MAP_STEP + SPLIT_FIXED + SPLIT_PER_PIECE * (pieces - 1)
+        cost += -(-ctas // sms) * steps * config.map_step + config.fixed + config.per_piece * (pieces - 1)
     return cost
 
 
 def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
-                 has_h0: bool = True) -> int:
-    """Pieces per row of the sequence split: the power of two P <= MAX_PIECES (pieces of at least MIN_PIECE_CHUNKS
-    chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than MAX_SPLIT_CTAS CTAs (the bench's
-    B4-T4096 and B16-T1024 rows) and on ties."""
-    if batch * heads * max(value_dim // BV, 1) > MAX_SPLIT_CTAS:
+                 has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> int:
+    """Pieces per row of the sequence split: the power of two P <= ``config.max_pieces`` (pieces of at least
+    ``config.min_piece_chunks`` chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than
+    ``config.max_split_ctas`` CTAs (the bench's B4-T4096 and B16-T1024 rows) and on ties."""
+    if batch * heads * max(value_dim // BV, 1) > config.max_split_ctas:
         return 1
     nchunks = padded // C
-    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0)
+    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0, config=config)
     p = 2
-    while p <= MAX_PIECES and nchunks // p >= MIN_PIECE_CHUNKS:
-        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms, has_h0=has_h0)
+    while p <= config.max_pieces and nchunks // p >= config.min_piece_chunks:
+        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms, has_h0=has_h0, config=config)
         if cost < best_cost:
             best, best_cost = p, cost
         p *= 2
     return best
 
 
-def _split_start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False,
-                        chain: bool = False, scan: str | None = None, first: str | None = None,
-                        precision: str | None = None):
-    """Each piece's true initial state S^T [B * P, Hv, V, K]: the maps [M | E] of pieces 0 .. P - 2 (S_end =
-    M S_start + E) from one state-map pass, then a scan over the pieces (``mosaic_gpu_split.start_states``: its
-    MAP, PAIRED, SCAN and SCAN_PRECISION say which map pass and which scan). ``chain`` (P = 2 only): piece 1's start
-    from one state-only pass over piece 0 from the initial state (map "chain": no M, no scan). ``scan`` /
-    ``first`` / ``precision``: start_states' (None: its SCAN / FIRST / SCAN_PRECISION)."""
-    from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_gpu_split
-    return mosaic_gpu_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
-                                         map_impl="chain" if chain and pieces == 2 else None, scan=scan,
-                                         first=first, precision=precision)
-
-
 STAGE1A = ("triton", "mosaic")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
-                                             "state_kv", "split_chain", "split_scan", "split_first",
-                                             "split_precision"))
+                                             "state_kv", "split"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
                                impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
-                               state_kv: bool = False, split_chain: bool = False, split_scan: str | None = None,
-                               split_first: str | None = None, split_precision: str | None = None):
+                               state_kv: bool = False, split: SplitConfig = DEFAULT_SPLIT):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -963,46 +901,44 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     ``stage1a``: "triton" (Pallas Triton ``kkt_solve``, the gated T in chunk layout; interpret mode under
     ``impl="reference"``) or "mosaic" (:func:`kkt_fwd`, the gate-free T0 in head-major layout, or its jnp twin
     :func:`kkt_fwd_reference` under ``impl="reference"``). ``pieces`` P > 1: the sequence split (each row cut
-    into P pieces run side by side, their start states from one state-map pass, :func:`_split_start_states`);
-    0: :func:`split_pieces` picks. ``exp2`` (with ``stage1a="mosaic"``): log2 gates and exp2 in the pass.
-    ``state_kv`` (``impl="mosaic"``, unsplit rows): the fused pass reads the initial state and writes the final one
-    in the op's [B, Hv, K, V] layout itself (``fused_state_pass(state_kv=True)``), instead of two XLA transposes to
-    and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and two launches); the jnp twin and the split ignore it.
-    ``split_chain`` (P = 2): piece 1's start state from one state-only pass over piece 0 from the initial state
-    (``mosaic_gpu_split.start_states(map_impl="chain")``) instead of the map pass and the scan.
-    ``split_scan`` / ``split_first`` / ``split_precision`` (P > 1): the start states' scan, first-piece form and
-    the scan's products' precision (None: ``mosaic_gpu_split.SCAN`` / ``FIRST`` / ``SCAN_PRECISION``; see
-    ``mosaic_gpu_split.start_states``).
+    into P pieces run side by side, their start states from one state-map pass and a scan,
+    ``split.start_states`` with ``split``); 0: :func:`split_pieces` picks. ``exp2`` (with ``stage1a="mosaic"``):
+    log2 gates and exp2 in the pass. ``state_kv`` (``impl="mosaic"``, unsplit rows): the fused pass reads the
+    initial state and writes the final one in the op's [B, Hv, K, V] layout itself (``fused_state_pass(
+    state_kv=True)``), instead of two XLA transposes to and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and
+    two launches); the jnp twin and the split ignore it.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
-    final_state [B, Hv, K, V] fp32 or None), as ``jax_gdn.ops.chunk_gated_delta_rule`` (no cu_seqlens).
+    final_state [B, Hv, K, V] fp32 or None), as the op ``chunk_gated_delta_rule`` (no cu_seqlens).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
     if stage1a not in STAGE1A:
         raise ValueError(f"stage1a must be one of {STAGE1A}; got {stage1a!r}")
-    if not isinstance(pieces, int) or isinstance(pieces, bool) or not 0 <= pieces <= MAX_PIECES:
-        raise ValueError(f"pieces must be an int in [0, {MAX_PIECES}] (0: automatic); got {pieces!r}")
+    if not isinstance(split, SplitConfig):
+        raise ValueError(f"split must be a SplitConfig; got {split!r}")
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or not 0 <= pieces <= split.max_pieces:
+        raise ValueError(f"pieces must be an int in [0, {split.max_pieces}] (0: automatic); got {pieces!r}")
     check_supported(q, k, v, g, beta, initial_state, kernel=impl == "mosaic")
     b, t, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     scale = kdim ** -0.5 if scale is None else float(scale)
     if pieces == 0:
-        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None)
+        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None, config=split)
     kernel = impl == "mosaic"
     head_major = stage1a == "mosaic"
     exp2 = bool(exp2) and head_major
     kv = bool(state_kv) and kernel and pieces == 1
     if head_major:
-        ops_ = _prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2)
+        ops_ = prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2)
     else:
-        ops_ = _prepare(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
+        ops_ = prepare_chunk_layout(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
-        h0_pieces = _split_start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
-                                        chain=split_chain, scan=split_scan, first=split_first,
-                                        precision=split_precision)
+        from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_split
+        h0_pieces = mosaic_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
+                                              config=split)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
                     pieces=pieces, exp2=exp2)
         if ht is not None:      # the final state is the last piece's
@@ -1022,68 +958,39 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
 # ---------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Launch choices of the "mosaic_gpu" backend, fixed when the call is built (never read from the environment).
+    """Launch choices of the "mosaic_gpu" backend, fixed when the call is built. The defaults are the H200's
+    (``python -m benchmarks gdn``; one process, 3 interleaved rounds, bf16, ms; each won every round it was timed
+    in).
 
     stage1a: "mosaic" (:func:`kkt_fwd`, the gate-free T0) or "triton" (Pallas Triton ``kkt_solve``, the gated T).
-    pieces: the sequence split, 0 = :func:`split_pieces` decides per shape, 1 = never split, P = always P pieces.
-    exp2: log2 gates and exp2 in the fused pass (jla's form; stage1a "mosaic" only), else natural log and exp.
+    pieces: the sequence split, 0 = :func:`split_pieces` decides per shape (P = 2 on the 64-CTA rows, P = 4 at
+      B1-T8192-Hk2-Hv8: 0.1436 against 0.1571 at P = 8), 1 = never split, P = always P pieces.
+    exp2: log2 gates and exp2 in the fused pass (jla's form; stage1a "mosaic" only), else natural log and exp:
+      B16-T1024 0.359 -> 0.354, B4-T4096 0.337 -> 0.334, numerics unchanged.
     state_kv: the fused pass reads / writes the states in the op's [B, Hv, K, V] layout (no XLA transposes around
-    it; unsplit rows only, the split keeps its transposed start states).
-    split_chain: at P = 2, piece 1's start state from one state-only pass over piece 0 from the initial state (no
-    state map M, no scan: ``mosaic_gpu_split.start_states(map_impl="chain")``); other P ignore it.
-    split_scan: the split's piece scan, "serial" / "log" / "triton" / "auto" (None: ``mosaic_gpu_split.SCAN``).
-    split_first: the split's first piece with an initial state, "map" (from [I | 0]) or "h0" (walked from h0
-    itself; None: ``mosaic_gpu_split.FIRST``).
-    split_precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32) (None:
-    ``mosaic_gpu_split.SCAN_PRECISION``).
+      it; unsplit rows only, the split keeps its transposed start states): B16-T1024 0.359 against 0.392,
+      B4-T4096 0.337 against 0.346.
+    split: the sequence split's policy and start-state pass (:class:`SplitConfig`).
     """
     stage1a: str = "mosaic"
     pieces: int = 0
     exp2: bool = True
     state_kv: bool = True
-    split_chain: bool = False
-    split_scan: Optional[str] = None
-    split_first: Optional[str] = None
-    split_precision: Optional[str] = None
+    split: SplitConfig = DEFAULT_SPLIT
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
             raise ValueError(f"MosaicConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
-        if not isinstance(self.pieces, int) or not 0 <= self.pieces <= MAX_PIECES:
-            raise ValueError(f"MosaicConfig.pieces must be an int in [0, {MAX_PIECES}]; got {self.pieces!r}")
-        for name in ("exp2", "state_kv", "split_chain"):
+        if not isinstance(self.split, SplitConfig):
+            raise ValueError(f"MosaicConfig.split must be a SplitConfig; got {self.split!r}")
+        if not isinstance(self.pieces, int) or not 0 <= self.pieces <= self.split.max_pieces:
+            raise ValueError(f"MosaicConfig.pieces must be an int in [0, {self.split.max_pieces}]; "
+                             f"got {self.pieces!r}")
+        for name in ("exp2", "state_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
-        from pallas_kernels.gated_delta_rule.mosaic_gpu import split as ms
-        if self.split_scan is not None and self.split_scan not in ms.SCAN_CHOICES:
-            raise ValueError(f"MosaicConfig.split_scan must be None or one of {ms.SCAN_CHOICES}; "
-                             f"got {self.split_scan!r}")
-        if self.split_first is not None and self.split_first not in ms.FIRSTS:
-            raise ValueError(f"MosaicConfig.split_first must be None or one of {ms.FIRSTS}; "
-                             f"got {self.split_first!r}")
-        if self.split_precision is not None and self.split_precision not in ms.PRECISIONS:
-            raise ValueError(f"MosaicConfig.split_precision must be None or one of {tuple(ms.PRECISIONS)}; "
-                             f"got {self.split_precision!r}")
 
 
-#: The launch choices of "mosaic_gpu" / "auto", from the H200 (NOTES.md "Session 8: dense Mosaic", one process, 3
-#: interleaved rounds, bf16, ms; each change won every round it was timed in):
-#:   pieces=0: the sequence split where :func:`split_pieces` says (rows of <= MAX_SPLIT_CTAS CTAs): P = 2 on the
-#:     64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830 unsplit, jla 0.2790; B1-T32768 0.928 against 1.078, jla
-#:     1.061), P = 4 at B1-T8192-Hk2-Hv8 (0.1436 against 0.1571 at P = 8, jla 0.1383); on since session 7, whose
-#:     weak-decay GPU tests of the split pass at P = 2, 4, 8;
-#:   state_kv=True: the unsplit rows' states read and written by the fused pass in [B, Hv, K, V] (two XLA
-#:     transposes and their launches gone): B16-T1024 0.359 against 0.392, B4-T4096 0.337 against 0.346;
-#:   exp2=True: log2 gates and exp2 (jla's form): B16 kv 0.359 -> 0.354, B4 kv 0.337 -> 0.334, Hk2-Hv8 P = 4
-#:     0.1436 -> 0.1422; numerics unchanged (o 3.39e-3, state 2.4e-3 relative RMS against fp32 XLA);
-#:   split_chain=False: P = 2 through one state-only fused pass over piece 0 lost to the map kernel + scan every
-#:     round (0.270 against 0.2585; 1.003 against 0.928);
-#:   split_scan / split_first / split_precision None: mosaic_gpu_split's SCAN ("auto": XLA's serial stack at P = 2,
-#:     Triton above), FIRST ("h0": the first piece walked from the initial state) and SCAN_PRECISION ("default":
-#:     tf32 products). Session 9 (3 interleaved rounds each): B1-T8192-Hk2-Hv8 (P = 4) first "h0" + Triton tf32
-#:     0.1222 (run 2; jla 0.1365), first "h0" + serial fp32 0.1296, session 8's (map + Triton fp32) 0.1425;
-#:     B1-T8192-Hk16-Hv32 (P = 2) first "h0" 0.2477 against session 8's 0.2555 (jla 0.2766); B1-T32768 0.9107 against
-#:     0.9106 (a tie; jla 1.046).
 DEFAULT_CONFIG = MosaicConfig()
 # backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
 # the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
@@ -1147,63 +1054,6 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
                                           stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                          state_kv=cfg.state_kv, split_chain=cfg.split_chain,
-                                          split_scan=cfg.split_scan, split_first=cfg.split_first,
-                                          split_precision=cfg.split_precision)
+                                          state_kv=cfg.state_kv, split=cfg.split)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the GPU probe's hook (benchmarks/gpu/jla_probe.py)
-# ---------------------------------------------------------------------------------------------------------------
-def probe_rows(case, args, timer, *, interpret=False, log=print, reference=None) -> dict:
-    """For jla_probe: time this port beside the others on ``args`` = (q, k, v, g, beta, h0) (bench inputs), and
-    check it against the fp32 XLA backend (``reference()``: its (o, final state), computed here when None).
-    Returns {"ms": {"fwd", "fused"}, "numerics": {"o", "state", "o_finite"}}."""
-    out = {"ms": {}, "numerics": {}}
-    from jax_gdn import ops
-    q = args[0]
-    impl = "reference" if interpret else "mosaic"    # interpret (CPU): the jnp twin, to check the plumbing
-    if interpret:
-        log("  mgpu: the kernel needs a Hopper GPU; timing its jnp twin (impl='reference') instead")
-
-    def timed(key, fn, fargs):
-        try:
-            res = jax.block_until_ready(fn(*fargs))
-            out["ms"][key] = round(timer(fn, fargs), 4)
-            log(f"  mgpu.{key:9s} {out['ms'][key]:8.4f} ms")
-            return res
-        except Exception as e:  # noqa: BLE001 - report and go on
-            out["ms"][key] = None
-            out.setdefault("errors", []).append(f"{key}: {type(e).__name__}: {str(e)[:600]}")
-            log(f"  mgpu.{key:9s} FAIL {type(e).__name__}: {str(e)[:600]}")
-            return None
-
-    res = timed("fwd", lambda *a: chunk_gated_delta_rule_fwd(*a, impl=impl), args)
-    if res is not None:
-        if reference is not None:
-            ref = reference()
-        else:
-            f32 = [x.astype(F32) for x in args]
-            with jax.default_matmul_precision("highest"):
-                ref = jax.block_until_ready(jax.jit(lambda *a: ops.chunk_gated_delta_rule(
-                    *a[:5], initial_state=a[5], output_final_state=True, backend="xla"))(*f32))
-
-        def rel(a, r):
-            a, r = a.astype(F32), r.astype(F32)
-            return float(jnp.sqrt(jnp.mean((a - r) ** 2)) / jnp.maximum(jnp.sqrt(jnp.mean(r ** 2)), 1e-30))
-        out["numerics"] = {"o": rel(res[0], ref[0]), "state": rel(res[1], ref[1]),
-                           "o_finite": bool(jnp.all(jnp.isfinite(res[0].astype(F32))))}
-        log(f"  mgpu numerics: o {out['numerics']['o']:.2e} state {out['numerics']['state']:.2e} "
-            f"(rel RMS vs fp32 XLA; bf16 bound 1e-2)")
-    # the fused kernel alone, on stage 1a's outputs
-    if interpret:
-        return out
-    try:
-        operands = jax.block_until_ready(jax.jit(functools.partial(_prepare, interpret=False))(*args))
-        timed("fused", jax.jit(lambda *a: fused_state_pass(*a, scale=q.shape[3] ** -0.5, out_final=True)),
-              operands)
-    except Exception as e:  # noqa: BLE001
-        log(f"  mgpu.fused setup FAIL {type(e).__name__}: {str(e)[:400]}")
-    return out

@@ -6,12 +6,12 @@
 # and piece_scan's "serial" and "triton" forms from jla/ops/mosaic_gpu/scalar_gate_scan.py (piece_scan_xla,
 # piece_scan). Those files state that they are adapted from FlashQLA (MIT) and flash-linear-attention (MIT). See
 # NOTICE in this folder.
-"""The sequence split's start states for the Mosaic GPU backend (``mosaic_gpu.py``, port plan step 3; issue 14).
+"""The sequence split's start states for the Mosaic GPU backend (``chunk.py``).
 
 The split cuts each row of Tp tokens into P pieces that the fused state pass runs side by side. Piece p's map of
 its start state is affine, S_end = M_p S_start + E_p; the start states are S_0 (the initial state) and
 S_{p+1} = M_p S_p + E_p. Both the kernels and this file keep states transposed ([V, K], the fused pass's h0t),
-where a piece maps s -> s M_p^T + E_p^T.
+where a piece maps s -> s M_p^T + E_p^T. What runs is :class:`chunk.SplitConfig` (passed in, defaults measured).
 
   * :func:`state_map_pass` (one Mosaic GPU kernel, jla's ``map_fwd_wy``): [M_p^T ; E_p^T] [K + V, K] for pieces
     0 .. P - 2 (the last piece's map is never read). Grid (B (P - 1), Hv, (K + V) / 64): CTA block iv < K / 64 is
@@ -20,84 +20,57 @@ where a piece maps s -> s M_p^T + E_p^T.
     [I | 0] start states in HBM). No output warpgroup and no q: WG0 the chain (W = v - Gamma k S,
     v_new = Ag W, S <- e^G_last S + (e^(G_last - G) v_new)^T k), WG1 forms Ag = T0 e^(G_i - G_j) beta_j in SMEM,
     WG2 streams k, v, T0 and the gate vectors by TMA into a 4-stage ring. Without an initial state the first
-    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then); with one and ``FIRST = "h0"``
-    (the default since session 9) likewise, and the first piece's value blocks start from h0's rows, so they
-    carry piece 1's true start (no M_0 needed). ``PAIRED``: two blocks per CTA (jla's ``_map_fwd_wy_paired``,
-    :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where that saves a wave.
+    piece's identity blocks walk no chunk and store zeros (nothing reads M_0 then); with one and
+    ``SplitConfig.first = "h0"`` likewise, and the first piece's value blocks start from h0's rows, so they carry
+    piece 1's true start (no M_0 needed). ``SplitConfig.paired``: two blocks per CTA (jla's
+    ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where that saves a
+    wave.
   * :func:`piece_scan`: "serial" (jla's unrolled XLA scan: P - 2 dependent [V, K] x [K, K] products, the first
-    taken as E_0^T without an initial state or with ``FIRST = "h0"``), "log" (XLA, Hillis-Steele prefix
-    compositions, ceil(log2(P - 1)) batched steps of [K + V, K] x [K, K] then one apply; session 6's form in the
-    transposed layout) or "triton"
-    (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel); products in SCAN_PRECISION; ``SCAN =
-    "auto"``: serial up to SERIAL_MAX_PIECES pieces, Triton above.
-  * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``mosaic_gpu.fused_state_pass``.
+    taken as E_0^T without an initial state or with ``first = "h0"``), "log" (XLA, Hillis-Steele prefix
+    compositions, ceil(log2(P - 1)) batched steps of [K + V, K] x [K, K] then one apply) or "triton"
+    (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel), products in ``SplitConfig.precision``.
+  * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``chunk.fused_state_pass``.
 
-``MAP`` "fused" keeps session 6's map (the fused kernel with ``write_o=False`` over [0 | v] from [I | 0], every
-block of every piece) for comparison. Jnp twin of the map kernel: :func:`state_map_pass_reference`.
+Jnp twin of the map kernel: :func:`state_map_pass_reference`.
 
 Shape legend: B batch rows, Tp padded tokens (a multiple of C P), P pieces, R = P - 1 mapped pieces, Hk / Hv key /
 value heads, K / V head dims, C = 64 chunk, BV = 64 columns per CTA.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (bcast_cols, bcast_rows, iota, matmul, num_sms, ring_stages,
+                                                              smem)
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
 
 C = mg.C
 BV = mg.BV
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-MAPS = ("map", "paired", "fused", "chain")
-SCANS = ("serial", "log", "triton")
-SCAN_CHOICES = SCANS + ("auto",)
-#: the start states' map pass: "map" (:func:`state_map_pass`), "paired" (the same, two blocks per CTA) or "fused"
-#: (session 6: the fused kernel over [0 | v])
-MAP = "map"
-#: the scan over the pieces: "serial" (jla's unrolled form), "log" (log-depth compositions), "triton" (one Pallas
-#: Triton kernel, jla's ``scalar_gate_scan.piece_scan``: the running rows in registers, the next maps prefetched) or
-#: "auto": "serial" up to SERIAL_MAX_PIECES pieces, "triton" above. H200, B1-T8192-Hk2-Hv8: at P = 8 "triton" (session
-#: 7, call 4: the op 0.140 against 0.159 serial); at P = 4 (session 9, 3 interleaved rounds each, first piece from
-#: h0): fp32 products, serial 0.1307 against Triton 0.1321 (run 1); tf32 products, Triton 0.1222 against serial
-#: 0.1262 (run 2, 3/3). At P = 2 with the first piece from h0 (or without h0) no scan has a product: serial (a
-#: stack) and Triton tie (B1-T8192-Hk16-Hv32 0.2477 both, run 2), so P = 2 keeps serial.
-SCAN = "auto"
-SERIAL_MAX_PIECES = 2
-#: the scan's matmul precision: "highest" (IEEE fp32), "high" (bf16 x 3 on the tensor cores) or "default" (tf32).
-#: Session 7 (P = 8, each scan alone) saw the precision barely move the scans (XLA serial 0.099 / 0.096 / 0.095,
-#: Triton 0.059 / - / 0.055) and kept IEEE fp32. Session 9, run 2 (the op at B1-T8192-Hk2-Hv8, P = 4, first piece
-#: from h0, Triton scan, 3 interleaved rounds): tf32 0.1222 against fp32 0.1309, 3/3 (jla 0.1365), numerics
-#: unchanged against fp32 XLA (o 3.39e-3, state 2.38e-3); the chain kernels already multiply the states in bf16,
-#: and the tf32 start states stay within 2e-3 of the fp32 ones at weak decay (test_gpu_split_fast_scan_matches_f64).
-SCAN_PRECISION = "default"
+MAPS = ("map", "paired")
+SCANS = mg.SCANS
 PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "default": lax.Precision.DEFAULT}
-#: the map kernel carries two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``: WG0 and WG1 one block each,
-#: WG2 streams and forms Ag a chunk ahead): half the CTAs, each step ~1.64x (jla, H100); pays where it saves a
-#: wave. "auto": where ceil(CTAs / 2 / SMs) * PAIRED_STEP < ceil(CTAs / SMs); True / False: always / never.
-#: H200 (session 7, call 4, B1-T8192-Hk2-Hv8, P = 8: 224 blocks): 0.0617 ms paired (one wave) against 0.0665
-#: single (two waves), i.e. a paired step ~1.86x a single one.
-PAIRED = "auto"
-PAIRED_STEP = 1.86
-FIRSTS = ("map", "h0")
-#: the first piece of a row with an initial state (session 9): "map" maps it from [I | 0] like the others (its M_0
-#: then multiplies h0 in the scan), "h0" walks it from h0 itself (``state_map_pass(h0t=...)``: its identity blocks
-#: walk nothing, B Hv K / 64 fewer busy CTAs, one scan product less; jla maps it from [I | 0]). "h0" from the H200
-#: (session 9, run 1, B1-T8192-Hk2-Hv8, P = 4, 3 interleaved rounds): the op 0.1321 against 0.1429 (Triton scan),
-#: 0.1307 against 0.1369 (serial scan), each 3/3; jla 0.1372.
-FIRST = "h0"
+SplitConfig = mg.SplitConfig
 
 
-def use_pairs(ctas: int, key_dim: int, value_dim: int, paired=None, sms: int | None = None) -> bool:
-    """Whether the map pass runs its ``ctas`` single-block CTAs as pairs (needs K / 64 and V / 64 even)."""
-    paired = PAIRED if paired is None else paired
+def use_pairs(ctas: int, key_dim: int, value_dim: int, *, config: SplitConfig = mg.DEFAULT_SPLIT,
+              sms: int | None = None) -> bool:
+    """Whether the map pass runs its ``ctas`` single-block CTAs as pairs (needs K / 64 and V / 64 even):
+    ``config.paired`` True / False, or "auto": where ceil(CTAs / 2 / SMs) ``config.paired_step`` < ceil(CTAs / SMs)
+    (a wave saved)."""
+    paired = config.paired
     if (key_dim // BV) % 2 or (value_dim // BV) % 2 or paired is False:
         return False
     if paired is True:
         return True
-    sms = mg._num_sms() if sms is None else sms
-    return -(-(ctas // 2) // sms) * PAIRED_STEP < -(-ctas // sms)
+    sms = num_sms() if sms is None else sms
+    return -(-(ctas // 2) // sms) * config.paired_step < -(-ctas // sms)
 
 
 def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool = True):
@@ -115,7 +88,7 @@ def _issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: b
     SMEM ring) per block carried), T0 or T, the cumulative gates into the three gate buffers, beta (``head_major``
     False: chunk b ncb_row + piece ncb + n of the [NC, ...] layout)."""
     import jax.experimental.pallas as pl
-    plgpu = mg._plgpu()
+    plgpu = _plgpu()
     k_ref, v_ref, t_ref, g_ref, b_ref = refs
     g_state, g_rows, g_cols, b_cols = vecs
     rows = pl.ds(tok0 + n * C, C)
@@ -137,7 +110,7 @@ def _issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: b
 def _form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols, ag_ready):
     """Ag = T0 e^(G_i - G_j) beta_j (``head_major``: the exponent masked before exp; else T beta_j from Triton's
     gated T) written over T0 in ring slot ``slot``, then ``ag_ready[slot]`` arrives (both map kernels)."""
-    plgpu = mg._plgpu()
+    plgpu = _plgpu()
     WGMMA = plgpu.Layout.WGMMA
     ROWS = WGMMA.reduce(1)
     COLS = WGMMA.reduce(0)
@@ -146,9 +119,9 @@ def _form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols,
     if head_major:
         g_row = plgpu.load(g_rows.at[slot], layout=ROWS)
         g_col = plgpu.load(g_cols.at[slot], layout=COLS)
-        keep = mg._iota(sq, 0) >= mg._iota(sq, 1)
-        t_in = t_in * exp(jnp.where(keep, mg._bcast_rows(g_row, sq) - mg._bcast_cols(g_col, sq), -jnp.inf))
-    ag = t_in * mg._bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+        keep = iota(sq, 0) >= iota(sq, 1)
+        t_in = t_in * exp(jnp.where(keep, bcast_rows(g_row, sq) - bcast_cols(g_col, sq), -jnp.inf))
+    ag = t_in * bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
     t_s.at[slot][...] = ag.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(ag_ready.at[slot])
@@ -164,18 +137,18 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
     (the map from the initial state, :func:`state_map_pass` with ``h0t``): (flag, rows [BV, K] fp32 in the WGMMA
     layout): where the flag holds, the chain starts from those rows instead. Returns S^T [BV, K] fp32 (the
     piece's rows of [M | E]^T)."""
-    plgpu = mg._plgpu()
+    plgpu = _plgpu()
     WGMMA = plgpu.Layout.WGMMA
     COLS = WGMMA.reduce(0)
     shape = (BV, key_dim)
-    eye = mg._iota(shape, 1) == mg._iota(shape, 0) + blk * BV    # rows blk BV .. of [I | 0]^T (none for E)
+    eye = iota(shape, 1) == iota(shape, 0) + blk * BV    # rows blk BV .. of [I | 0]^T (none for E)
     s0 = jnp.where(eye, 1.0, 0.0).astype(F32)
     if not need_first:
         s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
     v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
     if s_start is not None:
         use, rows = s_start              # a vector mask (as _form_ag's): rows may be garbage where not use
-        s0 = jnp.where(mg._iota(shape, 0) < jnp.where(use, BV, 0), rows, s0)
+        s0 = jnp.where(iota(shape, 0) < jnp.where(use, BV, 0), rows, s0)
 
     def step(n, s_t):
         slot = lax.rem(n, stages)
@@ -186,13 +159,13 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
         key_decay = exp(g_col)
         k_decay = exp(g_last - g_col)
         s_decay = exp(g_last)
-        x_t = mg._matmul(s_lo, k_s.at[slot].T, (BV, C))
+        x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))
         v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
-        w_t = (v_t - x_t * mg._bcast_cols(key_decay, (BV, C))).astype(dtype)
+        w_t = (v_t - x_t * bcast_cols(key_decay, (BV, C))).astype(dtype)
         plgpu.barrier_wait(ag_ready.at[slot])
-        vn_t = mg._matmul(w_t, t_s.at[slot].T, (BV, C))
-        vd_t = (vn_t * mg._bcast_cols(k_decay, (BV, C))).astype(dtype)
-        s_new = mg._matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+        vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
+        vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)
+        s_new = matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
         plgpu.barrier_arrive(in_free.at[slot])
         return s_new
 
@@ -200,7 +173,7 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
 
 
 def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
-                   exp2: bool = False, paired=None, h0t=None, interpret=None):
+                   exp2: bool = False, config: SplitConfig = mg.DEFAULT_SPLIT, h0t=None, interpret=None):
     """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
     p of row b; rows :K hold M^T, rows K: hold E^T), one Mosaic GPU kernel.
 
@@ -208,16 +181,16 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     h // (Hv / Hk)); ``head_major`` True (stage 1a = ``kkt_fwd``): t [B, Hv, Tp, C] the gate-free T0, gcum and
     beta_c [B, Hv, Tp] fp32; False (Triton stage 1a): t [NC, Hv, C, C] the gated T, gcum and beta_c [NC, Hv, C].
     gcum is the chunk-local cumulative log-decay (log2 units with ``exp2``). ``need_first`` False (no initial
-    state): the first piece's M is not computed (its rows :K are zeros). ``paired`` (default PAIRED, see
+    state): the first piece's M is not computed (its rows :K are zeros). ``config.paired`` (see
     :func:`use_pairs`): two row blocks per CTA (:func:`_state_map_pass_paired`, the same arithmetic per block).
-    ``h0t`` [B, Hv, V, K] fp32 (the initial state transposed; session 9, ``FIRST = "h0"``): the first piece starts
+    ``h0t`` [B, Hv, V, K] fp32 (the initial state transposed; ``SplitConfig.first = "h0"``): the first piece starts
     from it, not from [I | 0]: its value blocks carry the true end state S_1^T of piece 0 (rows K: of piece 0,
     i.e. the start of piece 1), its identity blocks walk nothing and store zeros (M_0 = 0, so every scan gives the
     same starts; ``piece_scan(first_end=True)`` skips the product); ``need_first`` is then ignored, and the single
     kernel runs (no paired form).
     """
     import jax.experimental.pallas as pl
-    plgpu = mg._plgpu()
+    plgpu = _plgpu()
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
     _check(pieces, padded, key_dim, value_dim)
@@ -234,7 +207,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
             raise ValueError(f"state_map_pass: h0t must be [B, Hv, V, K] = {(batch, heads, value_dim, key_dim)}; "
                              f"got {h0t.shape}")
         need_first = False               # the first piece's identity blocks walk nothing (M_0 = 0)
-    elif use_pairs(batch * run * heads * nb, key_dim, value_dim, paired):
+    elif use_pairs(batch * run * heads * nb, key_dim, value_dim, config=config):
         return _state_map_pass_paired(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first,
                                       head_major=head_major, exp2=exp2, interpret=interpret)
     dtype = k.dtype
@@ -242,13 +215,13 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     isz = jnp.dtype(dtype).itemsize
     n_vec = 4                        # g_state, g_rows, g_cols, b_cols
     per_stage = C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
-    stages = mg._stages(per_stage, BV * key_dim * 4 + 4096 + n_vec * 1024)
+    stages = ring_stages(per_stage, BV * key_dim * 4 + 4096 + n_vec * 1024)
     n_copies = 3 + n_vec
     vecs = plgpu.SMEM((stages, C), F32)
     scratch = dict(
-        k_s=mg._smem((stages, C, key_dim), dtype),
-        v_s=mg._smem((stages, C, BV), dtype),
-        t_s=mg._smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG1)
+        k_s=smem((stages, C, key_dim), dtype),
+        v_s=smem((stages, C, BV), dtype),
+        t_s=smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG1)
         g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -354,7 +327,7 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
     the gate vectors into a 3-stage ring and forms Ag one chunk ahead. Per block the arithmetic is the single
     kernel's, so are the results."""
     import jax.experimental.pallas as pl
-    plgpu = mg._plgpu()
+    plgpu = _plgpu()
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -369,14 +342,14 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
     isz = jnp.dtype(dtype).itemsize
     n_vec = 4
     per_stage = C * key_dim * isz + 2 * C * BV * isz + C * C * isz + n_vec * C * 4
-    stages = mg._stages(per_stage, 2 * BV * key_dim * 4 + 4096 + n_vec * 1024)
+    stages = ring_stages(per_stage, 2 * BV * key_dim * 4 + 4096 + n_vec * 1024)
     n_copies = 4 + n_vec
     vecs = plgpu.SMEM((stages, C), F32)
     scratch = dict(
-        k_s=mg._smem((stages, C, key_dim), dtype),
-        va_s=mg._smem((stages, C, BV), dtype),
-        vb_s=mg._smem((stages, C, BV), dtype),
-        t_s=mg._smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG2)
+        k_s=smem((stages, C, key_dim), dtype),
+        va_s=smem((stages, C, BV), dtype),
+        vb_s=smem((stages, C, BV), dtype),
+        t_s=smem((stages, C, C), dtype),     # T0 (or T), then Ag (written by WG2)
         g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -470,21 +443,11 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
-def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
-                             head_major: bool = True, exp2: bool = False, h0t=None):
-    """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
-    fused pass's twin (``mosaic_gpu.fused_state_pass_reference``, no output) over the augmented values [0 | v]
-    from the augmented start [I | 0] of each mapped piece (zeros for the first piece's identity rows without
-    ``need_first``; with ``h0t`` the first piece starts from [0 ; h0t] instead). Also session 6's map (``MAP =
-    "fused"``) on the GPU, with the kernel in place of the twin."""
-    return _augmented_map(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first, head_major=head_major,
-                          exp2=exp2, kernel=False, h0t=h0t)
-
-
-def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp2, kernel, h0t=None):
+def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp2, h0t=None):
+    """The maps of :func:`state_map_pass` by the fused pass's jnp twin over [0 | v] from [I | 0]."""
     b, tp, _, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
-    _check(pieces, tp, kdim, vdim, kernel=kernel)
+    _check(pieces, tp, kdim, vdim, kernel=False)
     r = pieces - 1
     v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [B, Tp, Hv, K + V]
     eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
@@ -495,13 +458,23 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
     elif not need_first:
         h_aug = h_aug.at[:, 0].set(0.0)
     h_aug = h_aug.reshape(b * r, hv, kdim + vdim, kdim)
-    run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
-    _, maps_t = run(k, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True, head_major=head_major,
-                    exp2=exp2, pieces=pieces, run_pieces=r, write_o=False)
+    _, maps_t = mg.fused_state_pass_reference(k, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True,
+                                              head_major=head_major, exp2=exp2, pieces=pieces, run_pieces=r,
+                                              write_o=False)
     return maps_t
 
 
-def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str | None = None,
+def state_map_pass_reference(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True,
+                             head_major: bool = True, exp2: bool = False, h0t=None):
+    """What :func:`state_map_pass` computes, in jnp (fp32, precision highest), same arguments and result: the
+    fused pass's twin (``chunk.fused_state_pass_reference``, no output) over the augmented values [0 | v]
+    from the augmented start [I | 0] of each mapped piece (zeros for the first piece's identity rows without
+    ``need_first``; with ``h0t`` the first piece starts from [0 ; h0t] instead)."""
+    return _augmented_map(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first, head_major=head_major,
+                          exp2=exp2, h0t=h0t)
+
+
+def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: str = "default",
                interpret: bool = False, first_end: bool = False):
     """Every piece's start state, transposed, fp32 [B, P, Hv, V, K], from the maps of pieces 0 .. P - 2.
 
@@ -511,12 +484,11 @@ def piece_scan(maps_t, h0t, *, key_dim: int, method: str = "serial", precision: 
     scan); "log": the prefix compositions in ceil(log2 R) batched steps (composing piece a then b: [A_a ; B_a] A_b
     + [0 ; B_b]), then one apply.
     "triton": :func:`piece_scan_triton` (``interpret``: Pallas interpret mode, the CPU tests). ``precision``: a key
-    of PRECISIONS (default SCAN_PRECISION). ``first_end`` (maps from :func:`state_map_pass` with ``h0t``): rows K:
+    of PRECISIONS (``SplitConfig.precision``). ``first_end`` (maps from :func:`state_map_pass` with ``h0t``): rows K:
     of piece 0 already hold piece 1's start (M_0 = 0): "serial" and "triton" take it without the product, "log"
     composes the zero M_0 (the same starts)."""
     if method not in SCANS:
         raise ValueError(f"piece_scan: method must be one of {SCANS}; got {method!r}")
-    precision = SCAN_PRECISION if precision is None else precision
     if precision not in PRECISIONS:
         raise ValueError(f"piece_scan: precision must be one of {tuple(PRECISIONS)}; got {precision!r}")
     hp = PRECISIONS[precision]
@@ -619,49 +591,34 @@ def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False
     )(*args)
 
 
-def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str | None = None,
-                 scan: str | None = None, precision: str | None = None, first: str | None = None):
+def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str = "map",
+                 config: SplitConfig = mg.DEFAULT_SPLIT):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
-    (q, k, v, t, gcum, beta_c, h0t) (``mosaic_gpu._prepare_head_major`` / ``_prepare`` with the same P).
-    ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl`` (default MAP): "map" the map kernel
-    (paired where PAIRED says), "paired" always paired, "fused" session 6's, "chain" (P = 2 only, session 8): piece
-    1's start state is piece 0's end, from one state-only pass of the fused kernel (``write_o=False``) over piece 0
-    from the initial state itself (B Hv V / 64 CTAs, no M, no scan); ``scan`` (default SCAN; "auto": "serial" up
-    to SERIAL_MAX_PIECES pieces, else "triton") and its ``precision`` (default SCAN_PRECISION); ``first``
-    (default FIRST; "map" and "paired" maps): "h0" runs the first piece from the initial state
-    (:func:`state_map_pass` with ``h0t``: no identity blocks walk piece 0, and the scan skips one product), "map"
-    maps it from [I | 0] like the others; without an initial state both are the same (M_0 is skipped)."""
-    map_impl = MAP if map_impl is None else map_impl
-    scan = SCAN if scan is None else scan
+    (q, k, v, t, gcum, beta_c, h0t) (``chunk.prepare_head_major`` / ``prepare_chunk_layout`` with the same P).
+    ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl``: "map" the map kernel (paired where
+    ``config.paired`` says), "paired" always paired. ``config``: the scan (``scan``; "auto": "serial" up to
+    ``serial_max_pieces`` pieces, else "triton") and its ``precision``; ``first`` "h0" runs the first piece from the
+    initial state (:func:`state_map_pass` with ``h0t``: no identity blocks walk piece 0, and the scan skips one
+    product), "map" maps it from [I | 0] like the others; without an initial state both are the same (M_0 is
+    skipped)."""
+    scan = config.scan
     if scan == "auto":
-        scan = "serial" if pieces <= SERIAL_MAX_PIECES else "triton"
-    first = FIRST if first is None else first
+        scan = "serial" if pieces <= config.serial_max_pieces else "triton"
     if map_impl not in MAPS:
         raise ValueError(f"start_states: map_impl must be one of {MAPS}; got {map_impl!r}")
-    if first not in FIRSTS:
-        raise ValueError(f"start_states: first must be one of {FIRSTS}; got {first!r}")
     _, k, v, t, gcum, beta_c, h0t = ops_
     b, _, hv, vdim = v.shape
     kdim = k.shape[3]
-    if map_impl == "chain":
-        if pieces != 2:
-            raise ValueError(f"start_states: map_impl='chain' walks one piece (pieces=2); got pieces={pieces}")
-        run = mg.fused_state_pass if kernel else mg.fused_state_pass_reference
-        _, end0 = run(k, k, v, t, gcum, beta_c, h0t, scale=1.0, out_final=True, head_major=head_major, exp2=exp2,
-                      pieces=2, run_pieces=1, write_o=False)                         # [B, Hv, V, K]
-        start0 = jnp.zeros_like(end0) if h0t is None else h0t.astype(F32)
-        return jnp.stack([start0, end0], axis=1).reshape(b * 2, hv, vdim, kdim)
     kw = dict(pieces=pieces, need_first=h0t is not None, head_major=head_major, exp2=exp2)
-    first_end = first == "h0" and h0t is not None and map_impl in ("map", "paired")
+    first_end = config.first == "h0" and h0t is not None
     if first_end:
         kw["h0t"] = h0t
     if not kernel:
         maps_t = state_map_pass_reference(k, v, t, gcum, beta_c, **kw)
-    elif map_impl in ("map", "paired"):
-        maps_t = state_map_pass(k, v, t, gcum, beta_c, paired=True if map_impl == "paired" else None, **kw)
     else:
-        maps_t = _augmented_map(k, v, t, gcum, beta_c, kernel=True, **kw)
+        map_config = dataclasses.replace(config, paired=True) if map_impl == "paired" else config
+        maps_t = state_map_pass(k, v, t, gcum, beta_c, config=map_config, **kw)
     maps_t = maps_t.reshape(b, pieces - 1, hv, kdim + vdim, kdim)
-    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=precision, interpret=not kernel,
+    starts = piece_scan(maps_t, h0t, key_dim=kdim, method=scan, precision=config.precision, interpret=not kernel,
                         first_end=first_end)
     return starts.reshape(b * pieces, hv, vdim, kdim)

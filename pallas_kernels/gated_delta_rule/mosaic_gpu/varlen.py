@@ -3,11 +3,11 @@
 # The per-CTA walk table and its dynamic trip count follow jax-linear-attention 0.1.0 (Apache-2.0),
 # jla/ops/mosaic_gpu/scalar_gate_docs.py (walk_tables, map_fwd_wy). See NOTICE in this folder.
 """Mosaic GPU (Hopper) backend of the chunked gated delta rule for packed sequences (``cu_seqlens``): the
-"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``mosaic_gpu.VARLEN`` is set; "auto"
-only while ``mosaic_gpu.AUTO_VARLEN`` is). The kernels are ``mosaic_gpu.py``'s: this file lays the packed row out
-for them and back.
+"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``chunk.VARLEN`` is set; "auto"
+only while ``chunk.AUTO_VARLEN`` is). The kernels are ``chunk.py``'s: this file lays the packed row out for them
+and back.
 
-  1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``varlen_copy_triton``
+  1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``triton/varlen_copy.py``
      copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of
      Tp = NC C tokens, NC = T // C + N rounded up to a multiple of 8 (``chunk_map.max_chunks``; 8: kkt_fwd's
      chunks per CTA; chunk c of the repacked row is chunk c of ``build_chunk_map``).
@@ -16,10 +16,10 @@ for them and back.
      walk reads them. Padding tokens (index >= cu_seqlens[N]) and
      other sequences' tokens are never gathered into a chunk, so a NaN there reaches nothing (a select, never a
      multiply).
-  2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`mosaic_gpu.kkt_fwd`, gate-free T0, head-major;
+  2. **Stage 1a** on the repacked row: ``stage1a="mosaic"`` (:func:`chunk.kkt_fwd`, gate-free T0, head-major;
      the chunk-local cumulative gate in XLA) or ``"triton"`` (Pallas Triton ``kkt_solve`` straight from the packed
      row through the chunk map: gated T in chunk layout, no repack of k for it).
-  3. **The fused state pass** (:func:`mosaic_gpu.fused_state_pass` with a walk table): grid (N, Hv, V / 64), CTA
+  3. **The fused state pass** (:func:`chunk.fused_state_pass` with a walk table): grid (N, Hv, V / 64), CTA
      row r reads (first chunk, chunk count, sequence) from an int32 [N, 3] table (sequences by decreasing chunk
      count, so the long serial walks start first) and walks only its own chunks (a dynamic trip count; 0 for an
      empty sequence, whose final state is then its initial state), from h0[n], final state to [n].
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import num_sms
 from pallas_kernels.gated_delta_rule.chunk_map import (build_chunk_map, gather_slots, launch_order, max_chunks,
                                                        scatter_slots)
 
@@ -55,7 +56,6 @@ C = mg.C
 F32 = jnp.float32
 STAGE1A = ("mosaic", "triton")
 ORDERS = ("longest_first", "index")
-INPUTS = ("repacked", "packed")
 STATES = ("kv", "vk")
 COPIES = ("xla", "triton")
 
@@ -66,36 +66,26 @@ class VarlenConfig:
 
     stage1a: "mosaic" (kkt_fwd on the repacked row) or "triton" (Pallas Triton kkt_solve on the packed row).
     order: the walk table's row order, "longest_first" (decreasing chunk count) or "index" (sequence order).
-    inputs: "repacked" (q, k, v gathered to the chunk-aligned row first) or "packed" (the fused pass reads the full
-    chunks of q, k, v in place at each sequence's own offsets and each sequence's partial last chunk from a small
-    gathered tail buffer [N C, ...], ``fused_state_pass(packed_qkv=True, tails=...)``: no repack of q, k, v; only
-    g, beta, and k for stage1a "mosaic", are repacked). **"packed" does not build on the H200** (jax 0.11.2: an
-    AssertionError while lowering the kernel, session 7 calls 3 and 4; likely Mosaic's TMA into a swizzled tile
-    needs the GMEM rows in tiles of 8, and sequences start anywhere): off, kept with its CPU tests and GPU-marked
-    xfail tests.
     states: "kv" (the kernel reads the initial states and writes the final ones in the op's [N, Hv, K, V] layout,
     ``fused_state_pass(state_kv=True)``) or "vk" (XLA transposes them to and from the kernel's S^T, the dense
     path's way: two extra passes over 2 x N Hv K V x 4 bytes).
     lanes: 0 (one CTA row per sequence, grid (N, Hv, V / 64)) or the persistent walk (:func:`lane_table`): L > 0
     lanes of sequences, each CTA walking its lane's sequences back to back; -1: L = SMs // (Hv V / 64) (one wave)
-    when that leaves at least 4 sequences a lane, else 0. Its float64 GPU test passed (session 8, repacked inputs,
-    vk states, 3 lanes); serve256 1.891 ms against 1.918 without (bitwise the same result), varlen16 (2 lanes for
-    16 sequences) not yet timed: off by default.
-    copies: how the rows move between the packed and the chunk-aligned row: "triton" (``varlen_copy_triton``: q, k,
-    v, g and beta repacked by one Pallas
-    Triton launch of [C, BD] tiles at each chunk's row offset, o unpacked by another: serve256's repack 0.381 ms
-    against 0.524) or "xla" (one gather + select fusion per array, :func:`_gather_rows`); bitwise the same rows,
+    when that leaves at least 4 sequences a lane, else 0. Right against float64 on the GPU (vk states, 3 lanes);
+    serve256 1.891 ms against 1.918 without (bitwise the same result); varlen16 (2 lanes for 16 sequences) is
+    untimed, so it stays off by default.
+    copies: how the rows move between the packed and the chunk-aligned row: "triton" (``triton/varlen_copy.py``:
+    q, k, v, g and beta repacked by one Pallas Triton launch of [C, BD] tiles at each chunk's row offset, o
+    unpacked by another: serve256's repack 0.381 ms against 0.524) or "xla" (one gather + select fusion per array, :func:`gather_rows`); bitwise the same rows,
     but "triton" leaves the unused chunk slots of the repacked row unset instead of zeroed: nothing reads them.
     kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
     past them exit at once; serve256 uses 732 of its 864 slots: 0.306 ms against 0.353); False: every slot.
 
-    The defaults are the H200's (NOTES.md "Session 7: Mosaic varlen", "Session 8: Mosaic varlen"): serve256
-    1.933 ms (copies "triton" + kkt_used; 2.142 with the XLA gathers and every kkt slot, same process) against
-    Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
+    The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
+    2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
     """
     stage1a: str = "mosaic"
     order: str = "longest_first"
-    inputs: str = "repacked"
     states: str = "kv"
     lanes: int = 0
     copies: str = "triton"
@@ -106,8 +96,6 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.stage1a must be one of {STAGE1A}; got {self.stage1a!r}")
         if self.order not in ORDERS:
             raise ValueError(f"VarlenConfig.order must be one of {ORDERS}; got {self.order!r}")
-        if self.inputs not in INPUTS:
-            raise ValueError(f"VarlenConfig.inputs must be one of {INPUTS}; got {self.inputs!r}")
         if self.states not in STATES:
             raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
         if self.copies not in COPIES:
@@ -149,7 +137,7 @@ def num_lanes(lanes: int, n: int, heads: int, value_dim: int, sms: int | None = 
     """The persistent walk's lane count for ``VarlenConfig.lanes`` (0: off)."""
     if lanes >= 0:
         return min(lanes, n)
-    sms = mg._num_sms() if sms is None else sms
+    sms = num_sms() if sms is None else sms
     per_lane = heads * max(value_dim // mg.BV, 1)
     auto = max(sms // per_lane, 1)
     return auto if n >= 4 * auto else 0
@@ -172,19 +160,6 @@ def lane_table(walk, lanes: int):
     m0 = jnp.cumsum(counts, axis=1) - counts
     lane_rows = jnp.zeros((lanes,), jnp.int32).at[lane].add(valid.astype(jnp.int32))
     return jnp.concatenate([table, m0[..., None]], axis=-1).astype(jnp.int32), lane_rows
-
-
-def tail_rows(cu_seqlens):
-    """(src [N C] int32, keep [N C] bool): row s C + i of the tail buffer is packed token cu[s] + (L_s // C) C + i
-    where i < L_s mod C (sequence s's partial last chunk), else a zero token."""
-    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    n = cu.shape[0] - 1
-    lens = cu[1:] - cu[:-1]
-    i = jnp.arange(n * C, dtype=jnp.int32)
-    seq, j = i // C, i % C
-    keep = j < lens[seq] % C
-    src = jnp.where(keep, cu[seq] + (lens[seq] // C) * C + j, 0)
-    return src, keep
 
 
 def used_chunks(cm):
@@ -218,14 +193,14 @@ def unpack(o_r, back, valid, *, copies: str = "xla", chunks=None, end=None, tota
     (``copies="xla"``: one gather + select by back / valid; ``"triton"``: ``varlen_copy_triton.unpack_rows`` over
     ``chunks`` with ``end`` = cu_seqlens[N:])."""
     if copies == "xla":
-        return _gather_rows(o_r[0], back, valid)[None]
+        return gather_rows(o_r[0], back, valid)[None]
     from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc
     tp = o_r.shape[1]
     y = vc.unpack_rows(o_r[0].reshape(tp, -1), *chunks, end, total_len=total_len, chunk=C, interpret=interpret)
     return y.reshape((1, total_len) + o_r.shape[2:])
 
 
-def _gather_rows(x, idx, keep):
+def gather_rows(x, idx, keep):
     """x [T, ...] -> [len(idx), ...]: x[idx] where keep, zeros elsewhere (a select: NaN-safe)."""
     out = jnp.take(x, idx, axis=0, mode="clip")
     return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), out, jnp.zeros((), x.dtype))
@@ -233,7 +208,7 @@ def _gather_rows(x, idx, keep):
 
 def repack(xs, src, keep):
     """Arrays [1, T, ...] of the packed row -> the same on the repacked row [1, Tp, ...]."""
-    return tuple(_gather_rows(x[0], src, keep)[None] for x in xs)
+    return tuple(gather_rows(x[0], src, keep)[None] for x in xs)
 
 
 def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None,
@@ -260,7 +235,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
         return t0, gcum, beta_hm, True
     from pallas_kernels.gated_delta_rule.triton import chunk as kt
     kf, gf, bf = packed
-    if not kernel:       # interpret mode clamps dynamic slices: pad C rows as pallas_triton._run does
+    if not kernel:       # interpret mode clamps dynamic slices: pad C rows as triton.chunk's entry points do
         kf, gf, bf = (jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1)) for x in (kf, gf, bf))
     config = kt.launch_config(vdim, hv, kf.dtype)
     tmat, gcum = kt.kkt_solve(kf, gf.astype(F32), bf, chunk_start=chunk_map.chunk_start.astype(jnp.int32),
@@ -271,28 +246,25 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
-                                    out_final: bool, head_major: bool, exp2: bool = False, packed_qkv: bool = False,
-                                    state_kv: bool = False, lane_rows=None, tails=None):
-    """What :func:`mosaic_gpu.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
-    row r of ``walk`` = (c0, count, s[, t0, L]) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
-    a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]
-    (``packed_qkv``: q, k, v chunk n < L // C from the packed row at t0 + n C, the partial last chunk from
-    ``tails`` at rows s C, as the kernel does). Chunks no row walks are NaN in the returned o (the kernel leaves
+                                    out_final: bool, head_major: bool, exp2: bool = False, state_kv: bool = False,
+                                    lane_rows=None):
+    """What :func:`chunk.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
+    row r of ``walk`` = (c0, count, s, ...) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
+    a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]. Chunks no
+    row walks are NaN in the returned o (the kernel leaves
     them unset: nothing may read them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K]
     fp32 or None; ``state_kv``:
     h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
     [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
     kdim = k.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
-    t, gcum, beta_c = mg._chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
+    t, gcum, beta_c = mg.chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
     nc = t.shape[0]                                                                   # chunk slots
     tp = nc * C
 
     def heads(x):       # [1, L, H, D] -> [L, Hv, D] fp32 (value heads)
         return jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
     qa, ka, va = heads(q), heads(k), heads(v)
-    if packed_qkv:
-        tq, tk, tv = (heads(x) for x in tails)
     ts = (t.astype(F32).reshape(nc, hv, C, C), gcum.astype(F32).reshape(nc, hv, C),
           beta_c.astype(F32).reshape(nc, hv, C))
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
@@ -305,16 +277,13 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
         def chunk(n, carry2):
             s, o = carry2
             c = c0 + n
-            first = (ent[3] + n * C) if packed_qkv else c * C
+            first = c * C
 
             def tile(x, at):        # [C, Hv, D] rows at.. -> [1, Hv, C, D]
                 return jnp.swapaxes(lax.dynamic_slice_in_dim(x, at, C, 0), 0, 1)[None]
             qc, kc, vc = (tile(x, first) for x in (qa, ka, va))
-            if packed_qkv:          # the partial last chunk from the tails (a select: NaN-safe)
-                tail = n >= ent[4] // C
-                qc, kc, vc = (jnp.where(tail, tile(x, ent[2] * C), y) for x, y in ((tq, qc), (tk, kc), (tv, vc)))
             xs = (qc, kc, vc) + tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in ts)
-            s, oc = mg._chunk_step(s, xs, scale)
+            s, oc = mg.chunk_step(s, xs, scale)
             return s, lax.dynamic_update_index_in_dim(o, oc[0], c, 0)
 
         s, o = lax.fori_loop(0, count, chunk, (lax.dynamic_index_in_dim(h0, srow, 0, keepdims=True), o))
@@ -331,11 +300,11 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     return o, ((ht if state_kv else jnp.swapaxes(ht, -1, -2)) if out_final else None)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order", "inputs",
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
                                              "states", "lanes", "copies", "kkt_used"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
-                                      order: str = "longest_first", inputs: str = "repacked", states: str = "kv",
+                                      order: str = "longest_first", states: str = "kv",
                                       lanes: int = 0, copies: str = "xla", kkt_used: bool = False):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
 
@@ -343,13 +312,12 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``inputs``, ``states``, ``lanes``, ``copies``, ``kkt_used``: as :class:`VarlenConfig`
+    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``: as :class:`VarlenConfig`
     (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, inputs=inputs, states=states, lanes=lanes, copies=copies,
-                 kkt_used=kkt_used)
+    VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -365,20 +333,10 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
-    packed_qkv = inputs == "packed"
     cp = dict(copies=copies, chunks=chunk_rows(cm, src.shape[0] // C), interpret=not kernel)
-    tails = None
-    if packed_qkv:
-        if stage1a == "mosaic":
-            k_r, g_r, b_r = repack_all((k, g.astype(F32), beta.astype(F32)), src, keep, **cp)
-        else:
-            k_r, (g_r, b_r) = None, repack_all((g.astype(F32), beta.astype(F32)), src, keep, **cp)
-        qkv = (q, k, v)
-        tails = repack((q, k, v), *tail_rows(cu))
-    else:
-        *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
-        qkv = tuple(qkv)
-        k_r = qkv[1]
+    *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
+    qkv = tuple(qkv)
+    k_r = qkv[1]
     state_kv = states == "kv"
     h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
            else jnp.swapaxes(initial_state.astype(F32), -1, -2))
@@ -392,13 +350,11 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         walk, rows = lane_table(walk, n_lanes)
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
-                                      walk=walk, num_states=n, packed_qkv=packed_qkv, state_kv=state_kv,
-                                      lane_rows=rows, tails=tails)
+                                      walk=walk, num_states=n, state_kv=state_kv, lane_rows=rows)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
                                                   out_final=output_final_state, head_major=head_major,
-                                                  packed_qkv=packed_qkv, state_kv=state_kv, lane_rows=rows,
-                                                  tails=tails)
+                                                  state_kv=state_kv, lane_rows=rows)
     o = unpack(o_r, back, valid, end=cu[-1:], total_len=t, **cp).astype(v.dtype)
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
@@ -409,7 +365,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
 def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool, cu_seqlens,
            config: VarlenConfig = None):
     """``chunk_gated_delta_rule(..., cu_seqlens=...)`` on "mosaic_gpu" (api.py has checked the arguments and
-    ``mosaic_gpu.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
+    ``chunk.fallback_reason``). Returns (o [1, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or
     None). jax.grad / jax.jvp raise NotImplementedError naming backend='xla'."""
     from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
     cfg = config or DEFAULT_CONFIG
@@ -418,7 +374,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            inputs=cfg.inputs, states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
+            states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -428,7 +384,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
     """``chunk_gated_delta_rule_slots`` on "mosaic_gpu": the start states gathered from the pool (zeros where
     has_initial_state is False or the id is outside [0, S)), the packed (``cu_seqlens``) or dense call, the final
     states scattered back (an id outside [0, S) drops its write). Returns (o [B, T, Hv, V], new pool [S, Hv, K, V]
-    fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`mosaic_gpu.op_fwd` with its
+    fp32). The dense call (no ``cu_seqlens``) is the dense op's own (:func:`chunk.op_fwd` with its
     ``DEFAULT_CONFIG``: exp2, state_kv, the split policy); ``config`` applies to packed calls. ``impl="reference"``:
     the jnp twins (CPU tests)."""
     from pallas_kernels.gated_delta_rule.triton.chunk import no_autodiff
@@ -442,7 +398,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
         if cu:
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
-                                                     order=cfg.order, inputs=cfg.inputs, states=cfg.states,
+                                                     order=cfg.order, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)

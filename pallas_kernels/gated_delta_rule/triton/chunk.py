@@ -11,13 +11,12 @@ Three pallas_calls (four for varlen), in the order the algorithm reads (chunk C 
      w   = T (beta exp(G) k)                                            [C, K]   input dtype
      u   = T (beta v)                                                   [C, V]   input dtype
      Aqk = scale (q_i . k_j) exp(G_i - G_j), j <= i                     [C, C]   input dtype
-    (``intra_fused``, behind LaunchConfig.fused_intra, off: 1a + 1b as one kernel on 1-2 warps; slower on the
-    H200, NOTES.md v5.) Both skip padding chunk slots (chunk_len 0).
+    Both skip padding chunk slots (chunk_len 0).
 2.  ``state_pass``  grid (V / BV, Hv, N), serial over the chunks of one sequence, S [K, BV] fp32 in registers,
     the output fused in, 3-stage software pipeline on the tile loads (2 for fp32); sequences launched longest
     first (``seq_order``); final states to the aliased pool (slots API) or to a fresh [N, ...] (plain API);
-    (``gdn_state_pass_persistent``, behind LaunchConfig.state_programs, off, never run on a GPU: grid (P,), each program walking its share
-    of the longest-first items with the next item's start state loaded ahead):
+    (``gdn_state_pass_persistent``, behind LaunchConfig.state_programs, off, not timed on a GPU: grid (P,), each
+    program walking its share of the longest-first items with the next item's start state loaded ahead):
      v_new = u - w S
      o     = scale exp(G) (q S) + Aqk v_new
      S     = exp(G_last) S + k^T (exp(G_last - G) v_new)
@@ -57,21 +56,19 @@ SUB = 16  # sub-block rows inside a chunk: the smallest dot Triton lowers
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Launch parameters of the three pallas_calls (H200 measurements in NOTES.md chose the defaults).
+    """Launch parameters of the three pallas_calls (H200 measurements chose the defaults: ``python -m benchmarks
+    gdn``).
 
     solve_warps / solve_block_k: stage 1a's warps and the k columns it reads per step; wu_warps: stage 1b;
-    fused_intra: stages 1a and 1b as one pallas_call (``gdn_intra_fused``, 16-row blocks, solve_warps warps,
-    T never leaves the chip); block_v / state_warps / state_stages: stage 2's value block (None: chosen from the
+    block_v / state_warps / state_stages: stage 2's value block (None: chosen from the
     program count by _block_v), warps and software-pipelining depth (None: chosen by launch_config);
     state_programs: 0, one state-pass program per (value block, head, sequence) item; P > 0, a persistent state
     pass of P programs over the longest-first item list (``gdn_state_pass_persistent``: program p runs items
     p, 2P - 1 - p, 2P + p, ... (snake order, for balance) and loads the next item's start state before running the
-    current one's chunks). Interpret-tested and cross-lowered to Triton IR on CPU; never run on a GPU (the H200 run
-    of f792283 failed in its lowering, fixed since): off until measured (NOTES.md, v5 state pass)."""
+    current one's chunks). Interpret-tested and cross-lowered to Triton IR on CPU, not timed on a GPU: off."""
     solve_warps: int = 1
     solve_block_k: int = 128
     wu_warps: int = 4
-    fused_intra: bool = False
     block_v: int | None = None
     state_warps: int = 4
     state_stages: int | None = None
@@ -234,83 +231,6 @@ def _wu_body(c, h, start, length, q_ref, k_ref, v_ref, beta_ref, t_ref, gcum_ref
     lower = _iota((chunk, chunk), 1) <= _iota((chunk, chunk), 0)
     decay = jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], -jnp.inf))
     aqk_ref[c, h, :, :] = (scale * _dot(q, k, tb=True, precision=precision) * decay).astype(aqk_ref.dtype)
-
-
-def _intra_fused_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                        gcum_ref, *, chunk, group, scale, dtype, precision, merge_precision, block_k):
-    """Stages 1a + 1b in one program per (chunk, value head), all in 16-row blocks so that it runs on 1-2 warps
-    (the forward substitution's row reductions stay inside a warp): G, A and T = (I + A)^-1 as in 1a (k k^T and
-    q k^T share the k loads), then Aqk by blocks and w, u one 16-row block at a time
-    (w_i = sum_{j <= i} T_ij (beta e^G k)_j, u_i = sum_{j <= i} T_ij (beta v)_j). T never leaves the chip."""
-    c = pl.program_id(0)
-    h = pl.program_id(1)
-    length = len_ref[c]
-
-    @pl.when(length > 0)          # padding chunk slots are never read
-    def _():
-        _intra_fused_body(c, h, start_ref[c], length, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref,
-                          aqk_ref, gcum_ref, chunk=chunk, group=group, scale=scale, dtype=dtype,
-                          precision=precision, merge_precision=merge_precision, block_k=block_k)
-
-
-def _intra_fused_body(c, h, start, length, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, gcum_ref,
-                      *, chunk, group, scale, dtype, precision, merge_precision, block_k):
-    hk = h // group
-    nb = chunk // SUB
-    kdim = k_ref.shape[-1]
-    vdim = v_ref.shape[-1]
-    tri16 = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
-    strict16 = _iota((SUB, SUB), 1) < _iota((SUB, SUB), 0)
-    valid, bb, gb = _gate_blocks(c, h, start, length, g_ref, beta_ref, gcum_ref, nb=nb, tri16=tri16)
-
-    # ---- k k^T and q k^T in 16 x 16 blocks (lower block triangle), block_k columns at a time ----
-    kk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
-    qk = {(i, j): jnp.zeros((SUB, SUB), jnp.float32) for i in range(nb) for j in range(i + 1)}
-    for kc in range(0, kdim, block_k):
-        bk = min(block_k, kdim - kc)
-        rows = lambda ref, b: plgpu.load(ref.at[pl.ds(start + b * SUB, SUB), hk, pl.ds(kc, bk)],
-                                         mask=jnp.broadcast_to(valid[b][:, None], (SUB, bk)), other=0).astype(dtype)
-        kb = [rows(k_ref, b) for b in range(nb)]
-        qb = [rows(q_ref, b) for b in range(nb)]
-        for i in range(nb):
-            for j in range(i + 1):
-                kk[i, j] = kk[i, j] + _dot(kb[i], kb[j], tb=True, precision=precision)
-                qk[i, j] = qk[i, j] + _dot(qb[i], kb[j], tb=True, precision=precision)
-
-    # ---- A, T = (I + A)^-1 (as in 1a) and Aqk = scale q k^T e^(G_i - G_j) (lower, diagonal included) ----
-    a_blk = {}
-    zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-    for i in range(nb):
-        for j in range(nb):
-            rs, cs = pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
-            if j > i:
-                aqk_ref[c, h, rs, cs] = zero
-                continue
-            diff = gb[i][:, None] - gb[j][None, :]
-            dec = jnp.exp(jnp.where(strict16, diff, -jnp.inf)) if i == j else jnp.exp(diff)
-            a_blk[i, j] = bb[i][:, None] * kk[i, j] * dec
-            qdec = jnp.exp(jnp.where(tri16, diff, -jnp.inf)) if i == j else dec
-            aqk_ref[c, h, rs, cs] = (scale * qk[i, j] * qdec).astype(aqk_ref.dtype)
-    mp = merge_precision
-    t_blk = _unit_lower_inverse_blocks(a_blk, nb, mp)
-    t_in = {key: blk.astype(dtype) for key, blk in t_blk.items()}      # T in the input dtype, as 1b reads it
-
-    # ---- w, u by 16-row blocks: the (beta e^G k)_j, (beta v)_j rows are re-read per block (cache hits) ----
-    for i in range(nb):
-        w_acc = jnp.zeros((SUB, kdim), jnp.float32)
-        u_acc = jnp.zeros((SUB, vdim), jnp.float32)
-        for j in range(i + 1):
-            sl = pl.ds(start + j * SUB, SUB)
-            kj = plgpu.load(k_ref.at[sl, hk, :], mask=jnp.broadcast_to(valid[j][:, None], (SUB, kdim)),
-                            other=0).astype(jnp.float32)
-            vj = plgpu.load(v_ref.at[sl, h, :], mask=jnp.broadcast_to(valid[j][:, None], (SUB, vdim)),
-                            other=0).astype(jnp.float32)
-            kbeta = (kj * (bb[j] * jnp.exp(gb[j]))[:, None]).astype(dtype)
-            vbeta = (vj * bb[j][:, None]).astype(dtype)
-            w_acc = w_acc + _dot(t_in[i, j], kbeta, precision=precision)
-            u_acc = u_acc + _dot(t_in[i, j], vbeta, precision=precision)
-        w_ref[c, h, pl.ds(i * SUB, SUB), :] = w_acc.astype(w_ref.dtype)
-        u_ref[c, h, pl.ds(i * SUB, SUB), :] = u_acc.astype(u_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -554,33 +474,8 @@ def wu_aqk(q, k, v, beta, t, gcum, *, scale, chunk_start, chunk_len, chunk, inte
     return call(chunk_start, chunk_len, q, k, v, beta, t, gcum)
 
 
-def intra_fused(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
-    """Stages 1a + 1b in one pallas_call (grid (NC, Hv), config.solve_warps warps): returns w [NC, Hv, C, K],
-    u [NC, Hv, C, V], Aqk [NC, Hv, C, C] (v's dtype) and G [NC, Hv, C] fp32, as ``intra_chunk``."""
-    hk, kdim = q.shape[1], q.shape[2]
-    hv, vdim = v.shape[1], v.shape[2]
-    nc = chunk_start.shape[0]
-    dtype = v.dtype
-    precision, merge_precision = _precisions(dtype)
-    call = pl.pallas_call(
-        functools.partial(_intra_fused_kernel, chunk=chunk, group=hv // hk, scale=scale, dtype=dtype,
-                          precision=precision, merge_precision=merge_precision,
-                          block_k=min(config.solve_block_k, kdim)),
-        grid=(nc, hv),
-        out_shape=(jax.ShapeDtypeStruct((nc, hv, chunk, kdim), dtype),       # w
-                   jax.ShapeDtypeStruct((nc, hv, chunk, vdim), dtype),       # u
-                   jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dtype),      # Aqk
-                   jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)),      # G
-        compiler_params=_compiler_params(config.solve_warps, 1), interpret=interpret, name="gdn_intra_fused")
-    return call(chunk_start, chunk_len, q, k, v, g, beta)
-
-
 def intra_chunk(q, k, v, g, beta, *, scale, chunk_start, chunk_len, chunk, interpret, config: LaunchConfig):
-    """Stages 1a + 1b (one fused call when config.fused_intra): returns w, u, Aqk (v's dtype) and
-    G [NC, Hv, C] fp32."""
-    if config.fused_intra:
-        return intra_fused(q, k, v, g, beta, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
-                           chunk=chunk, interpret=interpret, config=config)
+    """Stages 1a + 1b: returns w, u, Aqk (v's dtype) and G [NC, Hv, C] fp32."""
     t, gcum = kkt_solve(k, g, beta, chunk_start=chunk_start, chunk_len=chunk_len, chunk=chunk,
                         num_v_heads=v.shape[1], interpret=interpret, config=config)
     w, u, aqk = wu_aqk(q, k, v, beta, t, gcum, scale=scale, chunk_start=chunk_start, chunk_len=chunk_len,
@@ -735,8 +630,7 @@ def launch_config(vdim: int, programs_per_vblock: int, dtype=jnp.bfloat16, base:
     tracing): ``base`` (default LaunchConfig()) with block_v from ``_block_v`` where base leaves it None, and
     state_stages, where base leaves it None, 3 for bf16 / fp16 inputs and 2 for fp32 (3 stages of fp32 tiles need
     257 KB of shared memory, over the H200's 227 KB). 1 or 2 stages did not win on short sequences either
-    (serve256 state pass, BV 64: 1.19 / 1.36 / 1.19 ms for 1 / 2 / 3 stages; NOTES.md v5). Tuning scripts
-    (benchmarks/stages.py, benchmarks/gpu/gdn_prefill.py) pass their own ``base``."""
+    (serve256 state pass, BV 64: 1.19 / 1.36 / 1.19 ms for 1 / 2 / 3 stages). Sweeps pass their own ``base``."""
     cfg = base or LaunchConfig()
     if cfg.block_v is None:
         cfg = dataclasses.replace(cfg, block_v=_block_v(vdim, programs_per_vblock))

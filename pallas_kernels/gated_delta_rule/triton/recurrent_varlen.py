@@ -1,12 +1,12 @@
 """Pallas (Triton lowering) per-token gated delta rule over a cu_seqlens-packed batch: the kernel for mixes of
-very short sequences (issue 14: "dozens of 1-4 token sequences").
+very short sequences (serving mixes of dozens of 1-4 token sequences).
 
 One program per (sequence n, value head h, value block): it loads its [K, BV] fp32 block of n's start state
 (``pool[slot_ids[n], h]``, zeros when ``has_initial_state[n]`` is 0 or the id names no slot), runs the tokens
 ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` one at a time with the state in registers (a loop whose trip count is the
 sequence's own length, read from ``cu_seqlens`` on the device: one compiled program serves any lengths with the
 same T and N), stores each token's output row and writes the final block out. Per token, value head h reading key
-head h // (Hv // Hk), with the decode kernel's fused output form (``decode.py``):
+head h // (Hv // Hk), with the decode kernel's fused output form (``triton/decode.py``):
 
     a = exp(g_t);  delta = beta_t (v_t - a S^T k_t);  o_t = scale (a S^T q_t + (q_t . k_t) delta);
     S = a S + k_t delta^T
@@ -14,7 +14,7 @@ head h // (Hv // Hk), with the decode kernel's fused output form (``decode.py``)
 (= S = exp(g_t) S; S = S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T (scale q_t) up to fp32 rounding), optionally
 with q_t, k_t L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``). All math is fp32; o takes v's dtype.
 
-Against the chunked kernels (``gated_delta_rule/triton/chunk.py``: chunk map, intra-chunk solve, state pass, zero tail: four to
+Against the chunked kernels (``triton/chunk.py``: chunk map, intra-chunk solve, state pass, zero tail: four to
 five launches) this is one launch with no chunk map, and a sequence of L tokens costs L serial steps of a few
 [K, BV] reductions instead of ceil(L / 64) chunk steps of [64, K] x [K, BV] dots plus the intra-chunk solve: it
 wins where the state bytes and the launches are the cost (lengths of a few tokens), loses on long sequences (a
@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule.triton import chunk as _pt
+from pallas_kernels.gated_delta_rule.triton import chunk as triton_chunk
 
 L2_EPS = 1e-6
 
@@ -68,12 +68,12 @@ def use_recurrent(total_tokens: int, num_seqs: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentVarlenConfig:
-    """Launch parameters. Defaults from two H200 runs (NOTES.md, Session 7;
-    benchmarks/logs/s7/gdn_short_varlen_run2.log; ms at tiny64 / N256 mean 16): the default (BV 64, 2 warps,
+    """Launch parameters. Defaults from two H200 runs (``python -m benchmarks gdn``; ms at tiny64 / N256 mean
+    16): the default (BV 64, 2 warps,
     prefetch) 0.110 / 0.980; prefetch off 0.110 / 1.024 (mean 8: 0.620 against 0.598); BV 32 on 1 warp 0.108 /
     **0.876** (not the default: its numerics were not checked on the GPU, and it was not timed at the means the
-    route takes, <= 8); BV 32 / 2 warps 0.112 / 1.051; 4 warps 0.112 (run 1) / 1.155; BV 128 / 4 warps 0.116
-    (run 1); 2 stages - / 0.974; BV 16 / 1 warp - / 1.066. longest_first: the worst case (63 x 1 + 449 tokens)
+    route takes, <= 8); BV 32 / 2 warps 0.112 / 1.051; 4 warps 0.112 / 1.155; BV 128 / 4 warps 0.116;
+    2 stages - / 0.974; BV 16 / 1 warp - / 1.066. longest_first: the worst case (63 x 1 + 449 tokens)
     0.686 -> 0.571, not timed on uniform mixes (an argsort more per call): off.
 
     block_v: the value block of one program (min(block_v, V) must divide V); num_warps, num_stages: Triton's
@@ -109,7 +109,7 @@ def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, be
     n = order_ref[i]
     start, end = cu_ref[n], cu_ref[n + 1]
     # an id outside [0, S): zeros in, no write (never clamped); a fresh sequence or a bad id reads no bytes
-    s, in_pool, read_slot = _pt.load_start_state(pool_in_ref, slot_ref, has_ref, n, h, vs, kdim=kdim,
+    s, in_pool, read_slot = triton_chunk.load_start_state(pool_in_ref, slot_ref, has_ref, n, h, vs, kdim=kdim,
                                                  block_v=block_v)                     # [K, BV] fp32
 
     def load(t):
@@ -141,7 +141,7 @@ def _kernel(cu_ref, order_ref, slot_ref, has_ref, q_ref, k_ref, v_ref, g_ref, be
     else:
         s = lax.fori_loop(start, end, lambda t, s: token(t, s, load(t)), s)
 
-    _pt.store_final_state(final, s, pool_out_ref, n, h, vs, in_pool=in_pool, read_slot=read_slot)
+    triton_chunk.store_final_state(final, s, pool_out_ref, n, h, vs, in_pool=in_pool, read_slot=read_slot)
 
     # padding rows [cu[N], T): this program zeroes rows cu[N] + i + j N of its columns
     tail = cu_ref[num_seqs]
@@ -209,8 +209,8 @@ def _run(q, k, v, g, beta, *, scale, cu_seqlens, pool, slot_ids, has_initial_sta
     b, t, hk, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     (qf, kf, vf, gf, bf), cu = _packed(q, k, v, g, beta, cu_seqlens)
-    kp, vp = _pt.kernel_head_dim(kdim), _pt.kernel_head_dim(vdim)
-    qf, kf, vf = _pt.pad_last(qf, kp), _pt.pad_last(kf, kp), _pt.pad_last(vf, vp)
+    kp, vp = triton_chunk.kernel_head_dim(kdim), triton_chunk.kernel_head_dim(vdim)
+    qf, kf, vf = triton_chunk.pad_last(qf, kp), triton_chunk.pad_last(kf, kp), triton_chunk.pad_last(vf, vp)
     padded = (kp, vp) != (kdim, vdim)
     if padded:
         pool = jnp.pad(pool, [(0, 0), (0, 0), (0, kp - kdim), (0, vp - vdim)])
@@ -220,7 +220,7 @@ def _run(q, k, v, g, beta, *, scale, cu_seqlens, pool, slot_ids, has_initial_sta
                                 slot_ids=slot_ids, has_initial_state=has, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                 final=final, interpret=interpret, config=config)
 
-    o, out = _pt.no_autodiff(kernel)(qf, kf, vf, gf, bf, cu, pool, slot_ids.astype(jnp.int32),
+    o, out = triton_chunk.no_autodiff(kernel)(qf, kf, vf, gf, bf, cu, pool, slot_ids.astype(jnp.int32),
                                      has_initial_state.astype(jnp.int32))
     o = o.reshape(b, t, hv, vp)[..., :vdim]
     if out is not None and padded:

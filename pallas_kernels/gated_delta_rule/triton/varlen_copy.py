@@ -1,6 +1,6 @@
-"""The Mosaic varlen path's row copies as Pallas Triton kernels (``mosaic_gpu_varlen.VarlenConfig.copies``): the
+"""The Mosaic varlen path's row copies as Pallas Triton kernels (``mosaic_gpu.varlen.VarlenConfig.copies``): the
 repack of the packed row to chunk-aligned rows and the unpack of the output back, each one launch at HBM speed
-where the XLA gathers they replace (``mosaic_gpu_varlen._gather_rows``) run one gather fusion per array.
+where the XLA gathers they replace (``mosaic_gpu.varlen.gather_rows``) run one gather fusion per array.
 
 Both walk the chunk map (``chunk_map.build_chunk_map``): chunk c covers packed tokens
 [chunk_start[c], chunk_start[c] + chunk_len[c]) and repacked rows [c C, c C + chunk_len[c]); chunk slots past the
@@ -19,7 +19,7 @@ dynamic row offset with a row mask (no per-element index):
     row is written once.
 
 Interpret mode (CPU tests) clamps dynamic slices at the array's end, so there the packed side is padded by C rows
-(as ``pallas_triton`` does); on the GPU the masks keep every access inside the arrays.
+(as ``triton/chunk.py`` does); on the GPU the masks keep every access inside the arrays.
 
 Shape legend: T packed tokens, D columns of one array (H x head dim, or H for g / beta), C = 64 chunk,
 NCp chunk slots of the repacked row (>= T // C + N), BD columns per program (a power of two).
@@ -84,7 +84,7 @@ def repack_rows(xs, chunk_start, chunk_len, *, chunk: int = 64, interpret: bool 
 
     chunk_start, chunk_len [NCp] int32 (the chunk map, padded with zero-length slots to NCp): repacked row
     c C + i is packed row chunk_start[c] + i where i < chunk_len[c], else zeros (bitwise the XLA gather + select
-    of ``mosaic_gpu_varlen._gather_rows``), except in chunk slots of length 0, which are left unset.
+    of ``mosaic_gpu.varlen.gather_rows``), except in chunk slots of length 0, which are left unset.
     ``tile_bytes`` / ``num_warps``: a program's tile row in bytes and its warps (the defaults are the module's)."""
     xs = tuple(xs)
     _check(xs, "repack_rows")
