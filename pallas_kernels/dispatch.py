@@ -162,8 +162,8 @@ class OpTable:
                 warnings.warn(f"{self.op}({argument}={backend!r}) runs {fallback!r}: {why}", stacklevel=3)
             return self.resolve(fallback, case, argument=argument, warn=warn)
         call = getattr(case, "call", None)
-        what = self.op if call is None else f"{self.op} ({call} call)"
-        raise ValueError(f"{argument}={backend!r} cannot run {what} here: {why}")
+        where = "here" if call is None else f"here ({call} call)"
+        raise ValueError(f"{argument} {backend!r} cannot run {self.op} {where}: {why}")
 
     def picks(self, backend: str = "auto") -> list:
         """[(platform label, call kind, implementation name or "refused: why")] for every docs cell."""

@@ -193,8 +193,11 @@ def _triton_supports(interpret: bool):
         if not interpret and case.platform != "gpu":
             return (f"backend 'pallas' needs a GPU (jax.default_backend() is {case.platform!r}); use backend='xla', "
                     "'auto' or 'pallas_interpret'")
-        ok, why = supported(case.q, case.k, case.v, interpret=True)     # dims and dtypes; the platform is above
-        return None if ok else why
+        try:                                        # dims and dtypes; the platform is checked above
+            check_supported(case.q, case.k, case.v, interpret=True)
+        except ValueError as err:
+            return str(err)
+        return None
     return supports
 
 
