@@ -324,22 +324,21 @@ def _check_pallas_chunk_size(chunk_size: int) -> None:
                          "use backend='xla' for other chunk sizes")
 
 
-def _pallas_inputs(impl: Implementation, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
-    """The inputs as the chunked Triton kernels take them: q, k L2-normalised (if asked) in their own dtype, g in
-    fp32, and the on-device chunk map for varlen (None for dense rows)."""
-    check_supported(q, k, v, interpret=impl.interpret)
+def _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm):
+    """The inputs as the chunked Triton kernels take them (the table has run ``check_supported``): q, k
+    L2-normalised (if asked) in their own dtype, g in fp32, and the on-device chunk map for varlen (None for
+    dense rows)."""
     _check_pallas_chunk_size(chunk_size)
     q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
     chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, q.shape[1], chunk_size)
     return q, k, g.astype(jnp.float32), chunk_map
 
 
-def _run_short_mix(impl: Implementation, q, k, v, chunk_size) -> bool:
-    """Whether ``impl`` is the per-token kernel; runs the Pallas checks first (both Pallas paths refuse the same
-    inputs)."""
+def _run_short_mix(impl: Implementation, chunk_size) -> bool:
+    """Whether ``impl`` is the per-token kernel (the table has run ``check_supported``; both Pallas paths refuse
+    the same chunk sizes)."""
     if not impl.name.startswith("triton.recurrent_varlen"):
         return False
-    check_supported(q, k, v, interpret=impl.interpret)
     _check_pallas_chunk_size(chunk_size)
     return True
 
@@ -376,7 +375,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     case = GdnCase.of("dense" if cu_seqlens is None else "varlen", q, k, v, num_seqs=n, chunk_size=chunk_size,
                       dispatch=dispatch)
     impl = TABLE.resolve(backend, case)
-    if _run_short_mix(impl, q, k, v, chunk_size):
+    if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, interpret=impl.interpret)
@@ -392,7 +391,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
         return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                                           chunk_size=chunk_size)
-    q, k, g, chunk_map = _pallas_inputs(impl, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
+    q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         chunk_map=chunk_map, output_final_state=output_final_state, chunk_size=chunk_size,
@@ -441,7 +440,7 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     impl = TABLE.resolve(backend, GdnCase.of("slots", q, k, v, num_seqs=n, chunk_size=chunk_size,
                                              dispatch=dispatch))
-    if _run_short_mix(impl, q, k, v, chunk_size):
+    if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_slots_fwd(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
             has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
@@ -455,7 +454,7 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
         return chunk_gated_delta_rule_slots_xla(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
             has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    q, k, g, chunk_map = _pallas_inputs(impl, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
+    q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_slots_fwd(
         q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
@@ -495,7 +494,6 @@ def fused_recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return fused_recurrent_gated_delta_rule_slots_xla(q, k, v, g, beta, scale=scale, ssm_state=ssm_state,
                                                           slot_ids=slot_ids, has_initial_state=has_initial_state)
-    check_supported(q, k, v, interpret=impl.interpret)
     return _run_decode_kernel(impl, q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
                               has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm)
 

@@ -177,7 +177,7 @@ TABLE = OpTable(
         Implementation("triton.interpret", ("pallas_interpret",), "the Triton kernels in Pallas interpret mode",
                        _triton_supports(True), auto=False, interpret=True,
                        limits="any platform; arrays under 2**31 elements"),
-        Implementation("cudnn.xla_stand_in", ("cudnn_xla",), "cudnn.py's packing and merge with an XLA stand-in "
+        Implementation("cudnn_xla", ("cudnn_xla",), "cudnn.py's packing and merge with an XLA stand-in "
                        "for the cuDNN call (tests)", _cudnn_supports(True), calls=("prefill",), auto=False,
                        limits="any platform"),
     ),
@@ -187,7 +187,7 @@ TABLE = OpTable(
 #: implementation -> the name the op's jitted bodies take ("xla", "pallas", "pallas_interpret", "cudnn",
 #: "cudnn_xla")
 KERNEL = {"cudnn": "cudnn", "triton": "pallas", "cudnn.decode": "pallas", "xla": "xla", "cudnn.decode.xla": "xla",
-          "triton.interpret": "pallas_interpret", "cudnn.xla_stand_in": "cudnn_xla"}
+          "triton.interpret": "pallas_interpret", "cudnn_xla": "cudnn_xla"}
 BACKENDS = TABLE.backends
 
 
