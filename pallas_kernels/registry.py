@@ -70,11 +70,12 @@ def supports(op: str, name: str, **case) -> Optional[str]:
     """None when the implementation or backend ``name`` of ``op`` runs the case (keywords as :func:`make_case`),
     else why not."""
     t = table(op)
+    if name not in implementations(op) and name not in t.backends:
+        return (f"{op} has no implementation {name!r} (nor a backend of that name); known: "
+                f"{list(implementations(op))}, backends {list(t.backends)}")
     c = make_case(op, **case)
     if name in implementations(op):
         return t.implementation(name).supports(c)
-    if name not in t.backends:
-        return f"{op} has no implementation or backend {name!r}; known: {list(t.backends)}"
     return t.why_not(name, c)
 
 

@@ -15,7 +15,7 @@ optionally with q, k L2-normalised in fp32 first (``x * rsqrt(sum x^2 + 1e-6)``)
 (has_initial_state False) starts from zeros whatever its slot holds (a select, so a stale NaN never leaks). Other
 slots are never touched.
 
-``transfer="direct"`` (:data:`DEFAULT_CONFIG`, what ``decode.BACKEND = "auto"`` runs on Hopper): one CTA (one
+``transfer="direct"`` (:data:`DEFAULT_CONFIG`, what the op's "auto" runs on Hopper): one CTA (one
 warpgroup) per item, value block fastest, then head, then stream. The tile goes from global memory straight into
 registers in a layout chosen for this op (:func:`rows_layout`: each thread 16 rows x 4 columns at K = 128, BV = 64,
 so it keeps 16 rows of q and k where the Triton kernel's layout keeps 32), is updated there and stored back from
@@ -47,10 +47,9 @@ copies, barriers and the ring, with plain loads in place of the register layouts
 they lower for CUDA on the CPU (the layout and transfer checks of Mosaic GPU run there). :func:`decode_reference` is
 the jnp twin of the tile algebra, checked against float64.
 
-Switch: ``decode.BACKEND`` ("auto" by default: this kernel where it is compiled, a Hopper GPU; the Triton kernel in
-interpret mode and elsewhere; "mosaic": here in interpret mode too; "triton": never here) routes
-``decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's "pallas" decode and the layer's fused decode step)
-here where :func:`fallback_reason` is None and no explicit DecodeConfig is passed.
+Where it runs: the op's dispatch table (``api.py``, rows "mosaic_gpu.decode" / "mosaic_gpu.decode.interpret")
+sends the decode calls of "auto" and "mosaic_gpu" (a Hopper GPU) and of "mosaic_gpu_interpret" (interpret mode)
+here, the plain op's and the layer's fused decode step alike, where :func:`fallback_reason` is None.
 """
 from __future__ import annotations
 
@@ -177,7 +176,7 @@ TRANSFERS = ("tma", "direct")
 ENTRIES = ("kernel", "pallas_call")
 SEMANTICS = ("lane", "warpgroup")
 REFILLS = ("late", "early")
-#: What ``decode.BACKEND = "auto"`` (the default) runs on Hopper: the direct transfer with the strided-rows layout
+#: What the op's "auto" runs on Hopper: the direct transfer with the strided-rows layout
 #: (session 10, H200, N256-Hk16-Hv32: 0.2777 ms against the Triton kernel's 0.2981 in one run (call 3); the
 #: TMA ring's defaults took 0.2991 in call 2 beside Triton's 0.2993; N64 0.0758 against 0.0813; the layer's fused
 #: decode step 0.122 against 0.132 (call 5); NOTES.md "Session 10"). The dataclass's own defaults stay the TMA
@@ -687,7 +686,7 @@ def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, sca
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: MosaicDecodeConfig = None, raw_gates=None):
-    """decode.py's entry point for this kernel (``decode.BACKEND = "mosaic"``; the same arguments): one token per
+    """The op's entry point for this kernel (the same arguments as decode.py's): one token per
     stream over the pool in place. q, k [N, 1, Hk, K]; v [N, 1, Hv, V]; g, beta [N, 1, Hv] (or the raw a, b with
     ``raw_gates``); ssm_state [S, Hv, K, V] fp32 (donate it); slot_ids [N] (outside [0, S): zeros in, no write);
     has_initial_state [N]. ``interpret``: Mosaic GPU interpret mode (CPU). Raises ValueError naming
