@@ -122,3 +122,117 @@ def test_auto_picks_pinned(monkeypatch, platform):
             got[platform, call, dims] = ran[0] if len(ran) == 1 else tuple(ran)
     want = {key: AUTO_PICKS[key] for key in got}
     assert got == want
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_table_gives_the_pinned_picks(platform):
+    """The GDN table, asked directly for each case, names the kernel the op ran (the pins above)."""
+    for dims in DIMS:
+        for call in CALLS:
+            q, v, g, beta, cu = _inputs(call, dims)
+            form = {"short_mix": "varlen"}.get(call, call)
+            n = q.shape[0] if cu is None else len(cu) - 1
+            case = api.GdnCase.of(form, q, q, v, num_seqs=n, platform="cpu" if platform == "cpu" else "gpu",
+                                  hopper=platform == "hopper")
+            assert case.call == call
+            assert api.TABLE.resolve("auto", case).name == AUTO_PICKS[platform, call, dims], (platform, call, dims)
+
+
+def test_explicit_names(monkeypatch):
+    """Explicit names: "pallas" is Triton on every call kind (decode included, also on Hopper), "mosaic_gpu" runs
+    Mosaic where it takes the call and "pallas" with a warning naming the reason elsewhere; a name that cannot
+    run raises ValueError naming the argument and the reason."""
+    _fake_platform(monkeypatch, "hopper")
+    ran = _stub_kernels(monkeypatch)
+    for call in CALLS:
+        del ran[:]
+        run_op(call, "bf16-128", backend="pallas")
+        want = {"short_mix": "triton.recurrent_varlen", "decode": "triton.decode"}.get(call, "triton.chunk")
+        assert ran == [want], call
+    del ran[:]
+    run_op("decode", "bf16-128", backend="mosaic_gpu")
+    assert ran == ["mosaic_gpu.decode"]
+    del ran[:]
+    with pytest.warns(UserWarning, match=r"gated_delta_rule\(backend='mosaic_gpu'\) runs 'pallas': .*16-bit"):
+        run_op("dense", "fp32-128", backend="mosaic_gpu")
+    assert ran == ["triton.chunk"]
+    with pytest.raises(ValueError, match=r"backend 'pallas' cannot run gated_delta_rule here \(dense call\): "
+                                         r"pallas gated delta rule: head dims K \(got 256\)"):
+        run_op("dense", "bf16-256", backend="pallas")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_op("dense", "bf16-128", backend="triton")
+
+
+def test_dispatch_config_and_case_checks():
+    with pytest.raises(ValueError, match="short_mix_max_mean_len"):
+        api.DispatchConfig(short_mix_max_mean_len=1.5)
+    q = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
+    assert api.GdnCase.of("varlen", q, q, q, num_seqs=2, platform="gpu", hopper=False).call == "short_mix"
+    off = api.DispatchConfig(short_mix_max_mean_len=0)
+    assert api.GdnCase.of("varlen", q, q, q, num_seqs=2, dispatch=off, platform="gpu", hopper=False).call == "varlen"
+    with pytest.raises(ValueError, match="call must be one of"):
+        api.GdnCase("prefill", "dense", q, q, q, "gpu", False)
+
+
+def test_op_table_base():
+    from pallas_kernels.dispatch import Implementation, OpTable
+    always = lambda case: None                                      # noqa: E731
+    never = lambda case: "never here"                               # noqa: E731
+    with pytest.raises(ValueError, match="unique"):
+        OpTable("op", (Implementation("a", ("x",), "", always), Implementation("a", ("y",), "", always)))
+    with pytest.raises(ValueError, match="'auto' is not a backend name"):
+        Implementation("a", ("auto",), "", always)
+    with pytest.raises(ValueError, match="backends must be a non-empty tuple"):
+        Implementation("a", "x", "", always)
+    with pytest.raises(ValueError, match="unknown backend"):
+        OpTable("op", (Implementation("a", ("x",), "", always),), fallbacks=(("x", "z"),))
+    with pytest.raises(ValueError, match="unknown call kinds"):
+        OpTable("op", (Implementation("a", ("x",), "", always, calls=("c",)),), call_kinds=("d",))
+    t = OpTable("op", (Implementation("fast", ("k",), "", never), Implementation("slow", ("s",), "", always),
+                       Implementation("debug", ("d",), "", never, auto=False)))
+    assert t.backends == ("auto", "k", "s", "d")
+    assert t.resolve("auto", None).name == "slow"
+    with pytest.raises(ValueError, match="impl 'k' cannot run op here: never here"):
+        t.resolve("k", None, argument="impl")
+    assert t.why_not("k", None) == "never here" and t.why_not("s", None) is None
+
+
+def test_other_tables_and_registry():
+    from pallas_kernels import registry
+    from pallas_kernels.conv1d import api as conv_api
+    from pallas_kernels.moe import api as moe_api
+    from pallas_kernels.paged_attention import api as pa_api
+    hopper = pa_api.PagedCase("prefill", "gpu", jnp.bfloat16, 256, 16, 2, hopper=True)
+    assert pa_api.TABLE.resolve("auto", hopper).name == "cudnn"
+    assert pa_api.TABLE.resolve("auto", pa_api.PagedCase("decode", "gpu", jnp.bfloat16, 256, 16, 2,
+                                                         hopper=True)).name == "triton"
+    assert pa_api.TABLE.resolve("auto", pa_api.PagedCase("prefill", "gpu", jnp.float32, 256, 16, 2,
+                                                         hopper=True)).name == "triton"
+    assert pa_api.TABLE.resolve("auto", pa_api.PagedCase("prefill", "gpu", jnp.bfloat16, 96, 16, 2,
+                                                         hopper=False)).name == "xla"
+    assert pa_api.TABLE.resolve("cudnn", pa_api.PagedCase("decode", "cpu", jnp.bfloat16, 256, 16, 2)).name == \
+        "cudnn.decode.xla"
+    assert moe_api.TABLE.resolve("auto", moe_api.MoeCase("experts", "gpu", jnp.bfloat16, 8, 32, 24)).name == "xla"
+    assert moe_api.TABLE.resolve("auto", moe_api.MoeCase("experts", "gpu", jnp.bfloat16, 8, 32, 64)).name == "triton"
+    assert moe_api.TABLE.resolve("pallas", moe_api.MoeCase("routing", "gpu", jnp.bfloat16, 6, 0, 0, 2)).name == \
+        "xla.routing"
+    assert conv_api.TABLE.resolve("auto", conv_api.ConvCase("decode", "gpu", jnp.bfloat16, 96, 96)).name == "xla"
+    assert conv_api.TABLE.resolve("auto", conv_api.ConvCase("prefill", "gpu", jnp.bfloat16, 96, 96)).name == \
+        "triton"
+    text = registry.markdown()
+    for op in registry.OPS:
+        assert f"### {op}" in text
+    assert "| Hopper GPU | `mosaic_gpu.chunk` | `mosaic_gpu.varlen` | `mosaic_gpu.varlen` | " \
+           "`triton.recurrent_varlen` | `mosaic_gpu.decode` |" in text
+    assert "| Hopper GPU, bf16 | `cudnn` | `triton` |" in text
+
+
+def test_no_environment_reads_in_the_dispatch():
+    """The dispatch reads no environment variable (at import or trace): the tables are data."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    files = ["pallas_kernels/dispatch.py", "pallas_kernels/registry.py", "pallas_kernels/gated_delta_rule/api.py",
+             "pallas_kernels/paged_attention/api.py", "pallas_kernels/moe/api.py", "pallas_kernels/conv1d/api.py",
+             "jax_gdn/layers/ffn.py"]
+    for f in files:
+        assert "environ" not in (root / f).read_text(), f
