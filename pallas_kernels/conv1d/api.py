@@ -145,7 +145,7 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
             raise ValueError(f"causal_conv1d_l2_varlen: block_cols must hold 2 Hk + Hv = {2 * hk + hv} source "
                              f"columns in [0, {x.shape[1] - d}], got {block_cols!r}")
     kc = w.shape[1]
-    n = reference._check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
+    n = reference.check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
                                    has_initial_state)
     backend = resolve_backend(backend, call="prefill", dtype=x.dtype, head_k_dim=d, head_v_dim=d)
     if backend == "xla":
@@ -203,7 +203,7 @@ def causal_conv1d_l2_decode(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     if w.shape[0] != c:
         raise ValueError(f"causal_conv1d_l2_decode: w must be [C, Kc] with C = (2 Hk + Hv) D = {c}, "
                          f"got shape {tuple(w.shape)}")
-    reference._check_pool_meta("causal_conv1d_l2_decode", conv_state_pool, c, w.shape[1], cu, slot_ids,
+    reference.check_pool_meta("causal_conv1d_l2_decode", conv_state_pool, c, w.shape[1], cu, slot_ids,
                                has_initial_state)
     cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
     if cols.shape != (2 * hk + hv,) or cols.min() < 0 or cols.max() + d > x.shape[1]:

@@ -126,7 +126,7 @@ def causal_conv1d_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array,
     _check_x_w("causal_conv1d_varlen", x, w)
     c, kc = w.shape
     t = x.shape[0]
-    n = _check_pool_meta("causal_conv1d_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids, has_initial_state)
+    n = check_pool_meta("causal_conv1d_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids, has_initial_state)
     if kc == 1:  # no taps into the past, a 0-wide state: y = act(w[:, 0] * x), padding tokens still give 0
         valid = jnp.arange(t, dtype=jnp.int32) < cu_seqlens[n].astype(jnp.int32)
         y = _activation(activation)(x.astype(_F32) * w[:, 0].astype(_F32))
@@ -204,7 +204,7 @@ def conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, cu_
     if c != (2 * hk + hv) * d:
         raise ValueError(f"conv1d_l2_varlen: w must be [C, Kc] with C = (2 Hk + Hv) head_dim = {(2 * hk + hv) * d}, "
                          f"got shape {tuple(w.shape)}")
-    n = _check_pool_meta("conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids, has_initial_state)
+    n = check_pool_meta("conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids, has_initial_state)
     src = None if block_cols is None else channel_source_index(block_cols, d, c)
     xc = select_channels(x, block_cols, d, c).astype(_F32)                                         # [T, C]
     cu = cu_seqlens.astype(jnp.int32)
@@ -230,7 +230,7 @@ def _check_x_w(fn: str, x, w):
         raise ValueError(f"{fn}: w must be [C, Kc] with C={x.shape[1]}, got shape {tuple(w.shape)}")
 
 
-def _check_pool_meta(fn, pool, c, kc, cu_seqlens, slot_ids, has_initial_state) -> int:
+def check_pool_meta(fn, pool, c, kc, cu_seqlens, slot_ids, has_initial_state) -> int:
     if pool.ndim != 3 or pool.shape[1:] != (c, kc - 1):
         raise ValueError(f"{fn}: conv_state_pool must be [S, C, Kc-1] with C={c}, Kc-1={kc - 1}, "
                          f"got {tuple(pool.shape)}")
