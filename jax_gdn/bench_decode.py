@@ -11,7 +11,7 @@ q / k L2-normalised inside each implementation). Columns (median ms; null where 
           elsewhere the Pallas Triton kernel; the row names the kernel and its launch parameters as
           "pallas_kernel" / "pallas_config"
   triton  the Pallas Triton decode kernel (``decode.py``, ``decode.decode_config`` for the case) on the same pool,
-          donated: what "pallas" ran before session 10 and still runs off Hopper
+          donated: what backend "pallas" runs everywhere and "auto" off Hopper
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial

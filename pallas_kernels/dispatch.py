@@ -119,7 +119,8 @@ class OpTable:
         for impl in self.implementations:
             if impl.name == name:
                 return impl
-        raise ValueError(f"{self.op}: no implementation named {name!r}; known: {[i.name for i in self.implementations]}")
+        known = [i.name for i in self.implementations]
+        raise ValueError(f"{self.op}: no implementation named {name!r}; known: {known}")
 
     def check_backend(self, backend, argument: str = "backend") -> str:
         """``backend`` when it is one of :attr:`backends`, else ValueError naming ``argument``."""

@@ -140,8 +140,8 @@ def test_nan_locality_and_hard_reset():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_slots_public_op_routes_here(dtype):
-    """chunk_gated_delta_rule_slots on a short mix (T <= short_mix_max_mean_len N) runs this kernel: permuted ids, -1 and S
-    traced under jit (zeros in, write dropped, never another slot), fresh sequences over NaN stale slots,
+    """chunk_gated_delta_rule_slots on a short mix (T <= short_mix_max_mean_len N) runs this kernel: permuted ids,
+    -1 and S traced under jit (zeros in, write dropped, never another slot), fresh sequences over NaN stale slots,
     untouched slots (NaN or not) bit-equal, a zero-length sequence (its slot keeps its state or gets zeros)."""
     lens = (3, 1, 4, 0, 2, 1, 4)
     n, s = len(lens), 10
