@@ -3,12 +3,13 @@ GPU.
 
 Cases: ``benchmarks.cases.DECODE_CASES`` (N streams x Hv value heads x K x V fp32 state; bf16 q, k, v, beta; fp32 g;
 q / k L2-normalised inside each implementation). Columns (median ms; null where an implementation cannot run):
-  pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="pallas")``: the op as shipped over a pool
+  pallas  ``jax_gdn.ops.fused_recurrent_gated_delta_rule_slots(backend="auto")``: the op as shipped over a pool
           of S = N slots in a shuffled order, the pool donated (updated in place): on Hopper the Mosaic GPU kernel
-          (``decode.BACKEND = "auto"``: ``decode_mosaic.DEFAULT_CONFIG``, the direct transfer), elsewhere the Pallas
-          Triton kernel; the row names the kernel and its launch parameters as "pallas_kernel" / "pallas_config"
+          (the dispatch table's "mosaic_gpu.decode": ``decode_mosaic.DEFAULT_CONFIG``, the direct transfer),
+          elsewhere the Pallas Triton kernel; the row names the kernel and its launch parameters as
+          "pallas_kernel" / "pallas_config"
   triton  the Pallas Triton decode kernel (``decode.py``, ``decode.decode_config`` for the case) on the same pool,
-          donated: what "pallas" runs off Hopper
+          donated: what backend "pallas" runs everywhere and "auto" off Hopper
   xla     the same op, backend "xla" (gather the N states, lax.scan step, scatter back), pool donated
   fla     FLA's ``fused_recurrent_gated_delta_rule`` (torch, Triton) with initial_state [N, Hv, K, V] and
           output_final_state=True (dense states: no slot indexing), each call's final state the next call's initial
@@ -100,15 +101,17 @@ def time_fla(case: Case, host, do_bench: bool = False) -> float:
 
 
 def pallas_route(case: Case, gpu: bool) -> tuple[str, dict]:
-    """("mosaic" or "triton", its launch parameters) of the op's backend "pallas" at this case (``decode.BACKEND``
-    and ``decode_mosaic.fallback_reason``: ``decode.routes_to_mosaic``, what decode.py decides at trace time)."""
+    """("mosaic" or "triton", its launch parameters) of the "pallas" column at this case: the op's dispatch table
+    for backend "auto" (GPU) / "pallas_interpret" (CPU), what the op decides at trace time."""
     import jax
     import jax.numpy as jnp
+    from pallas_kernels.gated_delta_rule import api
     from pallas_kernels.gated_delta_rule.triton import decode
     from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as decode_mosaic
     q = jax.ShapeDtypeStruct((case.B, 1, case.Hk, case.K), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((case.B, 1, case.Hv, case.V), jnp.bfloat16)
-    if decode.routes_to_mosaic(q, q, v, interpret=not gpu):
+    impl = api.TABLE.resolve("auto" if gpu else "pallas_interpret", api.GdnCase.of("decode", q, q, v))
+    if impl.name.startswith("mosaic_gpu"):
         return "mosaic", dataclasses.asdict(decode_mosaic.DEFAULT_CONFIG)
     return "triton", dataclasses.asdict(decode.decode_config(case.B, case.Hv, case.K, case.V))
 
@@ -134,7 +137,7 @@ def run_section(quick: bool = False, cases=None) -> dict:
         for impl in IMPLS:
             try:
                 if impl == "pallas":
-                    ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, **timing)
+                    ms[impl] = time_jax_decode(case, "auto" if gpu else "pallas_interpret", host, **timing)
                 elif impl == "triton":
                     cfg = decode.decode_config(case.B, case.Hv, case.K, case.V)
                     ms[impl] = time_jax_decode(case, "pallas" if gpu else "pallas_interpret", host, config=cfg,

@@ -67,7 +67,7 @@ def jax_impl(case, host, backend):
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
     if backend == "mosaic_gpu":            # a row of this column is the Mosaic kernels' or null, never Triton's
         from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
-        why = mosaic_gpu.fallback_reason(*args[:3], cu_seqlens=cu)
+        why = mosaic_gpu.fallback_reason(*args[:3])
         if why is not None:
             raise NotImplementedError(why)
 

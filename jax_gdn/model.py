@@ -42,12 +42,13 @@ depth (decode unrolls the scan by 2: ``DEFAULT_SCAN_UNROLL``). Cache leaves are 
 (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]) and each layer reads and writes them in place
 through offset slot / page ids (see ``_layers``).
 
-backend: "auto" (default), "xla", "pallas" or "pallas_interpret" names the gated delta rule's implementation
-(attention and MoE take it too when it is "xla" or "pallas_interpret", else "auto"); or a dict {op: name} for
-the ops of ``pallas_kernels.registry``. Resolved once here (``model.backends``, shown in repr); an explicit
-implementation that cannot run this model's dims on this platform is refused with the registry's reason.
-A resolved "pallas" names the Pallas family: the GDN prefill then asks the slot op for its own per-call pick
-(Mosaic GPU on a Hopper GPU for packed calls, Triton elsewhere; ``jax_gdn.layers.gdn.PREFILL_KERNEL``).
+backend: "auto" (default), "xla", "pallas", "mosaic_gpu", "pallas_interpret" or "mosaic_gpu_interpret" names the
+gated delta rule's backend (attention and MoE take "xla" / "pallas_interpret" too, "auto" for the others); or a
+dict {"gated_delta_rule" | "paged_attention" | "moe": name}. Each op's dispatch table
+(``pallas_kernels.registry``) is resolved once here for this model's dims, dtype and platform, per call kind:
+``model.kernels`` {op: {call kind: implementation}}, shown in repr; an explicit name that cannot run is refused
+with the table's reason. The layers pass the names (``model.backends``) to the ops, whose tables make the same
+pick per call ("auto": Mosaic GPU on a Hopper GPU where it takes the call, Triton elsewhere on a GPU, XLA on CPU).
 
 Parameters (the model's layout; every Linear weight [in, out]):
     embed [Vocab, D]; final_norm [D]; lm_head [D, Vocab] (absent when tied: embed.T is used);
@@ -518,38 +519,49 @@ def _scan_unroll(value) -> dict:
     return pair
 
 
-def _resolve_backends(config: HybridConfig, dtype, backend) -> blk.Backends:
+#: the call kinds each op's table is asked about at build (what the model's programs call)
+MODEL_CALLS = {"gated_delta_rule": ("slots", "short_mix", "decode"), "paged_attention": ("prefill", "decode"),
+               "moe": ("experts", "routing")}
+
+
+def _resolve_backends(config: HybridConfig, dtype, backend) -> tuple[blk.Backends, dict]:
+    """(the backend name each op's layers pass: the user's, checked; {op: {call kind: implementation "auto" or the
+    explicit name runs here}}) from each op's dispatch table at this model's dims, dtype and platform. An
+    explicit name that cannot run a call kind is refused with the table's reason."""
     from pallas_kernels import registry
     platform = jax.default_backend()
     if isinstance(backend, dict):
-        unknown = sorted(set(backend) - set(registry.OPS))
+        unknown = sorted(set(backend) - set(MODEL_CALLS))
         if unknown:
-            raise ValueError(f"backend: unknown op(s) {unknown}; known: {sorted(registry.OPS)}")
+            raise ValueError(f"backend: unknown op(s) {unknown}; known: {sorted(MODEL_CALLS)}")
         names = dict(backend)
     else:
-        validation.check_backend(backend)
-        other = backend if backend in ("xla", "pallas_interpret") else "auto"
+        registry.table("gated_delta_rule").check_backend(backend)
+        other = {"xla": "xla", "pallas_interpret": "pallas_interpret",
+                 "mosaic_gpu_interpret": "pallas_interpret"}.get(backend, "auto")
         names = {"gated_delta_rule": backend, "paged_attention": other, "moe": other}
-    cases = {"gated_delta_rule": dict(platform=platform, dtype=dtype, head_k_dim=config.linear_key_head_dim,
+    cases = {"gated_delta_rule": dict(dtype=dtype, head_k_dim=config.linear_key_head_dim,
                                       head_v_dim=config.linear_value_head_dim,
                                       num_k_heads=config.linear_num_key_heads,
                                       num_v_heads=config.linear_num_value_heads),
-             "paged_attention": dict(platform=platform, dtype=dtype, head_dim=config.head_dim,
-                                     num_heads=config.num_attention_heads,
+             "paged_attention": dict(dtype=dtype, head_dim=config.head_dim, num_heads=config.num_attention_heads,
                                      num_kv_heads=config.num_key_value_heads),
-             "moe": dict(platform=platform, dtype=dtype, num_experts=config.num_experts,
-                         hidden=config.hidden_size, inter=config.moe_intermediate_size)}
-    if not config.gdn_layers:
-        del cases["gated_delta_rule"]
-    if not config.attn_layers:
-        del cases["paged_attention"]
-    if not config.num_experts:
-        del cases["moe"]
-    try:
-        resolved = registry.resolve_all(names, cases)
-    except ValueError as err:
-        raise ValueError(f"HybridModel backend={backend!r}: {err}") from None
-    return blk.Backends(**resolved)
+             "moe": dict(dtype=dtype, num_experts=config.num_experts, hidden=config.hidden_size,
+                         inter=config.moe_intermediate_size, top_k=config.num_experts_per_tok)}
+    used = {"gated_delta_rule": bool(config.gdn_layers), "paged_attention": bool(config.attn_layers),
+            "moe": bool(config.num_experts)}
+    kernels = {}
+    for op, calls in MODEL_CALLS.items():
+        name = names.get(op, "auto")
+        t = registry.table(op)
+        try:
+            t.check_backend(name)
+            if used[op]:
+                kernels[op] = {call: registry.resolve(op, name, call=call, platform=platform, **cases[op])
+                               for call in calls}
+        except ValueError as err:
+            raise ValueError(f"HybridModel backend={backend!r}: {err}") from None
+    return blk.Backends(**{op: names.get(op, "auto") for op in MODEL_CALLS}), kernels
 
 
 # ================================================================================================================
@@ -597,7 +609,7 @@ class HybridModel:
             params = _attn.fuse_qkv_tree(params)
         self.params = params
         self.backend = backend
-        self.backends = _resolve_backends(config, self.dtype, backend)
+        self.backends, self.kernels = _resolve_backends(config, self.dtype, backend)
         buckets = default_token_buckets() if token_buckets is None else tuple(int(b) for b in token_buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"token_buckets must be ascending positive ints, got {token_buckets!r}")
@@ -835,8 +847,15 @@ class HybridModel:
     def __repr__(self):
         c = self.config
         b = self.backends
+        short = {"gated_delta_rule": "gdn", "paged_attention": "attention", "moe": "moe"}
+
+        def picks(op):
+            calls = self.kernels.get(op)
+            name = getattr(b, op)
+            if not calls:
+                return f"{short[op]}={name}"
+            return f"{short[op]}={name} [" + ", ".join(f"{call}: {impl}" for call, impl in calls.items()) + "]"
         return (f"HybridModel({c.model_type}, layers={c.num_hidden_layers} ({len(c.gdn_layers)} GDN / "
                 f"{len(c.attn_layers)} attention; scan of {self.plan.repeats} x {self.plan.period} + "
                 f"{len(self.plan.tail)}), hidden={c.hidden_size}, vocab={c.vocab_size}, experts={c.num_experts}, "
-                f"dtype={self.dtype.name}, backends=(gdn={b.gated_delta_rule}, attention={b.paged_attention}, "
-                f"moe={b.moe}))")
+                f"dtype={self.dtype.name}, backends=({', '.join(picks(op) for op in short)}))")

@@ -1,196 +1,102 @@
-"""Which implementation runs each accelerated op, decided once from what each one supports.
+"""The index of the ops' dispatch tables: which implementation runs each accelerated op, from one place each.
 
-Ops and their implementations, fastest first (the order ``"auto"`` tries them in):
+Every op keeps its own table in its ``api.py`` (``pallas_kernels.dispatch.OpTable``: the implementations in the
+order "auto" tries them, what each supports per call kind and why not); this module only indexes them:
 
-    "gated_delta_rule": "pallas" (Triton on a GPU), "xla"; and "pallas_interpret" (the same kernel in interpret
-                        mode, any platform; never picked by "auto"), "mosaic_gpu" (prefill on a Hopper GPU: dense
-                        rows, and packed / slot calls while gated_delta_rule/mosaic_gpu.py's VARLEN is set; other
-                        calls run Triton; never picked here by "auto": the op's own "auto" picks it per call where
-                        mosaic_gpu.AUTO, and for packed / slot calls AUTO_VARLEN, is set)
-    "paged_attention":  "cudnn" (prefill through cuDNN's packed fused attention, decode on the Pallas kernel;
-                        picked by "auto" only while pallas_kernels/paged_attention/cudnn.py's AUTO is set),
-                        "pallas" (pallas_kernels/paged_attention/api.py when present), "xla"; "pallas_interpret",
-                        "cudnn_xla" (cudnn's packing with an XLA stand-in for the cuDNN call; never "auto")
-    "moe":              "pallas" (pallas_kernels/moe/api.py when present), "xla" (lax.ragged_dot); "pallas_interpret"
+    "gated_delta_rule"  pallas_kernels/gated_delta_rule/api.py  TABLE, case GdnCase  (dense, varlen, slots,
+                        short_mix, decode)
+    "paged_attention"   pallas_kernels/paged_attention/api.py   TABLE, case PagedCase (prefill, decode)
+    "moe"               pallas_kernels/moe/api.py               TABLE, case MoeCase   (experts, routing)
+    "conv1d"            pallas_kernels/conv1d/api.py            TABLE, case ConvCase  (prefill, decode)
 
-Every implementation has ``supports(**case) -> Optional[str]``: ``None`` when it can run the case, else the
-reason it cannot (a sentence naming the limit). The case keywords per op:
-
-    gated_delta_rule: platform, dtype, head_k_dim, head_v_dim, num_k_heads, num_v_heads
-    paged_attention:  platform, dtype, head_dim, num_heads, num_kv_heads
-    moe:              platform, dtype, num_experts, hidden, inter
-
-``resolve(op, backend, **case)``: "auto" -> the first implementation (in the order above) that supports the case;
-an explicit name -> that name when it supports the case, else ValueError with its reason. A kernel module that is
-missing (ImportError) is "not available", never an import error of this module. This module imports nothing from
-jax_gdn (dependencies point pallas_kernels <- jax_gdn).
+``table(op)`` is the op's table; ``resolve(op, backend, **case)`` builds the op's case from keywords (dims and
+dtype as the model knows them; ``call`` the call kind, default the op's first) and returns the implementation's
+name; ``resolve_all`` does it for several ops; ``markdown()`` is the README's backend section (``python -m
+pallas_kernels.registry`` prints it). This module imports nothing from jax_gdn.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from typing import Optional
 
-import jax.numpy as jnp
+from pallas_kernels.dispatch import OpTable, markdown_table
 
-__all__ = ["OPS", "implementations", "supports", "resolve", "resolve_all"]
+__all__ = ["OPS", "table", "implementations", "supports", "resolve", "resolve_all", "make_case", "markdown"]
 
-_GDN_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _always(**case) -> Optional[str]:
-    return None
-
-
-def _import(module: str):
-    try:
-        return importlib.import_module(module), None
-    except ImportError as err:
-        return None, f"{module} is not available ({err})"
-
-
-# ---- gated delta rule ------------------------------------------------------------------------------------------
-def _gdn_pallas(*, platform, dtype, head_k_dim, head_v_dim, num_k_heads, num_v_heads, interpret=False):
-    api, why = _import("pallas_kernels.gated_delta_rule.api")
-    if api is None:
-        return why
-    if jnp.dtype(dtype).name not in _GDN_DTYPES:
-        return f"pallas gated delta rule: dtype must be one of {_GDN_DTYPES}, got {jnp.dtype(dtype).name}"
-    if not interpret and platform != "gpu":
-        return f"pallas gated delta rule needs a GPU (platform is {platform!r}); 'pallas_interpret' runs on CPU"
-    # the kernel's own check on abstract inputs of these dims (T = 1, B = 1)
-    import jax
-    q = jax.ShapeDtypeStruct((1, 1, num_k_heads, head_k_dim), dtype)
-    v = jax.ShapeDtypeStruct((1, 1, num_v_heads, head_v_dim), dtype)
-    try:
-        if interpret:
-            api.check_supported(q, q, v, interpret=True)
-        else:  # the GPU presence test of check_supported is platform, checked above
-            if head_k_dim not in api.GPU_HEAD_DIMS or head_v_dim not in api.GPU_HEAD_DIMS:
-                return (f"pallas gated delta rule on the GPU: head dims K (got {head_k_dim}) and V (got "
-                        f"{head_v_dim}) must each be one of {api.GPU_HEAD_DIMS}")
-            api.check_supported(q, q, v, interpret=True)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def _gdn_pallas_interpret(**case):
-    return _gdn_pallas(**case, interpret=True)
-
-
-def _gdn_mosaic(*, platform, dtype, head_k_dim, head_v_dim, num_k_heads, num_v_heads):
-    mod, why = _import("pallas_kernels.gated_delta_rule.mosaic_gpu.chunk")
-    if mod is None:
-        return why
-    if platform != "gpu" or not mod.is_hopper():
-        return "mosaic_gpu gated delta rule needs an sm_90 (Hopper) GPU"
-    if jnp.dtype(dtype) not in mod.SUPPORTED_DTYPES:
-        return f"mosaic_gpu gated delta rule takes bfloat16 or float16; got {jnp.dtype(dtype).name}"
-    if head_k_dim not in mod.SUPPORTED_HEAD_DIMS or head_v_dim not in mod.SUPPORTED_HEAD_DIMS:
-        return (f"mosaic_gpu gated delta rule: head dims K (got {head_k_dim}) and V (got {head_v_dim}) must each be "
-                f"one of {mod.SUPPORTED_HEAD_DIMS}")
-    if num_v_heads % num_k_heads:
-        return f"mosaic_gpu gated delta rule: num_v_heads {num_v_heads} must be a multiple of {num_k_heads}"
-    return None
-
-
-# ---- kernels other helpers provide (optional modules with their own supports) -----------------------------------
-def _external(module: str, interpret: bool = False) -> Callable[..., Optional[str]]:
-    def supports(**case) -> Optional[str]:
-        if interpret:   # the module's own platform name for Pallas interpret mode
-            case = dict(case, platform="interpret")
-        api, why = _import(module)
-        if api is None:
-            return why
-        fn = getattr(api, "supports", None)
-        if fn is None:
-            return f"{module} has no supports()"
-        try:
-            return fn(**case)
-        except TypeError as err:  # a case keyword the module does not know: not available for this case
-            return f"{module}.supports: {err}"
-    return supports
-
-
-def _moe_interpret(*, dtype, **case) -> Optional[str]:
-    """pallas_kernels.moe in interpret mode: any dims, its kernels' dtypes (the module's supports() is the GPU's)."""
-    api, why = _import("pallas_kernels.moe.api")
-    if api is None:
-        return why
-    if jnp.dtype(dtype) not in api.GPU_DTYPES:
-        return f"pallas MoE (interpret) takes bfloat16, float16 or float32; got {jnp.dtype(dtype).name}"
-    return None
-
-
-def _cudnn(xla_stand_in: bool = False) -> Callable[..., Optional[str]]:
-    def supports(**case) -> Optional[str]:
-        mod, why = _import("pallas_kernels.paged_attention.cudnn")
-        if mod is None:
-            return why
-        if xla_stand_in:
-            case = dict(case, platform="xla")
-        return mod.supports(**case)
-    return supports
-
-
-#: op -> {implementation name: supports}, fastest first
+#: op -> the module holding its TABLE
 OPS = {
-    "gated_delta_rule": {"pallas": _gdn_pallas, "xla": _always, "pallas_interpret": _gdn_pallas_interpret,
-                         "mosaic_gpu": _gdn_mosaic},
-    "paged_attention": {"cudnn": _cudnn(), "pallas": _external("pallas_kernels.paged_attention.api"), "xla": _always,
-                        "pallas_interpret": _external("pallas_kernels.paged_attention.api", interpret=True),
-                        "cudnn_xla": _cudnn(xla_stand_in=True)},
-    "moe": {"pallas": _external("pallas_kernels.moe.api"), "xla": _always,
-            "pallas_interpret": _moe_interpret},
+    "gated_delta_rule": "pallas_kernels.gated_delta_rule.api",
+    "paged_attention": "pallas_kernels.paged_attention.api",
+    "moe": "pallas_kernels.moe.api",
+    "conv1d": "pallas_kernels.conv1d.api",
 }
 
-#: implementations "auto" never picks (debug forms)
-_NOT_AUTO = {"pallas_interpret", "cudnn_xla"}
+
+def _module(op: str):
+    if op not in OPS:
+        raise ValueError(f"registry: unknown op {op!r}; known: {sorted(OPS)}")
+    return importlib.import_module(OPS[op])
 
 
-def _auto_allowed(op: str, name: str) -> bool:
-    """Whether "auto" may pick ``name``: never the debug forms; the cuDNN attention prefill only while its
-    module's AUTO switch (set from the GPU measurement) is on."""
-    if name in _NOT_AUTO or (op == "gated_delta_rule" and name == "mosaic_gpu"):
-        return False
-    if op == "paged_attention" and name == "cudnn":
-        mod, _ = _import("pallas_kernels.paged_attention.cudnn")
-        return bool(mod is not None and mod.AUTO)
-    return True
+def table(op: str) -> OpTable:
+    """The dispatch table of ``op``."""
+    return _module(op).TABLE
 
 
 def implementations(op: str) -> tuple:
-    if op not in OPS:
-        raise ValueError(f"registry: unknown op {op!r}; known: {sorted(OPS)}")
-    return tuple(OPS[op])
+    """The implementation names of ``op``, in the order "auto" tries them."""
+    return tuple(impl.name for impl in table(op).implementations)
+
+
+def make_case(op: str, *, call: Optional[str] = None, platform: str, dtype, **dims):
+    """The op's case from keywords: gated_delta_rule (head_k_dim, head_v_dim, num_k_heads, num_v_heads; hopper:
+    None probes the device), paged_attention (head_dim, num_heads, num_kv_heads), moe (num_experts, hidden,
+    inter), conv1d (head_k_dim, head_v_dim). ``call``: the call kind (None: the op's first)."""
+    mod = _module(op)
+    call = mod.TABLE.call_kinds[0] if call is None else call
+    if op == "gated_delta_rule":
+        hopper = dims.pop("hopper", None)
+        if hopper is None:
+            hopper = platform == "gpu" and mod.mosaic_gpu.is_hopper()
+        return mod.GdnCase.example(call, platform=platform, hopper=hopper, dtype=dtype, **dims)
+    if op == "paged_attention":
+        return mod.PagedCase(call, platform, dtype, **dims)
+    if op == "moe":
+        return mod.MoeCase(call, platform, dtype, **dims)
+    return mod.ConvCase(call, platform, dtype, **dims)
 
 
 def supports(op: str, name: str, **case) -> Optional[str]:
-    """None when implementation ``name`` of ``op`` runs ``case``, else why not."""
-    impls = OPS.get(op)
-    if impls is None:
-        raise ValueError(f"registry: unknown op {op!r}; known: {sorted(OPS)}")
-    if name not in impls:
-        return f"{op} has no implementation {name!r}; known: {sorted(impls)}"
-    return impls[name](**case)
+    """None when the implementation or backend ``name`` of ``op`` runs the case (keywords as :func:`make_case`),
+    else why not."""
+    t = table(op)
+    if name not in implementations(op) and name not in t.backends:
+        return (f"{op} has no implementation {name!r} (nor a backend of that name); known: "
+                f"{list(implementations(op))}, backends {list(t.backends)}")
+    c = make_case(op, **case)
+    if name in implementations(op):
+        return t.implementation(name).supports(c)
+    return t.why_not(name, c)
 
 
 def resolve(op: str, backend: str, **case) -> str:
-    """The implementation of ``op`` to run for ``case``: "auto" -> the fastest that supports it; an explicit name
-    -> itself, or ValueError naming why it cannot run the case."""
-    impls = implementations(op)
-    if backend == "auto":
-        for name in impls:
-            if _auto_allowed(op, name) and supports(op, name, **case) is None:
-                return name
-        raise ValueError(f"registry: no implementation of {op} supports {case}")  # pragma: no cover (xla always)
-    why = supports(op, backend, **case)
-    if why is not None:
-        raise ValueError(f"backend {backend!r} cannot run {op} here: {why}")
-    return backend
+    """The implementation name of ``op`` that ``backend`` runs for the case (keywords as :func:`make_case`):
+    "auto" -> the first that supports it; an explicit name -> its first implementation that does, its fallback,
+    or ValueError naming why it cannot run."""
+    return table(op).resolve(backend, make_case(op, **case), warn=False).name
 
 
 def resolve_all(backends: dict, cases: dict) -> dict:
-    """{op: implementation} for every op of ``cases`` ({op: case dict}); ``backends`` {op: name} ("auto" where
-    missing)."""
+    """{op: implementation name} for every op of ``cases`` ({op: case keywords}); ``backends`` {op: name}
+    ("auto" where missing)."""
     return {op: resolve(op, backends.get(op, "auto"), **case) for op, case in cases.items()}
+
+
+def markdown() -> str:
+    """The README's backend tables: per op, platform x call kind -> the implementation "auto" runs, then every
+    implementation with its backend names, what runs and its limits (from the tables)."""
+    return markdown_table([table(op) for op in OPS])
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

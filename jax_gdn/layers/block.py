@@ -93,7 +93,8 @@ class BlockKind:
 
 @dataclasses.dataclass(frozen=True)
 class Backends:
-    """The implementation of each op, resolved once by the model (pallas_kernels.registry)."""
+    """The backend name each op's layer calls pass (the user's, checked once by the model against the op's dispatch
+    table; "auto" is resolved per call by the op's table: ``HybridModel.kernels`` shows the picks)."""
 
     gated_delta_rule: str = "xla"
     paged_attention: str = "xla"

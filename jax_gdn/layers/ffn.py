@@ -10,8 +10,6 @@ Parameters (dicts; weights stored [in, out] so that ``y = x @ W``):
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -37,29 +35,24 @@ def moe_route(router_w: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: boo
 
 MOE_BACKENDS = ("xla", "pallas", "pallas_interpret", "auto")
 
-#: Route with the Pallas softmax + top-k kernel when the experts run on a Pallas backend (``routing_backend``).
-#: Read once at import; environment override JAX_GDN_PALLAS_ROUTING=0 | 1.
-PALLAS_ROUTING = os.environ.get("JAX_GDN_PALLAS_ROUTING", "1") != "0"
-
 
 def routing_backend(moe_backend: str) -> str:
-    """The router's backend for a resolved MoE backend: the same Pallas backend when ``PALLAS_ROUTING``, else
-    "xla"."""
-    return moe_backend if PALLAS_ROUTING and moe_backend in ("pallas", "pallas_interpret") else "xla"
+    """The router's backend for a resolved MoE backend: the same name (``pallas_kernels.moe.api.route`` resolves
+    the MoE table's "routing" rows: the routing kernel where it takes the sizes, else the XLA router)."""
+    return moe_backend if moe_backend in ("pallas", "pallas_interpret") else "xla"
 
 
 def resolve_moe_backend(backend: str, x: jax.Array, w_gate_up: jax.Array) -> str:
-    """"auto" -> "pallas" on a GPU where ``pallas_kernels.moe.api.supports`` accepts the dims and dtype, else
-    "xla"; other names are checked and returned."""
+    """"auto" -> the MoE table's pick for the experts at these dims and dtype (``pallas_kernels.moe.api.TABLE``:
+    "pallas" on a GPU where the kernels take them, else "xla"); other names are checked and returned (the op
+    checks what they can run)."""
     if backend not in MOE_BACKENDS:
         raise ValueError(f"backend must be one of {MOE_BACKENDS}; got {backend!r}")
     if backend != "auto":
         return backend
     from pallas_kernels.moe import api as moe_api
-    platform = jax.devices()[0].platform
     e, d, two_i = w_gate_up.shape
-    reason = moe_api.supports(platform=platform, dtype=x.dtype, num_experts=e, hidden=d, inter=two_i // 2)
-    return "pallas" if reason is None else "xla"
+    return moe_api.resolve_backend("auto", dtype=x.dtype, num_experts=e, hidden=d, inter=two_i // 2)
 
 
 def grouped_experts(x: jax.Array, top_w: jax.Array, top_i: jax.Array, w_gate_up: jax.Array,

@@ -351,17 +351,24 @@ def phase1_l2_batched(dims: GdnDims, conv_out: jax.Array) -> tuple[jax.Array, ja
     return l2norm(q), l2norm(k), v
 
 
+#: The conv + L2 kernel's backend that goes with each GDN backend name (the conv op has no Mosaic form).
+CONV_BACKEND_OF_GDN = {"auto": "auto", "pallas": "pallas", "pallas_interpret": "pallas_interpret",
+                       "mosaic_gpu_interpret": "pallas_interpret", "mosaic_gpu": "xla", "xla": "xla"}
+
+
 def conv_l2_backend(backend: str, dims: GdnDims, dtype) -> str:
     """The implementation of the fused conv + SiLU + L2 norm (``pallas_kernels.conv1d``) that goes with the GDN
-    backend ``backend``: "pallas" -> the Triton kernel when it takes these dims on this platform, "pallas_interpret"
-    -> its interpret mode (when it takes the dims), anything else (or a refusal) -> "xla". Static."""
+    backend ``backend`` (``CONV_BACKEND_OF_GDN``), resolved by the conv op's table at these dims on this platform:
+    "pallas" / "pallas_interpret" where its kernel takes them, else "xla". Static."""
     from pallas_kernels.conv1d import api as conv_api
-    resolved = gdn_ops.resolve_backend(backend)
-    if resolved not in ("pallas", "pallas_interpret"):
+    gdn_ops.resolve_backend(backend)                  # the GDN name, checked against the platform
+    name = CONV_BACKEND_OF_GDN[backend]
+    if name == "xla":
         return "xla"
-    why = conv_api.supports(platform=jax.default_backend(), dtype=dtype, head_k_dim=dims.head_k_dim,
-                            head_v_dim=dims.head_v_dim, interpret=resolved == "pallas_interpret")
-    return resolved if why is None else "xla"
+    case = conv_api.ConvCase("prefill", jax.default_backend(), dtype, dims.head_k_dim, dims.head_v_dim)
+    if conv_api.TABLE.why_not(name, case) is not None:
+        return "xla"
+    return conv_api.KERNEL[conv_api.TABLE.resolve(name, case, warn=False).name]
 
 
 def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: GdnSlots, meta: BatchMeta, *,
@@ -451,7 +458,7 @@ def gdn_full(q, k, v, g, beta, slots: GdnSlots, slot, has_initial_state, *, back
     has_init = jnp.reshape(jnp.asarray(has_initial_state, bool), (1,))
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_init, chunk_size=chunk_size, backend=_op_backend(backend, q, k, v))
+        has_initial_state=has_init, chunk_size=chunk_size, backend=backend)
     return o[0], slots.replace(ssm_state=ssm)
 
 
@@ -476,67 +483,29 @@ def gdn_full_batched(q, k, v, g, beta, slots: GdnSlots, slot_ids, has_initial_st
 
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         split(q), split(k), split(v), split(g), split(beta), ssm_state=slots.ssm_state, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=_op_backend(backend, q, k, v))
+        has_initial_state=has_initial_state, chunk_size=chunk_size, backend=backend)
     return o.reshape((t,) + o.shape[2:]), slots.replace(ssm_state=ssm)
 
 
 def varlen_eligibility(q, k, v, backend: str = "auto") -> tuple[bool, str]:
     """Whether ``gdn_full_varlen`` can run these inputs in one call, and why not.
 
-    Eligible: the resolved backend is "xla" (any dims), or a Pallas backend whose kernel accepts these head
-    dims / dtypes (``pallas_kernels.gated_delta_rule.api.check_supported``: K, V up to 128, other dims zero-padded
-    to the kernel's sizes; over 128 refused).
-    "auto" picks "pallas" only where the kernel accepts the inputs, else "xla", so it is always eligible.
-    Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel is missing or rejects the inputs (the
-    seed's ``Ok(false)``); ``gdn_layer_prefill`` then runs ``gdn_full_varlen`` with the "xla" backend (traceable),
-    and ``gdn_full_per_stream`` remains the eager per-stream form.
+    Asks the op's dispatch table (``pallas_kernels.gated_delta_rule.api.TABLE``) for a packed slot call of these
+    head dims and dtypes: eligible where ``backend`` has an implementation that takes them ("xla" any dims;
+    "auto" always, as it falls back to "xla"; the Pallas kernels K, V up to 128, other dims zero-padded).
+    Not eligible: an explicit "pallas" / "pallas_interpret" whose kernel rejects the inputs (the seed's
+    ``Ok(false)``); ``gdn_layer_prefill`` then runs ``gdn_full_varlen`` with the "xla" backend (traceable),
+    and ``gdn_full_per_stream`` remains the eager per-stream form. An explicit "pallas" without a GPU raises.
     Static: decided from shapes, dtypes and the backend name only, so it is safe under jit.
     """
-    resolved = _layer_backend(backend, q, k, v)
-    if resolved == "xla":
-        return True, ""
-    return _pallas_support(q, k, v, resolved == "pallas_interpret")
-
-
-def _pallas_support(q, k, v, interpret: bool) -> tuple[bool, str]:
+    from pallas_kernels.gated_delta_rule import api
+    gdn_ops.resolve_backend(backend)                  # the name, checked against the platform
+    case = api.GdnCase.of("slots", q[None], k[None], v[None])
     try:
-        from pallas_kernels.gated_delta_rule import api
-    except ImportError as err:  # pragma: no cover - kernel package absent
-        return False, f"pallas kernel unavailable: {err}"
-    try:
-        api.check_supported(q[None], k[None], v[None], interpret=interpret)
+        api.TABLE.resolve(backend, case, warn=False)
     except ValueError as err:
         return False, str(err)
     return True, ""
-
-
-#: Which Pallas kernel the layer's prefill asks the slot op for when its GDN backend resolves to "pallas" (the
-#: model's "auto" on a GPU): "auto" (the op's own per-call pick, ``pallas_kernels/gated_delta_rule/api.py``: Mosaic
-#: GPU on a Hopper GPU for packed and slot calls while ``mosaic_gpu.AUTO_VARLEN`` is set, the recurrent kernel for
-#: mixes of short sequences, else Pallas Triton) or "pallas" (always the Triton chunked kernels, the form before
-#: session 9). Only where the Pallas kernel takes the inputs; an explicit "pallas_interpret" / "xla" passes through.
-PREFILL_KERNEL = "auto"
-PREFILL_KERNELS = ("auto", "pallas")
-
-
-def _op_backend(backend: str, q, k, v) -> str:
-    """The backend name the layer passes to the slot op: ``_layer_backend``'s, except that a resolved "pallas"
-    whose kernel takes the inputs becomes the op's "auto" while ``PREFILL_KERNEL`` is "auto" (see there)."""
-    if PREFILL_KERNEL not in PREFILL_KERNELS:
-        raise ValueError(f"PREFILL_KERNEL must be one of {PREFILL_KERNELS}; got {PREFILL_KERNEL!r}")
-    resolved = _layer_backend(backend, q, k, v)
-    if resolved == "pallas" and PREFILL_KERNEL == "auto" and _pallas_support(q, k, v, False)[0]:
-        return "auto"
-    return resolved
-
-
-def _layer_backend(backend: str, q, k, v) -> str:
-    """"auto" -> "pallas" on a GPU when the kernel accepts these dims/dtypes, else "xla" (so "auto" is always
-    eligible); explicit names pass through (validated by the ops)."""
-    resolved = gdn_ops.resolve_backend(backend)
-    if backend == "auto" and resolved == "pallas" and not _pallas_support(q, k, v, False)[0]:
-        return "xla"
-    return resolved
 
 
 def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backend: str = "auto",
@@ -555,7 +524,7 @@ def gdn_full_varlen(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, backe
     o, ssm = gdn_ops.chunk_gated_delta_rule_slots(
         q[None], k[None], v[None], g[None], beta[None], ssm_state=slots.ssm_state, slot_ids=meta.slot_ids,
         has_initial_state=meta.has_initial_state, cu_seqlens=meta.cu_seqlens, chunk_size=chunk_size,
-        backend=_op_backend(backend, q, k, v))
+        backend=backend)
     return o[0], slots.replace(ssm_state=ssm), True
 
 
@@ -645,23 +614,31 @@ DECODE_STEPS = ("auto", "unfused", "fused")
 
 
 def decode_step_backend(backend: str, dims: GdnDims, dtype) -> Optional[str]:
-    """The Pallas backend of the fused decode step ("pallas" or "pallas_interpret") for the GDN backend ``backend``,
-    or None where it cannot run (not a Pallas backend, K != V, a head dim the kernels would pad, or the conv kernel
-    refuses the dims / dtype). Static."""
-    from pallas_kernels.gated_delta_rule.triton import chunk as _pt
-    resolved = gdn_ops.resolve_backend(backend)
-    if resolved not in ("pallas", "pallas_interpret"):
-        return None
+    """The conv kernel's backend of the fused decode step ("pallas" or "pallas_interpret") for the GDN backend
+    ``backend``, or None where it cannot run (a name without a Pallas conv kernel, K != V, a head dim the kernels
+    would pad, or the conv decode kernel refuses the dims / dtype). The recurrent step's kernel is the GDN
+    table's "decode" pick for ``backend`` (``api.decode_slots_raw_gates``). Static."""
+    from pallas_kernels.conv1d import api as conv_api
+    from pallas_kernels.gated_delta_rule import api
+    gdn_ops.resolve_backend(backend)                  # the name, checked against the platform
+    name = CONV_BACKEND_OF_GDN[backend]
     d = dims.head_k_dim
-    if d != dims.head_v_dim or d > _pt.MAX_HEAD_DIM or _pt.kernel_head_dim(d) != d or dims.conv_kernel_size < 2:
+    if (name == "xla" or d != dims.head_v_dim or d > api.MAX_HEAD_DIM or api.kernel_head_dim(d) != d
+            or dims.conv_kernel_size < 2):
         return None
-    return resolved if conv_l2_backend(resolved, dims, dtype) == resolved else None
+    case = conv_api.ConvCase("decode", jax.default_backend(), dtype, d, d)
+    if conv_api.TABLE.why_not(name, case) is not None:
+        return None
+    kernel = conv_api.KERNEL[conv_api.TABLE.resolve(name, case, warn=False).name]
+    return None if kernel == "xla" or conv_l2_backend(backend, dims, dtype) != kernel else kernel
 
 
-def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids, has_initial_state, kb: str):
+def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids, has_initial_state, kb: str,
+                  backend: str):
     """The fused decode step's phases 1-2 (see ``DECODE_STEP``): (o [N, Hv, V], z [N, Hv, V], slots)."""
     from pallas_kernels.conv1d import api as conv_api
     from pallas_kernels.conv1d.reference import qkvz_block_cols
+    from pallas_kernels.gated_delta_rule import api as gdn_api
     from pallas_kernels.gated_delta_rule.triton import decode as decode_kernel
     n = hidden.shape[0]
     hk, hv, d, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_ratio
@@ -680,9 +657,9 @@ def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids
         src, params["conv1d"], slots.conv_state, slot_ids, has_initial_state, num_k_heads=hk, num_v_heads=hv,
         head_dim=d, block_cols=cols, backend=kb)
     gates = decode_kernel.RawGates(params["A_log"], params["dt_bias"], a_offset=a_off, b_offset=0)
-    o, ssm = decode_kernel.fused_recurrent_gated_delta_rule_slots_fwd(
-        q[:, None], k[:, None], v[:, None], a_src, b_src, scale=d ** -0.5, ssm_state=slots.ssm_state,
-        slot_ids=slot_ids, has_initial_state=has_initial_state, interpret=kb == "pallas_interpret", raw_gates=gates)
+    o, ssm = gdn_api.decode_slots_raw_gates(
+        q[:, None], k[:, None], v[:, None], a_src, b_src, raw_gates=gates, scale=d ** -0.5, ssm_state=slots.ssm_state,
+        slot_ids=slot_ids, has_initial_state=has_initial_state, backend=backend)
     return o[:, 0], z, slots.replace(conv_state=conv_pool, ssm_state=ssm)
 
 
@@ -712,7 +689,7 @@ def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnS
     if step == "auto" and kb == "pallas_interpret":
         kb = None                                       # "auto" fuses only where the kernels are compiled (a GPU)
     if kb is not None:
-        o, z, slots = _decode_fused(params, dims, hidden, slots, slot_ids, has_initial_state, kb)
+        o, z, slots = _decode_fused(params, dims, hidden, slots, slot_ids, has_initial_state, kb, backend)
         return phase3(params, dims, o, z, hidden, ffn=ffn, reduce=reduce), slots
     meta = BatchMeta(cu_seqlens=jnp.arange(n + 1, dtype=jnp.int32), slot_ids=slot_ids,
                      has_initial_state=has_initial_state, positions=jnp.zeros((n,), jnp.int32))
@@ -762,7 +739,7 @@ def gdn_layer_monolithic(params: dict, dims: GdnDims, hidden: jax.Array, slots: 
     init = jnp.where(has_init, slots.ssm_state[slot], 0.0)[None]
     o, final = gdn_ops.chunk_gated_delta_rule(q, k, v, g[None], beta[None], initial_state=init,
                                               output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size,
-                                              backend=_layer_backend(backend, q[0], k[0], v[0]))
+                                              backend=backend)
 
     # ---- gated norm, out_proj, residual, FFN ----
     o32 = o[0].astype(jnp.float32)

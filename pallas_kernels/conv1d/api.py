@@ -4,25 +4,30 @@ backend pick, and the state update shared by the backends.
 Shape legend: T stacked tokens, Cs source columns, C = (2 Hk + Hv) D conv channels ([q | k | v]), D head dim
 (K == V), Kc kernel size, S slots, N streams.
 
-Backends: "xla" (reference.conv1d_l2_varlen, any platform), "pallas" (triton.conv1d_l2_pallas on a GPU),
-"pallas_interpret" (the same kernel in interpret mode, any platform; the CPU tests). Semantics, the padding
-contract and the source layout (``block_cols``) are reference.py's.
+Backends: "xla" (reference.conv1d_l2_varlen, any platform), "pallas" (triton.conv1d_l2_pallas on a GPU; the
+decode step decode.conv1d_l2_decode_pallas), "pallas_interpret" (the same kernels in interpret mode, any platform;
+the CPU tests), "auto" (the first row of :data:`TABLE` that takes the call: "pallas" on a GPU where the kernel
+takes the dims, else "xla"). Semantics, the padding contract and the source layout (``block_cols``) are
+reference.py's.
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.conv1d import reference
+from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots
 
-__all__ = ["causal_conv1d_l2_varlen", "causal_conv1d_l2_decode", "supports", "BACKENDS"]
+__all__ = ["causal_conv1d_l2_varlen", "causal_conv1d_l2_decode", "supports", "resolve_backend", "ConvCase",
+           "TABLE", "BACKENDS"]
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
 _DTYPES = ("bfloat16", "float16", "float32")
+CALL_KINDS = ("prefill", "decode")
 
 
 def supports(*, platform: str, dtype, head_k_dim: int, head_v_dim: int, interpret: bool = False) -> Optional[str]:
@@ -41,6 +46,74 @@ def supports(*, platform: str, dtype, head_k_dim: int, head_v_dim: int, interpre
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvCase:
+    """What the dispatch table sees of one call: call kind ("prefill": packed streams, "decode": one token per
+    stream), platform (``jax.default_backend()``), x's dtype, head dims K and V."""
+
+    call: str
+    platform: str
+    dtype: Any
+    head_k_dim: int
+    head_v_dim: int
+
+    def __post_init__(self):
+        if self.call not in CALL_KINDS:
+            raise ValueError(f"call must be one of {CALL_KINDS}, got {self.call!r}")
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+
+def _kernel_supports(interpret: bool, decode: bool):
+    def check(case: ConvCase) -> Optional[str]:
+        why = supports(platform=case.platform, dtype=case.dtype, head_k_dim=case.head_k_dim,
+                       head_v_dim=case.head_v_dim, interpret=interpret)
+        d = case.head_k_dim
+        if why is None and decode and d & (d - 1):
+            why = f"pallas conv1d decode: head dim must be a power of two, got {d}"
+        return why
+    return check
+
+
+def _always(case: ConvCase) -> Optional[str]:
+    return None
+
+
+#: The fused conv + L2 norm's implementations, in the order "auto" tries them.
+TABLE = OpTable(
+    op="conv1d",
+    call_kinds=CALL_KINDS,
+    implementations=(
+        Implementation("triton", ("pallas",), "conv + SiLU + q/k L2 norm in one Pallas Triton kernel (triton.py)",
+                       _kernel_supports(False, False), calls=("prefill",),
+                       limits="CUDA GPU; bf16 / fp16 / fp32; K == V, a multiple of 16 up to 256"),
+        Implementation("triton.decode", ("pallas",), "one token per stream, conv states advanced in place "
+                       "(decode.py)", _kernel_supports(False, True), calls=("decode",),
+                       limits="CUDA GPU; K == V, a power of two up to 256"),
+        Implementation("xla", ("xla",), "reference.conv1d_l2_varlen (decode: cu_seqlens = arange(N + 1))", _always,
+                       limits="any platform"),
+        Implementation("triton.interpret", ("pallas_interpret",), "the prefill kernel in Pallas interpret mode",
+                       _kernel_supports(True, False), calls=("prefill",), auto=False, interpret=True,
+                       limits="any platform; K == V up to 256"),
+        Implementation("triton.decode.interpret", ("pallas_interpret",), "the decode kernel in Pallas interpret "
+                       "mode", _kernel_supports(True, True), calls=("decode",), auto=False, interpret=True,
+                       limits="any platform; K == V, a power of two up to 256"),
+    ),
+    doc_cases=tuple(DocCase(label, call, ConvCase(call, platform, jnp.bfloat16, 128, 128))
+                    for label, platform in (("CPU", "cpu"), ("GPU", "gpu")) for call in CALL_KINDS),
+)
+BACKENDS = TABLE.backends
+#: implementation -> the backend name the kernels' bodies take
+KERNEL = {"triton": "pallas", "triton.decode": "pallas", "xla": "xla", "triton.interpret": "pallas_interpret",
+          "triton.decode.interpret": "pallas_interpret"}
+
+
+def resolve_backend(backend: str, *, call: str, dtype, head_k_dim: int, head_v_dim: int) -> str:
+    """The kernel name ("pallas", "pallas_interpret" or "xla") :data:`TABLE` runs for ``backend`` at this case
+    on this platform; an explicit name that cannot run raises ValueError naming it and the reason."""
+    case = ConvCase(call, jax.default_backend(), dtype, head_k_dim, head_v_dim)
+    return KERNEL[TABLE.resolve(backend, case).name]
+
+
 def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Array, cu_seqlens: jax.Array,
                             slot_ids: jax.Array, has_initial_state: jax.Array, *, num_k_heads: int,
                             num_v_heads: int, head_dim: int, block_cols=None, eps: float = 1e-6,
@@ -54,8 +127,7 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     touched); slot_ids [N] int32 (ids outside [0, S): zeros read, write dropped); has_initial_state [N] bool.
     Returns (q [T, Hk, D], k [T, Hk, D], v [T, Hv, D] in x.dtype; the pool with the N streams' states advanced).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    TABLE.check_backend(backend)
     if x.ndim != 2:
         raise ValueError(f"causal_conv1d_l2_varlen: x must be [T, Cs], got shape {tuple(x.shape)}")
     hk, hv, d = num_k_heads, num_v_heads, head_dim
@@ -75,14 +147,11 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     kc = w.shape[1]
     n = reference.check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
                                    has_initial_state)
+    backend = resolve_backend(backend, call="prefill", dtype=x.dtype, head_k_dim=d, head_v_dim=d)
     if backend == "xla":
         return reference.conv1d_l2_varlen(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state,
                                           num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=block_cols,
                                           eps=eps)
-    why = supports(platform=jax.default_backend(), dtype=x.dtype, head_k_dim=d, head_v_dim=d,
-                   interpret=backend == "pallas_interpret")
-    if why is not None:
-        raise ValueError(why)
     from pallas_kernels.conv1d.triton import conv1d_l2_pallas
 
     cu = cu_seqlens.astype(jnp.int32)
@@ -113,8 +182,7 @@ def causal_conv1d_l2_decode(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     ``cu_seqlens = arange(N + 1)``; "pallas" / "pallas_interpret" run ``decode.conv1d_l2_decode_pallas`` over the
     pool in place (donate it under jit; D must be a power of two).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    TABLE.check_backend(backend)
     if x.ndim != 2:
         raise ValueError(f"causal_conv1d_l2_decode: x must be [N, Cs], got shape {tuple(x.shape)}")
     n = x.shape[0]
@@ -124,6 +192,8 @@ def causal_conv1d_l2_decode(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
     if w.ndim != 2 or w.shape[1] < 2:
         raise ValueError(f"causal_conv1d_l2_decode: w must be [C, Kc] with Kc >= 2, got shape {tuple(w.shape)}")
     cu = jnp.arange(n + 1, dtype=jnp.int32)
+    if n > 0 and backend != "xla":
+        backend = resolve_backend(backend, call="decode", dtype=x.dtype, head_k_dim=head_dim, head_v_dim=head_dim)
     if backend == "xla" or n == 0:
         return causal_conv1d_l2_varlen(x, w, conv_state_pool, cu, slot_ids, has_initial_state, num_k_heads=num_k_heads,
                                        num_v_heads=num_v_heads, head_dim=head_dim, block_cols=block_cols, eps=eps,
@@ -135,12 +205,6 @@ def causal_conv1d_l2_decode(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
                          f"got shape {tuple(w.shape)}")
     reference.check_pool_meta("causal_conv1d_l2_decode", conv_state_pool, c, w.shape[1], cu, slot_ids,
                                has_initial_state)
-    why = supports(platform=jax.default_backend(), dtype=x.dtype, head_k_dim=d, head_v_dim=d,
-                   interpret=backend == "pallas_interpret")
-    if why is None and d & (d - 1):
-        why = f"pallas conv1d decode: head dim must be a power of two, got {d}"
-    if why is not None:
-        raise ValueError(why)
     cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
     if cols.shape != (2 * hk + hv,) or cols.min() < 0 or cols.max() + d > x.shape[1]:
         raise ValueError(f"causal_conv1d_l2_decode: block_cols must hold 2 Hk + Hv = {2 * hk + hv} source columns "

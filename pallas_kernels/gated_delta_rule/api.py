@@ -1,4 +1,4 @@
-"""Public entry of the gated delta rule op: checks every argument once, picks a backend, calls it.
+"""Public entry of the gated delta rule op: checks every argument once, resolves its dispatch table, calls it.
 ``jax_gdn.ops`` re-exports these functions.
 
 Shape legend: B batch rows, T tokens, N sequences (streams), S slots, Hk key heads, Hv value heads
@@ -12,30 +12,41 @@ Per token and value head: ``S = exp(g_t) S; S = S + k_t (beta_t (v_t - S^T k_t))
 scale defaulting to K ** -0.5. ``use_qk_l2norm`` normalises q and k in fp32 (``x * rsqrt(sum x^2 + 1e-6)``)
 before the scale.
 
-The op's folder: ``api.py`` (this file), ``reference.py`` (XLA chunked form + per-token recurrence, the "xla"
-backend), ``gated_delta_rule/triton/chunk.py`` (the prefill kernels), ``decode.py`` (the decode kernel), ``recurrent_varlen.py``
-(the per-token prefill kernel for short sequences), ``chunk_map.py`` (the one chunk map from cu_seqlens, slot
-helpers), ``validation.py`` (argument checks), ``NOTES.md``.
+The op's folder: ``api.py`` (this file: checks, the dispatch table, the calls), ``reference.py`` (XLA chunked form
++ per-token recurrence, the "xla" backend), ``triton/`` (``chunk.py`` the prefill kernels, ``decode.py`` the
+decode kernel, ``recurrent_varlen.py`` the per-token prefill kernel for short sequences), ``mosaic_gpu/`` (the
+Hopper kernels), ``chunk_map.py`` (the one chunk map from cu_seqlens, slot helpers), ``validation.py`` (argument
+checks), ``NOTES.md``.
 
-Backends: "xla" (``reference.py``), "pallas" (the GPU kernels of ``gated_delta_rule/triton/chunk.py`` / ``decode.py``),
-"pallas_interpret" (the same kernels in Pallas interpret mode, any platform), "mosaic_gpu" (prefill on a Hopper
-GPU: ``mosaic_gpu.py``'s stage 1a and warp-specialised fused state pass, launch choices in
-``mosaic_gpu.DEFAULT_CONFIG``; packed ``cu_seqlens`` and the slot pool through ``gated_delta_rule/mosaic_gpu/varlen.py`` while
-``mosaic_gpu.VARLEN`` is set; what it does not take, fp32 inputs, other head dims, a non-Hopper GPU, decode, runs
-"pallas" with a warning that names the reason; it needs a GPU), "auto" (= "pallas" when
-``jax.default_backend() == "gpu"`` and the kernel takes the inputs, "mosaic_gpu" instead where ``mosaic_gpu.AUTO``
-is set and it takes them (packed / slot calls only while ``mosaic_gpu.AUTO_VARLEN`` is also set: on since session 8,
-serve256 1.92 ms against Triton's 2.41 on the H200), else "xla").
-Mixes of short sequences (B T <= MAX_MEAN_LEN N = 8 N, shapes only) run "pallas" / "pallas_interpret" (and "auto"
-on a GPU, before any Mosaic choice) through ``recurrent_varlen.py``, one per-token kernel launch, instead of the
-chunked kernels (tiny64 on the H200: 0.110 ms against 0.355; ``recurrent_varlen.MAX_MEAN_LEN = 0`` turns it off).
+Dispatch: one table, :data:`TABLE` (``pallas_kernels.dispatch.OpTable``), resolved once per call from the call's
+:class:`GdnCase` (call kind, q / k / v shapes and dtypes, chunk size, platform). Call kinds: "dense" (rows
+[B, T]), "varlen" (``cu_seqlens``), "slots" (the slot pool), "short_mix" (a prefill of any of those three with
+B T <= ``DispatchConfig.short_mix_max_mean_len`` N, shapes only) and "decode" (the fused recurrent slot op).
+Implementations, in the order "auto" tries them (``python -m pallas_kernels.registry`` prints the table):
+
+    triton.recurrent_varlen  "pallas"      short mixes: one per-token Pallas Triton launch (recurrent_varlen.py)
+    mosaic_gpu.chunk         "mosaic_gpu"  dense prefill on a Hopper GPU (mosaic_gpu/chunk.py; bf16 / fp16, K, V
+                                           in {64, 128}, chunk_size 64)
+    mosaic_gpu.varlen        "mosaic_gpu"  packed and slot prefill on a Hopper GPU (mosaic_gpu/varlen.py, the same
+                                           kernels and limits)
+    mosaic_gpu.decode        "mosaic_gpu"  one-token decode on a Hopper GPU (mosaic_gpu/decode.py; K, V in {64, 128})
+    triton.chunk             "pallas"      the chunked Pallas Triton prefill kernels (triton/chunk.py; GPU)
+    triton.decode            "pallas"      the Pallas Triton decode kernel (triton/decode.py; GPU)
+    xla                      "xla"         reference.py: the chunked form, the ``lax.scan`` decode (any platform)
+    *.interpret              "pallas_interpret" (the Triton kernels) / "mosaic_gpu_interpret" (the Mosaic decode
+                                           kernel, Triton for the rest): interpret mode, any platform; never "auto"
+
+The Pallas Triton kernels take bf16 / fp16 / fp32 and K, V up to 128 (other dims zero-padded to 16 / 32 / 64 /
+128); over 128 only "xla" runs. An explicit "mosaic_gpu" whose kernels refuse the call (fp32, other head dims, a
+non-Hopper GPU, another chunk size) runs "pallas" with a warning naming the reason; other explicit names that
+cannot run raise ValueError naming ``backend`` and the reason. Figures behind the order: NOTES.md.
 
 Every backend gives the same results up to rounding, also at the edges:
   * g = -inf (a hard reset) or a huge negative g: exp(g) = 0 as in the per-token form (the chunked forms floor g
     at -128, where exp already underflows to 0 in fp32, so cumulative gates stay finite);
-  * head dims: Pallas runs K, V in {16, 32, 64, 128} and zero-pads other dims up to 128 inside the op (the result
-    is that of the real dims); K or V over 128 is refused by "pallas" / "pallas_interpret" (ValueError naming the
-    limit) and makes "auto" pick "xla";
+  * head dims: Pallas Triton runs K, V in {16, 32, 64, 128} and zero-pads other dims up to 128 inside the op (the
+    result is that of the real dims); K or V over 128 is refused by "pallas" / "pallas_interpret" (ValueError
+    naming the limit) and makes "auto" pick "xla";
   * mixed dtypes (e.g. fp32 q, k with bf16 v): Pallas runs in the promoted dtype; o takes v's dtype everywhere;
   * B = 0 or T = 0: o is empty / all sequences keep their initial state;
   * autodiff: only "xla" is differentiable; jax.grad / jax.jvp through a Pallas backend raises
@@ -58,15 +69,17 @@ or before T; the ``slot_ids`` inside [0, S) are distinct) run only on concrete v
 """
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.gated_delta_rule import validation
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
+from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as mosaic_gpu_decode
 from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mosaic_gpu_varlen
 from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
 from pallas_kernels.gated_delta_rule.triton import decode, recurrent_varlen
@@ -82,17 +95,201 @@ __all__ = [
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule_slots",
     "fused_recurrent_gated_delta_rule_slots",
+    "decode_slots_raw_gates",
     "resolve_backend",
+    "resolve",
+    "GdnCase",
+    "DispatchConfig",
+    "DEFAULT_DISPATCH",
+    "TABLE",
+    "CALL_KINDS",
     "check_supported",
     "supported",
     "GPU_HEAD_DIMS",
 ]
 
+CALL_KINDS = ("dense", "varlen", "slots", "short_mix", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """The measured rules of the dispatch, as data.
+
+    short_mix_max_mean_len: a prefill call (dense rows, packed or slots) of N sequences over B T tokens with
+    1 <= B T <= short_mix_max_mean_len * N (static shapes; the lengths themselves are traced) is a "short_mix":
+    "auto" and "pallas" run it with the per-token kernel (``triton/recurrent_varlen.py``, one launch) instead of
+    the chunked kernels; 0: never. 8 from the H200 (NOTES.md, the per-token kernel's section; plain op, bf16):
+    tiny64 (mean 2.7 tokens) 0.110 ms against the chunked path's 0.355; uniform mixes win up to a mean of ~20
+    tokens; 8, not 16, because the worst mix (one long sequence among one-token ones, its tokens serial) at
+    T = 8 N ran 0.686 ms against the chunked path's ~0.37 at N 64, a loss that doubles at 16 N."""
+
+    short_mix_max_mean_len: int = 8
+
+    def __post_init__(self):
+        n = self.short_mix_max_mean_len
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"short_mix_max_mean_len must be an int >= 0, got {n!r}")
+
+    def is_short_mix(self, total_tokens: int, num_seqs: int) -> bool:
+        return num_seqs >= 1 and 1 <= total_tokens <= self.short_mix_max_mean_len * num_seqs
+
+
+DEFAULT_DISPATCH = DispatchConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GdnCase:
+    """What the dispatch table sees of one call (static: shapes, dtypes, names).
+
+    call: one of CALL_KINDS; form: the entry's layout ("dense", "varlen", "slots", "decode"; a "short_mix" call
+    keeps its form); q, k [B, T, Hk, K], v [B, T, Hv, V] (jax.ShapeDtypeStruct); chunk_size: C of a prefill;
+    platform: ``jax.default_backend()``; hopper: the device is an sm_90 GPU."""
+
+    call: str
+    form: str
+    q: jax.ShapeDtypeStruct
+    k: jax.ShapeDtypeStruct
+    v: jax.ShapeDtypeStruct
+    platform: str
+    hopper: bool
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        if self.call not in CALL_KINDS:
+            raise ValueError(f"call must be one of {CALL_KINDS}, got {self.call!r}")
+        if self.form not in ("dense", "varlen", "slots", "decode"):
+            raise ValueError(f"form must be 'dense', 'varlen', 'slots' or 'decode', got {self.form!r}")
+
+    @classmethod
+    def of(cls, form: str, q, k, v, *, num_seqs: Optional[int] = None, chunk_size: int = 64,
+           dispatch: DispatchConfig = DEFAULT_DISPATCH, platform: Optional[str] = None,
+           hopper: Optional[bool] = None) -> "GdnCase":
+        """The case of a call with these inputs (``num_seqs``: N of a prefill; platform / hopper: probed from the
+        devices when None)."""
+        call = form
+        if form != "decode" and dispatch.is_short_mix(q.shape[0] * q.shape[1], q.shape[0] if num_seqs is None
+                                                      else num_seqs):
+            call = "short_mix"
+        spec = [jax.ShapeDtypeStruct(tuple(x.shape), jnp.dtype(x.dtype)) for x in (q, k, v)]
+        return cls(call=call, form=form, q=spec[0], k=spec[1], v=spec[2],
+                   platform=jax.default_backend() if platform is None else platform,
+                   hopper=mosaic_gpu.is_hopper() if hopper is None else hopper, chunk_size=int(chunk_size))
+
+    @classmethod
+    def example(cls, call: str, *, platform: str = "gpu", hopper: bool = False, dtype=jnp.bfloat16,
+                head_k_dim: int = 128, head_v_dim: int = 128, num_k_heads: int = 16,
+                num_v_heads: int = 32) -> "GdnCase":
+        """A case at given dims (no arrays): the docs' table and the model's repr. Prefill calls are 2 sequences
+        of 512 tokens (a "short_mix" 64 sequences of 4), decode 64 streams of one token."""
+        b, t = {"decode": (64, 1), "short_mix": (1, 256)}.get(call, (2, 512))
+        form = {"short_mix": "varlen"}.get(call, call)
+        q = jax.ShapeDtypeStruct((b, t, num_k_heads, head_k_dim), jnp.dtype(dtype))
+        v = jax.ShapeDtypeStruct((b, t, num_v_heads, head_v_dim), jnp.dtype(dtype))
+        return cls(call=call, form=form, q=q, k=q, v=v, platform=platform, hopper=hopper)
+
+
+def _triton_supports(interpret: bool):
+    def supports(case: GdnCase) -> Optional[str]:
+        if not interpret and case.platform != "gpu":
+            return (f"backend 'pallas' needs a GPU (jax.default_backend() is {case.platform!r}); use backend='xla', "
+                    "'auto' or 'pallas_interpret'")
+        try:                                        # dims and dtypes; the platform is checked above
+            check_supported(case.q, case.k, case.v, interpret=True)
+        except ValueError as err:
+            return str(err)
+        return None
+    return supports
+
+
+def _mosaic_prefill_supports(forms: tuple):
+    def supports(case: GdnCase) -> Optional[str]:
+        if case.form not in forms:
+            return f"this Mosaic GPU entry runs {' / '.join(forms)} calls, not {case.form}"
+        return mosaic_gpu.fallback_reason(case.q, case.k, case.v, chunk_size=case.chunk_size, hopper=case.hopper)
+    return supports
+
+
+def _mosaic_decode_supports(interpret: bool):
+    def supports(case: GdnCase) -> Optional[str]:
+        if not interpret and not case.hopper:
+            return "the Mosaic GPU decode kernel needs an sm_90 (Hopper) GPU"
+        return mosaic_gpu_decode.fallback_reason(case.q, case.k, case.v, interpret=True)   # the platform is above
+    return supports
+
+
+def _always(case: GdnCase) -> Optional[str]:
+    return None
+
+
+_PREFILL = ("dense", "varlen", "slots")
+_TRITON_LIMITS = "CUDA GPU; bf16 / fp16 / fp32; K, V <= 128 (zero-padded to 16 / 32 / 64 / 128)"
+_MOSAIC_LIMITS = "Hopper (sm_90); q, k, v one of bf16 / fp16; K, V in {64, 128}; chunk_size 64"
+
+
+def _gdn_doc_cases() -> tuple:
+    cells = []
+    for label, platform, hopper in (("CPU", "cpu", False), ("GPU (not Hopper)", "gpu", False),
+                                    ("Hopper GPU", "gpu", True)):
+        for call in CALL_KINDS:
+            cells.append(DocCase(label, call, GdnCase.example(call, platform=platform, hopper=hopper)))
+    cells += [DocCase("Hopper GPU, fp32", call, GdnCase.example(call, platform="gpu", hopper=True,
+                                                                dtype=jnp.float32)) for call in CALL_KINDS]
+    cells += [DocCase("GPU, K = V = 256", call, GdnCase.example(call, platform="gpu", hopper=True, head_k_dim=256,
+                                                                head_v_dim=256)) for call in CALL_KINDS]
+    return tuple(cells)
+
+
+#: The gated delta rule's implementations, in the order "auto" tries them (see the module docstring).
+TABLE = OpTable(
+    op="gated_delta_rule",
+    call_kinds=CALL_KINDS,
+    implementations=(
+        Implementation("triton.recurrent_varlen", ("pallas",), "one per-token Pallas Triton launch over every "
+                       "sequence (triton/recurrent_varlen.py)", _triton_supports(False), calls=("short_mix",),
+                       limits=_TRITON_LIMITS),
+        Implementation("mosaic_gpu.chunk", ("mosaic_gpu",), "Triton stage 1a + the warp-specialised Mosaic GPU "
+                       "state pass (mosaic_gpu/chunk.py)", _mosaic_prefill_supports(("dense",)),
+                       calls=("dense", "short_mix"), limits=_MOSAIC_LIMITS),
+        Implementation("mosaic_gpu.varlen", ("mosaic_gpu",), "the same kernels over chunk-aligned packed sequences "
+                       "(mosaic_gpu/varlen.py)", _mosaic_prefill_supports(("varlen", "slots")),
+                       calls=("varlen", "slots", "short_mix"), limits=_MOSAIC_LIMITS),
+        Implementation("mosaic_gpu.decode", ("mosaic_gpu",), "the Mosaic GPU decode kernel, direct transfer "
+                       "(mosaic_gpu/decode.py)", _mosaic_decode_supports(False), calls=("decode",),
+                       limits="Hopper (sm_90); T = 1; K, V in {64, 128}"),
+        Implementation("triton.chunk", ("pallas",), "the chunked Pallas Triton prefill kernels (triton/chunk.py)",
+                       _triton_supports(False), calls=_PREFILL, limits=_TRITON_LIMITS),
+        Implementation("triton.decode", ("pallas",), "the Pallas Triton decode kernel over the pool in place "
+                       "(triton/decode.py)", _triton_supports(False), calls=("decode",), limits=_TRITON_LIMITS),
+        Implementation("xla", ("xla",), "reference.py: the chunked form (prefill), the lax.scan step (decode)",
+                       _always, limits="any platform, dtype and head dims; the only differentiable one"),
+        Implementation("triton.recurrent_varlen.interpret", ("pallas_interpret", "mosaic_gpu_interpret"),
+                       "the per-token kernel in Pallas interpret mode", _triton_supports(True),
+                       calls=("short_mix",), auto=False, interpret=True, limits="any platform; K, V <= 128"),
+        Implementation("triton.chunk.interpret", ("pallas_interpret", "mosaic_gpu_interpret"),
+                       "the chunked Triton kernels in Pallas interpret mode", _triton_supports(True), calls=_PREFILL,
+                       auto=False, interpret=True, limits="any platform; K, V <= 128"),
+        Implementation("mosaic_gpu.decode.interpret", ("mosaic_gpu_interpret",), "the Mosaic GPU decode kernel in "
+                       "interpret mode", _mosaic_decode_supports(True), calls=("decode",), auto=False,
+                       interpret=True, limits="any platform; T = 1; K, V in {64, 128}"),
+        Implementation("triton.decode.interpret", ("pallas_interpret", "mosaic_gpu_interpret"),
+                       "the Triton decode kernel in Pallas interpret mode", _triton_supports(True),
+                       calls=("decode",), auto=False, interpret=True, limits="any platform; K, V <= 128"),
+    ),
+    fallbacks=(("mosaic_gpu", "pallas"),),
+    doc_cases=_gdn_doc_cases(),
+)
+
+
+def resolve(backend: str, case: GdnCase, *, warn: bool = True) -> Implementation:
+    """The implementation of :data:`TABLE` that runs ``case`` for the user's ``backend``."""
+    return TABLE.resolve(backend, case, warn=warn)
+
 
 def resolve_backend(backend: str) -> str:
-    """Maps "auto" to "pallas" on a GPU and "xla" elsewhere; rejects unknown names and "pallas" / "mosaic_gpu"
-    without a GPU."""
-    validation.check_backend(backend)
+    """Checks the backend name and the platform without a call's shapes: "auto" -> "pallas" on a GPU, else "xla";
+    an explicit name is returned, "pallas" / "mosaic_gpu" without a GPU raise ValueError. The kernel a call runs
+    is the table's pick for its case (:func:`resolve`)."""
+    TABLE.check_backend(backend)
     platform = jax.default_backend()
     if backend == "auto":
         return "pallas" if platform == "gpu" else "xla"
@@ -100,24 +297,6 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"backend={backend!r} needs a GPU (jax.default_backend() is {platform!r}); "
                          "use backend='xla', 'auto' or 'pallas_interpret'")
     return backend
-
-
-def _mosaic_or_triton(requested: str, backend: str, q, k, v, *, cu_seqlens=None, chunk_size: int = 64,
-                      slots: bool = False, what: str = "chunk_gated_delta_rule") -> str:
-    """The prefill backend after _resolve_for (``requested``: the caller's name, ``backend``: resolved).
-    "mosaic_gpu" stays where ``mosaic_gpu.fallback_reason`` is None, else it runs "pallas" (Triton) with a warning
-    naming the reason; "auto" resolved to "pallas" picks "mosaic_gpu" where ``mosaic_gpu.AUTO`` is set and it takes
-    the inputs (silently: "auto" promises the best backend that runs)."""
-    if backend not in ("mosaic_gpu", "pallas") or (backend == "pallas" and requested != "auto"):
-        return backend
-    why = mosaic_gpu.fallback_reason(q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size, slots=slots)
-    if backend == "pallas":                                          # requested "auto"
-        ok = why is None and mosaic_gpu.auto_picks(cu_seqlens=cu_seqlens, slots=slots)
-        return "mosaic_gpu" if ok else "pallas"
-    if why is not None:
-        warnings.warn(f"{what}(backend='mosaic_gpu') runs Pallas Triton: {why}", stacklevel=3)
-        return "pallas"
-    return "mosaic_gpu"
 
 
 def _check_common(q, k, v, g, beta, cu_seqlens):
@@ -139,47 +318,29 @@ def _check_chunk_size_and_scale(chunk_size, scale, dk) -> tuple[int, float]:
     return int(chunk_size), float(dk ** -0.5 if scale is None else scale)
 
 
-def _resolve_for(backend: str, q, k, v, *, mosaic: bool = False) -> str:
-    """resolve_backend, and "auto" on a GPU falls back to "xla" where the Pallas kernel does not take the inputs
-    (head dims over 128). ``mosaic`` False (the callers without a Mosaic GPU path: decode): "mosaic_gpu" runs
-    "pallas", with a warning."""
-    resolved = resolve_backend(backend)
-    if backend == "auto" and resolved == "pallas" and not supported(q, k, v, interpret=False)[0]:
-        return "xla"
-    if resolved == "mosaic_gpu" and not mosaic:
-        warnings.warn("backend='mosaic_gpu' runs Pallas Triton here: the Mosaic GPU kernels cover dense prefill "
-                      "only", stacklevel=3)
-        return "pallas"
-    return resolved
-
-
-def _short_sequences(backend: str, q, k, v, n: int, chunk_size: int) -> bool:
-    """Whether a prefill call runs ``recurrent_varlen`` (the per-token Pallas kernel for mixes of short sequences)
-    instead of the chunked kernels: backend "pallas" / "pallas_interpret" (or "auto" resolved to "pallas"; not an
-    explicit "mosaic_gpu") and ``recurrent_varlen.use_recurrent(B T, N)`` (static shapes only: T <= MAX_MEAN_LEN N).
-    Runs the Pallas checks first, so that both Pallas paths refuse the same inputs."""
-    if backend not in ("pallas", "pallas_interpret"):
-        return False
-    if not recurrent_varlen.use_recurrent(q.shape[0] * q.shape[1], n):
-        return False
-    check_supported(q, k, v, interpret=backend == "pallas_interpret")
+def _check_pallas_chunk_size(chunk_size: int) -> None:
     if chunk_size % 16:
         raise ValueError(f"chunk_size must be a multiple of 16 for the Pallas backends, got {chunk_size}; "
                          "use backend='xla' for other chunk sizes")
-    return True
 
 
-def _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm):
-    """The interpret flag and the inputs as the kernels take them: q, k L2-normalised (if asked) in their own
-    dtype, g in fp32, and the on-device chunk map for varlen (None for dense rows)."""
-    interpret = backend == "pallas_interpret"
-    check_supported(q, k, v, interpret=interpret)
-    if chunk_size % 16:
-        raise ValueError(f"chunk_size must be a multiple of 16 for the Pallas backends, got {chunk_size}; "
-                         "use backend='xla' for other chunk sizes")
+def _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm):
+    """The inputs as the chunked Triton kernels take them (the table has run ``check_supported``): q, k
+    L2-normalised (if asked) in their own dtype, g in fp32, and the on-device chunk map for varlen (None for
+    dense rows)."""
+    _check_pallas_chunk_size(chunk_size)
     q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
     chunk_map = None if cu_seqlens is None else build_chunk_map(cu_seqlens, q.shape[1], chunk_size)
-    return interpret, q, k, g.astype(jnp.float32), chunk_map
+    return q, k, g.astype(jnp.float32), chunk_map
+
+
+def _run_short_mix(impl: Implementation, chunk_size) -> bool:
+    """Whether ``impl`` is the per-token kernel (the table has run ``check_supported``; both Pallas paths refuse
+    the same chunk sizes)."""
+    if not impl.name.startswith("triton.recurrent_varlen"):
+        return False
+    _check_pallas_chunk_size(chunk_size)
+    return True
 
 
 def _prepare_qk(q, k, use_qk_l2norm: bool, keep_dtype: bool):
@@ -193,7 +354,8 @@ def _prepare_qk(q, k, use_qk_l2norm: bool, keep_dtype: bool):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
                            output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False,
-                           chunk_size: int = 64, backend: str = "auto"):
+                           chunk_size: int = 64, backend: str = "auto",
+                           dispatch: DispatchConfig = DEFAULT_DISPATCH):
     """Chunked gated delta rule (prefill). Returns ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``.
 
     Shape legend: B rows, T tokens, N sequences, Hk / Hv key / value heads, K / V head dims, C = chunk_size.
@@ -203,35 +365,37 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     sequence's final state is its initial state; tokens past cu_seqlens[N] are padding (output rows zero).
     ``scale`` is a Python float (default K ** -0.5); ``chunk_size`` a positive int (a multiple of 16 on Pallas).
     Both backends cut the row into at most T // C + N chunks on the device (no host sync, one compile per (T, N)).
-    See the module docstring for g = -inf, NaN inputs, head dims, mixed dtypes and autodiff.
+    See the module docstring for g = -inf, NaN inputs, head dims, mixed dtypes and autodiff. ``backend``: a name
+    of :data:`TABLE` ("auto" resolves from the call's case); ``dispatch``: the table's measured rules.
     """
-    resolve_backend(backend)
+    TABLE.check_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
-    requested, backend = backend, _resolve_for(backend, q, k, v, mosaic=True)
     validation.check_initial_state(initial_state, n, hv, dk, dv)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
-    if _short_sequences(backend, q, k, v, n, chunk_size):
+    case = GdnCase.of("dense" if cu_seqlens is None else "varlen", q, k, v, num_seqs=n, chunk_size=chunk_size,
+                      dispatch=dispatch)
+    impl = TABLE.resolve(backend, case)
+    if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            interpret=backend == "pallas_interpret")
-    backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    if backend == "mosaic_gpu":
+            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, interpret=impl.interpret)
+    if impl.name in ("mosaic_gpu.chunk", "mosaic_gpu.varlen"):
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
         if cu_seqlens is not None:
             return mosaic_gpu_varlen.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         return mosaic_gpu.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state)
-    if backend == "xla":
+    if impl.name == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                                           chunk_size=chunk_size)
-    interpret, q, k, g, chunk_map = _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
+    q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        chunk_map=chunk_map, output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret)
+        chunk_map=chunk_map, output_final_state=output_final_state, chunk_size=chunk_size,
+        interpret=impl.interpret)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
@@ -253,7 +417,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = Non
 
 def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_initial_state, cu_seqlens=None,
                                  scale: Optional[float] = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
-                                 backend: str = "auto"):
+                                 backend: str = "auto", dispatch: DispatchConfig = DEFAULT_DISPATCH):
     """Chunked gated delta rule over a slot pool. Returns ``(o [B, T, Hv, V], new_ssm_state [S, Hv, K, V] fp32)``.
 
     Shape legend: B rows, T tokens, N sequences, S slots, Hk / Hv key / value heads, K / V head dims.
@@ -263,38 +427,38 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     slot holds) and its final state is written back to that slot; every other slot is returned unchanged. An id
     outside [0, S) (S for a padding stream, -1, a bad traced value) reads zeros and its write is dropped. Tokens
     past cu_seqlens[N] are padding (output rows zero, no state touched). Without cu_seqlens, N = B. Under
-    ``jax.jit`` donate ``ssm_state`` to update it in place.
+    ``jax.jit`` donate ``ssm_state`` to update it in place. ``backend`` / ``dispatch``: as
+    :func:`chunk_gated_delta_rule`.
     """
-    resolve_backend(backend)
+    TABLE.check_backend(backend)
     b, t, hk, hv, dk, dv, n, cu_seqlens = _check_common(q, k, v, g, beta, cu_seqlens)
-    requested, backend = backend, _resolve_for(backend, q, k, v, mosaic=True)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
     validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
     validation.check_has_initial_state(has_initial_state, n)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
-    if _short_sequences(backend, q, k, v, n, chunk_size):
+    impl = TABLE.resolve(backend, GdnCase.of("slots", q, k, v, num_seqs=n, chunk_size=chunk_size,
+                                             dispatch=dispatch))
+    if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_slots_fwd(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
             has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-            interpret=backend == "pallas_interpret")
-    backend = _mosaic_or_triton(requested, backend, q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                                slots=True, what="chunk_gated_delta_rule_slots")
-    if backend == "mosaic_gpu":
+            interpret=impl.interpret)
+    if impl.name in ("mosaic_gpu.chunk", "mosaic_gpu.varlen"):
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
         return mosaic_gpu_varlen.op_fwd_slots(q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
                                               has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)
-    if backend == "xla":
+    if impl.name == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return chunk_gated_delta_rule_slots_xla(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
             has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    interpret, q, k, g, chunk_map = _pallas_inputs(backend, q, k, v, g, cu_seqlens, chunk_size, use_qk_l2norm)
+    q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_slots_fwd(
         q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_map=chunk_map, chunk_size=chunk_size,
-        interpret=interpret)
+        interpret=impl.interpret)
 
 
 def fused_recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_initial_state=None,
@@ -310,14 +474,13 @@ def fused_recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_
     Stream n starts from ``ssm_state[slot_ids[n]]`` (zeros where ``has_initial_state[n]`` is False or the id is
     outside [0, S)), runs its T tokens and writes its state back (an id outside [0, S) drops the write); other slots
     are unchanged. The same rule as :func:`recurrent_gated_delta_rule` (FLA's ``fused_recurrent_gated_delta_rule``
-    with the state read from and written to a pool). "pallas" runs the decode kernel
-    (``pallas_kernels.gated_delta_rule.decode``) over the pool in place: under ``jax.jit`` donate ``ssm_state``;
-    "xla" gathers the N states, runs the ``lax.scan`` form and scatters them back. "auto": "pallas" on a GPU
-    where the kernel takes the inputs, else "xla". ``use_qk_l2norm`` normalises q, k in fp32 (fused in the kernel).
+    with the state read from and written to a pool). The Pallas kernels (the "decode" rows of :data:`TABLE`:
+    Mosaic GPU on Hopper where it takes the call under "auto" / "mosaic_gpu", Triton for "pallas") run over the
+    pool in place: under ``jax.jit`` donate ``ssm_state``; "xla" gathers the N states, runs the ``lax.scan`` form
+    and scatters them back. ``use_qk_l2norm`` normalises q, k in fp32 (fused in the kernel).
     """
-    resolve_backend(backend)
+    TABLE.check_backend(backend)
     b, t, hk, hv, dk, dv, n, _ = _check_common(q, k, v, g, beta, None)
-    backend = _resolve_for(backend, q, k, v)
     num_slots = validation.check_ssm_state_pool(ssm_state, hv, dk, dv)
     validation.check_slot_ids(slot_ids, num_slots, n, allow_no_slot=True)
     if has_initial_state is None:
@@ -326,11 +489,33 @@ def fused_recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     has_initial_state = jnp.asarray(has_initial_state)
     scale = float(dk ** -0.5 if scale is None else scale)
-    if backend == "xla":
+    impl = TABLE.resolve(backend, GdnCase.of("decode", q, k, v))
+    if impl.name == "xla":
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
         return fused_recurrent_gated_delta_rule_slots_xla(q, k, v, g, beta, scale=scale, ssm_state=ssm_state,
                                                           slot_ids=slot_ids, has_initial_state=has_initial_state)
-    check_supported(q, k, v, interpret=backend == "pallas_interpret")
-    return decode.fused_recurrent_gated_delta_rule_slots_fwd(
-        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids, has_initial_state=has_initial_state,
-        use_qk_l2norm=use_qk_l2norm, interpret=backend == "pallas_interpret")
+    return _run_decode_kernel(impl, q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+                              has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm)
+
+
+def _run_decode_kernel(impl: Implementation, q, k, v, g, beta, *, raw_gates=None, **kw):
+    if impl.name.startswith("mosaic_gpu.decode"):
+        return mosaic_gpu_decode.fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, interpret=impl.interpret,
+                                                                            raw_gates=raw_gates, **kw)
+    return decode.fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, interpret=impl.interpret,
+                                                             raw_gates=raw_gates, **kw)
+
+
+def decode_slots_raw_gates(q, k, v, a, b, *, raw_gates: decode.RawGates, scale: float, ssm_state, slot_ids,
+                           has_initial_state, backend: str = "auto"):
+    """The decode kernel of :func:`fused_recurrent_gated_delta_rule_slots` with g and beta made inside from the
+    raw projections (the GDN layer's fused decode step; ``decode.RawGates``): q, k [N, 1, Hk, K] (already
+    L2-normalised), v [N, 1, Hv, V], a, b [N, 1, Hk, Ca]. ``backend`` resolves the "decode" case of :data:`TABLE`
+    and must name a Pallas kernel there ("auto" on a GPU, "pallas", "mosaic_gpu", "pallas_interpret",
+    "mosaic_gpu_interpret"; ValueError otherwise). Returns (o [N, 1, Hv, V], new ssm_state)."""
+    impl = TABLE.resolve(backend, GdnCase.of("decode", q, k, v))
+    if impl.name == "xla":
+        raise ValueError(f"backend={backend!r} runs the XLA step here, which takes g and beta: the raw-gate decode "
+                         "needs a Pallas decode kernel")
+    return _run_decode_kernel(impl, q, k, v, a, b, raw_gates=raw_gates, scale=scale, ssm_state=ssm_state,
+                              slot_ids=slot_ids, has_initial_state=has_initial_state)

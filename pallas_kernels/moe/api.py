@@ -7,7 +7,8 @@ Shape legend: T tokens, D hidden, I per-expert intermediate size, E experts, k e
     -> sum_j top_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = top_i[t, j]: [T, D] in x's dtype
 
 Backends: "xla" (reference.routed_experts_xla, runs anywhere), "pallas" (triton.py on a CUDA GPU),
-"pallas_interpret" (the same kernels in Pallas interpret mode, any platform). Both Pallas backends and the XLA
+"pallas_interpret" (the same kernels in Pallas interpret mode, any platform); "auto" resolves :data:`TABLE`
+(``resolve_backend``; ``python -m pallas_kernels.registry`` prints it). Both Pallas backends and the XLA
 path share ``reference.moe_align``'s on-device layout: work and memory scale with T * k, never with T * E. The
 launch config (row block and tiles; the XLA path uses its row block) is picked from the static shapes by
 ``triton.select_config`` unless given: 16-row blocks at decode sizes, 128-row blocks at prefill sizes.
@@ -15,12 +16,14 @@ Expert ids outside [0, E) are not checked (values are traced); the router never 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.moe import reference as _ref
 from pallas_kernels.moe import routing_triton as _routing
 from pallas_kernels.moe import triton as _triton
@@ -42,6 +45,108 @@ def supports(*, platform: str, dtype, num_experts: int, hidden: int, inter: int)
         if dim % 16:
             return f"pallas MoE on the GPU needs {name} % 16 == 0 (Triton dot blocks); got {name}={dim}"
     return None
+
+
+CALL_KINDS = ("experts", "routing")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCase:
+    """What the dispatch table sees of one call: call kind ("experts": the grouped matmuls, "routing": softmax +
+    top-k of the router's logits), platform (the first device's), the activations' dtype, E experts, D hidden, I
+    per-expert intermediate size, k experts per token (routing)."""
+
+    call: str
+    platform: str
+    dtype: Any
+    num_experts: int
+    hidden: int
+    inter: int
+    top_k: int = 1
+
+    def __post_init__(self):
+        if self.call not in CALL_KINDS:
+            raise ValueError(f"call must be one of {CALL_KINDS}, got {self.call!r}")
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @property
+    def dims(self) -> dict:
+        return dict(dtype=self.dtype, num_experts=self.num_experts, hidden=self.hidden, inter=self.inter)
+
+
+def _experts_supports(case: MoeCase) -> Optional[str]:
+    return supports(platform=case.platform, **case.dims)
+
+
+def _interpret_supports(case: MoeCase) -> Optional[str]:
+    if case.dtype not in GPU_DTYPES:
+        return f"pallas MoE (interpret) takes bfloat16, float16 or float32; got {case.dtype.name}"
+    return None
+
+
+def _routing_supports(interpret: bool):
+    def check(case: MoeCase) -> Optional[str]:
+        if not interpret and case.platform not in ("gpu", "cuda"):
+            return f"the routing kernel runs on a CUDA GPU (Triton lowering); platform is {case.platform!r}"
+        return _interpret_supports(case) or _routing.supports(num_experts=case.num_experts, top_k=case.top_k)
+    return check
+
+
+def _always(case: MoeCase) -> Optional[str]:
+    return None
+
+
+def _doc_cases() -> tuple:
+    return tuple(DocCase(label, call, MoeCase(call, platform, jnp.bfloat16, 512, 2048, 512, 10))
+                 for label, platform in (("CPU", "cpu"), ("GPU", "gpu")) for call in CALL_KINDS)
+
+
+#: The MoE's implementations, in the order "auto" tries them. The router runs on the experts' resolved backend
+#: (``route(backend=...)``): its Pallas rows take the sizes the routing kernel takes, else the XLA router (the
+#: same function, exact up to fp32 rounding).
+TABLE = OpTable(
+    op="moe",
+    call_kinds=CALL_KINDS,
+    implementations=(
+        Implementation("triton", ("pallas",), "grouped-GEMM Pallas Triton kernels over the expert-sorted rows "
+                       "(triton.py)", _experts_supports, calls=("experts",),
+                       limits="CUDA GPU; bf16 / fp16 / fp32; D, I multiples of 16"),
+        Implementation("triton.routing", ("pallas",), "softmax + top-k as one Pallas Triton kernel "
+                       "(routing_triton.py)", _routing_supports(False), calls=("routing",),
+                       limits="CUDA GPU; E a power of two in [2, 1024]"),
+        Implementation("xla", ("xla",), "reference.py: batched matmuls over groups of row blocks; softmax + "
+                       "lax.top_k", _always, limits="any platform"),
+        Implementation("triton.interpret", ("pallas_interpret",), "the grouped-GEMM kernels in Pallas interpret "
+                       "mode", _interpret_supports, calls=("experts",), auto=False, interpret=True,
+                       limits="any platform; bf16 / fp16 / fp32"),
+        Implementation("triton.routing.interpret", ("pallas_interpret",), "the routing kernel in Pallas interpret "
+                       "mode", _routing_supports(True), calls=("routing",), auto=False, interpret=True,
+                       limits="any platform; E a power of two in [2, 1024]"),
+        Implementation("xla.routing", ("pallas", "pallas_interpret"), "a Pallas backend's router where the "
+                       "routing kernel does not take the sizes: reference.route_xla", _always, calls=("routing",),
+                       auto=False, limits="any"),
+    ),
+    doc_cases=_doc_cases(),
+)
+
+#: implementation -> the backend name the kernels' bodies take
+KERNEL = {"triton": "pallas", "triton.routing": "pallas", "xla": "xla", "triton.interpret": "pallas_interpret",
+          "triton.routing.interpret": "pallas_interpret", "xla.routing": "xla"}
+
+
+def _platform() -> str:
+    try:
+        return jax.devices()[0].platform
+    except RuntimeError:  # pragma: no cover
+        return "cpu"
+
+
+def resolve_backend(backend: str, *, dtype, num_experts: int, hidden: int, inter: int, call: str = "experts",
+                    top_k: int = 1) -> str:
+    """The kernel name ("pallas", "pallas_interpret" or "xla") :data:`TABLE` runs for the user's ``backend`` at
+    this case ("auto": "pallas" on a GPU where the kernels take the dims and dtype, else "xla")."""
+    case = MoeCase(call, _platform(), dtype, num_experts, hidden, inter, top_k)
+    return KERNEL[TABLE.resolve(backend, case).name]
 
 
 def _has_gpu() -> bool:
@@ -146,17 +251,18 @@ def route(logits, *, top_k: int, norm_topk_prob: bool, backend: str = "xla"):
     softmax over all experts, top-k (ties: lowest id first), renormalised when norm_topk_prob.
 
     backend: "xla" (``reference.route_xla``: softmax + ``lax.top_k``), "pallas" (``routing_triton.route``: one
-    kernel on a CUDA GPU), "pallas_interpret" (the same kernel in interpret mode). A Pallas backend falls back to
-    "xla" where the kernel does not take the sizes (E not a power of two in [2, 1024]): the routing is the same
-    function either way, so the fallback is exact up to fp32 rounding. Bad shapes: ValueError naming the
+    kernel on a CUDA GPU), "pallas_interpret" (the same kernel in interpret mode), "auto"; resolved by
+    :data:`TABLE`'s "routing" rows: a Pallas backend runs "xla" where the kernel does not take the case (E not a
+    power of two in [2, 1024], no GPU): the routing is the same function either way, so the fallback is exact up
+    to fp32 rounding. Bad shapes: ValueError naming the
     argument."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    TABLE.check_backend(backend)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, E]; got shape {logits.shape}")
     if not 1 <= int(top_k) <= logits.shape[1]:
         raise ValueError(f"top_k must be in [1, E={logits.shape[1]}]; got {top_k}")
-    if backend == "xla" or _routing.supports(num_experts=logits.shape[1], top_k=top_k) is not None:
+    case = MoeCase("routing", _platform(), logits.dtype, logits.shape[1], 0, 0, int(top_k))
+    kernel = KERNEL[TABLE.resolve(backend, case).name]
+    if kernel == "xla":
         return _ref.route_xla(logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return _routing.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                          interpret=backend == "pallas_interpret")
+    return _routing.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob, interpret=kernel == "pallas_interpret")

@@ -30,8 +30,10 @@ Backends: "xla" (reference.py: gathers every page of the slot, the CPU default a
 Pallas Triton kernels of triton.py, GPU), "pallas_interpret" (the same kernels in interpret mode, CPU),
 "cudnn" (prefill through cuDNN's packed fused attention, cudnn.py: bf16 / fp16 on a Hopper GPU; decode on
 this backend runs the Pallas decode kernel, or xla where that cannot run), "cudnn_xla" (cudnn.py's packing and
-merge with an XLA stand-in for the cuDNN call: any platform, for tests), "auto" (cudnn when ``cudnn.AUTO`` is set
-and it supports the inputs, else pallas where ``supports`` accepts the inputs on a GPU, else xla).
+merge with an XLA stand-in for the cuDNN call: any platform, for tests), "auto" (the first of :data:`TABLE`'s
+order that supports the call: cudnn, then pallas on a GPU, else xla). :data:`TABLE` says what each one takes
+(``python -m pallas_kernels.registry`` prints it); :func:`resolve_backend` / :func:`decode_backend` resolve it
+once per call.
 
 Checks: shapes and dtypes always (ValueError naming the argument). When cu_seqlens, slot_ids, slot_lens and the
 page table are concrete (not traced), also their values: cu_seqlens non-decreasing from 0 to at most T, every
@@ -39,25 +41,25 @@ stream with a slot no longer than its slot's length, every slot's length within 
 live key may read inside [0, P). Under jit nothing is checked by value, and the kernels mask instead (a page id
 outside [0, P) is never dereferenced).
 
-This module imports only jax (and numpy).
+This module imports only jax, numpy and pallas_kernels.dispatch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.paged_attention import reference
 
-BACKENDS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn", "cudnn_xla")
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 GPU_HEAD_DIMS = (64, 128, 256)
-# "auto" picks the Pallas kernels on a GPU: checked there at the real dims against the float64 oracle (H200,
-# NOTES.md); set False to make "auto" mean the XLA path everywhere.
-AUTO_USES_PALLAS = True
+CALL_KINDS = ("prefill", "decode")
+_MAX_ELEMENTS = 2 ** 31 - 1     # the kernels address q, o and the pools with int32 element offsets
 
 
 def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> Optional[str]:
@@ -78,6 +80,34 @@ def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_head
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    """What the dispatch table sees of one call: call kind ("prefill" | "decode"), platform
+    (``jax.default_backend()``), q's dtype, head dim, query / kv heads, sizes ((array name, element count)
+    pairs: the kernels' int32 addressing) and hopper (None: ask the installed cuDNN and the device; True / False:
+    take the GPU as a Hopper one with cuDNN >= 9 or an older one, the docs' table)."""
+
+    call: str
+    platform: str
+    dtype: Any
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    sizes: tuple = ()
+    hopper: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.call not in CALL_KINDS:
+            raise ValueError(f"call must be one of {CALL_KINDS}, got {self.call!r}")
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "sizes", tuple(sorted(dict(self.sizes).items())))
+
+    @property
+    def dims(self) -> dict:
+        return dict(dtype=self.dtype, head_dim=self.head_dim, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads)
+
+
 def _platform() -> str:
     try:
         return jax.default_backend()
@@ -85,56 +115,108 @@ def _platform() -> str:
         return "cpu"
 
 
-_MAX_ELEMENTS = 2 ** 31 - 1     # the kernels address q, o and the pools with int32 element offsets
-
-
-def _size_limit(sizes) -> Optional[str]:
-    for name, n in sizes.items():
+def _size_limit(case: PagedCase) -> Optional[str]:
+    for name, n in case.sizes:
         if n > _MAX_ELEMENTS:
             return f"{name} holds {n} elements, more than the 2**31 - 1 the kernels address with int32 offsets"
     return None
 
 
-def _pallas_for_auto(dims: dict, sizes: Optional[dict]) -> bool:
-    """Whether "auto" (and the cuDNN backends' decode) may run the Pallas kernels: on a GPU, ``AUTO_USES_PALLAS``,
-    ``supports`` accepts ``dims`` and the call's ``sizes`` fit the int32 addressing."""
-    return (AUTO_USES_PALLAS and _platform() == "gpu" and supports(platform="gpu", **dims) is None
-            and _size_limit(sizes or {}) is None)
+def _triton_supports(interpret: bool):
+    def check(case: PagedCase) -> Optional[str]:
+        return supports(platform="interpret" if interpret else case.platform, **case.dims) or _size_limit(case)
+    return check
+
+
+def _cudnn_supports(stand_in: bool):
+    def check(case: PagedCase) -> Optional[str]:
+        from pallas_kernels.paged_attention import cudnn as _cudnn
+        return _cudnn.supports(platform="xla" if stand_in else case.platform, **case.dims,
+                               hopper=case.hopper)
+    return check
+
+
+def _always(case: PagedCase) -> Optional[str]:
+    return None
+
+
+def _doc_cases() -> tuple:
+    cells = []
+    for label, platform, dtype, hopper in (("CPU", "cpu", jnp.bfloat16, False),
+                                           ("GPU (not Hopper), bf16", "gpu", jnp.bfloat16, False),
+                                           ("Hopper GPU, bf16", "gpu", jnp.bfloat16, True),
+                                           ("Hopper GPU, fp32", "gpu", jnp.float32, True)):
+        for call in CALL_KINDS:
+            cells.append(DocCase(label, call, PagedCase(call, platform, dtype, 256, 16, 2, hopper=hopper)))
+    return tuple(cells)
+
+
+#: The implementations of paged attention, in the order "auto" tries them. The op's functions run the one
+#: :func:`resolve_backend` / :func:`decode_backend` name (``KERNEL[impl.name]``).
+TABLE = OpTable(
+    op="paged_attention",
+    call_kinds=CALL_KINDS,
+    implementations=(
+        # cuDNN first for the prefill (bf16 / fp16 on Hopper; fp32 stays on Triton), from the H200 run of NOTES.md
+        # "cuDNN prefill backend": numerics within 3.7e-3 of float64 / the XLA reference; core 0.96 vs 1.37 ms
+        # (varlen16), 2.10 vs 3.57 ms (+2k context), 14.6 vs 28.9 ms (one 32k stream), layer 3.58 vs 4.20 ms.
+        Implementation("cudnn", ("cudnn",), "cuDNN's packed (THD) fused attention for the new tokens, merged with "
+                       "a context call (cudnn.py)", _cudnn_supports(False), calls=("prefill",),
+                       limits="Hopper GPU, cuDNN >= 9; bf16 / fp16; Dh a multiple of 8 up to 256"),
+        Implementation("triton", ("pallas",), "the Pallas Triton prefill / decode kernels (triton.py)",
+                       _triton_supports(False), limits="CUDA GPU; bf16 / fp16 / fp32; Dh in {64, 128, 256}; "
+                       "H / Hkv <= 16; arrays under 2**31 elements"),
+        Implementation("cudnn.decode", ("cudnn",), "backend \"cudnn\" at decode: the Pallas Triton decode kernel "
+                       "(cuDNN has no paged decode)", _triton_supports(False), calls=("decode",), auto=False,
+                       limits="as triton"),
+        Implementation("xla", ("xla",), "reference.py: gathers every page of the slot", _always,
+                       limits="any platform, dtype and head dim"),
+        Implementation("cudnn.decode.xla", ("cudnn", "cudnn_xla"), "the cuDNN backends at decode where the Triton "
+                       "kernel cannot run: reference.py", _always, calls=("decode",), auto=False,
+                       limits="any platform"),
+        Implementation("triton.interpret", ("pallas_interpret",), "the Triton kernels in Pallas interpret mode",
+                       _triton_supports(True), auto=False, interpret=True,
+                       limits="any platform; arrays under 2**31 elements"),
+        Implementation("cudnn_xla", ("cudnn_xla",), "cudnn.py's packing and merge with an XLA stand-in "
+                       "for the cuDNN call (tests)", _cudnn_supports(True), calls=("prefill",), auto=False,
+                       limits="any platform"),
+    ),
+    doc_cases=_doc_cases(),
+)
+
+#: implementation -> the name the op's jitted bodies take ("xla", "pallas", "pallas_interpret", "cudnn",
+#: "cudnn_xla")
+KERNEL = {"cudnn": "cudnn", "triton": "pallas", "cudnn.decode": "pallas", "xla": "xla", "cudnn.decode.xla": "xla",
+          "triton.interpret": "pallas_interpret", "cudnn_xla": "cudnn_xla"}
+BACKENDS = TABLE.backends
+
+
+def _case(call: str, dtype, head_dim, num_heads, num_kv_heads, sizes) -> PagedCase:
+    return PagedCase(call, _platform(), dtype, head_dim, num_heads, num_kv_heads, tuple((sizes or {}).items()))
 
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                     sizes: Optional[dict] = None) -> str:
-    """Maps "auto" to "cudnn" (``cudnn.AUTO`` and its ``supports``), "pallas" or "xla"; checks that an explicit
-    "pallas" / "cudnn" can run (ValueError otherwise). sizes: {array name: element count} of the call (the int32
-    addressing limit)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    plat = _platform()
-    dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    too_big = _size_limit(sizes or {})
-    from pallas_kernels.paged_attention import cudnn as _cudnn
-    if backend == "auto":
-        if _cudnn.AUTO and plat == "gpu" and _cudnn.supports(platform="gpu", **dims) is None:
-            return "cudnn"
-        return "pallas" if _pallas_for_auto(dims, sizes) else "xla"
-    if backend in ("cudnn", "cudnn_xla"):
-        why = _cudnn.supports(platform=plat if backend == "cudnn" else "xla", **dims)
+    """The prefill kernel name for the user's ``backend`` (:data:`TABLE` at the "prefill" case of these dims):
+    "auto" -> "cudnn", "pallas" or "xla" (the first that supports it); an explicit name that cannot run ->
+    ValueError naming it and the reason. sizes: {array name: element count} of the call (the int32 addressing
+    limit)."""
+    TABLE.check_backend(backend)
+    case = _case("prefill", dtype, head_dim, num_heads, num_kv_heads, sizes)
+    if backend != "auto":
+        why = TABLE.why_not(backend, case)
         if why is not None:
             raise ValueError(f"paged attention backend {backend!r} cannot run here: {why}; use backend='pallas' "
-                             f"or 'xla' (or 'cudnn_xla' for the same packing with an XLA stand-in)")
-        return backend
-    if too_big is not None and backend != "xla":
-        raise ValueError(f"paged attention backend {backend!r}: {too_big}; use backend='xla'")
-    if backend == "pallas":
-        why = supports(platform=plat, **dims)
-        if why is not None:
-            raise ValueError(f"paged attention backend 'pallas' cannot run here: {why}; use backend='xla' "
-                             f"(or 'pallas_interpret' for the same kernels in interpret mode)")
-    if backend == "pallas_interpret":
-        why = supports(platform="interpret", **dims)
-        if why is not None:
-            raise ValueError(f"paged attention backend 'pallas_interpret': {why}")
-    return backend
+                             f"or 'xla' (or 'pallas_interpret' / 'cudnn_xla' for the interpret / stand-in forms)")
+    return KERNEL[TABLE.resolve(backend, case).name]
+
+
+def decode_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                   sizes: Optional[dict] = None) -> str:
+    """The decode kernel name for ``backend`` (a name :func:`resolve_backend` returned, or "auto"): :data:`TABLE`
+    at the "decode" case; the cuDNN backends are prefill only and their decode runs the Pallas decode kernel
+    ("cudnn" on a GPU where it can), else the XLA path (always for "cudnn_xla")."""
+    return KERNEL[TABLE.resolve(backend, _case("decode", dtype, head_dim, num_heads, num_kv_heads, sizes)).name]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,18 +473,6 @@ def paged_attention_decode(q, k_pages, v_pages, page_table, slot_lens, slot_ids,
         return jnp.zeros(q.shape, q.dtype)
     return _decode_jit(q, k_pages, v_pages, page_table, slot_lens, slot_ids, scale=float(scale), backend=backend,
                        config=config)
-
-
-def decode_backend(backend: str, *, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-                   sizes: Optional[dict] = None) -> str:
-    """The decode kernel of a resolved backend: the cuDNN backends are prefill only; their decode runs the
-    Pallas decode kernel ("cudnn" on a GPU where it can), else the XLA path (and always for "cudnn_xla")."""
-    if backend == "cudnn":
-        dims = dict(dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        return "pallas" if _pallas_for_auto(dims, sizes) else "xla"
-    if backend == "cudnn_xla":
-        return "xla"
-    return backend
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "config"))

@@ -60,12 +60,6 @@ import numpy as np
 
 from pallas_kernels.gated_delta_rule.chunk_map import count_le, token_streams
 
-#: "auto" of paged_attention picks this backend first (GPU prefill) when True and ``supports`` accepts the case
-#: (bf16 / fp16 on Hopper; fp32 stays on the Pallas kernel). On from the H200 run (NOTES.md, "cuDNN prefill
-#: backend"; benchmarks/logs/attn_cudnn_run1.json): numerics within 3.7e-3 of float64 / the XLA reference, core
-#: 0.96 vs 1.37 ms (varlen16), 2.10 vs 3.57 ms (+2k context), 14.6 vs 28.9 ms (one 32k stream), layer 3.58 vs
-#: 4.20 ms. Set False to keep "auto" on the Pallas kernel.
-AUTO = True
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: where the statistics of a packed call keep a query's LSE: "segment" (stats[m, h, j], j the row inside segment m:
 #: cuDNN's [B, H, S_q, 1] stats with one batch row per segment, as XLA declares them) or "packed" (stats[m, h, t],
@@ -132,9 +126,12 @@ def kv_offset_unit(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     raise ValueError(f"jax scales packed kv offsets by {k_unit}: neither Hkv Dh nor H Dh")
 
 
-def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> Optional[str]:
+def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+             hopper: Optional[bool] = None) -> Optional[str]:
     """Why cuDNN's packed fused attention cannot run these inputs (a sentence), or None when it can.
-    platform "xla" / "interpret": the XLA stand-in (any platform, the dtypes of the reference)."""
+    platform "xla" / "interpret": the XLA stand-in (any platform, the dtypes of the reference). hopper: None asks
+    the installed cuDNN and the device; True / False take the GPU as a Hopper one with cuDNN >= 9 or as an older
+    one (the docs' table)."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         return f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
     if platform in ("xla", "interpret"):
@@ -145,6 +142,8 @@ def supports(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_head
         return f"platform {platform!r}: cuDNN fused attention needs a CUDA GPU"
     if head_dim % 8 or head_dim > 256:
         return f"head_dim={head_dim}: cuDNN takes multiples of 8 up to 256 (Hopper)"
+    if hopper is not None:
+        return None if hopper else "cuDNN's packed (THD) layout needs compute capability >= 9.0 (Hopper)"
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
         if fa.check_cudnn_version() < 90000:

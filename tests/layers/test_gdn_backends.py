@@ -58,25 +58,26 @@ def test_layer_pallas_gpu_matches_xla(dtype, tol):
     np.testing.assert_array_equal(s_p.ssm_state[np.array([4, 6, 8])], slots.ssm_state[np.array([4, 6, 8])])
 
 
-def test_op_backend_prefill_kernel(monkeypatch):
-    """The slot op's backend from the layer's: a resolved "pallas" whose kernel takes the inputs becomes the op's
-    "auto" (its per-call Mosaic / Triton / recurrent pick) while PREFILL_KERNEL is "auto", stays "pallas" when it
-    is "pallas"; "xla" / "pallas_interpret" pass through; a bad switch value is named."""
-    q = jnp.zeros((5, 2, 16), jnp.bfloat16)
-    v = jnp.zeros((5, 4, 16), jnp.bfloat16)
-    assert gdn._op_backend("xla", q, q, v) == "xla"
-    assert gdn._op_backend("pallas_interpret", q, q, v) == "pallas_interpret"
-    monkeypatch.setattr(gdn, "_layer_backend", lambda backend, *a: "pallas")
-    monkeypatch.setattr(gdn, "_pallas_support", lambda *a: (True, ""))
-    assert gdn._op_backend("pallas", q, q, v) == "auto"
-    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "pallas")
-    assert gdn._op_backend("pallas", q, q, v) == "pallas"
-    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "auto")
-    monkeypatch.setattr(gdn, "_pallas_support", lambda *a: (False, "head dims"))
-    assert gdn._op_backend("pallas", q, q, v) == "pallas"      # the explicit name's own refusal stays the op's
-    monkeypatch.setattr(gdn, "PREFILL_KERNEL", "mosaic")
-    with pytest.raises(ValueError, match="PREFILL_KERNEL"):
-        gdn._op_backend("pallas", q, q, v)
+def test_layer_passes_the_backend_name_to_the_op(monkeypatch):
+    """The layer hands the user's backend name to the slot op unchanged (the op's table makes the per-call pick:
+    Mosaic / Triton / the per-token kernel for "auto", Triton for "pallas"); an unknown name is refused by name."""
+    seen = []
+    real = gdn.gdn_ops.chunk_gated_delta_rule_slots
+
+    def spy(*args, backend, **kw):
+        seen.append(backend)
+        return real(*args, backend="xla", **kw)
+    monkeypatch.setattr(gdn.gdn_ops, "chunk_gated_delta_rule_slots", spy)
+    dims = GdnDims(24, 2, 6, 16, 16)
+    params, meta, slots, h = _case(dims, [3, 5], [1, 0], [0, 0], 2)
+    q = jnp.zeros((8, 2, 16))
+    v = jnp.zeros((8, 6, 16))
+    g = jnp.zeros((8, 6))
+    for name in ("xla", "pallas_interpret", "auto"):
+        gdn.gdn_full_varlen(q, q, v, g, g, slots, meta, backend=name)
+    assert seen == ["xla", "pallas_interpret", "auto"]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gdn.gdn_full_varlen(q, q, v, g, g, slots, meta, backend="mosaic")
 
 
 def _custom_calls(hlo_text: str) -> set:
@@ -85,19 +86,11 @@ def _custom_calls(hlo_text: str) -> set:
     return set(re.findall(r"custom_call @([\w.$-]+)", hlo_text))
 
 
-def _fresh_prefill():
-    """A jit of its own function object: jit's trace cache is keyed on the function, and PREFILL_KERNEL is read
-    while tracing, so a jit of gdn.gdn_layer_prefill itself would replay the first route's trace."""
-    def prefill(params, dims, hidden, slots, meta, backend):
-        return gdn.gdn_layer_prefill(params, dims, hidden, slots, meta, backend=backend)
-    return jax.jit(prefill, static_argnames=("dims", "backend"))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", ["small", "80b"])
-def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, size):
-    """The layer's packed bf16 prefill through each PREFILL_KERNEL route against the XLA backend: "pallas" (Pallas
-    Triton) and "auto" (on a Hopper GPU the Mosaic GPU varlen kernels, seen in the compiled program). "80b": the
+def test_layer_prefill_kernel_gpu_matches_xla(size):
+    """The layer's packed bf16 prefill through each backend against the XLA backend: "pallas" (Pallas Triton) and
+    "auto" (on a Hopper GPU the Mosaic GPU varlen kernels, seen in the compiled program). "80b": the
     Qwen3-Next-80B GDN dims on the varlen16 lengths (19027 tokens, fresh streams over stale NaN slots). Each route
     within 1e-2 of XLA, and "auto" within 1.5x of Triton's own error (bf16 rounding of the kernels' inputs bounds
     both)."""
@@ -118,14 +111,13 @@ def test_layer_prefill_kernel_gpu_matches_xla(monkeypatch, size):
     unused = np.setdiff1d(np.arange(num_slots), used)
     err, mosaic, untouched = {}, {}, {}
     for kernel in ("pallas", "auto"):            # everything measured first, asserted after (one GPU run says all)
-        monkeypatch.setattr(gdn, "PREFILL_KERNEL", kernel)
-        run = _fresh_prefill()
-        out_p, s_p = run(params, dims, h, slots, meta, backend="pallas")
+        run = prefill_jit
+        out_p, s_p = run(params, dims, h, slots, meta, backend=kernel)
         err[kernel] = (rel_rms(f32(out_p) - f32(h), f32(out_x) - f32(h)), rel_rms(s_p.ssm_state[used],
                                                                                   s_x.ssm_state[used]))
         untouched[kernel] = bool(np.array_equal(np.asarray(s_p.ssm_state[unused]), np.asarray(
             slots.ssm_state[unused]), equal_nan=True))
-        targets = _custom_calls(run.lower(params, dims, h, slots, meta, backend="pallas").as_text())
+        targets = _custom_calls(run.lower(params, dims, h, slots, meta, backend=kernel).as_text())
         mosaic[kernel] = sorted(t for t in targets if t.startswith("mosaic_gpu"))
     hopper = str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
     print(f"FIGURE layer prefill {size} (o, ssm) rel RMS against XLA: {err}; Mosaic custom calls: {mosaic}; "

@@ -191,7 +191,10 @@ def test_backend_resolved_once_with_reasons():
     """auto -> xla on CPU for every op; pallas_interpret names the GDN kernel; an explicit backend that cannot run
     the dims or platform is refused at construction with the registry's reason."""
     m = HybridModel.random(CFG, 0, dtype=jnp.float32, backend="auto")
-    assert m.backends.gated_delta_rule == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert m.backends.gated_delta_rule == "auto"                     # the name the layers pass to the ops
+    if jax.default_backend() != "gpu":
+        assert {impl for calls in m.kernels.values() for impl in calls.values()} == {"xla"}
+        assert "gdn=auto [slots: xla" in repr(m)
     m = HybridModel.random(CFG, 0, dtype=jnp.float32, backend="pallas_interpret")
     assert m.backends.gated_delta_rule == "pallas_interpret" and "gdn=pallas_interpret" in repr(m)
     assert m.backends.paged_attention == "pallas_interpret"          # every kernel in interpret mode (CPU CI)
@@ -209,8 +212,9 @@ def test_backend_resolved_once_with_reasons():
 def test_registry_supports_and_missing_modules():
     from pallas_kernels import registry
     case = dict(platform="gpu", dtype=jnp.bfloat16, head_k_dim=96, head_v_dim=128, num_k_heads=2, num_v_heads=4)
-    assert "head dims K (got 96)" in registry.supports("gated_delta_rule", "pallas", **case)
-    assert registry.resolve("gated_delta_rule", "auto", **case) == "xla"
+    assert "head dims K (got 256)" in registry.supports("gated_delta_rule", "pallas", **dict(case, head_k_dim=256))
+    assert registry.resolve("gated_delta_rule", "auto", **dict(case, head_k_dim=256)) == "xla"
+    assert registry.resolve("gated_delta_rule", "auto", **case) == "triton.chunk"   # K = 96 zero-padded to 128
     assert registry.supports("gated_delta_rule", "pallas", **dict(case, head_k_dim=128)) is None
     assert registry.supports("gated_delta_rule", "pallas_interpret", **dict(case, platform="cpu")) is None
     assert registry.resolve("moe", "auto", platform="cpu", dtype=jnp.float32, num_experts=4, hidden=8,

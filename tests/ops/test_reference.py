@@ -293,8 +293,7 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
 
     from pallas_kernels.gated_delta_rule import api
     from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
-    from pallas_kernels.gated_delta_rule.triton import recurrent_varlen
-    monkeypatch.setattr(recurrent_varlen, "MAX_MEAN_LEN", 0)   # T = 10 for N = 2 would take the short-sequence kernel
+    no_short_mix = api.DispatchConfig(short_mix_max_mean_len=0)   # T = 10 for N = 2 is a short mix otherwise
     monkeypatch.setattr(api, "check_supported", check_supported)
     monkeypatch.setattr(pallas_triton, "chunk_gated_delta_rule_fwd", chunk_gated_delta_rule_fwd)
     monkeypatch.setattr(pallas_triton, "chunk_gated_delta_rule_slots_fwd", chunk_gated_delta_rule_slots_fwd)
@@ -305,7 +304,7 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
     out = chunk_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=jnp.asarray([1, 0], jnp.int32),
                                        has_initial_state=jnp.asarray([False, True]),
                                        cu_seqlens=jnp.asarray([0, 4, 10], jnp.int32), chunk_size=16,
-                                       backend="pallas_interpret")
+                                       backend="pallas_interpret", dispatch=no_short_mix)
     assert out == ("o", "pool")
     assert calls == [("check_supported", True), ("fwd", jnp.bfloat16, jnp.float32, 8 ** -0.5, True, True),
                      ("check_supported", True), ("slots_fwd", (10 // 16 + 2,), True)]

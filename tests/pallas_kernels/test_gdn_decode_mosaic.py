@@ -2,8 +2,8 @@
 
 CPU: the kernel body itself in Mosaic GPU interpret mode (plain loads in place of the register layouts) at
 K = V = 128 and 64, grouped heads, both value blocks, ids -1 and S, a fresh stream over a NaN-stale slot, NaN
-untouched slots left bitwise as they were, the raw gates, copy_only, and the route through ``decode.BACKEND =
-"mosaic"`` and the public op; its jnp twin (``decode_reference``) at small odd dims; the lowering for CUDA (Mosaic
+untouched slots left bitwise as they were, the raw gates, copy_only, and the route through backend
+"mosaic_gpu_interpret" and the public op; its jnp twin (``decode_reference``) at small odd dims; the lowering for CUDA (Mosaic
 GPU's layout and transfer checks run at lowering) with the pool aliased; the refusals. GPU (`pytest -m gpu`): the
 compiled kernel against the XLA step at Qwen3-Next heads, in place, and the public op running it.
 Tolerances (relative RMS vs float64, the reference fed the same rounded inputs, all math fp32): 1e-5 on o and the
@@ -105,9 +105,13 @@ def test_kernel_interpret_matches_f64(block_v, hk, hv, l2, dtype):
 
 
 def test_shipped_route_is_the_direct_kernel():
-    """What ships: decode.BACKEND "auto" (Mosaic where compiled, Triton elsewhere) and the Mosaic kernel's
-    DEFAULT_CONFIG (64 value columns a tile, the op itself)."""
-    assert decode.BACKEND == "auto"
+    """What ships: the dispatch table's decode rows for "auto" (Mosaic on a Hopper GPU where it takes the call,
+    Triton elsewhere) and the Mosaic kernel's DEFAULT_CONFIG (64 value columns a tile, the op itself)."""
+    from pallas_kernels.gated_delta_rule import api
+    q, v = jnp.zeros((3, 1, 2, 128), jnp.bfloat16), jnp.zeros((3, 1, 4, 128), jnp.bfloat16)
+    pick = lambda hopper: api.TABLE.resolve("auto", api.GdnCase.of("decode", q, q, v, platform="gpu",  # noqa: E731
+                                                                    hopper=hopper)).name
+    assert pick(True) == "mosaic_gpu.decode" and pick(False) == "triton.decode"
     assert dm.DEFAULT_CONFIG == dm.MosaicDecodeConfig(block_v=64, copy_only=False)
     q = jnp.zeros((3, 1, 2, 128), jnp.bfloat16)
     assert dm.fallback_reason(q, q, jnp.zeros((3, 1, 4, 128), jnp.bfloat16), interpret=True) is None
@@ -159,40 +163,37 @@ def test_kernel_interpret_raw_gates_and_bf16():
 
 
 def test_backend_switch_routes_the_op(monkeypatch):
-    """decode.BACKEND = "mosaic": the public op (backend "pallas_interpret") runs the Mosaic kernel where it takes
-    the call (K = V = 128, T = 1) and the Triton kernel otherwise (T = 2), both right; "auto" runs Triton in
-    interpret mode (Mosaic only where compiled); a misspelt BACKEND is refused by name."""
+    """backend "mosaic_gpu_interpret": the public op runs the Mosaic kernel where it takes the call (K = V = 128,
+    T = 1) and the Triton kernel otherwise (T = 2), both right; "pallas_interpret" runs Triton in interpret mode;
+    a misspelt backend is refused by name."""
     from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
     calls = []
     real = dm.fused_recurrent_slots_mosaic
     monkeypatch.setattr(dm, "fused_recurrent_slots_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(decode, "BACKEND", "mosaic")
     n, s, d = 3, 4, 128
     xs, pool, ids, has, untouched = _poisoned(21, n + 1, 1, 2, d, d, s + 1)
     o, new_pool = fused_recurrent_gated_delta_rule_slots(
         *[jnp.asarray(x) for x in xs], ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has,
-        use_qk_l2norm=True, backend="pallas_interpret")
+        use_qk_l2norm=True, backend="mosaic_gpu_interpret")
     assert calls == [1]
     _check(o, new_pool, xs, pool, ids, has, untouched, True)
     with pytest.raises(NotImplementedError, match="backend='xla'"):
         jax.grad(lambda p: jnp.sum(fused_recurrent_gated_delta_rule_slots(
             *[jnp.asarray(x) for x in xs], ssm_state=p, slot_ids=ids, has_initial_state=has,
-            backend="pallas_interpret")[1]))(jnp.asarray(pool))
+            backend="mosaic_gpu_interpret")[1]))(jnp.asarray(pool))
     x2, pool2 = _case(22, 2, 1, 1, 16, 16, 3)                       # K = 16: the Triton kernel
     x2 = [np.concatenate([x, x], axis=1) for x in x2]               # T = 2
     fused_recurrent_gated_delta_rule_slots(*[jnp.asarray(x) for x in x2], ssm_state=jnp.asarray(pool2),
-                                           slot_ids=np.array([0, 2]), backend="pallas_interpret")
+                                           slot_ids=np.array([0, 2]), backend="mosaic_gpu_interpret")
     assert calls == [1]
-    monkeypatch.setattr(decode, "BACKEND", "auto")                 # Mosaic only where compiled: Triton here
     o2, new_pool2 = fused_recurrent_gated_delta_rule_slots(
         *[jnp.asarray(x) for x in xs], ssm_state=jnp.asarray(pool), slot_ids=ids, has_initial_state=has,
         use_qk_l2norm=True, backend="pallas_interpret")
     assert calls == [1]
     _check(o2, new_pool2, xs, pool, ids, has, untouched, True)
-    monkeypatch.setattr(decode, "BACKEND", "mosiac")
-    with pytest.raises(ValueError, match="decode.BACKEND"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         fused_recurrent_gated_delta_rule_slots(*[jnp.asarray(x) for x in xs], ssm_state=jnp.asarray(pool),
-                                               slot_ids=ids, has_initial_state=has, backend="pallas_interpret")
+                                               slot_ids=ids, has_initial_state=has, backend="mosiac_gpu")
 
 
 # ---- the jnp twin of the tile algebra ----------------------------------------------------------------------------
@@ -295,8 +296,9 @@ def test_gpu_kernel_fp32_matches_xla_step():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_decode_through_switch(monkeypatch):
-    """decode.BACKEND = "mosaic" under the layer's fused decode step (raw gates inside) matches the Triton step."""
+def test_gpu_layer_decode_through_switch():
+    """The layer's fused decode step (raw gates inside) with backend "auto" (the Mosaic kernel on the H200) matches
+    the Triton step (backend "pallas")."""
     from benchmarks.configs import qwen3_next_80b_config
     from jax_gdn.layers import gdn
     from jax_gdn.state import GdnSlots
@@ -310,11 +312,10 @@ def test_gpu_layer_decode_through_switch(monkeypatch):
                      ssm_state=jnp.asarray(0.3 * rng.standard_normal((s, dims.num_v_heads, dims.head_k_dim,
                                                                           dims.head_v_dim)), jnp.float32))
     hidden = jnp.asarray(rng.standard_normal((n, dims.hidden_size)), jnp.bfloat16)
-    step = lambda: jax.jit(lambda p, x, sl: gdn.gdn_layer_decode(p, dims, x, sl, ids, backend="pallas",
-                                                                 step="fused"))(params, hidden, slots)
-    ref_o, ref_s = step()
-    monkeypatch.setattr(decode, "BACKEND", "mosaic")
-    o, sl = step()
+    step = lambda backend: jax.jit(lambda p, x, sl: gdn.gdn_layer_decode(  # noqa: E731
+        p, dims, x, sl, ids, backend=backend, step="fused"))(params, hidden, slots)
+    ref_o, ref_s = step("pallas")
+    o, sl = step("auto")
     eo = rel_rms(np.asarray(o, np.float64), np.asarray(ref_o, np.float64))
     es = rel_rms(np.asarray(sl.ssm_state), np.asarray(ref_s.ssm_state))
     print(f"FIGURE decode_mosaic layer o_rel={eo:.3e} ssm_rel={es:.3e}")
@@ -335,7 +336,7 @@ def test_gpu_kernel_head_dim_64():
 
 @pytest.mark.gpu
 def test_gpu_public_op_runs_the_direct_kernel():
-    """The public op (backend "pallas") on the H200 runs the Mosaic kernel (its custom call in the compiled program)
+    """The public op (backend "auto") on the H200 runs the Mosaic kernel (its custom call in the compiled program)
     and matches the XLA step: fp32 o and state 1e-5, in place."""
     from jax_gdn.ops import fused_recurrent_gated_delta_rule_slots
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -344,7 +345,7 @@ def test_gpu_public_op_runs_the_direct_kernel():
     run = lambda backend: jax.jit(lambda a, p: fused_recurrent_gated_delta_rule_slots(
         *a, ssm_state=p, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has), use_qk_l2norm=True,
         backend=backend), donate_argnums=1)
-    fn = run("pallas")
+    fn = run("auto")
     text = fn.lower(args, jnp.asarray(pool)).compile().as_text()
     assert "mosaic_gpu" in text
     o, new_pool = fn(args, jnp.asarray(pool))
@@ -353,7 +354,7 @@ def test_gpu_public_op_runs_the_direct_kernel():
 
 def test_layer_fused_decode_through_switch_interpret(monkeypatch):
     """The layer's fused decode step (conv kernel, then the decode kernel with raw gates from in_proj_ba's
-    [b | a] layout) with decode.BACKEND = "mosaic" (Mosaic GPU interpret mode) equals the Triton kernel's step
+    [b | a] layout) with backend "mosaic_gpu_interpret" (Mosaic GPU interpret mode) equals the Triton kernel's step
     (Triton interpret mode) at K = V = 128, GVA 2, one padding stream (id S) and a fresh stream."""
     from jax_gdn.config import GdnDims
     from jax_gdn.layers import gdn
@@ -372,22 +373,21 @@ def test_layer_fused_decode_through_switch_interpret(monkeypatch):
     real = dm.fused_recurrent_slots_mosaic
     monkeypatch.setattr(dm, "fused_recurrent_slots_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def step():
+    def step(backend):
         return jax.jit(lambda p, x, sl, ids: gdn.gdn_layer_decode(          # traced ids: S is a padding stream
-            p, dims, x, sl, ids, has, backend="pallas_interpret", step="fused"))(params, hidden, slots, ids)
-    ref_o, ref_s = step()
+            p, dims, x, sl, ids, has, backend=backend, step="fused"))(params, hidden, slots, ids)
+    ref_o, ref_s = step("pallas_interpret")
     assert calls == []
-    monkeypatch.setattr(decode, "BACKEND", "mosaic")
-    o, sl = step()
+    o, sl = step("mosaic_gpu_interpret")
     assert calls == [1]
     assert rel_rms(np.asarray(o), np.asarray(ref_o)) < TOL
     assert rel_rms(np.asarray(sl.ssm_state), np.asarray(ref_s.ssm_state)) < TOL
     np.testing.assert_array_equal(np.asarray(sl.ssm_state)[[1, 2, 4]], np.asarray(slots.ssm_state)[[1, 2, 4]])
 
 
-def _model_decode_outputs(backend_name, dtype, monkeypatch, kernel_backend):
+def _model_decode_outputs(dtype, monkeypatch, kernel_backend):
     """A 4-layer hybrid (3 GDN + 1 attention: the scanned period) with K = V = 128 GDN heads, prefilled then decoded
-    one token with ``decode.BACKEND = backend_name``: (decode logits, ssm pool, Mosaic kernel calls)."""
+    one token with the model's backend ``kernel_backend``: (decode logits, ssm pool, Mosaic kernel calls)."""
     from jax_gdn.config import HybridConfig
     from jax_gdn.model import HybridModel
     cfg = HybridConfig(model_type="qwen3_next", vocab_size=37, hidden_size=16, num_hidden_layers=4,
@@ -398,7 +398,6 @@ def _model_decode_outputs(backend_name, dtype, monkeypatch, kernel_backend):
     calls = []
     real = dm.fused_recurrent_slots_mosaic
     monkeypatch.setattr(dm, "fused_recurrent_slots_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(decode, "BACKEND", backend_name)
     m = HybridModel.random(cfg, 0, dtype=dtype, backend=kernel_backend)
     cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
     ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
@@ -408,10 +407,10 @@ def _model_decode_outputs(backend_name, dtype, monkeypatch, kernel_backend):
 
 
 def test_model_decode_through_switch_interpret(monkeypatch):
-    """``model.decode`` (the layers scanned, the GDN pools sliced per layer) with decode.BACKEND = "mosaic" (Mosaic
-    GPU interpret mode) gives the Triton kernel's logits and states (Triton interpret mode)."""
-    ref_logits, ref_ssm, n0 = _model_decode_outputs("triton", jnp.float32, monkeypatch, "pallas_interpret")
-    logits, ssm, n1 = _model_decode_outputs("mosaic", jnp.float32, monkeypatch, "pallas_interpret")
+    """``model.decode`` (the layers scanned, the GDN pools sliced per layer) with backend "mosaic_gpu_interpret"
+    (Mosaic GPU interpret mode) gives the Triton kernel's logits and states (backend "pallas_interpret")."""
+    ref_logits, ref_ssm, n0 = _model_decode_outputs(jnp.float32, monkeypatch, "pallas_interpret")
+    logits, ssm, n1 = _model_decode_outputs(jnp.float32, monkeypatch, "mosaic_gpu_interpret")
     assert n0 == 0 and n1 > 0
     assert np.isfinite(logits).all()
     assert rel_rms(logits, ref_logits) < TOL and rel_rms(ssm, ref_ssm) < TOL
@@ -419,9 +418,9 @@ def test_model_decode_through_switch_interpret(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_model_decode_through_switch(monkeypatch):
-    """The same on the H200, compiled, bf16: decode.BACKEND = "auto" (Mosaic where compiled) against "triton"."""
-    ref_logits, ref_ssm, n0 = _model_decode_outputs("triton", jnp.bfloat16, monkeypatch, "pallas")
-    logits, ssm, n1 = _model_decode_outputs("auto", jnp.bfloat16, monkeypatch, "pallas")
+    """The same on the H200, compiled, bf16: backend "auto" (Mosaic where compiled) against "pallas" (Triton)."""
+    ref_logits, ref_ssm, n0 = _model_decode_outputs(jnp.bfloat16, monkeypatch, "pallas")
+    logits, ssm, n1 = _model_decode_outputs(jnp.bfloat16, monkeypatch, "auto")
     print(f"FIGURE decode_mosaic model logits_rel={rel_rms(logits, ref_logits):.3e} "
           f"ssm_rel={rel_rms(ssm, ref_ssm):.3e} mosaic_calls={n1}")
     assert n0 == 0 and n1 > 0

@@ -133,6 +133,9 @@ def test_split_policy():
 
 
 def test_routing_and_fallbacks(monkeypatch):
+    """The dispatch table's Mosaic rows: fallback_reason's limits; an explicit "mosaic_gpu" runs Mosaic where it
+    takes the call (dense, packed and slot calls alike) and Pallas Triton with a warning naming the reason
+    elsewhere; "auto" picks it where it takes the call, Triton otherwise, never over "xla"'s refusal of Pallas."""
     from pallas_kernels.gated_delta_rule import api
     bf = jnp.bfloat16
     q, v = jax.ShapeDtypeStruct((1, 64, 2, 128), bf), jax.ShapeDtypeStruct((1, 64, 4, 128), bf)
@@ -144,31 +147,24 @@ def test_routing_and_fallbacks(monkeypatch):
     q32 = jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.float32)
     q100 = jax.ShapeDtypeStruct((1, 64, 2, 100), bf)
     assert "chunk_size" in mg.fallback_reason(q, q, v, chunk_size=32)
-    assert mg.VARLEN and mg.fallback_reason(q, q, v, cu_seqlens=np.zeros(2), slots=True) is None
-    monkeypatch.setattr(mg, "VARLEN", False)
-    for why, kw in [("cu_seqlens", dict(cu_seqlens=np.zeros(2))), ("slot", dict(slots=True))]:
-        assert why in mg.fallback_reason(q, q, v, **kw)
     assert "16-bit" in mg.fallback_reason(q32, q32, v) and "head dims" in mg.fallback_reason(q100, q100, v)
     assert "empty" in mg.fallback_reason(jax.ShapeDtypeStruct((0, 64, 2, 128), bf), q, v)
+
+    def pick(backend, form, q, k, v, chunk_size=64):
+        case = api.GdnCase.of(form, q, k, v, num_seqs=1, chunk_size=chunk_size, platform="gpu", hopper=True)
+        return api.TABLE.resolve(backend, case).name
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v, cu_seqlens=np.zeros(2)) == "pallas"
-        assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v) == "mosaic_gpu"
-    assert len(rec) == 1 and "cu_seqlens" in str(rec[0].message)
-    monkeypatch.setattr(mg, "VARLEN", True)
-    assert api._mosaic_or_triton("mosaic_gpu", "mosaic_gpu", q, q, v, cu_seqlens=np.zeros(2)) == "mosaic_gpu"
-    assert api._mosaic_or_triton("pallas", "pallas", q, q, v) == "pallas"
-    monkeypatch.setattr(mg, "AUTO", False)
-    assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "pallas"
-    monkeypatch.setattr(mg, "AUTO", True)
-    assert api._mosaic_or_triton("auto", "pallas", q, q, v) == "mosaic_gpu"
-    for auto_varlen in (False, True):      # packed / slot calls under "auto" only with AUTO_VARLEN
-        monkeypatch.setattr(mg, "AUTO_VARLEN", auto_varlen)
-        want = "mosaic_gpu" if auto_varlen else "pallas"
-        assert api._mosaic_or_triton("auto", "pallas", q, q, v, cu_seqlens=np.zeros(2)) == want
-        assert api._mosaic_or_triton("auto", "pallas", q, q, v, slots=True) == want
-    assert api._mosaic_or_triton("auto", "pallas", q32, q32, v) == "pallas"
-    assert api._mosaic_or_triton("auto", "xla", q, q, v) == "xla"
+        assert pick("mosaic_gpu", "varlen", q, q, v, chunk_size=32) == "triton.chunk"
+        assert pick("mosaic_gpu", "dense", q, q, v) == "mosaic_gpu.chunk"
+    assert len(rec) == 1 and "chunk_size" in str(rec[0].message)
+    assert pick("mosaic_gpu", "varlen", q, q, v) == "mosaic_gpu.varlen"
+    assert pick("mosaic_gpu", "slots", q, q, v) == "mosaic_gpu.varlen"
+    assert pick("pallas", "dense", q, q, v) == "triton.chunk"
+    for form, want in (("dense", "mosaic_gpu.chunk"), ("varlen", "mosaic_gpu.varlen"), ("slots", "mosaic_gpu.varlen")):
+        assert pick("auto", form, q, q, v) == want
+    assert pick("auto", "dense", q32, q32, v) == "triton.chunk"
+    assert pick("xla", "dense", q, q, v) == "xla"
 
 
 @pytest.mark.parametrize("t", [1, 63, 65, 130])
@@ -310,9 +306,9 @@ def test_gpu_split_k128_grouped(stage1a):
 
 
 @pytest.mark.gpu
-def test_gpu_public_op_mosaic_backend(monkeypatch):
+def test_gpu_public_op_mosaic_backend():
     """backend='mosaic_gpu' through jax_gdn.ops (l2 norm, no initial state, no final state) beside 'pallas', and
-    a varlen call falls back to Triton with a warning while mosaic_gpu.VARLEN is off."""
+    a varlen call it does not take (chunk_size 32) falls back to Triton with a warning naming the reason."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     from jax_gdn import ops
@@ -325,9 +321,8 @@ def test_gpu_public_op_mosaic_backend(monkeypatch):
     assert sm is None and om.dtype == bf
     assert rel_rms(np.asarray(om.astype(jnp.float32)), np.asarray(op.astype(jnp.float32))) < 1e-2
     cu = jnp.asarray([0, 100, 333], jnp.int32)
-    monkeypatch.setattr(mg, "VARLEN", False)
-    with pytest.warns(UserWarning, match="cu_seqlens"):
-        ops.chunk_gated_delta_rule(*(x[:1] for x in args), cu_seqlens=cu, backend="mosaic_gpu")
+    with pytest.warns(UserWarning, match="chunk_size"):
+        ops.chunk_gated_delta_rule(*(x[:1] for x in args), cu_seqlens=cu, chunk_size=32, backend="mosaic_gpu")
 
 
 def test_registry_entry(monkeypatch):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jax_gdn.ops import chunk_gated_delta_rule, chunk_gated_delta_rule_slots
+from pallas_kernels.gated_delta_rule import api
 from pallas_kernels.gated_delta_rule.triton import recurrent_varlen as rv
 from tests.numpy_reference import gated_delta_rule_f64, rel_rms
 
@@ -139,8 +140,8 @@ def test_nan_locality_and_hard_reset():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_slots_public_op_routes_here(dtype):
-    """chunk_gated_delta_rule_slots on a short mix (T <= MAX_MEAN_LEN N) runs this kernel: permuted ids, -1 and S
-    traced under jit (zeros in, write dropped, never another slot), fresh sequences over NaN stale slots,
+    """chunk_gated_delta_rule_slots on a short mix (T <= short_mix_max_mean_len N) runs this kernel: permuted ids,
+    -1 and S traced under jit (zeros in, write dropped, never another slot), fresh sequences over NaN stale slots,
     untouched slots (NaN or not) bit-equal, a zero-length sequence (its slot keeps its state or gets zeros)."""
     lens = (3, 1, 4, 0, 2, 1, 4)
     n, s = len(lens), 10
@@ -153,7 +154,7 @@ def test_slots_public_op_routes_here(dtype):
     init = np.stack([pool[i] if (h and 0 <= i < s) else np.zeros(pool.shape[1:]) for i, h in zip(ids, has)])
     o_ref, f_ref = _oracle(xs, init, cu)
     args = (_dev(xs, dtype), jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(has), jnp.asarray(cu))
-    assert rv.use_recurrent(xs[0].shape[1], n)
+    assert api.DEFAULT_DISPATCH.is_short_mix(xs[0].shape[1], n)
 
     def fn(xs, pool, ids, has, cu):
         return chunk_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=ids, has_initial_state=has,
@@ -172,12 +173,15 @@ def test_slots_public_op_routes_here(dtype):
         np.testing.assert_array_equal(new_pool[untouched], pool[untouched])
 
 
-def test_plain_public_op_dense_rows_and_routing_rule(monkeypatch):
-    """The plain op routes dense short rows (B T <= MAX_MEAN_LEN B) and short packed mixes here, and a batch over
-    the bound (or MAX_MEAN_LEN = 0) to the chunked kernels; both match float64."""
-    assert rv.use_recurrent(8 * 5, 5) == (rv.MAX_MEAN_LEN >= 8)
-    assert not rv.use_recurrent(0, 3) and not rv.use_recurrent(4, 0)
-    assert not rv.use_recurrent(rv.MAX_MEAN_LEN * 5 + 1, 5)
+def test_plain_public_op_dense_rows_and_routing_rule():
+    """The plain op routes dense short rows (B T <= short_mix_max_mean_len B) and short packed mixes here, and a
+    batch over the bound (or short_mix_max_mean_len = 0) to the chunked kernels; both match float64."""
+    rule = api.DEFAULT_DISPATCH
+    assert rule.is_short_mix(8 * 5, 5) == (rule.short_mix_max_mean_len >= 8)
+    assert not rule.is_short_mix(0, 3) and not rule.is_short_mix(4, 0)
+    assert not rule.is_short_mix(rule.short_mix_max_mean_len * 5 + 1, 5)
+    with pytest.raises(ValueError, match="short_mix_max_mean_len"):
+        api.DispatchConfig(short_mix_max_mean_len=-1)
     rng = np.random.default_rng(9)
     b, t, hk, hv, d = 3, 2, 1, 2, 16
     xs = [rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hv, d)),
@@ -194,8 +198,10 @@ def test_plain_public_op_dense_rows_and_routing_rule(monkeypatch):
     assert "gdn_recurrent_varlen" in _names(fn, *args)
     o, final = fn(*args)
     assert rel_rms(o, o_ref) < 1e-5 and rel_rms(final, f_ref) < STATE_TOL
-    monkeypatch.setattr(rv, "MAX_MEAN_LEN", 0)
-    text = _names(lambda *a: fn(*a), *args)                 # a new function: not jit's cached trace of fn
+    off = api.DispatchConfig(short_mix_max_mean_len=0)
+    text = _names(lambda xs, h0: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                                        use_qk_l2norm=True, backend="pallas_interpret",
+                                                        dispatch=off), *args)
     assert "gdn_recurrent_varlen" not in text and "gdn_state_pass" in text
 
 

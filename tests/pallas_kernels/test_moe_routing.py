@@ -83,7 +83,8 @@ def test_falls_back_and_refuses_bad_arguments():
 
 
 def test_sparse_moe_routes_with_the_kernel_on_pallas_backends(monkeypatch):
-    """sparse_moe on "pallas_interpret" routes through the kernel (PALLAS_ROUTING) and gives the XLA MoE."""
+    """sparse_moe on "pallas_interpret" routes through the kernel (the MoE table's routing row) and gives the XLA
+    MoE."""
     from jax_gdn.layers import ffn
     calls = []
     real = routing_triton.route

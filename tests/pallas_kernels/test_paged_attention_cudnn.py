@@ -12,6 +12,8 @@ Tolerances (relative RMS per stream, against float64): fp32 1e-5 (stand-in), bf1
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,7 +185,7 @@ def test_gated_and_decode_entries():
     assert api.decode_backend("cudnn", **dims) == ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
-def test_supports_and_backend_checks(monkeypatch):
+def test_supports_and_backend_checks():
     dims = dict(head_dim=256, num_heads=16, num_kv_heads=2)
     assert "bfloat16 or float16" in cudnn.supports(platform="gpu", dtype=jnp.float32, **dims)
     assert "multiples of 8 up to 256" in cudnn.supports(platform="gpu", dtype=jnp.bfloat16,
@@ -193,12 +195,14 @@ def test_supports_and_backend_checks(monkeypatch):
                                                        **dict(dims, num_kv_heads=3))
     assert cudnn.supports(platform="xla", dtype=jnp.float32, **dims) is None
     case = dict(platform=jax.default_backend(), dtype=jnp.bfloat16, **dims)
-    # "auto" never picks cuDNN while its switch is off, nor the stand-in ever
-    monkeypatch.setattr(cudnn, "AUTO", False)
-    assert registry.resolve("paged_attention", "auto", **case) in ("pallas", "xla")
+    # "auto" never picks cuDNN where its row may not be picked by "auto", nor the stand-in ever
+    no_auto_cudnn = dataclasses.replace(api.TABLE, implementations=tuple(
+        dataclasses.replace(i, auto=False) if i.name == "cudnn" else i for i in api.TABLE.implementations))
+    gpu_case = api.PagedCase("prefill", "gpu", jnp.bfloat16, hopper=True, **dims)
+    assert api.TABLE.resolve("auto", gpu_case).name == "cudnn"
+    assert no_auto_cudnn.resolve("auto", gpu_case).name in ("triton", "xla")
     assert registry.resolve("paged_attention", "cudnn_xla", **case) == "cudnn_xla"
     if jax.default_backend() != "gpu":
-        monkeypatch.setattr(cudnn, "AUTO", True)
         assert registry.resolve("paged_attention", "auto", **case) == "xla"
         with pytest.raises(ValueError, match="backend 'cudnn' cannot run here.*CUDA GPU"):
             api.resolve_backend("cudnn", dtype=jnp.bfloat16, **dims)

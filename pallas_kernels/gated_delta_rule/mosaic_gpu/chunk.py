@@ -5,7 +5,7 @@
 # (Apache-2.0), jla/ops/mosaic_gpu/scalar_gate_fused.py (fused_fwd_wy) and jla/ops/mosaic_gpu/_common.py, which
 # were themselves adapted from flash-linear-attention (MIT) and FlashQLA (MIT). See NOTICE in this folder.
 """Mosaic GPU (Hopper, sm_90) backend of the chunked gated delta rule forward, dense prefill: the op's backend
-"mosaic_gpu" (api.py routes here; "auto" picks it where ``AUTO`` is set). At B1-T8192-Hk16-Hv32 on the H200 it
+"mosaic_gpu" (the dispatch table in api.py routes here; "auto" picks it for the calls it takes on a Hopper GPU). At B1-T8192-Hk16-Hv32 on the H200 it
 runs in 0.316 ms against Pallas Triton's 0.443 (``python -m benchmarks gdn``).
 
 Two kernels and a little XLA glue:
@@ -39,8 +39,7 @@ the same kernels: the fused pass's ``walk`` table): q, k, v bf16 / fp16 of one d
 multiple of Hk, any T (padded with zero tokens to a multiple of C * P: zero k, v, beta and g leave the state and
 the real rows unchanged), g floored at G_FLOOR as the other backends do, initial state [B, Hv, K, V] fp32 or None,
 the final state returned. Not here (api.py runs Pallas Triton with a warning naming the reason,
-:func:`fallback_reason`): fp32 inputs, other head dims, chunk sizes other than 64, a GPU other than sm_90 (and
-cu_seqlens / slots while ``VARLEN`` is off). Mosaic GPU kernels do not
+:func:`fallback_reason`): fp32 inputs, other head dims, chunk sizes other than 64, a GPU other than sm_90. Mosaic GPU kernels do not
 run in interpret mode on this repo's CPU jax (0.10.2; the code targets 0.11's Pallas Mosaic GPU API): each kernel
 has a jnp twin (:func:`kkt_fwd_reference`, :func:`fused_state_pass_reference`) that the CPU tests check against
 float64; the kernels' tests are GPU-marked.
@@ -62,7 +61,6 @@ from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (SMEM_BUDGET, bcas
                                                               num_sms, ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
 
-ENABLED = True         # api.py routes backend="mosaic_gpu" here (and "auto" where AUTO says so)
 C = 64                 # chunk size (stage 1a's T is [C, C])
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -992,27 +990,10 @@ class MosaicConfig:
 
 
 DEFAULT_CONFIG = MosaicConfig()
-# backend="auto" picks "mosaic_gpu" on a Hopper GPU for the inputs it takes (else Pallas Triton as before). On from
-# the H200 run of session 6 (NOTES.md, "Session 6: Mosaic"): 0.316 against Triton's 0.443 ms at B1-T8192-Hk16-Hv32,
-# 0.261 (unsplit; 0.203 split in 8) against 0.288 at B1-T8192-Hk2-Hv8, numerics 3.4e-3 / 2.4e-3 (o / state)
-# against Triton's 3.8e-3 / 3.0e-3.
-AUTO = True
-#: backend="mosaic_gpu" runs packed sequences (cu_seqlens) and the slot pool through gated_delta_rule/mosaic_gpu/varlen.py (repack to
-#: chunk-aligned sequences, the fused pass walking a per-CTA table, unpack); off: they run Pallas Triton as before.
-VARLEN = True
-#: "auto" picks the Mosaic path for packed / slot calls too (needs VARLEN and AUTO). On from the H200 runs of session
-#: 8 (NOTES.md, "Session 8: Mosaic varlen"; rotated rounds, one process, ms): serve256 1.918 against Pallas Triton's
-#: 2.413 (FLA 2.843 in call 2), varlen16 0.672 against 0.808; mixes of short sequences (tiny64: 0.095) keep the
-#: per-token recurrent_varlen kernel, which api.py routes first.
-AUTO_VARLEN = True
-
-
-def auto_picks(*, cu_seqlens=None, slots: bool = False) -> bool:
-    """Whether "auto" may pick "mosaic_gpu" for a call that :func:`fallback_reason` accepts."""
-    return AUTO and (AUTO_VARLEN or (cu_seqlens is None and not slots))
 
 
 def is_hopper() -> bool:
+    """Whether the default device is an sm_90 (Hopper) GPU, where the Mosaic GPU kernels are compiled."""
     try:
         d = jax.devices()[0]
     except RuntimeError:
@@ -1020,15 +1001,12 @@ def is_hopper() -> bool:
     return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
 
 
-def fallback_reason(q, k, v, *, cu_seqlens=None, chunk_size: int = 64, slots: bool = False) -> Optional[str]:
-    """Why the Mosaic GPU path cannot run this call (the op then runs Pallas Triton), or None when it can.
-    Shapes and dtypes only (works on ShapeDtypeStructs and tracers)."""
-    if not is_hopper():
+def fallback_reason(q, k, v, *, chunk_size: int = C, hopper: Optional[bool] = None) -> Optional[str]:
+    """Why the Mosaic GPU kernels cannot run this call (dense rows, packed sequences and the slot pool alike), or
+    None when they can. Shapes and dtypes only (works on ShapeDtypeStructs and tracers). ``hopper``: whether the
+    device is an sm_90 GPU (None: :func:`is_hopper`)."""
+    if not (is_hopper() if hopper is None else hopper):
         return "the Mosaic GPU kernels need an sm_90 (Hopper) GPU"
-    if slots and not VARLEN:
-        return "the state-slot pool (slot_ids, has_initial_state) is off in the Mosaic GPU path (mosaic_gpu.VARLEN)"
-    if cu_seqlens is not None and not VARLEN:
-        return "packed sequences (cu_seqlens) are off in the Mosaic GPU path (mosaic_gpu.VARLEN)"
     if chunk_size != C:
         return f"the Mosaic GPU kernels use chunk_size {C}; got {chunk_size}"
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}

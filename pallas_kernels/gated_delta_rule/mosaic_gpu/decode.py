@@ -36,9 +36,9 @@ loads in place of the register layouts), which the CPU tests use, and they lower
 and transfer checks of Mosaic GPU run there). :func:`decode_reference` is the jnp twin of the tile algebra, checked
 against float64.
 
-Switch: ``triton.decode.BACKEND`` routes ``triton.decode.fused_recurrent_gated_delta_rule_slots_fwd`` (the api's
-"pallas" decode and the layer's fused decode step) here where :func:`fallback_reason` is None and no explicit
-DecodeConfig is passed.
+Where it runs: the op's dispatch table (``api.py``, rows "mosaic_gpu.decode" / "mosaic_gpu.decode.interpret")
+sends the decode calls of "auto" and "mosaic_gpu" (a Hopper GPU) and of "mosaic_gpu_interpret" (interpret mode)
+here, the plain op's and the layer's fused decode step alike, where :func:`fallback_reason` is None.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.copy_only must be a bool, got {self.copy_only!r}")
 
 
-#: What ``triton.decode.BACKEND = "auto"`` (the default) runs on Hopper.
+#: What the op's "auto" runs on Hopper (the dispatch table's "mosaic_gpu.decode" row).
 DEFAULT_CONFIG = MosaicDecodeConfig()
 
 
@@ -347,7 +347,7 @@ def decode_reference(q, k, v, g, beta, *, pool, slot_ids, has_initial_state, sca
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: MosaicDecodeConfig = None, raw_gates=None):
-    """``triton.decode``'s entry point for this kernel (the same arguments): one token per
+    """The op's entry point for this kernel (the same arguments as decode.py's): one token per
     stream over the pool in place. q, k [N, 1, Hk, K]; v [N, 1, Hv, V]; g, beta [N, 1, Hv] (or the raw a, b with
     ``raw_gates``); ssm_state [S, Hv, K, V] fp32 (donate it); slot_ids [N] (outside [0, S): zeros in, no write);
     has_initial_state [N]. ``interpret``: Mosaic GPU interpret mode (CPU). Raises ValueError naming

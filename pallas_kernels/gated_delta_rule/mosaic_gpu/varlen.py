@@ -3,9 +3,9 @@
 # The per-CTA walk table and its dynamic trip count follow jax-linear-attention 0.1.0 (Apache-2.0),
 # jla/ops/mosaic_gpu/scalar_gate_docs.py (walk_tables, map_fwd_wy). See NOTICE in this folder.
 """Mosaic GPU (Hopper) backend of the chunked gated delta rule for packed sequences (``cu_seqlens``): the
-"mosaic_gpu" backend's varlen and slot-pool calls (api.py routes here while ``chunk.VARLEN`` is set; "auto"
-only while ``chunk.AUTO_VARLEN`` is). The kernels are ``chunk.py``'s: this file lays the packed row out for them
-and back.
+"mosaic_gpu" backend's varlen and slot-pool calls (the dispatch table's "mosaic_gpu.varlen" row, which "auto" picks
+on a Hopper GPU where it takes the call). The kernels are ``chunk.py``'s: this file lays the packed row out
+for them and back.
 
   1. **Repack** (``VarlenConfig.copies``: XLA gathers, or one Pallas Triton launch of ``triton/varlen_copy.py``
      copying each chunk's rows as [C, BD] tiles): every sequence starts at a chunk boundary of one padded row of

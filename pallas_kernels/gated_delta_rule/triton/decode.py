@@ -14,13 +14,13 @@ delta = beta_t (v_t - a S^T k_t), o_t = scale (a S^T q_t + (q_t . k_t) delta), S
 numbers up to fp32 rounding, with two independent K reductions. The state bytes (read once, written once) are the
 whole cost: 256 streams x 32 heads x 128 x 128 fp32 is 0.54 GB each way.
 
-Where it runs: with ``BACKEND = "auto"`` (the default) a one-token call on a Hopper GPU goes to
-``gated_delta_rule/mosaic_gpu/decode.py``'s kernel instead, and this kernel runs the rest (T > 1, interpret mode,
-other GPUs, an explicit DecodeConfig). Why that one is faster (ncu on the H200): Triton lays the [128, 64] block
-out with 32 rows a thread, so each thread also holds 32 values of q and of k; this kernel takes 249 registers a
-thread, 4 two-warp programs an SM, 0.298 ms at N256-Hk16-Hv32, where its copy twin (138 registers, 6 programs)
-takes 0.274; Pallas Triton gives no handle on the layout. The Mosaic kernel's layout holds 16 rows a thread and
-runs at its own copy's speed (0.278; ``python -m benchmarks decode``).
+Where it runs: the op's dispatch table (``api.py``) picks, for "auto", ``gated_delta_rule/mosaic_gpu/decode.py``'s
+direct kernel for a one-token call on a Hopper GPU, and this kernel for the rest (T > 1, other GPUs, other head
+dims; backend "pallas" always, "pallas_interpret" in interpret mode). Why the Mosaic one is faster (ncu on the
+H200): Triton lays the [128, 64] block out with 32 rows a thread, so each thread also holds 32 values of q and
+of k; this kernel takes 249 registers a thread, 4 two-warp programs an SM, 0.298 ms at N256, where its copy twin
+(138 registers, 6 programs) takes 0.274; Pallas Triton gives no handle on the layout. The
+Mosaic kernel's layout holds 16 rows a thread and runs at its own copy's speed (0.278; ``python -m benchmarks decode``).
 
 Shape legend: N streams, T tokens per stream, S slots, Hk / Hv key / value heads, K / V head dims (powers of two
 >= 16: the entry point pads), BV value block.
@@ -48,13 +48,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gated_delta_rule.triton import chunk as triton_chunk
 
 L2_EPS = 1e-6
-#: "auto" (the default): ``gated_delta_rule/mosaic_gpu/decode.py`` (Mosaic GPU, its DEFAULT_CONFIG: the direct transfer) where it is
-#: compiled (a Hopper GPU) and takes the call (T = 1, K, V in {64, 128}; no explicit DecodeConfig), this file's
-#: Triton kernel elsewhere (interpret mode included); "mosaic": the same, Mosaic also in its interpret mode; "triton":
-#: this kernel always. Session 10 (H200, N256-Hk16-Hv32): Mosaic direct 0.2777 ms against this kernel's 0.2981; the
-#: layer's fused decode step 0.123 against 0.131 ms (NOTES.md "Session 10").
-BACKEND = "auto"
-BACKENDS = ("triton", "mosaic", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,18 +228,6 @@ def fused_recurrent_slots(q, k, v, g, beta, *, pool, slot_ids, has_initial_state
     return call(*operands.values())
 
 
-def routes_to_mosaic(q, k, v, *, interpret: bool = False, config: DecodeConfig = None) -> bool:
-    """Whether :func:`fused_recurrent_gated_delta_rule_slots_fwd` hands this call to ``gated_delta_rule/mosaic_gpu/decode.py``:
-    ``BACKEND`` asks for it ("mosaic"; "auto" unless in interpret mode), no explicit DecodeConfig, and
-    ``decode_mosaic.fallback_reason`` is None. Shapes and dtypes only (works on tracers and ShapeDtypeStructs)."""
-    if BACKEND not in BACKENDS:
-        raise ValueError(f"decode.BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
-    if config is not None or not (BACKEND == "mosaic" or (BACKEND == "auto" and not interpret)):
-        return False
-    from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as decode_mosaic
-    return decode_mosaic.fallback_reason(q, k, v, interpret=interpret) is None
-
-
 def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                                use_qk_l2norm=False, interpret=False,
                                                config: DecodeConfig = None, raw_gates: RawGates | None = None):
@@ -264,12 +245,6 @@ def fused_recurrent_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_s
         scale = kdim ** -0.5
     if n == 0 or t == 0:
         return jnp.zeros(v.shape, v.dtype), ssm_state
-    if routes_to_mosaic(q, k, v, interpret=interpret, config=config):
-        from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as decode_mosaic
-        return decode_mosaic.fused_recurrent_gated_delta_rule_slots_fwd(
-            q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
-            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-            raw_gates=raw_gates)
     kp, vp = triton_chunk.kernel_head_dim(kdim), triton_chunk.kernel_head_dim(vdim)
     q, k, v = triton_chunk.pad_last(q, kp), triton_chunk.pad_last(k, kp), triton_chunk.pad_last(v, vp)
     pool = ssm_state

@@ -19,7 +19,7 @@ five launches) this is one launch with no chunk map, and a sequence of L tokens 
 [K, BV] reductions instead of ceil(L / 64) chunk steps of [64, K] x [K, BV] dots plus the intra-chunk solve: it
 wins where the state bytes and the launches are the cost (lengths of a few tokens), loses on long sequences (a
 long sequence in such a batch is slower, never wrong). ``api.py`` routes a packed batch here by its shapes only
-(``use_recurrent``: T <= MAX_MEAN_LEN * N).
+(the "short_mix" call kind of its dispatch table: T <= ``DispatchConfig.short_mix_max_mean_len`` * N).
 
 Final states (``final``): "slot" to ``pool[slot_ids[n]]`` in place (the pool aliased; an id outside [0, S) drops
 the write), "seq" to a fresh [N, Hv, K, V] (the plain API: its initial states are not donated), "none" nowhere.
@@ -48,23 +48,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gated_delta_rule.triton import chunk as triton_chunk
 
 L2_EPS = 1e-6
-
-#: api.py routes a batch of N sequences over T packed tokens (B * T rows of T for dense input) to this kernel when
-#: T <= MAX_MEAN_LEN * N (shapes only: the lengths themselves are traced). 0 turns the routing off. H200 (NOTES.md,
-#: Session 7; plain API, bf16, ms, this kernel against the chunked path): tiny64 (mean 2.7) 0.110 / 0.355;
-#: N 256 mean 4 / 8 / 16 0.432 / 0.598 / 0.980 against 1.198 / 1.212 / 1.223; N 64 mean 16 0.276 / 0.375; N 256
-#: mean 32 1.755 (chunked ~1.2-1.3): uniform mixes win up to mean ~20. 8, not 16: the worst case of a route is one
-#: long sequence among one-token ones, its tokens serial (~1.5 us each): 63 x 1 + 449 tokens (T = 8 N) ran 0.686
-#: ms where the chunked path takes ~0.36-0.37 at N 64 (0.355 at T 171, 0.375 at T 1044; not timed at this mix); at
-#: 16 N that loss would double.
-MAX_MEAN_LEN = 8
-
-
-def use_recurrent(total_tokens: int, num_seqs: int) -> bool:
-    """Whether api.py runs a packed batch of ``num_seqs`` sequences over ``total_tokens`` rows (static shapes) with
-    this kernel instead of the chunked ones: 1 <= total_tokens <= MAX_MEAN_LEN * num_seqs."""
-    return num_seqs >= 1 and 1 <= total_tokens <= MAX_MEAN_LEN * num_seqs
-
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentVarlenConfig:
