@@ -13,6 +13,7 @@ import pytest
 from jax_gdn import HybridConfig, HybridModel
 from jax_gdn.checkpoint import params_from_state_dict, random_state_dict
 from jax_gdn.model import init_params, layer_plan
+from jax_gdn.options import RuntimeOptions
 
 # 2 layers, dense FFN, tiny dims: cheap to compile (CI runs every program below on 2 shared cores)
 CFG = HybridConfig(model_type="qwen3_next", vocab_size=37, hidden_size=16, num_hidden_layers=2,
@@ -123,16 +124,15 @@ def test_bucket_padding_changes_nothing_and_touches_no_other_slot(params):
     assert padded.compiled_programs() == 2 and exact.compiled_programs() == 2
 
 
-def test_per_layer_state_path_equals_flat_pools(params, monkeypatch):
-    """Pools too large for the kernels to address as one flat array (FLAT_POOL_LIMIT) run per layer (slice /
-    update): the same logits and states as the flat-pool path (kernels in interpret mode; prefill with padding,
-    then decode)."""
-    import jax_gdn.model as model_mod
+def test_per_layer_state_path_equals_flat_pools(params):
+    """Pools too large for the kernels to address as one flat array (RuntimeOptions.flat_pool_limit) run per layer
+    (slice / update): the same logits and states as the flat-pool path (kernels in interpret mode; prefill with
+    padding, then decode)."""
     ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
     outs = []
-    for limit in (model_mod.FLAT_POOL_LIMIT, 0):
-        monkeypatch.setattr(model_mod, "FLAT_POOL_LIMIT", limit)
-        m = HybridModel(CFG, params, dtype=jnp.float32, backend="pallas_interpret")
+    for limit in (RuntimeOptions().flat_pool_limit, 0):
+        m = HybridModel(CFG, params, dtype=jnp.float32, backend="pallas_interpret",
+                        options=RuntimeOptions(flat_pool_limit=limit))
         cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
         a, cache = m.prefill(cache, ids, cu, slots, return_all_logits=True)
         b, cache = m.decode(cache, ids[:2], slots)
