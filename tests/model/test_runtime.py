@@ -218,3 +218,34 @@ def test_registry_supports_and_missing_modules():
     assert "no implementation 'cuda'" in registry.supports("moe", "cuda")
     with pytest.raises(ValueError, match="unknown op"):
         registry.resolve("conv", "auto")
+
+
+def test_runtime_options_validated_held_and_passed_down(params):
+    """RuntimeOptions refuses bad values naming the field; the model holds its options (scan_unroll applied) and
+    its blocks run them: other implementations of the same math give the default's logits (fp32, xla), and
+    hold_fused_qkv=False keeps the three projection weights."""
+    for bad, field in ((dict(phase1_conv="fast"), "phase1_conv"), (dict(gdn_decode_step=1), "gdn_decode_step"),
+                       (dict(hold_fused_qkv=1), "hold_fused_qkv"), (dict(qkv_concat_min_tokens=-1),
+                                                                     "qkv_concat_min_tokens"),
+                       (dict(flat_pool_limit=1.5), "flat_pool_limit"), (dict(scan_unroll_decode=0),
+                                                                         "scan_unroll_decode")):
+        with pytest.raises(ValueError, match=f"RuntimeOptions.{field}"):
+            RuntimeOptions(**bad)
+    with pytest.raises(ValueError, match="options must be"):
+        HybridModel(CFG, params, dtype=jnp.float32, backend="xla", options={"phase1_conv": "fused"})
+    m = HybridModel(CFG, params, dtype=jnp.float32, backend="xla", scan_unroll=3,
+                    options=RuntimeOptions(scan_unroll_prefill=2))
+    assert m.options == RuntimeOptions(scan_unroll_prefill=3, scan_unroll_decode=3)
+    assert m.scan_unroll == {"prefill": 3, "decode": 3}
+    ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
+    outs = []
+    for opts in (None, RuntimeOptions(hold_fused_qkv=False, qkv_concat_min_tokens=0, kv_write_unique=False,
+                                      phase1_conv="fused")):
+        m = HybridModel(CFG, params, dtype=jnp.float32, backend="xla", options=opts)
+        assert ("qkv_proj" in m.params["period"][1]["mixer"]) == (opts is None)
+        cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
+        a, cache = m.prefill(cache, ids, cu, slots, return_all_logits=True)
+        b, cache = m.decode(cache, ids[:2], slots)
+        outs.append([np.asarray(x) for x in (a, b, cache.gdn.ssm_state, cache.kv.k_pages)])
+    for x, y in zip(*outs):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
