@@ -884,6 +884,13 @@ class GatedDeltaNet(nnx.Module):
     def phase3(self, o, z, residual, ffn: FFN = None):
         return phase3(self.params(), self.dims, o, z, residual, ffn=ffn)
 
+    def mixer(self, x, slots, meta):
+        return gdn_mixer(self.params(), self.dims, x, slots, meta, backend=self.backend, chunk_size=self.chunk_size)
+
+    def mixer_decode(self, x, slots, slot_ids, has_initial_state=None):
+        return gdn_mixer_decode(self.params(), self.dims, x, slots, slot_ids, has_initial_state,
+                                backend=self.backend)
+
     def prefill(self, hidden, slots, meta, ffn: FFN = None):
         return gdn_layer_prefill(self.params(), self.dims, hidden, slots, meta, backend=self.backend, ffn=ffn,
                                  chunk_size=self.chunk_size)
