@@ -98,7 +98,8 @@ def bench_layers(backend: str = "xla", reps: int = 10, *, small: bool = False, d
                "v_proj": w(ak[2], (d, hkv * dh)), "o_proj": w(ak[3], (h * dh, d)),
                "q_norm": 0.1 * jax.random.normal(ak[4], (dh,)), "k_norm": 0.1 * jax.random.normal(ak[5], (dh,))}
     from jax_gdn.layers import attention as attention_mod
-    if attention_mod.HOLD_FUSED_QKV:                   # as HybridModel holds them (one device)
+    from jax_gdn.options import RuntimeOptions
+    if RuntimeOptions().hold_fused_qkv:                # as HybridModel holds them (one device)
         aparams = attention_mod.fuse_qkv(aparams)
     order = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
     first_page = np.cumsum([0] + pages_per[:-1])
@@ -154,31 +155,26 @@ def _bench_gdn(gdn, gdims, backend, hidden, k_params, n, lens, dtype, reps) -> d
 
 
 def _other_conv(gdn, gdims, backend, params, hidden, slots, meta, reps) -> dict:
-    """Phase 1 and the whole layer with the conv + L2 form that gdn.PHASE1_CONV does not select ("two_step" <->
-    "fused", jax_gdn/layers/NOTES_gdn_phases.md), timed the same way: {"conv", "phase1_ms", "layer_ms"} or
-    {"conv", "error"}."""
-    default = gdn.PHASE1_CONV
+    """Phase 1 and the whole layer with the conv + L2 form that RuntimeOptions.phase1_conv does not select
+    ("two_step" <-> "fused"), timed the same way: {"conv", "phase1_ms", "layer_ms"} or {"conv", "error"}."""
+    from jax_gdn.options import RuntimeOptions
+    default = RuntimeOptions().phase1_conv
     if default == "auto":                              # what "auto" resolves to for this backend
         default = "fused" if gdn.conv_l2_backend(backend, gdims, hidden.dtype) == "pallas" else "two_step"
     other = "fused" if default == "two_step" else "two_step"
-    saved = gdn.PHASE1_CONV
     try:
-        gdn.PHASE1_CONV = other                        # read when each function is traced (its first call)
-        p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m, backend))
-        layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend))
+        p1_fn = jax.jit(lambda p, h, s, m: _phase1(gdn, gdims, p, h, s, m, backend, conv=other))
+        layer_fn = jax.jit(lambda p, h, s, m: gdn.gdn_layer_prefill(p, gdims, h, s, m, backend=backend, conv=other))
         jax.block_until_ready((p1_fn(params, hidden, slots, meta), layer_fn(params, hidden, slots, meta)))
-        gdn.PHASE1_CONV = saved
         return {"conv": other, "phase1_ms": 1e3 * _median_time(p1_fn, (params, hidden, slots, meta), reps),
                 "layer_ms": 1e3 * _median_time(layer_fn, (params, hidden, slots, meta), reps)}
     except Exception as err:  # noqa: BLE001  (reported beside the default form's row)
         return {"conv": other, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-    finally:
-        gdn.PHASE1_CONV = saved
 
 
-def _phase1(gdn, dims, params, hidden, slots, meta, backend):
+def _phase1(gdn, dims, params, hidden, slots, meta, backend, conv=None):
     """As the GDN block runs it (gdn.phase1_varlen); returns only what phases 2 and 3 read."""
-    p1, q, k, v, slots = gdn.phase1_varlen(params, dims, hidden, slots, meta, backend=backend)
+    p1, q, k, v, slots = gdn.phase1_varlen(params, dims, hidden, slots, meta, backend=backend, conv=conv)
     return p1._replace(mixed_qkv=None, qkvz=None), slots, (q, k, v)
 
 

@@ -26,19 +26,23 @@ N up to a power of two, at most max_seqs; padding tokens sit past cu_seqlens[N],
 and slot id S) and runs as ONE compiled program per (bucket, kind): page allocation and every layer run on the
 device, nothing is read back. ``compiled_programs()`` counts the programs compiled so far.
 
-Running out of KV pages (or a slot growing past max_seq_len) is found on the device: that step writes nothing,
-returns zero logits and records the reason in ``cache.status`` (1: out of pages, 2: past max_seq_len). The status
-is sticky: every later step is refused the same way (so no stream runs ahead of a lost step) until the user
-calls ``model.check(cache)``, which reads the status (one small device-to-host copy) and raises
-:class:`OutOfKvPagesError` carrying the cache with its status cleared (release slots, then carry on).
-``HybridModel(..., strict=True)`` does that check after every prefill / decode (a sync per step).
+Running out of KV pages (or a slot growing past max_seq_len, exactly: a slot holds at most max_seq_len tokens) is
+found on the device: that step writes nothing, returns zero logits and records the reason in ``cache.status`` (1:
+out of pages, 2: past max_seq_len). The status is sticky: every later step is refused the same way (so no stream
+runs ahead of a lost step) until the user calls ``model.check(cache)``, which reads the status (one small
+device-to-host copy) and raises :class:`OutOfKvPagesError` carrying the cache with its status cleared (release
+slots, then carry on). ``HybridModel(..., strict=True)`` decides every prefill / decode on the host before running
+it (a sync per step): a step that would be refused raises OutOfKvPagesError without running, so the cache passed
+in stays live and unchanged (``err.cache`` is the same cache, status cleared).
 
 prefill / decode / release are jit-compiled pure functions of the cache, which is donated (updated in place): use
-the returned cache, never the one passed in.
+the returned cache, never the one passed in. They check their inputs on the host and pick a compiled program, so
+they cannot be traced (``jax.jit(model.prefill)`` raises a TypeError saying so); ``model.step_fn()`` is the pure
+step function for a jit of one's own.
 
 Layers: identical blocks are stacked and run by ``lax.scan`` over the repeating period of ``layer_types`` (3 GDN
 + 1 attention for Qwen3-Next; see ``layer_plan``), a leftover tail unrolled; compile time does not grow with
-depth (decode unrolls the scan by 2: ``DEFAULT_SCAN_UNROLL``). Cache leaves are stacked the same way
+depth (decode unrolls the scan by 2: ``RuntimeOptions.scan_unroll_decode``). Cache leaves are stacked the same way
 (``Cache.gdn`` leaves [Lg, S, ...], ``Cache.kv`` leaves [La, P, ...]) and each layer reads and writes them in place
 through offset slot / page ids (see ``_layers``).
 
@@ -57,6 +61,9 @@ Parameters (the model's layout; every Linear weight [in, out]):
 ``HybridModel`` also accepts {"embed", "final_norm", "lm_head"?, "layers": [block dict per layer]} (what
 jax_gdn.checkpoint builds) and stacks it once.
 
+options: a ``jax_gdn.options.RuntimeOptions`` (implementation choices of the layers and the runtime, same math;
+held as ``model.options`` and passed down to every block as a static value).
+
 Several devices: ``HybridModel(config, params, mesh=jax.make_mesh((2,), ("model",)))`` (or ``load_pretrained(...,
 mesh=)``, ``init_params(..., mesh=)``) splits heads, expert columns and the vocabulary over a one-axis mesh by the
 rules of ``jax_gdn.sharding``: params and cache are placed with NamedSharding and each step runs per device in
@@ -71,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Optional, Sequence
 
@@ -86,10 +94,17 @@ from jax_gdn.layers.attention import attention_param_shapes
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.ops.varlen import count_le, token_streams
+from jax_gdn.options import DEFAULT_OPTIONS, RuntimeOptions
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
-__all__ = ["HybridModel", "OutOfKvPagesError", "LayerPlan", "layer_plan", "init_params", "stack_layers",
-           "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES", "STATUS_PAST_MAX_SEQ_LEN"]
+__all__ = ["HybridModel", "OutOfKvPagesError", "RuntimeOptions", "LayerPlan", "layer_plan", "init_params",
+           "stack_layers", "step", "release_slots", "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES",
+           "STATUS_PAST_MAX_SEQ_LEN"]
+
+try:
+    from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover - a jax without the public alias
+    from jax._src.core import Tracer as _Tracer
 
 STATUS_OK, STATUS_OUT_OF_PAGES, STATUS_PAST_MAX_SEQ_LEN = 0, 1, 2
 
@@ -164,8 +179,7 @@ def _block_shapes(config: HybridConfig, kind: blk.BlockKind) -> dict:
     d = config.hidden_size
     shapes = {"input_norm": (d,), "post_norm": (d,)}
     if kind.mixer == "gdn":
-        shapes["mixer"] = {k: v for k, v in gdn_layer.param_shapes(config.gdn_dims).items()
-                           if k != "input_layernorm"}
+        shapes["mixer"] = gdn_layer.mixer_param_shapes(config.gdn_dims)
     else:
         shapes["mixer"] = attention_param_shapes(config.attn_dims)
     if kind.moe:
@@ -247,23 +261,56 @@ def default_token_buckets(max_tokens: int = 1 << 20) -> tuple:
 # ================================================================================================================
 # Page allocation (on device)
 # ================================================================================================================
-def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: int):
-    """New pages for N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero
-    length). Returns (page_table, page_owner, page_index, status): status 1 when the pool has too few free pages,
-    2 when a stream would need more than W pages; then the returned tables must not be used."""
-    ps, p, s = cache.page_size, cache.num_pages, cache.num_slots
-    w = cache.page_table.shape[1]
-    n = slot_ids.shape[0]
+def _fit_status(page_owner, real, old_lens, seq_lens, *, page_size: int, seq_len_limit: int):
+    """Whether N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero length)
+    fit: (status [] int32: 0, 1 when the pool has too few free pages, 2 when a stream would hold more than
+    seq_len_limit tokens; pages held [N], pages needed [N], new pages [N]). One definition for the step and for
+    strict mode's host-side decision (``HybridModel``)."""
+    ps = page_size
     have = (old_lens + ps - 1) // ps                                               # [N] pages held
     need = (old_lens + seq_lens + ps - 1) // ps                                    # [N] pages needed
     new = jnp.where(real, need - have, 0)
+    fits_pool = jnp.sum(new) <= jnp.sum((page_owner < 0).astype(jnp.int32))
+    fits_len = jnp.all(~real | (old_lens + seq_lens <= seq_len_limit))            # implies need <= W
+    status = jnp.where(fits_len, jnp.where(fits_pool, STATUS_OK, STATUS_OUT_OF_PAGES), STATUS_PAST_MAX_SEQ_LEN)
+    return status.astype(jnp.int32), have, need, new
+
+
+def _stream_lens(cache_slot_lens, slot_ids, cu_seqlens):
+    """(real [N], slot ids clamped into range [N], seq_lens [N], old_lens [N]) of a padded call."""
+    s = cache_slot_lens.shape[0]
+    real = (slot_ids >= 0) & (slot_ids < s)
+    sid = jnp.where(real, slot_ids, 0)
+    seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    old_lens = jnp.where(real, cache_slot_lens[sid], 0)
+    return real, sid, seq_lens, old_lens
+
+
+def step_status(page_owner, slot_lens, status, slot_ids, cu_seqlens, *, page_size: int, seq_len_limit: int,
+                has_attention: bool) -> jax.Array:
+    """[] int32: the status ``step`` would record for this padded call (the sticky status first), from the cache's
+    page_owner [P], slot_lens [S] and status []: what strict mode reads before it runs a step."""
+    real, _, seq_lens, old_lens = _stream_lens(slot_lens, slot_ids, cu_seqlens)
+    if has_attention:
+        new = _fit_status(page_owner, real, old_lens, seq_lens, page_size=page_size, seq_len_limit=seq_len_limit)[0]
+    else:
+        new = jnp.asarray(STATUS_OK, jnp.int32)
+    return jnp.where(status != STATUS_OK, status, new)
+
+
+def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: int):
+    """New pages for N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero
+    length). Returns (page_table, page_owner, page_index, status): status 1 when the pool has too few free pages,
+    2 when a stream would hold more than ``cache.seq_len_limit`` tokens; then the returned tables must not be
+    used."""
+    ps, p, s = cache.page_size, cache.num_pages, cache.num_slots
+    n = slot_ids.shape[0]
+    status, have, need, new = _fit_status(cache.page_owner, real, old_lens, seq_lens, page_size=ps,
+                                          seq_len_limit=cache.seq_len_limit)
     new_end = jnp.cumsum(new)
     new_off = new_end - new
     total = new_end[-1]
     free = cache.page_owner < 0
-    fits_pool = total <= jnp.sum(free.astype(jnp.int32))
-    fits_slot = jnp.all(need <= w)
-    status = jnp.where(fits_slot, jnp.where(fits_pool, STATUS_OK, STATUS_OUT_OF_PAGES), STATUS_PAST_MAX_SEQ_LEN)
     ok = status == STATUS_OK
     a = max(1, min(p, total_tokens // ps + n))                                     # static bound of new pages
     free_ids = jnp.nonzero(free, size=a, fill_value=p)[0].astype(jnp.int32)        # [A]
@@ -275,7 +322,7 @@ def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: in
     page_table = cache.page_table.at[jnp.where(valid, slot_j, s), idx_j].set(free_ids, mode="drop")
     page_owner = cache.page_owner.at[jnp.where(valid, free_ids, p)].set(slot_j, mode="drop")
     page_index = cache.page_index.at[jnp.where(valid, free_ids, p)].set(idx_j, mode="drop")
-    return page_table, page_owner, page_index, status.astype(jnp.int32)
+    return page_table, page_owner, page_index, status
 
 
 # ================================================================================================================
@@ -306,10 +353,6 @@ def _kv_view(batch: blk.Batch, ai, num_layers: int, p: int) -> blk.Batch:
     return batch.replace(token_page=tp, page_table=batch.page_table + ai * p)
 
 
-#: largest leaf (elements) seen as one flat pool: Pallas Triton kernels address their operands with int32 offsets
-FLAT_POOL_LIMIT = 2 ** 31 - 1
-
-
 _EXPERT_KEYS = ("experts_gate_up", "experts_down")
 
 
@@ -335,15 +378,15 @@ def _put_layer(tree, new, i):
 
 
 def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: HybridConfig, plan: LayerPlan,
-            backends: blk.Backends, scan_unroll: int | bool = 1):
+            backends: blk.Backends, options: RuntimeOptions, scan_unroll: int | bool = 1):
     """Every block: a scan over the R repeats of the period, then the tail. Returns (x, gdn_all, kv_all).
 
     The stacked states are seen as one flat pool per kind (GDN slots [Lg * S], KV pages [La * P]) and each layer
     addresses its own part through offset slot / page ids, so every layer reads and writes the pools in place:
     no per-layer slice or copy of a state. A kind run by a Pallas kernel (GDN: always) whose flat leaves would pass
-    FLAT_POOL_LIMIT elements (int32 addressing in the kernels) runs per layer instead: dynamic slice, block,
-    dynamic update (a copy of the layer's state each way: decode at S = 512 on CPU 4.7 ms flat, 90 ms per layer).
-    At 80B dims that is past ~113 slots (GDN: 36 layers x 32 x 128 x 128 fp32 per slot) or ~350k KV tokens."""
+    ``options.flat_pool_limit`` elements (int32 addressing in the kernels) runs per layer instead: dynamic slice,
+    block, dynamic update (a copy of the layer's state each way, far slower than in place). At 80B dims that is
+    past ~113 slots (GDN: 36 layers x 32 x 128 x 128 fp32 per slot) or ~350k KV tokens."""
     kinds = plan.kinds
     p = plan.period
     pg = sum(k.mixer == "gdn" for k in kinds[:p])
@@ -352,34 +395,33 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
     la, num_pages = kv_all.k_pages.shape[:2]
     # XLA addresses with 64-bit offsets: only the Pallas kernels need the limit (GDN: always, the decode step picks
     # its kernel itself)
-    flat_gdn = all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(gdn_all))
-    flat_kv = backends.paged_attention == "xla" or all(a.size <= FLAT_POOL_LIMIT for a in jax.tree.leaves(kv_all))
+    limit = options.flat_pool_limit
+    flat_gdn = all(a.size <= limit for a in jax.tree.leaves(gdn_all))
+    flat_kv = backends.paged_attention == "xla" or all(a.size <= limit for a in jax.tree.leaves(kv_all))
     gdn = _flat(gdn_all) if flat_gdn else gdn_all
     kv = _flat(kv_all) if flat_kv else kv_all
 
     # Routed expert weights stay out of the scan's xs: each period position's stacked [R, E, ...] experts are seen
     # as one pool [R E, ...] (a free reshape) that the MoE kernels index in place from an expert offset r E. As
     # xs, every repeat would slice its layer's [E, ...] experts out, and XLA materialises that dynamic slice
-    # before the kernel's custom call: 3.2 GB copied per MoE layer at 80B dims (~1.3 ms; 8 layers of decode
-    # 24 ms instead of 5 ms, benchmarks/gpu/scan_copy_probe.py).
+    # before the kernel's custom call: 3.2 GB copied per MoE layer at 80B dims.
     period = params["period"]
     pools = [_expert_pool(period[j]) if kinds[j].moe else None for j in range(p)]
     xs_period = tuple(_without_experts(period[j]) if kinds[j].moe else period[j] for j in range(p))
 
     def run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset=None):
         b = batch if expert_offset is None else batch.replace(expert_offset=expert_offset)
+        kw = dict(config=config, backends=backends, options=options)
         if kind.mixer == "gdn":
             if flat_gdn:
-                x, gdn = blk.block(kind, bparams, x, gdn, _gdn_view(b, gi, lg, s), config=config,
-                                   backends=backends)
+                x, gdn = blk.block(kind, bparams, x, gdn, _gdn_view(b, gi, lg, s), **kw)
             else:
-                x, st = blk.block(kind, bparams, x, _slice_layer(gdn, gi), b, config=config, backends=backends)
+                x, st = blk.block(kind, bparams, x, _slice_layer(gdn, gi), b, **kw)
                 gdn = _put_layer(gdn, st, gi)
         elif flat_kv:
-            x, kv = blk.block(kind, bparams, x, kv, _kv_view(b, ai, la, num_pages), config=config,
-                              backends=backends)
+            x, kv = blk.block(kind, bparams, x, kv, _kv_view(b, ai, la, num_pages), **kw)
         else:
-            x, st = blk.block(kind, bparams, x, _slice_layer(kv, ai), b, config=config, backends=backends)
+            x, st = blk.block(kind, bparams, x, _slice_layer(kv, ai), b, **kw)
             kv = _put_layer(kv, st, ai)
         return x, gdn, kv
 
@@ -409,10 +451,11 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
 
 def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config: HybridConfig, plan: LayerPlan,
          backends: blk.Backends, decode: bool, return_all_logits: bool, axis_name=None, vocab_split: bool = False,
-         expert_parallel: bool = False, scan_unroll: int | bool = 1):
+         expert_parallel: bool = False, options: RuntimeOptions = DEFAULT_OPTIONS):
     """Prefill (or decode: one token per stream) of N (padded) streams over T (padded) tokens, inputs already
     checked: input_ids [T] int32, cu_seqlens [N + 1] int32 (cu[N] <= T; padding streams of zero length last),
     slot_ids [N] int32 (padding streams: S). Returns (logits fp32 [N, Vocab] or [T, Vocab], new cache).
+    options: the layers' implementation choices and the layer scan's unroll (static).
     Under shard_map (jax_gdn.sharding): axis_name is the mesh axis, config the per-device config, params / cache
     the device's slices, and the logits the device's vocabulary columns when vocab_split; expert_parallel: the
     params hold whole experts split over axis_name (jax_gdn.layers.moe_ep)."""
@@ -420,10 +463,7 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     n = slot_ids.shape[0]
     s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
     w = cache.page_table.shape[1]
-    real = (slot_ids >= 0) & (slot_ids < s)
-    sid = jnp.where(real, slot_ids, 0)
-    seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]                                    # [N]
-    old_lens = jnp.where(real, cache.slot_lens[sid], 0)                            # [N]
+    real, sid, seq_lens, old_lens = _stream_lens(cache.slot_lens, slot_ids, cu_seqlens)     # [N] each
 
     tok_stream, tok_rel = token_streams(cu_seqlens, t)                             # [T], [T]
     valid = jnp.arange(t, dtype=jnp.int32) < cu_seqlens[n]
@@ -453,7 +493,7 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     x = (params["embed"][input_ids] if axis_name is None or not vocab_split                # [T, D]
          else _shd().embed_lookup(params["embed"], input_ids, axis_name, vocab_split))
     x, gdn_all, kv_all = _layers(params, x, cache.gdn, cache.kv, batch, config=config, plan=plan,
-                                 backends=backends, scan_unroll=scan_unroll)
+                                 backends=backends, options=options, scan_unroll=options.scan_unroll(decode))
     if not return_all_logits:
         x = x[jnp.maximum(cu_seqlens[1:] - 1, 0)]                                  # last token of each stream
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
@@ -496,19 +536,11 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-#: the layer scan's unroll per program when HybridModel(scan_unroll=None). Decode unrolls 2 repeats per loop
-#: iteration: on the H200 (8 layers at 80B dims, 64 streams; benchmarks/gpu/runtime_s6.py, session 6) the rolled
-#: decode step took 9.23 ms blocking / 7.04 pipelined, unrolled 8.79 / 6.65, compile 4.9 -> 6.8 s; a 2-fold unroll
-#: bounds the compile growth (48 tiny layers on CPU: rolled 3.8 s, by 4 9.4 s, fully 13.9 s). Prefill stays rolled
-#: (unrolled: 57.3 ms blocking but 57.0 pipelined against 58.4 / 56.6: no clear gain).
-DEFAULT_SCAN_UNROLL = {"prefill": 1, "decode": 2}
-
-
-def _scan_unroll(value) -> dict:
-    """{"prefill", "decode"}: the ``unroll`` of the layer scan in each program, from HybridModel's scan_unroll:
-    None (``DEFAULT_SCAN_UNROLL``), an int >= 1 or a bool for both, or a dict with those keys."""
+def _with_scan_unroll(options: RuntimeOptions, value) -> RuntimeOptions:
+    """options with HybridModel's scan_unroll applied: None (options' own), an int >= 1 or a bool for both
+    programs, or a dict with the keys "prefill" and "decode"."""
     if value is None:
-        value = DEFAULT_SCAN_UNROLL
+        return options
     pair = dict(value) if isinstance(value, dict) else {"prefill": value, "decode": value}
     if set(pair) != {"prefill", "decode"}:
         raise ValueError(f"scan_unroll as a dict takes the keys 'prefill' and 'decode', got {sorted(pair)}")
@@ -516,7 +548,7 @@ def _scan_unroll(value) -> dict:
         if not isinstance(v, (bool, int, np.integer)) or (not isinstance(v, bool) and v < 1):
             raise ValueError(f"scan_unroll[{k!r}] must be True, False or an int >= 1, got {v!r}")
         pair[k] = v if isinstance(v, bool) else int(v)
-    return pair
+    return dataclasses.replace(options, scan_unroll_prefill=pair["prefill"], scan_unroll_decode=pair["decode"])
 
 
 #: the call kinds each op's table is asked about at build (what the model's programs call)
@@ -567,23 +599,56 @@ def _resolve_backends(config: HybridConfig, dtype, backend) -> tuple[blk.Backend
 # ================================================================================================================
 # The model
 # ================================================================================================================
+def _host_method(method):
+    """Turns the error a traced input raises inside a host-side method (``jax.jit(model.prefill)``: the inputs
+    are checked and padded on the host) into a TypeError naming the method and what to use instead. Costs
+    nothing on the normal path: the inputs are looked at only when the method raised."""
+    name = method.__name__
+    instead = ("jax_gdn.model.release_slots (the pure release)" if name == "release" else
+               "model.step_fn() (the pure step function; see its docstring for the padded inputs it takes)")
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError) as err:
+            bound = signature.bind(self, *args, **kwargs)
+            if not any(isinstance(x, _Tracer) for x in jax.tree.leaves(tuple(bound.arguments.values())[1:])):
+                raise
+            raise TypeError(
+                f"HybridModel.{name} was called with traced arrays (inside jax.jit, vmap, grad or another "
+                f"transformation): it checks its inputs on the host and runs a program it compiled itself, so it "
+                f"cannot be traced. Call model.{name}(...) directly (it is already compiled), or use {instead} "
+                f"inside your own jit") from err
+    return wrapped
+
+
 class HybridModel:
     """A hybrid GDN + attention decoder with its parameters; see the module docstring for the API and shapes.
 
     token_buckets: ascending token counts T is padded up to (default ``default_token_buckets()``); past the last
-    one T is rounded up to a multiple of it. strict: check the status after every step (a sync; raises
-    OutOfKvPagesError at the step that ran out of pages). scan_unroll: the ``unroll`` of the scan over the repeats
-    of the layer period, for both programs or as {"prefill": ..., "decode": ...} (default ``DEFAULT_SCAN_UNROLL``:
-    prefill rolled, decode by 2; compile time grows at most 2x the loop body, not with depth). compiler_options:
-    XLA options of the prefill / decode programs (``jax.jit(compiler_options=...)``, e.g.
+    one T is rounded up to a multiple of it. strict: decide every prefill / decode on the host before running it
+    (a sync per step; a step that would be refused raises OutOfKvPagesError without running: the cache passed in
+    is neither donated nor changed). scan_unroll: the ``unroll`` of the scan over the repeats of the layer period,
+    for both programs or as {"prefill": ..., "decode": ...} (None: the options' ``scan_unroll_prefill`` /
+    ``scan_unroll_decode``, prefill rolled, decode by 2; compile time grows at most 2x the loop body, not with
+    depth). options: ``RuntimeOptions`` (None: the defaults), held as ``self.options`` (scan_unroll applied).
+    compiler_options: XLA options of the prefill / decode programs (``jax.jit(compiler_options=...)``, e.g.
     {"xla_gpu_enable_command_buffer": ...}).
     """
 
     def __init__(self, config: HybridConfig, params: dict, *, dtype=jnp.bfloat16, backend="auto",
                  token_buckets: Optional[Sequence[int]] = None, strict: bool = False, mesh=None,
-                 moe_sharding: str = "auto", scan_unroll=None, compiler_options: Optional[dict] = None):
+                 moe_sharding: str = "auto", scan_unroll=None, compiler_options: Optional[dict] = None,
+                 options: Optional[RuntimeOptions] = None):
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        if options is None:
+            options = DEFAULT_OPTIONS
+        if not isinstance(options, RuntimeOptions):
+            raise ValueError(f"options must be a jax_gdn.options.RuntimeOptions, got {type(options).__name__}")
         if moe_sharding not in _shd().MOE_SHARDINGS:
             raise ValueError(f"moe_sharding must be one of {_shd().MOE_SHARDINGS}, got {moe_sharding!r}")
         self.config = config
@@ -605,7 +670,7 @@ class HybridModel:
                              f"blocks; the layer plan of this config has {self.plan.period} / {len(self.plan.tail)}")
         if self.shard_rules is not None:
             params = self.shard_rules.ensure_placed(params)
-        elif _attn.HOLD_FUSED_QKV:           # one qkv_proj per attention layer, made once (no per-call concat)
+        elif options.hold_fused_qkv:         # one qkv_proj per attention layer, made once (no per-call concat)
             params = _attn.fuse_qkv_tree(params)
         self.params = params
         self.backend = backend
@@ -617,9 +682,9 @@ class HybridModel:
         self.strict = bool(strict)
         self._traces = 0
         self._cache_sig = {}       # (S, P, Ps, W) -> leaf (shape, dtype) signature of a cache _check_cache passed
-        self.scan_unroll = _scan_unroll(scan_unroll)
+        self.options = _with_scan_unroll(options, scan_unroll)
         self.compiler_options = dict(compiler_options or {})
-        kw = dict(config=config, plan=self.plan, backends=self.backends)
+        kw = dict(config=config, plan=self.plan, backends=self.backends, options=self.options)
         if self.shard_rules is not None:
             kw.update(config=self.shard_rules.local_config, vocab_split=self.shard_rules.vocab_split,
                       expert_parallel=self.shard_rules.expert_parallel)
@@ -632,11 +697,10 @@ class HybridModel:
 
         def prefill_fn(params, cache, ids, cu, sl, return_all_logits, axis_name):
             return step(params, cache, ids, cu, sl, decode=False, return_all_logits=return_all_logits,
-                        axis_name=axis_name, scan_unroll=self.scan_unroll["prefill"], **kw)
+                        axis_name=axis_name, **kw)
 
         def decode_fn(params, cache, ids, cu, sl, axis_name):
-            return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, axis_name=axis_name,
-                        scan_unroll=self.scan_unroll["decode"], **kw)
+            return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, axis_name=axis_name, **kw)
 
         release_fn = release_slots
         if self.shard_rules is not None:   # one program per device: shard_map over the mesh axis
@@ -646,6 +710,8 @@ class HybridModel:
         else:
             prefill_fn = functools.partial(prefill_fn, axis_name=None)
             decode_fn = functools.partial(decode_fn, axis_name=None)
+        self._step_fns = (prefill_fn, decode_fn)
+        self._status_jit = jax.jit(step_status, static_argnames=("page_size", "seq_len_limit", "has_attention"))
         copts = {"compiler_options": self.compiler_options} if self.compiler_options else {}
         self._prefill_jit = jax.jit(traced(prefill_fn), static_argnames=("return_all_logits",),
                                     donate_argnums=(1,), **copts)   # the cache (by position: the wrapper hides names)
@@ -663,6 +729,33 @@ class HybridModel:
     def compiled_programs(self) -> int:
         """How many XLA programs this model's prefill / decode / release have compiled so far."""
         return self._traces
+
+    @property
+    def scan_unroll(self) -> dict:
+        """{"prefill": ..., "decode": ...}: the layer scan's unroll in each program (from ``self.options``)."""
+        return {"prefill": self.options.scan_unroll_prefill, "decode": self.options.scan_unroll_decode}
+
+    def step_fn(self, *, decode: bool = False, return_all_logits: bool = False):
+        """The pure step behind ``prefill`` (or ``decode``) with this model's config, layer plan, backends and
+        options bound: ``fn(params, cache, input_ids, cu_seqlens, slot_ids) -> (logits, cache)``, for a
+        ``jax.jit`` (or scan) of one's own; pass ``model.params``. The methods check their inputs on the host and
+        compile their own programs; this function trusts its inputs, already padded: input_ids [T] int32 ids in
+        [0, vocab); cu_seqlens [N + 1] int32 non-decreasing from 0 with cu[N] <= T (tokens past cu[N] are
+        padding); slot_ids [N] int32, distinct in [0, S), or S for a padding stream of zero length; decode: T ==
+        N and one token per stream. Logits fp32 [N, Vocab] ([T, Vocab] with return_all_logits); a refused step
+        (out of pages, past max_seq_len) writes nothing and records the reason in the returned cache's status,
+        as the methods do. On a mesh it is the shard_map-ed step (params and cache placed as the model places
+        them)."""
+        prefill_fn, decode_fn = self._step_fns
+        if decode:
+            if return_all_logits:
+                raise ValueError("step_fn(decode=True) returns one row of logits per stream; "
+                                 "return_all_logits must be False")
+            return lambda params, cache, input_ids, cu_seqlens, slot_ids: decode_fn(
+                params, cache, input_ids, cu_seqlens, slot_ids)
+        flag = bool(return_all_logits)
+        return lambda params, cache, input_ids, cu_seqlens, slot_ids: prefill_fn(
+            params, cache, input_ids, cu_seqlens, slot_ids, return_all_logits=flag)
 
     # ---- cache ------------------------------------------------------------------------------------------------
     def _cache_leaves(self, max_seqs: int, num_pages: int, page_size: int, pages_per_slot: int) -> Cache:
@@ -688,8 +781,9 @@ class HybridModel:
                    max_seq_len: Optional[int] = None) -> Cache:
         """An empty cache for up to ``max_seqs`` concurrent streams (slots), a KV pool of
         ``ceil(max_tokens / page_size)`` pages shared by all slots, and at most ``max_seq_len`` tokens per slot
-        (default max_tokens): page_table [S, W = ceil(max_seq_len / page_size)] (attention work per slot is
-        bounded by W pages, not by the pool)."""
+        (default max_tokens; exact: a step taking a slot past it is refused; a model without attention layers
+        has no length limit): page_table [S, W = min(ceil(max_seq_len / page_size), pages)] (attention work per
+        slot is bounded by W pages, not by the pool)."""
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size),
                             ("max_seq_len", max_tokens if max_seq_len is None else max_seq_len)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -697,6 +791,7 @@ class HybridModel:
         num_pages = -(-int(max_tokens) // int(page_size))
         per_slot = -(-int(max_tokens if max_seq_len is None else max_seq_len) // int(page_size))
         spec = self._cache_leaves(int(max_seqs), num_pages, int(page_size), min(per_slot, num_pages))
+        spec = spec.replace(max_seq_len=int(max_tokens if max_seq_len is None else max_seq_len))
 
         def make():
             cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
@@ -772,27 +867,40 @@ class HybridModel:
         sl_p[:n] = sl
         return ids_p, cu_p, sl_p
 
+    @_host_method
     def check(self, cache: Cache) -> None:
         """Reads ``cache.status`` (a sync) and raises OutOfKvPagesError (with ``.cache``: the status cleared) when
         a step since the last check was refused. Cheap enough to call every few steps."""
         status = int(cache.status)
-        if status == STATUS_OK:
-            return
-        cleared = cache.replace(status=jnp.zeros((), jnp.int32))
+        if status != STATUS_OK:
+            raise self._refusal(cache, status, "; that step and every later one were refused (nothing written, "
+                                               "zero logits)")
+
+    @staticmethod
+    def _refusal(cache: Cache, status: int, what: str) -> OutOfKvPagesError:
         why = ("out of KV pages: the pool ({p} pages of {ps} tokens) could not hold a step's new tokens"
                if status == STATUS_OUT_OF_PAGES else
-               "a slot would pass max_seq_len ({w} pages of {ps} tokens per slot)")
-        raise OutOfKvPagesError(
-            why.format(p=cache.num_pages, ps=cache.page_size, w=cache.page_table.shape[1])
-            + "; that step and every later one were refused (nothing written, zero logits). Release slots or make a "
-              "larger cache (init_cache max_tokens / max_seq_len); continue with the error's .cache", cleared)
+               "a slot would pass max_seq_len ({m} tokens per slot)")
+        return OutOfKvPagesError(
+            why.format(p=cache.num_pages, ps=cache.page_size, m=cache.seq_len_limit) + what
+            + ". Release slots or make a larger cache (init_cache max_tokens / max_seq_len); continue with the "
+              "error's .cache", cache.replace(status=jnp.zeros((), jnp.int32)))
+
+    def _refuse_before(self, cache: Cache, cu_p, sl_p) -> None:
+        """Strict mode: the status this step would record, read on the host before the (donating) call; raises
+        OutOfKvPagesError when it would be refused, so the cache passed in stays live and unchanged."""
+        status = int(self._status_jit(cache.page_owner, cache.slot_lens, cache.status, sl_p, cu_p,
+                                      page_size=cache.page_size, seq_len_limit=cache.seq_len_limit,
+                                      has_attention=bool(self.config.attn_layers)))
+        if status != STATUS_OK:
+            raise self._refusal(cache, status, "; the step was refused before it ran: nothing written, the cache "
+                                               "passed in is unchanged and still usable")
 
     def _finish(self, logits, new_cache, rows: int):
-        if self.strict:
-            self.check(new_cache)
         return (logits if rows == logits.shape[0] else logits[:rows]), new_cache   # no eager slice when unpadded
 
     # ---- prefill / decode / release ---------------------------------------------------------------------------
+    @_host_method
     def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False):
         """Prefill N streams packed in ``input_ids [T]`` (see the module docstring).
         Returns (logits [N, Vocab] fp32, or [T, Vocab] with return_all_logits, new cache)."""
@@ -813,10 +921,13 @@ class HybridModel:
         s = cache.num_slots
         tb, nb = self.token_bucket(t), self.stream_bucket(n, s)
         ids_p, cu_p, sl_p = self._padded(ids, cu, sl, tb, nb, s)
+        if self.strict:
+            self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._prefill_jit(self.params, cache, ids_p, cu_p, sl_p,
                                               return_all_logits=bool(return_all_logits))
         return self._finish(logits, new_cache, t if return_all_logits else n)
 
+    @_host_method
     def decode(self, cache: Cache, input_ids, slot_ids):
         """One token per stream: input_ids [N], slot_ids [N]. Returns (logits [N, Vocab] fp32, new cache)."""
         self._check_cache(cache)
@@ -829,9 +940,12 @@ class HybridModel:
         s = cache.num_slots
         nb = self.stream_bucket(n, s)
         ids_p, cu_p, sl_p = self._padded(ids, np.arange(n + 1), sl, nb, nb, s)
+        if self.strict:
+            self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._decode_jit(self.params, cache, ids_p, cu_p, sl_p)
         return self._finish(logits, new_cache, n)
 
+    @_host_method
     def release(self, cache: Cache, slot_ids) -> Cache:
         """Empties ``slot_ids [N]`` and returns their pages to the pool. Returns the new cache."""
         self._check_cache(cache)

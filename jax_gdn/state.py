@@ -7,6 +7,8 @@ A slot whose ``has_initial_state`` is False starts from zeros whatever stale con
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -107,13 +109,14 @@ class Cache:
                 conv_state [Lg, S, conv_dim, Kc - 1], ssm_state [Lg, S, Hv, K, V] fp32
     kv:         KvPages stacked over the attention layers: k_pages, v_pages [La, P, Ps, Hkv, Dh]
     page_table: [S, W] int32  page_table[s, i] is the pool page holding tokens i*Ps .. i*Ps+Ps-1 of slot s
-                              (valid for i < ceil(slot_lens[s] / Ps)); a slot holds at most W * Ps tokens
+                              (valid for i < ceil(slot_lens[s] / Ps)); a slot holds at most max_seq_len tokens
     page_owner: [P] int32     slot owning each page, -1 for a free page (the free bitmap is page_owner < 0)
     page_index: [P] int32     position of each page in its owner's page table (tokens page_index*Ps ...)
     slot_lens:  [S] int32     tokens each slot holds (0: empty, the next prefill starts it fresh)
-    status:     [] int32      0, or why a step was refused (1 out of KV pages, 2 a slot past W * Ps tokens);
+    status:     [] int32      0, or why a step was refused (1 out of KV pages, 2 a slot past max_seq_len);
                               sticky until cleared (jax_gdn.model.HybridModel.check)
     page_size:  Ps (static)
+    max_seq_len: (static) the most tokens a slot may hold; None: W * Ps (``seq_len_limit`` is the one in force)
     """
 
     gdn: GdnSlots
@@ -124,6 +127,7 @@ class Cache:
     slot_lens: jax.Array
     status: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
+    max_seq_len: Optional[int] = struct.field(pytree_node=False, default=None)
 
     @property
     def num_slots(self) -> int:
@@ -136,3 +140,9 @@ class Cache:
     @property
     def pages_per_slot(self) -> int:
         return self.page_table.shape[1]
+
+    @property
+    def seq_len_limit(self) -> int:
+        """The most tokens a slot may hold: max_seq_len, and never more than its W pages hold."""
+        cap = self.pages_per_slot * self.page_size
+        return cap if self.max_seq_len is None else min(int(self.max_seq_len), cap)

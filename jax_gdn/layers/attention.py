@@ -25,16 +25,21 @@ Prefill on the Pallas backends (``fused``, the default there) goes through ``pag
 the projection's raw output (no slicing), applies the output gate in the kernel's epilogue and writes o_proj's
 input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (or on the kernel's query tile:
 ``PrefillConfig.q_prologue``, pallas_kernels/paged_attention/NOTES.md says why not by default). From
-``QKV_CONCAT_MIN_TOKENS`` tokens the three projections run as one GEMM (a model holds qkv_proj already:
-``HOLD_FUSED_QKV``). The cuDNN backends ("cudnn": cuDNN's packed fused attention,
+``RuntimeOptions.qkv_concat_min_tokens`` tokens the three projections run as one GEMM (a model holds qkv_proj
+already: ``RuntimeOptions.hold_fused_qkv``). The cuDNN backends ("cudnn": cuDNN's packed fused attention,
 pallas_kernels/paged_attention/cudnn.py; "cudnn_xla" its CPU stand-in) take the same fused entry with the new
-K/V handed over (``CUDNN_DIRECT``: the q norm / RoPE in one Pallas kernel (``cudnn.Q_PROLOGUE``), the causal
-call on the projected k, v, the context call and merge only when a stream has context, the gate in the last
-pass). The XLA backend and decode take the
-unfused path (``attention_qkv``, the reference the fused one is tested against); decode on the cuDNN backends
-runs the Pallas decode kernel (or XLA).
+K/V handed over (``RuntimeOptions.cudnn_direct``: the q norm / RoPE in one Pallas kernel (``cudnn.Q_PROLOGUE``),
+the causal call on the projected k, v, the context call and merge only when a stream has context, the gate in the
+last pass). The XLA backend and decode take the unfused path (``attention_qkv``, the reference the fused one is
+tested against); decode on the cuDNN backends runs the Pallas decode kernel (or XLA), fused with the page writes
+where ``RuntimeOptions.attention_decode_fused`` says (``attention_decode_fused``).
+
+``options`` (jax_gdn.options.RuntimeOptions, static; None: the defaults) picks between these implementations of
+the same math.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 from jax_gdn.config import AttnDims
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
 from jax_gdn.ops.norms import rms_norm
+from jax_gdn.options import DEFAULT_OPTIONS, RuntimeOptions
 from jax_gdn.state import KvPages
 from pallas_kernels.paged_attention import api as _pa
 
@@ -68,15 +74,6 @@ def fuse_qkv(params: dict) -> dict:
     return out
 
 
-#: The model (one device, no mesh) holds each attention layer's projections as ONE qkv_proj weight, concatenated
-#: once when the model is built (``fuse_qkv_tree``): the per-call concat (0.13 ms per attention layer per prefill
-#: call on the H200 at varlen16, 37.7 MB) goes away and decode runs one GEMM instead of three. Under a mesh the
-#: three weights stay (jax_gdn.sharding splits each one's columns by heads; one fused weight would need a
-#: per-device column order). False: keep the three weights (the layer then concatenates from
-#: QKV_CONCAT_MIN_TOKENS tokens).
-HOLD_FUSED_QKV = True
-
-
 def fuse_qkv_tree(params):
     """``fuse_qkv`` applied to every attention mixer (a dict holding q_proj, k_proj, v_proj under the key
     "mixer") in a model parameter tree (dicts, tuples and lists rebuilt; every other leaf the same array)."""
@@ -89,27 +86,15 @@ def fuse_qkv_tree(params):
     return params
 
 
-# From this many tokens (static T) the layer concatenates q_proj, k_proj, v_proj at call time and runs ONE GEMM:
-# on the H200 at varlen16 (T 19027, 80B dims) the three GEMMs + o_proj took 1.60 ms, one fused + o_proj 1.43 ms
-# (NOTES.md, run 3), while the weight copy is ~38 MB read + written (~0.02 ms, estimated, not measured). Below it
-# (decode, short chunks: the GEMMs are weight-bandwidth bound) the copy would cost about what it saves. A model
-# holding qkv_proj (``fuse_qkv``) skips the copy at any T.
-QKV_CONCAT_MIN_TOKENS = 8192
-
-#: Prefill on the cuDNN backends goes through ``paged_attention_gated`` with the new K/V straight from the
-#: projection (``cudnn.prefill_direct``: no gather of them back from the pages, the gate in the merge's pass, no
-#: context call when no stream has context). False: the unfused path (q / gate sliced here, the cuDNN core
-#: gathering every key from the pages, context call and merge always).
-CUDNN_DIRECT = True
-
-
-def _project(params: dict, dims: AttnDims, hidden: jax.Array):
+def _project(params: dict, dims: AttnDims, hidden: jax.Array, concat_min_tokens: int):
     """hidden [T, D] -> (qg [T, C] with head h's [query | gate] at columns h 2 Dh .. (C >= H 2 Dh), k, v
     [T, Hkv, Dh]); one GEMM with qkv_proj (qg is then the whole [T, H 2 Dh + 2 Hkv Dh] output) or, from
-    QKV_CONCAT_MIN_TOKENS tokens, with the three weights concatenated; else three GEMMs."""
+    ``concat_min_tokens`` tokens (``RuntimeOptions.qkv_concat_min_tokens``: at prefill sizes one GEMM over the
+    concatenated weights beats three; at decode sizes the GEMMs are weight-bandwidth bound and the copy would
+    cost about what it saves), with the three weights concatenated; else three GEMMs."""
     t = hidden.shape[0]
     h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    if "qkv_proj" in params or t >= QKV_CONCAT_MIN_TOKENS:
+    if "qkv_proj" in params or t >= concat_min_tokens:
         w = params["qkv_proj"] if "qkv_proj" in params else fuse_qkv(params)["qkv_proj"]
         y = hidden @ w
         q_cols = h * 2 * dh
@@ -129,15 +114,17 @@ def _norm_rope_k(params: dict, dims: AttnDims, k: jax.Array, cos, sin):
 # ================================================================================================================
 # Stage 1: projections, q/k norms, RoPE
 # ================================================================================================================
-def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: jax.Array):
-    """Projects ``hidden [T, D]`` at integer ``positions [T]``.
+def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: jax.Array, *,
+                  options: Optional[RuntimeOptions] = None):
+    """Projects ``hidden [T, D]`` at integer ``positions [T]`` (options: ``qkv_concat_min_tokens``).
 
     Returns q [T, H, Dh] (normed, rotated), k [T, Hkv, Dh] (normed, rotated), v [T, Hkv, Dh], gate [T, H, Dh],
     all in hidden's dtype.
     """
+    options = options or DEFAULT_OPTIONS
     t = hidden.shape[0]
     h, dh = dims.num_heads, dims.head_dim
-    y, k, v = _project(params, dims, hidden)
+    y, k, v = _project(params, dims, hidden, options.qkv_concat_min_tokens)
     qg = y[:, :h * 2 * dh].reshape(t, h, 2 * dh)                     # per head [query | gate]
     q, gate = qg[..., :dh], qg[..., dh:]
     q = rms_norm(q, params["q_norm"], dims.rms_norm_eps)
@@ -150,19 +137,18 @@ def attention_qkv(params: dict, dims: AttnDims, hidden: jax.Array, positions: ja
 # ================================================================================================================
 # Stage 2: the paged cache
 # ================================================================================================================
-#: How ``write_kv_pages`` scatters: True: rows of the flat [P Ps, Hkv Dh] pool with ``unique_indices`` (every
-#: kept token has its own (page, offset), dropped tokens get distinct out-of-range rows), so XLA may store the
-#: rows directly (no atomic read-modify-write per 16-bit element); False: the two-index (page, offset) scatter.
-KV_WRITE_UNIQUE = True
-
-
 def write_kv_pages(kv: KvPages, k: jax.Array, v: jax.Array, token_page: jax.Array,
-                   token_offset: jax.Array) -> KvPages:
+                   token_offset: jax.Array, *, unique: bool = True) -> KvPages:
     """Writes k, v [T, Hkv, Dh] to ``pages[token_page[t], token_offset[t]]``; a token whose page is out of range
     (>= P, e.g. padding, or negative: never wrapped) or whose offset is outside [0, Ps) is dropped. Two kept
-    tokens must not share a (page, offset) (which one lands is then undefined)."""
+    tokens must not share a (page, offset) (which one lands is then undefined).
+
+    unique (``RuntimeOptions.kv_write_unique``): scatter rows of the flat [P Ps, Hkv Dh] pool with
+    ``unique_indices`` (every kept token has its own (page, offset), dropped tokens get distinct out-of-range
+    rows), so XLA may store the rows directly (no atomic read-modify-write per 16-bit element); False: the
+    two-index (page, offset) scatter."""
     p, ps = kv.k_pages.shape[:2]
-    if KV_WRITE_UNIQUE:
+    if unique:
         t = k.shape[0]
         ok = (token_page >= 0) & (token_page < p) & (token_offset >= 0) & (token_offset < ps)
         rows = jnp.where(ok, token_page * ps + token_offset, p * ps + jnp.arange(t, dtype=jnp.int32))
@@ -201,35 +187,29 @@ def paged_attention_decode(q: jax.Array, kv: KvPages, page_table: jax.Array, slo
 
 
 # ================================================================================================================
-# The decode step, fused (pallas_kernels/paged_attention/NOTES.md "Session 6: decode")
+# The decode step, fused
 # ================================================================================================================
-#: attention_layer(decode=True, fused=None) on the Pallas backends (and the cuDNN ones, whose decode is the Pallas
-#: kernel), with the projections held as one qkv_proj, takes ``attention_decode_fused``: one GEMM, one kernel for
-#: k norm + RoPE + both page writes (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the
-#: combine; q norm + RoPE where DecodeConfig.q_prologue says: in the kernel for 16-bit inputs), o_proj. H200
-#: (pallas_kernels/paged_attention/NOTES.md "Session 6: decode" and "Session 7: decode step"; 64 streams x 1189
-#: context, 80B dims, in-program, floor 0.0439): session 7, 2 splits, interleaved x3: 0.0811-0.0879 ms (median
-#: 0.0816) with the in-kernel q prologue, 0.0831-0.0897 (0.0889) with the XLA one; unfused with qkv_proj 0.0851-0.0949;
-#: with three weights the fused step measured 0.110 ms (session 6), so it is not taken then.
-#: False: the unfused path (XLA norms, RoPE, two scatters, gate pass).
-DECODE_FUSED = True
-
-
-def _decode_fused_default(params: dict, dims: AttnDims, dtype, backend: str) -> bool:
-    """Whether attention_layer(decode=True, fused=None) takes the fused step (DECODE_FUSED's rule)."""
-    if not DECODE_FUSED or "qkv_proj" not in params:
+def _decode_fused_default(params: dict, dims: AttnDims, dtype, backend: str, enabled: bool) -> bool:
+    """Whether attention_layer(decode=True, fused=None) takes the fused step: ``enabled``
+    (``RuntimeOptions.attention_decode_fused``), the projections held as one qkv_proj (with three weights the
+    fused step is slower than the unfused one, so it is not taken) and a Pallas decode kernel (the Pallas
+    backends, and the cuDNN ones, whose decode is the Pallas kernel)."""
+    if not enabled or "qkv_proj" not in params:
         return False
     kw = dict(dtype=dtype, head_dim=dims.head_dim, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
     return _pa.decode_backend(_pa.resolve_backend(backend, **kw), **kw) in ("pallas", "pallas_interpret")
 
 
 def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos, token_page,
-                           token_offset, page_table, slot_lens, slot_ids, backend: str, config=None):
-    """One decode step (hidden [N, D], one token per stream) through the fused kernels; the arguments and the
-    result are ``attention_layer``'s (the metadata already checked). With qkv_proj one GEMM feeds the q, k and
-    v kernels (column offsets, no slices); with three weights, three GEMMs."""
+                           token_offset, page_table, slot_lens, slot_ids, backend: str, config=None,
+                           options: Optional[RuntimeOptions] = None):
+    """One decode step (hidden [N, D], one token per stream) through the fused kernels: one kernel for k norm +
+    RoPE + both page writes (``paged_kv_write``), the gated decode kernel (gate in its epilogue / the combine; q
+    norm + RoPE where DecodeConfig.q_prologue says), o_proj. The arguments and the result are
+    ``attention_layer``'s (the metadata already checked). With qkv_proj one GEMM feeds the q, k and v kernels
+    (column offsets, no slices); with three weights, three GEMMs (options: ``qkv_concat_min_tokens``)."""
     h, hkv, dh = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    y, k, v = _project(params, dims, hidden)
+    y, k, v = _project(params, dims, hidden, (options or DEFAULT_OPTIONS).qkv_concat_min_tokens)
     cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
     if "qkv_proj" in params:
         yk, yv, k_col, v_col = y, y, h * 2 * dh, h * 2 * dh + hkv * dh
@@ -251,7 +231,7 @@ def attention_decode_fused(params: dict, dims: AttnDims, hidden: jax.Array, kv: 
 def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages, *, token_pos: jax.Array,
                     token_page: jax.Array, token_offset: jax.Array, page_table: jax.Array, slot_lens: jax.Array,
                     cu_seqlens: jax.Array, slot_ids: jax.Array, decode: bool = False, backend: str = "xla",
-                    fused: bool | None = None):
+                    fused: bool | None = None, options: Optional[RuntimeOptions] = None):
     """One gated attention layer over stacked tokens (prefill of N streams, or one decode step).
 
     hidden [T, D]; token_pos [T] int32 (absolute position, for RoPE); token_page / token_offset [T] int32 (where
@@ -263,11 +243,13 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     (``pallas_kernels.paged_attention.api``).
     fused (static): prefill through ``paged_attention_gated`` (the gate in the kernel's epilogue, the q norm and
     RoPE before it or in it; on the cuDNN backends with this call's K/V handed over); None: on the Pallas
-    backends, and on the cuDNN ones when ``CUDNN_DIRECT``, not on "xla" (the same math, unfused). Decode:
-    fused runs ``attention_decode_fused`` (None: when DECODE_FUSED is set, params hold qkv_proj and the decode
-    kernel is the Pallas one).
+    backends, and on the cuDNN ones when ``options.cudnn_direct``, not on "xla" (the same math, unfused). Decode:
+    fused runs ``attention_decode_fused`` (None: when ``options.attention_decode_fused`` is set, params hold
+    qkv_proj and the decode kernel is the Pallas one).
+    options: jax_gdn.options.RuntimeOptions (static; None: the defaults).
     Returns (out [T, D] in hidden's dtype, new KvPages).
     """
+    options = options or DEFAULT_OPTIONS
     t = hidden.shape[0]
     if decode and t != slot_ids.shape[0]:
         raise ValueError(f"attention_layer(decode=True) takes one token per stream: hidden has T={t} rows "
@@ -276,27 +258,28 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     _pa.check_call(page_table, slot_lens, cu_seqlens, slot_ids, num_pages=kv.num_pages, page_size=kv.page_size,
                    num_tokens=t, decode=decode)
     scale = dims.head_dim ** -0.5
-    if decode and (fused or (fused is None and _decode_fused_default(params, dims, hidden.dtype, backend))):
+    if decode and (fused or (fused is None and _decode_fused_default(params, dims, hidden.dtype, backend,
+                                                                     options.attention_decode_fused))):
         return attention_decode_fused(params, dims, hidden, kv, token_pos=token_pos, token_page=token_page,
                                       token_offset=token_offset, page_table=page_table, slot_lens=slot_lens,
-                                      slot_ids=slot_ids, backend=backend)
+                                      slot_ids=slot_ids, backend=backend, options=options)
     if fused is None:
         fused = not decode and _pa.resolve_backend(
             backend, dtype=hidden.dtype, head_dim=dims.head_dim, num_heads=dims.num_heads,
             num_kv_heads=dims.num_kv_heads) in (("pallas", "pallas_interpret")
-                                                + (("cudnn", "cudnn_xla") if CUDNN_DIRECT else ()))
+                                                + (("cudnn", "cudnn_xla") if options.cudnn_direct else ()))
     if fused and not decode:
-        y, k, v = _project(params, dims, hidden)
+        y, k, v = _project(params, dims, hidden, options.qkv_concat_min_tokens)
         cos, sin = rope_cos_sin(token_pos, dims.rotary_dim, dims.rope_theta)
         k = _norm_rope_k(params, dims, k, cos, sin)
-        kv = write_kv_pages(kv, k, v, token_page, token_offset)
+        kv = write_kv_pages(kv, k, v, token_page, token_offset, unique=options.kv_write_unique)
         o = _pa.paged_attention_gated(y, kv.k_pages, kv.v_pages, page_table, slot_lens, cu_seqlens, slot_ids,
                                       q_norm=params["q_norm"], cos=cos, sin=sin, num_heads=dims.num_heads,
                                       scale=scale, eps=dims.rms_norm_eps, backend=backend, k_new=k,
                                       v_new=v)                                          # [T, H * Dh]
         return (o @ params["o_proj"]).astype(hidden.dtype), kv
-    q, k, v, gate = attention_qkv(params, dims, hidden, token_pos)
-    kv = write_kv_pages(kv, k, v, token_page, token_offset)
+    q, k, v, gate = attention_qkv(params, dims, hidden, token_pos, options=options)
+    kv = write_kv_pages(kv, k, v, token_page, token_offset, unique=options.kv_write_unique)
     if decode:
         o = paged_attention_decode(q, kv, page_table, slot_lens, slot_ids, scale=scale, backend=backend)
     else:

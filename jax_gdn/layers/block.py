@@ -4,27 +4,28 @@ layer_state)``.
 Shape legend: T stacked tokens of the call (padded to a bucket), N streams (padded), S slots, D hidden size,
 P KV pages, Ps tokens per page, W pages per slot (the page table's width).
 
-A block owns its pre-norm and its residual adds, for both mixers and for the FFN / MoE::
+A block owns both pre-norms, both residual adds and the FFN / MoE, for both mixers, at prefill and decode alike::
 
-    x = x + mixer(rmsnorm(x, input_norm))          mixer: Gated DeltaNet or gated attention
-    x = x + ffn(rmsnorm(x, post_norm))             ffn: SwiGLU MLP or sparse MoE
+    x = x + reduce(mixer(rmsnorm(x, input_norm)))      mixer: Gated DeltaNet or gated attention
+    x = x + reduce(ffn(rmsnorm(x, post_norm)))         ffn: SwiGLU MLP or sparse MoE
+
+(``reduce``: ``Batch.reduce``, the psum of row-parallel partial sums under a mesh, the identity on one device.)
+A mixer maps normed hidden states to its output projection's result and advances its own state, nothing else:
+GDN: ``jax_gdn.layers.gdn.gdn_mixer`` (prefill: phase 1 -> phase 2 -> gated norm + out_proj) and
+``gdn_mixer_decode`` (one recurrent step); attention: ``jax_gdn.layers.attention.attention_layer``.
 
 Block parameters (one dict layout for both mixers; every Linear weight [in, out], GDN's included):
     input_norm [D], post_norm [D]      zero-centred RMSNorm weights (1 + w)
-    mixer                              jax_gdn.layers.gdn params without ``input_layernorm`` (GDN), or
-                                       jax_gdn.layers.attention params (attention)
+    mixer                              jax_gdn.layers.gdn mixer params (``mixer_param_shapes``: no
+                                       ``input_layernorm``), or jax_gdn.layers.attention params (attention)
     ffn                                jax_gdn.layers.ffn MLP or MoE params
-
-The GDN block runs the seed's phase functions by name (jax_gdn.layers.gdn: phase1_varlen = phase1_proj_batched,
-which applies the input norm, then phase1_conv1d_varlen + phase1_l2_batched or the fused phase1_conv1d_l2_varlen
-as gdn.PHASE1_CONV says; gdn_full_varlen; phase3 with the FFN hook, which adds the residual); the decode step is
-``gdn_layer_decode``. The attention block calls ``attention_layer``.
 
 ``Batch`` is the already-checked description of one call, built once per step by the model (jax_gdn.model) from
 host-checked inputs: the blocks trust it (no value checks, no device-to-host copies). The model keeps every
 layer's state in one flat pool per kind and hands each block a view of the batch addressing its own part (GDN:
 slot ids offset by layer * S, padding / refused streams out of range; attention: page ids offset by layer * P),
-so a block reads and writes the pools in place.
+so a block reads and writes the pools in place. ``RuntimeOptions`` (jax_gdn.options) picks between
+implementations of the same math (static).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from jax_gdn.layers import gdn
 from jax_gdn.layers.ffn import sparse_moe, swiglu_mlp
 from jax_gdn.layers.moe_ep import sparse_moe_expert_parallel
 from jax_gdn.ops.norms import rms_norm
+from jax_gdn.options import DEFAULT_OPTIONS, RuntimeOptions
 from jax_gdn.state import BatchMeta, GdnSlots, KvPages
 
 __all__ = ["Batch", "BlockKind", "Backends", "block", "gdn_block", "attention_block", "ffn"]
@@ -101,8 +103,6 @@ class Backends:
     moe: str = "xla"
 
 
-
-
 def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend: str = "xla",
         expert_axis: Optional[str] = None, expert_offset=None) -> jax.Array:
     """The block's FFN on already-normed x [T, D] -> [T, D] (no residual). expert_axis: the routed experts are
@@ -119,46 +119,45 @@ def ffn(params: dict, x: jax.Array, *, config: HybridConfig, moe: bool, backend:
     return swiglu_mlp(params, x)
 
 
-def _ffn_hook(params: dict, config: HybridConfig, moe: bool, backend: str, batch: Batch):
-    def hook(h):
-        return h + batch.reduce(ffn(params["ffn"], rms_norm(h, params["post_norm"], config.rms_norm_eps),
-                                    config=config, moe=moe, backend=backend, expert_axis=batch.expert_axis,
-                                    expert_offset=batch.expert_offset))
-    return hook
+def _ffn_residual(params: dict, x: jax.Array, batch: Batch, *, config: HybridConfig, moe: bool,
+                  backend: str) -> jax.Array:
+    """``x + reduce(ffn(rmsnorm(x, post_norm)))``: the block's second half."""
+    h = rms_norm(x, params["post_norm"], config.rms_norm_eps)
+    return x + batch.reduce(ffn(params["ffn"], h, config=config, moe=moe, backend=backend,
+                                expert_axis=batch.expert_axis, expert_offset=batch.expert_offset))
 
 
 def gdn_block(params: dict, x: jax.Array, state: GdnSlots, batch: Batch, *, config: HybridConfig, moe: bool,
-              backends: Backends) -> tuple[jax.Array, GdnSlots]:
+              backends: Backends, options: RuntimeOptions = DEFAULT_OPTIONS) -> tuple[jax.Array, GdnSlots]:
     """GDN block: x [T, D] -> (x [T, D], GdnSlots [S, ...] with the call's streams advanced)."""
     dims = config.gdn_dims
-    mixer = dict(params["mixer"], input_layernorm=params["input_norm"])
-    hook = _ffn_hook(params, config, moe, backends.moe, batch)
-    reduce = None if batch.axis_name is None else batch.reduce
     meta = batch.meta
+    h = rms_norm(x, params["input_norm"], config.rms_norm_eps)
     if batch.decode:
-        return gdn.gdn_layer_decode(mixer, dims, x, state, meta.slot_ids, meta.has_initial_state, ffn=hook,
-                                    reduce=reduce, backend=backends.gated_delta_rule)
-    p1, q, k, v, state = gdn.phase1_varlen(mixer, dims, x, state, meta, backend=backends.gated_delta_rule)
-    o, state, _ = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, state, meta, backend=backends.gated_delta_rule)
-    return gdn.phase3(mixer, dims, o, p1.z, x, ffn=hook, reduce=reduce), state
+        y, state = gdn.gdn_mixer_decode(params["mixer"], dims, h, state, meta.slot_ids, meta.has_initial_state,
+                                        backend=backends.gated_delta_rule, step=options.gdn_decode_step)
+    else:
+        y, state = gdn.gdn_mixer(params["mixer"], dims, h, state, meta, backend=backends.gated_delta_rule,
+                                 conv=options.phase1_conv)
+    x = x + batch.reduce(y)
+    return _ffn_residual(params, x, batch, config=config, moe=moe, backend=backends.moe), state
 
 
 def attention_block(params: dict, x: jax.Array, state: KvPages, batch: Batch, *, config: HybridConfig, moe: bool,
-                    backends: Backends) -> tuple[jax.Array, KvPages]:
+                    backends: Backends, options: RuntimeOptions = DEFAULT_OPTIONS) -> tuple[jax.Array, KvPages]:
     """Gated attention block: x [T, D] -> (x [T, D], KvPages with the call's K/V written)."""
     h = rms_norm(x, params["input_norm"], config.rms_norm_eps)
-    h, state = attention_layer(params["mixer"], config.attn_dims, h, state, token_pos=batch.token_pos,
+    y, state = attention_layer(params["mixer"], config.attn_dims, h, state, token_pos=batch.token_pos,
                                token_page=batch.token_page, token_offset=batch.token_offset,
                                page_table=batch.page_table, slot_lens=batch.slot_lens,
                                cu_seqlens=batch.meta.cu_seqlens, slot_ids=batch.meta.slot_ids, decode=batch.decode,
-                               backend=backends.paged_attention)
-    x = x + batch.reduce(h)
-    return _ffn_hook(params, config, moe, backends.moe, batch)(x), state
+                               backend=backends.paged_attention, options=options)
+    x = x + batch.reduce(y)
+    return _ffn_residual(params, x, batch, config=config, moe=moe, backend=backends.moe), state
 
 
 def block(kind: BlockKind, params: dict, x: jax.Array, state, batch: Batch, *, config: HybridConfig,
-          backends: Backends):
+          backends: Backends, options: RuntimeOptions = DEFAULT_OPTIONS):
     """Dispatches on ``kind.mixer``: ``(params, x, layer_state, batch) -> (x, layer_state)``."""
     fn = gdn_block if kind.mixer == "gdn" else attention_block
-    return fn(params, x, state, batch, config=config, moe=kind.moe, backends=backends)
-
+    return fn(params, x, state, batch, config=config, moe=kind.moe, backends=backends, options=options)

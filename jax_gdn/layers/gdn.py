@@ -12,14 +12,20 @@ The protocol (names from the serving engine the design comes from)::
         conv state of each stream's slot advanced)
     --phase1_l2_batched--> q, k [T, Hk, K] (L2-normalised), v [T, Hv, V]
         (or both in one op, phase1_conv1d_l2_varlen: pallas_kernels/conv1d, reading qwen3_next's fused projection
-        in place; phase1_varlen = proj + conv + L2 as the model runs it, the form chosen by PHASE1_CONV)
+        in place; the form is ``RuntimeOptions.phase1_conv``'s)
     --gdn_full / gdn_full_batched / gdn_full_varlen--> o [T, Hv, V]  (chunked gated delta rule over the slot pool)
     --phase3--> hidden + out_proj(w * rmsnorm(o) * silu(z)), then the FFN callable (if any)
 
-``gdn_layer_prefill`` chains them for a packed batch (the pure form for a jit-compiled model),
-``gdn_layer_monolithic`` is an independent straight-line form of one stream used to check them,
-``gdn_layer_decode`` is one recurrent step per stream. ``GatedDeltaNet`` (Flax NNX) holds the parameters and
-exposes the same functions as methods.
+The mixer is composed once from these pieces and takes already-normed hidden states (the decoder block,
+jax_gdn.layers.block, owns the pre-norm, the residual add and the FFN)::
+
+    gdn_mixer(x)        = gdn_output(gdn_full_varlen(phase1_conv_l2(phase1_in_proj(x))))   -> y [T, D]
+    gdn_mixer_decode(x) = the same phases as one recurrent step per stream                 -> y [N, D]
+
+``gdn_layer_prefill`` / ``gdn_layer_decode`` are the whole layer around them (input RMSNorm, mixer, residual,
+FFN callable), ``phase3`` = ``gdn_output`` + residual + FFN callable for callers of the split protocol,
+``gdn_layer_monolithic`` is an independent straight-line form of one stream used to check them.
+``GatedDeltaNet`` (Flax NNX) holds the parameters and exposes the same functions as methods.
 
 Parameters (a flat dict; HF's names with the ``model.layers.{i}.`` prefix and ``.weight`` suffix dropped; Linear
 weights stored [in, out] so that ``y = x @ W``, like every other layer of the package: ``params_from_hf``
@@ -48,7 +54,6 @@ zeros whatever (stale, NaN) its slot holds. Bad shapes raise ValueError before a
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -60,19 +65,23 @@ from jax_gdn.config import GdnDims
 from jax_gdn.ops import validation
 from jax_gdn.ops.conv1d import causal_conv1d_one, causal_conv1d_varlen
 from jax_gdn.ops.norms import gated_rms_norm, l2norm, rms_norm
+from jax_gdn.options import GDN_DECODE_STEPS, PHASE1_CONVS, RuntimeOptions
 from jax_gdn.state import BatchMeta, GdnSlots
 
 __all__ = [
     "Phase1Proj",
     "param_shapes",
+    "mixer_param_shapes",
     "init_params",
     "check_params",
     "params_from_hf",
     "phase1_proj_batched",
+    "phase1_in_proj",
     "phase1_conv1d_one",
     "phase1_conv1d_varlen",
     "phase1_l2_batched",
     "phase1_conv1d_l2_varlen",
+    "phase1_conv_l2",
     "phase1_varlen",
     "conv_l2_backend",
     "gdn_full",
@@ -80,7 +89,10 @@ __all__ = [
     "gdn_full_varlen",
     "gdn_full_per_stream",
     "varlen_eligibility",
+    "gdn_output",
     "phase3",
+    "gdn_mixer",
+    "gdn_mixer_decode",
     "gdn_layer_prefill",
     "gdn_layer_decode",
     "decode_step_backend",
@@ -111,6 +123,12 @@ def param_shapes(dims: GdnDims) -> dict:
     return shapes
 
 
+def mixer_param_shapes(dims: GdnDims) -> dict:
+    """``param_shapes`` without ``input_layernorm``: the parameters of the mixer alone (the decoder block holds
+    the input norm as its ``input_norm``)."""
+    return {k: v for k, v in param_shapes(dims).items() if k != "input_layernorm"}
+
+
 def init_params(dims: GdnDims, key: jax.Array, dtype=jnp.float32, *, randomize_norms: bool = False) -> dict:
     """Random parameters: Linear weights N(0, 1/fan_in), conv U(-1/sqrt(Kc), 1/sqrt(Kc)), A = U(0.5, 4),
     dt_bias ~ log(expm1(U(1e-3, 0.1))) (HF/Mamba inverse-softplus init); norms at their identity (zeros for the
@@ -138,11 +156,12 @@ def init_params(dims: GdnDims, key: jax.Array, dtype=jnp.float32, *, randomize_n
     return params
 
 
-def check_params(params: dict, dims: GdnDims) -> None:
-    """Raises ValueError naming a missing, extra or misshapen parameter."""
-    shapes = param_shapes(dims)
+def check_params(params: dict, dims: GdnDims, *, input_norm: bool = True) -> None:
+    """Raises ValueError naming a missing, extra or misshapen parameter. input_norm=False: the mixer's parameters
+    (``mixer_param_shapes``; an ``input_layernorm`` entry is then ignored if present)."""
+    shapes = param_shapes(dims) if input_norm else mixer_param_shapes(dims)
     missing = sorted(set(shapes) - set(params))
-    extra = sorted(set(params) - set(shapes))
+    extra = sorted(set(params) - set(shapes) - ({"input_layernorm"} if not input_norm else set()))
     if missing or extra:
         raise ValueError(f"GDN params for layout {dims.layout!r}: missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
@@ -240,32 +259,11 @@ def _linear(x, w):  # x [T, in], w [in, out] -> [T, out]
     return x @ w.astype(x.dtype)
 
 
-#: Measurement switch (benchmarks/gpu/gdn_phases.py): qwen3_next's in_proj_qkvz as two matmuls, [q|k|v] and z, over
-#: its columns regrouped per call (a 50 MB weight copy) instead of one matmul read in place. Off: see
-#: NOTES_gdn_phases.md.
-SPLIT_QKVZ_DOT = False
-
-
-def split_qkvz_weight(w: jax.Array, dims: GdnDims) -> tuple[jax.Array, jax.Array]:
-    """qwen3_next's fused in_proj_qkvz [D, 2 Hk K + 2 Hv V] (per key head [q | k | v*r | z*r]) ->
-    (w_qkv [D, conv_dim] in [q | k | v] order, w_z [D, Hv V])."""
-    hk, dk, dv, r = dims.num_k_heads, dims.head_k_dim, dims.head_v_dim, dims.head_ratio
-    w3 = w.reshape(w.shape[0], hk, 2 * dk + 2 * r * dv)
-    parts = (w3[..., :dk], w3[..., dk:2 * dk], w3[..., 2 * dk:2 * dk + r * dv])
-    w_qkv = jnp.concatenate([a.reshape(w.shape[0], -1) for a in parts], axis=1)
-    return w_qkv, w3[..., 2 * dk + r * dv:].reshape(w.shape[0], -1)
-
-
 def _project(params: dict, dims: GdnDims, x: jax.Array):
     """Normed hidden x [T, D] -> (mixed_qkv [T, conv_dim], z [T, Hv, V], b [T, Hv], a [T, Hv], qkvz [T, 2 Hk K +
     2 Hv V] for qwen3_next else None)."""
     t = x.shape[0]
     hk, hv, dk, dv, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.head_ratio
-    if dims.layout == "qwen3_next" and SPLIT_QKVZ_DOT:
-        w_qkv, w_z = split_qkvz_weight(params["in_proj_qkvz"], dims)
-        ba = _linear(x, params["in_proj_ba"]).reshape(t, hk, 2 * r)
-        return (_linear(x, w_qkv), _linear(x, w_z).reshape(t, hv, dv), ba[..., :r].reshape(t, hv),
-                ba[..., r:].reshape(t, hv), None)
     if dims.layout == "qwen3_next":
         # per key head: [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)]  (HF fix_query_key_value_ordering)
         qkvz_flat = _linear(x, params["in_proj_qkvz"])
@@ -297,7 +295,13 @@ def phase1_proj_batched(params: dict, dims: GdnDims, hidden: jax.Array) -> Phase
     hidden [T, D] -> Phase1Proj(mixed_qkv [T, conv_dim], z [T, Hv, V], beta [T, Hv] fp32, g [T, Hv] fp32).
     """
     _check_hidden(hidden, dims)
-    x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
+    return phase1_in_proj(params, dims, rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps))
+
+
+def phase1_in_proj(params: dict, dims: GdnDims, x: jax.Array) -> Phase1Proj:
+    """in_proj + gates of already-normed hidden states (``phase1_proj_batched`` without the input RMSNorm: the
+    mixer's phase 1, the block owning the norm). x [T, D] -> Phase1Proj (as ``phase1_proj_batched``)."""
+    _check_hidden(x, dims, "x")
     mixed_qkv, z, b, a, qkvz = _project(params, dims, x)
     beta, g = _gates(params, b, a)
     return Phase1Proj(mixed_qkv, z, beta, g, qkvz)
@@ -406,39 +410,35 @@ def phase1_conv1d_l2_varlen(params: dict, dims: GdnDims, p1: Phase1Proj, slots: 
     return q, k, v, slots.replace(conv_state=pool)
 
 
-#: How ``phase1_varlen`` runs the conv and the L2 norm: "two_step" (``phase1_conv1d_varlen`` then
-#: ``phase1_l2_batched``), "fused" (``phase1_conv1d_l2_varlen`` with ``conv_l2_backend``) or "auto": fused where
-#: ``conv_l2_backend`` picks the Pallas kernel (a GPU), else two_step. H200 layers bench at 80B dims (varlen16,
-#: benchmarks/results/h200.json "layers" -> gdn.other_conv): phase 1 2.63 -> 2.11 ms, GDN layer 3.90 -> 3.48 ms
-#: with the fused kernel; the XLA fused form gains nothing (2.99 -> 2.97 ms). "auto" is the default since the
-#: kernel's GPU numerics test passed on the H200 (tests/pallas_kernels/test_conv1d.py::test_80b_dims_on_gpu: fp32
-#: within 1e-5 of XLA and of the float64 oracle; bf16 within one bf16 ulp) and the sharded model runs it per device
-#: (tests/model/sharding_check.py with "fused": meshes 1/2/4 within 4e-6 of one device, CPU interpret).
-#: Environment override at import: JAX_GDN_PHASE1_CONV=two_step | fused | auto.
-PHASE1_CONV = os.environ.get("JAX_GDN_PHASE1_CONV", "auto")
-PHASE1_CONVS = ("auto", "two_step", "fused")
+def phase1_conv_l2(params: dict, dims: GdnDims, p1: Phase1Proj, slots: GdnSlots, meta: BatchMeta, *,
+                   backend: str = "xla", conv: Optional[str] = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, GdnSlots]:
+    """The conv + SiLU + q/k L2 norm of phase 1 for N packed streams, in the form ``conv`` names
+    (``RuntimeOptions.phase1_conv``; None: its default "auto"): "two_step" (``phase1_conv1d_varlen`` then
+    ``phase1_l2_batched``), "fused" (``phase1_conv1d_l2_varlen`` on the implementation ``conv_l2_backend`` pairs
+    with the GDN backend ``backend``), "auto" (fused only where that is the compiled Pallas kernel, a GPU).
+    p1: the phase's projections -> (q, k [T, Hk, K], v [T, Hv, V], slots with the streams' conv states advanced)."""
+    conv = RuntimeOptions.phase1_conv if conv is None else conv
+    if conv not in PHASE1_CONVS:
+        raise ValueError(f"conv must be one of {PHASE1_CONVS}, got {conv!r}")
+    dtype = p1.mixed_qkv.dtype
+    if conv == "auto":
+        conv = "fused" if conv_l2_backend(backend, dims, dtype) == "pallas" else "two_step"
+    if conv == "two_step":
+        conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
+        q, k, v = phase1_l2_batched(dims, conv_out)
+        return q, k, v, slots
+    return phase1_conv1d_l2_varlen(params, dims, p1, slots, meta, backend=conv_l2_backend(backend, dims, dtype))
 
 
 def phase1_varlen(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
                   backend: str = "xla", conv: Optional[str] = None
                   ) -> tuple[Phase1Proj, jax.Array, jax.Array, jax.Array, GdnSlots]:
-    """All of phase 1 for N packed streams, as the model runs it: ``phase1_proj_batched``, then the conv + L2 norm
-    as ``conv`` says (None: ``PHASE1_CONV``; "fused" picks the implementation that goes with the GDN backend
-    ``backend`` through ``conv_l2_backend``; "auto": fused only where that is the Pallas kernel on a GPU).
-    hidden [T, D] -> (Phase1Proj (its z, beta, g feed phases 2 and 3), q, k [T, Hk, K], v [T, Hv, V], slots with
-    the N streams' conv states advanced)."""
-    conv = PHASE1_CONV if conv is None else conv
-    if conv not in PHASE1_CONVS:
-        raise ValueError(f"conv must be one of {PHASE1_CONVS}, got {conv!r}")
+    """All of phase 1 for N packed streams from the layer's input: ``phase1_proj_batched`` (input RMSNorm
+    included), then ``phase1_conv_l2`` (``conv``: see there). hidden [T, D] -> (Phase1Proj (its z, beta, g feed
+    phases 2 and 3), q, k [T, Hk, K], v [T, Hv, V], slots with the N streams' conv states advanced)."""
     p1 = phase1_proj_batched(params, dims, hidden)
-    if conv == "auto":
-        conv = "fused" if conv_l2_backend(backend, dims, hidden.dtype) == "pallas" else "two_step"
-    if conv == "two_step":
-        conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
-        q, k, v = phase1_l2_batched(dims, conv_out)
-    else:
-        q, k, v, slots = phase1_conv1d_l2_varlen(params, dims, p1, slots, meta,
-                                                 backend=conv_l2_backend(backend, dims, hidden.dtype))
+    q, k, v, slots = phase1_conv_l2(params, dims, p1, slots, meta, backend=backend, conv=conv)
     return p1, q, k, v, slots
 
 
@@ -554,63 +554,92 @@ def gdn_full_per_stream(q, k, v, g, beta, slots: GdnSlots, meta: BatchMeta, *, b
 
 
 # ================================================================================================================
-# Phase 3: gated norm, out_proj, residual, FFN
+# Phase 3: gated norm, out_proj (the mixer's output), then residual and FFN (the split protocol's last phase)
 # ================================================================================================================
+def _check_oz(o, z, dims: GdnDims, t: int):
+    want = (t, dims.num_v_heads, dims.head_v_dim)
+    for name, x in (("o", o), ("z", z)):
+        if tuple(jnp.shape(x)) != want:
+            raise ValueError(f"{name} must have shape [T, Hv, V] = {want}, got {tuple(jnp.shape(x))}")
+
+
+def gdn_output(params: dict, dims: GdnDims, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+    """The mixer's output: gated RMSNorm per head (``norm * rmsnorm(o) * silu(z)``, fp32), then out_proj.
+
+    o, z [T, Hv, V] -> y [T, D] in ``dtype`` (the hidden states' dtype; the normed heads are cast to it before
+    out_proj). Under tensor parallel (heads split, jax_gdn.sharding) y is this device's partial sum.
+    """
+    t = jnp.shape(o)[0]
+    _check_oz(o, z, dims, t)
+    y = gated_rms_norm(o, z.astype(o.dtype), params["norm"], dims.rms_norm_eps).reshape(t, dims.value_dim)
+    return _linear(y.astype(dtype), params["out_proj"])
+
+
 def phase3(params: dict, dims: GdnDims, o: jax.Array, z: jax.Array, residual: jax.Array, *,
            ffn: FFN = None, reduce: FFN = None) -> jax.Array:
-    """Gated RMSNorm per head (``norm * rmsnorm(o) * silu(z)``, fp32), out_proj, residual add, then the FFN.
+    """Gated RMSNorm per head (``norm * rmsnorm(o) * silu(z)``, fp32), out_proj, residual add, then the FFN:
+    ``residual + reduce(gdn_output(o, z))``, then ``ffn``.
 
     o, z [T, Hv, V]; residual [T, D] (the layer's input hidden states). ``ffn``: None (identity) or a callable
-    [T, D] -> [T, D] applied to the post-residual hidden states and returning the block's output (it owns its
+    [T, D] -> [T, D] applied to the post-residual hidden states and returning the layer's output (it owns its
     post_attention_layernorm and its own residual add). ``reduce``: None, or the sum of out_proj's partial
     results over the devices when the heads are split (tensor parallel, jax_gdn.sharding), applied before the
     residual add. Returns hidden [T, D] in residual's dtype.
     """
     t = _check_hidden(residual, dims, "residual")
-    want = (t, dims.num_v_heads, dims.head_v_dim)
-    for name, x in (("o", o), ("z", z)):
-        if tuple(jnp.shape(x)) != want:
-            raise ValueError(f"{name} must have shape [T, Hv, V] = {want}, got {tuple(jnp.shape(x))}")
-    y = gated_rms_norm(o, z.astype(o.dtype), params["norm"], dims.rms_norm_eps).reshape(t, dims.value_dim)
-    out = _linear(y.astype(residual.dtype), params["out_proj"])
+    _check_oz(o, z, dims, t)
+    out = gdn_output(params, dims, o, z, residual.dtype)
     h = residual + (out if reduce is None else reduce(out))
     return h if ffn is None else ffn(h)
 
 
 # ================================================================================================================
-# The whole layer: packed prefill (split protocol), decode, and the monolithic check
+# The mixer (normed x -> y, composed once) and the whole layer around it: prefill, decode, the monolithic check
 # ================================================================================================================
-def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
-                      backend: str = "auto", ffn: FFN = None, chunk_size: int = 64) -> tuple[jax.Array, GdnSlots]:
-    """Prefill of N packed streams through the split protocol (pure; call it inside jax.jit with dims static).
+def gdn_mixer(params: dict, dims: GdnDims, x: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
+              backend: str = "auto", chunk_size: int = 64, conv: Optional[str] = None
+              ) -> tuple[jax.Array, GdnSlots]:
+    """The GDN mixer over N packed streams: phase 1 (``phase1_in_proj``, ``phase1_conv_l2`` in the form
+    ``conv`` names), phase 2 (``gdn_full_varlen``; where the requested backend is not eligible for these inputs,
+    ``varlen_eligibility``, it runs again with the "xla" backend: traceable, any dims), then ``gdn_output``.
 
-    hidden [T, D] (stream n owns rows meta.cu_seqlens[n]:meta.cu_seqlens[n+1]; cu_seqlens ends at T);
-    slots: GdnSlots [S, ...]; meta: BatchMeta. Returns (hidden_out [T, D], slots with the N streams' conv and
-    ssm states advanced). Falls back to ``gdn_full_varlen`` with the "xla" backend when the requested backend is
-    not eligible (see ``varlen_eligibility``); both run under jit.
+    x [T, D] already normed (the layer's input RMSNorm applied; stream n owns rows
+    meta.cu_seqlens[n]:meta.cu_seqlens[n+1]); params: the mixer's (``mixer_param_shapes``; an input_layernorm
+    entry is ignored); slots: GdnSlots [S, ...]; meta: BatchMeta. Returns (y [T, D] in x's dtype, no residual;
+    slots with the N streams' conv and ssm states advanced). Pure: call it inside jax.jit with dims static.
     """
-    check_params(params, dims)
-    t = _check_hidden(hidden, dims)
+    check_params(params, dims, input_norm=False)
+    t = _check_hidden(x, dims, "x")
     _check_meta(meta, t, _check_slots(slots, dims))
-    p1, q, k, v, slots = phase1_varlen(params, dims, hidden, slots, meta, backend=backend)
+    p1 = phase1_in_proj(params, dims, x)
+    q, k, v, slots = phase1_conv_l2(params, dims, p1, slots, meta, backend=backend, conv=conv)
     o, new_slots, ok = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend=backend, chunk_size=chunk_size)
     if not ok:  # the kernel refuses these dims: the XLA chunked varlen path (traceable, any dims)
         o, new_slots, _ = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend="xla",
                                           chunk_size=chunk_size)
-    return phase3(params, dims, o, p1.z, hidden, ffn=ffn), new_slots
+    return gdn_output(params, dims, o, p1.z, x.dtype), new_slots
 
 
-#: How ``gdn_layer_decode`` runs a step: "unfused" (phase 1 as prefill runs it: XLA conv with a scatter of the conv
-#: states, split, L2 norm and gates, then the decode kernel or the XLA step), "fused" (three launches besides the
-#: projections and phase 3: in_proj, ``pallas_kernels.conv1d.decode`` (conv + SiLU + q/k L2 norm, conv states
-#: advanced in place), the decode kernel with g / beta made inside from the raw a, b; where ``decode_step_backend``
-#: finds no Pallas backend for the dims, unfused), "auto" (fused on a GPU where the kernels take the dims, else
-#: unfused). "auto" is the default since the H200 run of benchmarks/gpu/gdn_decode_s6.py (benchmarks/logs/s6/
-#: gdn_decode_s6_run1.log; N 64 streams, 80B dims, bf16, in-program): 0.161 -> 0.125 ms a layer step (floor
-#: 0.071: 2.26x -> 1.75x), 24 -> 14 launches; the fused step's error against the fp32 XLA step equals the unfused
-#: one's in bf16 (o 2.9e-3 vs 3.0e-3) and is 1.4e-7 in fp32; untouched slots NaN, padding streams write nothing.
-DECODE_STEP = "auto"
-DECODE_STEPS = ("auto", "unfused", "fused")
+def gdn_layer_prefill(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, meta: BatchMeta, *,
+                      backend: str = "auto", ffn: FFN = None, chunk_size: int = 64,
+                      conv: Optional[str] = None) -> tuple[jax.Array, GdnSlots]:
+    """Prefill of N packed streams through the split protocol (pure; call it inside jax.jit with dims static):
+    ``hidden + gdn_mixer(rmsnorm(hidden, input_layernorm))``, then ``ffn``.
+
+    hidden [T, D] (stream n owns rows meta.cu_seqlens[n]:meta.cu_seqlens[n+1]; cu_seqlens ends at T);
+    slots: GdnSlots [S, ...]; meta: BatchMeta; ffn: as in ``phase3``; conv: ``RuntimeOptions.phase1_conv``
+    (None: its default). Returns (hidden_out [T, D], slots with the N streams' conv and ssm states advanced).
+    """
+    check_params(params, dims)
+    _check_hidden(hidden, dims)
+    x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
+    y, slots = gdn_mixer(params, dims, x, slots, meta, backend=backend, chunk_size=chunk_size, conv=conv)
+    out = hidden + y
+    return (out if ffn is None else ffn(out)), slots
+
+
+#: ``gdn_layer_decode``'s ``step`` values (``RuntimeOptions.gdn_decode_step``).
+DECODE_STEPS = GDN_DECODE_STEPS
 
 
 def decode_step_backend(backend: str, dims: GdnDims, dtype) -> Optional[str]:
@@ -633,17 +662,18 @@ def decode_step_backend(backend: str, dims: GdnDims, dtype) -> Optional[str]:
     return None if kernel == "xla" or conv_l2_backend(backend, dims, dtype) != kernel else kernel
 
 
-def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids, has_initial_state, kb: str,
+def _decode_fused(params: dict, dims: GdnDims, x, slots: GdnSlots, slot_ids, has_initial_state, kb: str,
                   backend: str):
-    """The fused decode step's phases 1-2 (see ``DECODE_STEP``): (o [N, Hv, V], z [N, Hv, V], slots)."""
+    """The fused decode step's phases 1-2 on normed x [N, D] (``RuntimeOptions.gdn_decode_step``): in_proj, the
+    conv1d decode kernel (conv + SiLU + q/k L2 norm, conv states advanced in place), the decode kernel with g /
+    beta made inside from the raw a, b. Returns (o [N, Hv, V], z [N, Hv, V], slots)."""
     from pallas_kernels.conv1d import api as conv_api
     from pallas_kernels.conv1d.reference import qkvz_block_cols
     from pallas_kernels.gated_delta_rule import api as gdn_api
     from pallas_kernels.gated_delta_rule.triton import decode as decode_kernel
-    n = hidden.shape[0]
+    n = x.shape[0]
     hk, hv, d, r = dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_ratio
-    x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
-    if dims.layout == "qwen3_next" and not SPLIT_QKVZ_DOT:
+    if dims.layout == "qwen3_next":
         src = _linear(x, params["in_proj_qkvz"])                                # read in place by the conv kernel
         cols = qkvz_block_cols(hk, hv, d)
         z = src.reshape(n, hk, 2 * d + 2 * r * d)[..., 2 * d + r * d:].reshape(n, hv, d)
@@ -663,44 +693,60 @@ def _decode_fused(params: dict, dims: GdnDims, hidden, slots: GdnSlots, slot_ids
     return o[:, 0], z, slots.replace(conv_state=conv_pool, ssm_state=ssm)
 
 
-def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot_ids,
-                     has_initial_state=None, *, ffn: FFN = None, reduce: FFN = None, backend: str = "auto",
-                     step: Optional[str] = None) -> tuple[jax.Array, GdnSlots]:
-    """One decode step: ONE token per stream, recurrent form, conv and ssm states of the N slots advanced
-    (``reduce``: see ``phase3``).
+def gdn_mixer_decode(params: dict, dims: GdnDims, x: jax.Array, slots: GdnSlots, slot_ids,
+                     has_initial_state=None, *, backend: str = "auto", step: Optional[str] = None
+                     ) -> tuple[jax.Array, GdnSlots]:
+    """The GDN mixer's decode step: ONE token per stream, recurrent form, conv and ssm states of the N slots
+    advanced; then ``gdn_output``.
 
-    hidden [N, D] (row n = the next token of the stream in slot_ids[n]); slot_ids [N] int32 (checked when concrete;
-    under jit a padding stream's id S reads zeros and writes nothing); has_initial_state [N] bool (default all
-    True). backend: the GDN backend of the recurrent step ("auto": the decode kernel on a GPU); step: "unfused",
-    "fused" or "auto" (None: ``DECODE_STEP``; see there). Returns (hidden_out [N, D], slots).
+    x [N, D] already normed (row n = the next token of the stream in slot_ids[n]); params: the mixer's (an
+    input_layernorm entry is ignored); slot_ids [N] int32 (checked when concrete; under jit a padding stream's id
+    S reads zeros and writes nothing); has_initial_state [N] bool (default all True). backend: the GDN backend of
+    the recurrent step ("auto": the decode kernel on a GPU); step: ``RuntimeOptions.gdn_decode_step`` ("unfused",
+    "fused" or "auto"; None: its default). Returns (y [N, D] in x's dtype, no residual; slots).
     """
-    check_params(params, dims)
-    n = _check_hidden(hidden, dims)
+    check_params(params, dims, input_norm=False)
+    n = _check_hidden(x, dims, "x")
     num_slots = _check_slots(slots, dims)
     validation.check_slot_ids(slot_ids, num_slots, n)
     if has_initial_state is None:
         has_initial_state = jnp.ones((n,), bool)
     validation.check_has_initial_state(has_initial_state, n)
-    step = DECODE_STEP if step is None else step
+    step = RuntimeOptions.gdn_decode_step if step is None else step
     if step not in DECODE_STEPS:
         raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
-    kb = decode_step_backend(backend, dims, hidden.dtype) if step != "unfused" else None
+    kb = decode_step_backend(backend, dims, x.dtype) if step != "unfused" else None
     if step == "auto" and kb == "pallas_interpret":
         kb = None                                       # "auto" fuses only where the kernels are compiled (a GPU)
     if kb is not None:
-        o, z, slots = _decode_fused(params, dims, hidden, slots, slot_ids, has_initial_state, kb, backend)
-        return phase3(params, dims, o, z, hidden, ffn=ffn, reduce=reduce), slots
+        o, z, slots = _decode_fused(params, dims, x, slots, slot_ids, has_initial_state, kb, backend)
+        return gdn_output(params, dims, o, z, x.dtype), slots
     meta = BatchMeta(cu_seqlens=jnp.arange(n + 1, dtype=jnp.int32), slot_ids=slot_ids,
                      has_initial_state=has_initial_state, positions=jnp.zeros((n,), jnp.int32))
-    p1 = phase1_proj_batched(params, dims, hidden)
+    p1 = phase1_in_proj(params, dims, x)
     conv_out, slots = phase1_conv1d_varlen(params, dims, p1.mixed_qkv, slots, meta)
     q, k, v = phase1_l2_batched(dims, conv_out)
     o, ssm = gdn_ops.fused_recurrent_gated_delta_rule_slots(
         q[:, None], k[:, None], v[:, None], p1.g[:, None], p1.beta[:, None], ssm_state=slots.ssm_state,
         slot_ids=slot_ids, has_initial_state=has_initial_state, backend=backend)   # the decode kernel on a GPU
-    slots = slots.replace(ssm_state=ssm)
-    return phase3(params, dims, o[:, 0], p1.z, hidden, ffn=ffn, reduce=reduce), slots
+    return gdn_output(params, dims, o[:, 0], p1.z, x.dtype), slots.replace(ssm_state=ssm)
+
+
+def gdn_layer_decode(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot_ids,
+                     has_initial_state=None, *, ffn: FFN = None, reduce: FFN = None, backend: str = "auto",
+                     step: Optional[str] = None) -> tuple[jax.Array, GdnSlots]:
+    """One decode step of the whole layer: ``hidden + reduce(gdn_mixer_decode(rmsnorm(hidden, input_layernorm)))``,
+    then ``ffn`` (``ffn``, ``reduce``: see ``phase3``; the other arguments: ``gdn_mixer_decode``).
+
+    hidden [N, D] (row n = the next token of the stream in slot_ids[n]). Returns (hidden_out [N, D], slots).
+    """
+    check_params(params, dims)
+    _check_hidden(hidden, dims)
+    x = rms_norm(hidden, params["input_layernorm"], dims.rms_norm_eps)
+    y, slots = gdn_mixer_decode(params, dims, x, slots, slot_ids, has_initial_state, backend=backend, step=step)
+    out = hidden + (y if reduce is None else reduce(y))
+    return (out if ffn is None else ffn(out)), slots
 
 
 def gdn_layer_monolithic(params: dict, dims: GdnDims, hidden: jax.Array, slots: GdnSlots, slot,
@@ -814,6 +860,13 @@ class GatedDeltaNet(nnx.Module):
 
     def phase3(self, o, z, residual, ffn: FFN = None):
         return phase3(self.params(), self.dims, o, z, residual, ffn=ffn)
+
+    def mixer(self, x, slots, meta):
+        return gdn_mixer(self.params(), self.dims, x, slots, meta, backend=self.backend, chunk_size=self.chunk_size)
+
+    def mixer_decode(self, x, slots, slot_ids, has_initial_state=None):
+        return gdn_mixer_decode(self.params(), self.dims, x, slots, slot_ids, has_initial_state,
+                                backend=self.backend)
 
     def prefill(self, hidden, slots, meta, ffn: FFN = None):
         return gdn_layer_prefill(self.params(), self.dims, hidden, slots, meta, backend=self.backend, ffn=ffn,

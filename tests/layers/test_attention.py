@@ -11,6 +11,7 @@ import pytest
 from jax_gdn.config import AttnDims
 from jax_gdn.layers.attention import attention_layer, fuse_qkv, write_kv_pages
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
+from jax_gdn.options import RuntimeOptions
 from jax_gdn.state import KvPages
 from tests.numpy_reference import rel_rms
 
@@ -80,7 +81,7 @@ def _layer_setup(seed=0, d=32, h=4, hkv=2, dh=16, dtype=jnp.float32):
 
 
 def _call(params, dims, kv, x, slot_ids, old_lens, new_lens, page_table, ps, *, decode=False, backend="xla",
-          pad_tokens=0, num_slots=4):
+          pad_tokens=0, num_slots=4, options=None):
     """One layer call for streams (slot, old, new); the page table is fixed (slot s owns pages s*W ..)."""
     tok_slot = np.concatenate([[s] * n for s, n in zip(slot_ids, new_lens)] + [[num_slots] * pad_tokens])
     tok_pos = np.concatenate([np.arange(o, o + n) for o, n in zip(old_lens, new_lens)] + [[0] * pad_tokens])
@@ -95,7 +96,7 @@ def _call(params, dims, kv, x, slot_ids, old_lens, new_lens, page_table, ps, *, 
     return attention_layer(params, dims, x, kv, token_pos=jnp.asarray(tok_pos), token_page=jnp.asarray(
         tok_page.astype(np.int32)), token_offset=jnp.asarray(tok_pos % ps), page_table=jnp.asarray(page_table),
         slot_lens=jnp.asarray(slot_lens), cu_seqlens=jnp.asarray(cu), slot_ids=jnp.asarray(slot_ids, jnp.int32),
-        decode=decode, backend=backend)
+        decode=decode, backend=backend, options=options)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret", "cudnn_xla"])
@@ -136,7 +137,7 @@ def test_layer_chunked_prefill_and_decode_match_one_prefill(backend):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_fused_layer_matches_unfused(dtype, tol, monkeypatch):
+def test_fused_layer_matches_unfused(dtype, tol):
     """The prefill with q norm, RoPE and gate inside the kernel (pallas_interpret, fused by default there), with
     three projections or one fused qkv_proj, against the unfused XLA layer: same outputs, same pages written.
     Streams of 1, 63, 64, 65 and 130 new tokens, two of them continuing, plus padding tokens."""
@@ -165,10 +166,8 @@ def test_fused_layer_matches_unfused(dtype, tol, monkeypatch):
     # the XLA backend with the fused weight, and the three weights concatenated per call (long calls): the same
     out, _ = _call(fuse_qkv(params), dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s)
     assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
-    import jax_gdn.layers.attention as attention_mod
-    monkeypatch.setattr(attention_mod, "QKV_CONCAT_MIN_TOKENS", 16)
     out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
-                   backend="pallas_interpret")
+                   backend="pallas_interpret", options=RuntimeOptions(qkv_concat_min_tokens=16))
     assert rel_rms(np.asarray(out.astype(jnp.float32))[:sum(new)], ref[:sum(new)]) <= tol
 
 
@@ -204,17 +203,18 @@ def test_cudnn_layer_direct_path_matches_xla(batch, dtype, tol):
         for got, want in ((kv.k_pages, kv_ref.k_pages), (kv.v_pages, kv_ref.v_pages)):
             np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[live],
                                        np.asarray(want.astype(jnp.float32))[live], rtol=tol, atol=tol)
-    import jax_gdn.layers.attention as attention_mod
     from pallas_kernels.paged_attention import cudnn
-    for switch in ((attention_mod, "CUDNN_DIRECT", False), (cudnn, "Q_PROLOGUE", "pallas")):
-        mp = pytest.MonkeyPatch()
-        mp.setattr(*switch)               # the unfused path; the q norm + RoPE kernel (interpret mode here)
-        try:
-            out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
-                           backend="cudnn_xla")
-        finally:
-            mp.undo()
-        assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol, switch[1]
+    out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                   backend="cudnn_xla", options=RuntimeOptions(cudnn_direct=False))      # the unfused path
+    assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol, "cudnn_direct"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cudnn, "Q_PROLOGUE", "pallas")     # the q norm + RoPE kernel (interpret mode here)
+    try:
+        out, _ = _call(params, dims, kv0, x, slots, old, new, page_table, ps, pad_tokens=5, num_slots=s,
+                       backend="cudnn_xla")
+    finally:
+        mp.undo()
+    assert rel_rms(np.asarray(out.astype(jnp.float32)), ref) <= tol, "Q_PROLOGUE"
 
 
 def test_fuse_qkv_tree_fuses_every_attention_mixer_once():
@@ -271,18 +271,16 @@ def test_bench_attention_section_shape_on_cpu(capsys):
 
 
 @pytest.mark.parametrize("unique", [True, False])
-def test_write_kv_pages_drops_out_of_range_and_negative_pages(unique, monkeypatch):
-    """Both scatters (``KV_WRITE_UNIQUE``: flat rows with unique indices, or (page, offset)); the row form also
-    drops offsets outside [0, Ps) instead of writing another page's row."""
-    import jax_gdn.layers.attention as attention_mod
-    monkeypatch.setattr(attention_mod, "KV_WRITE_UNIQUE", unique)
+def test_write_kv_pages_drops_out_of_range_and_negative_pages(unique):
+    """Both scatters (``unique``, ``RuntimeOptions.kv_write_unique``: flat rows with unique indices, or (page,
+    offset)); the row form also drops offsets outside [0, Ps) instead of writing another page's row."""
     kv = KvPages(jnp.full((3, 2, 1, 4), 7.0), jnp.full((3, 2, 1, 4), -7.0))
     k = jnp.arange(1, 7, dtype=jnp.float32)[:, None, None] * jnp.ones((6, 1, 4))
     pages, offs = [0, 3, -1, 2, 1, 0], [1, 0, 1, 0, 0, 0]
     if unique:
         pages, offs = pages + [1, 2], offs + [2, -1]
         k = jnp.concatenate([k, jnp.full((2, 1, 4), 9.0)])
-    out = write_kv_pages(kv, k, -k, jnp.asarray(pages), jnp.asarray(offs))
+    out = write_kv_pages(kv, k, -k, jnp.asarray(pages), jnp.asarray(offs), unique=unique)
     kp = np.asarray(out.k_pages)[:, :, 0, 0]
     np.testing.assert_array_equal(kp, [[6, 1], [5, 7], [4, 7]])      # page 3 (== P) and page -1 dropped
     np.testing.assert_array_equal(np.asarray(out.v_pages)[:, :, 0, 0], -kp)

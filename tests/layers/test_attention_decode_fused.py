@@ -9,6 +9,7 @@ import pytest
 
 from jax_gdn.config import AttnDims
 from jax_gdn.layers import attention as A
+from jax_gdn.options import RuntimeOptions
 from jax_gdn.state import KvPages
 
 
@@ -61,7 +62,7 @@ def test_fused_decode_step_matches_unfused(backend, qkv, dtype, tol):
 
 
 def test_decode_fused_switch(monkeypatch):
-    """fused=None follows DECODE_FUSED on the Pallas backends with qkv_proj held, never on "xla" or with three
+    """fused=None follows RuntimeOptions.attention_decode_fused on the Pallas backends with qkv_proj held, never on "xla" or with three
     projection weights."""
     calls = []
     monkeypatch.setattr(A, "attention_decode_fused", lambda *a, **k: calls.append(k["backend"]) or (a[2], a[3]))
@@ -77,6 +78,6 @@ def test_decode_fused_switch(monkeypatch):
     x = jnp.ones((1, d))
     for flag, backend, p, want in ((False, "pallas_interpret", params, 0), (True, "pallas_interpret", params, 1),
                                    (True, "xla", params, 1), (True, "pallas_interpret", params3, 1)):
-        monkeypatch.setattr(A, "DECODE_FUSED", flag)
-        A.attention_layer(p, dims, x, kv, decode=True, backend=backend, **meta)
+        A.attention_layer(p, dims, x, kv, decode=True, backend=backend,
+                          options=RuntimeOptions(attention_decode_fused=flag), **meta)
         assert len(calls) == want, (flag, backend)

@@ -109,3 +109,37 @@ def test_zero_output_projections_make_the_block_the_identity(mixer):
     state = GdnSlots.zeros(CFG.gdn_dims, 1) if mixer == "gdn" else KvPages.zeros(4, 4, 2, 8)
     got, _ = blk.block(blk.BlockKind(mixer, False), p, x, state, batch, config=CFG, backends=BACK)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+
+
+def test_gdn_mixer_is_the_one_composition_of_the_layer():
+    """gdn_layer_prefill / gdn_layer_decode are ``hidden + mixer(rmsnorm(hidden))`` with the same gdn_mixer /
+    gdn_mixer_decode the block runs (bitwise, eager), and phase3 is ``residual + gdn_output``; the mixer takes the
+    block's mixer params (no input_layernorm) or the layer's (input_layernorm ignored)."""
+    g, _ = _blocks()
+    dims = CFG.gdn_dims
+    meta = BatchMeta.from_lengths([3, 9], slot_ids=[1, 0])
+    x = _x(12)
+    state = GdnSlots.zeros(dims, 2)
+    layer = dict(g["mixer"], input_layernorm=g["input_norm"])
+    h = rms_norm(x, g["input_norm"], CFG.rms_norm_eps)
+    y, st = gdn.gdn_mixer(g["mixer"], dims, h, state, meta, backend="xla")
+    y2, _ = gdn.gdn_mixer(layer, dims, h, state, meta, backend="xla")
+    out, st_l = gdn.gdn_layer_prefill(layer, dims, x, state, meta, backend="xla")
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x + y))
+    np.testing.assert_array_equal(np.asarray(st_l.ssm_state), np.asarray(st.ssm_state))
+
+    p1 = gdn.phase1_proj_batched(layer, dims, x)
+    q, k, v, s1 = gdn.phase1_conv_l2(layer, dims, p1, state, meta, conv="two_step")
+    o, _, ok = gdn.gdn_full_varlen(q, k, v, p1.g, p1.beta, s1, meta, backend="xla")
+    assert ok
+    np.testing.assert_array_equal(np.asarray(gdn.phase3(layer, dims, o, p1.z, x)),
+                                  np.asarray(x + gdn.gdn_output(layer, dims, o, p1.z, x.dtype)))
+
+    xd = x[:2]
+    yd, _ = gdn.gdn_mixer_decode(g["mixer"], dims, rms_norm(xd, g["input_norm"], CFG.rms_norm_eps), st,
+                                 jnp.array([1, 0]), backend="xla")
+    outd, _ = gdn.gdn_layer_decode(layer, dims, xd, st, jnp.array([1, 0]), backend="xla")
+    np.testing.assert_array_equal(np.asarray(outd), np.asarray(xd + yd))
+    with pytest.raises(ValueError, match="missing"):
+        gdn.gdn_mixer({k: v for k, v in g["mixer"].items() if k != "out_proj"}, dims, h, state, meta)

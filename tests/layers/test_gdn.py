@@ -402,25 +402,14 @@ def test_phase1_fused_equals_two_step(name, backend):
     assert np.isnan(np.asarray(fused[-1].conv_state)[untouched]).all(), "slots not named keep their contents"
 
 
-def test_split_qkvz_dot_equals_fused_projection(monkeypatch):
-    dims = DIMS_KV["next_kv"]
-    params, hidden = _params(dims), _hidden(70, dims)
-    want = gdn.phase1_proj_batched(params, dims, hidden)
-    monkeypatch.setattr(gdn, "SPLIT_QKVZ_DOT", True)
-    got = gdn.phase1_proj_batched(params, dims, hidden)
-    assert got.qkvz is None
-    for a, b in ((want.mixed_qkv, got.mixed_qkv), (want.z, got.z), (want.g, got.g), (want.beta, got.beta)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
-
-
-def test_layer_prefill_fused_conv_equals_two_step(monkeypatch):
+def test_layer_prefill_fused_conv_equals_two_step():
     dims = DIMS_KV["next_kv"]
     params = _params(dims)
     meta, slots, _, _ = _packed_case(dims, [65, 1, 63])
     hidden = _hidden(129, dims)
     want, want_slots = prefill_jit(params, dims, hidden, slots, meta, backend="xla")
-    monkeypatch.setattr(gdn, "PHASE1_CONV", "fused")
-    got, got_slots = jit(gdn.gdn_layer_prefill)(params, dims, hidden, slots, meta, backend="xla")
+    got, got_slots = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend", "conv"))(
+        params, dims, hidden, slots, meta, backend="xla", conv="fused")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got_slots.ssm_state), np.asarray(want_slots.ssm_state), atol=2e-5,
                                rtol=1e-5)

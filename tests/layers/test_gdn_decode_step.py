@@ -16,6 +16,7 @@ import pytest
 
 from jax_gdn.config import GdnDims
 from jax_gdn.layers import gdn
+from jax_gdn.options import RuntimeOptions
 from jax_gdn.state import GdnSlots
 from tests.numpy_reference import rel_rms
 
@@ -79,7 +80,7 @@ def test_fused_decode_step_matches_unfused(name, dtype):
 
 def test_decode_step_switch():
     dims = DIMS["next_r2"]
-    assert gdn.DECODE_STEP in gdn.DECODE_STEPS
+    assert RuntimeOptions().gdn_decode_step in gdn.DECODE_STEPS
     assert gdn.decode_step_backend("xla", dims, jnp.float32) is None
     assert gdn.decode_step_backend("pallas_interpret", dims, jnp.float32) == "pallas_interpret"
     assert gdn.decode_step_backend("pallas_interpret", GdnDims(32, 1, 3, 16, 8, layout="qwen3_5"),

@@ -1,6 +1,7 @@
 """The GDN layer against HF transformers' Qwen3NextGatedDeltaNet and Qwen3_5GatedDeltaNet (fp32, torch fallback
 path), same weights, random inputs: packed prefill of two streams, HF's cache path (prefill then one decode step),
 the final recurrent and conv states."""
+import functools
 import inspect
 
 import jax
@@ -145,8 +146,8 @@ def test_monolithic_matches_hf(hf_case):
 
 
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
-def test_fused_conv_prefill_matches_hf(layout, monkeypatch, backend="xla"):
-    """K == V = 16 (the fused conv + SiLU + L2 op's case), gdn.PHASE1_CONV = "fused": HF's cache path for a fresh
+def test_fused_conv_prefill_matches_hf(layout, backend="xla"):
+    """K == V = 16 (the fused conv + SiLU + L2 op's case), phase 1's conv "fused" (RuntimeOptions.phase1_conv): HF's cache path for a fresh
     stream of 70 tokens, the output and the conv state. (The op's Pallas kernel equals its XLA form in
     tests/layers/test_gdn.py::test_phase1_fused_equals_two_step and tests/pallas_kernels/test_conv1d.py.)"""
     from transformers.cache_utils import DynamicCache
@@ -160,8 +161,7 @@ def test_fused_conv_prefill_matches_hf(layout, monkeypatch, backend="xla"):
         layer0 = getattr(cache, "layers", [None])[0]
         conv = getattr(layer0, "conv_states", None)
         hf_conv = None if conv is None or conv[0] is None else conv[0].numpy()[0]
-    monkeypatch.setattr(gdn, "PHASE1_CONV", "fused")
-    fn = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend"))    # traced here, with the switch on
+    fn = jax.jit(functools.partial(gdn.gdn_layer_prefill, conv="fused"), static_argnames=("dims", "backend"))
     slots = GdnSlots(conv_state=jnp.full((2, dims.conv_dim, KC - 1), jnp.nan),
                      ssm_state=jnp.full((2, HV, 16, 16), jnp.nan))
     out, slots = fn(params, dims, jnp.asarray(x[0]), slots, BatchMeta.from_lengths([T_PREFILL], slot_ids=[1]),

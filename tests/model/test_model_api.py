@@ -227,3 +227,88 @@ def test_gdn_only_model_needs_no_kv_pages():
                               np.array([1], np.int32))
     assert logits.shape == (1, 61) and np.all(np.isfinite(np.asarray(logits)))
     np.testing.assert_array_equal(np.asarray(cache.slot_lens), [0, 40])
+
+
+def test_strict_refusal_leaves_the_callers_cache_live(model):
+    """strict=True decides each step on the host before the donating call: a refused prefill or decode raises
+    without running, so the cache passed in (never donated) is still live and unchanged even when the caller
+    drops ``err.cache``; the caller carries on with it."""
+    from jax_gdn import HybridModel
+    strict = HybridModel(CFG, model.params, dtype=jnp.float32, backend="xla", strict=True)
+    cache = strict.init_cache(max_seqs=2, max_tokens=32, page_size=8, max_seq_len=24)
+    _, cache = strict.prefill(cache, np.arange(20, dtype=np.int32), np.array([0, 20], np.int32), [0])
+    before = _snapshot(cache)
+    with pytest.raises(OutOfKvPagesError, match="out of KV pages.*before it ran"):
+        strict.prefill(cache, np.arange(20, dtype=np.int32), np.array([0, 20], np.int32), [1])
+    for x, y in zip(before, _snapshot(cache)):                                          # live, unchanged
+        np.testing.assert_array_equal(x, y)
+    for _ in range(4):
+        _, cache = strict.decode(cache, np.array([3], np.int32), [0])                  # tokens 21 .. 24
+    before = _snapshot(cache)
+    with pytest.raises(OutOfKvPagesError, match="max_seq_len"):
+        strict.decode(cache, np.array([3], np.int32), [0])                              # token 25 > 24
+    for x, y in zip(before, _snapshot(cache)):                                          # live, unchanged
+        np.testing.assert_array_equal(x, y)
+    assert int(cache.status) == 0
+    cache = strict.release(cache, [0])
+    logits, cache = strict.prefill(cache, np.arange(20, dtype=np.int32), np.array([0, 20], np.int32), [1])
+    assert np.all(np.isfinite(np.asarray(logits))) and np.any(np.asarray(logits) != 0)
+    np.testing.assert_array_equal(np.asarray(cache.slot_lens), [0, 20])
+
+
+def test_max_seq_len_is_exact_not_whole_pages(model):
+    """max_seq_len=20 with 16-token pages: a slot holds 20 tokens, never 21 (the pages would hold 32). The
+    refused step writes nothing to any stream and returns zero logits (status 2, sticky until check), through the
+    model's methods and through the pure step under a jit of one's own."""
+    cache = model.init_cache(max_seqs=2, max_tokens=128, page_size=16, max_seq_len=20)
+    assert cache.seq_len_limit == 20
+    _, cache = model.prefill(cache, np.arange(25, dtype=np.int32), np.array([0, 20, 25], np.int32), [0, 1])
+    assert int(cache.status) == 0
+    before = _snapshot(cache)
+    logits, cache = model.decode(cache, np.array([1, 2], np.int32), [1, 0])             # slot 0: token 21
+    assert int(cache.status) == 2 and np.all(np.asarray(logits) == 0)
+    for x, y in zip(before, _snapshot(cache)):                                          # slot 1 untouched too
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(OutOfKvPagesError, match=r"max_seq_len \(20 tokens per slot\)") as err:
+        model.check(cache)
+    cache = err.value.cache
+    _, cache = model.decode(cache, np.array([1], np.int32), [1])                        # slot 1: token 6 fits
+    assert int(cache.status) == 0
+    np.testing.assert_array_equal(np.asarray(cache.slot_lens), [20, 6])
+
+    # the pure step under jax.jit: inputs padded by hand (T 32, N 2), a fresh cache
+    step = jax.jit(model.step_fn(), donate_argnums=(1,))
+    ids = jnp.asarray(np.arange(32, dtype=np.int32) % 61)
+    for lens, want in (((21, 5), 2), ((20, 5), 0)):
+        fresh = model.init_cache(max_seqs=2, max_tokens=128, page_size=16, max_seq_len=20)
+        cu = jnp.asarray(np.cumsum([0, *lens]).astype(np.int32))
+        logits, out = step(model.params, fresh, ids, cu, jnp.asarray([0, 1], jnp.int32))
+        assert int(out.status) == want
+        if want:
+            assert np.all(np.asarray(logits) == 0)
+            np.testing.assert_array_equal(np.asarray(out.slot_lens), [0, 0])
+            assert np.all(np.asarray(out.page_owner) == -1)
+        else:
+            np.testing.assert_array_equal(np.asarray(out.slot_lens), [20, 5])
+
+
+def test_traced_methods_raise_naming_the_method_and_the_pure_step(model):
+    """jax.jit(model.prefill) (or decode, release, check) raises a TypeError naming the method and what to use
+    instead, not JAX's generic conversion error; model.step_fn() under jax.jit gives the method's logits."""
+    cache = model.init_cache(max_seqs=2, max_tokens=64, page_size=8)
+    ids, cu, sl = np.arange(6, dtype=np.int32), np.array([0, 2, 6], np.int32), np.array([1, 0], np.int32)
+    with pytest.raises(TypeError, match=r"HybridModel\.prefill .*traced.*model\.step_fn\(\)"):
+        jax.jit(model.prefill)(cache, ids, cu, sl)
+    with pytest.raises(TypeError, match=r"HybridModel\.decode .*step_fn"):
+        jax.jit(model.decode)(cache, ids[:2], sl)
+    with pytest.raises(TypeError, match=r"HybridModel\.release .*release_slots"):
+        jax.jit(model.release)(cache, sl)
+    with pytest.raises(TypeError, match=r"HybridModel\.check"):
+        jax.jit(model.check)(cache)
+    want, _ = model.prefill(cache, ids, cu, sl, return_all_logits=True)
+    ids_p = jnp.asarray(np.concatenate([ids, np.zeros(10, np.int32)]))                 # T bucket 16
+    got, _ = jax.jit(model.step_fn(return_all_logits=True))(model.params, model.init_cache(
+        max_seqs=2, max_tokens=64, page_size=8), ids_p, jnp.asarray(cu), jnp.asarray(sl))
+    np.testing.assert_allclose(np.asarray(got)[:6], np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="return_all_logits"):
+        model.step_fn(decode=True, return_all_logits=True)

@@ -13,6 +13,7 @@ import pytest
 from jax_gdn import HybridConfig, HybridModel
 from jax_gdn.checkpoint import params_from_state_dict, random_state_dict
 from jax_gdn.model import init_params, layer_plan
+from jax_gdn.options import RuntimeOptions
 
 # 2 layers, dense FFN, tiny dims: cheap to compile (CI runs every program below on 2 shared cores)
 CFG = HybridConfig(model_type="qwen3_next", vocab_size=37, hidden_size=16, num_hidden_layers=2,
@@ -123,16 +124,15 @@ def test_bucket_padding_changes_nothing_and_touches_no_other_slot(params):
     assert padded.compiled_programs() == 2 and exact.compiled_programs() == 2
 
 
-def test_per_layer_state_path_equals_flat_pools(params, monkeypatch):
-    """Pools too large for the kernels to address as one flat array (FLAT_POOL_LIMIT) run per layer (slice /
-    update): the same logits and states as the flat-pool path (kernels in interpret mode; prefill with padding,
-    then decode)."""
-    import jax_gdn.model as model_mod
+def test_per_layer_state_path_equals_flat_pools(params):
+    """Pools too large for the kernels to address as one flat array (RuntimeOptions.flat_pool_limit) run per layer
+    (slice / update): the same logits and states as the flat-pool path (kernels in interpret mode; prefill with
+    padding, then decode)."""
     ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
     outs = []
-    for limit in (model_mod.FLAT_POOL_LIMIT, 0):
-        monkeypatch.setattr(model_mod, "FLAT_POOL_LIMIT", limit)
-        m = HybridModel(CFG, params, dtype=jnp.float32, backend="pallas_interpret")
+    for limit in (RuntimeOptions().flat_pool_limit, 0):
+        m = HybridModel(CFG, params, dtype=jnp.float32, backend="pallas_interpret",
+                        options=RuntimeOptions(flat_pool_limit=limit))
         cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
         a, cache = m.prefill(cache, ids, cu, slots, return_all_logits=True)
         b, cache = m.decode(cache, ids[:2], slots)
@@ -222,3 +222,34 @@ def test_registry_supports_and_missing_modules():
     assert "no implementation 'cuda'" in registry.supports("moe", "cuda")
     with pytest.raises(ValueError, match="unknown op"):
         registry.resolve("conv", "auto")
+
+
+def test_runtime_options_validated_held_and_passed_down(params):
+    """RuntimeOptions refuses bad values naming the field; the model holds its options (scan_unroll applied) and
+    its blocks run them: other implementations of the same math give the default's logits (fp32, xla), and
+    hold_fused_qkv=False keeps the three projection weights."""
+    for bad, field in ((dict(phase1_conv="fast"), "phase1_conv"), (dict(gdn_decode_step=1), "gdn_decode_step"),
+                       (dict(hold_fused_qkv=1), "hold_fused_qkv"), (dict(qkv_concat_min_tokens=-1),
+                                                                     "qkv_concat_min_tokens"),
+                       (dict(flat_pool_limit=1.5), "flat_pool_limit"), (dict(scan_unroll_decode=0),
+                                                                         "scan_unroll_decode")):
+        with pytest.raises(ValueError, match=f"RuntimeOptions.{field}"):
+            RuntimeOptions(**bad)
+    with pytest.raises(ValueError, match="options must be"):
+        HybridModel(CFG, params, dtype=jnp.float32, backend="xla", options={"phase1_conv": "fused"})
+    m = HybridModel(CFG, params, dtype=jnp.float32, backend="xla", scan_unroll=3,
+                    options=RuntimeOptions(scan_unroll_prefill=2))
+    assert m.options == RuntimeOptions(scan_unroll_prefill=3, scan_unroll_decode=3)
+    assert m.scan_unroll == {"prefill": 3, "decode": 3}
+    ids, cu, slots = np.arange(11, dtype=np.int32) % 37, np.array([0, 4, 11], np.int32), np.array([1, 0], np.int32)
+    outs = []
+    for opts in (None, RuntimeOptions(hold_fused_qkv=False, qkv_concat_min_tokens=0, kv_write_unique=False,
+                                      phase1_conv="fused")):
+        m = HybridModel(CFG, params, dtype=jnp.float32, backend="xla", options=opts)
+        assert ("qkv_proj" in m.params["period"][1]["mixer"]) == (opts is None)
+        cache = m.init_cache(max_seqs=3, max_tokens=64, page_size=8)
+        a, cache = m.prefill(cache, ids, cu, slots, return_all_logits=True)
+        b, cache = m.decode(cache, ids[:2], slots)
+        outs.append([np.asarray(x) for x in (a, b, cache.gdn.ssm_state, cache.kv.k_pages)])
+    for x, y in zip(*outs):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
