@@ -18,9 +18,9 @@ Attention: jax_gdn.layers.attention.attention_layer (projections, norms, RoPE, K
 attention, gate, o_proj) into an empty pool of 16-token pages handed out in a shuffled order, the page table
 [N, W] as wide as the longest stream needs; the paged attention runs the layer's backend
 (pallas_kernels.paged_attention: "pallas" the Triton kernel, "xla" the reference gathering all W pages per block,
-"cudnn" cuDNN's packed fused attention (``attention.CUDNN_DIRECT``: the new K/V straight from the projection,
+"cudnn" cuDNN's packed fused attention (``RuntimeOptions.cudnn_direct``: the new K/V straight from the projection,
 the gate in the merge's pass); the GDN layer is not timed for "cudnn" / "cudnn_xla", attention-only backends).
-The q/k/v projections are one qkv_proj weight when ``attention.HOLD_FUSED_QKV`` (as the model holds them).
+The q/k/v projections are one qkv_proj weight when ``RuntimeOptions.hold_fused_qkv`` (as the model holds them).
 
 Times are medians of ``reps`` calls (each closed by block_until_ready) after one warm-up call.
 Returns / prints tokens/s (T / time) and the share of each GDN phase in the sum of the three.

@@ -28,7 +28,7 @@ LIBRARIES = ("pallas_kernels", "jax_gdn")
 #: names its ``__init__`` only. A module may import modules of its own layer and of the layers below it.
 LAYERS = (
     ("kernels", ("pallas_kernels",)),
-    ("data", ("jax_gdn.config", "jax_gdn.state", "jax_gdn.options")),
+    ("data", ("jax_gdn.config", "jax_gdn.state", "jax_gdn.options", "jax_gdn.timing")),
     ("ops", ("jax_gdn.ops",)),
     ("layers", ("jax_gdn.layers",)),
     ("model", ("jax_gdn.model", "jax_gdn.checkpoint", "jax_gdn.sharding")),

@@ -40,7 +40,7 @@ def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison
 
 
 def test_defaults():
-    assert mg.ENABLED is True and mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
+    assert mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
     # the measured choices: states in [B, Hv, K, V] inside the pass, exp2, the split where its time model says
     assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
                                                 split=mg.SplitConfig())

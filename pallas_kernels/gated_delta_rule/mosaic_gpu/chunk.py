@@ -57,14 +57,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (SMEM_BUDGET, bcast_cols, bcast_rows, iota, matmul,
-                                                              num_sms, ring_stages, smem)
+from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_split
+from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import (chunk_layout, chunk_step,  # noqa: F401
+                                                                       fused_state_pass_reference)
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (BV, C, LN2, LOG2E, SMEM_BUDGET, bcast_cols,  # noqa: F401
+                                                              bcast_rows, iota, matmul, num_sms, ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
+from pallas_kernels.gated_delta_rule.mosaic_gpu.split import (DEFAULT_SPLIT, FIRSTS, PRECISIONS, SCANS,  # noqa: F401
+                                                             SplitConfig, split_cost, split_pieces)
 
-C = 64                 # chunk size (stage 1a's T is [C, C])
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-BV = 64                # value columns per CTA (WG0's S^T [BV, K] fp32 is 64 registers a thread at K = 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 F32 = jnp.float32
@@ -641,96 +642,6 @@ def check_supported(q, k, v, g, beta, initial_state=None, *, kernel: bool = True
         raise ValueError("mosaic_gpu gdn: q has T = 0 tokens (nothing to run)")
 
 
-def fused_state_pass_reference(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool,
-                               head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
-                               write_o: bool = True, exp2: bool = False):
-    """What :func:`fused_state_pass` computes, in jnp (fp32, matmul precision highest), same arguments and
-    results: the kernel's per-chunk formulas (W = v - Gamma k S, v_new = (T * beta_j) W, o, S update) as a
-    lax.scan over each piece's chunks (``head_major``: T = T0 * e^(G_i - G_j) first, as the kernel's WG1 does).
-    Runs anywhere; the CPU tests check it (behind stage 1a in interpret mode, or :func:`kkt_fwd_reference`)
-    against the float64 per-token oracle, so the algebra the kernel implements is tested without a GPU."""
-    b, tp, hk, kdim = k.shape
-    hv = v.shape[2]
-    run_pieces = pieces if run_pieces is None else run_pieces
-    t, gcum, beta_c = chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
-    if pieces > 1:      # piece p of row b becomes row b * R + p (p < R)
-        lp = tp // pieces
-
-        def rows(x):    # [B, Tp, ...] -> [B * R, L, ...]
-            x = x.reshape((b, pieces, lp) + x.shape[2:])[:, :run_pieces]
-            return x.reshape((b * run_pieces, lp) + x.shape[3:])
-
-        def chunk_rows(x):  # [NC, ...] -> [B * R * NC_piece, ...]
-            x = x.reshape((b, pieces, lp // C) + x.shape[1:])[:, :run_pieces]
-            return x.reshape((b * run_pieces * (lp // C),) + x.shape[3:])
-        o, ht = _reference_rows(rows(q), rows(k), rows(v), chunk_rows(t), chunk_rows(gcum), chunk_rows(beta_c),
-                                h0t, scale=scale, out_final=out_final)
-        o = o.reshape(b, run_pieces * lp, hv, v.shape[3]) if run_pieces == pieces else None
-    else:
-        o, ht = _reference_rows(q, k, v, t, gcum, beta_c, h0t, scale=scale, out_final=out_final)
-    return (o if write_o else None), ht
-
-
-def chunk_layout(t, gcum, beta_c, *, head_major: bool, exp2: bool):
-    """The twins' common input: (gated T [NC, Hv, C, C], natural-log G [NC, Hv, C], beta [NC, Hv, C]) fp32 from
-    either layout of the fused pass's operands (``head_major``: T0 [B, Hv, Tp, C], G and beta [B, Hv, Tp], T
-    gated here as the kernel's WG1 does; ``exp2``: G in log2 units)."""
-    if exp2:            # log2 gates back to natural log (the twin works in natural log)
-        gcum = gcum * LN2
-    if not head_major:
-        return t, gcum, beta_c
-    b, hv, tp = gcum.shape
-    nc = b * tp // C
-    g4 = gcum.astype(F32).reshape(b, hv, tp // C, C)
-    keep = jnp.tril(jnp.ones((C, C), bool))
-    decay = jnp.exp(jnp.where(keep, g4[..., :, None] - g4[..., None, :], -jnp.inf))
-    t = t.astype(F32).reshape(b, hv, tp // C, C, C) * decay
-    t = jnp.transpose(t, (0, 2, 1, 3, 4)).reshape(nc, hv, C, C)
-    gcum = jnp.transpose(g4, (0, 2, 1, 3)).reshape(nc, hv, C)
-    beta_c = jnp.transpose(beta_c.astype(F32).reshape(b, hv, tp // C, C), (0, 2, 1, 3)).reshape(nc, hv, C)
-    return t, gcum, beta_c
-
-
-def chunk_step(s, xs, scale: float):
-    """One chunk of the fused pass in jnp (fp32, precision highest): s [B, Hv, K, V] the incoming state, xs =
-    (q, k [B, Hv, C, K], v [B, Hv, C, V], gated T [B, Hv, C, C], G, beta [B, Hv, C]) fp32. Returns (the outgoing
-    state, o [B, Hv, C, V] fp32): W = v - e^G k S, v_new = (T * beta_j) W, o = scale (e^G q S + P v_new),
-    S' = e^(G_last) S + k^T (e^(G_last - G) v_new)."""
-    hp = lax.Precision.HIGHEST
-    keep = jnp.tril(jnp.ones((C, C), bool))
-    qq, kk, vv, tt, gg, bb = xs
-    ag = tt * bb[..., None, :]                                                   # T_ij beta_j
-    x = jnp.einsum("bhck,bhkv->bhcv", kk, s, precision=hp)
-    w = vv - jnp.exp(gg)[..., None] * x
-    vn = jnp.einsum("bhij,bhjv->bhiv", ag, w, precision=hp)
-    decay = jnp.exp(jnp.where(keep, gg[..., :, None] - gg[..., None, :], -jnp.inf))
-    p = jnp.einsum("bhik,bhjk->bhij", qq, kk, precision=hp) * decay
-    o = scale * (jnp.exp(gg)[..., None] * jnp.einsum("bhck,bhkv->bhcv", qq, s, precision=hp)
-                 + jnp.einsum("bhij,bhjv->bhiv", p, vn, precision=hp))
-    glast = gg[..., -1]
-    vd = jnp.exp(glast[..., None] - gg)[..., None] * vn
-    s = jnp.exp(glast)[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", kk, vd, precision=hp)
-    return s, o
-
-
-def _reference_rows(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool):
-    b, tp, hk, kdim = k.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    ncb = tp // C
-
-    def chunks(x):      # [B, Tp, H, D] -> [ncb, B, Hv, C, D] fp32
-        x = jnp.repeat(x, hv // x.shape[2], axis=2).astype(F32)
-        return jnp.transpose(x.reshape(b, ncb, C, hv, x.shape[3]), (1, 0, 3, 2, 4))
-    qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    tc = jnp.swapaxes(t.astype(F32).reshape(b, ncb, hv, C, C), 0, 1)                  # [ncb, B, Hv, C, C]
-    gc = jnp.swapaxes(gcum.astype(F32).reshape(b, ncb, hv, C), 0, 1)                  # [ncb, B, Hv, C]
-    bc = jnp.swapaxes(beta_c.astype(F32).reshape(b, ncb, hv, C), 0, 1)
-    s0 = (jnp.zeros((b, hv, kdim, vdim), F32) if h0t is None else jnp.swapaxes(h0t.astype(F32), -1, -2))
-    s, o = lax.scan(functools.partial(chunk_step, scale=scale), s0, (qc, kc, vc, tc, gc, bc))  # o [ncb, B, Hv, C, V]
-    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(b, tp, hv, vdim).astype(q.dtype)
-    return o, (jnp.swapaxes(s, -1, -2) if out_final else None)
-
-
 def _pad_time(x, pad):
     return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
@@ -776,112 +687,6 @@ def prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces:
     t0 = kkt_fwd(k, beta_hm, heads=hv) if kernel else kkt_fwd_reference(k, beta_hm, heads=hv)
     h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
     return q, k, v, t0, gcum, beta_hm, h0t
-
-
-# ---- the sequence split (jla's piece maps, FlashQLA's intra-card context parallelism) -------------------------
-SCANS = ("serial", "log", "triton")
-FIRSTS = ("map", "h0")
-PRECISIONS = ("highest", "high", "default")
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitConfig:
-    """The sequence split: when to split a row (:func:`split_pieces`, a time model) and how the pieces' start
-    states are made (``split.start_states``). The defaults are the H200's (``python -m benchmarks gdn``; one
-    process, 3 interleaved rounds, bf16, ms).
-
-    max_pieces, min_piece_chunks: :func:`split_pieces` tries the powers of two P <= max_pieces whose pieces hold at
-      least min_piece_chunks chunks.
-    max_split_ctas: rows whose unsplit pass runs more CTAs (B Hv V / 64) are never split (jla's rule is 32): P = 2
-      beat the unsplit pass in every round on both 64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830,
-      B1-T32768 0.928 against 1.078); at 128+ CTAs the fused pass alone fills a wave.
-    map_step, fixed, per_piece: :func:`split_cost`'s time model in chunk steps of the fused pass (1.86 us on the
-      H200): one map-pass step as a fraction of a fused step, the fixed and the per-piece cost of the launches and
-      the scan. per_piece fits B1-T8192-Hk2-Hv8, where P = 4 (0.1436) beat P = 8 (0.1571) in every round.
-    scan: the scan over the pieces, "serial" (jla's unrolled XLA form), "log" (XLA, log-depth compositions),
-      "triton" (one Pallas Triton kernel, jla's) or "auto": serial up to serial_max_pieces pieces, Triton above.
-      B1-T8192-Hk2-Hv8, P = 4, tf32 products: Triton 0.1222 against serial 0.1262; at P = 2 (first piece from h0,
-      or no h0) no scan has a product and serial (a stack) ties Triton (0.2477).
-    precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32): tf32 0.1222
-      against fp32 0.1309 at B1-T8192-Hk2-Hv8 P = 4, o and state unchanged against fp32 XLA (3.39e-3, 2.38e-3).
-    first: the first piece of a row with an initial state, "h0" (walked from h0 itself: its identity blocks walk
-      nothing, one scan product less) or "map" (mapped from [I | 0] like the others, jla's form): "h0" 0.1321
-      against 0.1429 (Triton scan), 0.1307 against 0.1369 (serial), B1-T8192-Hk2-Hv8 P = 4.
-    paired: the map pass runs two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``): "auto" where
-      ceil(CTAs / 2 / SMs) paired_step < ceil(CTAs / SMs), True / False always / never; paired_step is a paired
-      CTA's step over a single one's (H200, B1-T8192-Hk2-Hv8 P = 8, 224 blocks: 0.0617 ms paired, one wave,
-      against 0.0665 single, two waves).
-    """
-    max_pieces: int = 8
-    min_piece_chunks: int = 8
-    max_split_ctas: int = 64
-    map_step: float = 0.6
-    fixed: float = 1.0
-    per_piece: float = 5.8
-    scan: str = "auto"
-    serial_max_pieces: int = 2
-    precision: str = "default"
-    first: str = "h0"
-    paired: object = "auto"
-    paired_step: float = 1.86
-
-    def __post_init__(self):
-        for name in ("max_pieces", "min_piece_chunks", "max_split_ctas", "serial_max_pieces"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SplitConfig.{name} must be an int >= 1; got {value!r}")
-        for name in ("map_step", "fixed", "per_piece", "paired_step"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"SplitConfig.{name} must be a number >= 0; got {value!r}")
-        if self.scan not in SCANS + ("auto",):
-            raise ValueError(f"SplitConfig.scan must be one of {SCANS + ('auto',)}; got {self.scan!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"SplitConfig.precision must be one of {PRECISIONS}; got {self.precision!r}")
-        if self.first not in FIRSTS:
-            raise ValueError(f"SplitConfig.first must be one of {FIRSTS}; got {self.first!r}")
-        if self.paired not in ("auto", True, False) or isinstance(self.paired, int) and not isinstance(
-                self.paired, bool):
-            raise ValueError(f"SplitConfig.paired must be 'auto', True or False; got {self.paired!r}")
-
-
-DEFAULT_SPLIT = SplitConfig()
-
-
-def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
-               sms: int | None = None, *, has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> float:
-    """The split's time model in fused-pass chunk steps (one CTA per SM at K = 128): the fused pass runs
-    ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(CTAs / SMs) waves of as
-    many steps at ``config.map_step`` each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV
-    identity blocks without an initial state or with ``config.first = "h0"``), plus ``config.fixed +
-    config.per_piece (P - 1)`` for the launch and the scan."""
-    sms = num_sms() if sms is None else sms
-    steps = -(-nchunks // pieces)
-    cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
-    if pieces > 1:
-        ctas = batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1)
-        if not has_h0 or config.first == "h0":
-            ctas -= batch * heads * (key_dim // BV)
-        cost += -(-ctas // sms) * steps * config.map_step + config.fixed + config.per_piece * (pieces - 1)
-    return cost
-
-
-def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
-                 has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> int:
-    """Pieces per row of the sequence split: the power of two P <= ``config.max_pieces`` (pieces of at least
-    ``config.min_piece_chunks`` chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than
-    ``config.max_split_ctas`` CTAs (the bench's B4-T4096 and B16-T1024 rows) and on ties."""
-    if batch * heads * max(value_dim // BV, 1) > config.max_split_ctas:
-        return 1
-    nchunks = padded // C
-    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0, config=config)
-    p = 2
-    while p <= config.max_pieces and nchunks // p >= config.min_piece_chunks:
-        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms, has_h0=has_h0, config=config)
-        if cost < best_cost:
-            best, best_cost = p, cost
-        p *= 2
-    return best
 
 
 STAGE1A = ("triton", "mosaic")
@@ -934,7 +739,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
         ops_ = prepare_chunk_layout(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
     run = fused_state_pass if kernel else fused_state_pass_reference
     if pieces > 1:
-        from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_split
         h0_pieces = mosaic_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
                                               config=split)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,

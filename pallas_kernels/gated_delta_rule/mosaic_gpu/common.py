@@ -14,6 +14,10 @@ from jax import lax
 
 SMEM_BUDGET = 220 * 1024        # bytes of shared memory a CTA may take on sm_90 (228 KB less the reserve)
 F32 = jnp.float32
+C = 64                          # chunk size of the chunk kernels (stage 1a's T is [C, C])
+BV = 64                         # value columns per CTA (WG0's S^T [BV, K] fp32 is 64 registers a thread at K = 128)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def plgpu():

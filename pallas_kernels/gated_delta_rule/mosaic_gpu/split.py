@@ -44,22 +44,123 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
-from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (bcast_cols, bcast_rows, iota, matmul, num_sms, ring_stages,
-                                                              smem)
+from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import fused_state_pass_reference
+from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (BV, C, bcast_cols, bcast_rows, iota, matmul, num_sms,
+                                                              ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
 
-C = mg.C
-BV = mg.BV
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 MAPS = ("map", "paired")
-SCANS = mg.SCANS
 PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "default": lax.Precision.DEFAULT}
-SplitConfig = mg.SplitConfig
 
 
-def use_pairs(ctas: int, key_dim: int, value_dim: int, *, config: SplitConfig = mg.DEFAULT_SPLIT,
+# ---- the sequence split (jla's piece maps, FlashQLA's intra-card context parallelism) -------------------------
+SCANS = ("serial", "log", "triton")
+FIRSTS = ("map", "h0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """The sequence split: when to split a row (:func:`split_pieces`, a time model) and how the pieces' start
+    states are made (``split.start_states``). The defaults are the H200's (``python -m benchmarks gdn``; one
+    process, 3 interleaved rounds, bf16, ms).
+
+    max_pieces, min_piece_chunks: :func:`split_pieces` tries the powers of two P <= max_pieces whose pieces hold at
+      least min_piece_chunks chunks.
+    max_split_ctas: rows whose unsplit pass runs more CTAs (B Hv V / 64) are never split (jla's rule is 32): P = 2
+      beat the unsplit pass in every round on both 64-CTA rows (B1-T8192-Hk16-Hv32 0.2585 against 0.2830,
+      B1-T32768 0.928 against 1.078); at 128+ CTAs the fused pass alone fills a wave.
+    map_step, fixed, per_piece: :func:`split_cost`'s time model in chunk steps of the fused pass (1.86 us on the
+      H200): one map-pass step as a fraction of a fused step, the fixed and the per-piece cost of the launches and
+      the scan. per_piece fits B1-T8192-Hk2-Hv8, where P = 4 (0.1436) beat P = 8 (0.1571) in every round.
+    scan: the scan over the pieces, "serial" (jla's unrolled XLA form), "log" (XLA, log-depth compositions),
+      "triton" (one Pallas Triton kernel, jla's) or "auto": serial up to serial_max_pieces pieces, Triton above.
+      B1-T8192-Hk2-Hv8, P = 4, tf32 products: Triton 0.1222 against serial 0.1262; at P = 2 (first piece from h0,
+      or no h0) no scan has a product and serial (a stack) ties Triton (0.2477).
+    precision: the scan's products, "highest" (IEEE fp32), "high" (bf16 x 3) or "default" (tf32): tf32 0.1222
+      against fp32 0.1309 at B1-T8192-Hk2-Hv8 P = 4, o and state unchanged against fp32 XLA (3.39e-3, 2.38e-3).
+    first: the first piece of a row with an initial state, "h0" (walked from h0 itself: its identity blocks walk
+      nothing, one scan product less) or "map" (mapped from [I | 0] like the others, jla's form): "h0" 0.1321
+      against 0.1429 (Triton scan), 0.1307 against 0.1369 (serial), B1-T8192-Hk2-Hv8 P = 4.
+    paired: the map pass runs two 64-row blocks per CTA (jla's ``_map_fwd_wy_paired``): "auto" where
+      ceil(CTAs / 2 / SMs) paired_step < ceil(CTAs / SMs), True / False always / never; paired_step is a paired
+      CTA's step over a single one's (H200, B1-T8192-Hk2-Hv8 P = 8, 224 blocks: 0.0617 ms paired, one wave,
+      against 0.0665 single, two waves).
+    """
+    max_pieces: int = 8
+    min_piece_chunks: int = 8
+    max_split_ctas: int = 64
+    map_step: float = 0.6
+    fixed: float = 1.0
+    per_piece: float = 5.8
+    scan: str = "auto"
+    serial_max_pieces: int = 2
+    precision: str = "default"
+    first: str = "h0"
+    paired: object = "auto"
+    paired_step: float = 1.86
+
+    def __post_init__(self):
+        for name in ("max_pieces", "min_piece_chunks", "max_split_ctas", "serial_max_pieces"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SplitConfig.{name} must be an int >= 1; got {value!r}")
+        for name in ("map_step", "fixed", "per_piece", "paired_step"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SplitConfig.{name} must be a number >= 0; got {value!r}")
+        if self.scan not in SCANS + ("auto",):
+            raise ValueError(f"SplitConfig.scan must be one of {SCANS + ('auto',)}; got {self.scan!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"SplitConfig.precision must be one of {tuple(PRECISIONS)}; got {self.precision!r}")
+        if self.first not in FIRSTS:
+            raise ValueError(f"SplitConfig.first must be one of {FIRSTS}; got {self.first!r}")
+        if self.paired not in ("auto", True, False) or isinstance(self.paired, int) and not isinstance(
+                self.paired, bool):
+            raise ValueError(f"SplitConfig.paired must be 'auto', True or False; got {self.paired!r}")
+
+
+DEFAULT_SPLIT = SplitConfig()
+
+
+def split_cost(batch: int, heads: int, key_dim: int, value_dim: int, nchunks: int, pieces: int,
+               sms: int | None = None, *, has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> float:
+    """The split's time model in fused-pass chunk steps (one CTA per SM at K = 128): the fused pass runs
+    ceil(B Hv V/BV P / SMs) waves of nchunks / P steps; with P > 1 the map pass adds ceil(CTAs / SMs) waves of as
+    many steps at ``config.map_step`` each, CTAs = B Hv (K + V)/BV (P - 1) (less the first piece's B Hv K/BV
+    identity blocks without an initial state or with ``config.first = "h0"``), plus ``config.fixed +
+    config.per_piece (P - 1)`` for the launch and the scan."""
+    sms = num_sms() if sms is None else sms
+    steps = -(-nchunks // pieces)
+    cost = -(-batch * heads * max(value_dim // BV, 1) * pieces // sms) * steps
+    if pieces > 1:
+        ctas = batch * heads * ((key_dim + value_dim) // BV) * (pieces - 1)
+        if not has_h0 or config.first == "h0":
+            ctas -= batch * heads * (key_dim // BV)
+        cost += -(-ctas // sms) * steps * config.map_step + config.fixed + config.per_piece * (pieces - 1)
+    return cost
+
+
+def split_pieces(batch: int, heads: int, key_dim: int, value_dim: int, padded: int, *, sms: int | None = None,
+                 has_h0: bool = True, config: SplitConfig = DEFAULT_SPLIT) -> int:
+    """Pieces per row of the sequence split: the power of two P <= ``config.max_pieces`` (pieces of at least
+    ``config.min_piece_chunks`` chunks) with the least :func:`split_cost`; 1 (no split) for rows of more than
+    ``config.max_split_ctas`` CTAs (the bench's B4-T4096 and B16-T1024 rows) and on ties."""
+    if batch * heads * max(value_dim // BV, 1) > config.max_split_ctas:
+        return 1
+    nchunks = padded // C
+    best, best_cost = 1, split_cost(batch, heads, key_dim, value_dim, nchunks, 1, sms, has_h0=has_h0, config=config)
+    p = 2
+    while p <= config.max_pieces and nchunks // p >= config.min_piece_chunks:
+        cost = split_cost(batch, heads, key_dim, value_dim, nchunks, p, sms, has_h0=has_h0, config=config)
+        if cost < best_cost:
+            best, best_cost = p, cost
+        p *= 2
+    return best
+
+
+def use_pairs(ctas: int, key_dim: int, value_dim: int, *, config: SplitConfig = DEFAULT_SPLIT,
               sms: int | None = None) -> bool:
     """Whether the map pass runs its ``ctas`` single-block CTAs as pairs (needs K / 64 and V / 64 even):
     ``config.paired`` True / False, or "auto": where ceil(CTAs / 2 / SMs) ``config.paired_step`` < ceil(CTAs / SMs)
@@ -173,7 +274,7 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
 
 
 def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = True, head_major: bool = True,
-                   exp2: bool = False, config: SplitConfig = mg.DEFAULT_SPLIT, h0t=None, interpret=None):
+                   exp2: bool = False, config: SplitConfig = DEFAULT_SPLIT, h0t=None, interpret=None):
     """The maps [M_p^T ; E_p^T] of pieces p = 0 .. P - 2, fp32 [B (P - 1), Hv, K + V, K] (row b (P - 1) + p: piece
     p of row b; rows :K hold M^T, rows K: hold E^T), one Mosaic GPU kernel.
 
@@ -458,7 +559,7 @@ def _augmented_map(k, v, t, gcum, beta_c, *, pieces, need_first, head_major, exp
     elif not need_first:
         h_aug = h_aug.at[:, 0].set(0.0)
     h_aug = h_aug.reshape(b * r, hv, kdim + vdim, kdim)
-    _, maps_t = mg.fused_state_pass_reference(k, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True,
+    _, maps_t = fused_state_pass_reference(k, k, v_aug, t, gcum, beta_c, h_aug, scale=1.0, out_final=True,
                                               head_major=head_major, exp2=exp2, pieces=pieces, run_pieces=r,
                                               write_o=False)
     return maps_t
@@ -592,7 +693,7 @@ def piece_scan_triton(maps_t, h0t, *, precision=HIGHEST, interpret: bool = False
 
 
 def start_states(ops_, pieces: int, *, kernel: bool, head_major: bool, exp2: bool = False, map_impl: str = "map",
-                 config: SplitConfig = mg.DEFAULT_SPLIT):
+                 config: SplitConfig = DEFAULT_SPLIT):
     """Each piece's initial state, transposed, fp32 [B P, Hv, V, K], from the fused pass's operands ``ops_`` =
     (q, k, v, t, gcum, beta_c, h0t) (``chunk.prepare_head_major`` / ``prepare_chunk_layout`` with the same P).
     ``kernel`` False: the jnp twin of the map pass (anywhere). ``map_impl``: "map" the map kernel (paired where
