@@ -44,7 +44,7 @@ state feeds the next, as in the model (``PARTS_TIMING`` says all of this in the 
                its host dispatch, overlapped with the device's work on the calls before it: a part faster on the
                device than its dispatch, tens of us, reads the dispatch time: an upper bound).
   ms_blocking  each call closed by ``block_until_ready``, median of reps calls: the rows' method, which adds ~0.5
-               ms of launch + sync per call on the H200 (jax_gdn/layers/NOTES_gdn_phases.md). Decode parts: max(reps,
+               ms of launch + sync per call on the H200 (docs/benchmarking.md). Decode parts: max(reps,
                5) calls and batches.
   <part> (ms)  the figure of record (``choose_figures``): ms_in_program when sound (measured, > 0, no carried-buffer
                copy in the loop, >= 0.6 x its roofline, <= 1.25 x the separate call), else ms_pipelined; ms_source

@@ -12,7 +12,7 @@ Rows (random bf16 weights; the same timing for every row: median wall ms of the 
     "expert": the 4-layer model (3 GDN + 1 attention, MoE FFNs) in fp32 with jax_default_matmul_precision
     "highest", last-token logits within CHECK_TOL = 1e-4 relative (a wrong split, a missing or doubled reduction, a
     wrong slot or expert is O(1)); in bf16 the fraction of tokens whose top-k expert set differs in the first MoE
-    layer (read through a probe model): the seed of the bf16 logits gap (jax_gdn/SHARDING_NOTES.md).
+    layer (read through a probe model): the seed of the bf16 logits gap (docs/sharding.md).
   * 48 layers (the full model: ~155 GB of weights, ~78 GB per device), made split on the 2 devices
     (init_params(mesh=)), expert parallel then tensor parallel experts: prefill of the varlen16 mix, one decode step
     of 64 streams (context 1189 tokens each), prefill of one 32768-token stream.

@@ -60,7 +60,7 @@ same everywhere) and the FFN's one psum joins the devices' partial sums.
   whose experts are hot gets more rows (random weights: balanced; real checkpoints: hot experts decide).
 "auto" (the default) picks "expert" where the mesh divides the experts, "tensor" otherwise: on two H200s at 80B
 dims expert parallel measured 5% faster on prefill and the same on decode (rows with moe_sharding "tensor" /
-"expert" in benchmarks/results/h200x2.json; ``jax_gdn/SHARDING_NOTES.md``). Decode reads 1/n of the hit experts'
+"expert" in benchmarks/results/h200x2.json; ``docs/sharding.md``). Decode reads 1/n of the hit experts'
 bytes per device either way (weight-bandwidth bound).
 
 Errors: ``ShardRules(config, mesh, moe_sharding)`` raises ValueError naming the mesh size and the head /
