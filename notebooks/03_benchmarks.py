@@ -273,11 +273,9 @@ else:
 # figure shows, per row, the time of the section's peer divided by ours (above 1: ours is faster).
 
 # %%
-import sys
 from IPython.display import Markdown, display
 
-sys.path.insert(0, str(ROOT))              # the benchmarks package sits at the repository root, not installed
-from benchmarks.report import markdown_tables
+from benchmarks.report import markdown_tables   # the repository root is on the kernel's path (notebooks/_execute.py)
 
 SECTIONS = {"moe": ("pallas", "xla", "our XLA path"), "attention": ("pallas", "torch_sdpa", "torch SDPA"),
             "decode": ("pallas", "fla", "FLA"), "model": ("ours", "hf", "HF transformers")}

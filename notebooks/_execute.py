@@ -51,13 +51,28 @@ def shrink_outputs(nb) -> None:
 
 
 def execute(name: str, timeout: int = 300) -> float:
-    """Reads notebooks/<name>.py, executes it (cwd notebooks/), writes notebooks/<name>.ipynb; returns seconds."""
+    """Reads notebooks/<name>.py, executes it (cwd notebooks/), writes notebooks/<name>.ipynb; returns seconds.
+
+    The kernel gets the repository root on PYTHONPATH, so that a notebook can read the results through the
+    benchmark package (``benchmarks/``: not installed, it sits at the root); the library itself comes from the
+    installed package."""
+    import os
+
     import jupytext
     from nbclient import NotebookClient
     nb = jupytext.read(HERE / f"{name}.py")
+    root = str(HERE.parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root if not old else f"{old}{os.pathsep}{root}"
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                       resources={"metadata": {"path": str(HERE)}}).execute()
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
     secs = time.perf_counter() - t0
     shrink_outputs(nb)
     jupytext.write(nb, HERE / f"{name}.ipynb")

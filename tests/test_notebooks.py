@@ -5,6 +5,7 @@ notebooks/), and is committed executed with embedded figures and small outputs.
 from __future__ import annotations
 
 import difflib
+import os
 import pathlib
 
 # the test extra installs these: a missing one fails here rather than skipping the notebook checks unseen
@@ -13,6 +14,7 @@ import jupytext
 import matplotlib  # noqa: F401
 import nbclient
 import nbformat
+
 import pytest
 
 NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
@@ -61,10 +63,13 @@ def test_notebook_matches_its_source(name):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_executes(name):
+def test_notebook_executes(name, monkeypatch):
     if name == "04_checkpoint":
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
+    # as notebooks/_execute.py runs them: the repository root on the kernel's path (the benchmark package)
+    old = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(NB_DIR.parent) if not old else f"{old}{os.pathsep}{NB_DIR.parent}")
     nb = _read(name)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(NB_DIR)}})

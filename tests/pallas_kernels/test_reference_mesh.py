@@ -49,9 +49,9 @@ OP_SCRIPT = textwrap.dedent("""
 MODEL_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax_gdn.model import HybridModel, init_params
-    from jax_gdn.model_demo import tiny_config
+    from jax_gdn.config import preset
     assert len(jax.devices()) == 2, jax.devices()
-    config = tiny_config()
+    config = preset("tiny")
     ids = np.random.default_rng(1).integers(0, config.vocab_size, 70).astype(np.int32)
     cu, slots = np.array([0, 30, 70], np.int32), np.array([0, 1], np.int32)
     mesh = jax.make_mesh((2,), ("model",))
