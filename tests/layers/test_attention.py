@@ -1,7 +1,7 @@
 """Gated attention layer: partial NeoX RoPE and the whole layer against HF's Qwen3NextAttention; the layer's
 split calls (prefill in two chunks, then decode steps) against one prefill of every token, per backend (the
 cuDNN backend through its XLA stand-in "cudnn_xla" on CPU), with padding tokens and a padding stream (slot id S). The paged-attention op itself is tested against a float64 oracle
-in tests/pallas_kernels/test_paged_attention.py."""
+in tests/pallas_kernels/paged_attention/test_triton.py."""
 from __future__ import annotations
 
 import jax.numpy as jnp

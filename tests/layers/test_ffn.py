@@ -1,6 +1,6 @@
 """FFN blocks: SwiGLU MLP and the sparse MoE (fp32 router, top-k, renormalisation, grouped experts, gated
 shared expert) against a float64 NumPy loop over experts, and the MoE block against HF's Qwen3NextSparseMoeBlock
-(each MoE backend). The kernels themselves are tested in tests/pallas_kernels/test_moe.py."""
+(each MoE backend). The kernels themselves are tested in tests/pallas_kernels/moe/test_experts.py."""
 from __future__ import annotations
 
 import jax

@@ -149,7 +149,7 @@ def test_monolithic_matches_hf(hf_case):
 def test_fused_conv_prefill_matches_hf(layout, backend="xla"):
     """K == V = 16 (the fused conv + SiLU + L2 op's case), phase 1's conv "fused" (RuntimeOptions.phase1_conv): HF's cache path for a fresh
     stream of 70 tokens, the output and the conv state. (The op's Pallas kernel equals its XLA form in
-    tests/layers/test_gdn.py::test_phase1_fused_equals_two_step and tests/pallas_kernels/test_conv1d.py.)"""
+    tests/layers/test_gdn.py::test_phase1_fused_equals_two_step and tests/pallas_kernels/conv1d/test_prefill.py.)"""
     from transformers.cache_utils import DynamicCache
 
     cfg, layer, norm, params, dims = _hf_layer(layout, 16, 16)

@@ -3,7 +3,7 @@
 On CPU: everything but the cuDNN call itself, through backend "cudnn_xla" (the same packing of the pages into one
 K/V buffer, the same per-segment offsets, the same two-call split and LSE merge, with ``segments_xla`` standing
 in for cuDNN; it leaves NaN on rows no segment covers, as cuDNN leaves them unwritten) against the float64 oracle
-of test_paged_attention.py: streams of 1, 63, 64, 65, 130 tokens continuing 0-300 tokens of context, GQA, pages in
+of test_triton.py: streams of 1, 63, 64, 65, 130 tokens continuing 0-300 tokens of context, GQA, pages in
 a shuffled order, NaN-poisoned free pages and page tails, padding tokens and streams. Also jax's conversion of our
 token offsets into cuDNN's element offsets (the GQA scaling jax applied before its fix), capacity overflow, page
 ids out of range under jit, the fresh-only switch, the decode and gated entries, the backend checks.
@@ -22,7 +22,7 @@ import pytest
 from pallas_kernels import registry
 from pallas_kernels.paged_attention import api, cudnn
 from pallas_kernels.paged_attention.cudnn import CudnnConfig
-from tests.pallas_kernels.test_paged_attention import (STREAMS_ODD, check_against_oracle, make_case, oracle,
+from tests.pallas_kernels.paged_attention.test_triton import (STREAMS_ODD, check_against_oracle, make_case, oracle,
                                                        rel_rms)
 
 

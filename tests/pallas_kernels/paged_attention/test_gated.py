@@ -2,10 +2,10 @@
 causal attention, * sigmoid(gate)) against a float64 NumPy oracle: the XLA reference and the one Pallas kernel
 (interpret mode on CPU; compiled on a GPU in the `gpu` tests).
 
-Cases reuse test_paged_attention.make_case (continued streams with context in pages, shuffled pages, NaN-poisoned
+Cases reuse test_triton.make_case (continued streams with context in pages, shuffled pages, NaN-poisoned
 free pages and page tails, stale page-table entries, padding tokens and padding streams with slot id S). qg has
 extra columns past H 2 Dh (the k and v of a fused projection) filled with NaN: a kernel reading them fails.
-Tolerances (relative RMS against float64, per stream): fp32 1e-5, bf16 2e-2 (test_paged_attention.TOL).
+Tolerances (relative RMS against float64, per stream): fp32 1e-5, bf16 2e-2 (test_triton.TOL).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import api, triton
-from tests.pallas_kernels.test_paged_attention import (CPU_BACKENDS, STREAMS_ODD, TOL, _round, make_case, oracle,
+from tests.pallas_kernels.paged_attention.test_triton import (CPU_BACKENDS, STREAMS_ODD, TOL, _round, make_case, oracle,
                                                        rel_rms)
 
 EPS = 1e-6
