@@ -1,4 +1,4 @@
-"""Edge cases every backend of the gated delta rule must agree on (issue 14's "correctness defects").
+"""Edge cases every backend of the gated delta rule must agree on.
 
 g = -inf and |g| ~ 1e37 (hard resets), NaN locality, autodiff through Pallas, head dims outside the kernel's list,
 B = 0 / T = 0, chunk_size types, mixed q / v dtypes. CPU backends: "xla", "pallas_interpret" and the per-token
