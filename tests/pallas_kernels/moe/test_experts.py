@@ -20,22 +20,10 @@ from pallas_kernels.moe import reference as ref
 from pallas_kernels.moe import triton as tr
 from pallas_kernels.moe.triton import MoeConfig
 from tests.numpy_reference import rel_rms
+from tests.pallas_kernels.moe.base import routed_f64
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SMALL = MoeConfig(block_m=16, gate_up_n=32, gate_up_k=32, down_n=32, down_k=32)   # several column blocks
-
-
-def _routed_f64(x, tw, ti, wgu, wd):
-    """sum_j tw[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ti[t, j]; float64 loop over pairs."""
-    x, tw, wgu, wd = (np.asarray(a, np.float64) for a in (x, tw, wgu, wd))
-    inter = wd.shape[1]
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ti.shape[1]):
-            e = int(ti[t, j])
-            gu = x[t] @ wgu[e]
-            out[t] += tw[t, j] * ((gu[:inter] / (1.0 + np.exp(-gu[:inter])) * gu[inter:]) @ wd[e])
-    return out
 
 
 def _inputs(rng, t, d, e, inter, k, dtype, ti=None):
@@ -62,7 +50,7 @@ def test_split_partial_half_tiles(backend):
     ti = np.concatenate([np.zeros((t, 1), np.int64), others], axis=1).astype(np.int32)
     cfg = MoeConfig(block_m=32, gate_up_n=32, gate_up_k=32, down_n=32, down_k=32, split_partial=True)
     x, tw, ti_j, wgu, wd, f64, _ = _inputs(rng, t, d, e, inter, k, jnp.float32, ti=ti)
-    want = _routed_f64(*f64[:2], ti, *f64[2:])
+    want = routed_f64(*f64[:2], ti, *f64[2:])
     out = api.moe_experts(x, tw, ti_j, wgu, wd, backend=backend, config=cfg)
     assert rel_rms(np.asarray(out), want) <= 1e-5
     lay = ref.moe_align(tw, ti_j, e, cfg.block_m)
@@ -95,7 +83,7 @@ def test_decode_sizes_small_row_blocks_match_f64(t, dtype, fused):
     assert tr.select_config(t, k, e) is tr.DECODE_CONFIG
     cfg = DECODE_FUSED if fused else None                                     # None: the api's own pick
     x, tw, ti, wgu, wd, f64, ti_np = _inputs(rng, t, d, e, inter, k, dtype)
-    want = _routed_f64(*f64[:2], ti_np, *f64[2:])
+    want = routed_f64(*f64[:2], ti_np, *f64[2:])
     out = api.moe_experts(x, tw, ti, wgu, wd, backend="pallas_interpret", config=cfg)
     assert out.shape == (t, d) and out.dtype == dtype
     assert rel_rms(np.asarray(out.astype(jnp.float32)), want) <= TOL[dtype]
@@ -118,7 +106,7 @@ def test_decode_one_expert_empty_experts_and_poisoned_h(fused):
     for t, ti in ((64, np.full((64, 1), 5, np.int32)),
                   (7, np.stack([np.full(7, 3), np.full(7, 60)], axis=1).astype(np.int32))):
         x, tw, ti_j, wgu, wd, f64, _ = _inputs(rng, t, d, e, inter, ti.shape[1], jnp.float32, ti=ti)
-        want = _routed_f64(*f64[:2], ti, *f64[2:])
+        want = routed_f64(*f64[:2], ti, *f64[2:])
         out = api.moe_experts(x, tw, ti_j, wgu, wd, backend="pallas_interpret", config=cfg)
         assert rel_rms(np.asarray(out), want) <= 1e-5
         lay = ref.moe_align(tw, ti_j, e, cfg.block_m)
@@ -215,7 +203,7 @@ def test_nan_poisoned_padding_rows_do_not_leak():
                          config=SMALL, interpret=True)
     out = np.asarray(ref.combine(y, lay.row_pos, x.dtype))
     assert np.all(np.isfinite(np.asarray(y)[live_row]))
-    assert rel_rms(out, _routed_f64(*f64[:2], ti_np, *f64[2:])) <= 1e-5
+    assert rel_rms(out, routed_f64(*f64[:2], ti_np, *f64[2:])) <= 1e-5
     # padding rows inside live blocks come out as zeros
     live_block_pad = (~live_row) & np.repeat(np.asarray(lay.block_expert) < e, SMALL.block_m)
     assert live_block_pad.sum() > 0 and np.all(np.asarray(y)[live_block_pad] == 0)
@@ -224,7 +212,7 @@ def test_nan_poisoned_padding_rows_do_not_leak():
         out = np.asarray(api.moe_experts(xn, tw, ti, wgu, wd, backend=backend, config=SMALL))
         ok = np.arange(t) != 4
         assert np.all(np.isnan(out[4]))
-        assert rel_rms(out[ok], _routed_f64(*f64[:2], ti_np, *f64[2:])[ok]) <= 1e-5, backend
+        assert rel_rms(out[ok], routed_f64(*f64[:2], ti_np, *f64[2:])[ok]) <= 1e-5, backend
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
@@ -249,7 +237,7 @@ def test_sparse_moe_top_k_ties_and_qwen35_routing(backend):
     gu = x @ sp["gate_proj"]
     shared = ((gu / (1 + np.exp(-gu))) * (x @ sp["up_proj"])) @ sp["down_proj"]
     gate = 1 / (1 + np.exp(-(x @ p["shared_expert_gate"])))
-    want = _routed_f64(x, np.full((t, k), 1.0 / k), np.tile(np.arange(k), (t, 1)), p["experts_gate_up"],
+    want = routed_f64(x, np.full((t, k), 1.0 / k), np.tile(np.arange(k), (t, 1)), p["experts_gate_up"],
                        p["experts_down"]) + gate * shared
     assert rel_rms(np.asarray(out), want) <= 1e-5
 

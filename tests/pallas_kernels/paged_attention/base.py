@@ -60,12 +60,15 @@ class Case:
                 jnp.asarray(self.slot_ids))
 
 
-def make_case(rng, *, streams, hkv, group, dh, ps=16, num_slots=6, pad_tokens=3, pad_streams=1, dtype=F32):
-    """``streams``: (slot, old, new) per real stream; every old and new token's K/V already in its pages."""
+def make_case(rng, *, streams, hkv=2, group=4, dh=32, ps=16, num_slots=6, width=None, pad_tokens=3,
+              pad_streams=1, dtype=F32, num_pages=None):
+    """``streams``: (slot, old, new) per real stream; every old and new token's K/V already in its pages, handed
+    out in a shuffled order. ``width`` / ``num_pages``: the page table's columns and the pool's pages (default: as
+    many as the streams need, plus spare)."""
     h = hkv * group
     need = {s: -(-(o + n) // ps) for s, o, n in streams}
-    width = max(max(need.values()) + 2, 2)
-    num_pages = sum(need.values()) + 5
+    width = width or max(max(need.values()) + 2, 2)
+    num_pages = num_pages or sum(need.values()) + 5
     k_pages = np.full((num_pages, ps, hkv, dh), np.nan)
     v_pages = np.full((num_pages, ps, hkv, dh), np.nan)
     order = list(rng.permutation(num_pages))

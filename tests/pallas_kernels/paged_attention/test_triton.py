@@ -8,7 +8,6 @@ with slot id S. Tolerances (relative RMS against float64, per stream): fp32 1e-5
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import pytest
 
 from pallas_kernels.paged_attention import api
 from pallas_kernels.paged_attention.reference import build_query_blocks
+from tests.pallas_kernels.paged_attention.base import _round, make_case, oracle
 
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-2}
 CPU_BACKENDS = ("xla", "pallas_interpret")
@@ -25,88 +25,6 @@ CPU_BACKENDS = ("xla", "pallas_interpret")
 def rel_rms(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
-
-
-@dataclasses.dataclass
-class Case:
-    """One prefill call: arrays for the op and the float64 inputs of the oracle, per stream."""
-    q: np.ndarray            # [T, H, Dh] (dtype-rounded values, float64)
-    k_pages: np.ndarray      # [P, Ps, Hkv, Dh] (NaN where nothing was written)
-    v_pages: np.ndarray
-    page_table: np.ndarray   # [S, W]
-    slot_lens: np.ndarray    # [S]
-    cu: np.ndarray           # [N + 1]
-    slot_ids: np.ndarray     # [N]
-    streams: list            # (slot, old, new, k [old + new, Hkv, Dh], v) per stream, float64 (slot -1: padding)
-
-    def args(self, dtype):
-        return (jnp.asarray(self.q, dtype), jnp.asarray(self.k_pages, dtype), jnp.asarray(self.v_pages, dtype),
-                jnp.asarray(self.page_table), jnp.asarray(self.slot_lens), jnp.asarray(self.cu),
-                jnp.asarray(self.slot_ids))
-
-
-def _round(x, dtype):
-    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
-
-
-def make_case(rng, *, streams, hkv=2, group=4, dh=32, ps=16, num_slots=6, width=None, pad_tokens=3,
-              pad_streams=1, dtype=jnp.float32, num_pages=None):
-    """streams: (slot, old, new) per real stream. Builds a pool whose pages are handed out in a shuffled order,
-    with every old and new token's K/V in place (the op runs after this call's writes)."""
-    h = hkv * group
-    need = {s: -(-(o + n) // ps) for s, o, n in streams}
-    width = width or max(max(need.values()) + 2, 2)
-    num_pages = num_pages or sum(need.values()) + 5
-    k_pages = np.full((num_pages, ps, hkv, dh), np.nan)
-    v_pages = np.full((num_pages, ps, hkv, dh), np.nan)
-    order = list(rng.permutation(num_pages))
-    page_table = rng.integers(-3, num_pages + 3, (num_slots, width)).astype(np.int32)   # stale rows
-    slot_lens = rng.integers(0, 50, num_slots).astype(np.int32)                          # idle slots: stale too
-    out_streams, qs = [], []
-    owned = []
-    for s, o, n in streams:
-        pages = [order.pop() for _ in range(need[s])]
-        owned.append(pages)
-        page_table[s, :need[s]] = pages
-        slot_lens[s] = o + n
-        kk = _round(rng.standard_normal((o + n, hkv, dh)), dtype)
-        vv = _round(rng.standard_normal((o + n, hkv, dh)), dtype)
-        for pos in range(o + n):
-            k_pages[pages[pos // ps], pos % ps] = kk[pos]
-            v_pages[pages[pos // ps], pos % ps] = vv[pos]
-        out_streams.append((s, o, n, kk, vv))
-        qs.append(_round(rng.standard_normal((n, h, dh)), dtype))
-    # entries past a slot's pages point at OTHER slots' pages (finite data a leak would show) or out of range
-    for i, (s, o, n) in enumerate(streams):
-        others = [p for j, pg in enumerate(owned) if j != i for p in pg] or [0]
-        for c in range(need[s], width):
-            page_table[s, c] = rng.choice(others) if c % 2 else num_pages + c
-    lens = [n for _, _, n in streams] + [0] * pad_streams
-    ids = [s for s, _, _ in streams] + [num_slots] * pad_streams
-    for _ in range(pad_streams):
-        out_streams.append((-1, 0, 0, None, None))
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q = np.concatenate(qs + [_round(rng.standard_normal((pad_tokens, h, dh)), dtype)], axis=0)
-    return Case(q, k_pages, v_pages, page_table, slot_lens, cu, np.asarray(ids, np.int32), out_streams)
-
-
-def oracle(case: Case, scale: float):
-    """float64 [T, H, Dh]: causal softmax attention per stream; zeros for padding tokens."""
-    t, h, dh = case.q.shape
-    out = np.zeros((t, h, dh))
-    for i, (s, o, n, kk, vv) in enumerate(case.streams):
-        if s < 0 or n == 0:
-            continue
-        q = case.q[case.cu[i]:case.cu[i] + n]
-        g = h // kk.shape[1]
-        kr, vr = np.repeat(kk, g, axis=1), np.repeat(vv, g, axis=1)
-        sc = np.einsum("qhd,khd->hqk", q, kr) * scale
-        mask = np.arange(o + n)[None, :] <= (o + np.arange(n))[:, None]
-        sc = np.where(mask[None], sc, -np.inf)
-        p = np.exp(sc - sc.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        out[case.cu[i]:case.cu[i] + n] = np.einsum("hqk,khd->qhd", p, vr)
-    return out
 
 
 def check_against_oracle(case, out, scale, dtype):
