@@ -7,26 +7,24 @@ import argparse
 import os
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1."""
+def _int_at_least(text: str, low: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    return _int_at_least(text, 1, "a positive int")
 
 
 def nonnegative_int(text: str) -> int:
     """An int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0, "an int >= 0")
 
 
 def positive_float(text: str) -> float:
