@@ -39,7 +39,7 @@ def test_layer_pallas_interpret_matches_xla():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 1e-2)])
-def test_layer_pallas_gpu_matches_xla(dtype, tol):
+def test_layer_pallas_gpu_matches_xla(dtype, tol, monkeypatch):
     dims = GdnDims(512, 4, 8, 128, 128)
     lengths = [1, 63, 64, 65, 130, 1000]
     slot_ids = [7, 2, 0, 5, 3, 1]
@@ -51,14 +51,27 @@ def test_layer_pallas_gpu_matches_xla(dtype, tol):
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     assert rel_rms(f32(out_p) - f32(h), f32(out_x) - f32(h)) < tol
     assert rel_rms(s_p.ssm_state[used], s_x.ssm_state[used]) < tol
-    # "auto" runs what the op's table picks for this call (on Hopper in bf16 the Mosaic kernels, in fp32 Triton's)
-    # and gives what that backend gives when named explicitly
-    from pallas_kernels.gated_delta_rule import api
-    qs = jax.ShapeDtypeStruct((1, h.shape[0], dims.num_k_heads, dims.head_k_dim), dtype)
-    vs = jax.ShapeDtypeStruct((1, h.shape[0], dims.num_v_heads, dims.head_v_dim), dtype)
-    picked = api.TABLE.resolve("auto", api.GdnCase.of("slots", qs, qs, vs, num_seqs=len(lengths))).backends[0]
-    out_a, _ = prefill_jit(params, dims, h, slots, meta, backend="auto")
-    out_n, _ = prefill_jit(params, dims, h, slots, meta, backend=picked)
+    # the GDN op under "auto" runs what the op's table picks for this very call (recorded as the op resolves it)
+    # and gives what that backend gives when named explicitly; both runs take the same conv ("two_step"), as the
+    # layer pairs each GDN backend name with its own conv kernel (CONV_BACKEND_OF_GDN)
+    from pallas_kernels import dispatch
+    picks = []
+    real_resolve = dispatch.OpTable.resolve
+
+    def spy(table, backend, case, **kw):
+        impl = real_resolve(table, backend, case, **kw)
+        if backend == "auto" and kw.get("warn", True) and getattr(case, "form", None) == "slots":
+            picks.append(impl)
+        return impl
+
+    monkeypatch.setattr(dispatch.OpTable, "resolve", spy)
+    out_a, _ = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend", "conv"))(
+        params, dims, h, slots, meta, backend="auto", conv="two_step")
+    monkeypatch.setattr(dispatch.OpTable, "resolve", real_resolve)
+    assert len(picks) == 1, picks
+    picked = picks[0].backends[0]
+    out_n, _ = jax.jit(gdn.gdn_layer_prefill, static_argnames=("dims", "backend", "conv"))(
+        params, dims, h, slots, meta, backend=picked, conv="two_step")
     assert rel_rms(f32(out_a), f32(out_n)) < 1e-6
     assert rel_rms(f32(out_a) - f32(h), f32(out_x) - f32(h)) < tol
     # slot 4, 6, 8 (unused) untouched
