@@ -49,8 +49,12 @@ Every backend gives the same results up to rounding, also at the edges:
     naming the limit) and makes "auto" pick "xla";
   * mixed dtypes (e.g. fp32 q, k with bf16 v): Pallas runs in the promoted dtype; o takes v's dtype everywhere;
   * B = 0 or T = 0: o is empty / all sequences keep their initial state;
-  * autodiff: only "xla" is differentiable; jax.grad / jax.jvp through a Pallas backend raises
-    NotImplementedError naming backend='xla';
+  * autodiff: ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_slots`` are differentiable (reverse mode,
+    ``jax.grad`` / ``jax.vjp``) on every backend: "xla" by autodiff of its own form, the kernels by
+    ``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward; the backward recomputes the XLA
+    chunked form from the saved inputs and differentiates it: gradients of q, k (through the L2 norm), v, g, beta,
+    initial_state / the pool, for o and the final state); forward mode (``jax.jvp``) through a kernel, and any
+    autodiff of the decode op ``fused_recurrent_gated_delta_rule_slots`` on a kernel, raise;
   * NaN / inf in token t's k, v, g or beta poisons (as in the per-token form) every later token of its sequence and
     its final state; the chunked forms also poison the earlier tokens of t's own chunk (up to C - 1 tokens: the
     chunk's matmuls multiply the NaN by the zero coefficients of earlier rows, and 0 * NaN = NaN; a batch routed to
@@ -70,12 +74,14 @@ or before T; the ``slot_ids`` inside [0, S) are distinct) run only on concrete v
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.gated_delta_rule import validation
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
@@ -261,7 +267,7 @@ TABLE = OpTable(
         Implementation("triton.decode", ("pallas",), "the Pallas Triton decode kernel over the pool in place "
                        "(triton/decode.py)", _triton_supports(False), calls=("decode",), limits=_TRITON_LIMITS),
         Implementation("xla", ("xla",), "reference.py: the chunked form (prefill), the lax.scan step (decode)",
-                       _always, limits="any platform, dtype and head dims; the only differentiable one"),
+                       _always, limits="any platform, dtype and head dims; the backward of every prefill kernel"),
         Implementation("triton.recurrent_varlen.interpret", ("pallas_interpret", "mosaic_gpu_interpret"),
                        "the per-token kernel in Pallas interpret mode", _triton_supports(True),
                        calls=("short_mix",), auto=False, interpret=True, limits="any platform; K, V <= 128"),
@@ -375,6 +381,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
     case = GdnCase.of("dense" if cu_seqlens is None else "varlen", q, k, v, num_seqs=n, chunk_size=chunk_size,
                       dispatch=dispatch)
     impl = TABLE.resolve(backend, case)
+    reference = functools.partial(_dense_xla, scale=scale, output_final_state=output_final_state,
+                                  use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    if impl.name == "xla":
+        return reference(q, k, v, g, beta, initial_state, cu_seqlens)
+    kernel = functools.partial(_dense_kernel, impl, scale=scale, output_final_state=output_final_state,
+                               use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    return reference_vjp(kernel, reference)(q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def _dense_xla(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
+               chunk_size):
+    """The "xla" backend of :func:`chunk_gated_delta_rule` (arguments checked), also the kernels' backward."""
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+    return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                                      chunk_size=chunk_size)
+
+
+def _dense_kernel(impl, q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
+                  chunk_size):
+    """The kernel ``impl`` of :func:`chunk_gated_delta_rule` (arguments checked; forward only)."""
     if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -386,11 +413,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
                                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         return mosaic_gpu.op_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state)
-    if impl.name == "xla":
-        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
-        return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                          cu_seqlens=cu_seqlens, output_final_state=output_final_state,
-                                          chunk_size=chunk_size)
     q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -440,6 +462,26 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     chunk_size, scale = _check_chunk_size_and_scale(chunk_size, scale, dk)
     impl = TABLE.resolve(backend, GdnCase.of("slots", q, k, v, num_seqs=n, chunk_size=chunk_size,
                                              dispatch=dispatch))
+    reference = functools.partial(_slots_xla, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    if impl.name == "xla":
+        return reference(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
+    kernel = functools.partial(_slots_kernel, impl, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               chunk_size=chunk_size)
+    return reference_vjp(kernel, reference)(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
+
+
+def _slots_xla(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens, *, scale, use_qk_l2norm,
+               chunk_size):
+    """The "xla" backend of :func:`chunk_gated_delta_rule_slots` (arguments checked), also the kernels' backward."""
+    q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
+    return chunk_gated_delta_rule_slots_xla(
+        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _slots_kernel(impl, q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens, *, scale,
+                  use_qk_l2norm, chunk_size):
+    """The kernel ``impl`` of :func:`chunk_gated_delta_rule_slots` (arguments checked; forward only)."""
     if _run_short_mix(impl, chunk_size):
         return recurrent_varlen.recurrent_varlen_slots_fwd(
             q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
@@ -449,11 +491,6 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
         q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True)
         return mosaic_gpu_varlen.op_fwd_slots(q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
                                               has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)
-    if impl.name == "xla":
-        q, k = _prepare_qk(q, k, use_qk_l2norm, keep_dtype=False)
-        return chunk_gated_delta_rule_slots_xla(
-            q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,
-            has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     q, k, g, chunk_map = _pallas_inputs(q, k, g, cu_seqlens, chunk_size, use_qk_l2norm)
     return pallas_triton.chunk_gated_delta_rule_slots_fwd(
         q, k, v, g, beta, scale=scale, ssm_state=ssm_state, slot_ids=slot_ids,

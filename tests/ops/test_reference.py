@@ -274,8 +274,10 @@ def test_backend_resolution():
 
 
 def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
-    """The kernel entry points are called after validation and the q/k norm, with check_supported first (stubs)."""
+    """The kernel entry points are called after validation and the q/k norm, with check_supported first (stubs
+    returning marker arrays: the op's VJP wrapper takes arrays only)."""
     calls = []
+    marks = {name: jnp.full((1,), i, jnp.float32) for i, name in enumerate(("o", "final", "pool"))}
 
     def check_supported(q, k, v, *, interpret):
         calls.append(("check_supported", interpret))
@@ -284,12 +286,12 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
                                    output_final_state, chunk_size=64, interpret=False):
         calls.append(("fwd", q.dtype, g.dtype, scale, chunk_map is None, interpret))
         np.testing.assert_allclose(np.linalg.norm(np.asarray(q, np.float32), axis=-1), 1.0, rtol=1e-2)
-        return "o", "final"
+        return marks["o"], marks["final"]
 
     def chunk_gated_delta_rule_slots_fwd(q, k, v, g, beta, *, scale, ssm_state, slot_ids, has_initial_state,
                                          cu_seqlens, chunk_map, chunk_size=64, interpret=False):
         calls.append(("slots_fwd", chunk_map.chunk_len.shape, interpret))
-        return "o", "pool"
+        return marks["o"], marks["pool"]
 
     from pallas_kernels.gated_delta_rule import api
     from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
@@ -299,13 +301,14 @@ def test_pallas_dispatch_calls_the_kernel_api(monkeypatch):
     monkeypatch.setattr(pallas_triton, "chunk_gated_delta_rule_slots_fwd", chunk_gated_delta_rule_slots_fwd)
 
     xs, _ = make_inputs(20, 1, 10, 1, 2, 8, 8, dtype=jnp.bfloat16, unit_k=False)
-    assert chunk_gated_delta_rule(*xs, use_qk_l2norm=True, backend="pallas_interpret") == ("o", "final")
+    o, final = chunk_gated_delta_rule(*xs, use_qk_l2norm=True, backend="pallas_interpret")
+    assert (float(o[0]), float(final[0])) == (0.0, 1.0)
     pool = jnp.zeros((2, 2, 8, 8), jnp.float32)
     out = chunk_gated_delta_rule_slots(*xs, ssm_state=pool, slot_ids=jnp.asarray([1, 0], jnp.int32),
                                        has_initial_state=jnp.asarray([False, True]),
                                        cu_seqlens=jnp.asarray([0, 4, 10], jnp.int32), chunk_size=16,
                                        backend="pallas_interpret", dispatch=no_short_mix)
-    assert out == ("o", "pool")
+    assert (float(out[0][0]), float(out[1][0])) == (0.0, 2.0)
     assert calls == [("check_supported", True), ("fwd", jnp.bfloat16, jnp.float32, 8 ** -0.5, True, True),
                      ("check_supported", True), ("slots_fwd", (10 // 16 + 2,), True)]
 

@@ -13,7 +13,11 @@ one-token sequences, both as a long mix (chunked kernels) and as a mix of short 
 the Pallas backends); tokens past cu_seqlens[N] NaN-poisoned (zero rows, no state touched); the slot pool with
 NaN-poisoned slots (untouched ones stay NaN bit for bit, a fresh stream over a NaN slot reads zeros), ids -1 and
 S (zeros read, writes dropped, no wrap onto S - 1), the pool donated under jit; g = -inf and g = -1e37 (hard
-resets); head dims outside the kernels' list (K = 24, V = 40), padded inside the op.
+resets); head dims outside the kernels' list (K = 24, V = 40), padded inside the op. Gradients
+(``GatedDeltaRuleGradTest``): jax.grad of sum(o * do) + sum(ht * dht) against torch float64 autograd of the
+per-token loop, for q, k, v, g, beta and h0 on a re-drawn FLA matrix (scale, gate divisor, masked gates, the
+in-op L2 norm), packed sequences of 1, 63, 64, 65, 130 and 0 tokens with per-sequence h0 (padding gets exactly zero
+gradients; jax.checkpoint gives the same), g = -inf, initial_state None, and the slot pool.
 
 Inputs are drawn in a real layer's ranges (unit-norm q and k, g = log(uniform(0.5, 0.999)), beta in (0.05, 0.99))
 and q, k, v are rounded to the dtype the kernel sees before the oracle takes them.
@@ -111,8 +115,191 @@ def check_pool(new_pool, pool, ids, final, tol):
                                           "changed (a dropped write landed, or an id wrapped / clamped)")
 
 
-class GatedDeltaRuleBackendTest:
-    """Checks of one backend of the gated delta rule op. Subclass it as ``Test<Backend>`` and set ``backend``."""
+# ================================================================================================================
+# Gradients: against torch float64 autograd of the per-token recurrence
+# ================================================================================================================
+#: relative RMS of the gradients against float64 (FLA's metric; its bf16 limits: o, ht 5e-3 -> our forward's
+#: bf16 tolerance above; dq, dk, dv, dh0 8e-3; dg, dbeta 2e-2). fp32: the chunked XLA form's VJP in fp32.
+GRAD_TOL = {F32: {"q": 1e-4, "k": 1e-4, "v": 1e-4, "h0": 1e-4, "g": 1e-4, "beta": 1e-4},
+            BF16: {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2}}
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
+#: FLA's gradient matrix, re-drawn at sizes that run in interpret mode on a CPU: (B, T, Hk, Hv, scale, gate
+#: divisor, share of masked (g = -inf) gates, use_qk_l2norm)
+GRAD_DENSE = {"b2-t75-h2-hv4-gdiv0.01": (2, 75, 2, 4, 1.0, 0.01, 0.0, False),
+              "b1-t130-h1-hv2-scale0.1-mask0.5": (1, 130, 1, 2, 0.1, 1.0, 0.5, False),
+              "b2-t64-h1-hv2-l2norm": (2, 64, 1, 2, 1.0, 0.1, 0.0, True)}
+#: packed sequences for the gradients: lengths 1, 63, 64, 65, 130 with a zero-length one, random h0
+GRAD_VARLEN = {"fla-0-15": (15,), "odd-lengths": (1, 0, 63, 64, 65, 130)}
+
+
+def torch_gdn_f64(q, k, v, g, beta, h0, *, scale, cu_seqlens=None, use_qk_l2norm=False):
+    """The per-token gated delta rule in torch float64 (autograd): q, k [B, T, Hk, K], v [B, T, Hv, V], g, beta
+    [B, T, Hv], h0 [N, Hv, K, V] (N = B, or len(cu_seqlens) - 1 with B = 1). Returns (o [B, T, Hv, V], ht
+    [N, Hv, K, V]); tokens past cu_seqlens[N] give zero rows."""
+    import torch
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    b, t = q.shape[:2]
+    segs = ([(row, 0, t) for row in range(b)] if cu_seqlens is None
+            else [(0, int(cu_seqlens[n]), int(cu_seqlens[n + 1])) for n in range(len(cu_seqlens) - 1)])
+    rows = [[None] * t for _ in range(b)]
+    finals = []
+    for n, (row, lo, hi) in enumerate(segs):
+        s = h0[n]
+        for i in range(lo, hi):
+            s = s * torch.exp(g[row, i])[:, None, None]
+            kt = k[row, i]
+            u = beta[row, i][:, None] * (v[row, i] - torch.einsum("hkv,hk->hv", s, kt))
+            s = s + torch.einsum("hk,hv->hkv", kt, u)
+            rows[row][i] = torch.einsum("hkv,hk->hv", s, q[row, i] * scale)
+        finals.append(s)
+    zero = torch.zeros_like(v[0, 0])
+    o = torch.stack([torch.stack([x if x is not None else zero for x in r]) for r in rows])
+    return o, torch.stack(finals)
+
+
+def grad_case(seed, b, t, hk, hv, dk, dv, dtype, n, *, gate_div=1.0, masked=0.0, l2=False):
+    """Inputs (NumPy fp32, q / k / v holding ``dtype`` values) for the gradient checks: [q, k, v, g, beta], h0
+    [N, Hv, K, V], and the cotangents do [B, T, Hv, V], dht [N, Hv, K, V]."""
+    rng = np.random.default_rng(seed)
+    xs = make_inputs(seed, b, t, hk, hv, dk, dv, dtype)
+    if l2:                                        # raw (not unit) q and k: the op's L2 norm is differentiated
+        xs[0] = _rounded(rng.standard_normal((b, t, hk, dk)), dtype)
+        xs[1] = _rounded(rng.standard_normal((b, t, hk, dk)), dtype)
+    xs[3] = (xs[3] / gate_div).astype(np.float32)
+    if masked:
+        xs[3] = np.where(rng.uniform(size=xs[3].shape) < masked, -np.inf, xs[3]).astype(np.float32)
+    h0 = (0.3 * rng.standard_normal((n, hv, dk, dv))).astype(np.float32)
+    do = _rounded(rng.standard_normal((b, t, hv, dv)), dtype)
+    dht = rng.standard_normal((n, hv, dk, dv)).astype(np.float32)
+    return xs, h0, do, dht
+
+
+def torch_grads(xs, h0, do, dht, *, scale, cu_seqlens=None, use_qk_l2norm=False) -> dict:
+    """{name: float64 gradient} of sum(o * do) + sum(ht * dht) by torch autograd of ``torch_gdn_f64``."""
+    import torch
+    ts = [torch.tensor(np.asarray(x, np.float64), requires_grad=True) for x in list(xs) + [h0]]
+    o, ht = torch_gdn_f64(*ts, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    loss = (o * torch.tensor(np.asarray(do, np.float64))).sum() + (ht * torch.tensor(np.asarray(dht, np.float64))).sum()
+    loss.backward()
+    return {name: x.grad.numpy() for name, x in zip(GRAD_NAMES, ts)}
+
+
+class GatedDeltaRuleGradTest:
+    """Gradient checks of one backend (a base of :class:`GatedDeltaRuleBackendTest`): jax.grad through
+    ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_slots`` against torch float64 autograd of the
+    per-token loop, loss sum(o * do) + sum(ht * dht), gradients of q, k, v, g, beta and h0 (or the pool)."""
+
+    def op_grads(self, xs, h0, do, dht, dtype, *, scale, cu_seqlens=None, use_qk_l2norm=False, remat=False):
+        def loss(q, k, v, g, beta, h0):
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, backend=self.backend)
+            return (jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, jnp.float32))
+                    + jnp.sum(ht * jnp.asarray(dht)))
+        fn = jax.checkpoint(loss) if remat else loss
+        args = device_inputs(xs, dtype) + [jnp.asarray(h0)]
+        with self.precision():
+            grads = jax.jit(jax.grad(fn, argnums=tuple(range(6))))(*args)
+        return {name: np.asarray(gr, np.float64) for name, gr in zip(GRAD_NAMES, grads)}
+
+    def check_grads(self, got, want, dtype, what):
+        for name in GRAD_NAMES:
+            assert np.isfinite(got[name]).all(), f"{what}: d{name} is not finite"
+            err = rel_rms(got[name], want[name])
+            assert err < GRAD_TOL[dtype][name], f"{what}: d{name} rel RMS {err:.3e} >= {GRAD_TOL[dtype][name]}"
+
+    @pytest.mark.parametrize("case", list(GRAD_DENSE))
+    def test_grad_dense_matrix(self, dtype, case):
+        b, t, hk, hv, scale, gate_div, masked, l2 = GRAD_DENSE[case]
+        dk, dv = self.head_k_dim, self.head_v_dim
+        xs, h0, do, dht = grad_case(3, b, t, hk, hv, dk, dv, dtype, b, gate_div=gate_div, masked=masked, l2=l2)
+        got = self.op_grads(xs, h0, do, dht, dtype, scale=scale, use_qk_l2norm=l2)
+        self.check_grads(got, torch_grads(xs, h0, do, dht, scale=scale, use_qk_l2norm=l2), dtype, case)
+
+    @pytest.mark.parametrize("case", list(GRAD_VARLEN))
+    def test_grad_varlen_initial_states_and_padding(self, dtype, case):
+        """Packed sequences with per-sequence h0; PAD_TOKENS tokens past cu_seqlens[N] get exactly zero
+        gradients; also under jax.checkpoint (the same gradients)."""
+        lens = GRAD_VARLEN[case]
+        cu = cu_of(lens)
+        t = int(cu[-1]) + PAD_TOKENS
+        dk, dv = self.head_k_dim, self.head_v_dim
+        xs, h0, do, dht = grad_case(5, 1, t, 1, 2, dk, dv, dtype, len(lens))
+        scale = dk ** -0.5
+        got = self.op_grads(xs, h0, do, dht, dtype, scale=scale, cu_seqlens=jnp.asarray(cu))
+        self.check_grads(got, torch_grads(xs, h0, do, dht, scale=scale, cu_seqlens=cu), dtype, case)
+        for name in ("q", "k", "v", "g", "beta"):
+            np.testing.assert_array_equal(got[name][:, cu[-1]:], 0, err_msg=f"d{name} of padding tokens")
+        remat = self.op_grads(xs, h0, do, dht, dtype, scale=scale, cu_seqlens=jnp.asarray(cu), remat=True)
+        for name in GRAD_NAMES:
+            np.testing.assert_allclose(remat[name], got[name], rtol=1e-5, atol=1e-6, err_msg=f"d{name} remat")
+
+    def test_grad_hard_resets_and_no_initial_state(self, dtype):
+        """g = -inf everywhere in a third of the tokens: finite gradients equal to float64's; initial_state None
+        gives the gradients of zeros."""
+        dk, dv = self.head_k_dim, self.head_v_dim
+        xs, h0, do, dht = grad_case(7, 1, 70, 1, 2, dk, dv, dtype, 1, masked=0.33)
+        h0 = np.zeros_like(h0)
+        scale = dk ** -0.5
+        got = self.op_grads(xs, h0, do, dht, dtype, scale=scale)
+        self.check_grads(got, torch_grads(xs, h0, do, dht, scale=scale), dtype, "g=-inf")
+
+        def loss_none(v):
+            q, k, _, g, beta = device_inputs(xs, dtype)
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, output_final_state=True,
+                                           backend=self.backend)
+            return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, jnp.float32)) + jnp.sum(ht * jnp.asarray(dht))
+        with self.precision():
+            dv_none = jax.jit(jax.grad(loss_none))(jnp.asarray(xs[2], dtype))
+        np.testing.assert_allclose(np.asarray(dv_none, np.float64), got["v"], rtol=1e-5, atol=1e-6)
+
+    def test_grad_slots_pool(self, dtype):
+        """The slot op: gradients of the pool reach the named slots with has_initial_state (their h0's gradient),
+        pass through unnamed slots unchanged (d new_pool), and are zero for a fresh stream's slot read."""
+        dk, dv, hv = self.head_k_dim, self.head_v_dim, 2
+        lens = (3, 0, 64, 1, 70)
+        cu = cu_of(lens)
+        xs, _, do, dht_n = grad_case(9, 1, int(cu[-1]), 1, hv, dk, dv, dtype, len(lens))
+        rng = np.random.default_rng(9)
+        num_slots = 7
+        pool = (0.3 * rng.standard_normal((num_slots, hv, dk, dv))).astype(np.float32)
+        dpool = rng.standard_normal(pool.shape).astype(np.float32)
+        ids = np.array([4, 1, 0, 6, 2], np.int32)
+        has = np.array([True, True, False, True, True])
+        scale = dk ** -0.5
+
+        def loss(v, pool):
+            q, k, _, g, beta = device_inputs(xs, dtype)
+            o, new_pool = chunk_gated_delta_rule_slots(
+                q, k, v, g, beta, ssm_state=pool, slot_ids=jnp.asarray(ids), has_initial_state=jnp.asarray(has),
+                cu_seqlens=jnp.asarray(cu), scale=scale, backend=self.backend)
+            return (jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, jnp.float32))
+                    + jnp.sum(new_pool * jnp.asarray(dpool)))
+        with self.precision():
+            dv_got, dpool_got = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(xs[2], dtype), jnp.asarray(pool))
+        h0 = start_states(pool, ids, has).astype(np.float32)
+        want = torch_grads(xs, h0, do, dpool[ids], scale=scale, cu_seqlens=cu)
+        tol = GRAD_TOL[dtype]
+        assert rel_rms(dv_got, want["v"]) < tol["v"]
+        dpool_got = np.asarray(dpool_got, np.float64)
+        for slot in range(num_slots):
+            if slot in ids:
+                n = int(np.where(ids == slot)[0][0])
+                if has[n]:
+                    err = rel_rms(dpool_got[slot], want["h0"][n])
+                    assert err < tol["h0"], f"slot {slot}: rel RMS {err:.3e}"
+                else:
+                    np.testing.assert_array_equal(dpool_got[slot], 0, err_msg=f"fresh stream's slot {slot}")
+            else:
+                np.testing.assert_allclose(dpool_got[slot], dpool[slot], rtol=1e-6,
+                                           err_msg=f"unnamed slot {slot}: d new_pool passes through")
+
+
+class GatedDeltaRuleBackendTest(GatedDeltaRuleGradTest):
+    """Checks of one backend of the gated delta rule op (forward, and the gradients of GatedDeltaRuleGradTest). Subclass it as ``Test<Backend>`` and set ``backend``."""
 
     #: the op's backend name ("xla", "pallas_interpret", "pallas", "mosaic_gpu")
     backend: str = ""
@@ -297,3 +484,4 @@ class GatedDeltaRuleBackendTest:
             eo = rel_rms(o, o_ref)
             assert eo < DECODE_TOL_O[dtype], f"T={t}: o {eo:.3e}"
             check_pool(new_pool, pool, ids, f_ref, DECODE_TOL_STATE[dtype])
+
