@@ -8,17 +8,21 @@ Backends: "xla" (reference.conv1d_l2_varlen, any platform), "pallas" (triton.con
 decode step decode.conv1d_l2_decode_pallas), "pallas_interpret" (the same kernels in interpret mode, any platform;
 the CPU tests), "auto" (the first row of :data:`TABLE` that takes the call: "pallas" on a GPU where the kernel
 takes the dims, else "xla"). Semantics, the padding contract and the source layout (``block_cols``) are
-reference.py's.
+reference.py's. Autodiff: the prefill op is differentiable (reverse mode) on every backend, the kernels by
+``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward, the XLA form's VJP the backward); the
+decode step is not.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.conv1d import reference
 from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.gated_delta_rule.chunk_map import gather_slots, scatter_slots
@@ -145,21 +149,36 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
             raise ValueError(f"causal_conv1d_l2_varlen: block_cols must hold 2 Hk + Hv = {2 * hk + hv} source "
                              f"columns in [0, {x.shape[1] - d}], got {block_cols!r}")
     kc = w.shape[1]
-    n = reference.check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
+    reference.check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
                                    has_initial_state)
     backend = resolve_backend(backend, call="prefill", dtype=x.dtype, head_k_dim=d, head_v_dim=d)
     if backend == "xla":
         return reference.conv1d_l2_varlen(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state,
                                           num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=block_cols,
                                           eps=eps)
-    from pallas_kernels.conv1d.triton import conv1d_l2_pallas
-
-    cu = cu_seqlens.astype(jnp.int32)
     cols = np.arange(2 * hk + hv, dtype=np.int32) * d if block_cols is None else np.asarray(block_cols, np.int32)
     if backend == "pallas" and (cols % 16).any():
         raise ValueError(f"pallas conv1d: block_cols must be multiples of 16 on a GPU, got {block_cols!r}")
+    statics = dict(num_k_heads=hk, num_v_heads=hv, head_dim=d, block_cols=block_cols, eps=eps)
+    kernel = functools.partial(_varlen_kernel, cols=cols, interpret=backend == "pallas_interpret", config=config,
+                               **statics)
+    reference_fn = functools.partial(reference.conv1d_l2_varlen, **statics)
+    return reference_vjp(kernel, reference_fn)(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state)
+
+
+def _varlen_kernel(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state, *, cols, num_k_heads,
+                   num_v_heads, head_dim, block_cols, eps, interpret, config):
+    """The Pallas kernel of :func:`causal_conv1d_l2_varlen` (arguments checked; forward only: its VJP is the XLA
+    form's, ``pallas_kernels.autodiff.reference_vjp``)."""
+    from pallas_kernels.conv1d.triton import conv1d_l2_pallas
+
+    hk, hv, d = num_k_heads, num_v_heads, head_dim
+    n = slot_ids.shape[0]
+    c = (2 * hk + hv) * d
+    kc = w.shape[1]
+    cu = cu_seqlens.astype(jnp.int32)
     q, k, v = conv1d_l2_pallas(x, w, cu[n], jnp.asarray(cols), num_k_heads=hk, num_v_heads=hv, head_dim=d, eps=eps,
-                               interpret=backend == "pallas_interpret", config=config)
+                               interpret=interpret, config=config)
     if kc == 1:
         return q, k, v, conv_state_pool
     prev = gather_slots(conv_state_pool, slot_ids, jnp.asarray(has_initial_state, bool)).astype(jnp.float32)

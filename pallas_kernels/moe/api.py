@@ -13,6 +13,9 @@ path share ``reference.moe_align``'s on-device layout: work and memory scale wit
 launch config (row block and tiles; the XLA path uses its row block) is picked from the static shapes by
 ``triton.select_config`` unless given: 16-row blocks at decode sizes, 128-row blocks at prefill sizes.
 Expert ids outside [0, E) are not checked (values are traced); the router never produces them.
+Autodiff (reverse mode) on every backend: the kernels by ``pallas_kernels.autodiff.reference_vjp`` (the kernels
+run the forward, ``reference.routed_experts_xla`` / ``route_xla``'s VJP the backward: gradients of x, the routing
+weights (and through ``route`` the logits) and both expert weight pools).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.moe import reference as _ref
 from pallas_kernels.moe import routing_triton as _routing
@@ -192,9 +196,20 @@ def check_inputs(x, top_w, top_i, w_gate_up, w_down, *, backend: str, config: Mo
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "num_experts"))
 def _moe_experts(x, top_w, top_i, w_gate_up, w_down, expert_offset, *, backend, config, num_experts):
+    reference_fn = functools.partial(_experts_xla, block_m=config.block_m, num_experts=num_experts)
     if backend == "xla":
-        return _ref.routed_experts_xla(x, top_w, top_i, w_gate_up, w_down, block_m=config.block_m,
-                                       num_experts=num_experts, expert_offset=expert_offset)
+        return reference_fn(x, top_w, top_i, w_gate_up, w_down, expert_offset)
+    kernel = functools.partial(_experts_kernel, backend=backend, config=config, num_experts=num_experts)
+    return reference_vjp(kernel, reference_fn)(x, top_w, top_i, w_gate_up, w_down, expert_offset)
+
+
+def _experts_xla(x, top_w, top_i, w_gate_up, w_down, expert_offset, *, block_m, num_experts):
+    return _ref.routed_experts_xla(x, top_w, top_i, w_gate_up, w_down, block_m=block_m, num_experts=num_experts,
+                                   expert_offset=expert_offset)
+
+
+def _experts_kernel(x, top_w, top_i, w_gate_up, w_down, expert_offset, *, backend, config, num_experts):
+    """The Pallas kernels of :func:`moe_experts` (forward only: the VJP is the XLA form's)."""
     interpret = backend == "pallas_interpret"
     lay = _ref.moe_align(top_w, top_i, num_experts, config.block_m)
     lay = lay._replace(block_expert=_ref.pool_block_experts(lay.block_expert, num_experts, expert_offset,
@@ -265,4 +280,7 @@ def route(logits, *, top_k: int, norm_topk_prob: bool, backend: str = "xla"):
     kernel = KERNEL[TABLE.resolve(backend, case).name]
     if kernel == "xla":
         return _ref.route_xla(logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return _routing.route(logits, top_k=top_k, norm_topk_prob=norm_topk_prob, interpret=kernel == "pallas_interpret")
+    kernel_fn = functools.partial(_routing.route, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                  interpret=kernel == "pallas_interpret")
+    return reference_vjp(kernel_fn, functools.partial(_ref.route_xla, top_k=top_k,
+                                                      norm_topk_prob=norm_topk_prob))(logits)

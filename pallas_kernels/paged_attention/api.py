@@ -35,13 +35,19 @@ order that supports the call: cudnn, then pallas on a GPU, else xla). :data:`TAB
 (``python -m pallas_kernels.registry`` prints it); :func:`resolve_backend` / :func:`decode_backend` resolve it
 once per call.
 
+Autodiff: the prefill entries (``paged_attention``, ``paged_attention_gated``) are differentiable (reverse mode) on
+every backend: "xla" by its own autodiff, the kernels by ``pallas_kernels.autodiff.reference_vjp`` (the kernel
+runs the forward, the XLA form's VJP the backward: gradients of the queries, the pages and the norm weight; the
+pages' cotangent flows back through the page write to the new keys and values). Decode and ``paged_kv_write``'s
+kernel are inference only.
+
 Checks: shapes and dtypes always (ValueError naming the argument). When cu_seqlens, slot_ids, slot_lens and the
 page table are concrete (not traced), also their values: cu_seqlens non-decreasing from 0 to at most T, every
 stream with a slot no longer than its slot's length, every slot's length within its W pages, and every page id a
 live key may read inside [0, P). Under jit nothing is checked by value, and the kernels mask instead (a page id
 outside [0, P) is never dereferenced).
 
-This module imports only jax, numpy and pallas_kernels.dispatch.
+This module imports only jax, numpy, pallas_kernels.dispatch and pallas_kernels.autodiff.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.paged_attention import reference
 
@@ -365,8 +372,16 @@ def paged_attention(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "config"))
 def _prefill_jit(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale, backend, config):
     args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
+    reference_fn = functools.partial(reference.paged_attention_xla, scale=scale)
     if backend == "xla":
-        return reference.paged_attention_xla(q, k_pages, v_pages, *args, scale=scale)
+        return reference_fn(q, k_pages, v_pages, *args)
+    kernel = functools.partial(_prefill_kernel, scale=scale, backend=backend, config=config)
+    return reference_vjp(kernel, reference_fn)(q, k_pages, v_pages, *args)
+
+
+def _prefill_kernel(q, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *, scale, backend, config):
+    """The kernels of :func:`paged_attention` (forward only: the VJP is the XLA form's)."""
+    args = (page_table, slot_lens, cu_seqlens, slot_ids)
     if backend in ("cudnn", "cudnn_xla"):
         from pallas_kernels.paged_attention import cudnn as _cudnn
         return _cudnn.paged_attention_prefill_cudnn(q, k_pages, v_pages, *args, scale=scale, config=config,
@@ -432,9 +447,22 @@ def _gated_jit(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids
                num_heads, eps, scale, backend, config):
     args = [jnp.asarray(x, jnp.int32) for x in (page_table, slot_lens, cu_seqlens, slot_ids)]
     cos, sin = jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32)
+    statics = dict(num_heads=num_heads, eps=eps, scale=scale)
     if backend == "xla":
-        return reference.paged_attention_gated_xla(qg, k_pages, v_pages, *args, q_norm, cos, sin,
-                                                   num_heads=num_heads, eps=eps, scale=scale)
+        return reference.paged_attention_gated_xla(qg, k_pages, v_pages, *args, q_norm, cos, sin, **statics)
+
+    def reference_fn(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new,
+                     v_new):               # reads the pages; k_new / v_new (the same rows) get zero cotangents
+        return reference.paged_attention_gated_xla(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens,
+                                                   slot_ids, q_norm, cos, sin, **statics)
+    kernel = functools.partial(_gated_kernel, backend=backend, config=config, **statics)
+    return reference_vjp(kernel, reference_fn)(qg, k_pages, v_pages, *args, q_norm, cos, sin, k_new, v_new)
+
+
+def _gated_kernel(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new, v_new,
+                  *, num_heads, eps, scale, backend, config):
+    """The kernels of :func:`paged_attention_gated` (forward only: the VJP is the XLA form's)."""
+    args = (page_table, slot_lens, cu_seqlens, slot_ids)
     if backend in ("cudnn", "cudnn_xla"):      # XLA q norm + RoPE, the cuDNN core, the gate fused by XLA
         from pallas_kernels.paged_attention import cudnn as _cudnn
         dh = k_pages.shape[-1]
