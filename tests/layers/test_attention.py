@@ -255,21 +255,6 @@ def test_layer_rejects_bad_metadata_before_writing():
                         slot_lens=np.array([6], np.int32), decode=True, **kw)
 
 
-def test_bench_attention_section_shape_on_cpu(capsys):
-    """benchmarks.attention.run_section on CPU (small dims, interpret mode): the JSON the CLI stores."""
-    from benchmarks import attention as bench_attention
-    sec = bench_attention.run_section(quick=True)
-    assert sec["small"] and [r["case"] for r in sec["rows"]] == [
-        "prefill-varlen16", "prefill-varlen16-ctx2k", "prefill-32k", "decode-64x4096", "decode-256x1024"]
-    for r in sec["rows"]:
-        assert set(r["ms"]) == {"pallas", "xla", "torch_sdpa", "cudnn", "cudnn_packed"}
-        assert r["ms"]["pallas"] > 0 and r["ms"]["xla"] > 0 and r["ms"]["torch_sdpa"] is None
-        assert (r["ms"]["cudnn_packed"] is None) == (r["kind"] == "decode")
-        assert set(r["tflops" if r["kind"] == "prefill" else "gbps"]) == set(r["ms"])
-    bench_attention.print_section(sec)
-    assert "decode-256x1024" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("unique", [True, False])
 def test_write_kv_pages_drops_out_of_range_and_negative_pages(unique):
     """Both scatters (``unique``, ``RuntimeOptions.kv_write_unique``: flat rows with unique indices, or (page,
