@@ -5,7 +5,7 @@ Each notebook is a pair: ``NN_name.py`` (percent format, the readable source tha
 jupytext installed the pair stays in sync on save; ``jupytext --sync notebooks/NN_name.ipynb`` syncs by hand),
 then regenerate the outputs from the .py source:
 
-    python notebooks/_execute.py                   # all four, prints the time each took
+    python notebooks/_execute.py                   # all five, prints the time each took
     python notebooks/_execute.py 02_numerics       # only some (names without extension)
 
 The saved outputs are kept small: figures are re-encoded as palette PNGs (about a third of matplotlib's RGBA
@@ -22,7 +22,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint"]
+NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint", "05_training"]
 PNG_COLORS = 128
 
 

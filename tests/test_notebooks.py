@@ -18,7 +18,7 @@ import nbformat
 import pytest
 
 NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint"]
+NOTEBOOKS = ["01_split_prefill", "02_numerics", "03_benchmarks", "04_checkpoint", "05_training"]
 CELL_TIMEOUT_S = 300
 PAIRING = "ipynb,py:percent"
 MAX_IPYNB_KIB = 250  # saved by _execute.py (palette PNGs) they are 50-115 KiB; with RGBA PNGs 150-300 KiB
