@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sections", nargs="*", metavar="SECTION", help="sections to measure (see below)")
     p.add_argument("--all", action="store_true", help="every section but sharding")
     p.add_argument("--cases", default=None, metavar="NAME,...",
-                   help="only these cases of the named sections (gdn, decode, attention, moe); the other rows "
+                   help="only these cases of the named sections (gdn, backward, decode, attention, moe); the other rows "
                         "stored are kept")
     p.add_argument("--impls", default=None, metavar="IMPL,...",
                    help="gdn columns to measure (pallas, mosaic_gpu, xla, fla, jla; default all but the slow xla); "
@@ -93,7 +93,7 @@ def validate(args, parser) -> tuple:
             parser.error("--cases: no case names given")
         known = {s: SECTIONS[s].case_names(args.quick) for s in chosen if SECTIONS[s].case_names}
         if not known:
-            parser.error(f"--cases: none of {', '.join(chosen)} has named cases (gdn, decode, attention, moe do)")
+            parser.error(f"--cases: none of {', '.join(chosen)} has named cases (gdn, backward, decode, attention, moe do)")
         every = {c for names in known.values() for c in names}
         bad = [c for c in cases if c not in every]
         if bad:
@@ -133,7 +133,7 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
         if cases is not None:
             rows = results.merge_rows(stored.get("rows"), rows, sec.case_names(False))
         return {"rows": rows}
-    if name in ("decode", "attention", "moe"):
+    if name in ("backward", "decode", "attention", "moe"):
         value = mod.run_section(quick, cases=cases)
         mod.print_section(value)
         if cases is not None and stored.get(sec.keys[0]):

@@ -81,6 +81,10 @@ BENCH_CASES = (
     _varlen("tiny64-T171-Hk16-Hv32", TINY64_LENS, 16, 32),
 )
 
+#: the backward section's rows: the dense 80B-dims rows every column can run, and the model's prefill mix
+BACKWARD_CASES = (BENCH_CASES[0], BENCH_CASES[4], BENCH_CASES[5])
+CPU_BACKWARD = (Case("cpu-B1-T70-Hk1-Hv2-K16-V16", 1, 70, 1, 2, 16, 16),)
+
 # ---- GPU tests (K = V = 128; odd lengths, grouped heads, varlen with a zero-length and a one-token sequence) ----
 GPU_TEST_CASES = (
     _dense(2, 1000, 2, 4),

@@ -4,7 +4,7 @@
 #
 # usage (from the repository root, on the GPU machine, with the peers' wheels carried in .whl/):
 #   bash benchmarks/gpu.sh [STEP ...]
-#     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn decode attention moe layers model
+#     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn backward decode attention moe layers model
 #     sharding); default: tests
 #   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
 #     step wrote; COMMIT (the commit to stamp;

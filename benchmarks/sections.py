@@ -47,6 +47,11 @@ def _attention_cases(quick):
     return _names(attention.attention_cases(quick))
 
 
+def _backward_cases(quick):
+    from benchmarks import backward
+    return _names(backward.QUICK_CASES if quick else backward.CASES)
+
+
 def _moe_cases(quick):
     from benchmarks import moe
     return _names(moe.QUICK_CASES if quick else moe.CASES)
@@ -56,6 +61,8 @@ def _moe_cases(quick):
 SECTIONS = {s.name: s for s in (
     Section("gdn", "gdn", ("rows",), "the chunked gated delta rule forward: pallas, mosaic_gpu, xla, FLA, jla",
             _gdn_cases),
+    Section("backward", "backward", ("backward",), "forward + backward of the chunked gated delta rule: ours "
+            "(kernel forward, XLA VJP), XLA autodiff, FLA, jla", _backward_cases),
     Section("decode", "decode", ("decode",), "one GDN decode token per stream over the state pool, against FLA",
             _decode_cases),
     Section("attention", "attention", ("attention",), "paged attention prefill / decode against torch SDPA and cuDNN",

@@ -28,7 +28,7 @@ def stored(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["gdn", "--cases", "no-such-case"], "unknown case(s) no-such-case; known: gdn: B1-T8192-Hk16-Hv32"),
     (["decode", "moe", "--cases", "decode-N64-Hk16-Hv32,nope"], "unknown case(s) nope"),
-    (["no-such-section"], "unknown section(s) no-such-section; known: gdn, decode"),
+    (["no-such-section"], "unknown section(s) no-such-section; known: gdn, backward, decode"),
     ([], "name a section"),
     (["model", "--cases", "x"], "none of model has named cases"),
     (["gdn", "--impls", "pallas,cuda"], "--impls: unknown column(s) cuda"),

@@ -1,0 +1,135 @@
+"""Section "backward": forward + backward of the chunked gated delta rule, every column in one run on one GPU.
+
+Cases: ``benchmarks.cases.BACKWARD_CASES`` (the GDN section's rows of 80B dims that every column can run, and the
+varlen16 mix; bf16 q, k, v, beta; fp32 g and initial state; final state out). Loss sum(o * do) + sum(ht * dht) with
+fixed random cotangents; gradients of q, k, v, g, beta and h0. Columns (median ms; null where an implementation
+cannot run, its reason in "errors"):
+  fwd   ours, the forward alone (``jax_gdn.ops.chunk_gated_delta_rule``, backend "auto")
+  ours  ours, forward + backward, backend "auto" (the forward kernel, the XLA chunked form's VJP:
+        ``pallas_kernels.autodiff.reference_vjp``)
+  xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
+  fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
+  jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
+Timing: ``jax_gdn.timing`` for every column (``benchmarks.timing.time_torch`` for FLA): groups of back-to-back
+calls closed by one sync, the median over the groups. Peak memory is not measured (JAX gives no per-call peak).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
+
+KEY = "backward"
+IMPLS = ("fwd", "ours", "xla", "fla", "jla")
+CASES = BACKWARD_CASES
+QUICK_CASES = CPU_BACKWARD
+
+
+def _inputs(case: Case):
+    from benchmarks.gdn import make_inputs_np
+    q, k, v, g, beta, h0 = make_inputs_np(case)
+    rng = np.random.default_rng(1)
+    do = rng.standard_normal((case.B, case.T, case.Hv, case.V)).astype(np.float32)
+    dht = rng.standard_normal(h0.shape).astype(np.float32)
+    return (q, k, v, g, beta, h0), do, dht
+
+
+def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.ops import chunk_gated_delta_rule
+    from jax_gdn.timing import time_jax
+    q, k, v, g, beta, h0 = host
+    dt = jnp.bfloat16 if gpu else jnp.float32
+    args = (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(g), jnp.asarray(beta, dt),
+            jnp.asarray(h0))
+    cu = None if case.lens is None else jnp.asarray(case.cu_seqlens(), jnp.int32)
+    do_, dht_ = jnp.asarray(do, dt), jnp.asarray(dht)
+    kernel = "auto" if gpu else "pallas_interpret"
+
+    def op(backend):
+        return lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+
+    def grad(fn):
+        def loss(*a):
+            o, ht = fn(*a)
+            return jnp.sum(o.astype(jnp.float32) * do_.astype(jnp.float32)) + jnp.sum(ht * dht_)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+    return {"fwd": lambda: time_jax(jax.jit(op(kernel)), args, **timing),
+            "ours": lambda: time_jax(grad(op(kernel)), args, **timing),
+            "xla": lambda: time_jax(grad(op("xla")), args, **timing),
+            "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla()), args, **timing))}
+
+
+def _jla():
+    from jla.ops.mosaic_gpu.gated_delta_rule import gated_delta_rule
+    return lambda q, k, v, g, beta, h0: gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+
+def _fla(case: Case, host, do, dht) -> float:
+    from benchmarks import peers
+    from benchmarks.timing import time_torch
+    peers._fla_env()
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    dev, bf = "cuda", torch.bfloat16
+    q, k, v, g, beta, h0 = host
+    leaf = lambda x, dt: torch.from_numpy(x).to(dev, dt).requires_grad_(True)  # noqa: E731
+    tq, tk, tv, tg, tb, th = (leaf(q, bf), leaf(k, bf), leaf(v, bf), leaf(g, torch.float32), leaf(beta, bf),
+                              leaf(h0, torch.float32))
+    tdo, tdht = torch.from_numpy(do).to(dev, bf), torch.from_numpy(dht).to(dev)
+    kw = {} if case.lens is None else {"cu_seqlens": torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)}
+
+    def run():
+        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True, **kw)
+        torch.autograd.backward([o, ht], [tdo, tdht])
+    run()
+    torch.cuda.synchronize()
+    return time_torch(run)
+
+
+def run_section(quick: bool = False, cases=None) -> dict:
+    """{"rows": [{"case", "ms": {fwd, ours, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
+    GPU: the tiny CPU case in fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
+    import jax
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+    chosen = [c for c in (QUICK_CASES if quick or not gpu else CASES) if cases is None or c.name in cases]
+    timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}
+    rows = []
+    for case in chosen:
+        host, do, dht = _inputs(case)
+        cols = _jax_columns(case, host, do, dht, gpu, timing)
+        cols["fla"] = (lambda: _fla(case, host, do, dht)) if gpu else None
+        ms, errors = {}, {}
+        for impl in IMPLS:
+            if cols.get(impl) is None:
+                ms[impl] = None
+                continue
+            try:
+                ms[impl] = cols[impl]()
+            except Exception as e:                         # a column that cannot run: null, its reason kept
+                ms[impl] = None
+                errors[impl] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"backward {case.name} {impl}: failed: {errors[impl]}")
+        rows.append({"case": case.name, "ms": ms, "errors": errors})
+    return {"rows": rows, "note": "median ms of forward + backward (fwd: ours, forward only); "
+                                  + ("CPU smoke run, not a measurement" if quick or not gpu else "bf16")}
+
+
+def print_section(section: dict) -> None:
+    print("backward: forward + backward of the GDN op (median ms; fwd = ours, forward only)")
+    print(f"  {'case':30s}" + "".join(f"{i:>10s}" for i in IMPLS))
+    for r in section["rows"]:
+        print(f"  {r['case']:30s}" + "".join("{:>10s}".format("-" if r["ms"][i] is None else f"{r['ms'][i]:.3f}")
+                                            for i in IMPLS))
+
+
+def markdown(section: dict) -> list:
+    """The README's table of the backward rows."""
+    from benchmarks.tables import md_header
+    out = md_header(["GDN forward + backward"] + [f"{i} ms" for i in IMPLS])
+    for r in section["rows"]:
+        out.append(f"| {r['case']} | " + " | ".join("-" if r["ms"].get(i) is None else f"{r['ms'][i]:.3f}"
+                                                     for i in IMPLS) + " |")
+    return out
