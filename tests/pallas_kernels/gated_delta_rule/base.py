@@ -222,7 +222,7 @@ class GatedDeltaRuleGradTest:
     @pytest.mark.parametrize("case", list(GRAD_VARLEN))
     def test_grad_varlen_initial_states_and_padding(self, dtype, case):
         """Packed sequences with per-sequence h0; PAD_TOKENS tokens past cu_seqlens[N] get exactly zero
-        gradients; also under jax.checkpoint (the same gradients)."""
+        gradients; under jax.checkpoint the same gradients (the one-sequence case)."""
         lens = GRAD_VARLEN[case]
         cu = cu_of(lens)
         t = int(cu[-1]) + PAD_TOKENS
@@ -233,6 +233,8 @@ class GatedDeltaRuleGradTest:
         self.check_grads(got, torch_grads(xs, h0, do, dht, scale=scale, cu_seqlens=cu), dtype, case)
         for name in ("q", "k", "v", "g", "beta"):
             np.testing.assert_array_equal(got[name][:, cu[-1]:], 0, err_msg=f"d{name} of padding tokens")
+        if len(lens) > 1:                 # jax.checkpoint on the short case only (a second compile)
+            return
         remat = self.op_grads(xs, h0, do, dht, dtype, scale=scale, cu_seqlens=jnp.asarray(cu), remat=True)
         for name in GRAD_NAMES:
             np.testing.assert_allclose(remat[name], got[name], rtol=1e-5, atol=1e-6, err_msg=f"d{name} remat")
