@@ -13,8 +13,8 @@ from jax_gdn.checkpoint import random_model
 from jax_gdn.config import preset
 
 
-def _inputs(lens=(1, 63, 130, 257)):
-    cfg = preset("tiny")
+def _inputs(lens=(1, 63, 130, 257), **overrides):
+    cfg = preset("tiny", **overrides)
     lens, slots = list(lens), np.array([2, 0, 3, 1], np.int32)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, sum(lens)).astype(np.int32)
@@ -46,11 +46,11 @@ def test_model_pallas_matches_xla_on_gpu_fp32():
         assert np.max(np.abs(a - b)) / np.max(np.abs(b)) <= 2e-4
 
 
-def _check_bf16_against_fp32(kernel_backend, lens=(1, 63, 130, 257)):
+def _check_bf16_against_fp32(kernel_backend, lens=(1, 63, 130, 257), **overrides):
     """In bf16 the whole tiny model is far from fp32 whatever the backend (on CPU: logits rel RMS 0.046 for xla,
     0.048 for the Pallas kernel in interpret mode; max-abs 0.19): so each bf16 backend is measured against the
     fp32 XLA model, and the kernel may not be more than 25% (+ 5e-3) worse than bf16 XLA."""
-    cfg, ids, cu, slots = _inputs(lens)
+    cfg, ids, cu, slots = _inputs(lens, **overrides)
     ref = _run(cfg, jnp.float32, "xla", ids, cu, slots)
     xla = _run(cfg, jnp.bfloat16, "xla", ids, cu, slots)
     pal = _run(cfg, jnp.bfloat16, kernel_backend, ids, cu, slots)
@@ -68,7 +68,9 @@ def test_model_pallas_bf16_on_gpu_as_close_to_fp32_as_xla():
 
 
 def test_model_pallas_interpret_bf16_as_close_to_fp32_as_xla():
-    _check_bf16_against_fp32("pallas_interpret", lens=(1, 63, 65, 20))     # interpret mode: shorter streams
+    # interpret mode: shorter streams, one GDN + one attention layer (MoE in the attention block)
+    _check_bf16_against_fp32("pallas_interpret", lens=(1, 63, 65, 20), num_hidden_layers=2,
+                             layer_types=("linear_attention", "full_attention"), mlp_only_layers=(0,))
 
 
 @pytest.mark.gpu

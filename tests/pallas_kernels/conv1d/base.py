@@ -152,7 +152,7 @@ class Conv1dBackendTest:
     def test_prefill_gradients(self):
         """jax.grad through the prefill op (fp32, identity layout, no NaN slots) equals the XLA form's gradients of x,
         w and the pool (the kernels' VJP is the XLA form's, evaluated at the same inputs), and is finite."""
-        lens, ids, has = (3, 0, 64, 5), (2, 0, 5, NUM_SLOTS), (True, False, True, True)
+        lens, ids, has = (3, 0, 20, 5), (2, 0, 5, NUM_SLOTS), (True, False, True, True)
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
         (x, w, pool), _, _ = self.case(11, int(cu[-1]) + 2, 4, ids, has, "identity", F32)
         pool = jnp.nan_to_num(pool)

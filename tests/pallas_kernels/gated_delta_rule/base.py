@@ -211,18 +211,18 @@ class GatedDeltaRuleGradTest:
             err = rel_rms(got[name], want[name])
             assert err < GRAD_TOL[dtype][name], f"{what}: d{name} rel RMS {err:.3e} >= {GRAD_TOL[dtype][name]}"
 
-    @pytest.mark.parametrize("case", list(GRAD_DENSE))
-    def test_grad_dense_matrix(self, dtype, case):
+    def test_grad_dense_matrix(self, dtype, grad_dense_case):
+        case = grad_dense_case
         b, t, hk, hv, scale, gate_div, masked, l2 = GRAD_DENSE[case]
         dk, dv = self.head_k_dim, self.head_v_dim
         xs, h0, do, dht = grad_case(3, b, t, hk, hv, dk, dv, dtype, b, gate_div=gate_div, masked=masked, l2=l2)
         got = self.op_grads(xs, h0, do, dht, dtype, scale=scale, use_qk_l2norm=l2)
         self.check_grads(got, torch_grads(xs, h0, do, dht, scale=scale, use_qk_l2norm=l2), dtype, case)
 
-    @pytest.mark.parametrize("case", list(GRAD_VARLEN))
-    def test_grad_varlen_initial_states_and_padding(self, dtype, case):
+    def test_grad_varlen_initial_states_and_padding(self, dtype, grad_varlen_case):
         """Packed sequences with per-sequence h0; PAD_TOKENS tokens past cu_seqlens[N] get exactly zero
         gradients; under jax.checkpoint the same gradients (the one-sequence case)."""
+        case = grad_varlen_case
         lens = GRAD_VARLEN[case]
         cu = cu_of(lens)
         t = int(cu[-1]) + PAD_TOKENS
@@ -314,6 +314,9 @@ class GatedDeltaRuleBackendTest(GatedDeltaRuleGradTest):
     padded_head_dims: Optional[tuple] = (24, 40)
     #: jax_default_matmul_precision around the calls (None: leave it)
     matmul_precision: Optional[str] = None
+    #: the gradient cases this backend runs (names of GRAD_DENSE / GRAD_VARLEN)
+    grad_dense_cases: tuple = tuple(GRAD_DENSE)
+    grad_varlen_cases: tuple = tuple(GRAD_VARLEN)
 
     def precision(self):
         if self.matmul_precision is None:
@@ -323,6 +326,10 @@ class GatedDeltaRuleBackendTest(GatedDeltaRuleGradTest):
     def pytest_generate_tests(self, metafunc):
         if "dtype" in metafunc.fixturenames:
             metafunc.parametrize("dtype", self.dtypes, ids=[jnp.dtype(d).name for d in self.dtypes])
+        if "grad_dense_case" in metafunc.fixturenames:
+            metafunc.parametrize("grad_dense_case", self.grad_dense_cases)
+        if "grad_varlen_case" in metafunc.fixturenames:
+            metafunc.parametrize("grad_varlen_case", self.grad_varlen_cases)
 
     # ---- calls through the public ops, under jit --------------------------------------------------------------
     def chunk(self, xs, dtype, *, initial_state=None, cu_seqlens=None):
