@@ -59,31 +59,22 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
     return {"fwd": lambda: time_jax(jax.jit(op(kernel)), args, **timing),
             "ours": lambda: time_jax(grad(op(kernel)), args, **timing),
             "xla": lambda: time_jax(grad(op("xla")), args, **timing),
-            "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla()), args, **timing))}
+            "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla(case, host)), args,
+                                                                                  **timing))}
 
 
-def _jla():
-    from jla.ops.mosaic_gpu.gated_delta_rule import gated_delta_rule
-    return lambda q, k, v, g, beta, h0: gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+def _jla(case: Case, host):
+    """jla's gated delta rule (``benchmarks.peers.jla_chunk``: its jitted call) as a function of our arguments."""
+    from benchmarks import peers
+    fn, _ = peers.jla_chunk(case, host)
+    return fn
 
 
 def _fla(case: Case, host, do, dht) -> float:
+    import torch
     from benchmarks import peers
     from benchmarks.timing import time_torch
-    peers._fla_env()
-    import torch
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    dev, bf = "cuda", torch.bfloat16
-    q, k, v, g, beta, h0 = host
-    leaf = lambda x, dt: torch.from_numpy(x).to(dev, dt).requires_grad_(True)  # noqa: E731
-    tq, tk, tv, tg, tb, th = (leaf(q, bf), leaf(k, bf), leaf(v, bf), leaf(g, torch.float32), leaf(beta, bf),
-                              leaf(h0, torch.float32))
-    tdo, tdht = torch.from_numpy(do).to(dev, bf), torch.from_numpy(dht).to(dev)
-    kw = {} if case.lens is None else {"cu_seqlens": torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)}
-
-    def run():
-        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th, output_final_state=True, **kw)
-        torch.autograd.backward([o, ht], [tdo, tdht])
+    run = peers.fla_chunk_backward(case, host, do, dht)
     run()
     torch.cuda.synchronize()
     return time_torch(run)

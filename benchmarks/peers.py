@@ -36,25 +36,44 @@ def jla_chunk(case, host):
     return fn, args
 
 
+def _fla_inputs(case, host, requires_grad: bool = False):
+    """(q, k, v, g, beta, h0 as CUDA tensors: bf16 q, k, v, beta; fp32 g, h0), cu_seqlens kwargs) of FLA's call."""
+    import torch
+    q, k, v, g, beta, h0 = host
+    dev, bf = "cuda", torch.bfloat16
+    dtypes = (bf, bf, bf, torch.float32, bf, torch.float32)
+    ts = tuple(torch.from_numpy(x).to(dev, dt).requires_grad_(requires_grad)
+               for x, dt in zip((q, k, v, g, beta, h0), dtypes))
+    kw = {}
+    if case.lens is not None:
+        kw["cu_seqlens"] = torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)
+    return ts, kw
+
+
 def fla_chunk(case, host):
     """A no-argument callable running FLA's ``chunk_gated_delta_rule`` on the case's host inputs (torch, CUDA), bf16
     q, k, v and beta, fp32 g and initial state, final state out."""
     _fla_env()
-    import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    q, k, v, g, beta, h0 = host
-    dev = "cuda"
-    bf = torch.bfloat16
-    tq, tk, tv = (torch.from_numpy(x).to(dev, bf) for x in (q, k, v))
-    tg = torch.from_numpy(g).to(dev)
-    tb = torch.from_numpy(beta).to(dev, bf)
-    th0 = torch.from_numpy(h0).to(dev)
-    kw = {}
-    if case.lens is not None:
-        kw["cu_seqlens"] = torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)
+    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host)
 
     def fn():
         return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+    return fn
+
+
+def fla_chunk_backward(case, host, do, dht):
+    """A no-argument callable running FLA's ``chunk_gated_delta_rule`` forward and ``torch.autograd.backward`` of
+    (o, ht) with the cotangents do (bf16) and dht (fp32), on ``fla_chunk``'s inputs (leaves with gradients)."""
+    _fla_env()
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host, requires_grad=True)
+    tdo, tdht = torch.from_numpy(do).to("cuda", torch.bfloat16), torch.from_numpy(dht).to("cuda")
+
+    def fn():
+        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+        torch.autograd.backward([o, ht], [tdo, tdht])
     return fn
 
 

@@ -150,7 +150,7 @@ def causal_conv1d_l2_varlen(x: jax.Array, w: jax.Array, conv_state_pool: jax.Arr
                              f"columns in [0, {x.shape[1] - d}], got {block_cols!r}")
     kc = w.shape[1]
     reference.check_pool_meta("causal_conv1d_l2_varlen", conv_state_pool, c, kc, cu_seqlens, slot_ids,
-                                   has_initial_state)
+                              has_initial_state)
     backend = resolve_backend(backend, call="prefill", dtype=x.dtype, head_k_dim=d, head_v_dim=d)
     if backend == "xla":
         return reference.conv1d_l2_varlen(x, w, conv_state_pool, cu_seqlens, slot_ids, has_initial_state,
