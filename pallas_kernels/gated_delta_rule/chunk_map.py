@@ -132,6 +132,59 @@ def build_chunk_map(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64)
                     token_chunk, token_offset)
 
 
+class AlignedChunks(NamedTuple):
+    """Chunks on a grid aligned to ``align`` rows (for kernels that read the packed tokens where they lie, by
+    copies whose row offsets must be multiples of ``align``): sequence n's chunks start at row0[n] = cu[n] rounded
+    down to a multiple of ``align``, so chunk j of it is packed rows [row0 + j C, row0 + j C + C), of which only
+    [lo, hi) are its own (the leading rows belong to earlier sequences, the trailing ones to later sequences or to
+    padding, or lie past T).
+
+    row0, seq_first_chunk, seq_num_chunks: [N] int32 (0 chunks for an empty sequence);
+    tile0, lo, hi: [NC] int32 per chunk slot (0, 0, 0 for unused slots);
+    src, keep: [NC C] the packed row of each chunk-slot row and whether it is the chunk's own token.
+    """
+    row0: jax.Array
+    seq_first_chunk: jax.Array
+    seq_num_chunks: jax.Array
+    tile0: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    src: jax.Array
+    keep: jax.Array
+
+
+def max_aligned_chunks(total_len: int, num_seqs: int, chunk_size: int, align: int) -> int:
+    """Static bound on the chunk count of :func:`build_aligned_chunks`: a sequence of L tokens starting up to
+    align - 1 rows past its grid point takes ceil((L + align - 1) / C) <= (L + align - 1 + C - 1) / C chunks."""
+    return -(-(total_len + num_seqs * (align + chunk_size - 2)) // chunk_size)
+
+
+def build_aligned_chunks(cu_seqlens: jax.Array, total_len: int, chunk_size: int = 64, *, align: int = 8,
+                         num_slots: int | None = None) -> AlignedChunks:
+    """The :class:`AlignedChunks` of ``cu_seqlens [N + 1]`` on the device (traceable; T, N and the slot count
+    static; ``num_slots`` >= :func:`max_aligned_chunks`, default that bound)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = max_aligned_chunks(total_len, n, chunk_size, align) if num_slots is None else num_slots
+    start, end = cu[:-1], cu[1:]
+    row0 = start // align * align
+    count = jnp.where(end > start, (end - row0 + chunk_size - 1) // chunk_size, 0)
+    chunk_end = jnp.cumsum(count)
+    first = chunk_end - count
+    c = jnp.arange(nc, dtype=jnp.int32)
+    used = c < chunk_end[-1]
+    seq = jnp.minimum(count_le(chunk_end, nc), n - 1)
+    tile0 = row0[seq] + (c - first[seq]) * chunk_size
+    lo = jnp.where(used, jnp.clip(start[seq] - tile0, 0, chunk_size), 0)
+    hi = jnp.where(used, jnp.clip(end[seq] - tile0, 0, chunk_size), 0)
+    tile0 = jnp.where(used, tile0, 0)
+    i = jnp.arange(chunk_size, dtype=jnp.int32)
+    keep = (i[None, :] >= lo[:, None]) & (i[None, :] < hi[:, None])
+    src = jnp.where(keep, tile0[:, None] + i[None, :], 0)
+    return AlignedChunks(row0, first.astype(jnp.int32), count.astype(jnp.int32), tile0, lo, hi,
+                         src.reshape(-1), keep.reshape(-1))
+
+
 def dense_cu_seqlens(batch: int, seq_len: int) -> jax.Array:
     """cu_seqlens of ``batch`` equal-length sequences laid end to end: [0, T, 2T, ..., B*T]."""
     return jnp.arange(batch + 1, dtype=jnp.int32) * seq_len

@@ -77,9 +77,9 @@ F32 = jnp.float32
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     state_kv: bool = False, lane_rows=None):
+                     state_kv: bool = False, lane_rows=None, in_place: bool = False):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
-    (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None).
+    (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None); with ``in_place`` (o, edges, final state).
 
     q, k [B, Tp, Hk, K]; v [B, Tp, Hv, V] (one 16-bit dtype; Tp a multiple of C * pieces);
     ``head_major`` False (stage 1a = Triton ``kkt_solve``): t [NC, Hv, C, C] the **gated** T (input dtype, zeros
@@ -107,6 +107,21 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     [K, 64] tile by TMA and reads it transposed (``Layout.WGMMA_TRANSPOSED`` from the transposed SMEM view, then a
     register layout cast), and stores the final state the same way back; saves two XLA transposes of all states
     (2 x 2 x 2 MB per sequence at Hv 32, K = V = 128).
+    ``in_place`` (varlen, packed tokens read where they lie): q, k [1, T, Hk, K] and v [1, T, Hv, V] are the
+    packed row itself (T a multiple of 8: Mosaic tiles the GMEM rows of a TMA in 8s) and ``walk`` is [R, 6], row
+    r = (c0, n_r, s_r, start, length, row0 / 8) with row0 = start rounded down to a multiple of 8 (stored in 8s so
+    that every copy offset is a product by 8, which Mosaic's layout inference can see divides its tile). Chunk n
+    of the row
+    is packed rows [row0 + n C, row0 + n C + C) (rows past T read as zeros); its rows outside [start, start +
+    length) belong to other sequences or to padding and are masked by selects, never by multiplies (so a NaN
+    there reaches nothing): WG1 zeroes them in k's SMEM tile after it has published Ag (chunks with such rows
+    only; WG0's state update waits for it on the ``k_clean`` barrier), WG0 zeroes those columns of W (its
+    S^T k^T reads k beside that write), and the caller gives them g = 0 and beta = 0
+    in t / gcum / beta_c, which stay in the chunk-slot layout (chunk c0 + n). o [1, T, Hv, V] is stored in place:
+    a chunk wholly inside its sequence by one copy, the others in groups of 8 rows, those wholly inside the
+    sequence to o and a partial group to ``edges`` [2 N, 8, Hv, V]
+    (entry 2 s_r the group of the sequence's first token, 2 s_r + 1 the group of its last when that is another);
+    the caller merges the edges and zeroes the padding rows (:func:`varlen.merge_edges`).
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -119,11 +134,17 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     run_pieces = pieces if run_pieces is None else run_pieces
     varlen = walk is not None
     lanes = lane_rows is not None
+    if in_place and (not varlen or lanes or walk.ndim != 2 or walk.shape[-1] != 6 or not write_o
+                     or padded % 8):
+        raise ValueError("fused_state_pass: in_place needs a walk table [R, 6], no lanes, write_o and a packed row "
+                         f"of a multiple of 8 tokens (got T = {padded})")
     if lanes and (walk is None or walk.ndim != 3 or walk.shape[-1] != 6):
         raise ValueError("fused_state_pass: lane_rows needs a lane walk table [L, R_max, 6]")
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
+    if in_place:             # q / k / v are the packed row; the chunk slots are t's (either layout)
+        padded = t.shape[2] if head_major else t.shape[0] * C
     if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
                          f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
@@ -143,7 +164,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     stages = ring_stages(per_stage, fixed)
     n_copies = (4 if write_o else 3) + n_vec      # the map pass reads no q
 
-    out_type = [jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype)] if write_o else []
+    n_rows = k.shape[1]          # rows of q / k / v / o (the packed row when in_place)
+    out_type = [jax.ShapeDtypeStruct((batch, n_rows if in_place else padded, heads, value_dim), out_dtype)] \
+        if write_o else []
+    if in_place:
+        out_type.append(jax.ShapeDtypeStruct((2 * num_states, 8, heads, value_dim), out_dtype))
     if out_final:
         out_type.append(jax.ShapeDtypeStruct(
             ((num_states if varlen else batch * run_pieces), heads)
@@ -171,17 +196,20 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         state_bar=plgpu.Barrier(),
         done=plgpu.Barrier(num_arrivals=3),
     )
+    if in_place:
+        scratch.update(k_clean=plgpu.Barrier(num_barriers=stages))
     if has_h0 or out_final:
         scratch.update(state_smem=plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32))
 
     def body(*refs, q_s, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, s_pub, vn_pub, o_out, in_bar, in_free,
-             ag_ready, s_ready, s_free, state_bar, done, state_smem=None):
+             ag_ready, s_ready, s_free, state_bar, done, state_smem=None, k_clean=None):
         refs = list(refs)
         q_ref, k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
         h0_ref = refs.pop(0) if has_h0 else None
         walk_ref = refs.pop(0) if varlen else None
         nrows_ref = refs.pop(0) if lanes else None
         o_ref = refs.pop(0) if write_o else None
+        edge_ref = refs.pop(0) if in_place else None
         ht_ref = refs.pop(0) if out_final else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         if varlen:
@@ -190,15 +218,25 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             b, piece = lax.div(r, run_pieces), lax.rem(r, run_pieces)
 
         def row_at(j):
-            """The j-th row this CTA walks: (c0, count, state row, first row of t / gcum / beta_c / o, first row of
-            q / k / v (the same), None, chunks this CTA walked before it)."""
+            """The j-th row this CTA walks: (c0, count, state row, first row of t / gcum / beta_c (and of o unless
+            in_place), first row of q / k / v (the same unless in_place: row0), (start, end) of the sequence's
+            tokens when in_place, chunks this CTA walked before it)."""
             if not varlen:               # dense: piece p of row b
                 tok0 = piece * piece_len
                 return None, ncb, r, tok0, tok0, None, 0
             ent = (lambda i: walk_ref[r, j, i]) if lanes else (lambda i: walk_ref[r, i])
             c0 = ent(0)
             tok0 = c0 * C
+            if in_place:
+                return c0, ent(1), ent(2), tok0, ent(5) * 8, (ent(3), ent(3) + ent(4)), 0
             return c0, ent(1), ent(2), tok0, tok0, None, ent(5) if lanes else 0
+
+        def tile_rows(n, row):
+            """in_place: (first packed row of chunk n, [lo, hi) its rows in the sequence, whether some are not)."""
+            tile0 = row[4] + n * C
+            lo = jnp.maximum(row[5][0] - tile0, 0)
+            hi = jnp.minimum(row[5][1] - tile0, C)
+            return tile0, lo, hi, (lo > 0) | (hi < C)
 
         hk = lax.div(hh, group)
         v0 = iv * BV
@@ -220,7 +258,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 c0, tok0 = row[0], row[3]
                 rows = pl.ds(tok0 + n * C, C)
                 bar = in_bar.at[slot]
-                issue_qkv((q_ref, k_ref, v_ref), rows, slot)
+                issue_qkv((q_ref, k_ref, v_ref), pl.ds(row[4] + n * C, C) if in_place else rows, slot)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
                     t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
@@ -312,6 +350,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 def _():                 # WG1 has finished reading the tiles published two chunks ago
                     plgpu.barrier_wait(s_free.at[half])
 
+                if in_place:
+                    _, lo, hi, edge = tile_rows(n, row)
                 s_lo = s_t.astype(dtype)
                 s_pub.at[half][...] = s_lo
                 g_last = g_state[slot, C - 1]
@@ -322,13 +362,22 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 # W^T = v^T - (S^T k^T) Gamma, then v_new^T = W^T Ag^T
                 x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))
                 v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32)
-                w_t = (v_t - x_t * bcast_cols(key_decay, (BV, C))).astype(dtype)
+                w_t = v_t - x_t * bcast_cols(key_decay, (BV, C))
+                if in_place:             # v's rows outside the sequence: a select, so a NaN there reaches nothing
+                    cols = iota((BV, C), 1)
+                    w_t = jnp.where((cols >= lo) & (cols < hi), w_t, 0.0)
+                w_t = w_t.astype(dtype)
                 plgpu.barrier_wait(ag_ready.at[slot])
                 vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
                 vn_pub.at[half].T[...] = vn_t.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s_ready.at[half])
                 vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)
+                if in_place:             # v_new is zero on the rows outside the sequence; 0 x NaN is not
+
+                    @pl.when(edge)
+                    def _():             # WG1 has zeroed k's rows outside the sequence
+                        plgpu.barrier_wait(k_clean.at[slot])
                 s_new = matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
@@ -375,6 +424,19 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 t_s.at[slot][...] = ag.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
+                if in_place:
+                    tile0, lo, hi, edge = tile_rows(n, row)
+
+                    @pl.when(edge)
+                    def _():
+                        # k's rows outside the sequence zeroed, after Ag (WG0 needs them only for its state
+                        # update, behind k_clean; its S^T k^T beside this write reads them too, but only into
+                        # W's columns that it masks) and before P reads k
+                        kt = plgpu.load(k_s.at[slot], layout=WGMMA)
+                        rr = iota((C, key_dim), 0)
+                        k_s.at[slot][...] = jnp.where((rr >= lo) & (rr < hi), kt, jnp.zeros_like(kt))
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(k_clean.at[slot])
                 if not write_o:          # the map pass: only Ag, then release the tiles
                     plgpu.barrier_wait(s_ready.at[half])
                     plgpu.barrier_arrive(s_free.at[half])
@@ -390,7 +452,26 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk m - 2 was sent
                 o_out.at[half][...] = (o * scale).astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
+                if not in_place:
+                    plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
+                    return carry
+                start, end = row[5]
+                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[0, pl.ds(tile0, C), hh, pl.ds(v0, BV)],
+                                        predicate=jnp.logical_not(edge), commit_group=False)
+
+                @pl.when(edge)
+                def _():                 # groups of 8 rows: inside the sequence to o, a partial one to the edges
+                    for j in range(C // 8):
+                        grow = tile0 + 8 * j
+                        inside = (grow >= start) & (grow + 8 <= end)
+                        part = jnp.logical_not(inside) & (grow < end) & (grow + 8 > start)
+                        entry = 2 * row[2] + (jnp.minimum(n, 1) if j == 0 else 1)
+                        src = o_out.at[half, pl.ds(8 * j, 8)]
+                        plgpu.copy_smem_to_gmem(src, o_ref.at[0, pl.ds(grow, 8), hh, pl.ds(v0, BV)],
+                                                predicate=inside, commit_group=False)
+                        plgpu.copy_smem_to_gmem(src, edge_ref.at[entry, :, hh, pl.ds(v0, BV)], predicate=part,
+                                                commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
                 return carry
 
             if lanes:
@@ -412,7 +493,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
     args += [lane_rows] if lanes else []
     rows = walk.shape[0] if varlen else batch * run_pieces
-    name = "gdn_mosaic_varlen_state_pass" if varlen else (
+    name = "gdn_mosaic_varlen_in_place" if in_place else "gdn_mosaic_varlen_state_pass" if varlen else (
         "gdn_mosaic_fused_state_pass" if write_o else "gdn_mosaic_state_map")
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(rows, heads, nv),
@@ -422,6 +503,9 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     )(*args)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     o = outs.pop(0) if write_o else None
+    if in_place:
+        edges = outs.pop(0)
+        return o, edges, (outs.pop(0) if out_final else None)
     return o, (outs.pop(0) if out_final else None)
 
 
@@ -499,7 +583,8 @@ def kkt_chunks_per_cta(batch: int, heads: int, chunks: int) -> int:
     return 1
 
 
-def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interpret=None, num_chunks=None):
+def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interpret=None, num_chunks=None,
+            chunk_rows=None):
     """Gate-free T0 = (I + A0)^-1, A0_ij = beta_i k_i.k_j (j < i), one Mosaic GPU kernel. Returns
     T0 [B, Hv, Tp, C] in k's dtype (row i of chunk c at [b, h, c C + i], zeros above the diagonal).
 
@@ -510,12 +595,23 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
     ``chunks_per_cta`` chunks with the next chunk's keys prefetched and T0's stores left in flight.
     ``num_chunks`` (int32 [1] or None; the varlen path's used chunk slots): a CTA whose chunks all lie at or past
     num_chunks[0] exits at once, leaving its rows of T0 unset (nothing may read them).
+    ``chunk_rows`` (int32 [NC, 3] or None; the varlen path's packed tokens read in place): k is then the packed row
+    [1, T, Hk, K] (T a multiple of 8) and chunk c's keys are rows 8 chunk_rows[c, 0] + [0, C) of it (the first row
+    stored in 8s: an offset Mosaic's layout inference can see divides its tile), of which only
+    rows [chunk_rows[c, 1], chunk_rows[c, 2]) are the chunk's (the others give A0 zero rows and columns by a
+    select: a NaN there reaches nothing); Tp is then beta_hm's.
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     WGMMA = plgpu.Layout.WGMMA
     ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)
     batch, padded, kv_heads, key_dim = k.shape
+    in_place = chunk_rows is not None
+    if in_place:
+        if batch != 1 or padded % 8 or chunk_rows.shape != (beta_hm.shape[2] // C, 3):
+            raise ValueError(f"kkt_fwd: chunk_rows needs one packed row of a multiple of 8 tokens and a table "
+                             f"[NC, 3]; got k {k.shape}, chunk_rows {chunk_rows.shape}")
+        padded = beta_hm.shape[2]
     group = heads // kv_heads
     nc = padded // C
     if chunks_per_cta is None:
@@ -540,13 +636,15 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
         plgpu.commit_smem()
         return matmul(a.astype(dtype), b_smem, (C, C))
 
-    def body(k_ref, beta_ref, t_ref, k_smem, br_smem, bc_smem, t_smem, b_smem, na_smem, x_smem, bar):
+    def body(k_ref, beta_ref, t_ref, k_smem, br_smem, bc_smem, t_smem, b_smem, na_smem, x_smem, bar,
+             rows_ref=None):
         b, nb, hh = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
         hk = lax.div(hh, group)
 
         def issue(n, slot):
             rows = pl.ds((nb * cpc + n) * C, C)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], bar.at[slot])
+            k_rows = pl.ds(rows_ref[nb * cpc + n, 0] * 8, C) if in_place else rows
+            plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, hk], k_smem.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(beta_ref.at[b, hh, rows], br_smem.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(beta_ref.at[b, hh, rows], bc_smem.at[slot], bar.at[slot])
 
@@ -567,6 +665,12 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
             s = matmul(k_smem.at[slot], k_smem.at[slot].T, sq)        # symmetric: also serves A0^T
             lower = ri > ci
             diag_upper = (ci > ri) & (lax.div(ri, BLOCK) == lax.div(ci, BLOCK))
+            if in_place:         # rows and columns of other sequences' (or padding) tokens: zero, by a select
+                c = nb * cpc + n
+                lo, hi = rows_ref[c, 1], rows_ref[c, 2]
+                mine = (ri >= lo) & (ri < hi) & (ci >= lo) & (ci < hi)
+                lower = lower & mine
+                diag_upper = diag_upper & mine
             a0 = jnp.where(lower, s * bcast_rows(plgpu.load(br_smem.at[slot], layout=ROWS), sq), 0.0)
             neg_a_t = jnp.where(diag_upper, s * bcast_cols(-plgpu.load(bc_smem.at[slot], layout=COLS), sq), 0.0)
             x = diag_inverse(neg_a_t, na_smem.at[:, :C], x_smem.at[:, :C])
@@ -584,19 +688,22 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
         plgpu.wait_smem_to_gmem(0)
 
     def body_kw(k_ref, beta_ref, *refs, **scr):
+        refs = list(refs)
+        rows_ref = refs.pop(0) if in_place else None
         if num_chunks is None:
-            return body(k_ref, beta_ref, *refs, **scr)
+            return body(k_ref, beta_ref, *refs, rows_ref=rows_ref, **scr)
         n_ref, t_ref = refs
 
         @pl.when(lax.axis_index("n") * cpc < n_ref[0])
         def _():
-            body(k_ref, beta_ref, t_ref, **scr)
+            body(k_ref, beta_ref, t_ref, rows_ref=rows_ref, **scr)
 
     return plgpu.kernel(
         body_kw, out_type=jax.ShapeDtypeStruct((batch, heads, padded, C), dtype), scratch_types=scratch,
         grid=(batch, nc // cpc, heads), grid_names=("b", "n", "h"),
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret, kernel_name="gdn_mosaic_kkt",
-    )(k, beta_hm, *(() if num_chunks is None else (num_chunks,)))
+    )(k, beta_hm, *(() if chunk_rows is None else (chunk_rows.astype(jnp.int32),)),
+      *(() if num_chunks is None else (num_chunks,)))
 
 
 def kkt_fwd_reference(k, beta_hm, *, heads: int):

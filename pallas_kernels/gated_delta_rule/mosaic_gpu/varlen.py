@@ -30,6 +30,16 @@ The slot-pool form (:func:`op_fwd_slots`) gathers the start states of the pool (
 for has_initial_state False and for ids outside [0, S)) and scatters the final states back
 (``chunk_map.scatter_slots``: writes of ids outside [0, S) dropped), around the same call.
 
+**Packed tokens read in place** (``VarlenConfig.reads="in_place"``, packed rows of a multiple of 8 tokens): no
+repack of q, k, v and no unpack of o. Each sequence's chunks lie on a grid of rows aligned to 8 (Mosaic's TMA
+tiles GMEM rows in 8s, so a copy may start at a multiple of 8 only), starting at its first token rounded down
+(``chunk_map.build_aligned_chunks``): a chunk's leading rows may belong to the sequence before and its trailing
+rows to the one after or to padding. Those rows are masked inside the kernels by selects (k zeroed in SMEM, W's
+columns, A0's rows and columns; g = 0 and beta = 0 in the chunk-slot vectors, which XLA gathers: [T, Hv] fp32,
+a small part of the bytes), so a NaN in another sequence reaches nothing. o is stored in place in groups of 8
+rows; the groups a sequence shares with its neighbours go to a small edge buffer [2 N, 8, Hv, V] that one Pallas
+Triton launch merges into o in place, zeroing the padding rows in the same launch (:func:`merge_edges`).
+
 ``impl="reference"``: the same repack, table and unpack around the jnp twin of the walk
 (:func:`fused_state_pass_walk_reference`, the kernel's per-row dynamic loop as ``lax.fori_loop``s) and the twins of
 stage 1a: the CPU tests check it against the float64 oracle (the Mosaic GPU kernels do not run on CPU).
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +69,8 @@ STAGE1A = ("mosaic", "triton")
 ORDERS = ("longest_first", "index")
 STATES = ("kv", "vk")
 COPIES = ("xla", "triton")
+READS = ("repacked", "in_place")
+ALIGN = 8                # rows of a TMA copy's GMEM tile: in-place chunks start at multiples of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +93,9 @@ class VarlenConfig:
     but "triton" leaves the unused chunk slots of the repacked row unset instead of zeroed: nothing reads them.
     kkt_used: stage1a "mosaic" computes T0 only for the chunk slots in use (``kkt_fwd(num_chunks=...)``: the CTAs
     past them exit at once; serve256 uses 732 of its 864 slots: 0.306 ms against 0.353); False: every slot.
+    reads: "repacked" (q, k, v copied to chunk-aligned rows and o back) or "in_place" (the packed row read and o
+    written where they lie, module docstring; needs stage1a "mosaic", lanes 0 and T a multiple of 8: other calls
+    run "repacked").
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -90,6 +106,7 @@ class VarlenConfig:
     lanes: int = 0
     copies: str = "triton"
     kkt_used: bool = True
+    reads: str = "in_place"
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -100,6 +117,8 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.states must be one of {STATES}; got {self.states!r}")
         if self.copies not in COPIES:
             raise ValueError(f"VarlenConfig.copies must be one of {COPIES}; got {self.copies!r}")
+        if self.reads not in READS:
+            raise ValueError(f"VarlenConfig.reads must be one of {READS}; got {self.reads!r}")
         if not isinstance(self.kkt_used, bool):
             raise ValueError(f"VarlenConfig.kkt_used must be a bool; got {self.kkt_used!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
@@ -211,13 +230,93 @@ def repack(xs, src, keep):
     return tuple(gather_rows(x[0], src, keep)[None] for x in xs)
 
 
+class EdgeGroups(NamedTuple):
+    """Where the in-place kernel's edge buffer [2 N, 8, Hv, V] lands: entry e's rows [lo[e], hi[e]) go to packed
+    rows row[e] + i (entry 2 n: the group of 8 holding sequence n's first token, 2 n + 1: the one holding its last
+    when that is another; an entry whose group lies wholly inside its sequence, stored in place by the kernel, or
+    that is not used, has lo = hi = 0). All int32 [2 N]."""
+    row: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+    def rows(self, total_len: int):
+        """[2 N 8] int32: the packed row of each edge-buffer row, ``total_len`` where it lands nowhere."""
+        i = jnp.arange(ALIGN, dtype=jnp.int32)
+        ok = (i >= self.lo[:, None]) & (i < self.hi[:, None])
+        return jnp.where(ok, self.row[:, None] + i, total_len).reshape(-1)
+
+
+def in_place_layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
+    """The in-place reads' maps of ``cu_seqlens [N + 1]`` for a packed row of ``total_len`` tokens: (aligned chunks
+    (``chunk_map.AlignedChunks``, NC slots rounded up to 8), walk [N, 6] int32 with row r = (first chunk, chunk
+    count, sequence n, cu_seqlens[n], its length, its first chunk's packed row / 8), :class:`EdgeGroups`)."""
+    from pallas_kernels.gated_delta_rule.chunk_map import build_aligned_chunks, max_aligned_chunks
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    n = cu.shape[0] - 1
+    nc = -(-max_aligned_chunks(total_len, n, C, ALIGN) // 8) * 8
+    ac = build_aligned_chunks(cu, total_len, C, align=ALIGN, num_slots=nc)
+    start, end = cu[:-1], cu[1:]
+    rows = launch_order(ac.seq_num_chunks) if order == "longest_first" else jnp.arange(n, dtype=jnp.int32)
+    walk = jnp.stack([ac.seq_first_chunk[rows], ac.seq_num_chunks[rows], rows, start[rows], end[rows] - start[rows],
+                      ac.row0[rows] // ALIGN], axis=-1).astype(jnp.int32)
+    last = jnp.maximum(end - 1, 0) // ALIGN * ALIGN                 # the group of each sequence's last token
+    group = jnp.stack([ac.row0, last], axis=1)                      # [N, 2]: entries 2 n, 2 n + 1
+    inside = (group >= start[:, None]) & (group + ALIGN <= end[:, None])
+    used = ~inside & jnp.stack([end > start, (last != ac.row0) & (end > start)], axis=1)
+    lo = jnp.where(used, jnp.clip(start[:, None] - group, 0, ALIGN), 0)
+    hi = jnp.where(used, jnp.clip(end[:, None] - group, 0, ALIGN), 0)
+    edges = EdgeGroups(group.reshape(-1).astype(jnp.int32), lo.reshape(-1).astype(jnp.int32),
+                       hi.reshape(-1).astype(jnp.int32))
+    return ac, walk, edges
+
+
+def merge_edges(o, edges, groups: "EdgeGroups", cu_last, *, kernel: bool = True, interpret: bool = False):
+    """The in-place kernel's o [1, T, Hv, V] completed: the edge buffer's rows [2 N, 8, Hv, V] put on their packed
+    rows (``groups``), the padding rows (index >= cu_last[0]) zeroed. ``kernel``: one Pallas Triton launch over o in
+    place (``triton/varlen_copy.merge_edge_rows``; ``interpret`` for the CPU); else an XLA scatter and select."""
+    _, t, hv, vdim = o.shape
+    if kernel:
+        from pallas_kernels.gated_delta_rule.triton import varlen_copy as vc
+        y = vc.merge_edge_rows(o[0].reshape(t, hv * vdim), edges.reshape(-1, hv * vdim), groups.row, groups.lo,
+                               groups.hi, cu_last, interpret=interpret)
+        return y.reshape(o.shape)
+    o = o[0].at[groups.rows(t)].set(edges.reshape((-1,) + edges.shape[2:]), mode="drop", unique_indices=True)
+    return jnp.where((jnp.arange(t) < cu_last[0])[:, None, None], o, jnp.zeros((), o.dtype))[None]
+
+
+def in_place_stores_reference(o_r, ac, walk, total_len: int):
+    """What the in-place kernel leaves in o and the edge buffer, from the twin's o on the chunk-slot row o_r
+    [1, Tp, Hv, V]: (o [1, T, Hv, V] with the rows of groups of 8 wholly inside a sequence set and NaN elsewhere
+    (unset), edges [2 N, 8, Hv, V] with each partial group's 8 rows as the kernel stores them)."""
+    n = walk.shape[0]
+    tp = o_r.shape[1]
+    o_flat = o_r[0]
+    seq = walk[:, 2]
+    first, count, row0 = (jnp.zeros((n,), jnp.int32).at[seq].set(walk[:, i]) for i in (0, 1, 5))
+    row0 = row0 * ALIGN
+    start, end = (jnp.zeros((n,), jnp.int32).at[seq].set(x) for x in (walk[:, 3], walk[:, 3] + walk[:, 4]))
+    t = jnp.arange(total_len, dtype=jnp.int32)
+    s_of = jnp.clip(jnp.searchsorted(end, t, side="right"), 0, n - 1)
+    g = t // ALIGN * ALIGN
+    inside = (g >= start[s_of]) & (g + ALIGN <= end[s_of]) & (t < end[-1])
+    slot = jnp.clip(first[s_of] * C + t - row0[s_of], 0, tp - 1)
+    o = jnp.where(inside[:, None, None], jnp.take(o_flat, slot, axis=0), jnp.nan).astype(o_r.dtype)
+    last = jnp.maximum(end - 1, 0) // ALIGN * ALIGN
+    grp = jnp.stack([row0, last], axis=1)[:, :, None] + jnp.arange(ALIGN)             # [N, 2, 8] packed rows
+    eslot = jnp.clip(first[:, None, None] * C + grp - row0[:, None, None], 0, tp - 1)
+    edges = jnp.take(o_flat, eslot.reshape(-1), axis=0).reshape((2 * n, ALIGN) + o_flat.shape[1:])
+    return o[None], edges
+
+
 def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None,
-                     num_chunks=None):
+                     num_chunks=None, chunk_rows=None):
     """(t, gcum, beta_c, head_major): the fused pass's stage-1a operands for the repacked row (g_r, b_r [1, Tp, Hv]
     fp32; k_r [1, Tp, Hk, K], read only by stage1a "mosaic"). ``stage1a="triton"`` runs kkt_solve on the packed
     row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through ``chunk_map`` (interpret mode without ``kernel``).
     ``num_chunks`` (int32 [1], stage1a "mosaic"): T0 only for chunks below it (the kernel leaves the rest unset;
-    the twin makes them NaN, so a read of them shows)."""
+    the twin makes them NaN, so a read of them shows). ``chunk_rows`` (in-place reads, int32 [NC, 3]): k_r is the
+    packed row itself and kkt_fwd reads each chunk's keys where they lie (``kkt_fwd(chunk_rows=...)``); the twin
+    is then given k_r already gathered to the chunk-slot row."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
     _, tp, hv = g_r.shape
     nc = tp // C
@@ -226,7 +325,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
         gcum = jnp.cumsum(g.T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
         beta_hm = b_r[0].T[None]                                                      # [1, Hv, Tp]
         if kernel:
-            t0 = mg.kkt_fwd(k_r, beta_hm, heads=hv, num_chunks=num_chunks)
+            t0 = mg.kkt_fwd(k_r, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=chunk_rows)
         else:
             t0 = mg.kkt_fwd_reference(k_r, beta_hm, heads=hv)
             if num_chunks is not None:
@@ -247,7 +346,7 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
 
 def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_states: int, scale: float,
                                     out_final: bool, head_major: bool, exp2: bool = False, state_kv: bool = False,
-                                    lane_rows=None):
+                                    lane_rows=None, in_place: bool = False):
     """What :func:`chunk.fused_state_pass` computes with a walk table, in jnp (fp32, precision highest):
     row r of ``walk`` = (c0, count, s, ...) walks chunks c0 .. c0 + count - 1 from h0t[s] (zeros when None) by
     a dynamic-trip-count ``lax.fori_loop``, writes those chunks' rows of o and its final state to [s]. Chunks no
@@ -255,7 +354,10 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     them unset: nothing may read them). Returns (o [1, Tp, Hv, V] in q's dtype, final S^T [num_states, Hv, V, K]
     fp32 or None; ``state_kv``:
     h0t is then S [num_states, Hv, K, V] and so is the final state; ``lane_rows``: ``walk`` is a lane table
-    [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does)."""
+    [L, R, 6] and lane p walks its rows j < lane_rows[p] in order, as the persistent kernel does; ``in_place``:
+    q, k, v are the packed row and ``walk`` the in-place table [N, 6]: chunk n of a row reads packed rows row0 +
+    n C + [0, C) (zeros past T), its rows outside the sequence zeroed by a select, as the kernel masks them; o
+    stays on the chunk-slot row)."""
     kdim = k.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
     t, gcum, beta_c = mg.chunk_layout(t, gcum, beta_c, head_major=head_major, exp2=exp2)
@@ -265,6 +367,8 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     def heads(x):       # [1, L, H, D] -> [L, Hv, D] fp32 (value heads)
         return jnp.repeat(x[0], hv // x.shape[2], axis=1).astype(F32)
     qa, ka, va = heads(q), heads(k), heads(v)
+    if in_place:         # rows past T read as zeros (the kernel's TMA does the same)
+        qa, ka, va = (jnp.pad(x, [(0, C), (0, 0), (0, 0)]) for x in (qa, ka, va))
     ts = (t.astype(F32).reshape(nc, hv, C, C), gcum.astype(F32).reshape(nc, hv, C),
           beta_c.astype(F32).reshape(nc, hv, C))
     h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
@@ -278,10 +382,17 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
             s, o = carry2
             c = c0 + n
             first = c * C
+            if in_place:
+                at = ent[5] * ALIGN + n * C
+                i = at + jnp.arange(C)
+                mine = ((i >= ent[3]) & (i < ent[3] + ent[4]))[None, None, :, None]
+            else:
+                at, mine = first, None
 
             def tile(x, at):        # [C, Hv, D] rows at.. -> [1, Hv, C, D]
-                return jnp.swapaxes(lax.dynamic_slice_in_dim(x, at, C, 0), 0, 1)[None]
-            qc, kc, vc = (tile(x, first) for x in (qa, ka, va))
+                y = jnp.swapaxes(lax.dynamic_slice_in_dim(x, at, C, 0), 0, 1)[None]
+                return y if mine is None else jnp.where(mine, y, 0.0)
+            qc, kc, vc = (tile(x, at) for x in (qa, ka, va))
             xs = (qc, kc, vc) + tuple(lax.dynamic_index_in_dim(x, c, 0, keepdims=True) for x in ts)
             s, oc = mg.chunk_step(s, xs, scale)
             return s, lax.dynamic_update_index_in_dim(o, oc[0], c, 0)
@@ -300,24 +411,33 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     return o, ((ht if state_kv else jnp.swapaxes(ht, -1, -2)) if out_final else None)
 
 
+def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool:
+    """Whether a call with these choices reads the packed row in place (``VarlenConfig.reads``): only with
+    stage1a "mosaic", no lanes and a multiple of 8 tokens; otherwise it is repacked."""
+    return reads == "in_place" and stage1a == "mosaic" and lanes == 0 and total_len % ALIGN == 0
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
-                                             "states", "lanes", "copies", "kkt_used"))
+                                             "states", "lanes", "copies", "kkt_used", "reads"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", states: str = "kv",
-                                      lanes: int = 0, copies: str = "xla", kkt_used: bool = False):
-    """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring).
+                                      lanes: int = 0, copies: str = "xla", kkt_used: bool = False,
+                                      reads: str = "repacked"):
+    """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring); with
+    ``reads="in_place"`` (where :func:`reads_in_place`) the packed row is read and written where it lies.
 
     q, k [1, T, Hk, K]; v [1, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [1, T, Hv] fp32
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``: as :class:`VarlenConfig`
+    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``: as :class:`VarlenConfig`
     (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
-    VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used)
+    VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used,
+                 reads=reads)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -332,6 +452,9 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
+    if reads_in_place(reads, stage1a, lanes, t):
+        return _varlen_in_place(q, k, v, g, beta, cu, initial_state, scale=scale, out_final=output_final_state,
+                                kernel=kernel, order=order, state_kv=states == "kv", kkt_used=kkt_used)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
     cp = dict(copies=copies, chunks=chunk_rows(cm, src.shape[0] // C), interpret=not kernel)
     *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
@@ -359,6 +482,41 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
 
+def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_final: bool, kernel: bool,
+                     order: str, state_kv: bool, kkt_used: bool):
+    """The in-place form of :func:`chunk_gated_delta_rule_varlen_fwd` (checked there): g and beta gathered to the
+    chunk-slot row (zero outside each chunk's own rows), kkt_fwd and the fused pass reading q, k, v in the packed
+    row, o stored there with its edges merged."""
+    from pallas_kernels.gated_delta_rule.reference import floor_log_decay
+    t = q.shape[1]
+    n = cu.shape[0] - 1
+    hv = v.shape[2]
+    ac, walk, groups = in_place_layout(cu, t, order=order)
+    nc = ac.tile0.shape[0]
+    tp = nc * C
+    g_r, b_r = (gather_rows(x[0].astype(F32), ac.src, ac.keep) for x in (g, beta))    # [Tp, Hv]
+    gcum = jnp.cumsum(floor_log_decay(g_r).T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
+    beta_hm = b_r.T[None]                                                             # [1, Hv, Tp]
+    num_chunks = jnp.sum(ac.seq_num_chunks, dtype=jnp.int32).reshape(1) if kkt_used else None
+    if kernel:
+        rows = jnp.stack([ac.tile0 // ALIGN, ac.lo, ac.hi], axis=-1).astype(jnp.int32)
+        t0 = mg.kkt_fwd(k, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=rows)
+    else:
+        t0 = mg.kkt_fwd_reference(gather_rows(k[0], ac.src, ac.keep)[None], beta_hm, heads=hv)
+    h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
+           else jnp.swapaxes(initial_state.astype(F32), -1, -2))
+    ops_ = (q, k, v, t0, gcum, beta_hm, h0t)
+    if kernel:
+        o, edges, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=out_final, head_major=True, walk=walk,
+                                           num_states=n, state_kv=state_kv, in_place=True)
+    else:
+        o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale, out_final=out_final,
+                                                  head_major=True, state_kv=state_kv, in_place=True)
+        o, edges = in_place_stores_reference(o_r, ac, walk, t)
+    o = merge_edges(o, edges, groups, cu[-1:], kernel=True, interpret=not kernel).astype(v.dtype)
+    return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the op's backend "mosaic_gpu" for cu_seqlens and the slot pool (api.py routes here)
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,7 +532,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
+            states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -399,7 +557,8 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
             return chunk_gated_delta_rule_varlen_fwd(q, k, v, g.astype(F32), beta, cu[0], h0, scale=float(scale),
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                                      order=cfg.order, states=cfg.states,
-                                                     lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used)
+                                                     lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used,
+                                                     reads=cfg.reads)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)

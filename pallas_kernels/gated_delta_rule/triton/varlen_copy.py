@@ -144,3 +144,52 @@ def unpack_rows(x, chunk_start, chunk_len, end, *, total_len: int, chunk: int = 
     y = call(chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32),
              jnp.asarray(end, jnp.int32).reshape(1), x)
     return y[:total_len] if interpret else y
+
+
+def _merge_kernel(grp_ref, lo_ref, hi_ref, end_ref, e_ref, o_in_ref, o_ref, *, groups, block, bd, total):
+    p, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * bd, bd)
+    gg = jnp.minimum(p, groups - 1)
+    r0, lo, hi = grp_ref[gg], lo_ref[gg], hi_ref[gg]
+    rows8 = lax.broadcasted_iota(jnp.int32, (8, 1), 0)
+
+    @pl.when((p < groups) & (hi > lo))
+    def _edge():
+        tile = e_ref[pl.ds(gg * 8, 8), cols]
+        plgpu.store(o_ref.at[pl.ds(r0, 8), cols], tile, mask=jnp.broadcast_to((rows8 >= lo) & (rows8 < hi), (8, bd)))
+
+    b = jnp.maximum(p - groups, 0)
+    b0 = jnp.minimum(b * block, total - block)        # the last block ends at T (it may overlap the one before)
+    rows = b0 + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+
+    @pl.when((p >= groups) & (b0 + block > end_ref[0]))
+    def _padding():
+        plgpu.store(o_ref.at[pl.ds(b0, block), cols], jnp.zeros((block, bd), o_ref.dtype),
+                    mask=jnp.broadcast_to(rows >= end_ref[0], (block, bd)))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_bytes", "num_warps"))
+def merge_edge_rows(o, edges, group_row, group_lo, group_hi, end, *, interpret: bool = False,
+                    tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS):
+    """The in-place Mosaic pass's o completed, in place (o aliased), one launch: o [T, D] (T a multiple of 8),
+    edges [G 8, D]: rows [group_lo[e], group_hi[e]) of edge group e go to packed rows group_row[e] + i (G groups,
+    int32 [G] each; an empty range stores nothing); rows at index >= ``end`` (cu_seqlens[N], int32 [1]) are
+    zeroed. Grid (G + ceil(T / 64) blocks of padding rows, column blocks)."""
+    _check((o,), "merge_edge_rows")
+    t, d = o.shape
+    if t % 8 or edges.shape != (group_row.shape[0] * 8, d):
+        raise ValueError(f"merge_edge_rows: o must be [T, D] with T a multiple of 8 and edges [G 8, D]; got o "
+                         f"{o.shape}, edges {edges.shape}, G = {group_row.shape[0]}")
+    bd = column_block(d, jnp.dtype(o.dtype).itemsize, tile_bytes)
+    block = 64 if t >= 64 else 8
+    groups = group_row.shape[0]
+    call = pl.pallas_call(
+        functools.partial(_merge_kernel, groups=groups, block=block, bd=bd, total=t),
+        grid=(groups + -(-t // block), d // bd),
+        out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="gdn_varlen_merge_edges")
+    i32 = jnp.int32
+    return call(group_row.astype(i32), group_lo.astype(i32), group_hi.astype(i32),
+                jnp.asarray(end, i32).reshape(1), edges, o)

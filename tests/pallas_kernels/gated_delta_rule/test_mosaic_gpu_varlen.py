@@ -25,6 +25,7 @@ from tests.gdn_harness import cu_of, make_inputs, oracle, rel_rms
 
 LENS = (1, 63, 0, 64, 65, 130)        # odd lengths, an empty sequence, chunk-exact ones
 PAD = 7                               # padding tokens past cu_seqlens[N]
+PAD_IN_PLACE = 5                      # T = 328, a multiple of 8: the in-place reads take it (330 is repacked)
 
 
 def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=True, poison_pad=True):
@@ -40,13 +41,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         states="kv", lanes=0, copies="triton", kkt_used=True):
+         states="kv", lanes=0, copies="triton", kkt_used=True, reads="repacked"):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
         stage1a=stage1a, order=order, output_final_state=final, states=states, lanes=lanes,
-        copies=copies, kkt_used=kkt_used)
+        copies=copies, kkt_used=kkt_used, reads=reads)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -75,6 +76,77 @@ def test_reference_matches_f64(stage1a, states, lanes, copies, kkt_used):
     assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
     assert rel_rms(s, rs) < 2e-4, rel_rms(s, rs)
     assert np.array_equal(s[2], args[5][2])                     # the empty sequence keeps its state exactly
+
+
+@pytest.mark.parametrize("states,order,kkt_used", [("kv", "longest_first", True), ("vk", "index", False)])
+def test_in_place_reference_matches_f64(states, order, kkt_used):
+    """reads="in_place" (the packed row read where it lies, chunks on the grid of 8 rows, o stored in place with
+    its edges merged): the same odd lengths, NaN padding, grouped heads and initial states as above at T = 328;
+    sequence 1 starts at row 1 and sequence 5 at row 193, so their first chunks hold their neighbours' tokens."""
+    args = _inputs(pad=PAD_IN_PLACE)
+    cu = args[-1]
+    assert mv.reads_in_place("in_place", "mosaic", 0, args[0].shape[1])
+    assert not mv.reads_in_place("in_place", "mosaic", 0, args[0].shape[1] + 2)    # T % 8: repacked
+    o, s = _run(args, reads="in_place", states=states, order=order, kkt_used=kkt_used)
+    ro, rs = _oracle(args)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 2e-4, rel_rms(o, ro)
+    assert rel_rms(s, rs) < 2e-4, rel_rms(s, rs)
+    assert np.array_equal(s[2], args[5][2])
+
+
+def _nan_neighbours(run, args):
+    """A NaN in the token just before sequence 1 (row 0, sequence 0's only token) and just before sequence 5
+    (row 192, sequence 4's last): those rows sit in the first chunk of the next sequence on the grid of 8 rows.
+    Every other sequence's rows and final state equal the clean run's bit for bit."""
+    o_clean, s_clean = run(args)
+    cu = args[-1]
+    q, k, v = args[0].copy(), args[1].copy(), args[2].copy()
+    for row in (0, cu[5] - 1):
+        q[0, row] = k[0, row] = np.nan
+        v[0, row, 1] = np.nan
+    o_bad, s_bad = run((q, k, v) + args[3:])
+    spoiled = [0, 4]
+    others = np.ones(o_bad.shape[1], bool)
+    for n in spoiled:
+        others[cu[n]:cu[n + 1]] = False
+        assert np.isnan(o_bad[0, cu[n]:cu[n + 1]]).any() and np.isnan(s_bad[n]).any()
+    assert np.array_equal(o_bad[0, others], o_clean[0, others])
+    assert np.array_equal(np.delete(s_bad, spoiled, 0), np.delete(s_clean, spoiled, 0))
+
+
+def test_in_place_nan_stays_in_its_sequence():
+    _nan_neighbours(lambda a: _run(a, reads="in_place"), _inputs(pad=PAD_IN_PLACE, seed=6))
+
+
+def test_in_place_layout_and_edges():
+    """The in-place maps: every real token in exactly one chunk's own rows, chunks starting at multiples of 8 at
+    or before their sequence, each sequence's chunk count minimal; the kernel's stores (their twin) plus
+    :func:`merge_edges` put every chunk-slot row back on its packed row, padding zero."""
+    lens = (5, 0, 3, 64, 130, 1, 9, 20)
+    t = -(-(sum(lens) + 4) // 8) * 8
+    cu = jnp.asarray(cu_of(lens))
+    ac, walk, groups = mv.in_place_layout(cu, t)
+    src, keep = np.asarray(ac.src), np.asarray(ac.keep)
+    assert sorted(src[keep].tolist()) == list(range(sum(lens)))
+    w = np.asarray(walk)
+    cun = np.asarray(cu)
+    for c0, cnt, n, start, length, row8 in w:
+        row0 = 8 * row8
+        assert start == cun[n] and length == lens[n] and row0 % 8 == 0 and start - 8 < row0 <= start
+        assert cnt == (0 if length == 0 else -(-(start + length - row0) // mv.C))
+        assert np.all(np.asarray(ac.tile0)[c0:c0 + cnt] == row0 + mv.C * np.arange(cnt))
+    rng = np.random.default_rng(0)
+    o_r = jnp.asarray(rng.standard_normal((1, src.shape[0], 2, 3)), jnp.float32)
+    o, edges = mv.in_place_stores_reference(o_r, ac, walk, t)
+    assert np.isnan(np.asarray(o)).any()                        # the partial groups are unset before the merge
+    want = np.zeros((1, t, 2, 3), np.float32)
+    want[0, src[keep]] = np.asarray(o_r)[0, keep]
+    got = np.asarray(mv.merge_edges(o, edges, groups, cu[-1:], kernel=False))            # XLA scatter
+    assert np.array_equal(got, want)
+    got = np.asarray(mv.merge_edges(o, edges, groups, cu[-1:], interpret=True))           # the Triton launch
+    assert np.array_equal(got, want)
 
 
 def test_reference_no_initial_state_index_order_k32():
@@ -287,6 +359,8 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(copies="cuda")
     with pytest.raises(ValueError, match="kkt_used"):
         mv.VarlenConfig(kkt_used=1)
+    with pytest.raises(ValueError, match="reads"):
+        mv.VarlenConfig(reads="packed")
     with pytest.raises(ValueError, match="array 1"):
         vc.repack_rows((jnp.zeros((5, 4)), jnp.zeros((6, 4))), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="initial_state"):
@@ -311,14 +385,14 @@ GPU_VARIANTS = [("mosaic", "kv", 0), ("mosaic", "vk", 0), ("triton", "kv", 0),
                 ("mosaic", "vk", 3)]     # the persistent walk
 
 
-def _check_kernel_f64(dims, **run_kw):
+def _check_kernel_f64(dims, pad=PAD, **run_kw):
     """The Mosaic varlen kernel path (``_run(..., **run_kw)``) at bf16 against the float64 oracle (1e-2) on
     ``_inputs``' odd lengths with an empty sequence, NaN padding tokens (rows exactly zero), grouped heads and
     initial states (the empty sequence's state passes through bitwise)."""
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     hk, hv, kdim, vdim = dims
-    args = _inputs(hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=11)
+    args = _inputs(hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=11, pad=pad)
     bf = jnp.bfloat16
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
@@ -338,6 +412,43 @@ def test_gpu_kernel_matches_f64(stage1a, states, lanes, dims):
     """The walked Mosaic kernels at bf16 against the float64 oracle (1e-2): odd lengths with an empty sequence,
     NaN padding tokens (their rows exactly zero), grouped heads, initial states."""
     _check_kernel_f64(dims, stage1a=stage1a, states=states, lanes=lanes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("states", ["kv", "vk"])
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
+def test_gpu_in_place_matches_f64(states, dims):
+    """reads="in_place" on the H200 (kkt_fwd and the fused pass reading the packed row, o stored in place with
+    its edges merged) at bf16 against the float64 oracle (1e-2): the odd lengths at T = 328, NaN padding rows
+    exactly zero, grouped heads, initial states."""
+    _check_kernel_f64(dims, pad=PAD_IN_PLACE, reads="in_place", states=states)
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_nan_stays_in_its_sequence():
+    """The kernels mask the neighbours' rows of a chunk by selects: a NaN token just before a sequence's first
+    chunk reaches no other sequence (bit for bit, bf16 inputs, K = V = 128)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    args = _inputs(pad=PAD_IN_PLACE, hk=1, hv=2, kdim=128, vdim=128, seed=6)
+    _nan_neighbours(lambda a: _run(a, dtype=jnp.bfloat16, impl="mosaic", reads="in_place"), args)
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_beside_repacked():
+    """48 sequences of 0..300 tokens at Hv 8, T a multiple of 8: the in-place reads against the repacked path on
+    the same bf16 inputs (their chunk grids differ, so they agree to bf16 rounding, 5e-3)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    rng = np.random.default_rng(4)
+    lens = tuple(int(x) for x in rng.integers(0, 300, 48))
+    pad = (-sum(lens)) % 8 + 16
+    args = _inputs(lens=lens, pad=pad, hk=4, hv=8, kdim=128, vdim=128, seed=14)
+    o1, s1 = _run(args, dtype=jnp.bfloat16, impl="mosaic", reads="in_place")
+    o2, s2 = _run(args, dtype=jnp.bfloat16, impl="mosaic")
+    cu = args[-1]
+    assert np.isfinite(o1).all() and np.all(o1[0, cu[-1]:] == 0)
+    assert rel_rms(o1, o2) < 5e-3 and rel_rms(s1, s2) < 5e-3, (rel_rms(o1, o2), rel_rms(s1, s2))
 
 
 @pytest.mark.gpu
