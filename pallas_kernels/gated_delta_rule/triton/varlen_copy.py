@@ -18,6 +18,10 @@ dynamic row offset with a row mask (no per-element index):
     chunk); program NCp + b stores zeros to the rows of block b at index >= cu_seqlens[N] (padding). Every packed
     row is written once.
 
+The in-place path (``VarlenConfig.reads="in_place"``) needs neither copy, only :func:`merge_edge_rows`: grid
+(G edge groups + ceil(T / 64) blocks, column blocks); program e < G stores rows [lo, hi) of edge group e's 8 rows
+to packed rows row[e] + i, program G + b zeros the rows of block b at index >= cu_seqlens[N], o aliased.
+
 Interpret mode (CPU tests) clamps dynamic slices at the array's end, so there the packed side is padded by C rows
 (as ``triton/chunk.py`` does); on the GPU the masks keep every access inside the arrays.
 
