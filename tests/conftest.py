@@ -1,15 +1,15 @@
 import os
 
-import jax
-import pytest
+from tests import xla_env
+
+xla_env.apply()          # before jax makes its first client (see tests/xla_env.py)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-# On CPU the tests run tiny shapes, so compiling dominates running: XLA's backend optimisation off (LLVM -O0, no
-# expensive passes) cuts the CPU suite by about a third. Numerics are XLA's own either way (no fast math). Set in
-# the environment as well, so subprocesses (the sharding check, the notebooks' kernels) run the same way. GPU runs
-# keep XLA's defaults.
-if jax.default_backend() == "cpu":
+if jax.default_backend() == "cpu":       # -O0 on CPU only (tests/xla_env.py); subprocesses inherit it
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
 

@@ -32,6 +32,8 @@ import sys
 
 import pytest
 
+from tests.xla_env import subprocess_xla_flags
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "sharding_check.py")
 TOL = 1e-5        # fp32: the same program split over devices (psum order differs from one matmul)
 HF_TOL = 2e-4     # as tests/model/test_hf_parity.py
@@ -39,7 +41,8 @@ HF_TOL = 2e-4     # as tests/model/test_hf_parity.py
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags("--xla_force_host_platform_device_count=4"),
+               JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"sharding_check.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

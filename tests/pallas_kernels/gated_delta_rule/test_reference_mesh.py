@@ -15,6 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.xla_env import subprocess_xla_flags
+
 from pallas_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_xla, forward_substitution
 
 TIMEOUT_S = 300
@@ -68,7 +70,8 @@ MODEL_SCRIPT = textwrap.dedent("""
 
 
 def _run_on_two_cpu_devices(script: str) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags("--xla_force_host_platform_device_count=2"),
+               JAX_PLATFORMS="cpu")
     try:
         proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
