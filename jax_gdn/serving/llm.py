@@ -1,0 +1,381 @@
+"""The offline serving interface (vLLM's): an engine over one HybridModel and its cache.
+
+    from jax_gdn.serving import LLM, SamplingParams
+    llm = LLM(model, max_seqs=8, max_tokens=4096, page_size=16)          # a HybridModel or a checkpoint directory
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=0))
+    outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason     # [..], "stop" | "length" | "abort"
+
+What one engine step does (continuous batching, one model call and one sampling call per step):
+  1. waiting requests take free slots (FIFO, at most ``max_seqs`` running);
+  2. each running request feeds the tokens of its sequence (prompt + generated) not yet in the cache: one token
+     for a request that is generating, a chunk of its prompt otherwise, chunks cut to what is left of the step's
+     ``token_budget`` after the generating requests' tokens (chunked prefill mixed with decode);
+  3. one call: ``model.decode`` when every fed stream has one token and is generating, else ``model.prefill``
+     with the streams packed; then :func:`jax_gdn.serving.sampling.sample` on the padded logits (on the device,
+     one program per stream bucket) and ONE device-to-host copy of the sampled ids and the cache's status;
+  4. a request whose sequence is now wholly in the cache takes its sampled token; it finishes on a stop id
+     ("stop"), at max_tokens or at the slot's length limit ("length"); finished slots are released (one call).
+
+Out of KV pages: the model refuses the whole step on the device (nothing written, zero logits) and records it
+in the cache's status, which step 3's copy brings back: no token of that step is used. The engine clears the
+status, preempts the request admitted last (its slot released; it waits at the head of the queue, admitted again
+once a request has finished, and recomputes its prompt and the tokens generated so far, which are kept, so its
+output is the same) and runs the step again. A request is never refused while it runs alone (a slot's length
+limit, which the engine applies as "length", fits the pool); if the model refused one anyway it would finish
+with "abort" rather than loop.
+
+No request pays a compile: :meth:`LLM.warmup` (run by the constructor unless ``warmup=False``) compiles every
+program the loop can call (each prefill token bucket up to the budget with each stream bucket, each decode
+stream bucket, the sampler per stream bucket, the release) behind a progress bar; ``compiled_programs()`` then
+stays fixed.
+
+Shape legend: S slots (max_seqs), T tokens of one step (<= token_budget), N streams of one step (<= S),
+Nb its stream bucket.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import List, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jax_gdn.serving.sampling import SamplingParams, sample, sampling_arrays
+
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request: generated token ids, their text (with a tokenizer, else ""), finish_reason
+    ("stop", "length" or "abort"), index (0: one completion per request)."""
+    index: int
+    token_ids: List[int]
+    text: str
+    finish_reason: str
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's result: request_id (its position in the prompts), prompt, prompt_token_ids, outputs."""
+    request_id: int
+    prompt: object
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: int
+    prompt_ids: np.ndarray
+    params: SamplingParams
+    limit: int                                # tokens the request may generate (max_tokens, or the slot's room)
+    generated: list = dataclasses.field(default_factory=list)
+    slot: int = -1
+    fed: int = 0                              # tokens of the sequence already in the cache (its slot)
+    finish: Optional[str] = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_ids.shape[0] + len(self.generated)
+
+    def tokens(self, lo: int, hi: int) -> np.ndarray:
+        p = self.prompt_ids.shape[0]
+        head = self.prompt_ids[lo:min(hi, p)]
+        tail = np.asarray(self.generated[max(lo - p, 0):max(hi - p, 0)], np.int32)
+        return np.concatenate([head, tail]).astype(np.int32)
+
+
+class LLM:
+    """The serving engine (module docstring).
+
+    model: a :class:`jax_gdn.model.HybridModel` or a HF checkpoint directory (``jax_gdn.checkpoint.load_pretrained``
+    with ``dtype`` and ``backend``; its tokenizer.json is loaded when ``tokenizer`` is None and the file exists).
+    max_seqs, max_tokens, page_size, max_seq_len: the cache (``model.init_cache``): concurrent requests, KV pool
+    tokens, tokens per page, tokens per slot (default max_tokens). token_budget: tokens fed per step (default
+    min(max_tokens, 2048)). tokenizer: None, a path to a tokenizer.json, or an object with ``encode(str)`` ->
+    ids (or ``.ids``) and ``decode(ids)`` -> str (``tokenizers.Tokenizer``). progress: tqdm bars for warm-up and
+    generate. warmup: compile every program now (:meth:`warmup`).
+    """
+
+    def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
+                 max_seq_len: Optional[int] = None, token_budget: Optional[int] = None, tokenizer=None,
+                 dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True):
+        for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")
+        if token_budget is None:
+            token_budget = min(int(max_tokens), 2048)
+        if not isinstance(token_budget, (int, np.integer)) or isinstance(token_budget, bool) \
+                or token_budget < max_seqs:
+            raise ValueError(f"LLM: token_budget must be an int >= max_seqs={max_seqs} (every running request feeds "
+                             f"a token each step); got {token_budget!r}")
+        if isinstance(model, (str, os.PathLike)):
+            path = os.fspath(model)
+            if not os.path.isdir(path):
+                raise ValueError(f"LLM: model must be a HybridModel or a checkpoint directory; {path!r} is not a "
+                                 f"directory")
+            from jax_gdn.checkpoint import load_pretrained
+            import jax.numpy as jnp
+            model = load_pretrained(path, dtype=dtype or jnp.bfloat16, backend=backend, progress=progress)
+            if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tokenizer = os.path.join(path, "tokenizer.json")
+        elif not (hasattr(model, "prefill") and hasattr(model, "init_cache")):
+            raise ValueError(f"LLM: model must be a HybridModel or a checkpoint directory; got {type(model).__name__}")
+        self.model = model
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.max_seqs = int(max_seqs)
+        self.token_budget = int(token_budget)
+        self.progress = progress
+        self.cache = model.init_cache(max_seqs=self.max_seqs, max_tokens=int(max_tokens), page_size=int(page_size),
+                                      max_seq_len=max_seq_len)
+        self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
+        self.stats = collections.Counter()
+        if warmup:
+            self.warmup()
+
+    # ---- compile everything up front ----------------------------------------------------------------------------
+    def shapes(self):
+        """The (kind, T, N) calls the loop can make: every prefill token bucket up to the budget's with every stream
+        bucket that fits, every decode stream bucket (each with the sampler at its stream bucket)."""
+        m, s = self.model, self.max_seqs
+        top = m.token_bucket(self.token_budget)
+        t_values = sorted({b for b in m.token_buckets if b <= top} | {top})
+        n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
+        calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
+        return calls + [("decode", n, n) for n in n_values]
+
+    def warmup(self) -> int:
+        """Runs one call of every shape in :meth:`shapes` (and a release), so that later steps compile nothing.
+        Returns the model's compiled program count."""
+        shapes = self.shapes()
+        bar = _bar(self.progress, len(shapes), "warm-up", "program")
+        try:
+            for kind, t, n in shapes:
+                slots = np.arange(n, dtype=np.int32)
+                if kind == "prefill":
+                    lens = [1] * (n - 1) + [t - (n - 1)]
+                    logits, self.cache = self.model.prefill(self.cache, np.zeros((t,), np.int32),
+                                                            np.cumsum([0] + lens).astype(np.int32), slots,
+                                                            padded_logits=True)
+                else:
+                    logits, self.cache = self.model.decode(self.cache, np.zeros((n,), np.int32), slots,
+                                                           padded_logits=True)
+                ids = sample(logits, *sampling_arrays([], [], logits.shape[0]))
+                jax.device_get((ids, self.cache.status))
+                self.cache = self.model.release(self.cache, slots)
+                self._clear_status()
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.compiled_programs()
+
+    def compiled_programs(self) -> int:
+        """Programs compiled so far: the model's (prefill / decode / release) plus the sampler's."""
+        own = self.model.compiled_programs() if hasattr(self.model, "compiled_programs") else 0
+        return own + sample._cache_size()
+
+    # ---- generate ---------------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: Optional[bool] = None) -> List[RequestOutput]:
+        """Generates a completion for each prompt (a list of token ids, or a string with a tokenizer; or one of
+        them alone) with ``sampling_params`` (one SamplingParams for all, or one per prompt; default greedy, 16
+        tokens). Returns one RequestOutput per prompt, in order. Every argument is checked before any work."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and _is_token(prompts[0]))
+        if single:
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("generate: prompts must be a non-empty list of prompts (token id lists or strings)")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError(f"generate: sampling_params must be one SamplingParams or one per prompt "
+                                 f"({len(prompts)}); got {len(params)} items")
+        reqs = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._serve(reqs, self.progress if use_tqdm is None else use_tqdm)
+        return [self._output(r, p) for r, p in zip(reqs, prompts)]
+
+    def _request(self, i: int, prompt, params: SamplingParams) -> _Request:
+        vocab = self.model.config.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"generate: prompt {i} is a string but the LLM has no tokenizer (pass tokenizer= "
+                                 f"or token ids)")
+            ids = _encode(self.tokenizer, prompt)
+        else:
+            ids = list(prompt)
+            if not all(_is_token(t) for t in ids):
+                raise ValueError(f"generate: prompt {i} must be a list of int token ids or a string")
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"generate: prompt {i} holds token ids outside [0, vocab_size={vocab})")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"generate: sampling_params of prompt {i}: stop id {t} >= vocab_size={vocab}")
+        limit = params.max_tokens
+        if self.max_seq_len is not None:
+            room = self.max_seq_len - ids.size
+            if room < 0:
+                raise ValueError(f"generate: prompt {i} has {ids.size} tokens; a slot holds at most max_seq_len="
+                                 f"{self.max_seq_len}")
+            # the token sampled last is never fed back, so g tokens need prompt + g - 1 <= max_seq_len (and a
+            # preempted request recomputes prompt + g < prompt + limit tokens: also within the slot)
+            limit = min(limit, room + 1)
+        return _Request(i, ids, params, limit)
+
+    def _output(self, r: _Request, prompt) -> RequestOutput:
+        text = "" if self.tokenizer is None else self.tokenizer.decode(list(r.generated))
+        return RequestOutput(r.rid, prompt, r.prompt_ids.tolist(),
+                             [CompletionOutput(0, list(r.generated), text, r.finish)])
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def _serve(self, reqs: Sequence[_Request], progress: bool) -> None:
+        waiting = collections.deque(reqs)
+        running: list = []                         # admission order
+        free = list(range(self.max_seqs))
+        held = False                               # after a preemption: admit nobody until a request finishes
+        bar = _bar(progress, len(reqs), "generate", "req")
+        try:
+            while waiting or running:
+                while waiting and free and not (held and running):
+                    r = waiting.popleft()
+                    r.slot, r.fed = free.pop(0), 0
+                    running.append(r)
+                feeds = self._plan(running)
+                tokens, refused = self._step(feeds)
+                if refused:
+                    self.stats["refused_steps"] += 1
+                    victim = running[-1]
+                    self.cache = self.model.release(self.cache, np.asarray([victim.slot], np.int32))
+                    running.remove(victim)
+                    free.append(victim.slot)
+                    if not running:                 # alone and still refused: it cannot fit in the pool
+                        victim.finish = "abort"
+                        self.stats["aborted"] += 1
+                        if bar is not None:
+                            bar.update(1)
+                    else:
+                        self.stats["preempted"] += 1
+                        victim.slot, victim.fed = -1, 0
+                        waiting.appendleft(victim)
+                        held = True
+                    continue
+                done = []
+                for (r, lo, hi), tok in zip(feeds, tokens):
+                    r.fed = hi
+                    if hi < r.seq_len:              # a prompt chunk: no token yet
+                        continue
+                    r.generated.append(int(tok))
+                    if int(tok) in r.params.stop_token_ids:
+                        r.finish = "stop"
+                    elif len(r.generated) >= r.limit:
+                        r.finish = "length"
+                    if r.finish:
+                        done.append(r)
+                if done:
+                    held = False
+                    self.cache = self.model.release(self.cache, np.asarray([r.slot for r in done], np.int32))
+                    for r in done:
+                        running.remove(r)
+                        free.append(r.slot)
+                    if bar is not None:
+                        bar.update(len(done))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _plan(self, running):
+        """[(request, lo, hi)]: the sequence tokens [lo, hi) each running request feeds this step (generating
+        requests first, one token each; prompt chunks under what is left of the budget)."""
+        feeds, left = [], self.token_budget
+        for r in running:
+            if r.seq_len - r.fed == 1:
+                feeds.append((r, r.fed, r.fed + 1))
+                left -= 1
+        for r in running:
+            todo = r.seq_len - r.fed
+            if todo > 1 and left > 0:
+                c = min(todo, left)
+                feeds.append((r, r.fed, r.fed + c))
+                left -= c
+        return feeds
+
+    def _step(self, feeds):
+        """One model call and one sampling call for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
+        slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
+        lens = [hi - lo for _, lo, hi in feeds]
+        if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds):      # every stream generating
+            ids = np.asarray([r.tokens(lo, hi)[0] for r, lo, hi in feeds], np.int32)
+            logits, self.cache = self.model.decode(self.cache, ids, slots, padded_logits=True)
+            self.stats["decode_steps"] += 1
+        else:
+            ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
+            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            logits, self.cache = self.model.prefill(self.cache, ids, cu, slots, padded_logits=True)
+            self.stats["prefill_steps"] += 1
+        arrays = sampling_arrays([r.params for r, _, _ in feeds], [len(r.generated) for r, _, _ in feeds],
+                                 logits.shape[0])
+        ids_dev = sample(logits, *arrays)
+        ids_host, status = jax.device_get((ids_dev, self.cache.status))     # the step's one copy to the host
+        if int(status) != 0:
+            self._clear_status()
+            return None, True
+        return np.asarray(ids_host)[:len(feeds)], False
+
+    def _clear_status(self):
+        try:
+            self.model.check(self.cache)
+        except Exception as err:                   # OutOfKvPagesError: its .cache has the status cleared
+            cache = getattr(err, "cache", None)
+            if cache is None:
+                raise
+            self.cache = cache
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+def _is_token(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _bar(progress: bool, total: int, desc: str, unit: str):
+    if not progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+
+def _load_tokenizer(tokenizer):
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"LLM: tokenizer {os.fspath(tokenizer)!r}: no tokenizer.json there")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:                   # pragma: no cover - the test extra installs it
+            raise ValueError("LLM: a tokenizer path needs the `tokenizers` package (pip install tokenizers)") from e
+        return Tokenizer.from_file(path)
+    if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        raise ValueError(f"LLM: tokenizer must be a path to tokenizer.json or have encode / decode; got "
+                         f"{type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _encode(tokenizer, text: str) -> list:
+    enc = tokenizer.encode(text)
+    return list(getattr(enc, "ids", enc))

@@ -1,0 +1,198 @@
+"""jax_gdn.serving: SamplingParams, the on-device sampler and the LLM engine, on a tiny fp32 model (1 GDN + 1
+attention layer, XLA backends) on the CPU.
+
+- The sampler: greedy is argmax; temperature / top-k / top-p draws follow the truncated softmax (a chi-square test
+  over 6000 draws on a vocabulary of 6, critical value at p = 1e-4 for its degrees of freedom) and never pick a
+  truncated token; a (seed, step) pair always draws the same token.
+- The engine: greedy generate equals a hand-written prefill / decode argmax loop token for token; a request's
+  output does not depend on what else is in the batch (alone against with 7 others, greedy and sampled); stop ids
+  and max_tokens end requests with "stop" / "length"; nothing compiles after the warm-up; out of KV pages under
+  load every request finishes with a stated reason and every emitted token equals the one the request gets
+  alone (none comes from a refused step's zero logits), and a slot stops at what the pool holds ("length"); a
+  tokenizer trained offline with `tokenizers` round-trips a prompt and the output text; bad arguments are
+  refused naming the argument before any work.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jax_gdn.config import preset
+from jax_gdn.model import HybridModel
+from jax_gdn.serving import LLM, SamplingParams
+from jax_gdn.serving.sampling import sample, sampling_arrays
+
+VOCAB = 96
+CHI2_CRIT_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}     # chi-square critical values, p = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = preset("tiny", num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                 mlp_only_layers=(1,), vocab_size=VOCAB)
+    return HybridModel.random(cfg, 3, dtype=jnp.float32, backend="xla", std=0.2)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False)
+
+
+def _prompts(n, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _manual_greedy(model, prompt, n):
+    """The hand-written loop: prefill the prompt, then decode argmax tokens one at a time (one stream, slot 0)."""
+    cache = model.init_cache(max_seqs=1, max_tokens=256, page_size=16)
+    logits, cache = model.prefill(cache, np.asarray(prompt, np.int32), np.asarray([0, len(prompt)], np.int32),
+                                  np.asarray([0], np.int32))
+    out = [int(np.argmax(np.asarray(logits)[0]))]
+    while len(out) < n:
+        logits, cache = model.decode(cache, np.asarray([out[-1]], np.int32), np.asarray([0], np.int32))
+        out.append(int(np.argmax(np.asarray(logits)[0])))
+    model.check(cache)
+    return out
+
+
+# ---- the sampler -----------------------------------------------------------------------------------------------
+def test_sampling_params_are_checked_naming_the_field():
+    for kw, field in ((dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                      (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"),
+                      (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
+                      (dict(stop_token_ids=(1, -2)), "stop_token_ids"), (dict(stop_token_ids="ab"), "stop_token_ids"),
+                      (dict(seed=-1), "seed")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+            SamplingParams(**kw)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_sampler_follows_the_truncated_softmax():
+    """6000 rows of the same logits, each its own seed: temperature 0.7, top-k 4 and top-p 0.9 leave the tokens
+    whose mass ranked above them is < 0.9 among the 4 best; their frequencies match the renormalised softmax (chi-
+    square), the truncated ones never appear; greedy rows are argmax; a (seed, step) pair repeats its draw."""
+    logits = np.log(np.asarray([0.05, 0.30, 0.02, 0.25, 0.18, 0.20], np.float64))
+    n = 6000
+    rows = np.broadcast_to(logits.astype(np.float32), (n, 6))
+    params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=i) for i in range(n)]
+    got = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [5] * n, n)))
+    p = np.exp(logits / 0.7)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")[:4]
+    before = np.cumsum(p[order]) - p[order]
+    keep = order[before / p[order].sum() < 0.9]
+    want = np.zeros(6)
+    want[keep] = p[keep] / p[keep].sum()
+    counts = np.bincount(got, minlength=6)
+    assert counts[want == 0].sum() == 0, counts
+    stat = float(((counts[keep] - n * want[keep]) ** 2 / (n * want[keep])).sum())
+    assert stat < CHI2_CRIT_1E4[len(keep) - 1], (stat, counts, want)
+    again = np.asarray(sample(jnp.asarray(rows[:64]), *sampling_arrays(params[:64], [5] * 64, 64)))
+    assert np.array_equal(again, got[:64])
+    mixed = [SamplingParams()] * 3 + params[:3]
+    out = np.asarray(sample(jnp.asarray(rows[:6]), *sampling_arrays(mixed, [5] * 6, 6)))
+    assert out[:3].tolist() == [1, 1, 1] and np.array_equal(out[3:], got[:3])
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+def test_greedy_generate_equals_the_manual_loop_and_compiles_nothing(llm, model):
+    prompts = _prompts(3, seed=1)
+    before = llm.compiled_programs()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6))
+    assert llm.compiled_programs() == before                       # the warm-up compiled every program
+    for p, o in zip(prompts, outs):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].token_ids == _manual_greedy(model, p, 6)
+        assert o.outputs[0].finish_reason == "length" and o.outputs[0].text == ""
+
+
+def test_a_request_does_not_depend_on_its_batch(llm):
+    """Greedy and sampled: the first request alone, then with 7 others (chunked prefill: 8 prompts of up to 60
+    tokens under a 32-token budget), the same tokens."""
+    prompts = _prompts(8, seed=2, hi=60)
+    for sp in (SamplingParams(max_tokens=5), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=7)):
+        alone = llm.generate(prompts[0], sp)[0].outputs[0].token_ids
+        batch = llm.generate(prompts, sp)
+        assert batch[0].outputs[0].token_ids == alone
+        repeat = llm.generate(prompts, sp)
+        assert [o.outputs[0].token_ids for o in repeat] == [o.outputs[0].token_ids for o in batch]
+
+
+def test_stop_ids_and_max_tokens(llm):
+    prompt = _prompts(1, seed=4)[0]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+    stop_at = greedy[2]
+    first = greedy.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, stop_token_ids=(stop_at,)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == greedy[:first + 1]
+    outs = llm.generate([prompt, prompt], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=3)])
+    assert [o.outputs[0].token_ids for o in outs] == [greedy[:1], greedy[:3]]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_out_of_pages_under_load_preempts_and_never_emits_refused_tokens(model, llm):
+    """A pool of 5 pages of 16 tokens for 4 slots: 6 requests of 20-30 prompt tokens generating 12 each run out
+    of pages; the engine preempts and recomputes; every request ends "length" with exactly the tokens it gets
+    alone. A slot holds at most the pool (80 tokens, whatever max_seq_len asks): a 70-token prompt asking for 20
+    tokens gets 11 (the last one sampled is never fed back), "length", the prefix of its alone-run tokens."""
+    small = LLM(model, max_seqs=4, max_tokens=80, page_size=16, max_seq_len=128, token_budget=32, progress=False,
+                warmup=False)
+    assert small.max_seq_len == 80
+    prompts = _prompts(6, seed=5, lo=20, hi=31)
+    sp = SamplingParams(max_tokens=12)
+    outs = small.generate(prompts, sp)
+    assert small.stats["preempted"] > 0 and small.stats["refused_steps"] > 0 and small.stats["aborted"] == 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].token_ids == llm.generate(p, sp)[0].outputs[0].token_ids
+    big = _prompts(1, seed=6, lo=70, hi=71)[0]
+    out = small.generate(big, SamplingParams(max_tokens=20))[0].outputs[0]
+    alone = llm.generate(big, SamplingParams(max_tokens=20))[0].outputs[0].token_ids
+    assert out.finish_reason == "length" and out.token_ids == alone[:11]
+
+
+def test_tokenizer_round_trips_prompts_and_outputs(model, tmp_path):
+    """A word-level tokenizer trained offline (``tokenizers``) on a few sentences, saved as tokenizer.json: string
+    prompts are encoded with it, outputs decoded with it, and encode(decode(ids)) gives the ids back."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["the gated delta rule keeps a state per head", "attention reads every page of its slot",
+              "a state per slot and a page table per slot", "the model decodes one token per stream"]
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    llm = LLM(model, max_seqs=2, max_tokens=128, page_size=16, token_budget=16, tokenizer=str(tmp_path),
+              progress=False, warmup=False)
+    prompt = "the model reads a state per slot"
+    out = llm.generate(prompt, SamplingParams(max_tokens=4))[0]
+    assert out.prompt_token_ids == tok.encode(prompt).ids
+    assert tok.decode(out.prompt_token_ids) == prompt
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 4 and out.outputs[0].text == tok.decode(ids)
+    words = [w for w in out.outputs[0].text.split() if w != "[UNK]"]
+    assert tok.encode(" ".join(words)).ids == [i for i in ids if tok.id_to_token(i) != "[UNK]"][:len(words)]
+
+
+def test_bad_arguments_are_refused_before_any_work(llm, model):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("a string prompt")
+    with pytest.raises(ValueError, match="prompt 1 holds token ids outside"):
+        llm.generate([[1, 2], [VOCAB + 3]])
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="stop id"):
+        llm.generate([[1]], SamplingParams(stop_token_ids=(VOCAB,)))
+    with pytest.raises(ValueError, match="max_seq_len=512"):
+        llm.generate([[1] * 513])
+    with pytest.raises(ValueError, match="token_budget"):
+        LLM(model, max_seqs=8, token_budget=4, warmup=False)
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM("/no/such/dir", warmup=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(model, tokenizer="/no/such/tokenizer.json", warmup=False)
