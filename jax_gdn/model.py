@@ -98,7 +98,7 @@ from jax_gdn.options import DEFAULT_OPTIONS, RuntimeOptions
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
 __all__ = ["HybridModel", "OutOfKvPagesError", "RuntimeOptions", "LayerPlan", "layer_plan", "init_params",
-           "stack_layers", "step", "release_slots", "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES",
+           "stack_layers", "step", "release_slots", "fork_slots", "default_token_buckets", "STATUS_OK", "STATUS_OUT_OF_PAGES",
            "STATUS_PAST_MAX_SEQ_LEN"]
 
 try:
@@ -517,6 +517,46 @@ def release_slots(cache: Cache, slot_ids: jax.Array, axis_name=None) -> Cache:
         slot_lens=jnp.where(releasing, 0, cache.slot_lens))
 
 
+def fork_slots(cache: Cache, src_ids: jax.Array, dst_ids: jax.Array, axis_name=None) -> Cache:
+    """Slot dst_ids[m] becomes a copy of slot src_ids[m] (pairs with an id outside [0, S) are ignored): dst's own
+    pages are freed first, then it takes its source's length, GDN state (conv and recurrent, every layer) and
+    fresh pages holding a copy of the source's KV pages, so it continues exactly where the source stands. When
+    the pool lacks the pages the call writes nothing and records STATUS_OUT_OF_PAGES (sticky, as a refused step;
+    a cache already refused is returned unchanged). Sources must not be destinations of the same call."""
+    del axis_name                                   # per device the same index work (heads are what is split)
+    s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
+    m = dst_ids.shape[0]
+    real = (src_ids >= 0) & (src_ids < s) & (dst_ids >= 0) & (dst_ids < s)
+    src = jnp.where(real, src_ids, 0)
+    dst = jnp.where(real, dst_ids, s)
+    releasing = jnp.zeros((s,), bool).at[dst].set(True, mode="drop")
+    owner = cache.page_owner
+    freed = (owner >= 0) & releasing[jnp.maximum(owner, 0)]
+    emptied = cache.replace(page_owner=jnp.where(freed, -1, owner), page_index=jnp.where(freed, 0, cache.page_index),
+                            page_table=jnp.where(releasing[:, None], 0, cache.page_table),
+                            slot_lens=jnp.where(releasing, 0, cache.slot_lens))
+    lens = jnp.where(real, cache.slot_lens[src], 0)
+    w = cache.pages_per_slot
+    page_table, page_owner, page_index, status = _allocate(emptied, dst, real, jnp.zeros_like(lens), lens,
+                                                           total_tokens=m * w * ps)
+    ok = (status == STATUS_OK) & (cache.status == STATUS_OK)
+    i = jnp.arange(w, dtype=jnp.int32)[None, :]
+    copy = ok & real[:, None] & (i < ((lens + ps - 1) // ps)[:, None])            # [M, W]
+    from_page = jnp.where(copy, cache.page_table[src][:, :w], 0).reshape(-1)
+    to_page = jnp.where(copy, page_table[jnp.minimum(dst, s - 1)][:, :w], p).reshape(-1)
+    kv = jax.tree.map(lambda x: x.at[:, to_page].set(x[:, from_page], mode="drop"), cache.kv)
+    to_slot = jnp.where(ok & real, dst, s)
+    gdn = jax.tree.map(lambda x: x.at[:, to_slot].set(x[:, src], mode="drop"), cache.gdn)
+    slot_lens = emptied.slot_lens.at[to_slot].set(lens, mode="drop")
+
+    def pick(new, old):                             # the small tables only: the pools were written under ``ok``
+        return jnp.where(ok, new, old)
+    return cache.replace(gdn=gdn, kv=kv, page_table=pick(page_table, cache.page_table),
+                         page_owner=pick(page_owner, cache.page_owner), page_index=pick(page_index, cache.page_index),
+                         slot_lens=pick(slot_lens, cache.slot_lens),
+                         status=jnp.where(cache.status != STATUS_OK, cache.status, status).astype(jnp.int32))
+
+
 # ================================================================================================================
 # Host-side checks (before any state is touched)
 # ================================================================================================================
@@ -703,10 +743,12 @@ class HybridModel:
             return step(params, cache, ids, cu, sl, decode=True, return_all_logits=False, axis_name=axis_name, **kw)
 
         release_fn = release_slots
+        fork_fn = fork_slots
         if self.shard_rules is not None:   # one program per device: shard_map over the mesh axis
             prefill_fn = self.shard_rules.shard_step(prefill_fn)
             decode_fn = self.shard_rules.shard_step(decode_fn)
             release_fn = self.shard_rules.shard_step(release_slots, with_params=False)
+            fork_fn = self.shard_rules.shard_step(fork_slots, with_params=False)
         else:
             prefill_fn = functools.partial(prefill_fn, axis_name=None)
             decode_fn = functools.partial(decode_fn, axis_name=None)
@@ -717,6 +759,7 @@ class HybridModel:
                                     donate_argnums=(1,), **copts)   # the cache (by position: the wrapper hides names)
         self._decode_jit = jax.jit(traced(decode_fn), donate_argnums=(1,), **copts)
         self._release_jit = jax.jit(traced(release_fn), donate_argnums=(0,))
+        self._fork_jit = jax.jit(traced(fork_fn), donate_argnums=(0,))
 
     @classmethod
     def random(cls, config: HybridConfig, key=0, *, dtype=jnp.bfloat16, backend="auto", std: float = 0.02,
@@ -964,6 +1007,33 @@ class HybridModel:
         sl_p = np.full((nb,), s, np.int32)
         sl_p[:sl.shape[0]] = sl
         return self._release_jit(cache, jnp.asarray(sl_p))
+
+    @_host_method
+    def fork(self, cache: Cache, src_slot_ids, dst_slot_ids) -> Cache:
+        """Slot dst_slot_ids[m] becomes a copy of slot src_slot_ids[m] (its length, GDN state and a copy of its KV
+        pages in fresh pages; what dst held is released first): dst continues exactly where src stands, and src is
+        unchanged (the prefix cache's snapshot and its restore). Both [M] int in [0, max_seqs), no id in both; a
+        source may repeat (one snapshot into several slots), a destination may not. Out of pages:
+        refused like a step (``cache.status``, :meth:`check`). Returns the new cache."""
+        self._check_cache(cache)
+        dst = self._check_slots(dst_slot_ids, None, cache)
+        src = _int_array(src_slot_ids, "src_slot_ids", 1, "[M]") if not isinstance(src_slot_ids, (list, tuple)) \
+            else np.asarray(src_slot_ids, np.int64).reshape(-1)
+        s = cache.num_slots
+        if src.size and (src.min() < 0 or src.max() >= s):
+            raise ValueError(f"fork: src_slot_ids must lie in [0, {s}) (S = {s} slots); got {src.tolist()}")
+        if src.shape != dst.shape:
+            raise ValueError(f"fork: src_slot_ids and dst_slot_ids must have the same length; got {src.shape[0]} "
+                             f"and {dst.shape[0]}")
+        if set(src.tolist()) & set(dst.tolist()):
+            raise ValueError(f"fork: a slot cannot be both a source and a destination; got src {src.tolist()}, "
+                             f"dst {dst.tolist()}")
+        if src.shape[0] == 0:
+            return cache
+        nb = self.stream_bucket(src.shape[0], s)
+        src_p, dst_p = np.full((nb,), s, np.int32), np.full((nb,), s, np.int32)
+        src_p[:src.shape[0]], dst_p[:dst.shape[0]] = src, dst
+        return self._fork_jit(cache, jnp.asarray(src_p), jnp.asarray(dst_p))
 
     def __repr__(self):
         c = self.config

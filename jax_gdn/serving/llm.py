@@ -24,6 +24,14 @@ output is the same) and runs the step again. A request is never refused while it
 limit, which the engine applies as "length", fits the pool); if the model refused one anyway it would finish
 with "abort" rather than loop.
 
+Prefix cache (``prefix_cache=True``, :mod:`jax_gdn.serving.prefix_cache`): a prompt chunk ends at the next
+boundary of the grid of ``block_size`` tokens (several requests still share a step's budget); after a step that
+leaves a request's prompt on the grid, its slot is copied into one of
+``prefix_slots`` snapshot slots (``HybridModel.fork``: GDN states, length and a copy of its KV pages), keyed by
+the hash chain of its blocks; an admitted request whose sequence starts with a cached prefix starts from a fork of
+that snapshot and feeds only the rest. Out of pages, the least recently used snapshot goes before any request is
+preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions.
+
 No request pays a compile: :meth:`LLM.warmup` (run by the constructor unless ``warmup=False``) compiles every
 program the loop can call (each prefill token bucket up to the budget with each stream bucket, each decode
 stream bucket, the sampler per stream bucket, the release) behind a progress bar; ``compiled_programs()`` then
@@ -42,6 +50,7 @@ from typing import List, Optional, Sequence
 import jax
 import numpy as np
 
+from jax_gdn.serving.prefix_cache import PrefixCache
 from jax_gdn.serving.sampling import SamplingParams, sample, sampling_arrays
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
@@ -100,12 +109,16 @@ class LLM:
     tokens, tokens per page, tokens per slot (default max_tokens). token_budget: tokens fed per step (default
     min(max_tokens, 2048)). tokenizer: None, a path to a tokenizer.json, or an object with ``encode(str)`` ->
     ids (or ``.ids``) and ``decode(ids)`` -> str (``tokenizers.Tokenizer``). progress: tqdm bars for warm-up and
-    generate. warmup: compile every program now (:meth:`warmup`).
+    generate. warmup: compile every program now (:meth:`warmup`). prefix_cache: the exact prefix cache (module
+    docstring) with ``block_size`` tokens per block (default token_budget: prompt chunks as without the cache;
+    not yet chosen by measurement) and
+    ``prefix_slots`` snapshot slots (default max_seqs; the cache gets max_seqs + prefix_slots slots).
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
                  max_seq_len: Optional[int] = None, token_budget: Optional[int] = None, tokenizer=None,
-                 dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True):
+                 dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True,
+                 prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None):
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")
@@ -127,13 +140,23 @@ class LLM:
                 tokenizer = os.path.join(path, "tokenizer.json")
         elif not (hasattr(model, "prefill") and hasattr(model, "init_cache")):
             raise ValueError(f"LLM: model must be a HybridModel or a checkpoint directory; got {type(model).__name__}")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"LLM: prefix_cache must be a bool; got {prefix_cache!r}")
+        extra = 0
+        self.prefix_cache = None
+        if prefix_cache:
+            block_size = int(token_budget) if block_size is None else block_size
+            extra = int(max_seqs) if prefix_slots is None else prefix_slots
+            if not isinstance(extra, (int, np.integer)) or isinstance(extra, bool) or extra < 1:
+                raise ValueError(f"LLM: prefix_slots must be a positive int; got {prefix_slots!r}")
+            self.prefix_cache = PrefixCache(block_size, range(int(max_seqs), int(max_seqs) + int(extra)))
         self.model = model
         self.tokenizer = _load_tokenizer(tokenizer)
         self.max_seqs = int(max_seqs)
         self.token_budget = int(token_budget)
         self.progress = progress
-        self.cache = model.init_cache(max_seqs=self.max_seqs, max_tokens=int(max_tokens), page_size=int(page_size),
-                                      max_seq_len=max_seq_len)
+        self.cache = model.init_cache(max_seqs=self.max_seqs + int(extra), max_tokens=int(max_tokens),
+                                      page_size=int(page_size), max_seq_len=max_seq_len)
         self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
         self.stats = collections.Counter()
         if warmup:
@@ -148,7 +171,10 @@ class LLM:
         t_values = sorted({b for b in m.token_buckets if b <= top} | {top})
         n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
         calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
-        return calls + [("decode", n, n) for n in n_values]
+        calls += [("decode", n, n) for n in n_values]
+        if self.prefix_cache is not None:
+            calls += [("fork", n, n) for n in n_values]
+        return calls
 
     def warmup(self) -> int:
         """Runs one call of every shape in :meth:`shapes` (and a release), so that later steps compile nothing.
@@ -158,6 +184,15 @@ class LLM:
         try:
             for kind, t, n in shapes:
                 slots = np.arange(n, dtype=np.int32)
+                if kind == "fork":                 # n pairs of distinct slots (as many as the cache has)
+                    m = min(n, self.cache.num_slots // 2)
+                    src, dst = np.arange(m, dtype=np.int32), np.arange(m, 2 * m, dtype=np.int32)
+                    self.cache = self.model.fork(self.cache, src, dst)
+                    self.cache = self.model.release(self.cache, dst)
+                    self._clear_status()
+                    if bar is not None:
+                        bar.update(1)
+                    continue
                 if kind == "prefill":
                     lens = [1] * (n - 1) + [t - (n - 1)]
                     logits, self.cache = self.model.prefill(self.cache, np.zeros((t,), np.int32),
@@ -249,12 +284,21 @@ class LLM:
         bar = _bar(progress, len(reqs), "generate", "req")
         try:
             while waiting or running:
+                admitted = []
                 while waiting and free and not (held and running):
                     r = waiting.popleft()
                     r.slot, r.fed = free.pop(0), 0
                     running.append(r)
+                    admitted.append(r)
+                if admitted and self.prefix_cache is not None:
+                    self._restore(admitted)
                 feeds = self._plan(running)
                 tokens, refused = self._step(feeds)
+                if refused and self.prefix_cache is not None and self.prefix_cache.entries:
+                    self.stats["refused_steps"] += 1
+                    slot = self.prefix_cache.evict_lru()      # a snapshot goes before any request
+                    self.cache = self.model.release(self.cache, np.asarray([slot], np.int32))
+                    continue
                 if refused:
                     self.stats["refused_steps"] += 1
                     victim = running[-1]
@@ -272,9 +316,13 @@ class LLM:
                         waiting.appendleft(victim)
                         held = True
                     continue
-                done = []
+                done, snaps = [], []
                 for (r, lo, hi), tok in zip(feeds, tokens):
                     r.fed = hi
+                    if self.prefix_cache is not None and hi <= r.prompt_ids.shape[0] and hi - lo > 0:
+                        key = self.prefix_cache.wants(r.prompt_ids, hi)
+                        if key is not None:
+                            snaps.append((r, key))
                     if hi < r.seq_len:              # a prompt chunk: no token yet
                         continue
                     r.generated.append(int(tok))
@@ -284,6 +332,8 @@ class LLM:
                         r.finish = "length"
                     if r.finish:
                         done.append(r)
+                if snaps:
+                    self._snapshot(snaps)
                 if done:
                     held = False
                     self.cache = self.model.release(self.cache, np.asarray([r.slot for r in done], np.int32))
@@ -304,12 +354,17 @@ class LLM:
             if r.seq_len - r.fed == 1:
                 feeds.append((r, r.fed, r.fed + 1))
                 left -= 1
+        grid = None if self.prefix_cache is None else self.prefix_cache.block_size
         for r in running:
             todo = r.seq_len - r.fed
             if todo > 1 and left > 0:
-                c = min(todo, left)
-                feeds.append((r, r.fed, r.fed + c))
-                left -= c
+                end = r.fed + min(todo, left)
+                if grid is not None:         # end the chunk at the next prompt block boundary (a snapshot there)
+                    cut = (r.fed // grid + 1) * grid
+                    if cut < end and cut <= r.prompt_ids.shape[0]:
+                        end = cut
+                feeds.append((r, r.fed, end))
+                left -= end - r.fed
         return feeds
 
     def _step(self, feeds):
@@ -333,6 +388,49 @@ class LLM:
             self._clear_status()
             return None, True
         return np.asarray(ids_host)[:len(feeds)], False
+
+    def _restore(self, admitted) -> None:
+        """Prefix-cache hits of newly admitted requests: each starts from a fork of its longest cached prefix
+        (one fork call; a fork the pool cannot hold is refused, and those requests start cold)."""
+        pairs = []
+        for r in admitted:
+            seq = r.tokens(0, r.seq_len)
+            hit = self.prefix_cache.lookup(seq, r.seq_len - 1)        # leave a token to feed (its logits)
+            if hit is not None:
+                pairs.append((r, hit))
+        if not pairs:
+            return
+        self.cache = self.model.fork(self.cache, np.asarray([h[0] for _, h in pairs], np.int32),
+                                     np.asarray([r.slot for r, _ in pairs], np.int32))
+        if int(jax.device_get(self.cache.status)) != 0:
+            self._clear_status()
+            self.stats["refused_restores"] += 1
+            return
+        for r, (_, n) in pairs:
+            r.fed = n
+
+    def _snapshot(self, snaps) -> None:
+        """Copies each (request, key)'s slot into a snapshot slot (one fork call; the LRU entry is evicted where
+        no snapshot slot is free; a fork the pool cannot hold is refused and nothing is cached)."""
+        pc = self.prefix_cache
+        taken, seen = [], set()
+        for r, key in snaps:
+            if key in seen:
+                continue
+            seen.add(key)
+            slot, _ = pc.take_slot()
+            taken.append((r, key, slot))
+        self.cache = self.model.fork(self.cache, np.asarray([r.slot for r, _, _ in taken], np.int32),
+                                     np.asarray([s for _, _, s in taken], np.int32))
+        if int(jax.device_get(self.cache.status)) != 0:
+            self._clear_status()
+            self.stats["refused_snapshots"] += 1
+            self.cache = self.model.release(self.cache, np.asarray([s for _, _, s in taken], np.int32))
+            for _, _, s in taken:
+                pc.give_back(s)
+            return
+        for r, key, slot in taken:
+            pc.insert(key, slot, r.prompt_ids[:r.fed])
 
     def _clear_status(self):
         try:

@@ -1,0 +1,113 @@
+"""An exact prefix cache for hybrid (GDN + attention) models.
+
+A GDN layer's state after n tokens is one [Hv, K, V] matrix per slot, not a per-token cache: a prefix can be
+reused only from a state taken exactly at its end. So the cache keeps **snapshots**: at a chunked-prefill step
+that ends on the block grid (block_size tokens; the engine cuts prompt chunks there), the request's slot is
+copied into a snapshot slot (``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and a
+copy of its KV pages in fresh pages), keyed by the hash chain of its token blocks. A later request whose
+sequence starts with a cached prefix (the longest one that leaves at least one token to feed) gets the snapshot
+forked into its own slot and feeds only the rest: the same state and KV a cold run would have made, so its
+outputs are the cold run's (within the rounding of a different chunking).
+
+Host side, per entry: the chain hash of its blocks (sha1 over the previous hash and the block's token bytes),
+its tokens (compared on a hit, so a hash collision can never hand out a wrong state), its snapshot slot and its
+last use. Snapshot slots are a fixed set of the cache's slots that never run a request; when they are all taken
+the least recently used entry is evicted (its slot released). Counters: lookups, hits, hit_tokens, snapshots,
+evictions.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["PrefixCache", "block_hashes"]
+
+
+def block_hashes(tokens: np.ndarray, block_size: int, upto: Optional[int] = None) -> list:
+    """The chain hashes of the full blocks of ``tokens[:upto]``: entry i covers tokens [0, (i + 1) block_size)."""
+    tokens = np.asarray(tokens, np.int32)
+    n = (tokens.shape[0] if upto is None else min(int(upto), tokens.shape[0])) // block_size
+    out, h = [], b""
+    for i in range(n):
+        h = hashlib.sha1(h + tokens[i * block_size:(i + 1) * block_size].tobytes()).digest()
+        out.append(h)
+    return out
+
+
+@dataclasses.dataclass
+class _Entry:
+    slot: int
+    tokens: np.ndarray
+
+
+class PrefixCache:
+    """The host side of the prefix cache (module docstring): which snapshot slot holds which prefix.
+
+    block_size: tokens per block (the snapshot grid); slots: the cache's snapshot slot ids."""
+
+    def __init__(self, block_size: int, slots):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"PrefixCache: block_size must be a positive int; got {block_size!r}")
+        self.block_size = block_size
+        self.free = list(slots)
+        if not self.free:
+            raise ValueError("PrefixCache: needs at least one snapshot slot")
+        self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()    # LRU order
+        self.stats = collections.Counter()
+
+    def lookup(self, tokens: np.ndarray, max_len: int):
+        """(snapshot slot, prefix length) of the longest cached prefix of ``tokens`` no longer than ``max_len``,
+        or None. Counts a lookup, and a hit with its tokens."""
+        self.stats["lookups"] += 1
+        hashes = block_hashes(tokens, self.block_size, max_len)
+        for i in range(len(hashes) - 1, -1, -1):
+            e = self.entries.get(hashes[i])
+            n = (i + 1) * self.block_size
+            if e is not None and e.tokens.shape[0] == n and np.array_equal(e.tokens, tokens[:n]):
+                self.entries.move_to_end(hashes[i])
+                self.stats["hits"] += 1
+                self.stats["hit_tokens"] += n
+                return e.slot, n
+        return None
+
+    def wants(self, tokens: np.ndarray, n: int) -> Optional[bytes]:
+        """The key under which a snapshot of ``tokens[:n]`` would go, when n is on the block grid and no entry
+        holds it yet; else None."""
+        if n <= 0 or n % self.block_size:
+            return None
+        key = block_hashes(tokens, self.block_size, n)[-1]
+        return None if key in self.entries else key
+
+    def take_slot(self):
+        """(a snapshot slot for a new entry, the slot an eviction freed or None): the LRU entry is evicted when
+        no slot is free."""
+        if self.free:
+            return self.free.pop(0), None
+        key, e = self.entries.popitem(last=False)
+        self.stats["evictions"] += 1
+        return e.slot, e.slot
+
+    def insert(self, key: bytes, slot: int, tokens: np.ndarray) -> None:
+        self.entries[key] = _Entry(slot, np.asarray(tokens, np.int32).copy())
+        self.stats["snapshots"] += 1
+
+    def give_back(self, slot: int) -> None:
+        """A taken slot that got no entry (its snapshot was refused)."""
+        self.free.append(slot)
+
+    def evict_lru(self):
+        """Evicts the least recently used entry; returns its slot (to release) or None when empty."""
+        if not self.entries:
+            return None
+        _, e = self.entries.popitem(last=False)
+        self.stats["evictions"] += 1
+        self.free.append(e.slot)
+        return e.slot
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats["hits"] / self.stats["lookups"] if self.stats["lookups"] else 0.0

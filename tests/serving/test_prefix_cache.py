@@ -1,0 +1,135 @@
+"""The exact prefix cache: ``HybridModel.fork`` (the snapshot and restore of a slot) and the engine's use of it
+(jax_gdn/serving/prefix_cache.py), on a tiny fp32 model (1 GDN + 1 attention layer, XLA backends) on the CPU.
+
+- fork: a slot forked after a 40-token prefill and fed 11 more tokens gives the logits of a cold 51-token
+  prefill (fp32, 1e-5 relative), its source unchanged; a fork the pool cannot hold is refused (status 1) and
+  writes nothing.
+- the engine: shared prefixes of 31, 32 and 33 tokens (just before, on and just after the 16-token grid) hit at
+  the last boundary that leaves a token to feed, and every greedy output equals the cold engine's; with 2
+  snapshot slots for 3 system prompts the least recently used one is evicted and the outputs stay the cold
+  ones; a cache whose GDN and KV pools are NaN before the run gives the same finite outputs (a fresh or forked
+  slot never reads another request's state or pages).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_gdn.config import preset
+from jax_gdn.model import HybridModel
+from jax_gdn.serving import LLM, SamplingParams
+from jax_gdn.serving.prefix_cache import PrefixCache, block_hashes
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = preset("tiny", num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                 mlp_only_layers=(1,), vocab_size=VOCAB)
+    return HybridModel.random(cfg, 5, dtype=jnp.float32, backend="xla", std=0.2)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_fork_continues_exactly_where_the_source_stands(model):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, 51).astype(np.int32)
+    cache = model.init_cache(max_seqs=4, max_tokens=256, page_size=16)
+    one = np.asarray([0], np.int32)
+    _, cache = model.prefill(cache, prompt[:40], np.asarray([0, 40], np.int32), one)
+    cache = model.fork(cache, [0], [2])
+    assert np.asarray(cache.slot_lens).tolist() == [40, 0, 40, 0]
+    logits_fork, cache = model.prefill(cache, prompt[40:], np.asarray([0, 11], np.int32), np.asarray([2], np.int32))
+    logits_src, cache = model.prefill(cache, prompt[40:], np.asarray([0, 11], np.int32), one)
+    logits_cold, cache = model.prefill(cache, prompt, np.asarray([0, 51], np.int32), np.asarray([3], np.int32))
+    model.check(cache)
+    cold = np.asarray(logits_cold)
+    assert _rel(np.asarray(logits_fork), cold) < 1e-5 and _rel(np.asarray(logits_src), cold) < 1e-5
+
+
+def test_fork_out_of_pages_is_refused_and_writes_nothing(model):
+    cache = model.init_cache(max_seqs=3, max_tokens=64, page_size=16)       # 4 pages
+    ids = np.arange(40, dtype=np.int32) % VOCAB
+    _, cache = model.prefill(cache, ids, np.asarray([0, 40], np.int32), np.asarray([0], np.int32))   # 3 pages
+    before = jax.tree.map(np.asarray, cache)
+    cache = model.fork(cache, [0], [1])
+    assert int(cache.status) == 1
+    after = jax.tree.map(np.asarray, cache)
+    for name in ("page_table", "page_owner", "page_index", "slot_lens"):
+        assert np.array_equal(getattr(after, name), getattr(before, name)), name
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(after.gdn),
+                                                                   jax.tree.leaves(before.gdn)))
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        model.fork(cache, [0], [0])
+
+
+def test_block_hashes_chain_and_lookup_is_exact():
+    toks = np.arange(40, dtype=np.int32)
+    h = block_hashes(toks, 16)
+    assert len(h) == 2 and h[0] == block_hashes(toks[:16], 16)[0] and h[1] != block_hashes(toks[16:], 16)[0]
+    pc = PrefixCache(16, [5, 6])
+    pc.insert(h[1], 5, toks[:32])
+    assert pc.lookup(toks, 39) == (5, 32) and pc.lookup(toks, 31) is None
+    other = toks.copy()
+    other[3] = 99
+    assert pc.lookup(other, 39) is None
+    assert pc.stats["hits"] == 1 and pc.stats["lookups"] == 3
+
+
+def _cold_and_cached(model, prompts, sp, **kw):
+    cold = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=False)
+    hot = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=False,
+              prefix_cache=True, block_size=16, **kw)
+    want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]
+    return hot, want
+
+
+@pytest.mark.parametrize("shared", [31, 32, 33])
+def test_a_hit_gives_the_cold_output(model, shared):
+    """Requests one at a time, each a shared system prompt + its own tail: the first fills the cache (snapshots
+    at 16 and 32 where its prompt reaches them), the others hit at the last boundary <= shared (and <= len - 1)."""
+    rng = np.random.default_rng(shared)
+    system = rng.integers(0, VOCAB, shared).tolist()
+    prompts = [system + rng.integers(0, VOCAB, int(rng.integers(3, 12))).tolist() for _ in range(4)]
+    sp = SamplingParams(max_tokens=6)
+    hot, want = _cold_and_cached(model, prompts, sp)
+    got = [hot.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+    st = hot.prefix_cache.stats
+    assert st["hits"] == 3 and st["hit_tokens"] == 3 * (shared // 16 * 16)
+
+
+def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
+    """2 snapshot slots, 3 system prompts of 40 tokens taken in turn (A B C A B C), 4 requests in flight: entries
+    are evicted least recently used first and slots reused; every output equals the cold engine's."""
+    rng = np.random.default_rng(9)
+    systems = [rng.integers(0, VOCAB, 40).tolist() for _ in range(3)]
+    prompts = [systems[i % 3] + rng.integers(0, VOCAB, 5).tolist() for i in range(6)]
+    sp = SamplingParams(max_tokens=4)
+    hot, want = _cold_and_cached(model, prompts, sp, prefix_slots=2)
+    got = []
+    for i in range(0, 6, 2):                       # two at a time, so entries age and get evicted
+        got += [o.outputs[0].token_ids for o in hot.generate(prompts[i:i + 2], sp)]
+    assert got == want
+    assert hot.prefix_cache.stats["evictions"] > 0 and hot.prefix_cache.stats["hits"] > 0
+
+
+def test_nan_pools_are_never_read(model):
+    """The cache's GDN states and KV pages all NaN before the run: outputs finite and equal to the cold ones."""
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, VOCAB, 36).tolist()
+    prompts = [system + rng.integers(0, VOCAB, 4).tolist() for _ in range(3)]
+    sp = SamplingParams(max_tokens=5)
+    hot, want = _cold_and_cached(model, prompts, sp)
+    c = hot.cache
+    hot.cache = c.replace(gdn=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), c.gdn),
+                          kv=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), c.kv))
+    got = [o.outputs[0].token_ids for o in hot.generate(prompts[:1], sp)]
+    got += [o.outputs[0].token_ids for o in hot.generate(prompts[1:], sp)]
+    assert got == want and hot.prefix_cache.stats["hits"] == 2
