@@ -150,6 +150,10 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
         value = mod.run_section(quick, budget_s=budget)
         mod.print_section(value)
         return {"model": value}
+    if name == "serving":
+        value = mod.run_section(quick)
+        mod.print_section(value)
+        return {"serving": value}
     if name == "sharding":
         value = mod.run_section(quick, **({} if budget is None else {"deadline_s": budget}))
         mod.print_section(value)

@@ -71,6 +71,8 @@ SECTIONS = {s.name: s for s in (
     Section("layers", "layers", ("layers",), "one GDN layer's phases 1-3 and one attention layer at 80B dims"),
     Section("model", "model", ("model",), "the whole model at 80B dims (8 layers) against HF transformers, each part "
             "against its floor, the 48-layer compile time"),
+    Section("serving", "serving", ("serving",), "LLM.generate on a shared-prefix workload, prefix cache off and "
+            "on: tokens/s, time to first token, time per output token, hit rate"),
     Section("sharding", "sharding", ("rows", "events"), "80B dims over 2 GPUs (12 and 48 layers), the 1 vs 2 GPU "
             "check; needs 2 GPUs", devices=2, in_all=False),
 )}

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import time
 from typing import List, Optional, Sequence
 
 import jax
@@ -70,12 +71,15 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's result: request_id (its position in the prompts), prompt, prompt_token_ids, outputs."""
+    """A request's result: request_id (its position in the prompts), prompt, prompt_token_ids, outputs, metrics
+    (seconds from the start of ``generate``: "first_token_s", "finished_s"; "tpot_s": the mean time between its
+    output tokens after the first; "prefix_hit_tokens": prompt tokens taken from the prefix cache)."""
     request_id: int
     prompt: object
     prompt_token_ids: List[int]
     outputs: List[CompletionOutput]
     finished: bool = True
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -88,6 +92,8 @@ class _Request:
     slot: int = -1
     fed: int = 0                              # tokens of the sequence already in the cache (its slot)
     finish: Optional[str] = None
+    token_times: list = dataclasses.field(default_factory=list)   # seconds from generate's start, per token
+    hit_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -112,13 +118,15 @@ class LLM:
     generate. warmup: compile every program now (:meth:`warmup`). prefix_cache: the exact prefix cache (module
     docstring) with ``block_size`` tokens per block (default token_budget: prompt chunks as without the cache;
     not yet chosen by measurement) and
-    ``prefix_slots`` snapshot slots (default max_seqs; the cache gets max_seqs + prefix_slots slots).
+    ``prefix_slots`` snapshot slots (default max_seqs; the cache gets max_seqs + prefix_slots slots); a boundary
+    is snapshotted once ``prefix_min_uses`` prompts have reached it (default 2: once it is shared).
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
                  max_seq_len: Optional[int] = None, token_budget: Optional[int] = None, tokenizer=None,
                  dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True,
-                 prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None):
+                 prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None,
+                 prefix_min_uses: int = 2):
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")
@@ -149,7 +157,8 @@ class LLM:
             extra = int(max_seqs) if prefix_slots is None else prefix_slots
             if not isinstance(extra, (int, np.integer)) or isinstance(extra, bool) or extra < 1:
                 raise ValueError(f"LLM: prefix_slots must be a positive int; got {prefix_slots!r}")
-            self.prefix_cache = PrefixCache(block_size, range(int(max_seqs), int(max_seqs) + int(extra)))
+            self.prefix_cache = PrefixCache(block_size, range(int(max_seqs), int(max_seqs) + int(extra)),
+                                            min_uses=prefix_min_uses)
         self.model = model
         self.tokenizer = _load_tokenizer(tokenizer)
         self.max_seqs = int(max_seqs)
@@ -272,8 +281,12 @@ class LLM:
 
     def _output(self, r: _Request, prompt) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(list(r.generated))
+        tt = r.token_times
+        metrics = {"first_token_s": tt[0] if tt else None, "finished_s": tt[-1] if tt else None,
+                   "tpot_s": (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None,
+                   "prefix_hit_tokens": r.hit_tokens}
         return RequestOutput(r.rid, prompt, r.prompt_ids.tolist(),
-                             [CompletionOutput(0, list(r.generated), text, r.finish)])
+                             [CompletionOutput(0, list(r.generated), text, r.finish)], metrics=metrics)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def _serve(self, reqs: Sequence[_Request], progress: bool) -> None:
@@ -282,6 +295,7 @@ class LLM:
         free = list(range(self.max_seqs))
         held = False                               # after a preemption: admit nobody until a request finishes
         bar = _bar(progress, len(reqs), "generate", "req")
+        t0 = time.perf_counter()
         try:
             while waiting or running:
                 admitted = []
@@ -317,6 +331,7 @@ class LLM:
                         held = True
                     continue
                 done, snaps = [], []
+                now = time.perf_counter() - t0             # after the step's copy to the host
                 for (r, lo, hi), tok in zip(feeds, tokens):
                     r.fed = hi
                     if self.prefix_cache is not None and hi <= r.prompt_ids.shape[0] and hi - lo > 0:
@@ -326,6 +341,7 @@ class LLM:
                     if hi < r.seq_len:              # a prompt chunk: no token yet
                         continue
                     r.generated.append(int(tok))
+                    r.token_times.append(now)
                     if int(tok) in r.params.stop_token_ids:
                         r.finish = "stop"
                     elif len(r.generated) >= r.limit:
@@ -408,6 +424,7 @@ class LLM:
             return
         for r, (_, n) in pairs:
             r.fed = n
+            r.hit_tokens = max(r.hit_tokens, n)
 
     def _snapshot(self, snaps) -> None:
         """Copies each (request, key)'s slot into a snapshot slot (one fork call; the LRU entry is evicted where

@@ -9,6 +9,11 @@ sequence starts with a cached prefix (the longest one that leaves at least one t
 forked into its own slot and feeds only the rest: the same state and KV a cold run would have made, so its
 outputs are the cold run's (within the rounding of a different chunking).
 
+A boundary is snapshotted the ``min_uses``-th time a request's prompt reaches it (default 2: once a second
+request shows the prefix is shared). Each snapshot holds a copy of the prefix's KV pages and a slot, so caching
+every boundary of every prompt on first sight would fill the snapshot slots with prompts' own tails and evict
+the shared prefixes (a workload of 2 shared prefixes x 4 requests hit 1 time in 8 that way, 4 in 8 this way).
+
 Host side, per entry: the chain hash of its blocks (sha1 over the previous hash and the block's token bytes),
 its tokens (compared on a hit, so a hash collision can never hand out a wrong state), its snapshot slot and its
 last use. Snapshot slots are a fixed set of the cache's slots that never run a request; when they are all taken
@@ -47,16 +52,23 @@ class _Entry:
 class PrefixCache:
     """The host side of the prefix cache (module docstring): which snapshot slot holds which prefix.
 
-    block_size: tokens per block (the snapshot grid); slots: the cache's snapshot slot ids."""
+    block_size: tokens per block (the snapshot grid); slots: the cache's snapshot slot ids; min_uses: a boundary
+    is snapshotted once this many prompts have reached it."""
 
-    def __init__(self, block_size: int, slots):
+    SEEN_MAX = 1 << 16            # boundary hashes remembered for min_uses (least recently seen forgotten first)
+
+    def __init__(self, block_size: int, slots, min_uses: int = 2):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"PrefixCache: block_size must be a positive int; got {block_size!r}")
         self.block_size = block_size
         self.free = list(slots)
         if not self.free:
             raise ValueError("PrefixCache: needs at least one snapshot slot")
+        if not isinstance(min_uses, int) or isinstance(min_uses, bool) or min_uses < 1:
+            raise ValueError(f"PrefixCache: min_uses must be a positive int; got {min_uses!r}")
+        self.min_uses = min_uses
         self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()    # LRU order
+        self.seen: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()
         self.stats = collections.Counter()
 
     def lookup(self, tokens: np.ndarray, max_len: int):
@@ -75,12 +87,16 @@ class PrefixCache:
         return None
 
     def wants(self, tokens: np.ndarray, n: int) -> Optional[bytes]:
-        """The key under which a snapshot of ``tokens[:n]`` would go, when n is on the block grid and no entry
-        holds it yet; else None."""
+        """A prompt has reached ``tokens[:n]``: the key under which to snapshot it now (n on the block grid, no
+        entry holding it yet, and this its min_uses-th sighting or later), else None."""
         if n <= 0 or n % self.block_size:
             return None
         key = block_hashes(tokens, self.block_size, n)[-1]
-        return None if key in self.entries else key
+        uses = self.seen.pop(key, 0) + 1
+        self.seen[key] = uses
+        if len(self.seen) > self.SEEN_MAX:
+            self.seen.popitem(last=False)
+        return None if key in self.entries or uses < self.min_uses else key
 
     def take_slot(self):
         """(a snapshot slot for a new entry, the slot an eviction freed or None): the LRU entry is evicted when

@@ -74,7 +74,9 @@ def test_block_hashes_chain_and_lookup_is_exact():
     h = block_hashes(toks, 16)
     assert len(h) == 2 and h[0] == block_hashes(toks[:16], 16)[0] and h[1] != block_hashes(toks[16:], 16)[0]
     pc = PrefixCache(16, [5, 6])
+    assert pc.wants(toks, 32) is None and pc.wants(toks, 32) == h[1] and pc.wants(toks, 31) is None
     pc.insert(h[1], 5, toks[:32])
+    assert pc.wants(toks, 32) is None                       # held already
     assert pc.lookup(toks, 39) == (5, 32) and pc.lookup(toks, 31) is None
     other = toks.copy()
     other[3] = 99
@@ -92,17 +94,20 @@ def _cold_and_cached(model, prompts, sp, **kw):
 
 @pytest.mark.parametrize("shared", [31, 32, 33])
 def test_a_hit_gives_the_cold_output(model, shared):
-    """Requests one at a time, each a shared system prompt + its own tail: the first fills the cache (snapshots
-    at 16 and 32 where its prompt reaches them), the others hit at the last boundary <= shared (and <= len - 1)."""
+    """Requests one at a time, each a shared system prompt + its own tail: the second shows the prefix is shared
+    (its boundaries are snapshotted: the second sighting), the third and fourth hit at the last boundary <= shared
+    (and <= len - 1)."""
     rng = np.random.default_rng(shared)
     system = rng.integers(0, VOCAB, shared).tolist()
     prompts = [system + rng.integers(0, VOCAB, int(rng.integers(3, 12))).tolist() for _ in range(4)]
     sp = SamplingParams(max_tokens=6)
     hot, want = _cold_and_cached(model, prompts, sp)
-    got = [hot.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
-    assert got == want
+    outs = [hot.generate(p, sp)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.metrics["prefix_hit_tokens"] for o in outs] == [0, 0] + [shared // 16 * 16] * 2
+    assert all(0 < o.metrics["first_token_s"] <= o.metrics["finished_s"] and o.metrics["tpot_s"] > 0 for o in outs)
     st = hot.prefix_cache.stats
-    assert st["hits"] == 3 and st["hit_tokens"] == 3 * (shared // 16 * 16)
+    assert st["hits"] == 2 and st["hit_tokens"] == 2 * (shared // 16 * 16)
 
 
 def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
@@ -112,7 +117,7 @@ def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
     systems = [rng.integers(0, VOCAB, 40).tolist() for _ in range(3)]
     prompts = [systems[i % 3] + rng.integers(0, VOCAB, 5).tolist() for i in range(6)]
     sp = SamplingParams(max_tokens=4)
-    hot, want = _cold_and_cached(model, prompts, sp, prefix_slots=2)
+    hot, want = _cold_and_cached(model, prompts, sp, prefix_slots=2, prefix_min_uses=1)   # snapshot on first sight
     got = []
     for i in range(0, 6, 2):                       # two at a time, so entries age and get evicted
         got += [o.outputs[0].token_ids for o in hot.generate(prompts[i:i + 2], sp)]
@@ -130,6 +135,5 @@ def test_nan_pools_are_never_read(model):
     c = hot.cache
     hot.cache = c.replace(gdn=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), c.gdn),
                           kv=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), c.kv))
-    got = [o.outputs[0].token_ids for o in hot.generate(prompts[:1], sp)]
-    got += [o.outputs[0].token_ids for o in hot.generate(prompts[1:], sp)]
-    assert got == want and hot.prefix_cache.stats["hits"] == 2
+    got = [hot.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    assert got == want and hot.prefix_cache.stats["hits"] == 1
