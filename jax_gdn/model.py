@@ -939,20 +939,14 @@ class HybridModel:
             raise self._refusal(cache, status, "; the step was refused before it ran: nothing written, the cache "
                                                "passed in is unchanged and still usable")
 
-    def _finish(self, logits, new_cache, rows: int, padded: bool = False):
-        if padded or rows == logits.shape[0]:       # no eager slice (a program per row count) when not needed
-            return logits, new_cache
-        return logits[:rows], new_cache
+    def _finish(self, logits, new_cache, rows: int):
+        return (logits if rows == logits.shape[0] else logits[:rows]), new_cache   # no eager slice when unpadded
 
     # ---- prefill / decode / release ---------------------------------------------------------------------------
     @_host_method
-    def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False,
-                padded_logits: bool = False):
+    def prefill(self, cache: Cache, input_ids, cu_seqlens, slot_ids, return_all_logits: bool = False):
         """Prefill N streams packed in ``input_ids [T]`` (see the module docstring).
-        Returns (logits [N, Vocab] fp32, or [T, Vocab] with return_all_logits, new cache). ``padded_logits``: the
-        logits of the call's stream bucket [Nb, Vocab] (or token bucket [Tb, Vocab]) as the program returns them,
-        rows past N (T) padding: no slice after the program, so nothing compiles per row count (the serving
-        engine samples on these)."""
+        Returns (logits [N, Vocab] fp32, or [T, Vocab] with return_all_logits, new cache)."""
         self._check_cache(cache)
         ids = _int_array(input_ids, "input_ids", 1, "[T]")
         t = ids.shape[0]
@@ -974,12 +968,11 @@ class HybridModel:
             self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._prefill_jit(self.params, cache, ids_p, cu_p, sl_p,
                                               return_all_logits=bool(return_all_logits))
-        return self._finish(logits, new_cache, t if return_all_logits else n, padded_logits)
+        return self._finish(logits, new_cache, t if return_all_logits else n)
 
     @_host_method
-    def decode(self, cache: Cache, input_ids, slot_ids, padded_logits: bool = False):
-        """One token per stream: input_ids [N], slot_ids [N]. Returns (logits [N, Vocab] fp32, new cache);
-        ``padded_logits``: [Nb, Vocab] of the stream bucket, as :meth:`prefill`."""
+    def decode(self, cache: Cache, input_ids, slot_ids):
+        """One token per stream: input_ids [N], slot_ids [N]. Returns (logits [N, Vocab] fp32, new cache)."""
         self._check_cache(cache)
         ids = _int_array(input_ids, "input_ids", 1, "[N]")
         n = ids.shape[0]
@@ -993,7 +986,7 @@ class HybridModel:
         if self.strict:
             self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._decode_jit(self.params, cache, ids_p, cu_p, sl_p)
-        return self._finish(logits, new_cache, n, padded_logits)
+        return self._finish(logits, new_cache, n)
 
     @_host_method
     def release(self, cache: Cache, slot_ids) -> Cache:

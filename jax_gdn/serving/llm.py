@@ -5,14 +5,15 @@
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=0))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason     # [..], "stop" | "length" | "abort"
 
-What one engine step does (continuous batching, one model call and one sampling call per step):
+What one engine step does (continuous batching, ONE program per step: the model's step and the sampler):
   1. waiting requests take free slots (FIFO, at most ``max_seqs`` running);
   2. each running request feeds the tokens of its sequence (prompt + generated) not yet in the cache: one token
      for a request that is generating, a chunk of its prompt otherwise, chunks cut to what is left of the step's
      ``token_budget`` after the generating requests' tokens (chunked prefill mixed with decode);
-  3. one call: ``model.decode`` when every fed stream has one token and is generating, else ``model.prefill``
-     with the streams packed; then :func:`jax_gdn.serving.sampling.sample` on the padded logits (on the device,
-     one program per stream bucket) and ONE device-to-host copy of the sampled ids and the cache's status;
+  3. one call of a program made of the model's pure step (``model.step_fn``: decode when every fed stream has
+     one token and is generating, else prefill with the streams packed, padded to the model's shape buckets) and
+     :func:`jax_gdn.serving.sampling.sample_rows` on its logits, then ONE device-to-host copy of the sampled ids
+     and the cache's status;
   4. a request whose sequence is now wholly in the cache takes its sampled token; it finishes on a stop id
      ("stop"), at max_tokens or at the slot's length limit ("length"); finished slots are released (one call).
 
@@ -52,7 +53,7 @@ import jax
 import numpy as np
 
 from jax_gdn.serving.prefix_cache import PrefixCache
-from jax_gdn.serving.sampling import SamplingParams, sample, sampling_arrays
+from jax_gdn.serving.sampling import SamplingParams, sample_rows, sampling_arrays
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
 
@@ -168,6 +169,8 @@ class LLM:
                                       page_size=int(page_size), max_seq_len=max_seq_len)
         self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
         self.stats = collections.Counter()
+        self._programs = {kind: jax.jit(_sampled_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
+                          for kind in ("prefill", "decode")}
         if warmup:
             self.warmup()
 
@@ -202,16 +205,8 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
                     continue
-                if kind == "prefill":
-                    lens = [1] * (n - 1) + [t - (n - 1)]
-                    logits, self.cache = self.model.prefill(self.cache, np.zeros((t,), np.int32),
-                                                            np.cumsum([0] + lens).astype(np.int32), slots,
-                                                            padded_logits=True)
-                else:
-                    logits, self.cache = self.model.decode(self.cache, np.zeros((n,), np.int32), slots,
-                                                           padded_logits=True)
-                ids = sample(logits, *sampling_arrays([], [], logits.shape[0]))
-                jax.device_get((ids, self.cache.status))
+                lens = [1] * (n - 1) + [t - (n - 1)] if kind == "prefill" else [1] * n
+                self._run(kind, np.zeros((t,), np.int32), np.cumsum([0] + lens).astype(np.int32), slots, [], [])
                 self.cache = self.model.release(self.cache, slots)
                 self._clear_status()
                 if bar is not None:
@@ -222,9 +217,10 @@ class LLM:
         return self.compiled_programs()
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far: the model's (prefill / decode / release) plus the sampler's."""
+        """Programs compiled so far: the engine's steps (model step + sampler) and the model's own (release, fork,
+        and any prefill / decode called directly)."""
         own = self.model.compiled_programs() if hasattr(self.model, "compiled_programs") else 0
-        return own + sample._cache_size()
+        return own + sum(f._cache_size() for f in self._programs.values())
 
     # ---- generate ---------------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, use_tqdm: Optional[bool] = None) -> List[RequestOutput]:
@@ -384,26 +380,37 @@ class LLM:
         return feeds
 
     def _step(self, feeds):
-        """One model call and one sampling call for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
+        """One program (the model's step and the sampler) for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
         slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
         lens = [hi - lo for _, lo, hi in feeds]
-        if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds):      # every stream generating
-            ids = np.asarray([r.tokens(lo, hi)[0] for r, lo, hi in feeds], np.int32)
-            logits, self.cache = self.model.decode(self.cache, ids, slots, padded_logits=True)
-            self.stats["decode_steps"] += 1
-        else:
-            ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
-            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-            logits, self.cache = self.model.prefill(self.cache, ids, cu, slots, padded_logits=True)
-            self.stats["prefill_steps"] += 1
-        arrays = sampling_arrays([r.params for r, _, _ in feeds], [len(r.generated) for r, _, _ in feeds],
-                                 logits.shape[0])
-        ids_dev = sample(logits, *arrays)
-        ids_host, status = jax.device_get((ids_dev, self.cache.status))     # the step's one copy to the host
-        if int(status) != 0:
+        kind = "decode" if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds) else "prefill"
+        self.stats[f"{kind}_steps"] += 1
+        ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        toks, status = self._run(kind, ids, cu, slots, [r.params for r, _, _ in feeds],
+                                 [len(r.generated) for r, _, _ in feeds])
+        if status != 0:
             self._clear_status()
             return None, True
-        return np.asarray(ids_host)[:len(feeds)], False
+        return toks[:len(feeds)], False
+
+    def _run(self, kind: str, ids, cu, slots, params, steps):
+        """Pads the call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and
+        slot id S, as the model's methods pad) and runs the step's program. Returns (sampled ids [Nb], status)."""
+        s = self.cache.num_slots
+        n = slots.shape[0]
+        nb = self.model.stream_bucket(n, s)
+        tb = nb if kind == "decode" else self.model.token_bucket(ids.shape[0])
+        ids_p = np.zeros((tb,), np.int32)
+        ids_p[:ids.shape[0]] = ids
+        cu_p = np.full((nb + 1,), cu[-1], np.int32)
+        cu_p[:n + 1] = cu
+        sl_p = np.full((nb,), s, np.int32)
+        sl_p[:n] = slots
+        toks, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p,
+                                                        *sampling_arrays(params, steps, nb))
+        toks, status = jax.device_get((toks, status))                    # the step's one copy to the host
+        return np.asarray(toks), int(status)
 
     def _restore(self, admitted) -> None:
         """Prefix-cache hits of newly admitted requests: each starts from a fork of its longest cached prefix
@@ -460,6 +467,15 @@ class LLM:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
+def _sampled_step(step):
+    """The engine's step program: the model's pure step, then the sampler on its logits; returns (sampled ids,
+    the cache's status, the cache)."""
+    def fn(params, cache, ids, cu, slots, temperature, top_k, top_p, seed, steps):
+        logits, cache = step(params, cache, ids, cu, slots)
+        return sample_rows(logits, temperature, top_k, top_p, seed, steps), cache.status, cache
+    return fn
+
+
 def _is_token(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 

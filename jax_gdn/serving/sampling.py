@@ -2,8 +2,8 @@
 
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=64, stop_token_ids=(2,), seed=1)
 
-:func:`sample` draws one token per row of a [Nb, Vocab] logits array in one jitted program (one per stream
-bucket Nb): greedy (argmax, lowest id on ties) where temperature is 0, else a categorical draw from
+:func:`sample_rows` draws one token per row of a [Nb, Vocab] logits array (the engine runs it inside its step's
+program; :func:`sample` is it jitted alone): greedy (argmax, lowest id on ties) where temperature is 0, else a categorical draw from
 softmax(logits / temperature) restricted to the top_k highest logits (0: all) and then to the smallest set of
 tokens whose probability reaches top_p (the token that crosses top_p included). A request's draw at its n-th
 generated token uses the key fold_in(PRNGKey(seed), n): the same seed gives the same tokens whatever else is in
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "sample", "sampling_arrays"]
+__all__ = ["SamplingParams", "sample", "sample_rows", "sampling_arrays"]
 
 
 def _is_int(x) -> bool:
@@ -101,11 +101,14 @@ def _draw(logits, temperature, top_k, top_p, seed, step):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@jax.jit
-def sample(logits, temperature, top_k, top_p, seed, step):
+def sample_rows(logits, temperature, top_k, top_p, seed, step):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
-    seed, step [Nb] int32. Returns int32 [Nb]."""
+    seed, step [Nb] int32. Returns int32 [Nb]. Traceable: the engine calls it inside its step's program."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(temperature > 0), lambda: _draw(logits, temperature, top_k, top_p, seed, step),
                          lambda: greedy)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+#: :func:`sample_rows` as its own program
+sample = jax.jit(sample_rows)

@@ -68,10 +68,11 @@ def _mesh(n: int):
     return jax.make_mesh((n,), ("model",), devices=jax.devices()[:n])
 
 
-def _run(model: HybridModel, seed: int) -> list:
+def _run(model: HybridModel, seed: int) -> tuple:
     """(a) packed prefill of lengths 1, 5, 63, 65 in permuted slots; (b) chunked continuation of two streams with
-    a fresh one joining; (c) three decode steps of five streams; (d) release two slots, prefill them fresh.
-    Every prefill returns all logits. Returns each step's logits (NumPy)."""
+    a fresh one joining; (c) three decode steps of five streams; (d) release two slots, prefill them fresh; (e) fork a
+    slot into another and feed both the same tokens. Every prefill of (a)-(d) returns all logits. Returns (each
+    step's logits (NumPy), the relative gap between (e)'s two streams)."""
     rng = np.random.default_rng(seed)
     v = model.config.vocab_size
     cache = model.init_cache(max_seqs=6, max_tokens=512, page_size=8)
@@ -91,21 +92,28 @@ def _run(model: HybridModel, seed: int) -> list:
         out.append(np.asarray(logits))
     cache = model.release(cache, np.array([0, 3], np.int32))
     cache = prefill(cache, [4, 5, 3], [3, 0, 4])
+    # (e) fork slot 5 into slot 1 (the prefix cache's snapshot / restore), then the same 3 tokens into both
+    cache = model.fork(cache, np.array([5], np.int32), np.array([1], np.int32))
+    ids = rng.integers(0, v, 3).astype(np.int32)
+    logits, cache = model.prefill(cache, np.concatenate([ids, ids]), np.array([0, 3, 6], np.int32),
+                                  np.array([1, 5], np.int32))
+    logits = np.asarray(logits)
+    out.append(logits)
     model.check(cache)
-    return out
+    return out, _rel(logits[0], logits[1])          # the fork continues as its source does
 
 
 def check_equal(res: dict) -> None:
     """Sharded prefill / continuation / decode == one device, per config and mesh."""
     for name, cfg in CONFIGS.items():
         params = init_params(cfg, jax.random.PRNGKey(7), jnp.float32, std=0.1)
-        ref = _run(HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS), 1)
+        ref, _ = _run(HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS), 1)
         for n in MESHES[name]:
             # tensor-parallel experts named explicitly: the default "auto" takes expert parallel where the mesh
             # divides the experts (checked below with EP_MESHES and in check_errors)
             model = HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS,
                                 mesh=_mesh(n), moe_sharding="tensor")
-            got = _run(model, 1)
+            got, res[f"fork_gap/{name}/mesh{n}"] = _run(model, 1)
             res[f"equal/{name}/mesh{n}"] = max(_rel(g, r) for g, r in zip(got, ref))
             print(name, n, res[f"equal/{name}/mesh{n}"], file=sys.stderr, flush=True)
             emb = model.params["embed"]
@@ -118,7 +126,7 @@ def check_equal(res: dict) -> None:
         for n, moe in EP_MESHES.items():
             model = HybridModel(cfg, params, dtype=jnp.float32, backend=dict(BACKEND, moe=moe),
                                 token_buckets=BUCKETS, mesh=_mesh(n), moe_sharding="expert")
-            res[f"equal/{name}/ep_mesh{n}"] = max(_rel(g, r) for g, r in zip(_run(model, 1), ref))
+            res[f"equal/{name}/ep_mesh{n}"] = max(_rel(g, r) for g, r in zip(_run(model, 1)[0], ref))
             print(name, "ep", n, res[f"equal/{name}/ep_mesh{n}"], file=sys.stderr, flush=True)
             ffn = model.params["period"][1]["ffn"]
             res[f"ep_local_experts/mesh{n}"] = [int(s.data.shape[1]) for s in ffn["experts_gate_up"].addressable_shards]

@@ -52,6 +52,7 @@ def result():
 @pytest.mark.parametrize("case", ["qwen3_next/mesh1", "qwen3_next/mesh2", "qwen3_next/mesh4", "qwen3_5/mesh4"])
 def test_sharded_logits_equal_one_device(result, case):
     assert result[f"equal/{case}"] <= TOL, result[f"equal/{case}"]
+    assert result[f"fork_gap/{case}"] <= TOL, result[f"fork_gap/{case}"]    # a forked slot continues as its source
 
 
 def test_each_device_holds_its_slice(result):
