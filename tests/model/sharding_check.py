@@ -92,11 +92,12 @@ def _run(model: HybridModel, seed: int) -> tuple:
         out.append(np.asarray(logits))
     cache = model.release(cache, np.array([0, 3], np.int32))
     cache = prefill(cache, [4, 5, 3], [3, 0, 4])
-    # (e) fork slot 5 into slot 1 (the prefix cache's snapshot / restore), then the same 3 tokens into both
+    # (e) fork slot 5 into slot 1 (the prefix cache's snapshot / restore), then the same 3 tokens into both (and
+    # one into slot 2: three streams, so (d)'s compiled program serves this call)
     cache = model.fork(cache, np.array([5], np.int32), np.array([1], np.int32))
     ids = rng.integers(0, v, 3).astype(np.int32)
-    logits, cache = model.prefill(cache, np.concatenate([ids, ids]), np.array([0, 3, 6], np.int32),
-                                  np.array([1, 5], np.int32))
+    logits, cache = model.prefill(cache, np.concatenate([ids, ids, ids[:1]]), np.array([0, 3, 6, 7], np.int32),
+                                  np.array([1, 5, 2], np.int32))
     logits = np.asarray(logits)
     out.append(logits)
     model.check(cache)
