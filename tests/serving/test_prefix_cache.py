@@ -105,9 +105,9 @@ def test_block_hashes_chain_and_lookup_is_exact():
     assert pc.stats["hits"] == 1 and pc.stats["lookups"] == 3
 
 
-def _cold_and_cached(model, prompts, sp, **kw):
+def _cold_and_cached(model, prompts, sp, warmup=False, **kw):
     cold = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=False)
-    hot = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=False,
+    hot = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=warmup,
               prefix_cache=True, block_size=16, **kw)
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]
     return hot, want
@@ -133,16 +133,19 @@ def test_a_hit_gives_the_cold_output(model, shared):
 
 def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
     """2 snapshot slots, 3 system prompts of 40 tokens taken in turn (A B C A B C), 4 requests in flight: entries
-    are evicted least recently used first and slots reused; every output equals the cold engine's."""
+    are evicted least recently used first and slots reused; every output equals the cold engine's; after the
+    warm-up (forks included) nothing compiles."""
     rng = np.random.default_rng(9)
     systems = [rng.integers(0, VOCAB, 40).tolist() for _ in range(3)]
     prompts = [systems[i % 3] + rng.integers(0, VOCAB, 5).tolist() for i in range(6)]
     sp = SamplingParams(max_tokens=4)
-    hot, want = _cold_and_cached(model, prompts, sp, prefix_slots=2, prefix_min_uses=1)   # snapshot on first sight
+    hot, want = _cold_and_cached(model, prompts, sp, warmup=True, prefix_slots=2,
+                                 prefix_min_uses=1)                        # snapshot on first sight
+    before = hot.compiled_programs()
     got = []
     for i in range(0, 6, 2):                       # two at a time, so entries age and get evicted
         got += [o.outputs[0].token_ids for o in hot.generate(prompts[i:i + 2], sp)]
-    assert got == want
+    assert got == want and hot.compiled_programs() == before
     assert hot.prefix_cache.stats["evictions"] > 0 and hot.prefix_cache.stats["hits"] > 0
 
 
