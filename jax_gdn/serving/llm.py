@@ -47,6 +47,7 @@ import collections
 import dataclasses
 import os
 import time
+import weakref
 from typing import List, Optional, Sequence
 
 import jax
@@ -169,8 +170,7 @@ class LLM:
                                       page_size=int(page_size), max_seq_len=max_seq_len)
         self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
         self.stats = collections.Counter()
-        self._programs = {kind: jax.jit(_sampled_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
-                          for kind in ("prefill", "decode")}
+        self._programs = _step_programs(model)
         if warmup:
             self.warmup()
 
@@ -217,8 +217,8 @@ class LLM:
         return self.compiled_programs()
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far: the engine's steps (model step + sampler) and the model's own (release, fork,
-        and any prefill / decode called directly)."""
+        """Programs compiled so far for this engine's model: the engines' steps (model step + sampler, shared by
+        every LLM of the model) and the model's own (release, fork, and any prefill / decode called directly)."""
         own = self.model.compiled_programs() if hasattr(self.model, "compiled_programs") else 0
         return own + sum(f._cache_size() for f in self._programs.values())
 
@@ -467,6 +467,20 @@ class LLM:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
+_PROGRAMS = weakref.WeakKeyDictionary()        # model -> its engines' step programs (shared by every LLM of it)
+
+
+def _step_programs(model) -> dict:
+    """{"prefill", "decode": the jitted step program} of ``model``, made once per model, so that engines over the
+    same model (and caches of the same shapes) reuse each other's compiled programs."""
+    progs = _PROGRAMS.get(model)
+    if progs is None:
+        progs = {kind: jax.jit(_sampled_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
+                 for kind in ("prefill", "decode")}
+        _PROGRAMS[model] = progs
+    return progs
+
+
 def _sampled_step(step):
     """The engine's step program: the model's pure step, then the sampler on its logits; returns (sampled ids,
     the cache's status, the cache)."""
