@@ -898,9 +898,12 @@ class HybridModel:
     def stream_bucket(n: int, max_seqs: int) -> int:
         return min(_pow2(n), max_seqs)
 
-    def _padded(self, ids, cu, sl, tb: int, nb: int, s: int):
-        """Pads tokens to tb (id 0 past cu[N]), streams to nb (zero length, slot S): int32 numpy arrays (the
-        jitted step transfers them itself: an eager jnp.asarray per array cost host time in every step)."""
+    @staticmethod
+    def pad_step_inputs(ids, cu, sl, tb: int, nb: int, s: int):
+        """The padding of every step (prefill / decode here, the serving engine's step on ``step_fn``): tokens
+        ids [T] to tb (id 0 past cu[N]), streams to nb (cu [N + 1] extended by zero-length streams, slot ids sl [N]
+        by S): int32 NumPy arrays (the jitted step transfers them itself: an eager jnp.asarray per array cost host
+        time in every step)."""
         n = sl.shape[0]
         ids_p = np.zeros((tb,), np.int32)
         ids_p[:ids.shape[0]] = ids
@@ -963,7 +966,7 @@ class HybridModel:
         self._check_tokens(ids)
         s = cache.num_slots
         tb, nb = self.token_bucket(t), self.stream_bucket(n, s)
-        ids_p, cu_p, sl_p = self._padded(ids, cu, sl, tb, nb, s)
+        ids_p, cu_p, sl_p = self.pad_step_inputs(ids, cu, sl, tb, nb, s)
         if self.strict:
             self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._prefill_jit(self.params, cache, ids_p, cu_p, sl_p,
@@ -982,7 +985,7 @@ class HybridModel:
         self._check_tokens(ids)
         s = cache.num_slots
         nb = self.stream_bucket(n, s)
-        ids_p, cu_p, sl_p = self._padded(ids, np.arange(n + 1), sl, nb, nb, s)
+        ids_p, cu_p, sl_p = self.pad_step_inputs(ids, np.arange(n + 1), sl, nb, nb, s)
         if self.strict:
             self._refuse_before(cache, cu_p, sl_p)
         logits, new_cache = self._decode_jit(self.params, cache, ids_p, cu_p, sl_p)

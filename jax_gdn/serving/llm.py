@@ -304,13 +304,13 @@ class LLM:
                     self._restore(admitted)
                 feeds = self._plan(running)
                 tokens, refused = self._step(feeds)
-                if refused and self.prefix_cache is not None and self.prefix_cache.entries:
+                if refused:
                     self.stats["refused_steps"] += 1
+                if refused and self.prefix_cache is not None and self.prefix_cache.entries:
                     slot = self.prefix_cache.evict_lru()      # a snapshot goes before any request
                     self.cache = self.model.release(self.cache, np.asarray([slot], np.int32))
                     continue
                 if refused:
-                    self.stats["refused_steps"] += 1
                     victim = running[-1]
                     self.cache = self.model.release(self.cache, np.asarray([victim.slot], np.int32))
                     running.remove(victim)
@@ -398,15 +398,9 @@ class LLM:
         """Pads the call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and
         slot id S, as the model's methods pad) and runs the step's program. Returns (sampled ids [Nb], status)."""
         s = self.cache.num_slots
-        n = slots.shape[0]
-        nb = self.model.stream_bucket(n, s)
+        nb = self.model.stream_bucket(slots.shape[0], s)
         tb = nb if kind == "decode" else self.model.token_bucket(ids.shape[0])
-        ids_p = np.zeros((tb,), np.int32)
-        ids_p[:ids.shape[0]] = ids
-        cu_p = np.full((nb + 1,), cu[-1], np.int32)
-        cu_p[:n + 1] = cu
-        sl_p = np.full((nb,), s, np.int32)
-        sl_p[:n] = slots
+        ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
         toks, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p,
                                                         *sampling_arrays(params, steps, nb))
         toks, status = jax.device_get((toks, status))                    # the step's one copy to the host
@@ -442,7 +436,7 @@ class LLM:
             if key in seen:
                 continue
             seen.add(key)
-            slot, _ = pc.take_slot()
+            slot = pc.take_slot()
             taken.append((r, key, slot))
         self.cache = self.model.fork(self.cache, np.asarray([r.slot for r, _, _ in taken], np.int32),
                                      np.asarray([s for _, _, s in taken], np.int32))

@@ -98,14 +98,12 @@ class PrefixCache:
             self.seen.popitem(last=False)
         return None if key in self.entries or uses < self.min_uses else key
 
-    def take_slot(self):
-        """(a snapshot slot for a new entry, the slot an eviction freed or None): the LRU entry is evicted when
-        no slot is free."""
-        if self.free:
-            return self.free.pop(0), None
-        key, e = self.entries.popitem(last=False)
-        self.stats["evictions"] += 1
-        return e.slot, e.slot
+    def take_slot(self) -> int:
+        """A snapshot slot for a new entry: a free one, else the least recently used entry's (evicted; the fork
+        into it frees its pages)."""
+        if not self.free:
+            self.evict_lru()
+        return self.free.pop(0)
 
     def insert(self, key: bytes, slot: int, tokens: np.ndarray) -> None:
         self.entries[key] = _Entry(slot, np.asarray(tokens, np.int32).copy())
