@@ -429,12 +429,15 @@ class LLM:
 
     def _snapshot(self, snaps) -> None:
         """Copies each (request, key)'s slot into a snapshot slot (one fork call; the LRU entry is evicted where
-        no snapshot slot is free; a fork the pool cannot hold is refused and nothing is cached)."""
+        no snapshot slot is free; more new prefixes in one step than snapshot slots: the first ones are kept; a fork
+        the pool cannot hold is refused and nothing is cached)."""
         pc = self.prefix_cache
         taken, seen = [], set()
         for r, key in snaps:
             if key in seen:
                 continue
+            if not pc.free and not pc.entries:       # every snapshot slot already taken by this step
+                break
             seen.add(key)
             slot = pc.take_slot()
             taken.append((r, key, slot))

@@ -149,6 +149,17 @@ def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
     assert hot.prefix_cache.stats["evictions"] > 0 and hot.prefix_cache.stats["hits"] > 0
 
 
+def test_more_new_prefixes_in_a_step_than_snapshot_slots(model):
+    """One snapshot slot, two requests reaching their first block boundary in the same step: the first is
+    snapshotted, the second is not (it used to raise IndexError), and the outputs stay the cold ones."""
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, VOCAB, 20).tolist() for _ in range(2)]
+    sp = SamplingParams(max_tokens=2)
+    hot, want = _cold_and_cached(model, prompts, sp, prefix_slots=1, prefix_min_uses=1)
+    assert [o.outputs[0].token_ids for o in hot.generate(prompts, sp)] == want
+    assert hot.prefix_cache.stats["snapshots"] == 1 and len(hot.prefix_cache.entries) == 1
+
+
 def test_nan_pools_are_never_read(model):
     """The cache's GDN states and KV pages all NaN before the run: outputs finite and equal to the cold ones."""
     rng = np.random.default_rng(11)
