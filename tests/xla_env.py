@@ -13,8 +13,24 @@ import os
 CPU_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 
+def has_cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin is installed (found without importing jax: XLA_FLAGS must be set first)."""
+    import importlib.util
+    import pkgutil
+    if any(importlib.util.find_spec(name) is not None for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
+        return True
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any("cuda" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
 def apply() -> None:
-    """Adds CPU_FLAGS to this process's XLA_FLAGS (children inherit it)."""
+    """Adds CPU_FLAGS to this process's XLA_FLAGS (children inherit it); not where jax has its CUDA plugin (the GPU
+    machine's XLA need not know the CPU backend's flags, and its runs keep XLA's defaults)."""
+    if has_cuda_plugin():
+        return
     if CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAGS).strip()
 
