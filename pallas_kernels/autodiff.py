@@ -1,4 +1,4 @@
-"""Kernel forward, reference backward: the VJP of an op whose kernel has no backward pass of its own.
+"""Kernel forward, reference (or kernel) backward: the VJPs of ops whose forward is a kernel.
 
 ``reference_vjp(kernel, reference)`` returns a function of the same positional arguments (arrays, or pytrees of
 them, ``None`` included) that runs ``kernel`` when called and when differentiated, and whose VJP is the one of
@@ -12,12 +12,16 @@ so a model trains through the fast forward kernels at the cost of one reference 
 (the op's contract). Integer and bool arguments (``cu_seqlens``, ``slot_ids``) get float0 cotangents. Forward-mode
 autodiff (``jax.jvp``) of the result raises, as for any ``jax.custom_vjp``. Static options are bound into both
 functions (``functools.partial``) before the call.
+
+``kernel_vjp(kernel, backward)`` is the same with a backward pass of the op's own (its backward kernels):
+``backward(args, cotangent)`` returns the cotangents of ``args`` (None for None and integer arguments); the
+residuals are again the inputs alone.
 """
 from __future__ import annotations
 
 import jax
 
-__all__ = ["reference_vjp"]
+__all__ = ["kernel_vjp", "reference_vjp"]
 
 
 def reference_vjp(kernel, reference):
@@ -35,4 +39,18 @@ def reference_vjp(kernel, reference):
         return vjp(cotangent)
 
     op.defvjp(fwd, bwd)
+    return op
+
+
+def kernel_vjp(kernel, backward):
+    """``kernel`` with ``backward(args, cotangent) -> cotangents of args`` as its VJP (see the module docstring)."""
+
+    @jax.custom_vjp
+    def op(*args):
+        return kernel(*args)
+
+    def fwd(*args):
+        return kernel(*args), args
+
+    op.defvjp(fwd, backward)
     return op

@@ -50,11 +50,14 @@ Every backend gives the same results up to rounding, also at the edges:
   * mixed dtypes (e.g. fp32 q, k with bf16 v): Pallas runs in the promoted dtype; o takes v's dtype everywhere;
   * B = 0 or T = 0: o is empty / all sequences keep their initial state;
   * autodiff: ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_slots`` are differentiable (reverse mode,
-    ``jax.grad`` / ``jax.vjp``) on every backend: "xla" by autodiff of its own form, the kernels by
-    ``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward; the backward recomputes the XLA
-    chunked form from the saved inputs and differentiates it: gradients of q, k (through the L2 norm), v, g, beta,
-    initial_state / the pool, for o and the final state); forward mode (``jax.jvp``) through a kernel, and any
-    autodiff of the decode op ``fused_recurrent_gated_delta_rule_slots`` on a kernel, raise;
+    ``jax.grad`` / ``jax.vjp``) on every backend: "xla" by autodiff of its own form; dense rows on "mosaic_gpu"
+    by the Mosaic GPU backward kernels (``mosaic_gpu/backward.py``, ``pallas_kernels.autodiff.kernel_vjp``;
+    ``DispatchConfig.mosaic_backward`` False turns them off); every other kernel path (packed sequences, the slot
+    pool, Triton) by ``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward; the backward
+    recomputes the XLA chunked form from the saved inputs and differentiates it). Gradients of q, k (through the
+    L2 norm), v, g, beta, initial_state / the pool, for o and the final state; forward mode (``jax.jvp``)
+    through a kernel, and any autodiff of the decode op ``fused_recurrent_gated_delta_rule_slots`` on a kernel,
+    raise;
   * NaN / inf in token t's k, v, g or beta poisons (as in the per-token form) every later token of its sequence and
     its final state; the chunked forms also poison the earlier tokens of t's own chunk (up to C - 1 tokens: the
     chunk's matmuls multiply the NaN by the zero coefficients of earlier rows, and 0 * NaN = NaN; a batch routed to
@@ -81,9 +84,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.autodiff import reference_vjp
+from pallas_kernels.autodiff import kernel_vjp, reference_vjp
 from pallas_kernels.dispatch import DocCase, Implementation, OpTable
 from pallas_kernels.gated_delta_rule import validation
+from pallas_kernels.gated_delta_rule.mosaic_gpu import backward as mosaic_gpu_backward
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
 from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as mosaic_gpu_decode
 from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mosaic_gpu_varlen
@@ -127,14 +131,21 @@ class DispatchConfig:
     the chunked kernels; 0: never. 8 from the H200 (NOTES.md, the per-token kernel's section; plain op, bf16):
     tiny64 (mean 2.7 tokens) 0.110 ms against the chunked path's 0.355; uniform mixes win up to a mean of ~20
     tokens; 8, not 16, because the worst mix (one long sequence among one-token ones, its tokens serial) at
-    T = 8 N ran 0.686 ms against the chunked path's ~0.37 at N 64, a loss that doubles at 16 N."""
+    T = 8 N ran 0.686 ms against the chunked path's ~0.37 at N 64, a loss that doubles at 16 N.
+
+    mosaic_backward: jax.grad through a dense "mosaic_gpu" call runs the Mosaic backward kernels
+    (``mosaic_gpu/backward.py``); False: the XLA chunked form's VJP recomputed from the inputs, as every other kernel
+    path (packed sequences, the slot pool, Triton) does."""
 
     short_mix_max_mean_len: int = 8
+    mosaic_backward: bool = True
 
     def __post_init__(self):
         n = self.short_mix_max_mean_len
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"short_mix_max_mean_len must be an int >= 0, got {n!r}")
+        if not isinstance(self.mosaic_backward, bool):
+            raise ValueError(f"mosaic_backward must be a bool, got {self.mosaic_backward!r}")
 
     def is_short_mix(self, total_tokens: int, num_seqs: int) -> bool:
         return num_seqs >= 1 and 1 <= total_tokens <= self.short_mix_max_mean_len * num_seqs
@@ -387,7 +398,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
         return reference(q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = functools.partial(_dense_kernel, impl, scale=scale, output_final_state=output_final_state,
                                use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    if impl.name == "mosaic_gpu.chunk" and dispatch.mosaic_backward:      # dense rows: the Mosaic backward kernels
+        backward = functools.partial(mosaic_dense_backward, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        return kernel_vjp(kernel, backward)(q, k, v, g, beta, initial_state, cu_seqlens)
     return reference_vjp(kernel, reference)(q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def mosaic_dense_backward(args, cotangent, *, scale: float, use_qk_l2norm: bool, impl: str = "mosaic"):
+    """The VJP of the "mosaic_gpu" dense forward (``mosaic_gpu/backward.py``): cotangents of (q, k, v, g, beta,
+    initial_state, cu_seqlens) from those of (o, final_state). The L2 norm (when ``use_qk_l2norm``) is
+    differentiated in XLA around the kernels, as the forward runs it in XLA before them. ``impl="reference"``
+    runs the kernels' jnp twin (the CPU tests)."""
+    q, k, v, g, beta, initial_state, cu_seqlens = args
+    do, dht = cotangent
+    (qn, kn), l2_vjp = jax.vjp(lambda q, k: _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True), q, k)
+    dqn, dkn, dv, dg, dbeta, dh0 = mosaic_gpu_backward.chunk_gated_delta_rule_bwd(
+        qn, kn, v, g, beta, initial_state, do, dht, scale=float(scale), impl=impl)
+    dq, dk = l2_vjp((dqn, dkn))
+    return dq, dk, dv, dg, dbeta, dh0, None
 
 
 def _dense_xla(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,

@@ -1,0 +1,132 @@
+"""The Mosaic GPU backward of the dense gated delta rule (pallas_kernels/gated_delta_rule/mosaic_gpu/backward.py).
+
+CPU: everything around the three kernels (stage 1a, padding, the reverse chunk cumsum of the gate gradient, the
+floor's mask, the sums over grouped heads, the L2 norm's VJP, the custom VJP's cotangent wiring) with the kernels'
+jnp twin (``impl="reference"``), against torch float64 autograd of the per-token recurrence, fp32 limit 1e-4
+(relative RMS, FLA's metric). GPU (Hopper): the kernels against the twin on the same inputs (bf16; FLA's bf16
+limits: dq, dk, dv, dh0 8e-3, dg, dbeta 2e-2); ``test_mosaic_gpu.py`` runs the op's own gradient checks, which now
+go through these kernels for dense rows.
+
+Shape legend: B rows, T tokens, Hk / Hv key / value heads, K / V head dims.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.autodiff import kernel_vjp
+from pallas_kernels.gated_delta_rule import api
+from pallas_kernels.gated_delta_rule.mosaic_gpu import backward as mosaic_backward
+from tests.numpy_reference import rel_rms
+from tests.pallas_kernels.gated_delta_rule.base import GRAD_NAMES, grad_case, torch_grads
+
+F32_TOL = 1e-4
+BF16_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2}
+
+#: (B, T, Hk, Hv, K, V, with h0, scale, gate divisor, share of g = -inf): lengths around the chunk of 64,
+#: one token, grouped heads (groups of 2, 3 and 4), no initial state, hard resets, K != V
+CPU_CASES = {
+    "b2-t75-hk2-hv4-gdiv0.01": (2, 75, 2, 4, 32, 32, True, None, 0.01, 0.0),
+    "b1-t130-hk1-hv2-scale0.1-mask0.5-noh0": (1, 130, 1, 2, 16, 32, False, 0.1, 1.0, 0.5),
+    "b1-t1-hk1-hv3": (1, 1, 1, 3, 16, 16, True, None, 1.0, 0.0),
+    "b1-t63-hk1-hv1": (1, 63, 1, 1, 16, 16, True, None, 1.0, 0.0),
+    "b1-t64-hk2-hv4": (1, 64, 2, 4, 16, 16, True, None, 1.0, 0.0),
+    "b1-t65-hk1-hv3": (1, 65, 1, 3, 32, 16, True, None, 1.0, 0.0),
+}
+
+
+def _grads(got) -> dict:
+    return {name: None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+            for name, x in zip(GRAD_NAMES, got)}
+
+
+def _check(got: dict, want: dict, tol, what: str):
+    for name, x in got.items():
+        if x is None:
+            continue
+        assert np.isfinite(x).all(), f"{what}: d{name} is not finite"
+        limit = tol[name] if isinstance(tol, dict) else tol
+        err = rel_rms(x, want[name])
+        assert err < limit, f"{what}: d{name} rel RMS {err:.3e} >= {limit}"
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_backward_with_kernel_twin_matches_float64(case):
+    b, t, hk, hv, dk, dv, with_h0, scale, gate_div, masked = CPU_CASES[case]
+    xs, h0, do, dht = grad_case(11, b, t, hk, hv, dk, dv, jnp.float32, b, gate_div=gate_div, masked=masked)
+    if not with_h0:
+        h0 = np.zeros_like(h0)
+    scale = dk ** -0.5 if scale is None else scale
+    args = [jnp.asarray(x) for x in xs]
+    with jax.default_matmul_precision("highest"):
+        got = mosaic_backward.chunk_gated_delta_rule_bwd(
+            *args, jnp.asarray(h0) if with_h0 else None, jnp.asarray(do), jnp.asarray(dht), scale=scale,
+            impl="reference")
+    got = _grads(got)
+    assert (got["h0"] is None) == (not with_h0), "dh0 must be given exactly when an initial state is"
+    _check(got, torch_grads(xs, h0, do, dht, scale=scale), F32_TOL, case)
+
+
+def test_op_vjp_wiring_with_l2norm_and_no_final_state():
+    """The custom VJP as api.py builds it (``kernel_vjp`` + ``mosaic_dense_backward``), the kernels replaced by
+    their twin and the forward by the XLA form: jax.grad through the in-op L2 norm of raw q, k, with
+    output_final_state False (no cotangent for the final state) and no initial state."""
+    b, t, hk, hv, dk, dv = 2, 70, 1, 2, 16, 16
+    xs, h0, do, dht = grad_case(13, b, t, hk, hv, dk, dv, jnp.float32, b, l2=True)
+    scale = dk ** -0.5
+    forward = functools.partial(api._dense_xla, scale=scale, output_final_state=False, use_qk_l2norm=True,
+                                chunk_size=64)
+    backward = functools.partial(api.mosaic_dense_backward, scale=scale, use_qk_l2norm=True, impl="reference")
+    op = kernel_vjp(forward, backward)
+
+    def loss(q, k, v, g, beta):
+        o, ht = op(q, k, v, g, beta, None, None)
+        assert ht is None
+        return jnp.sum(o * jnp.asarray(do))
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*[jnp.asarray(x) for x in xs])
+    want = torch_grads(xs, np.zeros_like(h0), do, np.zeros_like(dht), scale=scale, use_qk_l2norm=True)
+    _check(_grads(got), want, F32_TOL, "l2norm, no final state")
+
+
+def test_impl_is_checked():
+    x = jnp.zeros((1, 4, 1, 16))
+    v = jnp.zeros((1, 4, 1, 16))
+    s = jnp.zeros((1, 4, 1))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        mosaic_backward.chunk_gated_delta_rule_bwd(x, x, v, s, s, None, v, None, scale=1.0, impl="triton")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernels (a Hopper GPU)
+# ---------------------------------------------------------------------------------------------------------------
+#: (B, T, Hk, Hv, K = V, with h0): odd lengths, grouped heads, both head dims, the real dims of one layer
+GPU_CASES = {"b1-t130-hk1-hv2-k128": (1, 130, 1, 2, 128, True), "b2-t1000-hk2-hv4-k64-noh0": (2, 1000, 2, 4, 64, False),
+             "b1-t65-hk2-hv6-k128": (1, 65, 2, 6, 128, True), "b1-t1-hk1-hv2-k64": (1, 1, 1, 2, 64, True),
+             "b1-t8192-hk16-hv32-k128": (1, 8192, 16, 32, 128, True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_kernels_match_twin(case):
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk import is_hopper
+    if not is_hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 (Hopper) GPU")
+    b, t, hk, hv, d, with_h0 = GPU_CASES[case]
+    xs, h0, do, dht = grad_case(17, b, t, hk, hv, d, d, jnp.bfloat16, b)
+    bf = jnp.bfloat16
+    q, k, v, g, beta = (jnp.asarray(xs[0], bf), jnp.asarray(xs[1], bf), jnp.asarray(xs[2], bf), jnp.asarray(xs[3]),
+                        jnp.asarray(xs[4], bf))
+    h0 = jnp.asarray(h0) if with_h0 else None
+    scale = d ** -0.5
+    got = _grads(mosaic_backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, h0, jnp.asarray(do, bf),
+                                                            jnp.asarray(dht), scale=scale, impl="mosaic"))
+    with jax.default_matmul_precision("highest"):
+        want = _grads(mosaic_backward.chunk_gated_delta_rule_bwd(
+            *(x.astype(jnp.float32) for x in (q, k, v, g, beta)), h0, jnp.asarray(do), jnp.asarray(dht),
+            scale=scale, impl="reference"))
+    _check(got, want, BF16_TOL, case)
