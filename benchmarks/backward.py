@@ -5,8 +5,10 @@ varlen16 mix; bf16 q, k, v, beta; fp32 g and initial state; final state out). Lo
 fixed random cotangents; gradients of q, k, v, g, beta and h0. Columns (median ms; null where an implementation
 cannot run, its reason in "errors"):
   fwd   ours, the forward alone (``jax_gdn.ops.chunk_gated_delta_rule``, backend "auto")
-  ours  ours, forward + backward, backend "auto" (the forward kernel, the XLA chunked form's VJP:
-        ``pallas_kernels.autodiff.reference_vjp``)
+  ours  ours, forward + backward, backend "auto" (dense rows on a Hopper GPU: the Mosaic forward and backward
+        kernels, ``mosaic_gpu/backward.py``; elsewhere the forward kernel with the XLA chunked form's VJP)
+  ours_xla_vjp  ours, backend "auto" with ``DispatchConfig(mosaic_backward=False)``: the forward kernel and the
+        XLA chunked form's VJP (``pallas_kernels.autodiff.reference_vjp``) on every row
   xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
   fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
   jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
@@ -20,7 +22,7 @@ import numpy as np
 from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
 
 KEY = "backward"
-IMPLS = ("fwd", "ours", "xla", "fla", "jla")
+IMPLS = ("fwd", "ours", "ours_xla_vjp", "xla", "fla", "jla")
 CASES = BACKWARD_CASES
 QUICK_CASES = CPU_BACKWARD
 
@@ -37,7 +39,7 @@ def _inputs(case: Case):
 def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
     import jax
     import jax.numpy as jnp
-    from jax_gdn.ops import chunk_gated_delta_rule
+    from jax_gdn.ops import DEFAULT_DISPATCH, DispatchConfig, chunk_gated_delta_rule
     from jax_gdn.timing import time_jax
     q, k, v, g, beta, h0 = host
     dt = jnp.bfloat16 if gpu else jnp.float32
@@ -47,9 +49,10 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
     do_, dht_ = jnp.asarray(do, dt), jnp.asarray(dht)
     kernel = "auto" if gpu else "pallas_interpret"
 
-    def op(backend):
+    def op(backend, dispatch=DEFAULT_DISPATCH):
         return lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend,
+            dispatch=dispatch)
 
     def grad(fn):
         def loss(*a):
@@ -58,6 +61,8 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))
     return {"fwd": lambda: time_jax(jax.jit(op(kernel)), args, **timing),
             "ours": lambda: time_jax(grad(op(kernel)), args, **timing),
+            "ours_xla_vjp": lambda: time_jax(grad(op(kernel, DispatchConfig(mosaic_backward=False))), args,
+                                             **timing),
             "xla": lambda: time_jax(grad(op("xla")), args, **timing),
             "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla(case, host)), args,
                                                                                   **timing))}
@@ -81,7 +86,7 @@ def _fla(case: Case, host, do, dht) -> float:
 
 
 def run_section(quick: bool = False, cases=None) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
     GPU: the tiny CPU case in fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
@@ -110,9 +115,9 @@ def run_section(quick: bool = False, cases=None) -> dict:
 
 def print_section(section: dict) -> None:
     print("backward: forward + backward of the GDN op (median ms; fwd = ours, forward only)")
-    print(f"  {'case':30s}" + "".join(f"{i:>10s}" for i in IMPLS))
+    print(f"  {'case':30s}" + "".join(f"{i:>13s}" for i in IMPLS))
     for r in section["rows"]:
-        print(f"  {r['case']:30s}" + "".join("{:>10s}".format("-" if r["ms"][i] is None else f"{r['ms'][i]:.3f}")
+        print(f"  {r['case']:30s}" + "".join("{:>13s}".format("-" if r["ms"][i] is None else f"{r['ms'][i]:.3f}")
                                             for i in IMPLS))
 
 
