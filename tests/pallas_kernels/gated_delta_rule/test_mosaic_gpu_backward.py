@@ -130,3 +130,33 @@ def test_kernels_match_twin(case):
             *(x.astype(jnp.float32) for x in (q, k, v, g, beta)), h0, jnp.asarray(do), jnp.asarray(dht),
             scale=scale, impl="reference"))
     _check(got, want, BF16_TOL, case)
+
+
+#: FLA's dense gradient matrix at the head dims the kernels take (B, T, Hk, Hv, D, scale, gate divisor, share of
+#: masked gates, use_qk_l2norm), through the op (jax.grad, backend "mosaic_gpu") against torch float64
+FLA_MATRIX = {"b2-t75-h4-d64-gdiv0.01": (2, 75, 4, 4, 64, 1.0, 0.01, 0.0, False),
+              "b2-t1000-h3-d64-scale0.1-mask0.5": (2, 1000, 3, 3, 64, 0.1, 1.0, 0.5, False),
+              "b2-t256-hk2-hv4-d64": (2, 256, 2, 4, 64, 1.0, 1.0, 0.0, False),
+              "b2-t512-hk2-hv8-d64-gdiv0.1-l2norm": (2, 512, 2, 8, 64, 1.0, 0.1, 0.0, True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(FLA_MATRIX))
+def test_op_grads_fla_matrix(case):
+    from jax_gdn.ops import chunk_gated_delta_rule
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk import is_hopper
+    if not is_hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 (Hopper) GPU")
+    b, t, hk, hv, d, scale, gate_div, masked, l2 = FLA_MATRIX[case]
+    xs, h0, do, dht = grad_case(19, b, t, hk, hv, d, d, jnp.bfloat16, b, gate_div=gate_div, masked=masked, l2=l2)
+    bf = jnp.bfloat16
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm=l2, backend="mosaic_gpu")
+        return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do)) + jnp.sum(ht * jnp.asarray(dht))
+    args = (jnp.asarray(xs[0], bf), jnp.asarray(xs[1], bf), jnp.asarray(xs[2], bf), jnp.asarray(xs[3]),
+            jnp.asarray(xs[4], bf), jnp.asarray(h0))
+    got = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+    want = torch_grads(xs, h0, do, dht, scale=scale, use_qk_l2norm=l2)
+    _check(_grads(got), want, BF16_TOL, case)
