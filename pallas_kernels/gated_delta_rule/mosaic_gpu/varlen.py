@@ -141,8 +141,9 @@ def layout(cu_seqlens, total_len: int, *, order: str = "longest_first"):
     cm = build_chunk_map(cu, total_len, C)
     p = jnp.arange(nc * C, dtype=jnp.int32)
     c, i = p // C, p % C
-    keep = i < cm.chunk_len[c]
-    src = jnp.where(keep, cm.chunk_start[c] + i, 0)
+    chunk_start, chunk_len = chunk_rows(cm, nc)      # the slots past the chunk map's hold no token
+    keep = i < chunk_len[c]
+    src = jnp.where(keep, chunk_start[c] + i, 0)
     t = jnp.arange(total_len, dtype=jnp.int32)
     valid = t < cu[-1]
     back = jnp.where(valid, jnp.clip(cm.token_chunk * C + cm.token_offset, 0, nc * C - 1), 0)
