@@ -50,10 +50,11 @@ Every backend gives the same results up to rounding, also at the edges:
   * mixed dtypes (e.g. fp32 q, k with bf16 v): Pallas runs in the promoted dtype; o takes v's dtype everywhere;
   * B = 0 or T = 0: o is empty / all sequences keep their initial state;
   * autodiff: ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_slots`` are differentiable (reverse mode,
-    ``jax.grad`` / ``jax.vjp``) on every backend: "xla" by autodiff of its own form; dense rows on "mosaic_gpu"
-    by the Mosaic GPU backward kernels (``mosaic_gpu/backward.py``, ``pallas_kernels.autodiff.kernel_vjp``;
-    ``DispatchConfig.mosaic_backward`` False turns them off); every other kernel path (packed sequences, the slot
-    pool, Triton) by ``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward; the backward
+    ``jax.grad`` / ``jax.vjp``) on every backend: "xla" by autodiff of its own form; dense rows (and the slot pool
+    without cu_seqlens) on "mosaic_gpu" by the Mosaic GPU backward kernels (``mosaic_gpu/backward.py``,
+    ``pallas_kernels.autodiff.kernel_vjp``; ``DispatchConfig.mosaic_backward`` False turns them off; packed calls
+    with ``DispatchConfig.mosaic_backward_varlen``, off by default); every other kernel path (packed sequences,
+    Triton) by ``pallas_kernels.autodiff.reference_vjp`` (the kernel runs the forward; the backward
     recomputes the XLA chunked form from the saved inputs and differentiates it). Gradients of q, k (through the
     L2 norm), v, g, beta, initial_state / the pool, for o and the final state; forward mode (``jax.jvp``)
     through a kernel, and any autodiff of the decode op ``fused_recurrent_gated_delta_rule_slots`` on a kernel,
@@ -93,7 +94,7 @@ from pallas_kernels.gated_delta_rule.mosaic_gpu import decode as mosaic_gpu_deco
 from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mosaic_gpu_varlen
 from pallas_kernels.gated_delta_rule.triton import chunk as pallas_triton
 from pallas_kernels.gated_delta_rule.triton import decode, recurrent_varlen
-from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map
+from pallas_kernels.gated_delta_rule.chunk_map import build_chunk_map, gather_slots, scatter_slots
 from pallas_kernels.gated_delta_rule.triton.chunk import (GPU_DTYPES, GPU_HEAD_DIMS, MAX_HEAD_DIM,  # noqa: F401
                                                            check_supported, kernel_head_dim, supported)
 from pallas_kernels.gated_delta_rule.reference import (chunk_gated_delta_rule_slots_xla, chunk_gated_delta_rule_xla,
@@ -133,19 +134,24 @@ class DispatchConfig:
     tokens; 8, not 16, because the worst mix (one long sequence among one-token ones, its tokens serial) at
     T = 8 N ran 0.686 ms against the chunked path's ~0.37 at N 64, a loss that doubles at 16 N.
 
-    mosaic_backward: jax.grad through a dense "mosaic_gpu" call runs the Mosaic backward kernels
-    (``mosaic_gpu/backward.py``); False: the XLA chunked form's VJP recomputed from the inputs, as every other kernel
-    path (packed sequences, the slot pool, Triton) does."""
+    mosaic_backward: jax.grad through a dense "mosaic_gpu" call (rows, or the slot pool without cu_seqlens) runs
+    the Mosaic backward kernels (``mosaic_gpu/backward.py``); False: the XLA chunked form's VJP recomputed from the
+    inputs, as the other kernel paths (Triton, the per-token kernel) do.
+    mosaic_backward_varlen: the same for packed calls (cu_seqlens, and the slot pool with them): the backward's
+    walk over the repacked row. Off by default: its kernels have not yet run on a GPU (the CPU tests check
+    everything around them with their jnp twin)."""
 
     short_mix_max_mean_len: int = 8
     mosaic_backward: bool = True
+    mosaic_backward_varlen: bool = False
 
     def __post_init__(self):
         n = self.short_mix_max_mean_len
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"short_mix_max_mean_len must be an int >= 0, got {n!r}")
-        if not isinstance(self.mosaic_backward, bool):
-            raise ValueError(f"mosaic_backward must be a bool, got {self.mosaic_backward!r}")
+        for name in ("mosaic_backward", "mosaic_backward_varlen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def is_short_mix(self, total_tokens: int, num_seqs: int) -> bool:
         return num_seqs >= 1 and 1 <= total_tokens <= self.short_mix_max_mean_len * num_seqs
@@ -398,22 +404,34 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, i
         return reference(q, k, v, g, beta, initial_state, cu_seqlens)
     kernel = functools.partial(_dense_kernel, impl, scale=scale, output_final_state=output_final_state,
                                use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
-    if impl.name == "mosaic_gpu.chunk" and dispatch.mosaic_backward:      # dense rows: the Mosaic backward kernels
-        backward = functools.partial(mosaic_dense_backward, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    if _mosaic_backward(impl, dispatch, cu_seqlens):                   # the Mosaic backward kernels
+        backward = functools.partial(mosaic_backward_pass, scale=scale, use_qk_l2norm=use_qk_l2norm)
         return kernel_vjp(kernel, backward)(q, k, v, g, beta, initial_state, cu_seqlens)
     return reference_vjp(kernel, reference)(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
-def mosaic_dense_backward(args, cotangent, *, scale: float, use_qk_l2norm: bool, impl: str = "mosaic"):
-    """The VJP of the "mosaic_gpu" dense forward (``mosaic_gpu/backward.py``): cotangents of (q, k, v, g, beta,
-    initial_state, cu_seqlens) from those of (o, final_state). The L2 norm (when ``use_qk_l2norm``) is
-    differentiated in XLA around the kernels, as the forward runs it in XLA before them. ``impl="reference"``
-    runs the kernels' jnp twin (the CPU tests)."""
+def _mosaic_backward(impl: Implementation, dispatch: DispatchConfig, cu_seqlens) -> bool:
+    """Whether a call the table sent to ``impl`` differentiates through the Mosaic backward kernels."""
+    if impl.name not in ("mosaic_gpu.chunk", "mosaic_gpu.varlen"):
+        return False
+    return dispatch.mosaic_backward if cu_seqlens is None else dispatch.mosaic_backward_varlen
+
+
+def mosaic_backward_pass(args, cotangent, *, scale: float, use_qk_l2norm: bool, impl: str = "mosaic"):
+    """The VJP of the "mosaic_gpu" forward (``mosaic_gpu/backward.py``; dense rows, or packed rows with
+    ``cu_seqlens``): cotangents of (q, k, v, g, beta, initial_state, cu_seqlens) from those of (o, final_state).
+    The L2 norm (when ``use_qk_l2norm``) is differentiated in XLA around the kernels, as the forward runs it in XLA
+    before them. ``impl="reference"`` runs the kernels' jnp twin (the CPU tests)."""
     q, k, v, g, beta, initial_state, cu_seqlens = args
     do, dht = cotangent
     (qn, kn), l2_vjp = jax.vjp(lambda q, k: _prepare_qk(q, k, use_qk_l2norm, keep_dtype=True), q, k)
-    dqn, dkn, dv, dg, dbeta, dh0 = mosaic_gpu_backward.chunk_gated_delta_rule_bwd(
-        qn, kn, v, g, beta, initial_state, do, dht, scale=float(scale), impl=impl)
+    if cu_seqlens is None:
+        grads = mosaic_gpu_backward.chunk_gated_delta_rule_bwd(qn, kn, v, g, beta, initial_state, do, dht,
+                                                               scale=float(scale), impl=impl)
+    else:
+        grads = mosaic_gpu_backward.chunk_gated_delta_rule_varlen_bwd(qn, kn, v, g, beta, cu_seqlens, initial_state,
+                                                                      do, dht, scale=float(scale), impl=impl)
+    dqn, dkn, dv, dg, dbeta, dh0 = grads
     dq, dk = l2_vjp((dqn, dkn))
     return dq, dk, dv, dg, dbeta, dh0, None
 
@@ -493,6 +511,14 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     reference = functools.partial(_slots_xla, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     if impl.name == "xla":
         return reference(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
+    if _mosaic_backward(impl, dispatch, cu_seqlens):
+        # the pool's gather and scatter in XLA (differentiated there) around the op's Mosaic forward and backward,
+        # as op_fwd_slots runs them around the same forward
+        h0 = gather_slots(ssm_state.astype(jnp.float32), slot_ids, has_initial_state)
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                       backend="mosaic_gpu", dispatch=dispatch)
+        return o, scatter_slots(ssm_state, slot_ids, ht)
     kernel = functools.partial(_slots_kernel, impl, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                chunk_size=chunk_size)
     return reference_vjp(kernel, reference)(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)

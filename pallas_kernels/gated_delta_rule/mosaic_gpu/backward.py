@@ -28,9 +28,14 @@ chunk states (2 B Hv (T / 64) V K bytes, 8 MiB at T 8192, Hv 32, K = V = 128, bf
 
 Scope: as the forward's "mosaic_gpu" dense path (bf16 / fp16 q, k, v of one dtype, K and V in {64, 128}, Hv a
 multiple of Hk, any T (zero tokens pad it to a multiple of 64), h0 and the final state's cotangent optional).
+Packed sequences (:func:`chunk_gated_delta_rule_varlen_bwd`, behind ``DispatchConfig.mosaic_backward_varlen``:
+not yet run on a GPU): the packed row repacked so that each sequence starts at a chunk boundary (``varlen.layout``),
+the two state passes walking each sequence's chunks from its own initial state and final-state cotangent (a walk
+table, as the forward's), the per-chunk kernel over the repacked row, the gradients gathered back.
 :func:`chunk_gated_delta_rule_bwd` with ``impl="reference"`` replaces the three kernels by their jnp twin
-(:func:`kernels_reference`: jax.vjp of the jnp chunk form over the kernels' operands), so that the CPU tests check
-everything around the kernels against float64; the kernels' tests are GPU-marked.
+(:func:`kernels_reference`, :func:`walk_kernels_reference`: jax.vjp of the jnp chunk form over the kernels'
+operands), so that the CPU tests check everything around the kernels against float64; the kernels' tests are
+GPU-marked. ``seg`` (jla's in-chunk packed-document masks) is kept in the kernels but not used by the op.
 
 Shape legend: B batch, T tokens (Tp padded), Hk / Hv key / value heads, K / V head dims, C = 64 chunk,
 NC = Tp / C chunks per row, BV = 64 value columns per CTA of the serial passes.
@@ -97,6 +102,30 @@ def finish_together(done) -> None:
     plgpu.barrier_wait(done)
 
 
+def _prefetch(issue, count, stages: int, ncs: int, varlen: bool, in_free) -> None:
+    """The memory warpgroup's loop of the serial passes: ``issue(step, slot)`` for steps 0 .. count - 1 into a
+    ring of ``stages`` slots, each refill after the slot's release. Dense rows: count = ncs chunks (static);
+    a walk table: a dynamic count, possibly 0 (the prologue guarded, as the forward's walk in chunk.py)."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    if varlen:
+        for n in range(stages):
+            @pl.when(count > n)
+            def _(n=n):
+                issue(n, n)
+        end = jnp.maximum(count, stages)
+    else:
+        for n in range(min(stages, ncs)):
+            issue(n, n)
+        end = ncs
+
+    @pl.loop(stages, end)
+    def _refill(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(in_free.at[slot])
+        issue(n, slot)
+
+
 def build_kernel(body, *, name: str, out_type, scratch, grid, grid_names, **threads):
     plgpu = _plgpu()
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
@@ -132,6 +161,7 @@ def state_fwd_wy(
     h0: Array | None,
     *,
     seg: Segments | None = None,
+    walk: Array | None = None,
     bv: int = BV,
 ) -> Array:
     """Forward state pass from the gate-free inverse (FlashQLA's ``prepare_h``), warp-specialized.
@@ -146,6 +176,10 @@ def state_fwd_wy(
       g2, beta: ``[B, H, Tp]`` float32 (g2: chunk-local cumulative log2-decay); h0: ``[B, H, V, K]`` float32
         transposed initial states or ``None``.
       seg: packed-document masks (:class:`Segments`) or ``None``.
+      walk: ``None`` (every row walks its NC chunks from ``h0[b]``) or, for packed sequences laid out at chunk
+        boundaries of one row (B = 1), an int32 ``[R, 3]`` table: CTA row r walks chunks ``c0 .. c0 + n - 1``
+        (row r = (c0, n, s); n may be 0) from ``h0[s]`` (``h0 [num_states, H, V, K]``); chunks no row walks
+        are left unset.
 
     Returns:
       ``h [B, H, NC, V, K]``: the transposed state entering each chunk, in the input dtype.
@@ -162,6 +196,9 @@ def state_fwd_wy(
     dtype = k.dtype
     has_h0 = h0 is not None
     segs = seg is not None
+    varlen = walk is not None
+    if varlen and batch != 1:
+        raise ValueError(f"state_fwd_wy: a walk table needs one packed row (B = 1); got B = {batch}")
     isz = jnp.dtype(dtype).itemsize
     n_vec = 4 + 4 * segs  # g_state, g_rows, g_cols, b_cols (+ tail_c, cin_c, run_r, run_c)
     per_stage = C * key_dim * isz + C * bv * isz + C * C * isz + n_vec * C * 4
@@ -197,9 +234,13 @@ def state_fwd_wy(
         k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
         run_ref, cin_ref, tail_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segs else (None, None, None)
         h0_ref = refs.pop(0) if has_h0 else None
+        walk_ref = refs.pop(0) if varlen else None
         h_ref = refs.pop(0)
-        b, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        c0 = 0
+        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        if varlen:                   # row r of the walk: its chunks c0 .. c0 + count - 1, its state row srow
+            b, c0, count, srow = 0, walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
+        else:
+            b, c0, count, srow = r, 0, ncs, r
         hk = lax.div(hh, group)
         v0 = iv * bv
         wg = lax.axis_index("wg")
@@ -221,20 +262,13 @@ def state_fwd_wy(
                     for src, dst in ((tail_ref, tail_c), (cin_ref, cin_c), (run_ref, run_r), (run_ref, run_c)):
                         plgpu.copy_gmem_to_smem(src.at[b, rows], dst.at[slot], bar)
 
-            for n in range(min(stages, ncs)):
-                issue(n, n)
-
-            @pl.loop(stages, ncs)
-            def _refill(n):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue(n, slot)
+            _prefetch(issue, count, stages, ncs, varlen, in_free)
 
         @pl.when(wg == 1)
         def _ag():
             plgpu.set_max_registers(232, action="increase")
 
-            @pl.loop(0, ncs)
+            @pl.loop(0, count)
             def _chunk(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
@@ -255,7 +289,7 @@ def state_fwd_wy(
             plgpu.set_max_registers(232, action="increase")
             shape = (bv, key_dim)
             if has_h0:
-                plgpu.copy_gmem_to_smem(h0_ref.at[b, hh, pl.ds(v0, bv)], state_smem, state_bar)
+                plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, bv)], state_smem, state_bar)
                 plgpu.barrier_wait(state_bar)
                 s0 = plgpu.load(state_smem, layout=WGMMA)
             else:
@@ -289,14 +323,16 @@ def state_fwd_wy(
                 plgpu.barrier_arrive(in_free.at[slot])
                 return s_new
 
-            lax.fori_loop(0, ncs, step, s0)
+            lax.fori_loop(0, count, step, s0)
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
 
     args = [k, v, t0, g2, beta] + ([seg.run, seg.cin, seg.tail] if segs else []) + ([h0] if has_h0 else [])
+    args += [walk.astype(jnp.int32)] if varlen else []
     return build_kernel(
-        body, name="gdn_mosaic_state_fwd", out_type=out_type, scratch=scratch, grid=(batch, heads, nv),
+        body, name="gdn_mosaic_state_fwd", out_type=out_type, scratch=scratch,
+        grid=(walk.shape[0] if varlen else batch, heads, nv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
     )(*args)
 
@@ -313,6 +349,8 @@ def state_bwd_wy(
     scale: float,
     want_dh0: bool,
     seg: Segments | None = None,
+    walk: Array | None = None,
+    num_states: int | None = None,
     bv: int = BV,
 ) -> tuple[Array, Array, Array | None]:
     """Reverse state pass of the delta rule from the gate-free inverse, warp-specialized.
@@ -329,6 +367,8 @@ def state_bwd_wy(
       q, k: ``[B, Tp, Hk, K]``; do: ``[B, Tp, H, V]``; t0: ``[B, H, Tp, C]``;
       g2, beta: ``[B, H, Tp]``; dht: ``[B, H, V, K]`` float32 transposed
         gradient of the final state, or ``None`` (zero).
+      walk, num_states: as :func:`state_fwd_wy` (the row walks its chunks backwards from ``dht[s]``; ``dht``
+        and ``dh0`` are then ``[num_states, H, V, K]``, a state row no walk row names gets no ``dh0``).
 
     Returns:
       ``dh [B, H, NC, V, K]`` (transposed gradient of the state leaving each
@@ -347,6 +387,10 @@ def state_bwd_wy(
     dtype = q.dtype
     has_dht = dht is not None
     segs = seg is not None
+    varlen = walk is not None
+    if varlen and (batch != 1 or num_states is None):
+        raise ValueError(f"state_bwd_wy: a walk table needs one packed row (B = 1; got {batch}) and num_states")
+    num_states = num_states if varlen else batch
     isz = jnp.dtype(dtype).itemsize
     n_vec = 4 + 4 * segs  # g_state, g_rows, g_cols, b_cols (+ tail_c, cin_c, run_r, run_c)
     per_stage = 2 * C * key_dim * isz + 2 * C * bv * isz + C * C * isz + n_vec * C * 4
@@ -357,7 +401,7 @@ def state_bwd_wy(
     out_type = [jax.ShapeDtypeStruct((batch, heads, padded // C, value_dim, key_dim), dtype),
                 jax.ShapeDtypeStruct((batch, padded, heads, value_dim), dtype)]
     if want_dh0:
-        out_type.append(jax.ShapeDtypeStruct((batch, heads, value_dim, key_dim), F32))
+        out_type.append(jax.ShapeDtypeStruct((num_states, heads, value_dim, key_dim), F32))
     vecs = plgpu.SMEM((stages, C), F32)
     scratch = dict(
         q_s=smem((stages, C, key_dim), dtype),
@@ -388,10 +432,14 @@ def state_bwd_wy(
         q_ref, k_ref, do_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
         run_ref, cin_ref, tail_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segs else (None, None, None)
         dht_ref = refs.pop(0) if has_dht else None
+        walk_ref = refs.pop(0) if varlen else None
         dh_ref, dv_ref = refs.pop(0), refs.pop(0)
         dh0_ref = refs.pop(0) if want_dh0 else None
-        b, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        c0 = 0
+        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        if varlen:                   # row r of the walk: its chunks c0 .. c0 + count - 1, its state row srow
+            b, c0, count, srow = 0, walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
+        else:
+            b, c0, count, srow = r, 0, ncs, r
         hk = lax.div(hh, group)
         v0 = iv * bv
         wg = lax.axis_index("wg")
@@ -402,7 +450,7 @@ def state_bwd_wy(
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(i, slot):  # i: step of the reverse walk
-                rows = pl.ds((c0 + ncs - 1 - i) * C, C)
+                rows = pl.ds((c0 + count - 1 - i) * C, C)
                 bar = in_bar.at[slot]
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
@@ -415,20 +463,13 @@ def state_bwd_wy(
                     for src, dst in ((tail_ref, tail_c), (cin_ref, cin_c), (run_ref, run_r), (run_ref, run_c)):
                         plgpu.copy_gmem_to_smem(src.at[b, rows], dst.at[slot], bar)
 
-            for i in range(min(stages, ncs)):
-                issue(i, i)
-
-            @pl.loop(stages, ncs)
-            def _refill(i):
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue(i, slot)
+            _prefetch(issue, count, stages, ncs, varlen, in_free)
 
         @pl.when(wg == 1)
         def _intra():
             plgpu.set_max_registers(232, action="increase")
 
-            @pl.loop(0, ncs)
+            @pl.loop(0, count)
             def _chunk(i):
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
@@ -456,7 +497,7 @@ def state_bwd_wy(
         def _state():
             plgpu.set_max_registers(232, action="increase")
             if has_dht:
-                plgpu.copy_gmem_to_smem(dht_ref.at[b, hh, pl.ds(v0, bv)], state_smem, state_bar)
+                plgpu.copy_gmem_to_smem(dht_ref.at[srow, hh, pl.ds(v0, bv)], state_smem, state_bar)
                 plgpu.barrier_wait(state_bar)
                 ds0 = plgpu.load(state_smem, layout=WGMMA)
             else:
@@ -464,7 +505,7 @@ def state_bwd_wy(
             st = (bv, C)
 
             def step(i, ds_t):
-                n = c0 + ncs - 1 - i  # global chunk index
+                n = c0 + count - 1 - i  # global chunk index
                 slot = lax.rem(i, stages)
                 half = lax.rem(i, 2)
                 plgpu.barrier_wait(in_bar.at[slot])
@@ -503,18 +544,20 @@ def state_bwd_wy(
                 plgpu.barrier_arrive(in_free.at[slot])
                 return ds_new
 
-            ds_t = lax.fori_loop(0, ncs, step, ds0)
+            ds_t = lax.fori_loop(0, count, step, ds0)
             if want_dh0:
                 state_smem[...] = ds_t
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(state_smem, dh0_ref.at[b, hh, pl.ds(v0, bv)])
+                plgpu.copy_smem_to_gmem(state_smem, dh0_ref.at[srow, hh, pl.ds(v0, bv)])
             plgpu.wait_smem_to_gmem(0)
 
         finish_together(done)
 
     args = [q, k, do, t0, g2, beta] + ([seg.run, seg.cin, seg.tail] if segs else []) + ([dht] if has_dht else [])
+    args += [walk.astype(jnp.int32)] if varlen else []
     outs = list(build_kernel(
-        body, name="gdn_mosaic_state_bwd", out_type=out_type, scratch=scratch, grid=(batch, heads, nv),
+        body, name="gdn_mosaic_state_bwd", out_type=out_type, scratch=scratch,
+        grid=(walk.shape[0] if varlen else batch, heads, nv),
         grid_names=("b", "h", "v"), num_threads=3, thread_name="wg",
     )(*args))
     dh, dv = outs.pop(0), outs.pop(0)
@@ -912,3 +955,99 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, do, dht, *, scal
         return x.astype(dtype)
     dh0 = None if dh0t is None else jnp.swapaxes(dh0t, -1, -2).astype(F32)
     return key_grad(dq, q.dtype), key_grad(dk, k.dtype), dv[:, :t].astype(v.dtype), dg, dbeta, dh0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packed sequences: the repacked row (each sequence from a chunk boundary) and the walk table of varlen.py
+# ---------------------------------------------------------------------------------------------------------------
+def walk_kernels_reference(q, k, v, do, g2, beta, h0t, dht, walk, *, scale: float, num_states: int):
+    """What the three kernels give with a walk table (:func:`state_fwd_wy` / :func:`state_bwd_wy` ``walk``), in
+    jnp: jax.vjp of a ``lax.scan`` over the repacked row's chunks in which a chunk that starts a walk row takes
+    that row's initial state and the row's final state is the state leaving its last chunk (its initial state when
+    it has none). Arguments as the kernels take them on the repacked row (B = 1; h0t, dht [num_states, Hv, V, K]
+    transposed or None); returns as :func:`kernels_reference` (dh0 over all num_states rows)."""
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import chunk_layout, chunk_step
+    _, tp, hk, kdim = k.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    nc = tp // C
+    c0, count, srow = walk[:, 0], walk[:, 1], walk[:, 2]
+    cidx = jnp.arange(nc, dtype=jnp.int32)
+    starts = (cidx[None, :] == c0[:, None]) & (count[:, None] > 0)                 # [R, NC]
+    first = jnp.any(starts, axis=0)
+    first_state = jnp.sum(jnp.where(starts, srow[:, None], 0), axis=0)            # state row of a starting chunk
+    last = jnp.clip(c0 + count - 1, 0, nc - 1)
+    q_rep, k_rep = (jnp.repeat(x, hv // hk, axis=2).astype(F32) for x in (q, k))
+    h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
+          else jnp.swapaxes(h0t.astype(F32), -1, -2))                               # [S, Hv, K, V]
+
+    def forward(q, k, v, gcum, beta, h0):
+        t0 = kkt_fwd_reference(k, beta, heads=hv)
+        t, gc, bc = chunk_layout(t0, gcum, beta, head_major=True, exp2=False)      # [NC, Hv, C, C], [NC, Hv, C]
+
+        def chunks(x):                                                              # [1, Tp, Hv, D] -> [NC, Hv, C, D]
+            return jnp.swapaxes(x[0].reshape(nc, C, hv, x.shape[3]), 1, 2)
+
+        def step(s, xs):
+            qq, kk, vv, tt, gg, bb, f, sr = xs
+            s = jnp.where(f, h0[sr], s)
+            s, o = chunk_step(s[None], (qq[None], kk[None], vv[None], tt[None], gg[None], bb[None]), scale)
+            return s[0], (o[0], s[0])
+        _, (o, s_out) = lax.scan(step, jnp.zeros((hv, kdim, vdim), F32),
+                                 (chunks(q), chunks(k), chunks(v), t, gc, bc, first, first_state))
+        ht = jnp.where((count > 0)[:, None, None, None], s_out[last], h0[srow])
+        final = h0.at[srow].set(ht)
+        return jnp.swapaxes(o, 1, 2).reshape(1, tp, hv, vdim), jnp.swapaxes(final, -1, -2)
+
+    _, vjp = jax.vjp(forward, q_rep, k_rep, v.astype(F32), g2.astype(F32) * LN2, beta.astype(F32), h0)
+    dht = jnp.zeros((num_states, hv, vdim, kdim), F32) if dht is None else dht.astype(F32)
+    dq, dk, dv, dgc, dbeta, dh0 = vjp((do.astype(F32), dht))
+    return dq, dk, dv, dbeta, dgc, (None if h0t is None else jnp.swapaxes(dh0, -1, -2))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "impl"))
+def chunk_gated_delta_rule_varlen_bwd(q, k, v, g, beta, cu_seqlens, initial_state, do, dht, *, scale: float,
+                                      impl: str = "mosaic"):
+    """:func:`chunk_gated_delta_rule_bwd` for packed sequences: q, k [1, T, Hk, K]; v, do [1, T, Hv, V]; g, beta
+    [1, T, Hv]; cu_seqlens [N + 1] int32; initial_state and dht [N, Hv, K, V] fp32 or None. The packed row is
+    repacked so that every sequence starts at a chunk boundary (``varlen.layout``, as the forward's repacked
+    reads), the two state passes walk each sequence's chunks from its own initial state / final-state cotangent
+    (one CTA row per sequence), the per-chunk gradients run over the repacked row, and the gradients are gathered
+    back to the packed tokens: exactly zero at tokens >= cu_seqlens[N] (a select). Returns as
+    :func:`chunk_gated_delta_rule_bwd` (dh0 [N, Hv, K, V])."""
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mv
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    _, t, hk, kdim = q.shape
+    hv = v.shape[2]
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    n = cu.shape[0] - 1
+    kernel = impl == "mosaic"
+    _, src, keep, back, valid, walk = mv.layout(cu, t)
+    packed = (q, k, v, g.astype(F32), beta.astype(F32), do.astype(q.dtype))
+    q_r, k_r, v_r, g_r, b_r, do_r = mv.repack(packed, src, keep)
+    qp, kp, vp, t0, g2, beta_hm, h0t = prepare_head_major(q_r, k_r, v_r, g_r, b_r, initial_state, kernel=kernel,
+                                                          exp2=True)
+    tp = qp.shape[1]
+    walk = walk[:, :3]
+    dht_t = None if dht is None else jnp.swapaxes(dht.astype(F32), -1, -2)
+    if kernel:
+        h = state_fwd_wy(kp, vp, t0, g2, beta_hm, h0t, walk=walk)
+        dh, dv, dh0t = state_bwd_wy(qp, kp, do_r, t0, g2, beta_hm, dht_t, scale=scale,
+                                    want_dh0=initial_state is not None, walk=walk, num_states=n)
+        dq, dk, dbeta, dgc = chunk_grads(qp, kp, vp, do_r, t0, g2, beta_hm, h, dh, scale=scale)
+    else:
+        dq, dk, dv, dbeta, dgc, dh0t = walk_kernels_reference(qp, kp, vp, do_r, g2, beta_hm, h0t, dht_t, walk,
+                                                              scale=scale, num_states=n)
+    dgc = lax.cumsum(dgc.reshape(1, hv, tp // C, C), axis=3, reverse=True).reshape(1, hv, tp)
+
+    def packed_rows(x):            # [1, Tp, ...] on the repacked row -> [1, T, ...], zero past cu_seqlens[N]
+        return mv.gather_rows(x[0], back, valid)[None]
+    dg = packed_rows(jnp.swapaxes(dgc, 1, 2))
+    dg = jnp.where(g < G_FLOOR, 0.0, dg).astype(g.dtype)
+    dbeta = packed_rows(jnp.swapaxes(dbeta, 1, 2)).astype(beta.dtype)
+
+    def key_grad(x, dtype):
+        x = packed_rows(x.astype(F32)).reshape(1, t, hk, hv // hk, kdim).sum(axis=3)
+        return x.astype(dtype)
+    dh0 = None if dh0t is None else jnp.swapaxes(dh0t, -1, -2).astype(F32)
+    return key_grad(dq, q.dtype), key_grad(dk, k.dtype), packed_rows(dv).astype(v.dtype), dg, dbeta, dh0

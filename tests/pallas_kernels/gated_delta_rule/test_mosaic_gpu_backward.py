@@ -22,7 +22,7 @@ from pallas_kernels.autodiff import kernel_vjp
 from pallas_kernels.gated_delta_rule import api
 from pallas_kernels.gated_delta_rule.mosaic_gpu import backward as mosaic_backward
 from tests.numpy_reference import rel_rms
-from tests.pallas_kernels.gated_delta_rule.base import GRAD_NAMES, grad_case, torch_grads
+from tests.pallas_kernels.gated_delta_rule.base import PAD_TOKENS, GRAD_NAMES, cu_of, grad_case, torch_grads
 
 F32_TOL = 1e-4
 BF16_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2}
@@ -71,26 +71,58 @@ def test_backward_with_kernel_twin_matches_float64(case):
     _check(got, torch_grads(xs, h0, do, dht, scale=scale), F32_TOL, case)
 
 
-def test_op_vjp_wiring_with_l2norm_and_no_final_state():
-    """The custom VJP as api.py builds it (``kernel_vjp`` + ``mosaic_dense_backward``), the kernels replaced by
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_op_vjp_wiring_with_l2norm_and_no_final_state(packed):
+    """The custom VJP as api.py builds it (``kernel_vjp`` + ``mosaic_backward_pass``), the kernels replaced by
     their twin and the forward by the XLA form: jax.grad through the in-op L2 norm of raw q, k, with
-    output_final_state False (no cotangent for the final state) and no initial state."""
-    b, t, hk, hv, dk, dv = 2, 70, 1, 2, 16, 16
-    xs, h0, do, dht = grad_case(13, b, t, hk, hv, dk, dv, jnp.float32, b, l2=True)
+    output_final_state False (no cotangent for the final state) and no initial state; dense rows, and packed
+    sequences (cu_seqlens: the walk)."""
+    b, t, hk, hv, dk, dv = (1, 70, 1, 2, 16, 16) if packed else (2, 70, 1, 2, 16, 16)
+    cu = cu_of((20, 0, 45)) if packed else None
+    xs, h0, do, dht = grad_case(13, b, t, hk, hv, dk, dv, jnp.float32, 3 if packed else b, l2=True)
     scale = dk ** -0.5
     forward = functools.partial(api._dense_xla, scale=scale, output_final_state=False, use_qk_l2norm=True,
                                 chunk_size=64)
-    backward = functools.partial(api.mosaic_dense_backward, scale=scale, use_qk_l2norm=True, impl="reference")
+    backward = functools.partial(api.mosaic_backward_pass, scale=scale, use_qk_l2norm=True, impl="reference")
     op = kernel_vjp(forward, backward)
 
     def loss(q, k, v, g, beta):
-        o, ht = op(q, k, v, g, beta, None, None)
+        o, ht = op(q, k, v, g, beta, None, None if cu is None else jnp.asarray(cu))
         assert ht is None
         return jnp.sum(o * jnp.asarray(do))
     with jax.default_matmul_precision("highest"):
         got = jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*[jnp.asarray(x) for x in xs])
-    want = torch_grads(xs, np.zeros_like(h0), do, np.zeros_like(dht), scale=scale, use_qk_l2norm=True)
+    want = torch_grads(xs, np.zeros_like(h0), do, np.zeros_like(dht), scale=scale, cu_seqlens=cu,
+                       use_qk_l2norm=True)
     _check(_grads(got), want, F32_TOL, "l2norm, no final state")
+
+
+#: packed sequences (lengths; Hk, Hv, K, V; with per-sequence h0): around the chunk with a zero-length and a
+#: one-token sequence, FLA's [0, 15] and a long mix, grouped heads, PAD_TOKENS padding tokens after cu_seqlens[N]
+VARLEN_CASES = {"odd-lengths-h0": ((1, 0, 63, 64, 65, 130), 1, 2, 16, 16, True),
+                "fla-0-15": ((15,), 2, 4, 32, 32, False),
+                "long-mix-h0": ((0, 256, 244, 500), 1, 3, 16, 32, True)}
+
+
+@pytest.mark.parametrize("case", sorted(VARLEN_CASES))
+def test_varlen_backward_with_kernel_twin_matches_float64(case):
+    """The packed-sequence backward (repacked row, walk table) with the kernels' twin: float64 gradients, padding
+    tokens' gradients exactly zero, dh0 per sequence (an empty sequence's is its dht)."""
+    lens, hk, hv, dk, dv, with_h0 = VARLEN_CASES[case]
+    cu = cu_of(lens)
+    t = int(cu[-1]) + PAD_TOKENS
+    xs, h0, do, dht = grad_case(23, 1, t, hk, hv, dk, dv, jnp.float32, len(lens))
+    if not with_h0:
+        h0 = np.zeros_like(h0)
+    scale = dk ** -0.5
+    with jax.default_matmul_precision("highest"):
+        got = mosaic_backward.chunk_gated_delta_rule_varlen_bwd(
+            *[jnp.asarray(x) for x in xs], jnp.asarray(cu), jnp.asarray(h0) if with_h0 else None, jnp.asarray(do),
+            jnp.asarray(dht), scale=scale, impl="reference")
+    got = _grads(got)
+    _check(got, torch_grads(xs, h0, do, dht, scale=scale, cu_seqlens=cu), F32_TOL, case)
+    for name in ("q", "k", "v", "g", "beta"):
+        np.testing.assert_array_equal(got[name][:, cu[-1]:], 0, err_msg=f"d{name} of padding tokens")
 
 
 def test_impl_is_checked():
@@ -160,3 +192,35 @@ def test_op_grads_fla_matrix(case):
     got = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
     want = torch_grads(xs, h0, do, dht, scale=scale, use_qk_l2norm=l2)
     _check(_grads(got), want, BF16_TOL, case)
+
+
+#: FLA's varlen gradient matrix (random h0) at K = V = 128, grouped heads, through the op with
+#: DispatchConfig(mosaic_backward_varlen=True) against torch float64
+GPU_VARLEN = {"fla-0-15": (15,), "fla-0-256-500-1000": (256, 244, 500),
+              "fla-0-15-100-300-1200-2000": (15, 85, 200, 900, 800), "odd-lengths": (1, 0, 63, 64, 65, 130)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_VARLEN))
+def test_op_grads_varlen_walk(case):
+    from jax_gdn.ops import DispatchConfig, chunk_gated_delta_rule
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk import is_hopper
+    if not is_hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 (Hopper) GPU")
+    lens = GPU_VARLEN[case]
+    cu = cu_of(lens)
+    t = int(cu[-1]) + PAD_TOKENS
+    xs, h0, do, dht = grad_case(29, 1, t, 1, 2, 128, 128, jnp.bfloat16, len(lens))
+    bf = jnp.bfloat16
+    dispatch = DispatchConfig(mosaic_backward_varlen=True)
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=jnp.asarray(cu), backend="mosaic_gpu", dispatch=dispatch)
+        return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do)) + jnp.sum(ht * jnp.asarray(dht))
+    args = (jnp.asarray(xs[0], bf), jnp.asarray(xs[1], bf), jnp.asarray(xs[2], bf), jnp.asarray(xs[3]),
+            jnp.asarray(xs[4], bf), jnp.asarray(h0))
+    got = _grads(jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args))
+    _check(got, torch_grads(xs, h0, do, dht, scale=128 ** -0.5, cu_seqlens=cu), BF16_TOL, case)
+    for name in ("q", "k", "v", "g", "beta"):
+        np.testing.assert_array_equal(got[name][:, cu[-1]:], 0, err_msg=f"d{name} of padding tokens")
