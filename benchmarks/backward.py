@@ -9,6 +9,8 @@ cannot run, its reason in "errors"):
         kernels, ``mosaic_gpu/backward.py``; elsewhere the forward kernel with the XLA chunked form's VJP)
   ours_xla_vjp  ours, backend "auto" with ``DispatchConfig(mosaic_backward=False)``: the forward kernel and the
         XLA chunked form's VJP (``pallas_kernels.autodiff.reference_vjp``) on every row
+  ours_walk  packed rows only: ours with ``DispatchConfig(mosaic_backward_varlen=True)``, the Mosaic backward's
+        walk over the repacked row (off by default until measured here)
   xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
   fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
   jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
@@ -22,7 +24,7 @@ import numpy as np
 from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
 
 KEY = "backward"
-IMPLS = ("fwd", "ours", "ours_xla_vjp", "xla", "fla", "jla")
+IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "jla")
 CASES = BACKWARD_CASES
 QUICK_CASES = CPU_BACKWARD
 
@@ -63,6 +65,8 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
             "ours": lambda: time_jax(grad(op(kernel)), args, **timing),
             "ours_xla_vjp": lambda: time_jax(grad(op(kernel, DispatchConfig(mosaic_backward=False))), args,
                                              **timing),
+            "ours_walk": (None if case.lens is None else lambda: time_jax(
+                grad(op(kernel, DispatchConfig(mosaic_backward_varlen=True))), args, **timing)),
             "xla": lambda: time_jax(grad(op("xla")), args, **timing),
             "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla(case, host)), args,
                                                                                   **timing))}
@@ -86,7 +90,7 @@ def _fla(case: Case, host, do, dht) -> float:
 
 
 def run_section(quick: bool = False, cases=None) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
     GPU: the tiny CPU case in fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
