@@ -4,7 +4,8 @@
 # The kernels state_fwd_wy, state_bwd_wy and chunk_grads and the helper _products are adapted from
 # jax-linear-attention 0.1.0 (Apache-2.0), jla/ops/mosaic_gpu/gated_delta_rule_bwd.py, itself adapted from FlashQLA
 # (MIT: flash_qla/ops/gated_delta_rule/chunk/hopper/prepare_h.py, fused_bwd.py). See NOTICE in gated_delta_rule/.
-"""Mosaic GPU (Hopper) backward of the dense chunked gated delta rule: the VJP of ``chunk.op_fwd``.
+"""Mosaic GPU (Hopper) backward of the chunked gated delta rule: the VJP of ``chunk.op_fwd`` (dense rows) and of
+``varlen.op_fwd`` (packed sequences, behind a switch).
 
 With stage 1a's gate-free inverse T0 = (I + A0)^-1 (:func:`chunk.kkt_fwd`), per chunk of C = 64 tokens, the decay
 D_ij = e^(G_i - G_j) (i >= j), Gamma = e^G, gamma = e^(G_last), Gamma_r = e^(G_last - G), the forward is
@@ -23,8 +24,9 @@ and the backward reads as the algorithm, three warp-specialised kernels:
 Then XLA: dG's reverse cumsum within each chunk gives dg (zero where the forward floored g), dq and dk are summed
 over each key head's group of value heads, the L2 norm's VJP (in api.py) and the padding cut off.
 
-Residuals: the op's inputs only (q, k, v, g, beta, h0: what the forward reads anyway); stage 1a (T0, G) and the
-chunk states (2 B Hv (T / 64) V K bytes, 8 MiB at T 8192, Hv 32, K = V = 128, bf16) are recomputed in the backward.
+Residuals: the op's inputs only (q, k, v, g, beta, h0: what the forward reads anyway); stage 1a (T0, G) is recomputed
+in the backward, which also holds the chunk states h and their gradients dh (B Hv (T / 64) V K x 2 bytes each in
+bf16: 128 MiB each at B1-T8192-Hv32, K = V = 128) while it runs.
 
 Scope: as the forward's "mosaic_gpu" dense path (bf16 / fp16 q, k, v of one dtype, K and V in {64, 128}, Hv a
 multiple of Hk, any T (zero tokens pad it to a multiple of 64), h0 and the final state's cotangent optional).
