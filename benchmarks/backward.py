@@ -13,6 +13,8 @@ cannot run, its reason in "errors"):
         walk over the repacked row (off by default until measured here)
   xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
   fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
+  qla   FlashQLA's ``chunk_gated_delta_rule`` the same way, where flash_qla is importable (its own process: see
+        ``benchmarks.peers``)
   jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
 Timing: ``jax_gdn.timing`` for every column (``benchmarks.timing.time_torch`` for FLA): groups of back-to-back
 calls closed by one sync, the median over the groups. Peak memory is not measured (JAX gives no per-call peak).
@@ -24,7 +26,7 @@ import numpy as np
 from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
 
 KEY = "backward"
-IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "jla")
+IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "qla", "jla")
 CASES = BACKWARD_CASES
 QUICK_CASES = CPU_BACKWARD
 
@@ -89,8 +91,19 @@ def _fla(case: Case, host, do, dht) -> float:
     return time_torch(run)
 
 
+def _qla(case: Case, host, do, dht) -> float:
+    from benchmarks import peers
+    from benchmarks.timing import time_torch
+    return time_torch(peers.warm(peers.qla_chunk_backward(case, host, do, dht)))
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
 def run_section(quick: bool = False, cases=None) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, qla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
     GPU: the tiny CPU case in fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
@@ -101,6 +114,7 @@ def run_section(quick: bool = False, cases=None) -> dict:
         host, do, dht = _inputs(case)
         cols = _jax_columns(case, host, do, dht, gpu, timing)
         cols["fla"] = (lambda: _fla(case, host, do, dht)) if gpu else None
+        cols["qla"] = (lambda: _qla(case, host, do, dht)) if gpu and _importable("flash_qla") else None
         ms, errors = {}, {}
         for impl in IMPLS:
             if cols.get(impl) is None:

@@ -8,6 +8,9 @@ one GPU:
               ``--impls`` names it, null otherwise)
   fla         FLA's chunk_gated_delta_rule (torch, Triton), FLA_FLASH_QLA=0
   jla         jax-linear-attention's Mosaic GPU gated_delta_rule (dense cases only: it takes no cu_seqlens)
+  qla         FlashQLA's chunk_gated_delta_rule (TileLang; FLA 0.6's default on Hopper), only when ``--impls`` names
+              it, in a process with its own stack (``benchmarks.peers``)
+  fi          FlashInfer's gdn_prefill.chunk_gated_delta_rule (CuTe DSL on SM90), the same way
 where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
 fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms, every column timed
 the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of back-to-back calls, each closed by one sync;
@@ -26,10 +29,11 @@ from benchmarks.cases import BENCH_CASES, CPU_DENSE, CPU_VARLEN, Case
 from benchmarks.tables import fmt, md_header
 
 KEY = "rows"
-IMPLS = ("pallas", "mosaic_gpu", "xla", "fla", "jla")
+IMPLS = ("pallas", "mosaic_gpu", "xla", "fla", "jla", "qla", "fi")
 #: the columns measured unless --impls says otherwise (the XLA form is the slow reference)
 DEFAULT_IMPLS = ("pallas", "mosaic_gpu", "fla", "jla")
 OURS = ("pallas", "mosaic_gpu")
+PEERS = ("fla", "jla", "qla", "fi")
 CASES = BENCH_CASES
 QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 
@@ -37,6 +41,12 @@ QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 def ours_ms(ms: dict):
     """The faster of our GPU backends in a row's "ms" (None when neither ran)."""
     got = [ms[i] for i in OURS if ms.get(i) is not None]
+    return min(got) if got else None
+
+
+def best_peer_ms(ms: dict):
+    """The fastest peer of a row's "ms" (None when none ran)."""
+    got = [ms[i] for i in PEERS if ms.get(i) is not None]
     return min(got) if got else None
 
 
@@ -101,6 +111,10 @@ def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int 
                     ms = time_jax(*jax_impl(case, host, impl), **timing)
                 elif impl == "jla":
                     ms = time_jax(*peers.jla_chunk(case, host), **timing)
+                elif impl == "qla":
+                    ms = time_torch(peers.warm(peers.qla_chunk(case, host)))
+                elif impl == "fi":
+                    ms = time_torch(peers.warm(peers.fi_chunk(case, host)))
                 elif impl == "fla":
                     fla = peers.fla_chunk_warm(case, host)         # one set of FLA inputs for both figures
                     ms = time_torch(fla)
@@ -125,7 +139,8 @@ def print_section(rows, device: str = "") -> None:
 
 
 def print_table(result):
-    head = f"{'case':30s}" + "".join(f"{i:>11s}" for i in IMPLS) + f"{'ours/fla':>9s}{'ours/jla':>9s}"
+    head = (f"{'case':30s}" + "".join(f"{i:>11s}" for i in IMPLS) + f"{'ours/fla':>9s}{'ours/jla':>9s}"
+            f"{'ours/best':>10s}")
     print(f"gated delta rule forward, median ms ({result.get('device', '')})")
     print(head)
     for r in result["rows"]:
@@ -133,7 +148,9 @@ def print_table(result):
         cells = "".join(f"{ms[i]:11.3f}" if ms.get(i) is not None else f"{'-':>11s}" for i in IMPLS)
         ours = ours_ms(ms)
         ratio = lambda b: (f"{ours / ms[b]:9.2f}" if ours and ms.get(b) else f"{'-':>9s}")
-        print(f"{r['case']:30s}{cells}{ratio('fla')}{ratio('jla')}")
+        best = best_peer_ms(ms)
+        print(f"{r['case']:30s}{cells}{ratio('fla')}{ratio('jla')}"
+              + (f"{ours / best:10.2f}" if ours and best else f"{'-':>10s}"))
 
 
 def plot(result, png_path):
@@ -165,11 +182,14 @@ def plot(result, png_path):
 def markdown(rows) -> list:
     """The README's table of the kernel rows."""
     out = md_header(["case", "pallas Triton (ours)", "Mosaic GPU (ours)", "xla (ours)", "FLA", "jax-linear-attention",
-                     "ours / FLA", "ours / jla", "FLA by do_bench (not in a ratio)"])
+                     "FlashQLA", "FlashInfer", "ours / FLA", "ours / jla", "ours / best peer",
+                     "FLA by do_bench (not in a ratio)"])
     for r in rows:
         ms = r["ms"]
         ours = ours_ms(ms)
         ratio = lambda b: fmt(ours / ms[b], "{:.2f}") if ours and ms.get(b) else "-"        # noqa: E731
+        best = best_peer_ms(ms)
         out.append(f"| {r['case']} | " + " | ".join(fmt(ms.get(i)) for i in IMPLS)
-                   + f" | {ratio('fla')} | {ratio('jla')} | {fmt(r.get('fla_do_bench'))} |")
+                   + f" | {ratio('fla')} | {ratio('jla')} | "
+                   + (fmt(ours / best, "{:.2f}") if ours and best else "-") + f" | {fmt(r.get('fla_do_bench'))} |")
     return out

@@ -1,7 +1,13 @@
 """The peers the sections time beside ours, each built the same way as our column of the same row: FLA's chunked
-and recurrent gated delta rules (torch, Triton), jax-linear-attention's Mosaic GPU gated delta rule, and torch's
+and recurrent gated delta rules (torch, Triton), FlashQLA's and FlashInfer's chunked gated delta rules (torch;
+TileLang / CuTe DSL), jax-linear-attention's Mosaic GPU gated delta rule, and torch's
 scaled_dot_product_attention. Each builder returns a callable on the device; the section times it with
 ``benchmarks.timing`` (the one method of every column).
+
+FlashQLA and FlashInfer each need their own software stack, importable in the process that times them and in no
+other (docs/benchmarking.md: the two need different apache-tvm-ffi versions, and ``import fla`` breaks where
+tilelang is importable without tvm_ffi): run ``python -m benchmarks gdn --impls qla`` (or ``fi``) in that process
+with ``--out`` naming the results file; the section merges the column into the rows already there.
 """
 from __future__ import annotations
 
@@ -74,6 +80,65 @@ def fla_chunk_backward(case, host, do, dht):
     def fn():
         o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
         torch.autograd.backward([o, ht], [tdo, tdht])
+    return fn
+
+
+def qla_chunk(case, host):
+    """``fla_chunk`` with FlashQLA's ``chunk_gated_delta_rule`` (FLA's signature and layouts; its Hopper kernels
+    are TileLang's, compiled on a shape's first call)."""
+    from flash_qla import chunk_gated_delta_rule
+    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host)
+
+    def fn():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+    return fn
+
+
+def qla_chunk_backward(case, host, do, dht):
+    """``fla_chunk_backward`` with FlashQLA's ``chunk_gated_delta_rule``."""
+    import torch
+    from flash_qla import chunk_gated_delta_rule
+    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host, requires_grad=True)
+    tdo, tdht = torch.from_numpy(do).to("cuda", torch.bfloat16), torch.from_numpy(dht).to("cuda")
+
+    def fn():
+        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+        torch.autograd.backward([o, ht], [tdo, tdht])
+    return fn
+
+
+def fi_chunk(case, host):
+    """A no-argument callable running FlashInfer's ``gdn_prefill.chunk_gated_delta_rule`` on the case's host inputs:
+    its layouts are packed tokens only (q, k [B T, Hk, K], v [B T, Hv, V], cu_seqlens required: a dense case's B
+    rows become B sequences of T), g the linear decay exp(g) in fp32, beta fp32, states [N, Hv, V, K] (ours
+    transposed); bf16 q, k, v, fp32 initial state, final state out into a buffer made once."""
+    import torch
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+    q, k, v, g, beta, h0 = host
+    dev, bf = "cuda", torch.bfloat16
+    b, t = q.shape[:2]
+
+    def packed(x, dt):
+        return torch.from_numpy(np.ascontiguousarray(x.reshape((b * t,) + x.shape[2:]))).to(dev, dt)
+    tq, tk, tv = packed(q, bf), packed(k, bf), packed(v, bf)
+    tg = torch.exp(packed(g, torch.float32)).contiguous()
+    tb = packed(beta, torch.float32)
+    cu = case.cu_seqlens() if case.lens is not None else np.arange(b + 1) * t
+    tcu = torch.tensor(np.asarray(cu), dtype=torch.int32, device=dev)
+    th0 = torch.from_numpy(np.ascontiguousarray(np.swapaxes(h0, -1, -2))).to(dev, torch.float32)
+    out_state = torch.empty_like(th0)
+
+    def fn():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True,
+                                      cu_seqlens=tcu, output_state=out_state)
+    return fn
+
+
+def warm(fn):
+    """``fn`` after its first call (autotuning, TileLang / CuTe DSL compiles happen there), synced."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
     return fn
 
 
