@@ -436,6 +436,23 @@ def mosaic_backward_pass(args, cotangent, *, scale: float, use_qk_l2norm: bool, 
     return dq, dk, dv, dg, dbeta, dh0, None
 
 
+def mosaic_slots_backward_pass(args, cotangent, *, scale: float, use_qk_l2norm: bool, impl: str = "mosaic"):
+    """The VJP of the "mosaic_gpu" slot-pool forward (``varlen.op_fwd_slots``: the pool's gather, the op, the
+    scatter): the gather's and the scatter's VJPs in XLA around :func:`mosaic_backward_pass`. Cotangents of
+    (q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens) from those of (o, new_ssm_state)."""
+    q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens = args
+    do, dpool_new = cotangent
+    h0, gather_vjp = jax.vjp(lambda pool: gather_slots(pool.astype(jnp.float32), slot_ids, has_initial_state),
+                             ssm_state)
+    # scatter_slots' VJP does not depend on the scattered values: zeros stand in for the final states
+    _, scatter_vjp = jax.vjp(lambda pool, ht: scatter_slots(pool, slot_ids, ht), ssm_state, jnp.zeros_like(h0))
+    dpool_kept, dht = scatter_vjp(dpool_new)
+    dq, dk, dv, dg, dbeta, dh0, _ = mosaic_backward_pass((q, k, v, g, beta, h0, cu_seqlens), (do, dht), scale=scale,
+                                                         use_qk_l2norm=use_qk_l2norm, impl=impl)
+    (dpool_read,) = gather_vjp(dh0)
+    return dq, dk, dv, dg, dbeta, dpool_kept + dpool_read, None, None, None
+
+
 def _dense_xla(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
                chunk_size):
     """The "xla" backend of :func:`chunk_gated_delta_rule` (arguments checked), also the kernels' backward."""
@@ -511,16 +528,11 @@ def chunk_gated_delta_rule_slots(q, k, v, g, beta, *, ssm_state, slot_ids, has_i
     reference = functools.partial(_slots_xla, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     if impl.name == "xla":
         return reference(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
-    if _mosaic_backward(impl, dispatch, cu_seqlens):
-        # the pool's gather and scatter in XLA (differentiated there) around the op's Mosaic forward and backward,
-        # as op_fwd_slots runs them around the same forward
-        h0 = gather_slots(ssm_state.astype(jnp.float32), slot_ids, has_initial_state)
-        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                                       cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                       backend="mosaic_gpu", dispatch=dispatch)
-        return o, scatter_slots(ssm_state, slot_ids, ht)
     kernel = functools.partial(_slots_kernel, impl, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                chunk_size=chunk_size)
+    if _mosaic_backward(impl, dispatch, cu_seqlens):
+        backward = functools.partial(mosaic_slots_backward_pass, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        return kernel_vjp(kernel, backward)(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
     return reference_vjp(kernel, reference)(q, k, v, g, beta, ssm_state, slot_ids, has_initial_state, cu_seqlens)
 
 

@@ -97,6 +97,41 @@ def test_op_vjp_wiring_with_l2norm_and_no_final_state(packed):
     _check(_grads(got), want, F32_TOL, "l2norm, no final state")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_slots_vjp_wiring(packed):
+    """The slot op's custom VJP (``mosaic_slots_backward_pass``: the pool's gather and scatter differentiated in
+    XLA around the op's backward, the kernels' twin in their place) against XLA autodiff of the slot op's own
+    form: a stream on an id outside the pool (-1), a fresh stream (has_initial_state False), unnamed slots whose
+    cotangent passes through."""
+    hk, hv, dk, dv, num_slots = 1, 2, 16, 16, 6
+    lens = (20, 0, 45) if packed else None
+    b, t = (1, 70) if packed else (3, 40)
+    n = len(lens) if packed else b
+    cu = None if lens is None else jnp.asarray(cu_of(lens))
+    xs, _, do, _ = grad_case(31, b, t, hk, hv, dk, dv, jnp.float32, n)
+    rng = np.random.default_rng(31)
+    pool = jnp.asarray(0.3 * rng.standard_normal((num_slots, hv, dk, dv)), jnp.float32)
+    dpool = jnp.asarray(rng.standard_normal(pool.shape), jnp.float32)
+    ids = jnp.asarray([4, -1, 0], jnp.int32)
+    has = jnp.asarray([True, True, False])
+    scale = dk ** -0.5
+    forward = functools.partial(api._slots_xla, scale=scale, use_qk_l2norm=False, chunk_size=64)
+    backward = functools.partial(api.mosaic_slots_backward_pass, scale=scale, use_qk_l2norm=False, impl="reference")
+
+    def loss(op):
+        def fn(q, k, v, g, beta, pool):
+            o, new_pool = op(q, k, v, g, beta, pool, ids, has, cu)
+            return jnp.sum(o * jnp.asarray(do)) + jnp.sum(new_pool * dpool)
+        return fn
+    args = [jnp.asarray(x) for x in xs] + [pool]
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(jax.grad(loss(kernel_vjp(forward, backward)), argnums=tuple(range(6))))(*args)
+        want = jax.jit(jax.grad(loss(forward), argnums=tuple(range(6))))(*args)
+    for name, a, w in zip(("q", "k", "v", "g", "beta", "pool"), got, want):
+        err = rel_rms(np.asarray(a, np.float64), np.asarray(w, np.float64))
+        assert err < F32_TOL, f"d{name} rel RMS {err:.3e}"
+
+
 #: packed sequences (lengths; Hk, Hv, K, V; with per-sequence h0): around the chunk with a zero-length and a
 #: one-token sequence, FLA's [0, 15] and a long mix, grouped heads, PAD_TOKENS padding tokens after cu_seqlens[N]
 VARLEN_CASES = {"odd-lengths-h0": ((1, 0, 63, 64, 65, 130), 1, 2, 16, 16, True),
