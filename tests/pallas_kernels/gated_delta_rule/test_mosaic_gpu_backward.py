@@ -168,6 +168,36 @@ def test_impl_is_checked():
         mosaic_backward.chunk_gated_delta_rule_bwd(x, x, v, s, s, None, v, None, scale=1.0, impl="triton")
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["dense", "walk"])
+def test_kernels_trace_to_jaxprs(monkeypatch, walk):
+    """The three kernels' bodies trace (jaxprs, before any Mosaic lowering) on this CPU, dense rows and with a walk
+    table, with the shapes the composition expects: the Python of every kernel path runs here, though only the GPU
+    compiles them (this CPU's jax 0.10 Mosaic GPU lowers some of their layouts differently)."""
+    from tests.pallas_kernels.gated_delta_rule.test_mosaic_gpu_chunk import _shim_transposed_load
+    _shim_transposed_load(monkeypatch)
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    t, hk, hv, d, rows = 512, 1, 2, 128, 3
+    k, v = S((1, t, hk, d), bf), S((1, t, hv, d), bf)
+    t0, g2 = S((1, hv, t, 64), bf), S((1, hv, t), f32)
+    states = S((rows if walk else 1, hv, d, d), f32)
+    table = S((rows, 3), jnp.int32)
+    kw = lambda w: dict(walk=w) if walk else {}                                       # noqa: E731
+
+    def fwd(k, v, t0, g2, beta, h0, w):
+        return mosaic_backward.state_fwd_wy(k, v, t0, g2, beta, h0, **kw(w))
+
+    def bwd(q, k, do, t0, g2, beta, dht, w):
+        return mosaic_backward.state_bwd_wy(q, k, do, t0, g2, beta, dht, scale=0.1, want_dh0=True,
+                                            **(dict(kw(w), num_states=rows) if walk else {}))
+    h = jax.jit(fwd).trace(k, v, t0, g2, g2, states, table).out_info
+    assert h.shape == (1, hv, t // 64, d, d)
+    dh, dv, dh0 = jax.jit(bwd).trace(k, k, v, t0, g2, g2, states, table).out_info
+    assert (dh.shape, dv.shape, dh0.shape) == (h.shape, (1, t, hv, d), states.shape)
+    hh = S(h.shape, bf)
+    grads = jax.jit(lambda *a: mosaic_backward.chunk_grads(*a, scale=0.1)).trace(k, k, v, v, t0, g2, g2, hh, hh)
+    assert [x.shape for x in grads.out_info] == [(1, t, hv, d), (1, t, hv, d), (1, hv, t), (1, hv, t)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the kernels (a Hopper GPU)
 # ---------------------------------------------------------------------------------------------------------------
