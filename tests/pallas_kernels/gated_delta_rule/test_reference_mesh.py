@@ -45,6 +45,22 @@ OP_SCRIPT = textwrap.dedent("""
         err = float(np.max(np.abs(np.asarray(a) - np.asarray(r))) / np.max(np.abs(np.asarray(r))))
         print("ERR", err)
         assert err < 1e-5, err
+    # gradients through the sharded op (the default backend and the kernels' wrapper in interpret mode)
+    do = rng.standard_normal(one[0].shape).astype(np.float32)
+    dht = rng.standard_normal(one[1].shape).astype(np.float32)
+    for backend in ("auto", "pallas_interpret"):
+        def fn(q, k, v, g, beta, h0):
+            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          backend=backend)
+        sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(heads, P(None, "model")), check_vma=False)
+        def loss(f):
+            return lambda *a: jnp.sum(f(*a)[0] * do) + jnp.sum(f(*a)[1] * dht)
+        want = jax.jit(jax.grad(loss(fn), argnums=tuple(range(6))))(*xs, h0)
+        got = jax.jit(jax.grad(loss(sm), argnums=tuple(range(6))))(*args)
+        for name, a, r in zip(("q", "k", "v", "g", "beta", "h0"), got, want):
+            err = float(np.max(np.abs(np.asarray(a) - np.asarray(r))) / np.max(np.abs(np.asarray(r))))
+            print("GRAD", backend, name, err)
+            assert err < 1e-5, (backend, name, err)
     print("OK")
 """)
 
@@ -103,7 +119,8 @@ def test_cpu_chunked_form_calls_no_lapack():
 
 def test_default_op_under_shard_map_on_two_cpu_devices():
     """chunk_gated_delta_rule with the default backend ("auto": the XLA chunked form on CPU) under shard_map over
-    the heads of two forced host devices finishes and matches one device."""
+    the heads of two forced host devices finishes and matches one device; so do its gradients (q, k, v, g, beta,
+    h0), with the default backend and with the Triton kernels in interpret mode (their reference VJP)."""
     _run_on_two_cpu_devices(OP_SCRIPT)
 
 
