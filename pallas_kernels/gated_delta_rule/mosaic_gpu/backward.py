@@ -55,6 +55,7 @@ from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import fused_sta
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (BV, C, F32, LN2, bcast_cols, bcast_rows, iota,
                                                               matmul, ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
+from pallas_kernels.gated_delta_rule.mosaic_gpu.split import form_ag, issue_chunk
 from pallas_kernels.gated_delta_rule.reference import G_FLOOR
 
 Array = jax.Array
@@ -85,6 +86,14 @@ def finish_together(done) -> None:
     plgpu = _plgpu()
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
+
+
+def _walk_row(walk_ref, r, ncs: int):
+    """(row of the inputs, first chunk, chunk count, state row) CTA row r of a serial pass walks: row r of the walk
+    table (its chunks c0 .. c0 + count - 1 of the one packed row, its state row s), or dense row r's NC chunks."""
+    if walk_ref is None:
+        return r, 0, ncs, r
+    return 0, walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
 
 
 def _prefetch(issue, count, stages: int, ncs: int, varlen: bool, in_free) -> None:
@@ -146,7 +155,6 @@ def state_fwd_wy(
     h0: Array | None,
     *,
     walk: Array | None = None,
-    bv: int = BV,
 ) -> Array:
     """Forward state pass from the gate-free inverse (FlashQLA's ``prepare_h``), warp-specialized.
 
@@ -175,6 +183,7 @@ def state_fwd_wy(
     value_dim = v.shape[-1]
     group = heads // kv_heads
     ncs = padded // C
+    bv = BV                      # value columns per CTA
     nv = value_dim // bv
     dtype = k.dtype
     has_h0 = h0 is not None
@@ -216,10 +225,7 @@ def state_fwd_wy(
         walk_ref = refs.pop(0) if varlen else None
         h_ref = refs.pop(0)
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        if varlen:                   # row r of the walk: its chunks c0 .. c0 + count - 1, its state row srow
-            b, c0, count, srow = 0, walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
-        else:
-            b, c0, count, srow = r, 0, ncs, r
+        b, c0, count, srow = _walk_row(walk_ref, r, ncs)
         hk = lax.div(hh, group)
         v0 = iv * bv
         wg = lax.axis_index("wg")
@@ -229,14 +235,9 @@ def state_fwd_wy(
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(n, slot):
-                rows = pl.ds((c0 + n) * C, C)
-                bar = in_bar.at[slot]
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, bv)], v_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(t_ref.at[b, hh, rows], t_s.at[slot], bar)
-                for g_buf in (g_state, g_rows, g_cols):
-                    plgpu.copy_gmem_to_smem(g_ref.at[b, hh, rows], g_buf.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_ref.at[b, hh, rows], b_cols.at[slot], bar)
+                issue_chunk(n, slot, ((v0, v_s),), refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s,
+                            vecs=(g_state, g_rows, g_cols, b_cols), in_bar=in_bar, head_major=True, b=b, hh=hh,
+                            hk=hk, tok0=c0 * C, piece=0, ncb_row=ncs, ncb=ncs)
 
             _prefetch(issue, count, stages, ncs, varlen, in_free)
 
@@ -248,13 +249,8 @@ def state_fwd_wy(
             def _chunk(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
-                decay = decay_matrix(plgpu.load(g_rows.at[slot], layout=ROWS),
-                                     plgpu.load(g_cols.at[slot], layout=COLS), (C, C), strict=False)
-                t0 = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
-                ag = t0 * decay * bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), (C, C))
-                t_s.at[slot][...] = ag.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ag_ready.at[slot])
+                form_ag(slot, head_major=True, exp=jnp.exp2, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
+                        b_cols=b_cols, ag_ready=ag_ready)
                 plgpu.barrier_arrive(in_free.at[slot])
 
         @pl.when(wg == 0)
@@ -319,7 +315,6 @@ def state_bwd_wy(
     want_dh0: bool,
     walk: Array | None = None,
     num_states: int | None = None,
-    bv: int = BV,
 ) -> tuple[Array, Array, Array | None]:
     """Reverse state pass of the delta rule from the gate-free inverse, warp-specialized.
 
@@ -351,6 +346,7 @@ def state_bwd_wy(
     value_dim = do.shape[-1]
     group = heads // kv_heads
     ncs = padded // C
+    bv = BV                      # value columns per CTA
     nv = value_dim // bv
     dtype = q.dtype
     has_dht = dht is not None
@@ -399,10 +395,7 @@ def state_bwd_wy(
         dh_ref, dv_ref = refs.pop(0), refs.pop(0)
         dh0_ref = refs.pop(0) if want_dh0 else None
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        if varlen:                   # row r of the walk: its chunks c0 .. c0 + count - 1, its state row srow
-            b, c0, count, srow = 0, walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2]
-        else:
-            b, c0, count, srow = r, 0, ncs, r
+        b, c0, count, srow = _walk_row(walk_ref, r, ncs)
         hk = lax.div(hh, group)
         v0 = iv * bv
         wg = lax.axis_index("wg")

@@ -182,12 +182,13 @@ def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool 
         raise ValueError(f"state_map_pass: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
 
 
-def _issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: bool, b, hh, hk, tok0, piece,
+def issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: bool, b, hh, hk, tok0, piece,
                  ncb_row: int, ncb: int):
-    """The memory warpgroup's TMA copies of chunk ``n`` of a piece (tokens tok0 + n C ..) into ring slot ``slot``
-    of both map kernels, all on ``in_bar[slot]``: k (key head hk), the value block(s) ``values`` ((first column,
-    SMEM ring) per block carried), T0 or T, the cumulative gates into the three gate buffers, beta (``head_major``
-    False: chunk b ncb_row + piece ncb + n of the [NC, ...] layout)."""
+    """The memory warpgroup's TMA copies of chunk ``n`` of a piece (tokens tok0 + n C ..) into ring slot ``slot`` of
+    both map kernels and of the backward's state pass (``backward.state_fwd_wy``), all on ``in_bar[slot]``: k
+    (key head hk), the value block(s) ``values`` ((first column, SMEM ring) per block carried), T0 or T, the
+    cumulative gates into the three gate buffers, beta (``head_major`` False: chunk b ncb_row + piece ncb + n of
+    the [NC, ...] layout)."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     k_ref, v_ref, t_ref, g_ref, b_ref = refs
@@ -208,9 +209,10 @@ def _issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: b
     plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
 
 
-def _form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols, ag_ready):
+def form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols, ag_ready):
     """Ag = T0 e^(G_i - G_j) beta_j (``head_major``: the exponent masked before exp; else T beta_j from Triton's
-    gated T) written over T0 in ring slot ``slot``, then ``ag_ready[slot]`` arrives (both map kernels)."""
+    gated T) written over T0 in ring slot ``slot``, then ``ag_ready[slot]`` arrives (both map kernels and
+    ``backward.state_fwd_wy``)."""
     plgpu = _plgpu()
     WGMMA = plgpu.Layout.WGMMA
     ROWS = WGMMA.reduce(1)
@@ -248,7 +250,7 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
         s0 = s0 * jnp.where(count > 0, 1.0, 0.0).astype(F32)
     v_keep = jnp.where(blk >= n_id, 1.0, 0.0).astype(F32)
     if s_start is not None:
-        use, rows = s_start              # a vector mask (as _form_ag's): rows may be garbage where not use
+        use, rows = s_start              # a vector mask (as form_ag's): rows may be garbage where not use
         s0 = jnp.where(iota(shape, 0) < jnp.where(use, BV, 0), rows, s0)
 
     def step(n, s_t):
@@ -357,7 +359,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(n, slot):
-                _issue_chunk(n, slot, ((v0, v_s),), **ring)
+                issue_chunk(n, slot, ((v0, v_s),), **ring)
 
             if need_first:
                 for n in range(min(stages, ncb)):
@@ -382,7 +384,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
             def _chunk(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
-                _form_ag(slot, **ag_bufs)
+                form_ag(slot, **ag_bufs)
                 plgpu.barrier_arrive(in_free.at[slot])
 
         @pl.when(wg == 0)
@@ -478,15 +480,15 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
         ag_bufs = dict(head_major=head_major, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
                        b_cols=b_cols, ag_ready=ag_ready)
 
-        def form_ag(slot):               # Ag in place of T0, formed one chunk ahead by the memory warpgroup
-            _form_ag(slot, **ag_bufs)
+        def form_ag_ahead(slot):         # Ag in place of T0, formed one chunk ahead by the memory warpgroup
+            form_ag(slot, **ag_bufs)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(96, action="decrease")
 
             def issue(n, slot):
-                _issue_chunk(n, slot, ((v0s[0], va_s), (v0s[1], vb_s)), **ring)
+                issue_chunk(n, slot, ((v0s[0], va_s), (v0s[1], vb_s)), **ring)
 
             for n in range(stages):          # (jla _map_fwd_wy_paired)
                 @pl.when(count > n)
@@ -496,7 +498,7 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
             @pl.when(count > 0)
             def _():
                 plgpu.barrier_wait(in_bar.at[0])
-                form_ag(0)
+                form_ag_ahead(0)
 
             @pl.loop(0, count)
             def _walk(n):
@@ -504,7 +506,7 @@ def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bo
                 def _():                     # the next chunk's Ag before blocking on this chunk's release
                     nxt = lax.rem(n + 1, stages)
                     plgpu.barrier_wait(in_bar.at[nxt])
-                    form_ag(nxt)
+                    form_ag_ahead(nxt)
 
                 @pl.when(n + stages < count)
                 def _():
