@@ -817,29 +817,74 @@ def chunk_grads(
 # ---------------------------------------------------------------------------------------------------------------
 # the jnp twin of the three kernels, and the backward they compose
 # ---------------------------------------------------------------------------------------------------------------
+def _twin_grads(forward, q, k, v, do, g2, beta, h0t, dht, *, num_states: int):
+    """jax.vjp of ``forward(q, k, v, G, beta, h0t) -> (o, final S^T)`` (a jnp twin of the kernels' forward, G in
+    natural units, q and k per value head, states transposed) at the kernels' operands, with the cotangents do and
+    dht (None: zero). Returns as :func:`kernels_reference`."""
+    _, _, hk, kdim = k.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    q_rep, k_rep = (jnp.repeat(x, hv // hk, axis=2).astype(F32) for x in (q, k))
+    zeros = jnp.zeros((num_states, hv, vdim, kdim), F32)
+    h0 = zeros if h0t is None else h0t.astype(F32)
+    _, vjp = jax.vjp(forward, q_rep, k_rep, v.astype(F32), g2.astype(F32) * LN2, beta.astype(F32), h0)
+    dq, dk, dv, dgc, dbeta, dh0 = vjp((do.astype(F32), zeros if dht is None else dht.astype(F32)))
+    return dq, dk, dv, dbeta, dgc, (None if h0t is None else dh0)
+
+
 def kernels_reference(q, k, v, do, g2, beta, h0t, dht, *, scale: float):
     """What the three kernels give together, in jnp (fp32, matmul precision highest): jax.vjp of the jnp chunk form
     (:func:`kkt_fwd_reference`'s T0, then ``fused_state_pass_reference``) over the kernels' own operands. Returns
     (dq, dk [B, Tp, Hv, K] per value head, dv [B, Tp, Hv, V], dbeta [B, Hv, Tp], dG [B, Hv, Tp] (natural units,
     before the reverse chunk cumsum), dh0 [B, Hv, V, K] transposed or None); arguments as :func:`state_bwd_wy`
     and :func:`chunk_grads` take them (g2 in log2 units)."""
-    b, tp, hk, kdim = k.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    q_rep, k_rep = (jnp.repeat(x, hv // hk, axis=2).astype(F32) for x in (q, k))
-    h0 = jnp.zeros((b, hv, vdim, kdim), F32) if h0t is None else h0t.astype(F32)
+    hv = v.shape[2]
 
-    def forward(q, k, v, gcum, beta, h0):
+    def forward(q, k, v, gcum, beta, h0t):
         t0 = kkt_fwd_reference(k, beta, heads=hv)
-        return fused_state_pass_reference(q, k, v, t0, gcum, beta, h0, scale=scale, out_final=True,
+        return fused_state_pass_reference(q, k, v, t0, gcum, beta, h0t, scale=scale, out_final=True,
                                           head_major=True)
-
-    _, vjp = jax.vjp(forward, q_rep, k_rep, v.astype(F32), g2.astype(F32) * LN2, beta.astype(F32), h0)
-    dht = jnp.zeros_like(h0) if dht is None else dht.astype(F32)
-    dq, dk, dv, dgc, dbeta, dh0 = vjp((do.astype(F32), dht))
-    return dq, dk, dv, dbeta, dgc, (None if h0t is None else dh0)
+    return _twin_grads(forward, q, k, v, do, g2, beta, h0t, dht, num_states=k.shape[0])
 
 
 IMPLS = ("mosaic", "reference")
+
+
+def _kernel_grads(qp, kp, vp, dop, t0, g2, beta_hm, h0t, dht_t, *, scale: float, kernel: bool, walk=None,
+                  num_states: int):
+    """The three kernels (or, ``kernel`` False, their twin) on stage 1a's operands, dG's reverse chunk cumsum
+    applied: (dq, dk per value head, dv, dbeta, dg on the kernels' rows, dh0 transposed or None). ``walk``: the
+    packed row's walk table (:func:`state_fwd_wy`)."""
+    b, tp = qp.shape[:2]
+    hv = vp.shape[2]
+    if kernel:
+        row_walk = {} if walk is None else dict(walk=walk)
+        h = state_fwd_wy(kp, vp, t0, g2, beta_hm, h0t, **row_walk)
+        dh, dv, dh0t = state_bwd_wy(qp, kp, dop, t0, g2, beta_hm, dht_t, scale=scale, want_dh0=h0t is not None,
+                                    **(dict(row_walk, num_states=num_states) if walk is not None else {}))
+        dq, dk, dbeta, dgc = chunk_grads(qp, kp, vp, dop, t0, g2, beta_hm, h, dh, scale=scale)
+    elif walk is None:
+        dq, dk, dv, dbeta, dgc, dh0t = kernels_reference(qp, kp, vp, dop, g2, beta_hm, h0t, dht_t, scale=scale)
+    else:
+        dq, dk, dv, dbeta, dgc, dh0t = walk_kernels_reference(qp, kp, vp, dop, g2, beta_hm, h0t, dht_t, walk,
+                                                              scale=scale, num_states=num_states)
+    dg = lax.cumsum(dgc.reshape(b, hv, tp // C, C), axis=3, reverse=True).reshape(b, hv, tp)
+    return dq, dk, dv, dbeta, dg, dh0t
+
+
+def _user_grads(grads, rows, q, k, v, g, beta):
+    """The gradients in the op's layouts and dtypes: ``rows`` maps [B, Tp, ...] on the kernels' rows to the user's
+    [B, T, ...] (the padding cut off, or the packed row gathered back); dg zero where the forward floored g (a
+    select: no gradient below G_FLOOR); dq, dk summed over each key head's group of value heads."""
+    dq, dk, dv, dbeta, dg, dh0t = grads
+    b, t, hk, kdim = q.shape
+    hv = v.shape[2]
+    dg = jnp.where(g < G_FLOOR, 0.0, rows(jnp.swapaxes(dg, 1, 2))).astype(g.dtype)
+    dbeta = rows(jnp.swapaxes(dbeta, 1, 2)).astype(beta.dtype)
+
+    def key_grad(x, dtype):        # [B, Tp, Hv, K] per value head -> [B, T, Hk, K] summed over each group
+        return rows(x.astype(F32)).reshape(b, t, hk, hv // hk, kdim).sum(axis=3).astype(dtype)
+    dh0 = None if dh0t is None else jnp.swapaxes(dh0t, -1, -2).astype(F32)
+    return key_grad(dq, q.dtype), key_grad(dk, k.dtype), rows(dv).astype(v.dtype), dg, dbeta, dh0
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl"))
@@ -855,31 +900,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, do, dht, *, scal
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    b, t, hk, kdim = q.shape
-    hv = v.shape[2]
-    kernel = impl == "mosaic"
-    qp, kp, vp, t0, g2, beta_hm, h0t = prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel,
+    t = q.shape[1]
+    qp, kp, vp, t0, g2, beta_hm, h0t = prepare_head_major(q, k, v, g, beta, initial_state, kernel=impl == "mosaic",
                                                           exp2=True)
-    tp = qp.shape[1]
-    dop = jnp.pad(do.astype(qp.dtype), [(0, 0), (0, tp - t), (0, 0), (0, 0)])
+    dop = jnp.pad(do.astype(qp.dtype), [(0, 0), (0, qp.shape[1] - t), (0, 0), (0, 0)])
     dht_t = None if dht is None else jnp.swapaxes(dht.astype(F32), -1, -2)
-    if kernel:
-        h = state_fwd_wy(kp, vp, t0, g2, beta_hm, h0t)
-        dh, dv, dh0t = state_bwd_wy(qp, kp, dop, t0, g2, beta_hm, dht_t, scale=scale,
-                                    want_dh0=initial_state is not None)
-        dq, dk, dbeta, dgc = chunk_grads(qp, kp, vp, dop, t0, g2, beta_hm, h, dh, scale=scale)
-    else:
-        dq, dk, dv, dbeta, dgc, dh0t = kernels_reference(qp, kp, vp, dop, g2, beta_hm, h0t, dht_t, scale=scale)
-    dgc = lax.cumsum(dgc.reshape(b, hv, tp // C, C), axis=3, reverse=True).reshape(b, hv, tp)
-    dg = jnp.swapaxes(dgc, 1, 2)[:, :t]
-    dg = jnp.where(g < G_FLOOR, 0.0, dg).astype(g.dtype)       # the floor is a select: no gradient below it
-    dbeta = jnp.swapaxes(dbeta, 1, 2)[:, :t].astype(beta.dtype)
-
-    def key_grad(x, dtype):        # [B, Tp, Hv, K] per value head -> [B, T, Hk, K] summed over each group
-        x = x[:, :t].astype(F32).reshape(b, t, hk, hv // hk, kdim).sum(axis=3)
-        return x.astype(dtype)
-    dh0 = None if dh0t is None else jnp.swapaxes(dh0t, -1, -2).astype(F32)
-    return key_grad(dq, q.dtype), key_grad(dk, k.dtype), dv[:, :t].astype(v.dtype), dg, dbeta, dh0
+    grads = _kernel_grads(qp, kp, vp, dop, t0, g2, beta_hm, h0t, dht_t, scale=scale, kernel=impl == "mosaic",
+                          num_states=q.shape[0])
+    return _user_grads(grads, lambda x: x[:, :t], q, k, v, g, beta)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -892,7 +920,7 @@ def walk_kernels_reference(q, k, v, do, g2, beta, h0t, dht, walk, *, scale: floa
     it has none). Arguments as the kernels take them on the repacked row (B = 1; h0t, dht [num_states, Hv, V, K]
     transposed or None); returns as :func:`kernels_reference` (dh0 over all num_states rows)."""
     from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import chunk_layout, chunk_step
-    _, tp, hk, kdim = k.shape
+    _, tp, _, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     nc = tp // C
     c0, count, srow = walk[:, 0], walk[:, 1], walk[:, 2]
@@ -901,11 +929,9 @@ def walk_kernels_reference(q, k, v, do, g2, beta, h0t, dht, walk, *, scale: floa
     first = jnp.any(starts, axis=0)
     first_state = jnp.sum(jnp.where(starts, srow[:, None], 0), axis=0)            # state row of a starting chunk
     last = jnp.clip(c0 + count - 1, 0, nc - 1)
-    q_rep, k_rep = (jnp.repeat(x, hv // hk, axis=2).astype(F32) for x in (q, k))
-    h0 = (jnp.zeros((num_states, hv, kdim, vdim), F32) if h0t is None
-          else jnp.swapaxes(h0t.astype(F32), -1, -2))                               # [S, Hv, K, V]
 
-    def forward(q, k, v, gcum, beta, h0):
+    def forward(q, k, v, gcum, beta, h0t):
+        h0 = jnp.swapaxes(h0t, -1, -2)                                              # [S, Hv, K, V]
         t0 = kkt_fwd_reference(k, beta, heads=hv)
         t, gc, bc = chunk_layout(t0, gcum, beta, head_major=True, exp2=False)      # [NC, Hv, C, C], [NC, Hv, C]
 
@@ -922,11 +948,7 @@ def walk_kernels_reference(q, k, v, do, g2, beta, h0t, dht, walk, *, scale: floa
         ht = jnp.where((count > 0)[:, None, None, None], s_out[last], h0[srow])
         final = h0.at[srow].set(ht)
         return jnp.swapaxes(o, 1, 2).reshape(1, tp, hv, vdim), jnp.swapaxes(final, -1, -2)
-
-    _, vjp = jax.vjp(forward, q_rep, k_rep, v.astype(F32), g2.astype(F32) * LN2, beta.astype(F32), h0)
-    dht = jnp.zeros((num_states, hv, vdim, kdim), F32) if dht is None else dht.astype(F32)
-    dq, dk, dv, dgc, dbeta, dh0 = vjp((do.astype(F32), dht))
-    return dq, dk, dv, dbeta, dgc, (None if h0t is None else jnp.swapaxes(dh0, -1, -2))
+    return _twin_grads(forward, q, k, v, do, g2, beta, h0t, dht, num_states=num_states)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl"))
@@ -942,37 +964,14 @@ def chunk_gated_delta_rule_varlen_bwd(q, k, v, g, beta, cu_seqlens, initial_stat
     from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen as mv
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    _, t, hk, kdim = q.shape
-    hv = v.shape[2]
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    n = cu.shape[0] - 1
-    kernel = impl == "mosaic"
-    _, src, keep, back, valid, walk = mv.layout(cu, t)
+    _, src, keep, back, valid, walk = mv.layout(cu, q.shape[1])
     packed = (q, k, v, g.astype(F32), beta.astype(F32), do.astype(q.dtype))
     q_r, k_r, v_r, g_r, b_r, do_r = mv.repack(packed, src, keep)
-    qp, kp, vp, t0, g2, beta_hm, h0t = prepare_head_major(q_r, k_r, v_r, g_r, b_r, initial_state, kernel=kernel,
-                                                          exp2=True)
-    tp = qp.shape[1]
-    walk = walk[:, :3]
+    qp, kp, vp, t0, g2, beta_hm, h0t = prepare_head_major(q_r, k_r, v_r, g_r, b_r, initial_state,
+                                                          kernel=impl == "mosaic", exp2=True)
     dht_t = None if dht is None else jnp.swapaxes(dht.astype(F32), -1, -2)
-    if kernel:
-        h = state_fwd_wy(kp, vp, t0, g2, beta_hm, h0t, walk=walk)
-        dh, dv, dh0t = state_bwd_wy(qp, kp, do_r, t0, g2, beta_hm, dht_t, scale=scale,
-                                    want_dh0=initial_state is not None, walk=walk, num_states=n)
-        dq, dk, dbeta, dgc = chunk_grads(qp, kp, vp, do_r, t0, g2, beta_hm, h, dh, scale=scale)
-    else:
-        dq, dk, dv, dbeta, dgc, dh0t = walk_kernels_reference(qp, kp, vp, do_r, g2, beta_hm, h0t, dht_t, walk,
-                                                              scale=scale, num_states=n)
-    dgc = lax.cumsum(dgc.reshape(1, hv, tp // C, C), axis=3, reverse=True).reshape(1, hv, tp)
-
-    def packed_rows(x):            # [1, Tp, ...] on the repacked row -> [1, T, ...], zero past cu_seqlens[N]
-        return mv.gather_rows(x[0], back, valid)[None]
-    dg = packed_rows(jnp.swapaxes(dgc, 1, 2))
-    dg = jnp.where(g < G_FLOOR, 0.0, dg).astype(g.dtype)
-    dbeta = packed_rows(jnp.swapaxes(dbeta, 1, 2)).astype(beta.dtype)
-
-    def key_grad(x, dtype):
-        x = packed_rows(x.astype(F32)).reshape(1, t, hk, hv // hk, kdim).sum(axis=3)
-        return x.astype(dtype)
-    dh0 = None if dh0t is None else jnp.swapaxes(dh0t, -1, -2).astype(F32)
-    return key_grad(dq, q.dtype), key_grad(dk, k.dtype), packed_rows(dv).astype(v.dtype), dg, dbeta, dh0
+    grads = _kernel_grads(qp, kp, vp, do_r, t0, g2, beta_hm, h0t, dht_t, scale=scale, kernel=impl == "mosaic",
+                          walk=walk[:, :3], num_states=cu.shape[0] - 1)
+    # [1, Tp, ...] on the repacked row -> [1, T, ...], zero past cu_seqlens[N]
+    return _user_grads(grads, lambda x: mv.gather_rows(x[0], back, valid)[None], q, k, v, g, beta)
