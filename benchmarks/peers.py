@@ -56,55 +56,55 @@ def _fla_inputs(case, host, requires_grad: bool = False):
     return ts, kw
 
 
-def fla_chunk(case, host):
-    """A no-argument callable running FLA's ``chunk_gated_delta_rule`` on the case's host inputs (torch, CUDA), bf16
-    q, k, v and beta, fp32 g and initial state, final state out."""
-    _fla_env()
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def _forward_call(chunk_gated_delta_rule, case, host):
+    """A no-argument callable running an FLA-signature ``chunk_gated_delta_rule`` on the case's host inputs (torch,
+    CUDA), bf16 q, k, v and beta, fp32 g and initial state, final state out."""
     (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host)
 
     def fn():
         return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
     return fn
+
+
+def _backward_call(chunk_gated_delta_rule, case, host, do, dht):
+    """A no-argument callable running an FLA-signature ``chunk_gated_delta_rule`` forward and
+    ``torch.autograd.backward`` of (o, ht) with the cotangents do (bf16) and dht (fp32), on ``_forward_call``'s
+    inputs (leaves with gradients)."""
+    import torch
+    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host, requires_grad=True)
+    tdo, tdht = torch.from_numpy(do).to("cuda", torch.bfloat16), torch.from_numpy(dht).to("cuda")
+
+    def fn():
+        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
+        torch.autograd.backward([o, ht], [tdo, tdht])
+    return fn
+
+
+def fla_chunk(case, host):
+    """FLA's ``chunk_gated_delta_rule`` (``_forward_call``), its FlashQLA path off."""
+    _fla_env()
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return _forward_call(chunk_gated_delta_rule, case, host)
 
 
 def fla_chunk_backward(case, host, do, dht):
-    """A no-argument callable running FLA's ``chunk_gated_delta_rule`` forward and ``torch.autograd.backward`` of
-    (o, ht) with the cotangents do (bf16) and dht (fp32), on ``fla_chunk``'s inputs (leaves with gradients)."""
+    """FLA's forward and backward (``_backward_call``), its FlashQLA path off."""
     _fla_env()
-    import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host, requires_grad=True)
-    tdo, tdht = torch.from_numpy(do).to("cuda", torch.bfloat16), torch.from_numpy(dht).to("cuda")
-
-    def fn():
-        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
-        torch.autograd.backward([o, ht], [tdo, tdht])
-    return fn
+    return _backward_call(chunk_gated_delta_rule, case, host, do, dht)
 
 
 def qla_chunk(case, host):
-    """``fla_chunk`` with FlashQLA's ``chunk_gated_delta_rule`` (FLA's signature and layouts; its Hopper kernels
-    are TileLang's, compiled on a shape's first call)."""
+    """FlashQLA's ``chunk_gated_delta_rule`` (FLA's signature and layouts; its Hopper kernels are TileLang's,
+    compiled on a shape's first call)."""
     from flash_qla import chunk_gated_delta_rule
-    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host)
-
-    def fn():
-        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
-    return fn
+    return _forward_call(chunk_gated_delta_rule, case, host)
 
 
 def qla_chunk_backward(case, host, do, dht):
-    """``fla_chunk_backward`` with FlashQLA's ``chunk_gated_delta_rule``."""
-    import torch
+    """FlashQLA's forward and backward (``_backward_call``)."""
     from flash_qla import chunk_gated_delta_rule
-    (tq, tk, tv, tg, tb, th0), kw = _fla_inputs(case, host, requires_grad=True)
-    tdo, tdht = torch.from_numpy(do).to("cuda", torch.bfloat16), torch.from_numpy(dht).to("cuda")
-
-    def fn():
-        o, ht = chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, **kw)
-        torch.autograd.backward([o, ht], [tdo, tdht])
-    return fn
+    return _backward_call(chunk_gated_delta_rule, case, host, do, dht)
 
 
 def fi_chunk(case, host):
@@ -144,11 +144,7 @@ def warm(fn):
 
 def fla_chunk_warm(case, host):
     """``fla_chunk`` after its first call (FLA autotunes there), synced."""
-    import torch
-    fn = fla_chunk(case, host)
-    fn()
-    torch.cuda.synchronize()
-    return fn
+    return warm(fla_chunk(case, host))
 
 
 def fla_recurrent_step(host):
