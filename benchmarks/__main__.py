@@ -15,6 +15,9 @@ import traceback
 from benchmarks import results
 from benchmarks.sections import SECTIONS
 
+#: the sections whose columns --impls picks
+IMPLS_SECTIONS = ("gdn", "backward")
+
 
 def _parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {s.name:<10} {s.summary}" for s in SECTIONS.values())
@@ -31,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="only these cases of the named sections (gdn, backward, decode, attention, moe); the other rows "
                         "stored are kept")
     p.add_argument("--impls", default=None, metavar="IMPL,...",
-                   help="gdn columns to measure (pallas, mosaic_gpu, xla, fla, jla; default all but the slow xla); "
-                        "the other columns stored are kept")
+                   help="columns of the gdn or backward section to measure (gdn: pallas, mosaic_gpu, xla, fla, jla, "
+                        "qla, fi; default pallas, mosaic_gpu, fla, jla; backward: fwd, ours, ours_xla_vjp, "
+                        "ours_walk, xla, fla, qla, jla; default all but qla); the other columns stored are kept")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="results JSON to merge into (default benchmarks/results/<device>.json, <device>x2.json for "
                         "sharding)")
@@ -102,13 +106,15 @@ def validate(args, parser) -> tuple:
                          f"{listing}")
     impls = None
     if args.impls is not None:
-        from benchmarks.gdn import IMPLS
+        with_impls = [s for s in chosen if s in IMPLS_SECTIONS]
+        if len(with_impls) != 1 or len(chosen) != 1:
+            parser.error(f"--impls applies to one section, gdn or backward; got {', '.join(chosen) or 'none'}")
+        known = SECTIONS[with_impls[0]].load().IMPLS
         impls = _split(args.impls)
-        bad = [i for i in impls if i not in IMPLS]
+        bad = [i for i in impls if i not in known]
         if bad or not impls:
-            parser.error(f"--impls: unknown column(s) {', '.join(bad) or '(none given)'}; known: {', '.join(IMPLS)}")
-        if "gdn" not in chosen:
-            parser.error("--impls applies to the gdn section only")
+            parser.error(f"--impls: unknown {with_impls[0]} column(s) {', '.join(bad) or '(none given)'}; known: "
+                         f"{', '.join(known)}")
     if args.budget is not None and not args.budget > 0:
         parser.error(f"--budget must be > 0 seconds, got {args.budget}")
     return chosen, cases, impls
@@ -134,7 +140,14 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
             rows = results.merge_rows(stored.get("rows"), rows, sec.case_names(False))
         return {"rows": rows}
     if name in ("backward", "decode", "attention", "moe"):
-        value = mod.run_section(quick, cases=cases)
+        value = mod.run_section(quick, cases=cases, **({} if impls is None else {"impls": impls}))
+        if impls is not None:                       # the columns not measured keep their stored figures
+            old = {r["case"]: r for r in (stored.get(sec.keys[0]) or {}).get("rows") or []}
+            for r in value["rows"]:
+                was = old.get(r["case"]) or {}
+                r["ms"] = {i: (r["ms"][i] if i in impls else (was.get("ms") or {}).get(i)) for i in mod.IMPLS}
+                r["errors"] = {**{i: e for i, e in (was.get("errors") or {}).items() if i not in impls},
+                               **r.get("errors", {})}
         mod.print_section(value)
         if cases is not None and stored.get(sec.keys[0]):
             value = dict(value, rows=results.merge_rows(stored[sec.keys[0]].get("rows"), value["rows"],

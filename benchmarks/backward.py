@@ -27,6 +27,8 @@ from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
 
 KEY = "backward"
 IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "qla", "jla")
+#: the columns measured unless --impls says otherwise (qla needs a process of its own: benchmarks.peers)
+DEFAULT_IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "jla")
 CASES = BACKWARD_CASES
 QUICK_CASES = CPU_BACKWARD
 
@@ -102,9 +104,10 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def run_section(quick: bool = False, cases=None) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, qla, jla}, "errors": {impl: reason}}], "note"}. ``quick`` or no
-    GPU: the tiny CPU case in fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
+def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS) -> dict:
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, qla, jla}, "errors": {impl: reason}}],
+    "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in fp32, the kernel in
+    interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
     chosen = [c for c in (QUICK_CASES if quick or not gpu else CASES) if cases is None or c.name in cases]
@@ -117,9 +120,10 @@ def run_section(quick: bool = False, cases=None) -> dict:
         cols["qla"] = (lambda: _qla(case, host, do, dht)) if gpu and _importable("flash_qla") else None
         ms, errors = {}, {}
         for impl in IMPLS:
-            if cols.get(impl) is None:
+            if impl not in impls or cols.get(impl) is None:
                 ms[impl] = None
                 continue
+            print(f"backward {case.name} {impl}", flush=True)
             try:
                 ms[impl] = cols[impl]()
             except Exception as e:                         # a column that cannot run: null, its reason kept

@@ -31,8 +31,10 @@ def stored(tmp_path):
     (["no-such-section"], "unknown section(s) no-such-section; known: gdn, backward, decode"),
     ([], "name a section"),
     (["model", "--cases", "x"], "none of model has named cases"),
-    (["gdn", "--impls", "pallas,cuda"], "--impls: unknown column(s) cuda"),
-    (["moe", "--impls", "fla"], "--impls applies to the gdn section only"),
+    (["gdn", "--impls", "pallas,cuda"], "--impls: unknown gdn column(s) cuda"),
+    (["backward", "--impls", "pallas"], "--impls: unknown backward column(s) pallas"),
+    (["gdn", "backward", "--impls", "fla"], "--impls applies to one section, gdn or backward"),
+    (["moe", "--impls", "fla"], "--impls applies to one section, gdn or backward"),
     (["sharding", "decode"], "run it on its own"),
     (["model", "--budget", "0"], "--budget must be > 0"),
 ])
@@ -207,3 +209,26 @@ def test_merge_from_takes_the_sections_stamped_later(stored, tmp_path, capsys):
     assert after["rows"] == before["rows"] and after["model"] == before["model"]
     assert after["runs"]["moe"]["date"] == "2027-01-01T00:05:00+00:00"
     assert "took decode, moe" in capsys.readouterr().out
+
+
+def test_backward_columns_replace_only_those(stored, monkeypatch):
+    """backward over one column (the FlashQLA process's run): that column is new, the stored figures and errors of
+    the other columns of each row are kept."""
+    from benchmarks import backward
+    out, _ = stored
+    name = backward.CASES[0].name
+    prior = {"rows": [{"case": name, "ms": {i: (1.0 if i != "qla" else None) for i in backward.IMPLS},
+                       "errors": {"jla": "old reason"}}], "note": "bf16"}
+    data = json.loads(out.read_text())
+    data["backward"] = prior
+    out.write_text(json.dumps(data))
+
+    def fake(quick, cases=None, impls=None):
+        assert impls == ["qla"]
+        return {"rows": [{"case": name, "ms": {i: (0.5 if i == "qla" else None) for i in backward.IMPLS},
+                          "errors": {}}], "note": "bf16"}
+    monkeypatch.setattr(backward, "run_section", fake)
+    assert cli.main(["backward", "--impls", "qla", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["backward"]["rows"][0]
+    assert row["ms"]["qla"] == 0.5 and row["ms"]["ours"] == 1.0 and row["ms"]["fla"] == 1.0
+    assert row["errors"] == {"jla": "old reason"}
