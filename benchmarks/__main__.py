@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=None, metavar="IMPL,...",
                    help="columns of the gdn or backward section to measure (gdn: pallas, mosaic_gpu, xla, fla, jla, "
                         "qla, fi; default pallas, mosaic_gpu, fla, jla; backward: fwd, ours, ours_xla_vjp, "
-                        "ours_walk, xla, fla, qla, jla; default all but qla); the other columns stored are kept")
+                        "xla, fla, qla, jla; default all but qla); the other columns stored are kept")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="results JSON to merge into (default benchmarks/results/<device>.json, <device>x2.json for "
                         "sharding)")

@@ -5,12 +5,11 @@ varlen16 mix; bf16 q, k, v, beta; fp32 g and initial state; final state out). Lo
 fixed random cotangents; gradients of q, k, v, g, beta and h0. Columns (median ms; null where an implementation
 cannot run, its reason in "errors"):
   fwd   ours, the forward alone (``jax_gdn.ops.chunk_gated_delta_rule``, backend "auto")
-  ours  ours, forward + backward, backend "auto" (dense rows on a Hopper GPU: the Mosaic forward and backward
-        kernels, ``mosaic_gpu/backward.py``; elsewhere the forward kernel with the XLA chunked form's VJP)
-  ours_xla_vjp  ours, backend "auto" with ``DispatchConfig(mosaic_backward=False)``: the forward kernel and the
-        XLA chunked form's VJP (``pallas_kernels.autodiff.reference_vjp``) on every row
-  ours_walk  packed rows only: ours with ``DispatchConfig(mosaic_backward_varlen=True)``, the Mosaic backward's
-        walk over the repacked row (off by default until measured here)
+  ours  ours, forward + backward, backend "auto" (on a Hopper GPU: the Mosaic forward and backward kernels,
+        ``mosaic_gpu/backward.py``, dense rows and packed ones alike; elsewhere the forward kernel with the XLA
+        chunked form's VJP)
+  ours_xla_vjp  ours, backend "auto" with ``DispatchConfig(mosaic_backward=False, mosaic_backward_varlen=False)``:
+        the forward kernel and the XLA chunked form's VJP (``pallas_kernels.autodiff.reference_vjp``)
   xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
   fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
   qla   FlashQLA's ``chunk_gated_delta_rule`` the same way, where flash_qla is importable (its own process: see
@@ -26,9 +25,9 @@ import numpy as np
 from benchmarks.cases import BACKWARD_CASES, CPU_BACKWARD, Case
 
 KEY = "backward"
-IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "qla", "jla")
+IMPLS = ("fwd", "ours", "ours_xla_vjp", "xla", "fla", "qla", "jla")
 #: the columns measured unless --impls says otherwise (qla needs a process of its own: benchmarks.peers)
-DEFAULT_IMPLS = ("fwd", "ours", "ours_xla_vjp", "ours_walk", "xla", "fla", "jla")
+DEFAULT_IMPLS = ("fwd", "ours", "ours_xla_vjp", "xla", "fla", "jla")
 CASES = BACKWARD_CASES
 QUICK_CASES = CPU_BACKWARD
 
@@ -54,6 +53,7 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
     cu = None if case.lens is None else jnp.asarray(case.cu_seqlens(), jnp.int32)
     do_, dht_ = jnp.asarray(do, dt), jnp.asarray(dht)
     kernel = "auto" if gpu else "pallas_interpret"
+    XLA_VJP = DispatchConfig(mosaic_backward=False, mosaic_backward_varlen=False)
 
     def op(backend, dispatch=DEFAULT_DISPATCH):
         return lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(
@@ -69,10 +69,7 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
     with_ct = args + (do_, dht_)
     return {"fwd": lambda: time_jax(jax.jit(op(kernel)), args, **timing),
             "ours": lambda: time_jax(grad(op(kernel)), with_ct, **timing),
-            "ours_xla_vjp": lambda: time_jax(grad(op(kernel, DispatchConfig(mosaic_backward=False))), with_ct,
-                                             **timing),
-            "ours_walk": (None if case.lens is None else lambda: time_jax(
-                grad(op(kernel, DispatchConfig(mosaic_backward_varlen=True))), with_ct, **timing)),
+            "ours_xla_vjp": lambda: time_jax(grad(op(kernel, XLA_VJP)), with_ct, **timing),
             "xla": lambda: time_jax(grad(op("xla")), with_ct, **timing),
             "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla(case, host)), with_ct,
                                                                                   **timing))}
@@ -107,7 +104,7 @@ def _importable(module: str) -> bool:
 
 
 def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, ours_walk, xla, fla, qla, jla}, "errors": {impl: reason}}],
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, qla, jla}, "errors": {impl: reason}}],
     "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in fp32, the kernel in
     interpret mode, few calls (a smoke run, not a measurement)."""
     import jax

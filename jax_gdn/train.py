@@ -8,8 +8,10 @@ Shape legend: T tokens of a packed batch (documents back to back), N documents (
 The loss runs the model's own prefill step (``HybridModel.step_fn``) over an empty cache: each document is one
 stream in its own slot, so the GDN recurrent and conv states and the attention context restart at every document
 boundary. Target of token t: token t + 1 of the same document (the last token of each document has none). The
-gradient reaches every parameter through the kernels the model picked: the Pallas / Mosaic / cuDNN kernels run
-the forward, ``pallas_kernels.autodiff.reference_vjp`` gives them the XLA forms' VJPs (recomputed in the backward).
+gradient reaches every parameter through the kernels the model picked: on Hopper the GDN op runs Mosaic GPU
+backward kernels walking each document (``DispatchConfig.mosaic_backward_varlen``); the other Pallas / Mosaic / cuDNN
+kernels run the forward and ``pallas_kernels.autodiff.reference_vjp`` gives them the XLA forms' VJPs (recomputed in
+the backward).
 
 Precision: :class:`Trainer` keeps fp32 master weights (``TrainState.params``) and the optimiser state; each step
 casts the master to the model's own dtypes (``model.params``: bf16 matmul weights with fp32 norms and gates for a

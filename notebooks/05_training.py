@@ -183,18 +183,19 @@ for prompt in (b"def ", b"    \"\"\"Return the ", b"import "):
 # %% [markdown]
 # ## On the GPU
 #
-# The same `Trainer` runs the model's default kernels on a GPU: the forward through the Mosaic GPU / Triton
-# kernels, the backward through the XLA forms' VJPs (`pallas_kernels.autodiff.reference_vjp`). Measured on one
-# H200 at commit a40123b (bf16 q, k, v; loss sum(o do) + sum(ht dht), gradients of q, k, v, g, beta, h0), the GDN
-# op at B1-T8192-Hk16-Hv32:
+# The same `Trainer` runs the model's default kernels on a GPU: on Hopper the GDN op's forward and backward are
+# Mosaic GPU kernels (`pallas_kernels/gated_delta_rule/mosaic_gpu/backward.py`), dense rows and packed documents
+# alike. Measured on one H200 at commit 0fd88d2 (bf16 q, k, v; loss sum(o do) + sum(ht dht), gradients of q, k, v,
+# g, beta, h0; `python -m benchmarks backward`, `benchmarks/results/h200.json`), ms:
 #
-# | | forward | forward + backward |
-# |---|---|---|
-# | ours, "auto" (Mosaic GPU forward, XLA VJP) | 0.249 ms | 15.75 ms |
-# | ours, "xla" (XLA autodiff) | | 15.75 ms |
-# | jax-linear-attention 0.1 (Mosaic GPU forward and backward) | | 0.891 ms |
+# | GDN op | forward | forward + backward | forward + the XLA VJP | jax-linear-attention 0.1, fwd + bwd |
+# |---|---|---|---|---|
+# | B1-T8192-Hk16-Hv32 | 0.247 | 0.897 | 15.71 | 0.902 |
+# | B1-T8192-Hk2-Hv8 | 0.122 | 0.538 | 7.68 | 0.392 |
+# | varlen16-T19027 (16 packed documents) | 0.669 | 2.173 | 48.53 | takes no cu_seqlens |
 #
-# The backward is where training time goes today: backward kernels are the next step.
+# The other kernels (the fused conv1d, paged attention, the MoE) run their forward and take the VJP of their XLA
+# form (`pallas_kernels.autodiff.reference_vjp`); the projections and norms are XLA throughout.
 
 # %%
 print(f"notebook ran in {time.perf_counter() - NOTEBOOK_T0:.1f} s")

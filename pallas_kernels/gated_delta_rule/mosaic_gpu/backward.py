@@ -30,8 +30,8 @@ bf16: 128 MiB each at B1-T8192-Hv32, K = V = 128) while it runs.
 
 Scope: as the forward's "mosaic_gpu" dense path (bf16 / fp16 q, k, v of one dtype, K and V in {64, 128}, Hv a
 multiple of Hk, any T (zero tokens pad it to a multiple of 64), h0 and the final state's cotangent optional).
-Packed sequences (:func:`chunk_gated_delta_rule_varlen_bwd`, behind ``DispatchConfig.mosaic_backward_varlen``:
-not yet run on a GPU): the packed row repacked so that each sequence starts at a chunk boundary (``varlen.layout``),
+Packed sequences (:func:`chunk_gated_delta_rule_varlen_bwd`, ``DispatchConfig.mosaic_backward_varlen``, on
+by default): the packed row repacked so that each sequence starts at a chunk boundary (``varlen.layout``),
 the two state passes walking each sequence's chunks from its own initial state and final-state cotangent (a walk
 table, as the forward's), the per-chunk kernel over the repacked row, the gradients gathered back.
 :func:`chunk_gated_delta_rule_bwd` with ``impl="reference"`` replaces the three kernels by their jnp twin
