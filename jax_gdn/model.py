@@ -261,7 +261,7 @@ def default_token_buckets(max_tokens: int = 1 << 20) -> tuple:
 # ================================================================================================================
 # Page allocation (on device)
 # ================================================================================================================
-def _fit_status(page_owner, real, old_lens, seq_lens, *, page_size: int, seq_len_limit: int):
+def _fit_status(page_refs, real, old_lens, seq_lens, *, page_size: int, seq_len_limit: int):
     """Whether N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero length)
     fit: (status [] int32: 0, 1 when the pool has too few free pages, 2 when a stream would hold more than
     seq_len_limit tokens; pages held [N], pages needed [N], new pages [N]). One definition for the step and for
@@ -270,7 +270,7 @@ def _fit_status(page_owner, real, old_lens, seq_lens, *, page_size: int, seq_len
     have = (old_lens + ps - 1) // ps                                               # [N] pages held
     need = (old_lens + seq_lens + ps - 1) // ps                                    # [N] pages needed
     new = jnp.where(real, need - have, 0)
-    fits_pool = jnp.sum(new) <= jnp.sum((page_owner < 0).astype(jnp.int32))
+    fits_pool = jnp.sum(new) <= jnp.sum((page_refs == 0).astype(jnp.int32))
     fits_len = jnp.all(~real | (old_lens + seq_lens <= seq_len_limit))            # implies need <= W
     status = jnp.where(fits_len, jnp.where(fits_pool, STATUS_OK, STATUS_OUT_OF_PAGES), STATUS_PAST_MAX_SEQ_LEN)
     return status.astype(jnp.int32), have, need, new
@@ -286,13 +286,13 @@ def _stream_lens(cache_slot_lens, slot_ids, cu_seqlens):
     return real, sid, seq_lens, old_lens
 
 
-def step_status(page_owner, slot_lens, status, slot_ids, cu_seqlens, *, page_size: int, seq_len_limit: int,
+def step_status(page_refs, slot_lens, status, slot_ids, cu_seqlens, *, page_size: int, seq_len_limit: int,
                 has_attention: bool) -> jax.Array:
     """[] int32: the status ``step`` would record for this padded call (the sticky status first), from the cache's
-    page_owner [P], slot_lens [S] and status []: what strict mode reads before it runs a step."""
+    page_refs [P], slot_lens [S] and status []: what strict mode reads before it runs a step."""
     real, _, seq_lens, old_lens = _stream_lens(slot_lens, slot_ids, cu_seqlens)
     if has_attention:
-        new = _fit_status(page_owner, real, old_lens, seq_lens, page_size=page_size, seq_len_limit=seq_len_limit)[0]
+        new = _fit_status(page_refs, real, old_lens, seq_lens, page_size=page_size, seq_len_limit=seq_len_limit)[0]
     else:
         new = jnp.asarray(STATUS_OK, jnp.int32)
     return jnp.where(status != STATUS_OK, status, new)
@@ -300,17 +300,17 @@ def step_status(page_owner, slot_lens, status, slot_ids, cu_seqlens, *, page_siz
 
 def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: int):
     """New pages for N streams growing from old_lens to old_lens + seq_lens (padding streams: real False, zero
-    length). Returns (page_table, page_owner, page_index, status): status 1 when the pool has too few free pages,
+    length). Returns (page_table, page_refs, status): status 1 when the pool has too few free pages,
     2 when a stream would hold more than ``cache.seq_len_limit`` tokens; then the returned tables must not be
     used."""
     ps, p, s = cache.page_size, cache.num_pages, cache.num_slots
     n = slot_ids.shape[0]
-    status, have, need, new = _fit_status(cache.page_owner, real, old_lens, seq_lens, page_size=ps,
+    status, have, need, new = _fit_status(cache.page_refs, real, old_lens, seq_lens, page_size=ps,
                                           seq_len_limit=cache.seq_len_limit)
     new_end = jnp.cumsum(new)
     new_off = new_end - new
     total = new_end[-1]
-    free = cache.page_owner < 0
+    free = cache.page_refs == 0
     ok = status == STATUS_OK
     a = max(1, min(p, total_tokens // ps + n))                                     # static bound of new pages
     free_ids = jnp.nonzero(free, size=a, fill_value=p)[0].astype(jnp.int32)        # [A]
@@ -320,9 +320,17 @@ def _allocate(cache: Cache, slot_ids, real, old_lens, seq_lens, total_tokens: in
     slot_j = slot_ids[stream]
     idx_j = have[stream] + j - new_off[stream]
     page_table = cache.page_table.at[jnp.where(valid, slot_j, s), idx_j].set(free_ids, mode="drop")
-    page_owner = cache.page_owner.at[jnp.where(valid, free_ids, p)].set(slot_j, mode="drop")
-    page_index = cache.page_index.at[jnp.where(valid, free_ids, p)].set(idx_j, mode="drop")
-    return page_table, page_owner, page_index, status
+    page_refs = cache.page_refs.at[jnp.where(valid, free_ids, p)].set(1, mode="drop")
+    return page_table, page_refs, status
+
+
+def _unref_slots(cache: Cache, releasing) -> jax.Array:
+    """page_refs [P] once the slots marked in ``releasing [S]`` bool let go of the pages they hold (their first
+    ceil(slot_lens / Ps) page-table entries; a page shared with another slot stays held by it)."""
+    p, ps, w = cache.num_pages, cache.page_size, cache.pages_per_slot
+    held = (cache.slot_lens + ps - 1) // ps                                        # [S]
+    mine = releasing[:, None] & (jnp.arange(w, dtype=jnp.int32)[None, :] < held[:, None])
+    return cache.page_refs.at[jnp.where(mine, cache.page_table, p).reshape(-1)].add(-1, mode="drop")
 
 
 # ================================================================================================================
@@ -469,9 +477,9 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     valid = jnp.arange(t, dtype=jnp.int32) < cu_seqlens[n]
     tok_pos = jnp.where(valid, old_lens[tok_stream] + tok_rel, 0)
     if config.attn_layers:
-        page_table, page_owner, page_index, status = _allocate(cache, slot_ids, real, old_lens, seq_lens, t)
+        page_table, page_refs, status = _allocate(cache, slot_ids, real, old_lens, seq_lens, t)
     else:  # no attention layer: no KV pages to hand out, no length limit
-        page_table, page_owner, page_index = cache.page_table, cache.page_owner, cache.page_index
+        page_table, page_refs = cache.page_table, cache.page_refs
         status = jnp.asarray(STATUS_OK, jnp.int32)
     status = jnp.where(cache.status != STATUS_OK, cache.status, status)           # sticky
     go = status == STATUS_OK
@@ -479,8 +487,7 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     # out of range (P) for the KV writes, the old tables kept, zero logits. (A lax.cond around the layers would
     # make XLA copy the whole cache through its branches on every step.)
     page_table = jnp.where(go, page_table, cache.page_table)
-    page_owner = jnp.where(go, page_owner, cache.page_owner)
-    page_index = jnp.where(go, page_index, cache.page_index)
+    page_refs = jnp.where(go, page_refs, cache.page_refs)
     tok_page = page_table[sid[tok_stream], jnp.minimum(tok_pos // ps, w - 1)]
     tok_page = jnp.where(valid & go, tok_page, p)                                  # padding / refused: dropped
     new_slot_lens = jnp.where(go, cache.slot_lens.at[slot_ids].add(seq_lens, mode="drop"), cache.slot_lens)
@@ -499,61 +506,61 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.where(go, jnp.matmul(x, head, preferred_element_type=jnp.float32), 0.0)
-    return logits, cache.replace(gdn=gdn_all, kv=kv_all, page_table=page_table, page_owner=page_owner,
-                                 page_index=page_index, slot_lens=new_slot_lens, status=status)
+    return logits, cache.replace(gdn=gdn_all, kv=kv_all, page_table=page_table, page_refs=page_refs,
+                                 slot_lens=new_slot_lens, status=status)
 
 
 def release_slots(cache: Cache, slot_ids: jax.Array, axis_name=None) -> Cache:
-    """Empties the slots (ids outside [0, S) are ignored): their pages go back to the free pool, their lengths
-    to 0 (their GDN state is ignored after: the next prefill starts fresh)."""
+    """Empties the slots (ids outside [0, S) are ignored): their pages go back to the free pool (a page another slot
+    shares stays with it), their lengths to 0 (their GDN state is ignored after: the next prefill starts fresh)."""
     s = cache.num_slots
     releasing = jnp.zeros((s,), bool).at[slot_ids].set(True, mode="drop")
-    owner = cache.page_owner
-    freed = (owner >= 0) & releasing[jnp.maximum(owner, 0)]
     return cache.replace(
-        page_owner=jnp.where(freed, -1, owner),
-        page_index=jnp.where(freed, 0, cache.page_index),
+        page_refs=_unref_slots(cache, releasing),
         page_table=jnp.where(releasing[:, None], 0, cache.page_table),
         slot_lens=jnp.where(releasing, 0, cache.slot_lens))
 
 
 def fork_slots(cache: Cache, src_ids: jax.Array, dst_ids: jax.Array, axis_name=None) -> Cache:
     """Slot dst_ids[m] becomes a copy of slot src_ids[m] (pairs with an id outside [0, S) are ignored): dst's own
-    pages are freed first, then it takes its source's length, GDN state (conv and recurrent, every layer) and
-    fresh pages holding a copy of the source's KV pages, so it continues exactly where the source stands. When
-    the pool lacks the pages the call writes nothing and records STATUS_OUT_OF_PAGES (sticky, as a refused step;
-    a cache already refused is returned unchanged). Sources must not be destinations of the same call."""
+    pages are let go first, then it takes its source's length, GDN state (conv and recurrent, every layer) and KV:
+    the source's full pages shared (their reference counts raised: no write ever reaches a full page, so nothing
+    is copied) and its partial last page, if any, copied into a fresh page (the next tokens of dst and of src go
+    there). dst continues exactly where src stands. When the pool lacks the fresh pages the call writes nothing
+    and records STATUS_OUT_OF_PAGES (sticky, as a refused step; a cache already refused is returned unchanged).
+    Sources must not be destinations of the same call."""
     del axis_name                                   # per device the same index work (heads are what is split)
-    s, p, ps = cache.num_slots, cache.num_pages, cache.page_size
+    s, p, ps, w = cache.num_slots, cache.num_pages, cache.page_size, cache.pages_per_slot
     m = dst_ids.shape[0]
     real = (src_ids >= 0) & (src_ids < s) & (dst_ids >= 0) & (dst_ids < s)
     src = jnp.where(real, src_ids, 0)
     dst = jnp.where(real, dst_ids, s)
     releasing = jnp.zeros((s,), bool).at[dst].set(True, mode="drop")
-    owner = cache.page_owner
-    freed = (owner >= 0) & releasing[jnp.maximum(owner, 0)]
-    emptied = cache.replace(page_owner=jnp.where(freed, -1, owner), page_index=jnp.where(freed, 0, cache.page_index),
-                            page_table=jnp.where(releasing[:, None], 0, cache.page_table),
-                            slot_lens=jnp.where(releasing, 0, cache.slot_lens))
-    lens = jnp.where(real, cache.slot_lens[src], 0)
-    w = cache.pages_per_slot
-    page_table, page_owner, page_index, status = _allocate(emptied, dst, real, jnp.zeros_like(lens), lens,
-                                                           total_tokens=m * w * ps)
-    ok = (status == STATUS_OK) & (cache.status == STATUS_OK)
+    lens = jnp.where(real, cache.slot_lens[src], 0)                                # [M]
+    full = lens // ps                                                              # [M] pages shared
     i = jnp.arange(w, dtype=jnp.int32)[None, :]
-    copy = ok & real[:, None] & (i < ((lens + ps - 1) // ps)[:, None])            # [M, W]
-    from_page = jnp.where(copy, cache.page_table[src][:, :w], 0).reshape(-1)
-    to_page = jnp.where(copy, page_table[jnp.minimum(dst, s - 1)][:, :w], p).reshape(-1)
+    src_rows = cache.page_table[src]                                               # [M, W]
+    share = real[:, None] & (i < full[:, None])
+    refs = _unref_slots(cache, releasing).at[jnp.where(share, src_rows, p).reshape(-1)].add(1, mode="drop")
+    table = jnp.where(releasing[:, None], 0, cache.page_table).at[dst].set(jnp.where(share, src_rows, 0),
+                                                                           mode="drop")
+    shared = cache.replace(page_refs=refs, page_table=table,
+                           slot_lens=jnp.where(releasing, 0, cache.slot_lens).at[dst].set(full * ps, mode="drop"))
+    page_table, page_refs, status = _allocate(shared, dst, real, full * ps, lens - full * ps, total_tokens=m * ps)
+    ok = (status == STATUS_OK) & (cache.status == STATUS_OK)
+    partial = ok & real & (lens > full * ps)                                       # [M] one page copied each
+    last = jnp.minimum(full, w - 1)[:, None]
+    from_page = jnp.where(partial, jnp.take_along_axis(src_rows, last, 1)[:, 0], 0)
+    to_page = jnp.where(partial, jnp.take_along_axis(page_table[jnp.minimum(dst, s - 1)], last, 1)[:, 0], p)
     kv = jax.tree.map(lambda x: x.at[:, to_page].set(x[:, from_page], mode="drop"), cache.kv)
     to_slot = jnp.where(ok & real, dst, s)
     gdn = jax.tree.map(lambda x: x.at[:, to_slot].set(x[:, src], mode="drop"), cache.gdn)
-    slot_lens = emptied.slot_lens.at[to_slot].set(lens, mode="drop")
+    slot_lens = shared.slot_lens.at[to_slot].set(lens, mode="drop")
 
     def pick(new, old):                             # the small tables only: the pools were written under ``ok``
         return jnp.where(ok, new, old)
     return cache.replace(gdn=gdn, kv=kv, page_table=pick(page_table, cache.page_table),
-                         page_owner=pick(page_owner, cache.page_owner), page_index=pick(page_index, cache.page_index),
-                         slot_lens=pick(slot_lens, cache.slot_lens),
+                         page_refs=pick(page_refs, cache.page_refs), slot_lens=pick(slot_lens, cache.slot_lens),
                          status=jnp.where(cache.status != STATUS_OK, cache.status, status).astype(jnp.int32))
 
 
@@ -815,8 +822,7 @@ class HybridModel:
                      v_pages=jax.ShapeDtypeStruct(kv_shape, self.dtype))
         i32 = jnp.int32
         return Cache(gdn=gdn, kv=kv, page_table=jax.ShapeDtypeStruct((max_seqs, pages_per_slot), i32),
-                     page_owner=jax.ShapeDtypeStruct((num_pages,), i32),
-                     page_index=jax.ShapeDtypeStruct((num_pages,), i32),
+                     page_refs=jax.ShapeDtypeStruct((num_pages,), i32),
                      slot_lens=jax.ShapeDtypeStruct((max_seqs,), i32),
                      status=jax.ShapeDtypeStruct((), i32), page_size=page_size)
 
@@ -837,8 +843,7 @@ class HybridModel:
         spec = spec.replace(max_seq_len=int(max_tokens if max_seq_len is None else max_seq_len))
 
         def make():
-            cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
-            return cache.replace(page_owner=jnp.full((num_pages,), -1, jnp.int32))
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
         if self.shard_rules is None:
             return make()
         return jax.jit(make, out_shardings=self.shard_rules.cache_shardings(spec))()   # made on the devices
@@ -935,7 +940,7 @@ class HybridModel:
     def _refuse_before(self, cache: Cache, cu_p, sl_p) -> None:
         """Strict mode: the status this step would record, read on the host before the (donating) call; raises
         OutOfKvPagesError when it would be refused, so the cache passed in stays live and unchanged."""
-        status = int(self._status_jit(cache.page_owner, cache.slot_lens, cache.status, sl_p, cu_p,
+        status = int(self._status_jit(cache.page_refs, cache.slot_lens, cache.status, sl_p, cu_p,
                                       page_size=cache.page_size, seq_len_limit=cache.seq_len_limit,
                                       has_attention=bool(self.config.attn_layers)))
         if status != STATUS_OK:
@@ -1006,8 +1011,8 @@ class HybridModel:
 
     @_host_method
     def fork(self, cache: Cache, src_slot_ids, dst_slot_ids) -> Cache:
-        """Slot dst_slot_ids[m] becomes a copy of slot src_slot_ids[m] (its length, GDN state and a copy of its KV
-        pages in fresh pages; what dst held is released first): dst continues exactly where src stands, and src is
+        """Slot dst_slot_ids[m] becomes a copy of slot src_slot_ids[m] (its length, GDN state and KV: the full pages
+        shared by reference count, a partial last page copied; what dst held is released first): dst continues exactly where src stands, and src is
         unchanged (the prefix cache's snapshot and its restore). Both [M] int in [0, max_seqs), no id in both; a
         source may repeat (one snapshot into several slots), a destination may not. Out of pages:
         refused like a step (``cache.status``, :meth:`check`). Returns the new cache."""

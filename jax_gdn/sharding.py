@@ -46,7 +46,7 @@ shared_expert_gate
 
 Cache: conv_state [Lg, S, C, Kc-1] split on C like conv1d (device-major), ssm_state [Lg, S, Hv, K, V] on Hv,
 k_pages / v_pages [La, P, Ps, Hkv', Dh] on the kv heads (Hkv' = max(Hkv, n): replicated heads when n > Hkv);
-page_table, page_owner, page_index, slot_lens, status replicated (every device runs the same allocation).
+page_table, page_refs, slot_lens, status replicated (every device runs the same allocation).
 
 Two ways to split the routed experts (``moe_sharding``), both with no token exchange: after the mixer's psum the
 tokens are replicated, every device routes every token itself (the router is replicated, so the routing is the
@@ -387,7 +387,7 @@ class ShardRules:
         a = self.axis
         gdn = cache.gdn.replace(conv_state=P(None, None, a, None), ssm_state=P(None, None, a, None, None))
         kv = cache.kv.replace(k_pages=P(None, None, None, a, None), v_pages=P(None, None, None, a, None))
-        return cache.replace(gdn=gdn, kv=kv, page_table=P(), page_owner=P(), page_index=P(), slot_lens=P(),
+        return cache.replace(gdn=gdn, kv=kv, page_table=P(), page_refs=P(), slot_lens=P(),
                              status=P())
 
     def cache_shardings(self, cache: Cache) -> Cache:

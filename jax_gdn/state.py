@@ -110,8 +110,8 @@ class Cache:
     kv:         KvPages stacked over the attention layers: k_pages, v_pages [La, P, Ps, Hkv, Dh]
     page_table: [S, W] int32  page_table[s, i] is the pool page holding tokens i*Ps .. i*Ps+Ps-1 of slot s
                               (valid for i < ceil(slot_lens[s] / Ps)); a slot holds at most max_seq_len tokens
-    page_owner: [P] int32     slot owning each page, -1 for a free page (the free bitmap is page_owner < 0)
-    page_index: [P] int32     position of each page in its owner's page table (tokens page_index*Ps ...)
+    page_refs:  [P] int32     how many slots' page tables hold each page (0: free; > 1: a full page shared by
+                              forks, e.g. a cached prefix and the requests started from it; never written again)
     slot_lens:  [S] int32     tokens each slot holds (0: empty, the next prefill starts it fresh)
     status:     [] int32      0, or why a step was refused (1 out of KV pages, 2 a slot past max_seq_len);
                               sticky until cleared (jax_gdn.model.HybridModel.check)
@@ -122,8 +122,7 @@ class Cache:
     gdn: GdnSlots
     kv: KvPages
     page_table: jax.Array
-    page_owner: jax.Array
-    page_index: jax.Array
+    page_refs: jax.Array
     slot_lens: jax.Array
     status: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
@@ -135,7 +134,7 @@ class Cache:
 
     @property
     def num_pages(self) -> int:
-        return self.page_owner.shape[0]
+        return self.page_refs.shape[0]
 
     @property
     def pages_per_slot(self) -> int:

@@ -28,7 +28,7 @@ with "abort" rather than loop.
 Prefix cache (``prefix_cache=True``, :mod:`jax_gdn.serving.prefix_cache`): a prompt chunk ends at the next
 boundary of the grid of ``block_size`` tokens (several requests still share a step's budget); after a step that
 leaves a request's prompt on the grid, its slot is copied into one of
-``prefix_slots`` snapshot slots (``HybridModel.fork``: GDN states, length and a copy of its KV pages), keyed by
+``prefix_slots`` snapshot slots (``HybridModel.fork``: GDN states, length, its KV pages shared), keyed by
 the hash chain of its blocks; an admitted request whose sequence starts with a cached prefix starts from a fork of
 that snapshot and feeds only the rest. Out of pages, the least recently used snapshot goes before any request is
 preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions.

@@ -3,14 +3,15 @@
 A GDN layer's state after n tokens is one [Hv, K, V] matrix per slot, not a per-token cache: a prefix can be
 reused only from a state taken exactly at its end. So the cache keeps **snapshots**: at a chunked-prefill step
 that ends on the block grid (block_size tokens; the engine cuts prompt chunks there), the request's slot is
-copied into a snapshot slot (``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and a
-copy of its KV pages in fresh pages), keyed by the hash chain of its token blocks. A later request whose
+copied into a snapshot slot (``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and its
+KV pages, the full ones shared by reference count and a partial last one copied), keyed by the hash chain of its token blocks. A later request whose
 sequence starts with a cached prefix (the longest one that leaves at least one token to feed) gets the snapshot
 forked into its own slot and feeds only the rest: the same state and KV a cold run would have made, so its
 outputs are the cold run's (within the rounding of a different chunking).
 
 A boundary is snapshotted the ``min_uses``-th time a request's prompt reaches it (default 2: once a second
-request shows the prefix is shared). Each snapshot holds a copy of the prefix's KV pages and a slot, so caching
+request shows the prefix is shared). Each snapshot holds a slot (its GDN state) and references to the prefix's KV
+pages (which stay out of the pool while it lives), so caching
 every boundary of every prompt on first sight would fill the snapshot slots with prompts' own tails and evict
 the shared prefixes (a workload of 2 shared prefixes x 4 requests hit 1 time in 8 that way, 4 in 8 this way).
 

@@ -26,8 +26,7 @@ def model():
 
 
 def _snapshot(cache):
-    return [np.asarray(x).copy() for x in (cache.slot_lens, cache.page_owner, cache.page_table, cache.page_index,
-                                           cache.gdn.ssm_state, cache.gdn.conv_state, cache.kv.k_pages)]
+    return [np.asarray(x).copy() for x in (cache.slot_lens, cache.page_refs, cache.page_table, cache.gdn.ssm_state, cache.gdn.conv_state, cache.kv.k_pages)]
 
 
 BAD = [
@@ -115,7 +114,7 @@ def test_out_of_pages_release_and_fresh_restart(model):
     cache = model.init_cache(max_seqs=2, max_tokens=32, page_size=8)
     _, cache = model.prefill(cache, a, cu, np.array([0], np.int32))
     model.check(cache)                                   # no error yet
-    assert int(np.sum(np.asarray(cache.page_owner) == 0)) == 3
+    assert int(np.sum(np.asarray(cache.page_refs) == 1)) == 3 and int(np.sum(np.asarray(cache.page_refs))) == 3
     before = _snapshot(cache)
     logits, cache = model.prefill(cache, b, cu, np.array([1], np.int32))     # no host read: returns at once
     assert int(cache.status) == 1 and np.all(np.asarray(logits) == 0)
@@ -131,7 +130,7 @@ def test_out_of_pages_release_and_fresh_restart(model):
         np.testing.assert_array_equal(x, y)
 
     cache = model.release(cache, np.array([0], np.int32))
-    assert np.all(np.asarray(cache.page_owner) == -1) and np.all(np.asarray(cache.slot_lens) == 0)
+    assert np.all(np.asarray(cache.page_refs) == 0) and np.all(np.asarray(cache.slot_lens) == 0)
     # slot 1 now fits; then slot 0 (stale state and pages of stream a) restarts fresh with stream b
     got_b, cache = model.prefill(cache, b, cu, np.array([1], np.int32), return_all_logits=True)
     np.testing.assert_allclose(np.asarray(got_b), np.asarray(ref_b), rtol=1e-5, atol=1e-5)
@@ -287,7 +286,7 @@ def test_max_seq_len_is_exact_not_whole_pages(model):
         if want:
             assert np.all(np.asarray(logits) == 0)
             np.testing.assert_array_equal(np.asarray(out.slot_lens), [0, 0])
-            assert np.all(np.asarray(out.page_owner) == -1)
+            assert np.all(np.asarray(out.page_refs) == 0)
         else:
             np.testing.assert_array_equal(np.asarray(out.slot_lens), [20, 5])
 

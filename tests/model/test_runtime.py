@@ -89,7 +89,7 @@ def test_cache_is_donated_and_updated_in_place(params):
     assert old.gdn.conv_state.is_deleted() and old.slot_lens.is_deleted()
     old = cache
     cache = model.release(cache, [1])
-    assert old.page_owner.is_deleted() and int(cache.slot_lens[1]) == 0
+    assert old.page_refs.is_deleted() and int(cache.slot_lens[1]) == 0
 
 
 def test_bucket_padding_changes_nothing_and_touches_no_other_slot(params):

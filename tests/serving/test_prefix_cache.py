@@ -74,15 +74,57 @@ def test_fork_continues_exactly_where_the_source_stands(model):
     assert _rel(np.asarray(logits_fork), cold) < 1e-5 and _rel(np.asarray(logits_src), cold) < 1e-5
 
 
+def test_fork_shares_full_pages_and_copies_the_partial_one(model):
+    """40 tokens in 16-token pages: the fork raises the two full pages' counts and copies the third (partial) page
+    into the one page left free; the source and the fork then write their next tokens into their own pages, and
+    releasing either leaves the other exact. Pages come back to the pool only when no slot holds them."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 60).astype(np.int32)
+    cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=16)       # 4 pages
+    one = np.asarray([0], np.int32)
+    _, cache = model.prefill(cache, prompt[:40], np.asarray([0, 40], np.int32), one)
+    cache = model.fork(cache, [0], [1])
+    model.check(cache)
+    refs, table = np.asarray(cache.page_refs), np.asarray(cache.page_table)
+    assert table[1, :2].tolist() == table[0, :2].tolist() and table[1, 2] != table[0, 2]
+    assert sorted(refs.tolist()) == [1, 1, 2, 2]                            # 2 shared, 2 partial: the pool is full
+    np.testing.assert_array_equal(np.asarray(cache.kv.k_pages)[:, table[1, 2]], np.asarray(cache.kv.k_pages)[:, table[0, 2]])
+    logits_src, cache = model.prefill(cache, prompt[40:48], np.asarray([0, 8], np.int32), one)
+    cache = model.release(cache, one)                                       # the fork keeps the shared pages
+    refs = np.asarray(cache.page_refs)
+    assert refs[table[1, :3]].tolist() == [1, 1, 1] and int(np.sum(refs == 0)) == 1
+    logits_fork, cache = model.prefill(cache, prompt[40:48], np.asarray([0, 8], np.int32), np.asarray([1], np.int32))
+    model.check(cache)
+    cold_cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=16)
+    logits_cold, _ = model.prefill(cold_cache, prompt[:48], np.asarray([0, 48], np.int32), one)
+    cold = np.asarray(logits_cold)
+    assert _rel(np.asarray(logits_src), cold) < 1e-5 and _rel(np.asarray(logits_fork), cold) < 1e-5
+    cache = model.release(cache, np.asarray([1], np.int32))
+    assert np.all(np.asarray(cache.page_refs) == 0)
+
+
+def test_one_snapshot_forked_into_several_slots_shares_its_pages(model):
+    """A 32-token prefix (two full pages) forked into three slots takes no page of the pool: the counts read 4."""
+    cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=16)       # 4 pages
+    ids = np.arange(32, dtype=np.int32) % VOCAB
+    _, cache = model.prefill(cache, ids, np.asarray([0, 32], np.int32), np.asarray([0], np.int32))
+    cache = model.fork(cache, [0, 0, 0], [1, 2, 3])
+    model.check(cache)
+    refs = np.asarray(cache.page_refs)
+    assert sorted(refs.tolist()) == [0, 0, 4, 4] and np.asarray(cache.slot_lens).tolist() == [32] * 4
+    cache = model.release(cache, np.asarray([0, 1, 2, 3], np.int32))
+    assert np.all(np.asarray(cache.page_refs) == 0)
+
+
 def test_fork_out_of_pages_is_refused_and_writes_nothing(model):
-    cache = model.init_cache(max_seqs=3, max_tokens=64, page_size=16)       # 4 pages
+    cache = model.init_cache(max_seqs=3, max_tokens=48, page_size=16)       # 3 pages
     ids = np.arange(40, dtype=np.int32) % VOCAB
     _, cache = model.prefill(cache, ids, np.asarray([0, 40], np.int32), np.asarray([0], np.int32))   # 3 pages
     before = jax.tree.map(np.asarray, cache)
-    cache = model.fork(cache, [0], [1])
+    cache = model.fork(cache, [0], [1])                  # its partial page needs a fresh page: none is free
     assert int(cache.status) == 1
     after = jax.tree.map(np.asarray, cache)
-    for name in ("page_table", "page_owner", "page_index", "slot_lens"):
+    for name in ("page_table", "page_refs", "slot_lens"):
         assert np.array_equal(getattr(after, name), getattr(before, name)), name
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(after.gdn),
                                                                    jax.tree.leaves(before.gdn)))
