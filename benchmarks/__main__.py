@@ -146,6 +146,9 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
             for r in value["rows"]:
                 was = old.get(r["case"]) or {}
                 r["ms"] = {i: (r["ms"][i] if i in impls else (was.get("ms") or {}).get(i)) for i in mod.IMPLS}
+                if "peak_mb" in r:
+                    r["peak_mb"] = {i: (r["peak_mb"][i] if i in impls else (was.get("peak_mb") or {}).get(i))
+                                    for i in mod.IMPLS}
                 r["errors"] = {**{i: e for i, e in (was.get("errors") or {}).items() if i not in impls},
                                **r.get("errors", {})}
         mod.print_section(value)

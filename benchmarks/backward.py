@@ -16,7 +16,11 @@ cannot run, its reason in "errors"):
         ``benchmarks.peers``)
   jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
 Timing: ``jax_gdn.timing`` for every column (``benchmarks.timing.time_torch`` for FLA): groups of back-to-back
-calls closed by one sync, the median over the groups. Peak memory is not measured (JAX gives no per-call peak).
+calls closed by one sync, the median over the groups.
+Peak memory ("peak_mb", MiB): the bytes live at the peak of one call, inputs and gradients included. JAX columns:
+XLA's buffer assignment of the compiled call (``memory_analysis()``: arguments + outputs + temporaries - aliased;
+the Mosaic kernels' outputs are XLA buffers, their shared memory is not HBM); torch columns: the CUDA caching
+allocator's ``max_memory_allocated`` over one call after a reset, the inputs and gradient buffers already live.
 """
 from __future__ import annotations
 
@@ -67,12 +71,32 @@ def _jax_columns(case: Case, host, do, dht, gpu: bool, timing: dict) -> dict:
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(ht * dht)
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))
     with_ct = args + (do_, dht_)
-    return {"fwd": lambda: time_jax(jax.jit(op(kernel)), args, **timing),
-            "ours": lambda: time_jax(grad(op(kernel)), with_ct, **timing),
-            "ours_xla_vjp": lambda: time_jax(grad(op(kernel, XLA_VJP)), with_ct, **timing),
-            "xla": lambda: time_jax(grad(op("xla")), with_ct, **timing),
-            "jla": (None if not gpu or case.lens is not None else lambda: time_jax(grad(_jla(case, host)), with_ct,
-                                                                                  **timing))}
+
+    def measure(fn, a):
+        return time_jax(fn, a, **timing), compiled_peak_mb(fn, a)
+    return {"fwd": lambda: measure(jax.jit(op(kernel)), args),
+            "ours": lambda: measure(grad(op(kernel)), with_ct),
+            "ours_xla_vjp": lambda: measure(grad(op(kernel, XLA_VJP)), with_ct),
+            "xla": lambda: measure(grad(op("xla")), with_ct),
+            "jla": (None if not gpu or case.lens is not None else lambda: measure(grad(_jla(case, host)), with_ct))}
+
+
+def compiled_peak_mb(jitted, args) -> float:
+    """MiB live at the peak of one call of ``jitted`` on ``args`` by XLA's buffer assignment: arguments + outputs +
+    temporaries, less what outputs alias."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) / 2 ** 20
+
+
+def torch_peak_mb(run) -> float:
+    """MiB the CUDA caching allocator held at the peak of one call of ``run`` (its inputs already allocated)."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
 def _jla(case: Case, host):
@@ -89,13 +113,14 @@ def _fla(case: Case, host, do, dht) -> float:
     run = peers.fla_chunk_backward(case, host, do, dht)
     run()
     torch.cuda.synchronize()
-    return time_torch(run)
+    return time_torch(run), torch_peak_mb(run)
 
 
 def _qla(case: Case, host, do, dht) -> float:
     from benchmarks import peers
     from benchmarks.timing import time_torch
-    return time_torch(peers.warm(peers.qla_chunk_backward(case, host, do, dht)))
+    run = peers.warm(peers.qla_chunk_backward(case, host, do, dht))
+    return time_torch(run), torch_peak_mb(run)
 
 
 def _importable(module: str) -> bool:
@@ -104,8 +129,8 @@ def _importable(module: str) -> bool:
 
 
 def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS) -> dict:
-    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, qla, jla}, "errors": {impl: reason}}],
-    "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in fp32, the kernel in
+    """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, qla, jla}, "peak_mb": {the same}, "errors":
+    {impl: reason}}], "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in fp32, the kernel in
     interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
@@ -117,19 +142,17 @@ def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS) -> dict:
         cols = _jax_columns(case, host, do, dht, gpu, timing)
         cols["fla"] = (lambda: _fla(case, host, do, dht)) if gpu else None
         cols["qla"] = (lambda: _qla(case, host, do, dht)) if gpu and _importable("flash_qla") else None
-        ms, errors = {}, {}
+        ms, peak, errors = {i: None for i in IMPLS}, {i: None for i in IMPLS}, {}
         for impl in IMPLS:
             if impl not in impls or cols.get(impl) is None:
-                ms[impl] = None
                 continue
             print(f"backward {case.name} {impl}", flush=True)
             try:
-                ms[impl] = cols[impl]()
+                ms[impl], peak[impl] = cols[impl]()
             except Exception as e:                         # a column that cannot run: null, its reason kept
-                ms[impl] = None
                 errors[impl] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"backward {case.name} {impl}: failed: {errors[impl]}")
-        rows.append({"case": case.name, "ms": ms, "errors": errors})
+        rows.append({"case": case.name, "ms": ms, "peak_mb": peak, "errors": errors})
     return {"rows": rows, "note": "median ms of forward + backward (fwd: ours, forward only); "
                                   + ("CPU smoke run, not a measurement" if quick or not gpu else "bf16")}
 
@@ -140,6 +163,9 @@ def print_section(section: dict) -> None:
     for r in section["rows"]:
         print(f"  {r['case']:30s}" + "".join("{:>13s}".format("-" if r["ms"][i] is None else f"{r['ms'][i]:.3f}")
                                             for i in IMPLS))
+        peak = r.get("peak_mb") or {}
+        print(f"  {'  peak MiB':30s}" + "".join("{:>13s}".format("-" if peak.get(i) is None else f"{peak[i]:.0f}")
+                                               for i in IMPLS))
 
 
 def markdown(section: dict) -> list:
@@ -149,4 +175,10 @@ def markdown(section: dict) -> list:
     for r in section["rows"]:
         out.append(f"| {r['case']} | " + " | ".join("-" if r["ms"].get(i) is None else f"{r['ms'][i]:.3f}"
                                                      for i in IMPLS) + " |")
+    with_peak = [r for r in section["rows"] if any(v is not None for v in (r.get("peak_mb") or {}).values())]
+    if with_peak:
+        out += [""] + md_header(["peak memory of one call"] + [f"{i} MiB" for i in IMPLS])
+        for r in with_peak:
+            out.append(f"| {r['case']} | " + " | ".join("-" if r["peak_mb"].get(i) is None else f"{r['peak_mb'][i]:.0f}"
+                                                         for i in IMPLS) + " |")
     return out
