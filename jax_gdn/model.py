@@ -94,7 +94,7 @@ from jax_gdn.layers.attention import attention_param_shapes
 from jax_gdn.ops import validation
 from jax_gdn.ops.norms import rms_norm
 from jax_gdn.ops.varlen import count_le, token_streams
-from jax_gdn.options import DEFAULT_OPTIONS, RuntimeOptions
+from jax_gdn.options import CORE_NAMES, DEFAULT_OPTIONS, RuntimeOptions
 from jax_gdn.state import BatchMeta, Cache, GdnSlots, KvPages
 
 __all__ = ["HybridModel", "OutOfKvPagesError", "RuntimeOptions", "LayerPlan", "layer_plan", "init_params",
@@ -418,6 +418,15 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
     xs_period = tuple(_without_experts(period[j]) if kinds[j].moe else period[j] for j in range(p))
 
     def run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset=None):
+        if options.remat == "layers":              # the backward recomputes the block, its mixer's core saved
+            return jax.checkpoint(
+                lambda bparams, x, gdn, kv, gi, ai, expert_offset: _run_block(kind, bparams, x, gdn, kv, gi, ai,
+                                                                              expert_offset),
+                policy=jax.checkpoint_policies.save_only_these_names(*CORE_NAMES),
+                prevent_cse=False)(bparams, x, gdn, kv, gi, ai, expert_offset)
+        return _run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset)
+
+    def _run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset=None):
         b = batch if expert_offset is None else batch.replace(expert_offset=expert_offset)
         kw = dict(config=config, backends=backends, options=options)
         if kind.mixer == "gdn":

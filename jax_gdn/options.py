@@ -17,6 +17,10 @@ __all__ = ["RuntimeOptions", "PHASE1_CONVS", "GDN_DECODE_STEPS", "DEFAULT_OPTION
 PHASE1_CONVS = ("auto", "two_step", "fused")
 #: ``RuntimeOptions.gdn_decode_step`` values (see there).
 GDN_DECODE_STEPS = ("auto", "unfused", "fused")
+#: ``RuntimeOptions.remat`` values
+REMATS = ("none", "layers")
+#: the names (``jax.ad_checkpoint.checkpoint_name``) of the mixers' core outputs, which remat="layers" saves
+CORE_NAMES = ("gdn_core", "attention_core")
 
 
 def _is_int(value) -> bool:
@@ -61,6 +65,11 @@ class RuntimeOptions:
       scan_unroll_prefill, scan_unroll_decode: the ``unroll`` of the scan over the repeats of the layer period in
         each program (True, False or an int >= 1). Decode unrolls 2 repeats per iteration: a faster decode step
         on the H200 for at most twice the loop body's compile time; prefill gains nothing from unrolling.
+      remat: what the backward of a differentiated step keeps (training; serving is not differentiated and runs
+        the same either way): "none" (XLA's autodiff saves every residual of every layer) or "layers" (each layer
+        under ``jax.checkpoint``: the backward recomputes the layer from its input, saving only the mixers' core
+        outputs, ``CORE_NAMES``: the GDN op's o and attention's o, so that neither core runs twice; the
+        projections, the conv, the norms and the MoE are recomputed).
     """
 
     phase1_conv: str = "auto"
@@ -73,10 +82,13 @@ class RuntimeOptions:
     flat_pool_limit: int = 2 ** 31 - 1
     scan_unroll_prefill: int | bool = 1
     scan_unroll_decode: int | bool = 2
+    remat: str = "none"
 
     def __post_init__(self):
         if self.phase1_conv not in PHASE1_CONVS:
             raise ValueError(f"RuntimeOptions.phase1_conv must be one of {PHASE1_CONVS}, got {self.phase1_conv!r}")
+        if self.remat not in REMATS:
+            raise ValueError(f"RuntimeOptions.remat must be one of {REMATS}, got {self.remat!r}")
         if self.gdn_decode_step not in GDN_DECODE_STEPS:
             raise ValueError(f"RuntimeOptions.gdn_decode_step must be one of {GDN_DECODE_STEPS}, "
                              f"got {self.gdn_decode_step!r}")

@@ -13,6 +13,9 @@ backward kernels walking each document (``DispatchConfig.mosaic_backward_varlen`
 kernels run the forward and ``pallas_kernels.autodiff.reference_vjp`` gives them the XLA forms' VJPs (recomputed in
 the backward).
 
+Activation memory: the model's ``RuntimeOptions(remat="layers")`` recomputes each layer in the backward, the GDN
+and attention cores' outputs saved (their kernels run once); the default keeps every residual.
+
 Precision: :class:`Trainer` keeps fp32 master weights (``TrainState.params``) and the optimiser state; each step
 casts the master to the model's own dtypes (``model.params``: bf16 matmul weights with fp32 norms and gates for a
 bf16 model) for the forward and backward, and applies the fp32 gradients, clipped to ``clip_norm`` global norm,

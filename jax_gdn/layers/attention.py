@@ -43,6 +43,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_gdn.config import AttnDims
 from jax_gdn.layers.rope import apply_partial_rope, rope_cos_sin
@@ -277,6 +278,7 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
                                       q_norm=params["q_norm"], cos=cos, sin=sin, num_heads=dims.num_heads,
                                       scale=scale, eps=dims.rms_norm_eps, backend=backend, k_new=k,
                                       v_new=v)                                          # [T, H * Dh]
+        o = checkpoint_name(o, "attention_core")   # what RuntimeOptions(remat="layers") keeps for the backward
         return (o @ params["o_proj"]).astype(hidden.dtype), kv
     q, k, v, gate = attention_qkv(params, dims, hidden, token_pos, options=options)
     kv = write_kv_pages(kv, k, v, token_page, token_offset, unique=options.kv_write_unique)
@@ -285,6 +287,7 @@ def attention_layer(params: dict, dims: AttnDims, hidden: jax.Array, kv: KvPages
     else:
         o = paged_attention(q, kv, page_table, slot_lens, cu_seqlens, slot_ids, scale=scale,
                             backend=backend)                                             # [T, H, Dh]
+    o = checkpoint_name(o, "attention_core")       # what RuntimeOptions(remat="layers") keeps for the backward
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     out = o.reshape(t, dims.num_heads * dims.head_dim) @ params["o_proj"]
     return out.astype(hidden.dtype), kv

@@ -59,6 +59,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_gdn import ops as gdn_ops
 from jax_gdn.config import GdnDims
@@ -617,6 +618,7 @@ def gdn_mixer(params: dict, dims: GdnDims, x: jax.Array, slots: GdnSlots, meta: 
     if not ok:  # the kernel refuses these dims: the XLA chunked varlen path (traceable, any dims)
         o, new_slots, _ = gdn_full_varlen(q, k, v, p1.g, p1.beta, slots, meta, backend="xla",
                                           chunk_size=chunk_size)
+    o = checkpoint_name(o, "gdn_core")             # what RuntimeOptions(remat="layers") keeps for the backward
     return gdn_output(params, dims, o, p1.z, x.dtype), new_slots
 
 
