@@ -10,6 +10,12 @@ second of it, time to first token and time per output token (p50 / p99 over the 
 call's start: in an offline call every request arrives at 0, so time to first token includes queueing), the
 prefix cache's hit rate and the prompt tokens it served, and whether the outputs of both settings are equal.
 
+Block sizes (``block_sweep``, also ``python -m benchmarks.serving --block-sweep``): the prefix cache's hit
+statistics against ``block_size`` on a mixed-length shared-prefix workload (``BLOCK_SWEEP``: 4 system prompts of
+250-1000 tokens x 6 requests, 16 running, 16 snapshot slots). Hits depend on the scheduler and the cache's
+bookkeeping only (greedy, no stop ids: the same steps on any model and device), so the tiny model on the CPU
+gives the figures of any size; what a snapshot costs in memory is the model's (``snapshot_bytes``).
+
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
 blocks). Otherwise Qwen3-Next-80B dims at 8 layers (random bf16 weights made on the device), 4 prefixes of 2048
 tokens x 8 requests, 256-token blocks, on the default device.
@@ -28,6 +34,45 @@ QUICK = dict(dims="tiny", layers=None, prefixes=2, per_prefix=4, prefix_len=64, 
              max_seqs=4, max_tokens=2048, page_size=16, token_budget=64, block_size=16)
 FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=8, prefix_len=2048, tail_len=256, gen_len=32,
             max_seqs=16, max_tokens=131072, page_size=16, token_budget=4096, block_size=256)
+
+
+#: the block-size sweep's workload: prefixes of mixed lengths (1-4k tokens at 1/4 scale), tails of 16-64 tokens
+BLOCK_SWEEP = dict(prefix_lens=(250, 475, 725, 1000), per_prefix=6, tail=(16, 64), gen_len=8, max_seqs=16,
+                   max_tokens=32768, page_size=16, token_budget=1024, block_sizes=(16, 32, 64, 128, 256, 512))
+
+
+def snapshot_bytes(config) -> int:
+    """Bytes of one prefix-cache snapshot of ``config``'s model beyond its KV pages (shared by reference): one
+    cache slot's GDN states, recurrent (fp32) and conv (bf16), over every GDN layer."""
+    d = config.gdn_dims
+    per_layer = d.num_v_heads * d.head_k_dim * d.head_v_dim * 4 + d.conv_dim * (d.conv_kernel_size - 1) * 2
+    return len(config.gdn_layers) * per_layer
+
+
+def block_sweep(w: dict = BLOCK_SWEEP, seed: int = 0) -> dict:
+    """{"workload", "prompt_tokens", "rows": [{"block_size", "hits", "lookups", "hit_tokens", "snapshots",
+    "evictions"}]}: one ``LLM.generate`` of the workload per block size (tiny fp32 model, programs compiled as
+    they are met: no timing here)."""
+    import jax.numpy as jnp
+    from jax_gdn.config import preset
+    from jax_gdn.model import HybridModel
+    from jax_gdn.serving import LLM, SamplingParams
+    model = HybridModel.random(preset("tiny"), 0, dtype=jnp.float32, backend="xla")
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    systems = [rng.integers(0, vocab, n).tolist() for n in w["prefix_lens"]]
+    prompts = [s + rng.integers(0, vocab, int(rng.integers(w["tail"][0], w["tail"][1] + 1))).tolist()
+               for _ in range(w["per_prefix"]) for s in systems]
+    rows = []
+    for bs in w["block_sizes"]:
+        llm = LLM(model, max_seqs=w["max_seqs"], max_tokens=w["max_tokens"], page_size=w["page_size"],
+                  token_budget=w["token_budget"], progress=False, warmup=False, prefix_cache=True, block_size=bs)
+        llm.generate(prompts, SamplingParams(max_tokens=w["gen_len"]), use_tqdm=False)
+        st = llm.prefix_cache.stats
+        rows.append({"block_size": bs, **{k: int(st[k]) for k in ("hits", "lookups", "hit_tokens", "snapshots",
+                                                                   "evictions")}})
+        print(f"block_size {bs}: {rows[-1]}", flush=True)
+    return {"workload": dict(w), "prompt_tokens": sum(len(p) for p in prompts), "rows": rows}
 
 
 def workload(w: dict, vocab: int, seed: int = 0) -> list:
@@ -115,3 +160,12 @@ def markdown(value: dict) -> list:
                      f"{fmt(r['ttft_s']['p50'])} / {fmt(r['ttft_s']['p99'])} | "
                      f"{fmt(r['tpot_s']['p50'])} / {fmt(r['tpot_s']['p99'])} | {fmt(r['hit_rate'])} |")
     return lines
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description="the prefix cache's hit statistics against block_size (block_sweep)")
+    ap.add_argument("--block-sweep", action="store_true", required=True)
+    ap.parse_args()
+    print(json.dumps(block_sweep(), indent=1))
