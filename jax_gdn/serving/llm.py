@@ -108,6 +108,14 @@ class _Request:
         return np.concatenate([head, tail]).astype(np.int32)
 
 
+
+#: the prefix cache's default block size (tokens): the snapshot grid. Measured (docs/serving.md, the block sweep):
+#: hits fall steeply once a workload's shared-prefix tokens need more snapshots than there are slots (blocks
+#: under ~0.4 x shared tokens / prefix_slots) and linearly with the tokens lost to rounding above it; 256 sits in
+#: the good range for a few 1-4k-token system prompts and 8-16 snapshot slots.
+DEFAULT_BLOCK_SIZE = 256
+
+
 class LLM:
     """The serving engine (module docstring).
 
@@ -118,8 +126,8 @@ class LLM:
     min(max_tokens, 2048)). tokenizer: None, a path to a tokenizer.json, or an object with ``encode(str)`` ->
     ids (or ``.ids``) and ``decode(ids)`` -> str (``tokenizers.Tokenizer``). progress: tqdm bars for warm-up and
     generate. warmup: compile every program now (:meth:`warmup`). prefix_cache: the exact prefix cache (module
-    docstring) with ``block_size`` tokens per block (default token_budget: prompt chunks as without the cache;
-    not yet chosen by measurement) and
+    docstring) with ``block_size`` tokens per block (default ``DEFAULT_BLOCK_SIZE`` = 256, rounded up to a
+    multiple of page_size so that snapshots share whole pages; docs/serving.md has the measurement) and
     ``prefix_slots`` snapshot slots (default max_seqs; the cache gets max_seqs + prefix_slots slots); a boundary
     is snapshotted once ``prefix_min_uses`` prompts have reached it (default 2: once it is shared).
     """
@@ -155,7 +163,8 @@ class LLM:
         extra = 0
         self.prefix_cache = None
         if prefix_cache:
-            block_size = int(token_budget) if block_size is None else block_size
+            if block_size is None:
+                block_size = -(-DEFAULT_BLOCK_SIZE // int(page_size)) * int(page_size)
             extra = int(max_seqs) if prefix_slots is None else prefix_slots
             if not isinstance(extra, (int, np.integer)) or isinstance(extra, bool) or extra < 1:
                 raise ValueError(f"LLM: prefix_slots must be a positive int; got {prefix_slots!r}")

@@ -214,3 +214,16 @@ def test_nan_pools_are_never_read(model):
                           kv=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), c.kv))
     got = [hot.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
     assert got == want and hot.prefix_cache.stats["hits"] == 1
+
+
+def test_default_block_size_is_on_the_page_grid(model):
+    """block_size defaults to DEFAULT_BLOCK_SIZE rounded up to a multiple of page_size (snapshots share whole
+    pages); an explicit one is kept."""
+    from jax_gdn.serving.llm import DEFAULT_BLOCK_SIZE
+    for page_size, want in ((16, DEFAULT_BLOCK_SIZE), (48, 288)):
+        llm = LLM(model, max_seqs=2, max_tokens=1024, page_size=page_size, token_budget=64, progress=False,
+                  warmup=False, prefix_cache=True)
+        assert llm.prefix_cache.block_size == want
+    llm = LLM(model, max_seqs=2, max_tokens=1024, page_size=16, token_budget=64, progress=False, warmup=False,
+              prefix_cache=True, block_size=40)
+    assert llm.prefix_cache.block_size == 40
