@@ -7,14 +7,16 @@
 #     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn backward decode attention moe layers model
 #     sharding); default: tests
 #   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
-#     step wrote; COMMIT (the commit to stamp;
+#     step wrote; TESTS (the test files or node ids of the tests step, default tests: every GPU test, which
+#     takes far longer than one call: about 50 s per Mosaic GPU test under 4 workers, mostly compiling);
+#     COMMIT (the commit to stamp;
 #     the tree on the GPU machine has no .git); BUDGET (seconds for all steps, default 570: a step gets what is left,
 #     the next ones are skipped once less than 20 s remain); BENCH_ARGS (more options for every section, e.g.
 #     "--cases B1-T8192-Hk16-Hv32").
 # Each section merges into benchmarks/results/<device>.json of this tree (<device>x2.json for sharding) and the
 # file is copied to $OUT: copy it back over the committed one before the next call, whose tree is sent afresh.
 # Wall time of each step on one H200, from the code (compile + timing), first call of a fresh machine:
-#   tests ~5 min; gdn ~5 min (8 cases x pallas, mosaic_gpu, FLA (autotunes on its first call per shape), jla);
+#   tests: ~25 Mosaic GPU tests per call (pytest-xdist's wheel carried in .whl/: 4 workers); gdn ~5 min (8 cases x pallas, mosaic_gpu, FLA (autotunes on its first call per shape), jla);
 #   decode ~1.5 min; attention ~2 min; moe ~2 min; layers ~1.5 min; model ~5 min (our rows ~1.5 min, HF in a child
 #   ~2 min, the 48-layer compile in a child ~0.5 min, the parts ~1.5 min); sharding (2 GPUs) ~8 min.
 set -o pipefail
@@ -52,11 +54,14 @@ for step in ${*:-tests}; do
   t0=$SECONDS
   echo "== $step (${left} s left)" | tee -a "$OUT/run.log"
   case $step in
-    tests)
-      timeout "$left" python3 -m pytest -q -m gpu tests --ignore=tests/test_notebooks.py -p no:randomly -p no:cacheprovider \
-        >"$OUT/tests.log" 2>&1   # the notebooks need jupyter, absent there
+    tests)      # -v: each test's name and outcome reach the log as it ends (a cut run still says what passed)
+      workers=()
+      python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
+      timeout "$left" python3 -m pytest -v -m gpu ${TESTS:-tests} --ignore=tests/test_notebooks.py -p no:randomly \
+        -p no:cacheprovider "${workers[@]}" --durations=10 >"$OUT/tests.log" 2>&1   # the notebooks need jupyter
       rc=$?
-      grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
+      grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests" "$OUT/tests.log" | sort | uniq -c      # outcomes, counted
+      grep -oE "(FAILED|ERROR) \S+" "$OUT/tests.log" | head -20
       res=$(tail -1 "$OUT/tests.log") ;;
     model)        # HF runs in a child process beside JAX: JAX takes its memory as it goes
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks model --budget $((left - 15)) \
