@@ -11,7 +11,8 @@ cannot run, its reason in "errors"):
   ours_xla_vjp  ours, backend "auto" with ``DispatchConfig(mosaic_backward=False, mosaic_backward_varlen=False)``:
         the forward kernel and the XLA chunked form's VJP (``pallas_kernels.autodiff.reference_vjp``)
   xla   ours, forward + backward by XLA autodiff of the chunked form (backend "xla")
-  fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``
+  fla   FLA's ``chunk_gated_delta_rule`` (torch, Triton) forward + ``torch.autograd.backward``; FLA 0.6.0 refuses
+        its gated backward on Hopper with Triton >= 3.4, < 3.7.1 (the H200 machine has 3.6: null, its reason kept)
   qla   FlashQLA's ``chunk_gated_delta_rule`` the same way, where flash_qla is importable (its own process: see
         ``benchmarks.peers``)
   jla   jax-linear-attention's Mosaic GPU ``gated_delta_rule`` under ``jax.grad`` (dense rows only)
