@@ -136,14 +136,16 @@ def test_remat_layers_same_gradients_less_memory_cores_run_once():
     loss and gradients as remat="none" (fp32, 1e-6); XLA's buffer assignment of the step needs fewer temporary
     bytes (the XLA path saves every residual otherwise); on the kernels, the GDN and attention cores' launches
     are as many as without remat (recomputing a layer re-runs its projections, conv and MoE, not its core)."""
-    (l0, _), g0 = jax.jit(_loss_and_grad("none", "xla")[0])(*_loss_and_grad("none", "xla")[1])
-    fn, args = _loss_and_grad("layers", "xla")
-    (l1, _), g1 = jax.jit(fn)(*args)
+    out, temp = {}, {}
+    for remat in ("none", "layers"):
+        fn, args = _loss_and_grad(remat, "xla")
+        compiled = jax.jit(fn).lower(*args).compile()
+        out[remat], temp[remat] = compiled(*args), compiled.memory_analysis().temp_size_in_bytes
+    (l0, _), g0 = out["none"]
+    (l1, _), g1 = out["layers"]
     assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    temp = {r: jax.jit(f).lower(*a).compile().memory_analysis().temp_size_in_bytes
-            for r, (f, a) in (("none", _loss_and_grad("none", "xla")), ("layers", (fn, args)))}
     assert temp["layers"] < 0.75 * temp["none"], temp
     plain = _live_kernels(*_loss_and_grad("none", "pallas_interpret"))
     remat = _live_kernels(*_loss_and_grad("layers", "pallas_interpret"))
