@@ -120,6 +120,19 @@ def validate(args, parser) -> tuple:
     return chosen, cases, impls
 
 
+def _keep_unmeasured(rows: list, stored_rows, impls, columns) -> None:
+    """--impls: in each new row, every column not in ``impls`` takes its stored row's value again, in "ms",
+    "peak_mb" (where the row has it) and "errors"."""
+    old = {r["case"]: r for r in stored_rows or []}
+    for r in rows:
+        was = old.get(r["case"]) or {}
+        for key in ("ms", "peak_mb"):
+            if key in r:
+                r[key] = {i: (r[key][i] if i in impls else (was.get(key) or {}).get(i)) for i in columns}
+        if "errors" in r:
+            r["errors"] = {**{i: e for i, e in (was.get("errors") or {}).items() if i not in impls}, **r["errors"]}
+
+
 def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
     """Measures section ``name``; returns {key: value} to store (merged with ``stored`` where only some cases or
     columns were measured)."""
@@ -128,11 +141,11 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
     if name == "gdn":
         kw = {} if impls is None else {"impls": impls}
         rows = mod.run_section(quick, cases=cases, **kw)
-        old = {r["case"]: r for r in stored.get("rows") or []}
         if impls is not None:                       # the columns not measured keep their stored figures
+            _keep_unmeasured(rows, stored.get("rows"), impls, mod.IMPLS)
+            old = {r["case"]: r for r in stored.get("rows") or []}
             for r in rows:
                 was = old.get(r["case"]) or {}
-                r["ms"] = {i: (r["ms"][i] if i in impls else (was.get("ms") or {}).get(i)) for i in mod.IMPLS}
                 if "fla" not in impls and "fla_do_bench" in was:
                     r["fla_do_bench"] = was["fla_do_bench"]
         mod.print_section(rows)
@@ -142,15 +155,7 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
     if name in ("backward", "decode", "attention", "moe"):
         value = mod.run_section(quick, cases=cases, **({} if impls is None else {"impls": impls}))
         if impls is not None:                       # the columns not measured keep their stored figures
-            old = {r["case"]: r for r in (stored.get(sec.keys[0]) or {}).get("rows") or []}
-            for r in value["rows"]:
-                was = old.get(r["case"]) or {}
-                r["ms"] = {i: (r["ms"][i] if i in impls else (was.get("ms") or {}).get(i)) for i in mod.IMPLS}
-                if "peak_mb" in r:
-                    r["peak_mb"] = {i: (r["peak_mb"][i] if i in impls else (was.get("peak_mb") or {}).get(i))
-                                    for i in mod.IMPLS}
-                r["errors"] = {**{i: e for i, e in (was.get("errors") or {}).items() if i not in impls},
-                               **r.get("errors", {})}
+            _keep_unmeasured(value["rows"], (stored.get(sec.keys[0]) or {}).get("rows"), impls, mod.IMPLS)
         mod.print_section(value)
         if cases is not None and stored.get(sec.keys[0]):
             value = dict(value, rows=results.merge_rows(stored[sec.keys[0]].get("rows"), value["rows"],

@@ -107,7 +107,7 @@ def _jla(case: Case, host):
     return fn
 
 
-def _fla(case: Case, host, do, dht) -> float:
+def _fla(case: Case, host, do, dht) -> tuple:
     import torch
     from benchmarks import peers
     from benchmarks.timing import time_torch
@@ -117,7 +117,7 @@ def _fla(case: Case, host, do, dht) -> float:
     return time_torch(run), torch_peak_mb(run)
 
 
-def _qla(case: Case, host, do, dht) -> float:
+def _qla(case: Case, host, do, dht) -> tuple:
     from benchmarks import peers
     from benchmarks.timing import time_torch
     run = peers.warm(peers.qla_chunk_backward(case, host, do, dht))
@@ -131,8 +131,8 @@ def _importable(module: str) -> bool:
 
 def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS) -> dict:
     """{"rows": [{"case", "ms": {fwd, ours, ours_xla_vjp, xla, fla, qla, jla}, "peak_mb": {the same}, "errors":
-    {impl: reason}}], "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in fp32, the kernel in
-    interpret mode, few calls (a smoke run, not a measurement)."""
+    {impl: reason}}], "note"}; the columns not in ``impls`` are null. ``quick`` or no GPU: the tiny CPU case in
+    fp32, the kernel in interpret mode, few calls (a smoke run, not a measurement)."""
     import jax
     gpu = any(d.platform == "gpu" for d in jax.devices())
     chosen = [c for c in (QUICK_CASES if quick or not gpu else CASES) if cases is None or c.name in cases]

@@ -418,13 +418,11 @@ def _layers(params: dict, x, gdn_all, kv_all, batch: blk.Batch, *, config: Hybri
     xs_period = tuple(_without_experts(period[j]) if kinds[j].moe else period[j] for j in range(p))
 
     def run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset=None):
+        fn = functools.partial(_run_block, kind)
         if options.remat == "layers":              # the backward recomputes the block, its mixer's core saved
-            return jax.checkpoint(
-                lambda bparams, x, gdn, kv, gi, ai, expert_offset: _run_block(kind, bparams, x, gdn, kv, gi, ai,
-                                                                              expert_offset),
-                policy=jax.checkpoint_policies.save_only_these_names(*CORE_NAMES),
-                prevent_cse=False)(bparams, x, gdn, kv, gi, ai, expert_offset)
-        return _run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset)
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*CORE_NAMES),
+                                prevent_cse=False)
+        return fn(bparams, x, gdn, kv, gi, ai, expert_offset)
 
     def _run_block(kind, bparams, x, gdn, kv, gi, ai, expert_offset=None):
         b = batch if expert_offset is None else batch.replace(expert_offset=expert_offset)
@@ -551,10 +549,8 @@ def fork_slots(cache: Cache, src_ids: jax.Array, dst_ids: jax.Array, axis_name=N
     src_rows = cache.page_table[src]                                               # [M, W]
     share = real[:, None] & (i < full[:, None])
     refs = _unref_slots(cache, releasing).at[jnp.where(share, src_rows, p).reshape(-1)].add(1, mode="drop")
-    table = jnp.where(releasing[:, None], 0, cache.page_table).at[dst].set(jnp.where(share, src_rows, 0),
-                                                                           mode="drop")
-    shared = cache.replace(page_refs=refs, page_table=table,
-                           slot_lens=jnp.where(releasing, 0, cache.slot_lens).at[dst].set(full * ps, mode="drop"))
+    table = cache.page_table.at[dst].set(jnp.where(share, src_rows, 0), mode="drop")    # dst rows: shared only
+    shared = cache.replace(page_refs=refs, page_table=table, slot_lens=jnp.where(releasing, 0, cache.slot_lens))
     page_table, page_refs, status = _allocate(shared, dst, real, full * ps, lens - full * ps, total_tokens=m * ps)
     ok = (status == STATUS_OK) & (cache.status == STATUS_OK)
     partial = ok & real & (lens > full * ps)                                       # [M] one page copied each

@@ -108,7 +108,6 @@ class _Request:
         return np.concatenate([head, tail]).astype(np.int32)
 
 
-
 #: the prefix cache's default block size (tokens): the snapshot grid. Measured (docs/serving.md, the block sweep):
 #: hits fall steeply once a workload's shared-prefix tokens need more snapshots than there are slots (blocks
 #: under ~0.4 x shared tokens / prefix_slots) and linearly with the tokens lost to rounding above it; 256 sits in
