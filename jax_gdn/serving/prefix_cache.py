@@ -4,8 +4,8 @@ A GDN layer's state after n tokens is one [Hv, K, V] matrix per slot, not a per-
 reused only from a state taken exactly at its end. So the cache keeps **snapshots**: at a chunked-prefill step
 that ends on the block grid (block_size tokens; the engine cuts prompt chunks there), the request's slot is
 copied into a snapshot slot (``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and its
-KV pages, the full ones shared by reference count and a partial last one copied), keyed by the hash chain of its token blocks. A later request whose
-sequence starts with a cached prefix (the longest one that leaves at least one token to feed) gets the snapshot
+KV pages, the full ones shared by reference count and a partial last one copied), keyed by the hash chain of its
+token blocks. A later request whose sequence starts with a cached prefix (the longest one that leaves at least one token to feed) gets the snapshot
 forked into its own slot and feeds only the rest: the same state and KV a cold run would have made, so its
 outputs are the cold run's (within the rounding of a different chunking).
 

@@ -26,7 +26,8 @@ def model():
 
 
 def _snapshot(cache):
-    return [np.asarray(x).copy() for x in (cache.slot_lens, cache.page_refs, cache.page_table, cache.gdn.ssm_state, cache.gdn.conv_state, cache.kv.k_pages)]
+    return [np.asarray(x).copy() for x in (cache.slot_lens, cache.page_refs, cache.page_table, cache.gdn.ssm_state,
+                                           cache.gdn.conv_state, cache.kv.k_pages)]
 
 
 BAD = [

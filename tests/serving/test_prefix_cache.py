@@ -77,7 +77,7 @@ def test_fork_continues_exactly_where_the_source_stands(model):
 def test_fork_shares_full_pages_and_copies_the_partial_one(model):
     """40 tokens in 16-token pages: the fork raises the two full pages' counts and copies the third (partial) page
     into the one page left free; the source and the fork then write their next tokens into their own pages, and
-    releasing either leaves the other exact. Pages come back to the pool only when no slot holds them."""
+    releasing the source leaves the fork exact. Pages come back to the pool only when no slot holds them."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, VOCAB, 60).astype(np.int32)
     cache = model.init_cache(max_seqs=4, max_tokens=64, page_size=16)       # 4 pages
@@ -88,7 +88,8 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(model):
     refs, table = np.asarray(cache.page_refs), np.asarray(cache.page_table)
     assert table[1, :2].tolist() == table[0, :2].tolist() and table[1, 2] != table[0, 2]
     assert sorted(refs.tolist()) == [1, 1, 2, 2]                            # 2 shared, 2 partial: the pool is full
-    np.testing.assert_array_equal(np.asarray(cache.kv.k_pages)[:, table[1, 2]], np.asarray(cache.kv.k_pages)[:, table[0, 2]])
+    k_pages = np.asarray(cache.kv.k_pages)
+    np.testing.assert_array_equal(k_pages[:, table[1, 2]], k_pages[:, table[0, 2]])
     logits_src, cache = model.prefill(cache, prompt[40:48], np.asarray([0, 8], np.int32), one)
     cache = model.release(cache, one)                                       # the fork keeps the shared pages
     refs = np.asarray(cache.page_refs)
