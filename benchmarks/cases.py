@@ -81,8 +81,8 @@ BENCH_CASES = (
     _varlen("tiny64-T171-Hk16-Hv32", TINY64_LENS, 16, 32),
 )
 
-#: the backward section's rows: the dense 80B-dims rows every column can run, and the model's prefill mix
-BACKWARD_CASES = (BENCH_CASES[0], BENCH_CASES[4], BENCH_CASES[5])
+#: the backward section's rows: every GDN bench row (the training step's packed documents are the varlen rows)
+BACKWARD_CASES = BENCH_CASES
 CPU_BACKWARD = (Case("cpu-B1-T70-Hk1-Hv2-K16-V16", 1, 70, 1, 2, 16, 16),)
 
 # ---- GPU tests (K = V = 128; odd lengths, grouped heads, varlen with a zero-length and a one-token sequence) ----
