@@ -8,7 +8,7 @@
 #     sharding); default: tests
 #   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
 #     step wrote; TESTS (the test files or node ids of the tests step, default tests: every GPU test, which
-#     takes far longer than one call: about 50 s per Mosaic GPU test under 4 workers, mostly compiling);
+#     takes longer than one call: 7-56 s per test under 4 workers, compile and run);
 #     COMMIT (the commit to stamp;
 #     the tree on the GPU machine has no .git); BUDGET (seconds for all steps, default 570: a step gets what is left,
 #     the next ones are skipped once less than 20 s remain); BENCH_ARGS (more options for every section, e.g.
@@ -16,7 +16,7 @@
 # Each section merges into benchmarks/results/<device>.json of this tree (<device>x2.json for sharding) and the
 # file is copied to $OUT: copy it back over the committed one before the next call, whose tree is sent afresh.
 # Wall time of each step on one H200, from the code (compile + timing), first call of a fresh machine:
-#   tests: ~25 Mosaic GPU tests per call (pytest-xdist's wheel carried in .whl/: 4 workers); gdn ~5 min (8 cases x pallas, mosaic_gpu, FLA (autotunes on its first call per shape), jla);
+#   tests: 10 backward and model tests in 121 s (pytest-xdist's wheel carried in .whl/: 4 workers); gdn ~5 min (8 cases x pallas, mosaic_gpu, FLA (autotunes on its first call per shape), jla);
 #   decode ~1.5 min; attention ~2 min; moe ~2 min; layers ~1.5 min; model ~5 min (our rows ~1.5 min, HF in a child
 #   ~2 min, the 48-layer compile in a child ~0.5 min, the parts ~1.5 min); sharding (2 GPUs) ~8 min.
 set -o pipefail
@@ -55,9 +55,11 @@ for step in ${*:-tests}; do
   echo "== $step (${left} s left)" | tee -a "$OUT/run.log"
   case $step in
     tests)      # -v: each test's name and outcome reach the log as it ends (a cut run still says what passed)
+      # 4 workers, 4 host threads each: with 8 workers and torch / XLA taking every core each, a test took 5-10x
+      # longer (4 tests in 300 s; 4 x 4 on 16 cores: 10 in 121 s)
       workers=()
       python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
-      timeout "$left" python3 -m pytest -v -m gpu ${TESTS:-tests} --ignore=tests/test_notebooks.py -p no:randomly \
+      OMP_NUM_THREADS=4 timeout "$left" python3 -m pytest -v -m gpu ${TESTS:-tests} --ignore=tests/test_notebooks.py -p no:randomly \
         -p no:cacheprovider "${workers[@]}" --durations=10 >"$OUT/tests.log" 2>&1   # the notebooks need jupyter
       rc=$?
       grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests" "$OUT/tests.log" | sort | uniq -c      # outcomes, counted
