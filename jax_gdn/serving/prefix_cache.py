@@ -1,19 +1,22 @@
 """An exact prefix cache for hybrid (GDN + attention) models.
 
 A GDN layer's state after n tokens is one [Hv, K, V] matrix per slot, not a per-token cache: a prefix can be
-reused only from a state taken exactly at its end. So the cache keeps **snapshots**: at a chunked-prefill step
-that ends on the block grid (block_size tokens; the engine cuts prompt chunks there), the request's slot is
-copied into a snapshot slot (``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and its
-KV pages, the full ones shared by reference count and a partial last one copied), keyed by the hash chain of its
-token blocks. A later request whose sequence starts with a cached prefix (the longest one that leaves at least one token to feed) gets the snapshot
-forked into its own slot and feeds only the rest: the same state and KV a cold run would have made, so its
-outputs are the cold run's (within the rounding of a different chunking).
+reused only from a state taken exactly at its end. So the cache keeps **snapshots** of a request's slot
+(``HybridModel.fork``: the GDN conv and recurrent states, the slot length, and its KV pages, the full ones shared
+by reference count and a partial last one copied) taken at a boundary of the block grid (block_size tokens),
+keyed by the hash chain of the prompt's token blocks. A later request whose sequence starts with a cached prefix
+(the longest one that leaves at least one token to feed) gets the snapshot forked into its own slot and feeds only
+the rest: the same state and KV a cold run would have made, so its outputs are the cold run's (within the
+rounding of a different chunking).
 
-A boundary is snapshotted the ``min_uses``-th time a request's prompt reaches it (default 2: once a second
-request shows the prefix is shared). Each snapshot holds a slot (its GDN state) and references to the prefix's KV
-pages (which stay out of the pool while it lives), so caching
-every boundary of every prompt on first sight would fill the snapshot slots with prompts' own tails and evict
-the shared prefixes (a workload of 2 shared prefixes x 4 requests hit 1 time in 8 that way, 4 in 8 this way).
+Which boundaries (branch points, as a radix tree would keep them): each block boundary a prompt passes is
+counted (a sighting); a boundary is **wanted** once this is its ``min_uses``-th sighting (default 2: a second
+request shows the prefix is shared) and no entry holds it. A prompt chunk is cut only at the end of a run of
+wanted boundaries (the deepest wanted boundary whose next one is not wanted: where this prompt leaves the
+prefixes seen before), so a prompt sharing nothing is chunked as without the cache, and a shared system prompt
+gets one snapshot at its last block boundary, not one per block. Prefixes shared at two depths (a system prompt,
+then few-shot examples shared by some requests) get a snapshot at each branch point once a request shows it.
+Each snapshot holds a slot (its GDN state) and references to its KV pages (out of the pool while it lives).
 
 Host side, per entry: the chain hash of its blocks (sha1 over the previous hash and the block's token bytes),
 its tokens (compared on a hit, so a hash collision can never hand out a wrong state), its snapshot slot and its
@@ -87,17 +90,44 @@ class PrefixCache:
                 return e.slot, n
         return None
 
-    def wants(self, tokens: np.ndarray, n: int) -> Optional[bytes]:
-        """A prompt has reached ``tokens[:n]``: the key under which to snapshot it now (n on the block grid, no
-        entry holding it yet, and this its min_uses-th sighting or later), else None."""
-        if n <= 0 or n % self.block_size:
-            return None
-        key = block_hashes(tokens, self.block_size, n)[-1]
-        uses = self.seen.pop(key, 0) + 1
-        self.seen[key] = uses
-        if len(self.seen) > self.SEEN_MAX:
+    def _wanted(self, key: bytes, pending) -> bool:
+        """key's next sighting (after those in ``pending``, a Counter of this step's earlier chunks) would be its
+        min_uses-th or later, and no entry holds it."""
+        return key not in self.entries and self.seen.get(key, 0) + pending.get(key, 0) + 1 >= self.min_uses
+
+    def cut(self, keys: list, lo: int, hi: int, pending) -> int:
+        """Where a prompt chunk that would feed tokens [lo, hi) ends: at the end of a run of wanted boundaries in
+        (lo, hi] (module docstring), else hi. ``keys``: the prompt's block chain hashes (``block_hashes``);
+        ``pending``: this step's earlier chunks' sightings (a Counter; the caller adds this chunk's)."""
+        bs = self.block_size
+        b = min(hi, len(keys) * bs) // bs * bs           # the deepest prompt boundary <= hi
+        while b > lo:
+            i = b // bs - 1
+            if self._wanted(keys[i], pending):
+                if i + 1 < len(keys) and self._wanted(keys[i + 1], pending):
+                    return hi                             # the shared run goes on past this chunk
+                return b
+            b -= bs
+        return hi
+
+    def passed(self, keys: list, lo: int, hi: int) -> list:
+        """The keys of the prompt boundaries in (lo, hi]."""
+        bs = self.block_size
+        return keys[lo // bs:min(hi // bs, len(keys))]
+
+    def reach(self, keys: list, lo: int, hi: int) -> Optional[bytes]:
+        """A prompt chunk has fed tokens [lo, hi) (``keys`` as in :meth:`cut`): counts a sighting of each boundary
+        in (lo, hi]; returns the key under which to snapshot the slot now (hi a prompt boundary, wanted), else
+        None."""
+        for key in self.passed(keys, lo, hi):
+            uses = self.seen.pop(key, 0) + 1
+            self.seen[key] = uses
+        while len(self.seen) > self.SEEN_MAX:
             self.seen.popitem(last=False)
-        return None if key in self.entries or uses < self.min_uses else key
+        if hi <= 0 or hi % self.block_size or hi // self.block_size > len(keys):
+            return None
+        key = keys[hi // self.block_size - 1]
+        return None if key in self.entries or self.seen[key] < self.min_uses else key
 
     def take_slot(self) -> int:
         """A snapshot slot for a new entry: a free one, else the least recently used entry's (evicted; the fork

@@ -138,9 +138,10 @@ def test_block_hashes_chain_and_lookup_is_exact():
     h = block_hashes(toks, 16)
     assert len(h) == 2 and h[0] == block_hashes(toks[:16], 16)[0] and h[1] != block_hashes(toks[16:], 16)[0]
     pc = PrefixCache(16, [5, 6])
-    assert pc.wants(toks, 32) is None and pc.wants(toks, 32) == h[1] and pc.wants(toks, 31) is None
+    assert pc.reach(h, 0, 32) is None                        # first sighting of boundaries 16 and 32
+    assert pc.reach(h, 0, 31) is None and pc.reach(h, 16, 32) == h[1]    # off the grid; 32's second sighting
     pc.insert(h[1], 5, toks[:32])
-    assert pc.wants(toks, 32) is None                       # held already
+    assert pc.reach(h, 16, 32) is None                       # held already
     assert pc.lookup(toks, 39) == (5, 32) and pc.lookup(toks, 31) is None
     other = toks.copy()
     other[3] = 99
@@ -148,10 +149,30 @@ def test_block_hashes_chain_and_lookup_is_exact():
     assert pc.stats["hits"] == 1 and pc.stats["lookups"] == 3
 
 
-def _cold_and_cached(model, prompts, sp, warmup=False, **kw):
+def test_chunks_are_cut_only_at_the_end_of_a_shared_run():
+    """cut: with nothing seen the chunk runs to its end; after one sighting (min_uses 2) it ends at the deepest
+    boundary the prompt shares with it, not at the first; a shared run going on past the chunk does not cut it;
+    a pending sighting of the same step counts; a held boundary is not wanted."""
+    from collections import Counter
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, VOCAB, 100).astype(np.int32)
+    b = a.copy()
+    b[70:] = (a[70:] + 1) % VOCAB                           # b shares a's first 70 tokens: boundaries 16, 32, 48, 64
+    ka, kb = block_hashes(a, 16), block_hashes(b, 16)
+    pc = PrefixCache(16, [5, 6])
+    assert pc.cut(kb, 0, 100, Counter()) == 100             # nothing seen yet
+    assert pc.cut(kb, 0, 100, Counter(pc.passed(ka, 0, 100))) == 64     # a in this same step (pending)
+    pc.reach(ka, 0, 100)
+    assert pc.cut(kb, 0, 100, Counter()) == 64 and pc.cut(kb, 20, 50, Counter()) == 50      # 64 is past 50
+    assert pc.cut(kb, 64, 100, Counter()) == 100                          # nothing wanted past 64
+    pc.insert(kb[3], 5, b[:64])
+    assert pc.cut(kb, 0, 100, Counter()) == 48              # 64 is held: the run of wanted boundaries ends at 48
+
+
+def _cold_and_cached(model, prompts, sp, warmup=False, token_budget=32, **kw):
     cold = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=False)
-    hot = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=32, progress=False, warmup=warmup,
-              prefix_cache=True, block_size=16, **kw)
+    hot = LLM(model, max_seqs=4, max_tokens=1024, page_size=16, token_budget=token_budget, progress=False,
+              warmup=warmup, prefix_cache=True, block_size=16, **kw)
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]
     return hot, want
 
@@ -172,6 +193,34 @@ def test_a_hit_gives_the_cold_output(model, shared):
     assert all(0 < o.metrics["first_token_s"] <= o.metrics["finished_s"] and o.metrics["tpot_s"] > 0 for o in outs)
     st = hot.prefix_cache.stats
     assert st["hits"] == 2 and st["hit_tokens"] == 2 * (shared // 16 * 16)
+
+
+def test_a_prompt_sharing_nothing_is_chunked_as_without_the_cache(model):
+    """A 100-token prompt under a 32-token budget: 4 prefill steps with the cache as without it (chunks are not
+    cut at the 16-token grid when no boundary is wanted), and the same output."""
+    prompt = np.random.default_rng(2).integers(0, VOCAB, 100).tolist()
+    sp = SamplingParams(max_tokens=3)
+    hot, want = _cold_and_cached(model, [prompt], sp)
+    assert [o.outputs[0].token_ids for o in hot.generate([prompt], sp)] == want
+    assert hot.stats["prefill_steps"] == 4 and hot.prefix_cache.stats["snapshots"] == 0
+
+
+def test_branch_points_of_nested_prefixes(model):
+    """A system prompt S (32 tokens) then examples E1 or E2 (32 tokens) then a tail, one request at a time, each
+    prompt in one chunk (a 128-token budget): S+E1+t1, S+E1+t2 (snapshot at 64: the end of what it shares),
+    S+E2+t3 (a miss; snapshot at 32: where it leaves S+E1), S+E2+t4 (hits 32; snapshot at 64 of S+E2), S+E1+t5
+    (hits 64): the hits are 0, 0, 0, 32, 64 tokens, 3 snapshots, and every output is the cold engine's (whose
+    budget is 32)."""
+    rng = np.random.default_rng(21)
+    s, e1, e2 = (rng.integers(0, VOCAB, 32).tolist() for _ in range(3))
+    heads = [s + e1, s + e1, s + e2, s + e2, s + e1]
+    prompts = [h + rng.integers(0, VOCAB, 5).tolist() for h in heads]
+    sp = SamplingParams(max_tokens=3)
+    hot, want = _cold_and_cached(model, prompts, sp, token_budget=128)
+    outs = [hot.generate(p, sp)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.metrics["prefix_hit_tokens"] for o in outs] == [0, 0, 0, 32, 64]
+    assert hot.prefix_cache.stats["snapshots"] == 3
 
 
 def test_eviction_and_slot_reuse_keep_the_cold_outputs(model):
@@ -221,7 +270,7 @@ def test_default_block_size_is_on_the_page_grid(model):
     """block_size defaults to DEFAULT_BLOCK_SIZE rounded up to a multiple of page_size (snapshots share whole
     pages); an explicit one is kept."""
     from jax_gdn.serving.llm import DEFAULT_BLOCK_SIZE
-    for page_size, want in ((16, DEFAULT_BLOCK_SIZE), (48, 288)):
+    for page_size, want in ((16, DEFAULT_BLOCK_SIZE), (48, -(-DEFAULT_BLOCK_SIZE // 48) * 48)):
         llm = LLM(model, max_seqs=2, max_tokens=1024, page_size=page_size, token_budget=64, progress=False,
                   warmup=False, prefix_cache=True)
         assert llm.prefix_cache.block_size == want
