@@ -97,7 +97,8 @@ def validate(args, parser) -> tuple:
             parser.error("--cases: no case names given")
         known = {s: SECTIONS[s].case_names(args.quick) for s in chosen if SECTIONS[s].case_names}
         if not known:
-            parser.error(f"--cases: none of {', '.join(chosen)} has named cases (gdn, backward, decode, attention, moe do)")
+            parser.error(f"--cases: none of {', '.join(chosen)} has named cases (gdn, backward, decode, "
+                         f"attention, moe, serving do)")
         every = {c for names in known.values() for c in names}
         bad = [c for c in cases if c not in every]
         if bad:
@@ -172,8 +173,10 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
         mod.print_section(value)
         return {"model": value}
     if name == "serving":
-        value = mod.run_section(quick)
+        value = mod.run_section(quick, cases=cases)
         mod.print_section(value)
+        if cases is not None:                       # the parts not run keep their stored figures
+            value = {**(stored.get("serving") or {}), **value}
         return {"serving": value}
     if name == "sharding":
         value = mod.run_section(quick, **({} if budget is None else {"deadline_s": budget}))

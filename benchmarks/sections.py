@@ -57,6 +57,11 @@ def _moe_cases(quick):
     return _names(moe.QUICK_CASES if quick else moe.CASES)
 
 
+def _serving_parts(quick):
+    from benchmarks import serving
+    return serving.PARTS
+
+
 #: in the order ``--all`` runs them: the kernel and attention rows before the model, whose floors read them
 SECTIONS = {s.name: s for s in (
     Section("gdn", "gdn", ("rows",), "the chunked gated delta rule forward: pallas, mosaic_gpu, xla, FLA, jla",
@@ -72,7 +77,8 @@ SECTIONS = {s.name: s for s in (
     Section("model", "model", ("model",), "the whole model at 80B dims (8 layers) against HF transformers, each part "
             "against its floor, the 48-layer compile time"),
     Section("serving", "serving", ("serving",), "LLM.generate on a shared-prefix workload, prefix cache off and "
-            "on: tokens/s, time to first token, time per output token, hit rate"),
+            "on: tokens/s, time to first token, time per output token, hit rate; TTFT cold vs a prefix hit; the "
+            "sampler's share of the decode step", _serving_parts),
     Section("sharding", "sharding", ("rows", "events"), "80B dims over 2 GPUs (12 and 48 layers), the 1 vs 2 GPU "
             "check; needs 2 GPUs", devices=2, in_all=False),
 )}

@@ -16,9 +16,21 @@ statistics against ``block_size`` on a mixed-length shared-prefix workload (``BL
 bookkeeping only (greedy, no stop ids: the same steps on any model and device), so the tiny model on the CPU
 gives the figures of any size; what a snapshot costs in memory is the model's (``snapshot_bytes``).
 
+Parts (``--cases``; default all, a part not run keeps its stored figures):
+  workload  the shared-prefix workload above (each engine warmed up by ``LLM.warmup``: every bucket's program)
+  ttft      time to first token of one request alone, cold against a prefix-cache hit (``ttft_probe``): for each
+            prefix length, a fresh prefix of that many tokens + a 64-token tail, three requests in turn (the first
+            cold, the second makes the snapshot, the third hits), one generated token each; the first round (on its
+            own prefix) compiles and is not counted, then ``reps`` rounds, medians; no other request runs
+  sampling  the cost of on-device sampling in the decode step (``sampling_cost``): the engine's decode program
+            (model step + sampler) over N streams of a ``context``-token prefill, timed by ``jax_gdn.timing``
+            with every row greedy, and with every row sampled (temperature 0.8, top-k 50, top-p 0.95; and
+            temperature 1, top-p 0.9, no top-k): the ms and the share the sampler adds
+
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
-blocks). Otherwise Qwen3-Next-80B dims at 8 layers (random bf16 weights made on the device), 4 prefixes of 2048
-tokens x 8 requests, 256-token blocks, on the default device.
+blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
+bf16 weights made on the device), 4 prefixes of 2048 tokens x 8 requests, 64-token blocks; TTFT at 4096- and
+16384-token prefixes; sampling over 16 and 64 streams of 512 tokens; on the default device.
 """
 from __future__ import annotations
 
@@ -33,7 +45,16 @@ KEY = "serving"
 QUICK = dict(dims="tiny", layers=None, prefixes=2, per_prefix=4, prefix_len=64, tail_len=24, gen_len=8,
              max_seqs=4, max_tokens=2048, page_size=16, token_budget=64, block_size=16)
 FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=8, prefix_len=2048, tail_len=256, gen_len=32,
-            max_seqs=16, max_tokens=131072, page_size=16, token_budget=4096, block_size=256)
+            max_seqs=16, max_tokens=131072, page_size=16, token_budget=4096, block_size=64)
+#: the parts of the section (``--cases``)
+PARTS = ("workload", "ttft", "sampling")
+#: (prefix lengths, tail, token budget, rounds) of the TTFT probe; (streams, context) of the sampling cost
+TTFT = {"quick": dict(prefixes=(128,), tail=8, token_budget=64, reps=2),
+        "full": dict(prefixes=(4096, 16384), tail=64, token_budget=4096, reps=3)}
+SAMPLING = {"quick": dict(streams=(4,), context=32), "full": dict(streams=(16, 64), context=512)}
+#: the sampled settings of the sampling cost (SamplingParams fields)
+SAMPLED = {"t0.8-k50-p0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
+           "t1-p0.9": dict(temperature=1.0, top_k=0, top_p=0.9)}
 
 
 #: the block-size sweep's workload: prefixes of mixed lengths (1-4k tokens at 1/4 scale), tails of 16-64 tokens
@@ -101,10 +122,102 @@ def _model(w: dict):
     return random_device_model(preset(w["dims"], num_hidden_layers=w["layers"]), jnp.bfloat16, "auto")
 
 
-def run_section(quick: bool = False, seed: int = 0) -> dict:
+def ttft_probe(model, prefixes=(4096,), tail: int = 64, token_budget: int = 4096, reps: int = 3,
+               block_size: int = 64, seed: int = 0) -> list:
+    """[{"prefix", "tail", "cold_s", "hit_s", "ratio", "hit_tokens"}] per prefix length (module docstring, part
+    "ttft"): medians over ``reps`` rounds of time to first token, each request alone in the engine."""
     from jax_gdn.serving import LLM, SamplingParams
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    sp = SamplingParams(max_tokens=1)
+    rows = []
+    for n in prefixes:
+        # the pool holds a round's requests beside the last round's snapshot: no step is refused
+        llm = LLM(model, max_seqs=1, max_tokens=2 * n + 4 * tail, page_size=16, token_budget=token_budget,
+                  progress=False, warmup=False, prefix_cache=True, block_size=block_size, prefix_slots=1)
+        cold, hit, hit_tokens = [], [], []
+        for rnd in range(reps + 1):                  # round 0 compiles what the rounds call
+            prefix = rng.integers(0, vocab, n).tolist()
+            ttft = []
+            for _ in range(3):
+                out = llm.generate(prefix + rng.integers(0, vocab, tail).tolist(), sp, use_tqdm=False)[0]
+                ttft.append(out.metrics["first_token_s"])
+            if rnd:
+                cold.append(ttft[0])
+                hit.append(ttft[2])
+                hit_tokens.append(out.metrics["prefix_hit_tokens"])
+        c, h = float(np.median(cold)), float(np.median(hit))
+        rows.append({"prefix": n, "tail": tail, "cold_s": round(c, 5), "hit_s": round(h, 5),
+                     "ratio": round(h / c, 4), "hit_tokens": int(min(hit_tokens))})
+        print(f"ttft prefix {n}: cold {c * 1e3:.2f} ms, hit {h * 1e3:.2f} ms ({h / c:.3f}x), "
+              f"{min(hit_tokens)} tokens hit", flush=True)
+    return rows
+
+
+def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) -> list:
+    """[{"streams", "context", "greedy_ms", "ms": {setting: ms}, "overhead": {setting: share}}]: the engine's
+    decode program over ``streams`` slots holding ``context`` tokens each, every row greedy against every row
+    sampled with each of ``SAMPLED`` (module docstring, part "sampling"). Each call decodes one more token per
+    stream (the cache goes on from call to call)."""
+    import jax
+    from jax_gdn.serving import LLM, SamplingParams
+    from jax_gdn.serving.sampling import sampling_arrays
+    from jax_gdn.timing import jax_sync, time_calls
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    rows = []
+    for n in streams:
+        llm = LLM(model, max_seqs=n, max_tokens=n * (context + 4096), page_size=16, token_budget=n * context,
+                  progress=False, warmup=False)
+        m, prog = llm.model, llm._programs["decode"]
+        slots = np.arange(n, dtype=np.int32)
+        ids = rng.integers(0, vocab, n * context).astype(np.int32)
+        cu = (np.arange(n + 1) * context).astype(np.int32)
+        _, llm.cache = m.prefill(llm.cache, ids, cu, slots)
+        nb = m.stream_bucket(n, llm.cache.num_slots)
+        ids_p, cu_p, sl_p = m.pad_step_inputs(ids[:n], np.arange(n + 1, dtype=np.int32), slots, nb, nb,
+                                              llm.cache.num_slots)
+        settings = {"greedy": SamplingParams(), **{k: SamplingParams(**v) for k, v in SAMPLED.items()}}
+        ms = {}
+        for name, params in settings.items():
+            arrays = [jax.device_put(a) for a in sampling_arrays([params] * n, [1] * n, nb)]
+
+            def call(arrays=arrays):
+                llm.cache = prog(m.params, llm.cache, ids_p, cu_p, sl_p, *arrays)[2]    # the cache is donated
+                return llm.cache
+            ms[name] = time_calls(call, jax_sync)
+        if int(jax.device_get(llm.cache.status)) != 0:
+            raise RuntimeError(f"sampling_cost: a timed decode step was refused (N={n}): the figures are void")
+        greedy = ms.pop("greedy")
+        rows.append({"streams": n, "context": context, "greedy_ms": round(greedy, 4),
+                     "ms": {k: round(v, 4) for k, v in ms.items()},
+                     "overhead": {k: round(v / greedy - 1, 4) for k, v in ms.items()}})
+        print(f"sampling N={n}: greedy {greedy:.3f} ms; " + ", ".join(f"{k} {v:.3f} ms ({v / greedy - 1:+.1%})"
+                                                                     for k, v in ms.items()), flush=True)
+    return rows
+
+
+def run_section(quick: bool = False, cases=None, seed: int = 0) -> dict:
+    """The section's value: {"device", "dims", "layers"} and each part run (``cases``: names from PARTS; None:
+    all): "workload" {workload, requests, prompt_tokens, rows, outputs_equal}, "ttft" [rows], "sampling"
+    [rows]."""
+    import jax
+    parts = PARTS if cases is None else tuple(cases)
     w = dict(QUICK if quick else FULL)
     model = _model(w)
+    value = {"device": jax.devices()[0].device_kind, "dims": w["dims"], "layers": w["layers"]}
+    size = "quick" if quick else "full"
+    if "ttft" in parts:
+        value["ttft"] = ttft_probe(model, seed=seed, **TTFT[size])
+    if "sampling" in parts:
+        value["sampling"] = sampling_cost(model, seed=seed, **SAMPLING[size])
+    if "workload" in parts:
+        value["workload"] = _workload(model, w, seed)
+    return value
+
+
+def _workload(model, w: dict, seed: int) -> dict:
+    from jax_gdn.serving import LLM, SamplingParams
     prompts = workload(w, model.config.vocab_size, seed)
     sp = SamplingParams(max_tokens=w["gen_len"])
     rows, outputs = [], {}
@@ -131,34 +244,56 @@ def run_section(quick: bool = False, seed: int = 0) -> dict:
             "steps": int(llm.stats["prefill_steps"] + llm.stats["decode_steps"]),
             "preempted": int(llm.stats["preempted"]),
         })
-    import jax
-    return {"device": jax.devices()[0].device_kind, "workload": w, "requests": len(prompts),
-            "prompt_tokens": sum(len(p) for p in prompts), "rows": rows,
+    return {"workload": w, "requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "rows": rows,
             "outputs_equal": outputs[False] == outputs[True]}
 
 
 def print_section(value: dict) -> None:
-    w = value["workload"]
-    print(f"serving: {value['requests']} requests, {w['prefixes']} prefixes of {w['prefix_len']} tokens, "
-          f"{value['prompt_tokens']} prompt tokens, {w['gen_len']} generated each ({w['dims']}"
-          f"{'' if w['layers'] is None else ', ' + str(w['layers']) + ' layers'}; {value['device']})")
+    depth = "" if value.get("layers") is None else f", {value['layers']} layers"
+    print(f"serving ({value.get('dims')}{depth}; {value.get('device')})")
+    for r in value.get("ttft") or []:
+        print(f"  TTFT, {r['prefix']}-token prefix + {r['tail']}: cold {r['cold_s'] * 1e3:.2f} ms, prefix hit "
+              f"{r['hit_s'] * 1e3:.2f} ms ({r['ratio']:.3f}x, {r['hit_tokens']} tokens from the cache)")
+    for r in value.get("sampling") or []:
+        print(f"  decode step, {r['streams']} streams: greedy {r['greedy_ms']:.3f} ms; "
+              + ", ".join(f"{k} {v:.3f} ms ({r['overhead'][k]:+.1%})" for k, v in r["ms"].items()))
+    wl = value.get("workload")
+    if not wl:
+        return
+    w = wl["workload"]
+    print(f"  workload: {wl['requests']} requests, {w['prefixes']} prefixes of {w['prefix_len']} tokens, "
+          f"{wl['prompt_tokens']} prompt tokens, {w['gen_len']} generated each")
     print(f"{'prefix cache':>12} {'wall s':>8} {'prompt tok/s':>12} {'out tok/s':>10} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'hit rate':>8} {'steps':>6}")
-    for r in value["rows"]:
+    for r in wl["rows"]:
         print(f"{'on' if r['prefix_cache'] else 'off':>12} {r['wall_s']:>8.3f} {r['prompt_tok_s']:>12.1f} "
               f"{r['output_tok_s']:>10.1f} {fmt(r['ttft_s']['p50']):>9} {fmt(r['ttft_s']['p99']):>9} "
               f"{fmt(r['tpot_s']['p50']):>9} {fmt(r['tpot_s']['p99']):>9} "
               f"{fmt(r['hit_rate']):>8} {r['steps']:>6}")
-    print(f"outputs equal with and without the cache: {value['outputs_equal']}")
+    print(f"outputs equal with and without the cache: {wl['outputs_equal']}")
 
 
 def markdown(value: dict) -> list:
-    lines = md_header(["prefix cache", "wall s", "prompt tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 s",
-                       "hit rate"])
-    for r in value["rows"]:
-        lines.append(f"| {'on' if r['prefix_cache'] else 'off'} | {r['wall_s']} | {r['prompt_tok_s']} | "
-                     f"{fmt(r['ttft_s']['p50'])} / {fmt(r['ttft_s']['p99'])} | "
-                     f"{fmt(r['tpot_s']['p50'])} / {fmt(r['tpot_s']['p99'])} | {fmt(r['hit_rate'])} |")
+    lines = []
+    if value.get("ttft"):
+        lines += md_header(["prefix + tail tokens", "TTFT cold ms", "TTFT prefix hit ms", "hit / cold"])
+        lines += [f"| {r['prefix']} + {r['tail']} | {r['cold_s'] * 1e3:.2f} | {r['hit_s'] * 1e3:.2f} | "
+                  f"{r['ratio']:.3f} |" for r in value["ttft"]]
+        lines.append("")
+    if value.get("sampling"):
+        names = list(value["sampling"][0]["ms"])
+        lines += md_header(["streams", "greedy step ms"] + [f"{k} ms (added)" for k in names])
+        lines += [f"| {r['streams']} | {r['greedy_ms']:.3f} | " + " | ".join(
+            f"{r['ms'][k]:.3f} ({r['overhead'][k]:+.1%})" for k in names) + " |" for r in value["sampling"]]
+        lines.append("")
+    wl = value.get("workload")
+    if wl:
+        lines += md_header(["prefix cache", "wall s", "prompt tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 s",
+                            "hit rate"])
+        for r in wl["rows"]:
+            lines.append(f"| {'on' if r['prefix_cache'] else 'off'} | {r['wall_s']} | {r['prompt_tok_s']} | "
+                         f"{fmt(r['ttft_s']['p50'])} / {fmt(r['ttft_s']['p99'])} | "
+                         f"{fmt(r['tpot_s']['p50'])} / {fmt(r['tpot_s']['p99'])} | {fmt(r['hit_rate'])} |")
     return lines
 
 
