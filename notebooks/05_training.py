@@ -185,14 +185,15 @@ for prompt in (b"def ", b"    \"\"\"Return the ", b"import "):
 #
 # The same `Trainer` runs the model's default kernels on a GPU: on Hopper the GDN op's forward and backward are
 # Mosaic GPU kernels (`pallas_kernels/gated_delta_rule/mosaic_gpu/backward.py`), dense rows and packed documents
-# alike. Measured on one H200 at commit 0fd88d2 (bf16 q, k, v; loss sum(o do) + sum(ht dht), gradients of q, k, v,
-# g, beta, h0; `python -m benchmarks backward`, `benchmarks/results/h200.json`), ms:
+# alike. Measured on one H200 (bf16 q, k, v; loss sum(o do) + sum(ht dht), gradients of q, k, v, g, beta, h0;
+# `python -m benchmarks backward`, `benchmarks/results/h200.json`; ours and jla at 54a3c37, FlashQLA at 33a0028),
+# ms:
 #
-# | GDN op | forward | forward + backward | forward + the XLA VJP | jax-linear-attention 0.1, fwd + bwd |
-# |---|---|---|---|---|
-# | B1-T8192-Hk16-Hv32 | 0.247 | 0.897 | 15.71 | 0.902 |
-# | B1-T8192-Hk2-Hv8 | 0.122 | 0.538 | 7.68 | 0.392 |
-# | varlen16-T19027 (16 packed documents) | 0.669 | 2.173 | 48.53 | takes no cu_seqlens |
+# | GDN op | forward | forward + backward | forward + the XLA VJP | jax-linear-attention 0.1 | FlashQLA 0.1.3 |
+# |---|---|---|---|---|---|
+# | B1-T8192-Hk16-Hv32 | 0.249 | 0.894 | 15.71 | 0.892 | 2.103 |
+# | B1-T8192-Hk2-Hv8 | 0.122 | 0.544 | 7.68 | 0.390 | - |
+# | varlen16-T19027 (16 packed documents) | 0.672 | 2.187 | 48.53 | takes no cu_seqlens | 2.120 |
 #
 # The other kernels (the fused conv1d, paged attention, the MoE) run their forward and take the VJP of their XLA
 # form (`pallas_kernels.autodiff.reference_vjp`); the projections and norms are XLA throughout.
