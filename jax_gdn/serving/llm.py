@@ -34,6 +34,10 @@ the hash chain of its blocks; an admitted request whose sequence starts with a c
 that snapshot and feeds only the rest. Out of pages, the least recently used snapshot goes before any request is
 preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions.
 
+Online use (vLLM's LLMEngine calls): ``rid = llm.add_request(prompt, params)`` queues a request at any time (its
+metrics count from then); each ``llm.step()`` runs one engine step and returns the RequestOutputs that finished in
+it; ``llm.has_unfinished_requests()``. ``generate`` queues its prompts and steps until they have finished.
+
 No request pays a compile: :meth:`LLM.warmup` (run by the constructor unless ``warmup=False``) compiles every
 program the loop can call (each prefill token bucket up to the budget with each stream bucket, each decode
 stream bucket, the sampler per stream bucket, the release) behind a progress bar; ``compiled_programs()`` then
@@ -74,8 +78,9 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's result: request_id (its position in the prompts), prompt, prompt_token_ids, outputs, metrics
-    (seconds from the start of ``generate``: "first_token_s", "finished_s"; "tpot_s": the mean time between its
+    """A request's result: request_id (the engine's count of requests before it: in one ``generate`` on a fresh
+    engine, its position in the prompts), prompt, prompt_token_ids, outputs, metrics (seconds from its arrival, the
+    start of ``generate`` or its ``add_request``: "first_token_s", "finished_s"; "tpot_s": the mean time between its
     output tokens after the first; "prefix_hit_tokens": prompt tokens taken from the prefix cache)."""
     request_id: int
     prompt: object
@@ -95,7 +100,9 @@ class _Request:
     slot: int = -1
     fed: int = 0                              # tokens of the sequence already in the cache (its slot)
     finish: Optional[str] = None
-    token_times: list = dataclasses.field(default_factory=list)   # seconds from generate's start, per token
+    token_times: list = dataclasses.field(default_factory=list)   # seconds from its arrival, per token
+    arrival: float = 0.0                      # perf_counter when it was queued (add_request / generate)
+    prompt: object = None                     # as the caller gave it
     hit_tokens: int = 0
     block_keys: Optional[list] = None         # the prefix cache's chain hashes of the prompt's blocks
 
@@ -180,6 +187,12 @@ class LLM:
         self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
         self.stats = collections.Counter()
         self._programs = _step_programs(model)
+        self._waiting: collections.deque = collections.deque()     # the online engine's queues (add_request, step)
+        self._running: list = []                   # admission order
+        self._free = list(range(self.max_seqs))
+        self._held = False                         # after a preemption: admit nobody until a request finishes
+        self._next_id = 0
+        self._unreported: list = []                # added requests that finished inside a generate call
         if warmup:
             self.warmup()
 
@@ -250,39 +263,66 @@ class LLM:
             if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
                 raise ValueError(f"generate: sampling_params must be one SamplingParams or one per prompt "
                                  f"({len(prompts)}); got {len(params)} items")
-        reqs = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs = [self._request(self._next_id + i, p, sp, f"generate: prompt {i}")
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._next_id += len(reqs)
         self._serve(reqs, self.progress if use_tqdm is None else use_tqdm)
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
-    def _request(self, i: int, prompt, params: SamplingParams) -> _Request:
+    # ---- the online engine (vLLM's LLMEngine calls) ------------------------------------------------------------
+    def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None) -> int:
+        """Queues one request (a list of token ids, or a string with a tokenizer) and returns its request_id. It is
+        checked before anything changes; its metrics count from now (queueing included). Run :meth:`step` until
+        :meth:`has_unfinished_requests` is False; :meth:`generate` is this loop over a list of prompts."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"add_request: sampling_params must be a SamplingParams; got {type(params).__name__}")
+        r = self._request(self._next_id, prompt, params, "add_request: prompt")
+        self._next_id += 1
+        r.arrival, r.prompt = time.perf_counter(), prompt
+        self._waiting.append(r)
+        return r.rid
+
+    def step(self) -> List[RequestOutput]:
+        """One engine step over the queued and running requests (one program call; a refused step retries on the
+        next call). Returns the RequestOutputs of the requests that finished in it."""
+        done, self._unreported = self._unreported + self._engine_step(), []
+        return [self._output(r, r.prompt) for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request added is still waiting or running, or finished with its output not yet returned."""
+        return bool(self._waiting or self._running or self._unreported)
+
+    def _request(self, rid: int, prompt, params: SamplingParams, what: str) -> _Request:
+        """The checked request ``rid``; errors name it as ``what`` (e.g. "generate: prompt 3")."""
         vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"generate: prompt {i} is a string but the LLM has no tokenizer (pass tokenizer= "
+                raise ValueError(f"{what} is a string but the LLM has no tokenizer (pass tokenizer= "
                                  f"or token ids)")
             ids = _encode(self.tokenizer, prompt)
         else:
             ids = list(prompt)
             if not all(_is_token(t) for t in ids):
-                raise ValueError(f"generate: prompt {i} must be a list of int token ids or a string")
+                raise ValueError(f"{what} must be a list of int token ids or a string")
         ids = np.asarray(ids, np.int32).reshape(-1)
         if ids.size == 0:
-            raise ValueError(f"generate: prompt {i} is empty")
+            raise ValueError(f"{what} is empty")
         if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"generate: prompt {i} holds token ids outside [0, vocab_size={vocab})")
+            raise ValueError(f"{what} holds token ids outside [0, vocab_size={vocab})")
         for t in params.stop_token_ids:
             if t >= vocab:
-                raise ValueError(f"generate: sampling_params of prompt {i}: stop id {t} >= vocab_size={vocab}")
+                raise ValueError(f"{what}: sampling_params: stop id {t} >= vocab_size={vocab}")
         limit = params.max_tokens
         if self.max_seq_len is not None:
             room = self.max_seq_len - ids.size
             if room < 0:
-                raise ValueError(f"generate: prompt {i} has {ids.size} tokens; a slot holds at most max_seq_len="
+                raise ValueError(f"{what} has {ids.size} tokens; a slot holds at most max_seq_len="
                                  f"{self.max_seq_len}")
             # the token sampled last is never fed back, so g tokens need prompt + g - 1 <= max_seq_len (and a
             # preempted request recomputes prompt + g < prompt + limit tokens: also within the slot)
             limit = min(limit, room + 1)
-        return _Request(i, ids, params, limit)
+        return _Request(rid, ids, params, limit)
 
     def _output(self, r: _Request, prompt) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(list(r.generated))
@@ -295,77 +335,87 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def _serve(self, reqs: Sequence[_Request], progress: bool) -> None:
-        waiting = collections.deque(reqs)
-        running: list = []                         # admission order
-        free = list(range(self.max_seqs))
-        held = False                               # after a preemption: admit nobody until a request finishes
+        """Runs engine steps until ``reqs`` (queued behind any request already added) have all finished."""
+        now = time.perf_counter()
+        for r in reqs:
+            r.arrival = now
+            self._waiting.append(r)
+        mine = {id(r) for r in reqs}
         bar = _bar(progress, len(reqs), "generate", "req")
-        t0 = time.perf_counter()
         try:
-            while waiting or running:
-                admitted = []
-                while waiting and free and not (held and running):
-                    r = waiting.popleft()
-                    r.slot, r.fed = free.pop(0), 0
-                    running.append(r)
-                    admitted.append(r)
-                if admitted and self.prefix_cache is not None:
-                    self._restore(admitted)
-                feeds = self._plan(running)
-                tokens, refused = self._step(feeds)
-                if refused:
-                    self.stats["refused_steps"] += 1
-                if refused and self.prefix_cache is not None and self.prefix_cache.entries:
-                    slot = self.prefix_cache.evict_lru()      # a snapshot goes before any request
-                    self.cache = self.model.release(self.cache, np.asarray([slot], np.int32))
-                    continue
-                if refused:
-                    victim = running[-1]
-                    self.cache = self.model.release(self.cache, np.asarray([victim.slot], np.int32))
-                    running.remove(victim)
-                    free.append(victim.slot)
-                    if not running:                 # alone and still refused: it cannot fit in the pool
-                        victim.finish = "abort"
-                        self.stats["aborted"] += 1
-                        if bar is not None:
-                            bar.update(1)
-                    else:
-                        self.stats["preempted"] += 1
-                        victim.slot, victim.fed = -1, 0
-                        waiting.appendleft(victim)
-                        held = True
-                    continue
-                done, snaps = [], []
-                now = time.perf_counter() - t0             # after the step's copy to the host
-                for (r, lo, hi), tok in zip(feeds, tokens):
-                    r.fed = hi
-                    if self.prefix_cache is not None and lo < r.prompt_ids.shape[0] and hi - lo > 0:
-                        key = self.prefix_cache.reach(self._keys(r), lo, hi)
-                        if key is not None:
-                            snaps.append((r, key))
-                    if hi < r.seq_len:              # a prompt chunk: no token yet
-                        continue
-                    r.generated.append(int(tok))
-                    r.token_times.append(now)
-                    if int(tok) in r.params.stop_token_ids:
-                        r.finish = "stop"
-                    elif len(r.generated) >= r.limit:
-                        r.finish = "length"
-                    if r.finish:
-                        done.append(r)
-                if snaps:
-                    self._snapshot(snaps)
-                if done:
-                    held = False
-                    self.cache = self.model.release(self.cache, np.asarray([r.slot for r in done], np.int32))
-                    for r in done:
-                        running.remove(r)
-                        free.append(r.slot)
-                    if bar is not None:
-                        bar.update(len(done))
+            while any(r.finish is None for r in reqs):
+                done = self._engine_step()
+                self._unreported += [r for r in done if id(r) not in mine]    # add_request's: the next step()
+                if bar is not None:
+                    bar.update(sum(id(r) in mine for r in done))
         finally:
             if bar is not None:
                 bar.close()
+
+    def _engine_step(self) -> list:
+        """One engine step (module docstring): admit, plan, run, take tokens, release. Returns the requests that
+        finished in it. A refused step changes no request: a snapshot is evicted or the request admitted last is
+        preempted (a lone one aborted), and the next step tries again."""
+        waiting, running, free = self._waiting, self._running, self._free
+        admitted = []
+        while waiting and free and not (self._held and running):
+            r = waiting.popleft()
+            r.slot, r.fed = free.pop(0), 0
+            running.append(r)
+            admitted.append(r)
+        if admitted and self.prefix_cache is not None:
+            self._restore(admitted)
+        if not running:
+            return []
+        feeds = self._plan(running)
+        tokens, refused = self._step(feeds)
+        if refused:
+            self.stats["refused_steps"] += 1
+        if refused and self.prefix_cache is not None and self.prefix_cache.entries:
+            slot = self.prefix_cache.evict_lru()      # a snapshot goes before any request
+            self.cache = self.model.release(self.cache, np.asarray([slot], np.int32))
+            return []
+        if refused:
+            victim = running[-1]
+            self.cache = self.model.release(self.cache, np.asarray([victim.slot], np.int32))
+            running.remove(victim)
+            free.append(victim.slot)
+            if not running:                 # alone and still refused: it cannot fit in the pool
+                victim.finish = "abort"
+                self.stats["aborted"] += 1
+                return [victim]
+            self.stats["preempted"] += 1
+            victim.slot, victim.fed = -1, 0
+            waiting.appendleft(victim)
+            self._held = True
+            return []
+        done, snaps = [], []
+        now = time.perf_counter()                  # after the step's copy to the host
+        for (r, lo, hi), tok in zip(feeds, tokens):
+            r.fed = hi
+            if self.prefix_cache is not None and lo < r.prompt_ids.shape[0] and hi - lo > 0:
+                key = self.prefix_cache.reach(self._keys(r), lo, hi)
+                if key is not None:
+                    snaps.append((r, key))
+            if hi < r.seq_len:              # a prompt chunk: no token yet
+                continue
+            r.generated.append(int(tok))
+            r.token_times.append(now - r.arrival)
+            if int(tok) in r.params.stop_token_ids:
+                r.finish = "stop"
+            elif len(r.generated) >= r.limit:
+                r.finish = "length"
+            if r.finish:
+                done.append(r)
+        if snaps:
+            self._snapshot(snaps)
+        if done:
+            self._held = False
+            self.cache = self.model.release(self.cache, np.asarray([r.slot for r in done], np.int32))
+            for r in done:
+                running.remove(r)
+                free.append(r.slot)
+        return done
 
     def _plan(self, running):
         """[(request, lo, hi)]: the sequence tokens [lo, hi) each running request feeds this step (generating

@@ -4,7 +4,8 @@ attention layer, XLA backends) on the CPU.
 - The sampler: greedy is argmax; temperature / top-k / top-p draws follow the truncated softmax (a chi-square test
   over 6000 draws on a vocabulary of 6, critical value at p = 1e-4 for its degrees of freedom) and never pick a
   truncated token; a (seed, step) pair always draws the same token.
-- The engine: greedy generate equals a hand-written prefill / decode argmax loop token for token; a request's
+- The engine: greedy generate equals a hand-written prefill / decode argmax loop token for token; requests added
+  online (add_request / step) while others run get the tokens each gets alone; a request's
   output does not depend on what else is in the batch (alone against with 7 others, greedy and sampled); stop ids
   and max_tokens end requests with "stop" / "length"; nothing compiles after the warm-up; out of KV pages under
   load every request finishes with a stated reason and every emitted token equals the one the request gets
@@ -120,6 +121,37 @@ def test_a_request_does_not_depend_on_its_batch(llm):
         assert batch[0].outputs[0].token_ids == alone
         repeat = llm.generate(prompts, sp)
         assert [o.outputs[0].token_ids for o in repeat] == [o.outputs[0].token_ids for o in batch]
+
+
+def test_online_requests_arriving_while_others_run(llm):
+    """add_request / step / has_unfinished_requests: 6 requests arriving one every 2 steps (chunked prefill under the
+    32-token budget, mixed with decode) give the tokens generate gives each alone; step() returns each output once,
+    when it finishes; ids count up over both calls; the metrics count from the arrival; a generate call in the middle keeps the
+    added requests' outputs for the next step(); a bad request is refused naming it, with nothing queued."""
+    prompts = _prompts(6, seed=5, hi=60)
+    sp = SamplingParams(max_tokens=4)
+    want = [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    with pytest.raises(ValueError, match="add_request: prompt holds token ids outside"):
+        llm.add_request([VOCAB])
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        llm.add_request([1], {"max_tokens": 4})
+    assert not llm.has_unfinished_requests()
+    ids, got, steps = [], {}, 0
+    while len(got) < len(prompts):
+        if steps % 2 == 0 and len(ids) < len(prompts):
+            ids.append(llm.add_request(prompts[len(ids)], sp))
+        if steps == 3:                              # a generate call while added requests run
+            assert llm.generate(prompts[0], sp)[0].outputs[0].token_ids == want[0]
+        for o in llm.step():
+            assert o.request_id not in got
+            got[o.request_id] = o
+        steps += 1
+        assert steps < 200
+    assert not llm.has_unfinished_requests() and llm.step() == []
+    assert ids == sorted(set(ids)) and set(got) == set(ids)          # ids count up (generate's took one too)
+    assert [got[i].outputs[0].token_ids for i in ids] == want
+    assert [got[i].prompt_token_ids for i in ids] == prompts
+    assert all(0 < got[i].metrics["first_token_s"] <= got[i].metrics["finished_s"] for i in ids)
 
 
 def test_stop_ids_and_max_tokens(llm):
