@@ -3,6 +3,14 @@
     python -m jax_gdn serve-sim                                    # the tiny preset, random weights, CPU
     python -m jax_gdn serve-sim --model DIR                        # a HF checkpoint directory
     python -m jax_gdn serve-sim --dims qwen3_next_80b --layers 8   # Qwen3-Next-80B dims, random bf16 (a GPU)
+    python -m jax_gdn serve-sim --shared-prefixes 2 --prefix-len 96 --prefix-cache both   # the prefix cache
+
+Two engines serve the same arrivals. ``--engine llm`` (the default, :func:`simulate_engine`): the serving engine
+``jax_gdn.serving.LLM`` through its online calls (``add_request`` as each request arrives, one ``step()`` per
+step, sampling on the device), with the prefix cache off, on or both; it reports tokens/s, time to first token
+(from arrival) and time per output token (p50, p99), the prefix hit rate and the programs compiled after its
+warm-up. ``--engine model`` (:func:`simulate`): this module's own loop over ``model.prefill`` / ``decode``,
+described below, which counts every XLA compile of the process.
 
 What one step does (a continuous-batching engine's loop, one model call per step):
   1. requests whose arrival step has come join the waiting queue (arrival steps drawn once from a Poisson process
@@ -94,6 +102,8 @@ class SimConfig:
     running stream can decode in every step). prompt_len / gen_len: inclusive (min, max); prompts are drawn
     log-uniform (many short, some long), generation lengths uniform. rate: mean arrivals per step.
     page_size: KV page size; the pool holds max_seqs full-length streams (never out of pages).
+    shared_prefixes, prefix_len: a shared-prefix workload: that many system prompts of prefix_len tokens, request i
+    starting with system prompt i mod shared_prefixes before its own prompt (0, 0: none).
     """
 
     num_requests: int = 16
@@ -105,6 +115,8 @@ class SimConfig:
     seed: int = 0
     page_size: int = 16
     warmup: bool = True
+    shared_prefixes: int = 0
+    prefix_len: int = 0
 
     def __post_init__(self):
         for name in ("num_requests", "max_seqs", "token_budget", "page_size"):
@@ -120,11 +132,19 @@ class SimConfig:
                              f"every running stream decodes one token per step")
         if not self.rate > 0:
             raise ValueError(f"SimConfig.rate must be > 0 arrivals per step, got {self.rate!r}")
+        for name in ("shared_prefixes", "prefix_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"SimConfig.{name} must be an int >= 0, got {value!r}")
+        if (self.shared_prefixes > 0) != (self.prefix_len > 0):
+            raise ValueError(f"SimConfig.shared_prefixes ({self.shared_prefixes}) and prefix_len ({self.prefix_len}) "
+                             f"must both be 0 (no shared prefix) or both positive")
 
     @property
     def max_tokens(self) -> int:
-        """KV pool size: every slot can hold a longest prompt plus a longest generation (+ one page of slack)."""
-        return self.max_seqs * (self.prompt_len[1] + self.gen_len[1] + self.page_size)
+        """KV pool size: every slot can hold a longest prompt (its shared prefix included) plus a longest generation
+        (+ one page of slack)."""
+        return self.max_seqs * (self.prefix_len + self.prompt_len[1] + self.gen_len[1] + self.page_size)
 
 
 @dataclasses.dataclass
@@ -148,7 +168,7 @@ class _Request:
 
 def make_requests(sim: SimConfig, vocab_size: int, seed: int) -> list:
     """The requests of one run: Poisson arrivals (``rate`` per step), log-uniform prompt lengths, uniform
-    generation lengths, random prompt tokens in [0, vocab_size)."""
+    generation lengths, random prompt tokens in [0, vocab_size), each after its shared system prompt if any."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / sim.rate, sim.num_requests)
     arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)            # the first request arrives at step 0
@@ -156,8 +176,11 @@ def make_requests(sim: SimConfig, vocab_size: int, seed: int) -> list:
     plen = np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), sim.num_requests))).astype(int)
     plen = np.clip(plen, lo, hi)
     glen = rng.integers(sim.gen_len[0], sim.gen_len[1] + 1, sim.num_requests)
-    return [_Request(i, int(arrivals[i]), rng.integers(0, vocab_size, int(plen[i])).astype(np.int32), int(glen[i]))
-            for i in range(sim.num_requests)]
+    own = [rng.integers(0, vocab_size, int(plen[i])).astype(np.int32) for i in range(sim.num_requests)]
+    if sim.shared_prefixes:
+        systems = [rng.integers(0, vocab_size, sim.prefix_len).astype(np.int32) for _ in range(sim.shared_prefixes)]
+        own = [np.concatenate([systems[i % sim.shared_prefixes], p]) for i, p in enumerate(own)]
+    return [_Request(i, int(arrivals[i]), own[i], int(glen[i])) for i in range(sim.num_requests)]
 
 
 # ================================================================================================================
@@ -349,6 +372,88 @@ def simulate(model, sim: SimConfig = SimConfig(), *, progress: bool = True, verb
     return out
 
 
+def simulate_llm(model, sim: SimConfig = SimConfig(), *, prefix_cache: bool = False, block_size: int = 64,
+                 progress: bool = True) -> dict:
+    """The same arrivals served by :class:`jax_gdn.serving.LLM` (its online calls: ``add_request`` when a request's
+    arrival step comes, one ``step()`` per step; greedy, ``max_tokens`` = the request's gen_len), warmed up by
+    ``LLM.warmup`` when ``sim.warmup``. Returns {"prefix_cache", "requests", "steps", "tokens", "wall_s",
+    "tokens_per_s", "ttft_s", "tpot_s", "step_ms", "hit_rate", "hit_tokens", "preempted", "compiled_after_warmup",
+    "all_served", "outputs"}: ttft_s from each request's arrival (queueing included), tpot_s the mean time between
+    its later tokens, wall_s and tokens/s over the busy time (the sum of step times)."""
+    from jax_gdn.serving import LLM, SamplingParams
+    if not isinstance(sim, SimConfig):
+        raise ValueError(f"sim must be a SimConfig, got {type(sim).__name__}")
+    snap_room = sim.max_seqs * (sim.prefix_len + sim.prompt_len[1] + sim.page_size) if prefix_cache else 0
+    llm = LLM(model, max_seqs=sim.max_seqs, max_tokens=sim.max_tokens + snap_room, page_size=sim.page_size,
+              token_budget=sim.token_budget, progress=progress, warmup=sim.warmup, prefix_cache=prefix_cache,
+              **({"block_size": block_size} if prefix_cache else {}))
+    programs = llm.compiled_programs()
+    requests = make_requests(sim, model.config.vocab_size, sim.seed)
+    pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
+    rid_of, outs, step, step_times = {}, {}, 0, []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), desc="serving (LLM)", unit="req", leave=True)
+    try:
+        while len(outs) < len(requests):
+            if not llm.has_unfinished_requests() and pending and pending[0].arrival_step > step:
+                step = pending[0].arrival_step                                  # idle: jump to the next arrival
+            while pending and pending[0].arrival_step <= step:
+                r = pending.popleft()
+                rid_of[llm.add_request(r.prompt.tolist(), SamplingParams(max_tokens=r.gen_len))] = r.rid
+            t0 = time.perf_counter()
+            done = llm.step()
+            step_times.append(time.perf_counter() - t0)
+            for o in done:
+                outs[rid_of[o.request_id]] = o
+            if bar is not None and done:
+                bar.update(len(done))
+            step += 1
+    finally:
+        if bar is not None:
+            bar.close()
+    ordered = [outs[r.rid] for r in requests]
+    busy = float(np.sum(step_times))
+    prompt = int(sum(r.prompt.shape[0] for r in requests))
+    generated = int(sum(len(o.outputs[0].token_ids) for o in ordered))
+    pc = llm.prefix_cache
+    return {
+        "prefix_cache": prefix_cache, "requests": len(requests), "steps": len(step_times),
+        "tokens": {"prompt": prompt, "generated": generated}, "wall_s": busy,
+        "tokens_per_s": {"prefill": prompt / busy, "decode": generated / busy, "total": (prompt + generated) / busy},
+        "ttft_s": _percentiles([o.metrics["first_token_s"] for o in ordered]),
+        "tpot_s": _percentiles([o.metrics["tpot_s"] for o in ordered if o.metrics["tpot_s"] is not None]),
+        "step_ms": _percentiles(1e3 * np.asarray(step_times)),
+        "hit_rate": None if pc is None else pc.hit_rate,
+        "hit_tokens": 0 if pc is None else int(pc.stats["hit_tokens"]),
+        "preempted": int(llm.stats["preempted"]),
+        "compiled_after_warmup": llm.compiled_programs() - programs if sim.warmup else None,
+        "all_served": all(len(o.outputs[0].token_ids) == r.gen_len and o.outputs[0].finish_reason == "length"
+                          for o, r in zip(ordered, requests)),
+        "outputs": [o.outputs[0].token_ids for o in ordered],
+    }
+
+
+def print_llm_summary(res: dict) -> None:
+    sim = res["sim"]
+    print(f"{res['model']} on {res['device']}: LLM, {sim['num_requests']} requests, S={sim['max_seqs']} slots, "
+          f"budget {sim['token_budget']} tokens/step"
+          + (f", {sim['shared_prefixes']} shared prefixes of {sim['prefix_len']} tokens" if sim["shared_prefixes"]
+             else ""))
+    print(f"{'prefix cache':>12} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'hit rate':>8} {'steps':>6} {'compiles':>8}")
+    for name, r in res["runs"].items():
+        t, tp = r["ttft_s"], r["tpot_s"]
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        comp = "-" if r["compiled_after_warmup"] is None else str(r["compiled_after_warmup"])
+        print(f"{name:>12} {r['tokens_per_s']['total']:>9.0f} {1e3 * t['p50']:>7.1f}ms {1e3 * t['p99']:>7.1f}ms "
+              f"{1e3 * tp['p50']:>7.1f}ms {1e3 * tp['p99']:>7.1f}ms {hit:>8} {r['steps']:>6} {comp:>8}")
+    if "outputs_equal" in res:
+        print(f"  outputs equal with the prefix cache off and on: {res['outputs_equal']}")
+    print(f"  every request served: {res['all_served']}")
+
+
 def print_summary(res: dict) -> None:
     c, tps, sim = res["compiles"], res["tokens_per_s"], res["sim"]
     print(f"{res['model']} on {res['device']}")
@@ -420,6 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=positive_float, default=d.rate, help="mean arrivals per step")
     p.add_argument("--page-size", type=positive_int, default=d.page_size)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--engine", default="llm", choices=["llm", "model"],
+                   help="llm: jax_gdn.serving.LLM (add_request / step, on-device greedy sampling, the prefix cache); "
+                        "model: the loop of this module over model.prefill / decode (its compile counts)")
+    p.add_argument("--prefix-cache", default="off", choices=["off", "on", "both"],
+                   help="--engine llm: serve with the prefix cache off, on, or both (the same arrivals twice)")
+    p.add_argument("--shared-prefixes", type=int, default=d.shared_prefixes, metavar="K",
+                   help="system prompts shared by the requests (request i starts with prompt i mod K)")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len, help="tokens of each shared system prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", type=writable_file, default=None, metavar="FILE",
@@ -440,16 +553,42 @@ def run(argv=None) -> dict:
     try:
         sim = SimConfig(num_requests=args.requests, max_seqs=args.max_seqs, token_budget=args.budget,
                         prompt_len=args.prompt_len, gen_len=args.gen_len, rate=args.rate, seed=args.seed,
-                        page_size=args.page_size, warmup=not args.no_warmup)
+                        page_size=args.page_size, warmup=not args.no_warmup,
+                        shared_prefixes=args.shared_prefixes, prefix_len=args.prefix_len)
     except ValueError as err:
         parser.error(str(err))
+    if args.engine == "model" and (args.prefix_cache != "off" or args.shared_prefixes):
+        parser.error("--prefix-cache and --shared-prefixes need --engine llm")
     layers = args.layers if args.layers is not None or args.dims == "tiny" else 8
     dtype = args.dtype or ("float32" if args.dims == "tiny" and not args.model else "bfloat16")
     model = build_model(args.model, args.dims, layers, dtype, args.backend, args.seed)
-    res = simulate(model, sim, progress=not args.no_progress)
+    if args.engine == "llm":
+        res = simulate_engine(model, sim, prefix_cache=args.prefix_cache, progress=not args.no_progress)
+    else:
+        res = simulate(model, sim, progress=not args.no_progress)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+    return res
+
+
+def simulate_engine(model, sim: SimConfig, *, prefix_cache: str = "off", progress: bool = True,
+                    verbose: bool = True) -> dict:
+    """``--engine llm``: :func:`simulate_llm` with the prefix cache "off", "on" or "both" (the same arrivals twice,
+    on a fresh engine each). Returns {"model", "device", "sim", "engine": "llm", "runs": {"off" / "on": ...},
+    "all_served", "outputs_equal" (both)}, printed unless ``verbose=False``."""
+    import jax
+    settings = {"off": (False,), "on": (True,), "both": (False, True)}.get(prefix_cache)
+    if settings is None:
+        raise ValueError(f"prefix_cache must be 'off', 'on' or 'both'; got {prefix_cache!r}")
+    runs = {("on" if on else "off"): simulate_llm(model, sim, prefix_cache=on, progress=progress)
+            for on in settings}
+    res = {"model": repr(model), "device": str(jax.devices()[0]), "sim": dataclasses.asdict(sim), "engine": "llm",
+           "runs": runs, "all_served": all(r["all_served"] for r in runs.values())}
+    if len(runs) == 2:
+        res["outputs_equal"] = runs["off"]["outputs"] == runs["on"]["outputs"]
+    if verbose:
+        print_llm_summary(res)
     return res
 
 

@@ -1,5 +1,6 @@
 """The serving simulation (jax_gdn.serve_sim) on a tiny random model, CPU: every request is served with exactly
-its tokens, the compile count stays bounded by the shape buckets, and nothing compiles after the warm-up."""
+its tokens, the compile count stays bounded by the shape buckets, and nothing compiles after the warm-up; on the
+LLM engine with shared prefixes the prefix cache hits and changes no output."""
 from __future__ import annotations
 
 import math
@@ -56,6 +57,25 @@ def test_short_simulation_serves_every_request_without_recompiles():
     assert c["after_warmup"] == 0, c      # no XLA compile at all in the measured run (eager slices included)
 
 
+def test_llm_engine_with_shared_prefixes_serves_the_same_tokens_with_the_cache_on():
+    """--engine llm on a shared-prefix workload (2 system prompts of 72 tokens, 64-token blocks), the prefix cache off and on: every
+    request gets its gen_len tokens ("length"), the outputs are equal, later requests hit the cache, nothing compiles
+    after LLM's warm-up, and each request's time to first token counts from its arrival."""
+    from jax_gdn.serve_sim import simulate_engine
+    model = random_model(CFG, seed=0, dtype=jnp.float32, backend="xla")
+    sim = SimConfig(num_requests=6, max_seqs=2, token_budget=16, prompt_len=(1, 12), gen_len=(1, 4), rate=1.0,
+                    page_size=8, seed=4, shared_prefixes=2, prefix_len=72)
+    res = simulate_engine(model, sim, prefix_cache="both", progress=False, verbose=False)
+    assert res["all_served"] and res["outputs_equal"]
+    off, on = res["runs"]["off"], res["runs"]["on"]
+    assert [len(t) for t in on["outputs"]] == [r.gen_len for r in make_requests(sim, CFG.vocab_size, sim.seed)]
+    assert off["hit_rate"] is None and on["hit_rate"] > 0 and on["hit_tokens"] >= 64
+    assert on["tokens"]["prompt"] == off["tokens"]["prompt"] == sum(
+        r.prompt.shape[0] for r in make_requests(sim, CFG.vocab_size, sim.seed))
+    assert off["compiled_after_warmup"] == 0 and on["compiled_after_warmup"] == 0
+    assert all(0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] for r in (off, on))
+
+
 def test_sim_config_rejects_bad_settings():
     with pytest.raises(ValueError, match="token_budget .* must be >= max_seqs"):
         SimConfig(max_seqs=8, token_budget=4)
@@ -65,6 +85,8 @@ def test_sim_config_rejects_bad_settings():
         SimConfig(rate=0.0)
     with pytest.raises(ValueError, match="num_requests must be a positive int"):
         SimConfig(num_requests=0)
+    with pytest.raises(ValueError, match="shared_prefixes .* and prefix_len .* must both be 0"):
+        SimConfig(shared_prefixes=2)
 
 
 def test_requests_are_fixed_by_the_seed():
@@ -82,7 +104,9 @@ def test_cli_lists_serve_sim():
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--json", "/no/such/dir/x.json"], ["--requests", "0"],
                                   ["--budget", "2", "--max-seqs", "4"], ["--prompt-len", "5,2"], ["--rate", "0"],
-                                  ["--dims", "huge"], ["--model", "/no/such/dir"], ["--gen-len", "x"]])
+                                  ["--dims", "huge"], ["--model", "/no/such/dir"], ["--gen-len", "x"],
+                                  ["--engine", "model", "--prefix-cache", "on"], ["--shared-prefixes", "2"],
+                                  ["--prefix-cache", "sometimes"]])
 def test_cli_refuses_bad_options_before_any_work(monkeypatch, capsys, argv):
     import jax_gdn.serve_sim as serve_sim
 
@@ -105,7 +129,8 @@ def test_cli_layers_and_json(monkeypatch, tmp_path):
         seen.update(dims=dims, layers=layers, dtype=dtype)
         return "model"
     monkeypatch.setattr(serve_sim, "build_model", fake_build)
-    monkeypatch.setattr(serve_sim, "simulate", lambda model, sim, progress: {"all_served": True, "sim": sim.max_seqs})
+    monkeypatch.setattr(serve_sim, "simulate_engine",
+                        lambda model, sim, prefix_cache, progress: {"all_served": True, "sim": sim.max_seqs})
     out = tmp_path / "res.json"
     assert serve_sim.main(["--layers", "3", "--max-seqs", "2", "--json", str(out)]) == 0
     assert seen == {"dims": "tiny", "layers": 3, "dtype": "float32"}
