@@ -25,7 +25,8 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
   sampling  the cost of on-device sampling in the decode step (``sampling_cost``): the engine's decode program
             (model step + sampler) over N streams of a ``context``-token prefill, timed by ``jax_gdn.timing``
             with every row greedy, and with every row sampled (temperature 0.8, top-k 50, top-p 0.95; and
-            temperature 1, top-p 0.9, no top-k): the ms and the share the sampler adds
+            temperature 1, top-p 0.9, no top-k): the ms and the share the sampler adds; and the sampler alone
+            (``sampling.sample`` on random logits of the step's shape), greedy and with each of ``sampling.SORTS``
 
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
 blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
@@ -189,12 +190,34 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
         if int(jax.device_get(llm.cache.status)) != 0:
             raise RuntimeError(f"sampling_cost: a timed decode step was refused (N={n}): the figures are void")
         greedy = ms.pop("greedy")
+        alone = _sampler_alone(nb, vocab, n, rng)
         rows.append({"streams": n, "context": context, "greedy_ms": round(greedy, 4),
                      "ms": {k: round(v, 4) for k, v in ms.items()},
-                     "overhead": {k: round(v / greedy - 1, 4) for k, v in ms.items()}})
+                     "overhead": {k: round(v / greedy - 1, 4) for k, v in ms.items()},
+                     "sampler_alone_ms": alone})
         print(f"sampling N={n}: greedy {greedy:.3f} ms; " + ", ".join(f"{k} {v:.3f} ms ({v / greedy - 1:+.1%})"
                                                                      for k, v in ms.items()), flush=True)
     return rows
+
+
+def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
+    """{"greedy", each of ``sampling.SORTS``: ms}: ``sampling.sample`` alone on random [rows, vocab] fp32 logits,
+    all greedy, then every row sampled (temperature 0.8, top-k 50, top-p 0.95) with each way of ranking a row."""
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn.serving import SamplingParams
+    from jax_gdn.serving.sampling import SORTS, sample, sampling_arrays
+    from jax_gdn.timing import time_jax
+    logits = jnp.asarray(rng.standard_normal((rows, vocab)).astype(np.float32) * 2)
+    out = {}
+    greedy = [jax.device_put(a) for a in sampling_arrays([SamplingParams()] * n, [1] * n, rows)]
+    out["greedy"] = round(time_jax(sample, (logits, *greedy)), 4)
+    drawn = [jax.device_put(a) for a in sampling_arrays([SamplingParams(**SAMPLED["t0.8-k50-p0.95"])] * n, [1] * n,
+                                                        rows)]
+    for sort in SORTS:
+        fn = jax.jit(lambda *a, sort=sort: sample(*a, sort=sort))
+        out[sort] = round(time_jax(fn, (logits, *drawn)), 4)
+    return out
 
 
 def run_section(quick: bool = False, cases=None, seed: int = 0) -> dict:
@@ -257,6 +280,8 @@ def print_section(value: dict) -> None:
     for r in value.get("sampling") or []:
         print(f"  decode step, {r['streams']} streams: greedy {r['greedy_ms']:.3f} ms; "
               + ", ".join(f"{k} {v:.3f} ms ({r['overhead'][k]:+.1%})" for k, v in r["ms"].items()))
+        if r.get("sampler_alone_ms"):
+            print("    the sampler alone: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r["sampler_alone_ms"].items()))
     wl = value.get("workload")
     if not wl:
         return

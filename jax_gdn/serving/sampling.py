@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "sample", "sample_rows", "sampling_arrays"]
+__all__ = ["SORTS", "SamplingParams", "descending_order", "sample", "sample_rows", "sampling_arrays"]
 
 
 def _is_int(x) -> bool:
@@ -79,12 +79,33 @@ def sampling_arrays(params, steps, rows: int):
     return temp, top_k, top_p, seed, step
 
 
-def _draw(logits, temperature, top_k, top_p, seed, step):
+#: how :func:`sample_rows` ranks a row's logits (descending, ties by id; both give the same order):
+#: "argsort" ``jnp.argsort(-x, stable=True)`` (a sort under a float total-order comparator); "keys" a stable
+#: sort of int32 keys made from the float bits (order-preserving) with the ids as values: a plain integer
+#: comparison, which XLA's GPU backend can hand to a radix sort
+SORTS = ("argsort", "keys")
+
+
+def descending_order(x, sort: str = "argsort"):
+    """[Nb, Vocab] int32: each row's token ids by descending ``x`` (fp32), ties by ascending id (``SORTS``)."""
+    if sort == "argsort":
+        return jnp.argsort(-x, axis=-1, stable=True).astype(jnp.int32)
+    if sort != "keys":
+        raise ValueError(f"sort must be one of {SORTS}; got {sort!r}")
+    x = jnp.where(x == 0, jnp.float32(0), x)                            # -0.0 ties with 0.0, as in argsort
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))                # ascending key = ascending float
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    _, order = jax.lax.sort_key_val(~key, ids, dimension=-1, is_stable=True)    # ~key: descending
+    return order
+
+
+def _draw(logits, temperature, top_k, top_p, seed, step, sort="argsort"):
     """Sampled ids [Nb] (every row drawn, greedy rows ignored by the caller)."""
     vocab = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)
     x = logits.astype(jnp.float32) / t[:, None]
-    order = jnp.argsort(-x, axis=-1, stable=True)                       # descending, ties by id
+    order = descending_order(x, sort)                                   # descending, ties by id
     xs = jnp.take_along_axis(x, order, axis=-1)
     rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -101,14 +122,15 @@ def _draw(logits, temperature, top_k, top_p, seed, step):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample_rows(logits, temperature, top_k, top_p, seed, step):
+def sample_rows(logits, temperature, top_k, top_p, seed, step, sort: str = "argsort"):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
-    seed, step [Nb] int32. Returns int32 [Nb]. Traceable: the engine calls it inside its step's program."""
+    seed, step [Nb] int32; ``sort`` how rows are ranked (``SORTS``: the same draws either way). Returns int32
+    [Nb]. Traceable: the engine calls it inside its step's program."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.lax.cond(jnp.any(temperature > 0), lambda: _draw(logits, temperature, top_k, top_p, seed, step),
-                         lambda: greedy)
+    drawn = jax.lax.cond(jnp.any(temperature > 0),
+                         lambda: _draw(logits, temperature, top_k, top_p, seed, step, sort), lambda: greedy)
     return jnp.where(temperature > 0, drawn, greedy)
 
 
 #: :func:`sample_rows` as its own program
-sample = jax.jit(sample_rows)
+sample = jax.jit(sample_rows, static_argnames=("sort",))

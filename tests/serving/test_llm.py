@@ -99,6 +99,29 @@ def test_sampler_follows_the_truncated_softmax():
     assert out[:3].tolist() == [1, 1, 1] and np.array_equal(out[3:], got[:3])
 
 
+def test_both_sorts_rank_alike_and_draw_alike():
+    """descending_order "keys" (int32 keys from the float bits) gives argsort's order (descending, ties by id) on
+    rows with many ties, +-inf, signed zeros, subnormals and random floats; sample draws the same tokens with
+    either sort."""
+    from jax_gdn.serving.sampling import SORTS, descending_order
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, (6, 300)).astype(np.float32)
+    x[0, :5] = -np.inf
+    x[1, 7] = np.inf
+    x[2] = -0.0
+    x[2, ::3] = 0.0
+    x[3] = rng.standard_normal(300).astype(np.float32) * 1e-39            # subnormals
+    x[4:] = rng.standard_normal((2, 300)).astype(np.float32) * 30
+    orders = [np.asarray(descending_order(jnp.asarray(x), s)) for s in SORTS]
+    assert all(np.array_equal(orders[0], o) for o in orders[1:])
+    normal = [0, 1, 2, 4, 5]                    # XLA on the CPU flushes row 3's subnormals to zero (both sorts alike)
+    assert np.array_equal(orders[0][normal], np.argsort(-x[normal], axis=-1, kind="stable"))
+    params = [SamplingParams(temperature=0.9, top_k=k, top_p=p, seed=i)
+              for i, (k, p) in enumerate([(0, 0.9), (5, 1.0), (50, 0.5), (0, 1.0), (3, 0.8), (0, 0.99)])]
+    draws = [np.asarray(sample(jnp.asarray(x), *sampling_arrays(params, [2] * 6, 6), sort=s)) for s in SORTS]
+    assert all(np.array_equal(draws[0], d) for d in draws[1:])
+
+
 # ---- the engine ------------------------------------------------------------------------------------------------
 def test_greedy_generate_equals_the_manual_loop_and_compiles_nothing(llm, model):
     prompts = _prompts(3, seed=1)
