@@ -178,6 +178,10 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
         if cases is not None:                       # the parts not run keep their stored figures
             value = {**(stored.get("serving") or {}), **value}
         return {"serving": value}
+    if name == "train":
+        value = mod.run_section(quick)
+        mod.print_section(value)
+        return {"train": value}
     if name == "sharding":
         value = mod.run_section(quick, **({} if budget is None else {"deadline_s": budget}))
         mod.print_section(value)

@@ -5,7 +5,7 @@
 # usage (from the repository root, on the GPU machine, with the peers' wheels carried in .whl/):
 #   bash benchmarks/gpu.sh [STEP ...]
 #     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn backward decode attention moe layers model
-#     sharding); default: tests
+#     serving train sharding); default: tests
 #   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
 #     step wrote; TESTS (the test files or node ids of the tests step, default tests: every GPU test, which
 #     takes longer than one call: 7-56 s per test under 4 workers, compile and run);

@@ -79,6 +79,8 @@ SECTIONS = {s.name: s for s in (
     Section("serving", "serving", ("serving",), "LLM.generate on a shared-prefix workload, prefix cache off and "
             "on: tokens/s, time to first token, time per output token, hit rate; TTFT cold vs a prefix hit; the "
             "sampler's share of the decode step", _serving_parts),
+    Section("train", "train", ("train",), "one optimiser step of a ~1B-parameter hybrid on 4096 packed tokens: "
+            "tokens/s, MFU, peak memory, with and without layer remat"),
     Section("sharding", "sharding", ("rows", "events"), "80B dims over 2 GPUs (12 and 48 layers), the 1 vs 2 GPU "
             "check; needs 2 GPUs", devices=2, in_all=False),
 )}
