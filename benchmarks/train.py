@@ -2,8 +2,8 @@
 
 Model (``train_config``): Qwen3-Next's layer plan and GDN / attention dims (hidden 2048; GDN 16 key / 32 value
 heads x 128; attention 16 q / 2 kv heads x 256) at 8 layers (6 GDN + 2 attention), each with a dense SwiGLU FFN of
-5632 instead of the MoE, vocab 151936, untied head: ``params`` in the JSON (about 1.16B, 0.54B without the
-embedding and head). Random bf16 weights, backend "auto"; ``jax_gdn.train.Trainer`` with optax AdamW (lr 1e-4),
+5632 instead of the MoE, vocab 151936, untied head: ``params`` in the JSON (1.156B; 0.845B without the embedding,
+the 0.311B head included). Random bf16 weights, backend "auto"; ``jax_gdn.train.Trainer`` with optax AdamW (lr 1e-4),
 fp32 master weights, global-norm clip 1.0.
 Batch: ``tokens`` = 4096 tokens of ``docs`` = 8 packed documents (random lengths summing to 4096, random ids),
 the same batch every step.
