@@ -1,5 +1,7 @@
-"""HF transformers' Qwen3-Next as the whole-model section's peer, on FLA's kernels (its fast GDN path), and the
-check of that wiring against HF's own torch path.
+"""HF transformers' Qwen3-Next (and Qwen3.5-MoE, ``HF_FAMILIES``) as the whole-model section's peer, on FLA's
+kernels (its fast GDN path), and the check of that wiring against HF's own torch path. transformers 5.24's
+qwen3_5_moe module calls the same four module-level GDN callables, so the wiring below applies to it; its FLA
+adapters are checked against HF's torch path (``hf_kernel_check``) at Qwen3-Next dims only so far.
 
 transformers' qwen3_next module resolves, at import, each of its four GDN callables (``torch_chunk_gated_delta_rule``,
 ``torch_recurrent_gated_delta_rule``: FLA's when ``fla`` imports; ``causal_conv1d_fn``, ``causal_conv1d_update``:
@@ -20,7 +22,47 @@ from benchmarks.model_parts import REPS
 from benchmarks.timing import median_ms
 
 
+#: model_type -> (transformers config class, causal-LM class, modeling module): the HF peers of our presets
+HF_FAMILIES = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "transformers.models.qwen3_next.modeling_qwen3_next"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"),
+}
+
+
+def hf_family(config) -> tuple:
+    """``HF_FAMILIES[config.model_type]``; ValueError naming the model types it has for any other."""
+    fam = HF_FAMILIES.get(config.model_type)
+    if fam is None:
+        raise ValueError(f"no HF peer for model_type {config.model_type!r}; known: {sorted(HF_FAMILIES)}")
+    return fam
+
+
+def hf_module(model=None, config=None):
+    """The transformers modeling module whose module-level GDN callables ``model`` (an HF model) or ``config`` (ours)
+    uses (its layers look them up at each call)."""
+    import importlib
+    import sys
+    if model is not None:
+        return sys.modules[type(model).__module__]
+    return importlib.import_module(hf_family(config)[2])
+
+
+def _is_gdn(m) -> bool:
+    return type(m).__name__.endswith("GatedDeltaNet")           # Qwen3NextGatedDeltaNet, Qwen3_5MoeGatedDeltaNet
+
+
 def hf_kwargs(config) -> dict:
+    """The transformers config fields of ``config`` (its family's: Qwen3.5-MoE has no dense FFN layers, no
+    decoder_sparse_step, mlp_only_layers or norm_topk_prob)."""
+    kw = _qwen3_next_kwargs(config)
+    if config.model_type == "qwen3_5_moe_text":
+        for k in ("intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+            kw.pop(k)
+    return kw
+
+
+def _qwen3_next_kwargs(config) -> dict:
     return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                 layer_types=list(config.layer_types), num_attention_heads=config.num_attention_heads,
@@ -146,14 +188,17 @@ def fla_kernels(fla=None) -> dict:
 
 
 def hf_kernel_report(model=None, mq=None) -> dict:
-    """{HF's name: what runs} for the GDN callables of transformers' qwen3_next module (and the gated norm class
-    of ``model``'s GDN layers)."""
+    """{HF's name: what runs} for the GDN callables of ``model``'s transformers module (default qwen3_next's; and
+    the gated norm class of ``model``'s GDN layers)."""
     if mq is None:
-        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+        if model is not None:
+            mq = hf_module(model)
+        else:
+            import transformers.models.qwen3_next.modeling_qwen3_next as mq
     out = {k: _runs(getattr(mq, k)) for k in HF_GDN_CALLABLES if hasattr(mq, k)}
     if model is not None:
         for m in model.modules():
-            if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+            if _is_gdn(m):
                 out["gated_norm"] = f"{type(m.norm).__module__}.{type(m.norm).__qualname__}"
                 break
     return out
@@ -165,16 +210,16 @@ def use_hf_kernels(model, kernels: dict, mq=None):
     each GDN layer of ``model`` (``kernels["gated_norm"](old) -> new``). Returns ``undo()``, which puts back what
     was there (the module's callables and the model's norms)."""
     if mq is None:
-        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+        mq = hf_module(model)
     missing = [k for k in HF_GDN_CALLABLES if not hasattr(mq, k)]
     if missing:
-        raise RuntimeError(f"transformers' qwen3_next module has no {missing}: this transformers version calls its "
-                           f"GDN kernels by other names; read its modeling_qwen3_next.py")
+        raise RuntimeError(f"transformers' {mq.__name__} has no {missing}: this transformers version calls its "
+                           f"GDN kernels by other names; read that module")
     old_fns = {k: getattr(mq, k) for k in HF_GDN_CALLABLES}
     old_norms = []
     if kernels.get("gated_norm") is not None:
         for m in model.modules():
-            if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+            if _is_gdn(m):
                 old_norms.append((m, m.norm))
                 m.norm = kernels["gated_norm"](m.norm)
     for k in HF_GDN_CALLABLES:
@@ -189,11 +234,13 @@ def use_hf_kernels(model, kernels: dict, mq=None):
 
 
 def hf_model(config, dtype=None, device: str = "cpu", seed: int = 0):
-    """HF ``Qwen3NextForCausalLM`` with ``config``'s dims and random weights (``dtype`` default bfloat16, SDPA
-    attention, eval mode)."""
+    """HF's causal LM of ``config``'s family (``HF_FAMILIES``: ``Qwen3NextForCausalLM``, ``Qwen3_5MoeForCausalLM``)
+    with ``config``'s dims and random weights (``dtype`` default bfloat16, SDPA attention, eval mode)."""
     import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig(**hf_kwargs(config))
+    import transformers
+    cfg_name, cls_name, _ = hf_family(config)
+    cfg = getattr(transformers, cfg_name)(**hf_kwargs(config))
+    Qwen3NextForCausalLM = getattr(transformers, cls_name)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
@@ -228,7 +275,7 @@ def hf_kernel_check(model, kernels: dict, lens=(173, 300), steps: int = 3, seed:
     80B dims, a near-tie of the top-10 router flips an expert); a layout error gives cosines near 0."""
     import torch
     if mq is None:
-        import transformers.models.qwen3_next.modeling_qwen3_next as mq
+        mq = hf_module(model)
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
