@@ -17,7 +17,9 @@ bookkeeping only (greedy, no stop ids: the same steps on any model and device), 
 gives the figures of any size; what a snapshot costs in memory is the model's (``snapshot_bytes``).
 
 Parts (``--cases``; default all, a part not run keeps its stored figures):
-  workload  the shared-prefix workload above (each engine warmed up by ``LLM.warmup``: every bucket's program)
+  workload  the shared-prefix workload above (each engine warmed up by ``LLM.warmup``: every bucket's program;
+            at 80B dims two prefill buckets, 512 and 4096 tokens, and 8 running, so that the two engines' warm-ups
+            compile 28 programs: the model's buckets at 16 running made 115)
   ttft      time to first token of one request alone, cold against a prefix-cache hit (``ttft_probe``): for each
             prefix length, a fresh prefix of that many tokens + a 64-token tail, three requests in turn (the first
             cold, the second makes the snapshot, the third hits), one generated token each; the first round (on its
@@ -30,8 +32,8 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
 
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
 blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
-bf16 weights made on the device), 4 prefixes of 2048 tokens x 8 requests, 64-token blocks; TTFT at 4096- and
-16384-token prefixes; sampling over 16 and 64 streams of 512 tokens; on the default device.
+bf16 weights made on the device), 4 prefixes of 2048 tokens x 4 requests, 8 running, 64-token blocks;
+TTFT at 4096- and 16384-token prefixes; sampling over 16 and 64 streams of 512 tokens; on the default device.
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ KEY = "serving"
 
 QUICK = dict(dims="tiny", layers=None, prefixes=2, per_prefix=4, prefix_len=64, tail_len=24, gen_len=8,
              max_seqs=4, max_tokens=2048, page_size=16, token_budget=64, block_size=16)
-FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=8, prefix_len=2048, tail_len=256, gen_len=32,
-            max_seqs=16, max_tokens=131072, page_size=16, token_budget=4096, block_size=64)
+FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=4, prefix_len=2048, tail_len=256, gen_len=32,
+            max_seqs=8, max_tokens=65536, page_size=16, token_budget=4096, block_size=64, prefill_buckets=(512, 4096))
 #: the parts of the section (``--cases``)
 PARTS = ("workload", "ttft", "sampling")
 #: (prefix lengths, tail, token budget, rounds) of the TTFT probe; (streams, context) of the sampling cost
@@ -247,7 +249,7 @@ def _workload(model, w: dict, seed: int) -> dict:
     for cache_on in (False, True):
         kw = dict(prefix_cache=True, block_size=w["block_size"]) if cache_on else {}
         llm = LLM(model, max_seqs=w["max_seqs"], max_tokens=w["max_tokens"], page_size=w["page_size"],
-                  token_budget=w["token_budget"], progress=False, **kw)
+                  token_budget=w["token_budget"], progress=False, prefill_buckets=w.get("prefill_buckets"), **kw)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0

@@ -137,13 +137,16 @@ class LLM:
     multiple of page_size so that snapshots share whole pages; docs/serving.md has the measurement) and
     ``prefix_slots`` snapshot slots (default max_seqs; the cache gets max_seqs + prefix_slots slots); a boundary
     is snapshotted once ``prefix_min_uses`` prompts have reached it (default 2: once it is shared).
+    prefill_buckets: the token counts prefill steps are padded to (increasing, the last >= token_budget; default
+    the model's ``token_buckets`` up to the budget's): fewer buckets, fewer programs for the warm-up to compile
+    (vLLM's capture sizes), more padding per step.
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
                  max_seq_len: Optional[int] = None, token_budget: Optional[int] = None, tokenizer=None,
                  dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True,
                  prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None,
-                 prefix_min_uses: int = 2):
+                 prefix_min_uses: int = 2, prefill_buckets: Optional[Sequence[int]] = None):
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")
@@ -153,6 +156,13 @@ class LLM:
                 or token_budget < max_seqs:
             raise ValueError(f"LLM: token_budget must be an int >= max_seqs={max_seqs} (every running request feeds "
                              f"a token each step); got {token_budget!r}")
+        if prefill_buckets is not None:
+            b = list(prefill_buckets) if isinstance(prefill_buckets, (list, tuple)) else None
+            if not b or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1 for x in b) \
+                    or b != sorted(set(b)) or b[-1] < token_budget:
+                raise ValueError(f"LLM: prefill_buckets must be increasing positive ints, the last >= token_budget="
+                                 f"{token_budget}; got {prefill_buckets!r}")
+            prefill_buckets = tuple(int(x) for x in b)
         if isinstance(model, (str, os.PathLike)):
             path = os.fspath(model)
             if not os.path.isdir(path):
@@ -181,6 +191,7 @@ class LLM:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.max_seqs = int(max_seqs)
         self.token_budget = int(token_budget)
+        self.prefill_buckets = prefill_buckets
         self.progress = progress
         self.cache = model.init_cache(max_seqs=self.max_seqs + int(extra), max_tokens=int(max_tokens),
                                       page_size=int(page_size), max_seq_len=max_seq_len)
@@ -201,8 +212,12 @@ class LLM:
         """The (kind, T, N) calls the loop can make: every prefill token bucket up to the budget's with every stream
         bucket that fits, every decode stream bucket (each with the sampler at its stream bucket)."""
         m, s = self.model, self.max_seqs
-        top = m.token_bucket(self.token_budget)
-        t_values = sorted({b for b in m.token_buckets if b <= top} | {top})
+        if self.prefill_buckets is not None:
+            t_values = [b for b in self.prefill_buckets if b < self.token_budget] + [self._token_bucket(
+                self.token_budget)]
+        else:
+            top = m.token_bucket(self.token_budget)
+            t_values = sorted({b for b in m.token_buckets if b <= top} | {top})
         n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
         calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
         calls += [("decode", n, n) for n in n_values]
@@ -464,12 +479,19 @@ class LLM:
         slot id S, as the model's methods pad) and runs the step's program. Returns (sampled ids [Nb], status)."""
         s = self.cache.num_slots
         nb = self.model.stream_bucket(slots.shape[0], s)
-        tb = nb if kind == "decode" else self.model.token_bucket(ids.shape[0])
+        tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
         ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
         toks, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p,
                                                         *sampling_arrays(params, steps, nb))
         toks, status = jax.device_get((toks, status))                    # the step's one copy to the host
         return np.asarray(toks), int(status)
+
+    def _token_bucket(self, t: int) -> int:
+        """The token count a prefill step of t tokens is padded to: the smallest of ``prefill_buckets`` >= t, or the
+        model's bucket."""
+        if self.prefill_buckets is None:
+            return self.model.token_bucket(t)
+        return next(b for b in self.prefill_buckets if b >= t)
 
     def _restore(self, admitted) -> None:
         """Prefix-cache hits of newly admitted requests: each starts from a fork of its longest cached prefix

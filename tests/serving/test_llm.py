@@ -149,8 +149,9 @@ def test_a_request_does_not_depend_on_its_batch(llm):
 def test_online_requests_arriving_while_others_run(llm):
     """add_request / step / has_unfinished_requests: 6 requests arriving one every 2 steps (chunked prefill under the
     32-token budget, mixed with decode) give the tokens generate gives each alone; step() returns each output once,
-    when it finishes; ids count up over both calls; the metrics count from the arrival; a generate call in the middle keeps the
-    added requests' outputs for the next step(); a bad request is refused naming it, with nothing queued."""
+    when it finishes; ids count up over both calls; the metrics count from the arrival; a generate call in the
+    middle keeps the added requests' outputs for the next step(); a bad request is refused naming it, with nothing
+    queued."""
     prompts = _prompts(6, seed=5, hi=60)
     sp = SamplingParams(max_tokens=4)
     want = [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
@@ -171,10 +172,29 @@ def test_online_requests_arriving_while_others_run(llm):
         steps += 1
         assert steps < 200
     assert not llm.has_unfinished_requests() and llm.step() == []
-    assert ids == sorted(set(ids)) and set(got) == set(ids)          # ids count up (generate's took one too)
+    assert ids == sorted(set(ids)) and set(got) == set(ids)      # ids count up (generate's call took one too)
     assert [got[i].outputs[0].token_ids for i in ids] == want
     assert [got[i].prompt_token_ids for i in ids] == prompts
     assert all(0 < got[i].metrics["first_token_s"] <= got[i].metrics["finished_s"] for i in ids)
+
+
+def test_prefill_buckets_fewer_programs_same_tokens(llm, model):
+    """prefill_buckets=(32,): every prefill step padded to 32 tokens, so the warm-up runs only those prefill shapes
+    (4 stream buckets, against 24 with the model's buckets), the outputs equal the default engine's, and nothing
+    compiles after the warm-up; bad bucket lists are refused naming the argument."""
+    few = LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False,
+              prefill_buckets=(32,))
+    assert {t for kind, t, _ in few.shapes() if kind == "prefill"} == {32}
+    assert len(few.shapes()) < len(llm.shapes())
+    prompts = _prompts(4, seed=8, hi=50)
+    sp = SamplingParams(max_tokens=4)
+    before = few.compiled_programs()
+    got = [o.outputs[0].token_ids for o in few.generate(prompts, sp)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert few.compiled_programs() == before
+    for bad in ((16,), (32, 16), (0, 32), [], "32"):
+        with pytest.raises(ValueError, match="prefill_buckets"):
+            LLM(model, max_seqs=8, token_budget=32, warmup=False, prefill_buckets=bad)
 
 
 def test_stop_ids_and_max_tokens(llm):
