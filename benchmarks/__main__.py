@@ -31,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sections", nargs="*", metavar="SECTION", help="sections to measure (see below)")
     p.add_argument("--all", action="store_true", help="every section but sharding")
     p.add_argument("--cases", default=None, metavar="NAME,...",
-                   help="only these cases of the named sections (gdn, backward, decode, attention, moe); the other rows "
-                        "stored are kept")
+                   help="only these cases of the named sections (gdn, backward, decode, attention, moe; serving: "
+                        "its parts); the other rows stored are kept")
     p.add_argument("--impls", default=None, metavar="IMPL,...",
                    help="columns of the gdn or backward section to measure (gdn: pallas, mosaic_gpu, xla, fla, jla, "
                         "qla, fi; default pallas, mosaic_gpu, fla, jla; backward: fwd, ours, ours_xla_vjp, "

@@ -240,14 +240,14 @@ def hf_model(config, dtype=None, device: str = "cpu", seed: int = 0):
     import transformers
     cfg_name, cls_name, _ = hf_family(config)
     cfg = getattr(transformers, cfg_name)(**hf_kwargs(config))
-    Qwen3NextForCausalLM = getattr(transformers, cls_name)
+    model_cls = getattr(transformers, cls_name)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype or torch.bfloat16)
     try:
         with torch.device(device):
-            return Qwen3NextForCausalLM(cfg).eval()
+            return model_cls(cfg).eval()
     finally:
         torch.set_default_dtype(old)
 

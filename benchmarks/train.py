@@ -22,7 +22,6 @@ import numpy as np
 
 KEY = "train"
 IMPLS = ("ours", "ours_remat")
-H200_BF16_TFLOPS = 989.0
 FULL = dict(layers=8, intermediate=5632, tokens=4096, docs=8)
 QUICK = dict(layers=2, intermediate=None, tokens=128, docs=4)
 
@@ -58,6 +57,7 @@ def run_section(quick: bool = False, impls=IMPLS, seed: int = 0) -> dict:
     import optax
     from benchmarks.backward import compiled_peak_mb
     from benchmarks.configs import random_device_model
+    from benchmarks.tables import HW_PEAK_TFLOPS
     from jax_gdn.model import HybridModel
     from jax_gdn.options import RuntimeOptions
     from jax_gdn.timing import time_threaded
@@ -70,16 +70,13 @@ def run_section(quick: bool = False, impls=IMPLS, seed: int = 0) -> dict:
                         "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size},
              "tokens": w["tokens"], "docs": w["docs"], "rows": [],
              "note": "CPU smoke run, not a measurement" if quick or not gpu else "bf16, fp32 master weights"}
+    base = (HybridModel.random(cfg, seed, dtype=jnp.float32, backend="xla") if quick
+            else random_device_model(cfg, jnp.bfloat16, "auto", seed))              # one set of weights for all
+    value["params"] = _count(base.params)
+    value["params_no_embedding"] = value["params"] - int(base.params["embed"].size)
     for impl in impls:
         options = RuntimeOptions(remat="layers" if impl == "ours_remat" else "none")
-        if quick:
-            model = HybridModel.random(cfg, seed, dtype=jnp.float32, backend="xla", options=options)
-        else:
-            base = random_device_model(cfg, jnp.bfloat16, "auto", seed)
-            model = HybridModel(cfg, base.params, dtype=jnp.bfloat16, backend="auto", options=options)
-        emb = int(model.params["embed"].size) if "embed" in model.params else 0
-        value["params"] = _count(model.params)
-        value["params_no_embedding"] = value["params"] - emb
+        model = HybridModel(cfg, base.params, dtype=base.dtype, backend=base.backend, options=options)
         trainer = Trainer(model, optax.adamw(1e-4), max_tokens=w["tokens"], max_docs=w["docs"])
         state = trainer.init()
         args = (state, trainer.cache, jnp.asarray(tokens), jnp.asarray(cu))
@@ -91,7 +88,7 @@ def run_section(quick: bool = False, impls=IMPLS, seed: int = 0) -> dict:
         tps = w["tokens"] / (ms / 1e3)
         flops = 6.0 * value["params_no_embedding"] * w["tokens"]
         value["rows"].append({"impl": impl, "ms": round(ms, 3), "tokens_per_s": round(tps, 1),
-                              "mfu": round(flops / (ms / 1e3) / (H200_BF16_TFLOPS * 1e12), 4) if gpu else None,
+                              "mfu": round(flops / (ms / 1e3) / (HW_PEAK_TFLOPS * 1e12), 4) if gpu else None,
                               "peak_mb": round(peak, 1), "loss": round(loss, 4)})
         print(f"train {impl}: {ms:.2f} ms/step, {tps:.0f} tokens/s, peak {peak:.0f} MiB, loss {loss:.3f}",
               flush=True)

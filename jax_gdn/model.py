@@ -1018,9 +1018,9 @@ class HybridModel:
     def fork(self, cache: Cache, src_slot_ids, dst_slot_ids) -> Cache:
         """Slot dst_slot_ids[m] becomes a copy of slot src_slot_ids[m] (its length, GDN state and KV: the full pages
         shared by reference count, a partial last page copied; what dst held is released first): dst continues
-        exactly where src stands, and src is unchanged (the prefix cache's snapshot and its restore). Both [M] int in [0, max_seqs), no id in both; a
-        source may repeat (one snapshot into several slots), a destination may not. Out of pages:
-        refused like a step (``cache.status``, :meth:`check`). Returns the new cache."""
+        exactly where src stands, and src is unchanged (the prefix cache's snapshot and its restore). Both [M] int in
+        [0, max_seqs), no id in both; a source may repeat (one snapshot into several slots), a destination may not.
+        Out of pages: refused like a step (``cache.status``, :meth:`check`). Returns the new cache."""
         self._check_cache(cache)
         dst = self._check_slots(dst_slot_ids, None, cache)
         src = _int_array(src_slot_ids, "src_slot_ids", 1, "[M]") if not isinstance(src_slot_ids, (list, tuple)) \

@@ -58,9 +58,9 @@ def test_short_simulation_serves_every_request_without_recompiles():
 
 
 def test_llm_engine_with_shared_prefixes_serves_the_same_tokens_with_the_cache_on():
-    """--engine llm on a shared-prefix workload (2 system prompts of 72 tokens, 64-token blocks), the prefix cache off and on: every
-    request gets its gen_len tokens ("length"), the outputs are equal, later requests hit the cache, nothing compiles
-    after LLM's warm-up, and each request's time to first token counts from its arrival."""
+    """--engine llm on a shared-prefix workload (2 system prompts of 72 tokens, 64-token blocks), the prefix cache off
+    and on: every request gets its gen_len tokens ("length"), the outputs are equal, later requests hit the cache,
+    nothing compiles after LLM's warm-up, and each request's time to first token counts from its arrival."""
     from jax_gdn.serve_sim import simulate_engine
     model = random_model(CFG, seed=0, dtype=jnp.float32, backend="xla")
     sim = SimConfig(num_requests=6, max_seqs=2, token_budget=16, prompt_len=(1, 12), gen_len=(1, 4), rate=1.0,

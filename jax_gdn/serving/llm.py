@@ -102,7 +102,7 @@ class _Request:
     finish: Optional[str] = None
     token_times: list = dataclasses.field(default_factory=list)   # seconds from its arrival, per token
     arrival: float = 0.0                      # perf_counter when it was queued (add_request / generate)
-    prompt: object = None                     # as the caller gave it
+    prompt: object = None                     # as the caller gave it (RequestOutput.prompt)
     hit_tokens: int = 0
     block_keys: Optional[list] = None         # the prefix cache's chain hashes of the prompt's blocks
 
@@ -212,12 +212,9 @@ class LLM:
         """The (kind, T, N) calls the loop can make: every prefill token bucket up to the budget's with every stream
         bucket that fits, every decode stream bucket (each with the sampler at its stream bucket)."""
         m, s = self.model, self.max_seqs
-        if self.prefill_buckets is not None:
-            t_values = [b for b in self.prefill_buckets if b < self.token_budget] + [self._token_bucket(
-                self.token_budget)]
-        else:
-            top = m.token_bucket(self.token_budget)
-            t_values = sorted({b for b in m.token_buckets if b <= top} | {top})
+        top = self._token_bucket(self.token_budget)
+        buckets = m.token_buckets if self.prefill_buckets is None else self.prefill_buckets
+        t_values = sorted({b for b in buckets if b <= top} | {top})
         n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
         calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
         calls += [("decode", n, n) for n in n_values]
@@ -282,7 +279,7 @@ class LLM:
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         self._next_id += len(reqs)
         self._serve(reqs, self.progress if use_tqdm is None else use_tqdm)
-        return [self._output(r, p) for r, p in zip(reqs, prompts)]
+        return [self._output(r) for r in reqs]
 
     # ---- the online engine (vLLM's LLMEngine calls) ------------------------------------------------------------
     def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None) -> int:
@@ -294,7 +291,7 @@ class LLM:
             raise ValueError(f"add_request: sampling_params must be a SamplingParams; got {type(params).__name__}")
         r = self._request(self._next_id, prompt, params, "add_request: prompt")
         self._next_id += 1
-        r.arrival, r.prompt = time.perf_counter(), prompt
+        r.arrival = time.perf_counter()
         self._waiting.append(r)
         return r.rid
 
@@ -302,7 +299,7 @@ class LLM:
         """One engine step over the queued and running requests (one program call; a refused step retries on the
         next call). Returns the RequestOutputs of the requests that finished in it."""
         done, self._unreported = self._unreported + self._engine_step(), []
-        return [self._output(r, r.prompt) for r in done]
+        return [self._output(r) for r in done]
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request added is still waiting or running, or finished with its output not yet returned."""
@@ -337,15 +334,15 @@ class LLM:
             # the token sampled last is never fed back, so g tokens need prompt + g - 1 <= max_seq_len (and a
             # preempted request recomputes prompt + g < prompt + limit tokens: also within the slot)
             limit = min(limit, room + 1)
-        return _Request(rid, ids, params, limit)
+        return _Request(rid, ids, params, limit, prompt=prompt)
 
-    def _output(self, r: _Request, prompt) -> RequestOutput:
+    def _output(self, r: _Request) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(list(r.generated))
         tt = r.token_times
         metrics = {"first_token_s": tt[0] if tt else None, "finished_s": tt[-1] if tt else None,
                    "tpot_s": (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None,
                    "prefix_hit_tokens": r.hit_tokens}
-        return RequestOutput(r.rid, prompt, r.prompt_ids.tolist(),
+        return RequestOutput(r.rid, r.prompt, r.prompt_ids.tolist(),
                              [CompletionOutput(0, list(r.generated), text, r.finish)], metrics=metrics)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
