@@ -123,46 +123,10 @@ def child(layers: int, setups: str, cases: str, reps: int, quick: bool) -> None:
                      argmax_agree=float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))))
 
 
-def gpu_events(trace_dir: str) -> list:
-    """(process name, thread name, event name, duration ms) of every complete event on a GPU process of the newest
-    jax.profiler Perfetto trace under ``trace_dir``; kernels are the events on threads whose name starts with
-    "Stream"."""
-    import glob
-    import gzip
-    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    trace = json.load(gzip.open(sorted(files)[-1]))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"}
-    out = []
-    for e in sorted((e for e in events if e.get("ph") == "X" and "dur" in e), key=lambda e: e["ts"]):
-        proc = procs.get(e["pid"], "")
-        if "gpu" in proc.lower():
-            out.append((proc, threads.get((e["pid"], e.get("tid")), ""), e["name"], e["dur"] / 1e3))
-    return out
-
-
-PROFILE_KINDS = (("collective", ("nccl", "all-reduce", "allreduce", "all_reduce")),
-                 ("moe kernels", ("moe_",)), ("gdn kernels", ("gdn_", "conv1d_silu")),
-                 ("attention kernels", ("paged_attention",)), ("sort", ("sort", "radix")),
-                 ("gemm", ("gemm", "cublas", "xmma", "cutlass", "matmul", "dot")), ("copy", ("memcpy", "copy")),
-                 ("xla fusion", ("fusion", "loop_", "input_", "reduce", "scatter", "gather")))
-
-
-def _kind(name: str) -> str:
-    low = name.lower()
-    for kind, keys in PROFILE_KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
-
-
 def profile(model, cfg, cs, rng, base, emit) -> None:
     """Event "profile": one varlen prefill (already compiled) under jax.profiler with a Perfetto trace; the GPU
     kernels of each device (events on its "Stream" threads) summed by kind (collective, moe / gdn / attention
-    kernels, sort, gemm, copy, xla fusion, other) and the 8 costliest kernel names, in ms. The trace is
+    kernels, sort, gemm, copy, xla fusion, other: ``benchmarks.profile.KINDS``) and the 8 costliest kernel names, in ms. The trace is
     written to a temporary folder and removed."""
     import shutil
     import tempfile
@@ -172,6 +136,7 @@ def profile(model, cfg, cs, rng, base, emit) -> None:
 
     from benchmarks.cases import cu_seqlens
     from benchmarks.model import shared_cache_kwargs
+    from benchmarks.profile import gpu_events, kind as kernel_kind
     from jax_gdn.timing import jax_sync
     name, lens = cs["varlen"]
     cache = model.init_cache(**shared_cache_kwargs(cs, 3))
@@ -194,7 +159,7 @@ def profile(model, cfg, cs, rng, base, emit) -> None:
             if not thread.lower().startswith("stream"):
                 continue
             dev = per_dev.setdefault(proc, {})
-            kind = _kind(kname)
+            kind = kernel_kind(kname)
             dev[kind] = dev.get(kind, 0.0) + ms
             top[kname[:60]] = top.get(kname[:60], 0.0) + ms
         per_dev = {p: {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
