@@ -408,3 +408,78 @@ def test_gpu_q_prologue_kernel_at_80b_dims():
         for layout in ("gather", "halves"):
             got = gated_query_pallas(qg, w, cos, sin, num_heads=h, head_dim=dh, eps=1e-6, layout=layout)
             assert rel_rms(got.astype(jnp.float32), want.astype(jnp.float32)) <= 4e-3, (t, layout)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gated entry's VJP on the direct path: the fresh causal call differentiated itself, the XLA form with context
+# ----------------------------------------------------------------------------------------------------------------
+def _token_rows(case):
+    """[T] flat pool row (page * Ps + offset) each new token's K/V is written to; P * Ps (dropped) for padding."""
+    p, ps = case.k_pages.shape[:2]
+    rows = np.full(case.q.shape[0], p * ps, np.int32)
+    for i, (s, o, n, _, _) in enumerate(case.streams):
+        for j in range(n if s >= 0 else 0):
+            rows[case.cu[i] + j] = case.page_table[s, (o + j) // ps] * ps + (o + j) % ps
+    return jnp.asarray(rows)
+
+
+@pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
+def test_gated_direct_gradients_equal_the_xla_form(streams):
+    """jax.grad of a layer-like function (write k_new / v_new to the pages, then ``paged_attention_gated`` with
+    them as k_new / v_new) on "cudnn_xla" equals the "xla" backend's (which reads the pages) for qg, q_norm,
+    k_new, v_new and both page pools, fp32 1e-5 relative. The fresh batch's backward is the fresh causal call's
+    own VJP (one more statistics-free segment call, in the backward; no XLA-form loop), the mixed batch's the XLA
+    form's (no segment call in the backward)."""
+    _check_gated_direct_gradients(streams, "cudnn_xla", jnp.float32, hkv=2, group=4, dh=32, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
+def test_gpu_gated_direct_gradients_equal_the_xla_form(streams):
+    """The same on the real cuDNN call (its fused attention backward) at Qwen3-Next's attention dims (Dh 256, 8
+    query heads per kv head), bf16: every gradient within 2e-2 relative RMS of the XLA form's in bf16."""
+    _check_gated_direct_gradients(streams, "cudnn", jnp.bfloat16, hkv=2, group=8, dh=256, tol=2e-2)
+
+
+def _check_gated_direct_gradients(streams, backend, dtype, *, hkv, group, dh, tol):
+    from tests.pallas_kernels.paged_attention.test_gated import gated_inputs
+    rng = np.random.default_rng(23)
+    h = hkv * group
+    case = make_case(rng, streams=streams, hkv=hkv, group=group, dh=dh, dtype=dtype)
+    _, kp, vp, pt, sl, cu, ids = case.args(dtype)
+    kn, vn = _new_kv(case, dtype)
+    qg, q_norm, cos, sin = gated_inputs(rng, case, dh=dh, group=group, hkv=hkv, rotary=8, dtype=dtype, extra_cols=0)
+    qg, q_norm, cos, sin = jnp.asarray(qg, dtype), jnp.asarray(q_norm, dtype), jnp.asarray(cos), jnp.asarray(sin)
+    rows = _token_rows(case)
+    ct = jnp.asarray(rng.standard_normal((qg.shape[0], h * dh)), dtype)
+    stand_in = backend == "cudnn_xla"
+
+    def loss(qg, q_norm, kn, vn, kp, vp, backend):
+        flat = (kp.shape[0] * kp.shape[1],) + kp.shape[2:]
+        kp2 = kp.reshape(flat).at[rows].set(kn, mode="drop").reshape(kp.shape)
+        vp2 = vp.reshape(flat).at[rows].set(vn, mode="drop").reshape(vp.shape)
+        o = api.paged_attention_gated(qg, kp2, vp2, pt, sl, cu, ids, q_norm=q_norm, cos=cos, sin=sin, num_heads=h,
+                                      scale=dh ** -0.5, backend=backend, k_new=kn, v_new=vn,
+                                      config=CudnnConfig(q_prologue="xla") if backend != "xla" else None)
+        return jnp.sum((o * ct).astype(jnp.float32))
+    calls = []
+    real = cudnn.segments_xla if stand_in else cudnn.segments_cudnn
+
+    def attend(*a, stats=True, **kw):
+        jax.debug.callback(lambda: calls.append(stats))
+        return real(*a, stats=stats, **kw)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
+    want = grad(qg, q_norm, kn, vn, kp, vp, "xla")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cudnn, "segments_xla" if stand_in else "segments_cudnn", attend)
+        got = jax.block_until_ready(grad(qg, q_norm, kn, vn, kp, vp, backend))
+    fresh = streams is STREAMS_FRESH
+    assert calls == ([False, False] if fresh else [True, True]), calls
+    live = np.asarray(rows) < kp.shape[0] * kp.shape[1]
+    for name, a, b in zip(("qg", "q_norm", "k_new", "v_new", "k_pages", "v_pages"), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if name in ("k_new", "v_new"):
+            a, b = a[live], b[live]                          # padding rows: NaN inputs, never read by either
+            assert np.isfinite(a).all()
+        assert np.isfinite(b).all() and np.isfinite(a).all(), name
+        assert rel_rms(a, b) <= tol or np.abs(a - b).max() <= tol / 10, (name, rel_rms(a, b))
