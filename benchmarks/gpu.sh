@@ -59,7 +59,8 @@ for step in ${*:-tests}; do
       # longer (4 tests in 300 s; 4 x 4 on 16 cores: 10 in 121 s)
       workers=()
       python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
-      OMP_NUM_THREADS=4 timeout "$left" python3 -m pytest -v -m gpu ${TESTS:-tests} --ignore=tests/test_notebooks.py -p no:randomly \
+      # no preallocation: each worker would take 75% of the GPU's memory and the others then run out
+      XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=4 timeout "$left" python3 -m pytest -v -m gpu ${TESTS:-tests} --ignore=tests/test_notebooks.py -p no:randomly \
         -p no:cacheprovider "${workers[@]}" --durations=10 >"$OUT/tests.log" 2>&1   # the notebooks need jupyter
       rc=$?
       grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests" "$OUT/tests.log" | sort | uniq -c      # outcomes, counted

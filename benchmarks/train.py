@@ -51,16 +51,17 @@ def _count(params) -> int:
 
 def run_section(quick: bool = False, impls=IMPLS, seed: int = 0) -> dict:
     """{"config", "params", "params_no_embedding", "tokens", "docs", "rows": [{"impl", "ms", "tokens_per_s",
-    "mfu", "peak_mb", "loss"}]}."""
+    "mfu", "peak_mb", "loss", "kernels_ms", "top_kernels_ms", "top_kernel_calls"}]}."""
     import jax
     import jax.numpy as jnp
     import optax
     from benchmarks.backward import compiled_peak_mb
     from benchmarks.configs import random_device_model
+    from benchmarks.profile import kernel_time
     from benchmarks.tables import HW_PEAK_TFLOPS
     from jax_gdn.model import HybridModel
     from jax_gdn.options import RuntimeOptions
-    from jax_gdn.timing import time_threaded
+    from jax_gdn.timing import jax_sync, time_threaded
     from jax_gdn.train import Trainer
     w = QUICK if quick else FULL
     cfg = train_config(quick)
@@ -83,13 +84,23 @@ def run_section(quick: bool = False, impls=IMPLS, seed: int = 0) -> dict:
         peak = compiled_peak_mb(trainer._step, args)
         state, metrics = trainer.step(state, tokens, cu)
         loss = float(metrics["loss"])
+        kinds = top = calls = None
+        if gpu and not quick:                        # one step traced: where its GPU time goes
+            box = [state]
+
+            def traced():
+                box[0] = trainer.step(box[0], tokens, cu)[0]
+                return box[0]
+            _, kinds, top, calls = kernel_time(traced, jax_sync, top=12)
+            state = box[0]
         timing = dict(warmup=1, groups=2, per_group=1) if quick or not gpu else {}
         ms = time_threaded(lambda st: trainer.step(st, tokens, cu)[0], state, **timing)
         tps = w["tokens"] / (ms / 1e3)
         flops = 6.0 * value["params_no_embedding"] * w["tokens"]
         value["rows"].append({"impl": impl, "ms": round(ms, 3), "tokens_per_s": round(tps, 1),
                               "mfu": round(flops / (ms / 1e3) / (HW_PEAK_TFLOPS * 1e12), 4) if gpu else None,
-                              "peak_mb": round(peak, 1), "loss": round(loss, 4)})
+                              "peak_mb": round(peak, 1), "loss": round(loss, 4),
+                              "kernels_ms": kinds, "top_kernels_ms": top, "top_kernel_calls": calls})
         print(f"train {impl}: {ms:.2f} ms/step, {tps:.0f} tokens/s, peak {peak:.0f} MiB, loss {loss:.3f}",
               flush=True)
         del trainer, state, model
@@ -106,6 +117,12 @@ def print_section(value: dict) -> None:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(f"{r['impl']:>12} {r['ms']:>9.2f} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_mb']:>9.0f} "
               f"{r['loss']:>7.3f}")
+    for r in value["rows"]:
+        if r.get("kernels_ms"):
+            print(f"  {r['impl']} GPU ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items()))
+            calls = r.get("top_kernel_calls") or {}
+            print(f"  {r['impl']} costliest kernels (ms, launches): " + "; ".join(
+                f"{k} {v:.1f} x{calls.get(k, '?')}" for k, v in r["top_kernels_ms"].items()))
 
 
 def markdown(value: dict) -> list:
