@@ -512,9 +512,33 @@ def step(params: dict, cache: Cache, input_ids, cu_seqlens, slot_ids, *, config:
         x = x[jnp.maximum(cu_seqlens[1:] - 1, 0)]                                  # last token of each stream
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.where(go, jnp.matmul(x, head, preferred_element_type=jnp.float32), 0.0)
+    logits = jnp.where(go, head_logits(x, head), 0.0)
     return logits, cache.replace(gdn=gdn_all, kv=kv_all, page_table=page_table, page_refs=page_refs,
                                  slot_lens=new_slot_lens, status=status)
+
+
+@jax.custom_vjp
+def head_logits(x, head):
+    """fp32 logits [T, Vocab] of x [T, D] @ head [D, Vocab] (fp32 accumulation), whose VJP rounds the logits'
+    cotangent to the head's dtype before both backward GEMMs (fp32 accumulation again). Autodiff would multiply
+    the fp32 cotangent with the bf16 head promoted to fp32: two tf32 GEMMs at half the bf16 rate, 15.2 of the
+    90 ms of a 4096-token training step at 80B dims (vocab 151936) on the H200. A fp32 head is unchanged."""
+    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(x, head):
+    return head_logits(x, head), (x, head)
+
+
+def _head_logits_bwd(res, g):
+    x, head = res
+    g = g.astype(head.dtype)
+    dx = jnp.matmul(g, head.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    dhead = jnp.matmul(x.T.astype(head.dtype), g, preferred_element_type=jnp.float32).astype(head.dtype)
+    return dx, dhead
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 def release_slots(cache: Cache, slot_ids: jax.Array, axis_name=None) -> Cache:
