@@ -28,7 +28,7 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
             (model step + sampler) over N streams of a ``context``-token prefill, timed by ``jax_gdn.timing``
             with every row greedy, and with every row sampled (temperature 0.8, top-k 50, top-p 0.95; and
             temperature 1, top-p 0.9, no top-k): the ms and the share the sampler adds; and the sampler alone
-            (``sampling.sample`` on random logits of the step's shape), greedy and with each of ``sampling.SORTS``
+            (``sampling.sample`` on random logits of the step's shape), greedy and with each of ``sampling.METHODS``
 
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
 blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
@@ -203,14 +203,14 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
 
 
 def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
-    """{"greedy", each of ``sampling.SORTS``: ms}: ``sampling.sample`` alone on random [rows, vocab] fp32 logits,
-    all greedy, then every row sampled (temperature 0.8, top-k 50, top-p 0.95) with each way of ranking a row."""
+    """{"greedy", each of ``sampling.METHODS``: ms}: ``sampling.sample`` alone on random [rows, vocab] fp32 logits,
+    all greedy, then every row sampled (temperature 0.8, top-k 50, top-p 0.95) with each method."""
     import functools
 
     import jax
     import jax.numpy as jnp
     from jax_gdn.serving import SamplingParams
-    from jax_gdn.serving.sampling import SORTS, sample, sampling_arrays
+    from jax_gdn.serving.sampling import METHODS, sample, sampling_arrays
     from jax_gdn.timing import time_jax
     logits = jnp.asarray(rng.standard_normal((rows, vocab)).astype(np.float32) * 2)
     out = {}
@@ -218,8 +218,8 @@ def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
     out["greedy"] = round(time_jax(sample, (logits, *greedy)), 4)
     drawn = [jax.device_put(a) for a in sampling_arrays([SamplingParams(**SAMPLED["t0.8-k50-p0.95"])] * n, [1] * n,
                                                         rows)]
-    for sort in SORTS:
-        out[sort] = round(time_jax(functools.partial(sample, sort=sort), (logits, *drawn)), 4)
+    for method in METHODS:
+        out[method] = round(time_jax(functools.partial(sample, method=method), (logits, *drawn)), 4)
     return out
 
 

@@ -3,11 +3,26 @@
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=64, stop_token_ids=(2,), seed=1)
 
 :func:`sample_rows` draws one token per row of a [Nb, Vocab] logits array (the engine runs it inside its step's
-program; :func:`sample` is it jitted alone): greedy (argmax, lowest id on ties) where temperature is 0, else a categorical draw from
-softmax(logits / temperature) restricted to the top_k highest logits (0: all) and then to the smallest set of
-tokens whose probability reaches top_p (the token that crosses top_p included). A request's draw at its n-th
-generated token uses the key fold_in(PRNGKey(seed), n): the same seed gives the same tokens whatever else is in
-the batch and after a preemption. When every row is greedy the program skips the sort (``lax.cond``).
+program; :func:`sample` is it jitted alone): greedy (argmax, lowest id on ties) where temperature is 0, else a
+categorical draw from softmax(logits / temperature) restricted to the top_k highest logits (0: all; ties ranked by
+ascending id) and then to the tokens whose probability ranked above them (among those) is < top_p (the token that
+crosses top_p included; top_p 1 keeps all of them). :func:`kept_tokens` is that set as a mask. A request's draw at
+its n-th generated token uses the key fold_in(PRNGKey(seed), n): the same seed gives the same tokens whatever else
+is in the batch and after a preemption. When every row is greedy the program skips the rest (``lax.cond``).
+
+Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies within float rounding of top_p):
+  threshold  (the default) no sort. The top-k and top-p boundaries are found as values of order-preserving
+             uint32 keys of the floats, 4 bits a round from the top (one reduction over the row per round, for
+             15 candidates at once): the top-k one counting tokens, the top-p one summing exp(x - max); tokens
+             tied at a boundary are split by id with the same search on the ids. A search that no sampled row
+             needs is skipped (``lax.cond``: no top-k, top_p 1). The draw is an inverse CDF in id order over the
+             kept tokens' mass with one uniform number per row (block sums, then within the block); it never lands on a
+             token of zero mass.
+  argsort,   a full sort of each row (``SORTS``: ``descending_order``), softmax and cumsum in rank order, then a
+  keys       Gumbel-max draw (``jax.random.categorical``) over the kept ranks; the two draw alike.
+threshold's draws differ from the sort methods' (another mapping of the same key to a token) but follow the same
+distribution. A row of all -inf logits: threshold draws uniformly over its kept tokens, the sort methods draw the
+first-ranked.
 
 Shape legend: Nb rows (the stream bucket of a step), Vocab the vocabulary.
 """
@@ -21,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SORTS", "SamplingParams", "descending_order", "sample", "sample_rows", "sampling_arrays"]
+__all__ = ["METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample", "sample_rows",
+           "sampling_arrays"]
 
 
 def _is_int(x) -> bool:
@@ -79,11 +95,28 @@ def sampling_arrays(params, steps, rows: int):
     return temp, top_k, top_p, seed, step
 
 
-#: how :func:`sample_rows` ranks a row's logits (descending, ties by id; both give the same order):
+#: how :func:`descending_order` ranks a row's logits (descending, ties by id; both give the same order):
 #: "argsort" ``jnp.argsort(-x, stable=True)`` (a sort under a float total-order comparator); "keys" a stable
 #: sort of int32 keys made from the float bits (order-preserving) with the ids as values: a plain integer
 #: comparison, which XLA's GPU backend can hand to a radix sort
 SORTS = ("argsort", "keys")
+#: how :func:`sample_rows` finds the kept tokens and draws (module docstring): "threshold" (the default, no sort)
+#: or a full sort of each row by one of ``SORTS``
+METHODS = ("threshold",) + SORTS
+#: tokens per block of the threshold method's two-level inverse-CDF search
+_BLOCK = 1024
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+
+
+def _order_key(x):
+    """int32 keys of fp32 ``x`` whose signed order is the float order (-0.0 and 0.0 alike)."""
+    x = jnp.where(x == 0, jnp.float32(0), x)                            # -0.0 ties with 0.0, as in argsort
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))               # ascending key = ascending float
 
 
 def descending_order(x, sort: str = "argsort"):
@@ -92,45 +125,156 @@ def descending_order(x, sort: str = "argsort"):
         return jnp.argsort(-x, axis=-1, stable=True).astype(jnp.int32)
     if sort != "keys":
         raise ValueError(f"sort must be one of {SORTS}; got {sort!r}")
-    x = jnp.where(x == 0, jnp.float32(0), x)                            # -0.0 ties with 0.0, as in argsort
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    key = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))                # ascending key = ascending float
+    key = _order_key(x)
     ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     _, order = jax.lax.sort_key_val(~key, ids, dimension=-1, is_stable=True)    # ~key: descending
     return order
 
 
-def _draw(logits, temperature, top_k, top_p, seed, step, sort="argsort"):
-    """Sampled ids [Nb] (every row drawn, greedy rows ignored by the caller)."""
-    vocab = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)
-    x = logits.astype(jnp.float32) / t[:, None]
+def _mass(x, keep):
+    """Unnormalised softmax of ``x`` over ``keep`` (0 elsewhere): exp(x - max), and 1 where x is the row's
+    max (a +inf max gets the whole mass, a row of -inf is uniform); the max is the first-ranked token's, always
+    kept."""
+    m = jnp.max(jnp.where(keep, x, -jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(keep, jnp.where(x == m, jnp.float32(1), jnp.exp(x - m)), jnp.float32(0))
+
+
+def _top_k(top_k, vocab):
+    """The kept ranks per row: top_k where 0 < top_k < vocab, else vocab."""
+    return jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab).astype(jnp.int32)
+
+
+def _sorted_keep(x, top_k, top_p, sort):
+    """(order, x by rank, kept ranks [Nb, Vocab] bool) by a full sort of each row."""
+    vocab = x.shape[-1]
     order = descending_order(x, sort)                                   # descending, ties by id
     xs = jnp.take_along_axis(x, order, axis=-1)
     rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    keep = rank < k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
+    keep = rank < _top_k(top_k, vocab)[:, None]
+    p = _mass(xs, keep)
+    probs = p / jnp.sum(p, axis=-1, keepdims=True)
     before = jnp.cumsum(probs, axis=-1) - probs                        # mass of the tokens ranked above
-    keep = keep & (before < top_p[:, None])                             # the first token is always kept
-    masked = jnp.where(keep, xs, -jnp.inf)
+    keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1))  # the first token is always kept
+    return order, xs, keep
 
-    def one(row, s, n):
-        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
-        return jax.random.categorical(key, row)
-    pick = jax.vmap(one)(masked, seed, step)                           # a rank
+
+def _boundary(ukey, w, target, bits: int):
+    """Per row the largest c with sum(w[ukey >= c]) >= target (uint32 [Nb]; 0 when none is): ``ukey`` [Nb, V]
+    uint32, ``w`` [Nb, V] >= 0 (int32 or fp32), ``target`` [Nb]; the keys' values below 2**bits. Found 4 bits a
+    round from the top, one reduction over the row per round for the 15 candidates c | d << shift (d = 1..15;
+    the sums fall as d grows, so the largest d whose sum reaches the target is the round's digit). No candidate
+    overflows: d fills bits that are zero in c."""
+    rounds = -(-bits // 4)
+    d = jnp.arange(1, 16, dtype=jnp.uint32)
+    c = jnp.zeros(ukey.shape[:1], jnp.uint32)
+    zero = jnp.zeros((), w.dtype)
+    for r in reversed(range(rounds)):
+        cand = c[:, None] | (d[None, :] << jnp.uint32(4 * r))                                       # [Nb, 15]
+        sums = jnp.sum(jnp.where(ukey[:, :, None] >= cand[:, None, :], w[:, :, None], zero), axis=1)
+        digit = jnp.max(jnp.where(sums >= target[:, None], d[None, :], jnp.uint32(0)), axis=1)
+        c = c | (digit << jnp.uint32(4 * r))
+    return c
+
+
+def _first_ties(rid, tie, m, bits: int):
+    """[Nb, V] bool: the first ``m`` [Nb] tokens by ascending id among ``tie`` [Nb, V] bool (``rid`` = V-1-id)."""
+    b = _boundary(rid, tie.astype(jnp.int32), m, bits)
+    return tie & (rid >= b[:, None])
+
+
+def _threshold_keep(x, top_k, top_p, active):
+    """(kept tokens [Nb, V] bool, their unnormalised mass [Nb, V] fp32, 0 where not kept) with no sort: the top-k
+    and top-p boundaries as key values by :func:`_boundary`, ties at a boundary split by id. ``active`` [Nb] bool:
+    the rows whose result is used; a search no active row needs is skipped (``lax.cond``)."""
+    nb, vocab = x.shape
+    ukey = jax.lax.bitcast_convert_type(_order_key(x), jnp.uint32) ^ jnp.uint32(0x80000000)  # unsigned order
+    id_bits = max(1, (vocab - 1).bit_length())
+    rid = (vocab - 1 - jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)).astype(jnp.uint32)
+    every = jnp.ones(x.shape, bool)
+    k = _top_k(top_k, vocab)
+    use_k = active & (k < vocab)
+    use_p = active & (top_p < 1)
+
+    def by_top_k():
+        c = _boundary(ukey, jnp.ones(x.shape, jnp.int32), k, 32)[:, None]
+        above, tie = ukey > c, ukey == c
+        m = k - jnp.sum(above, axis=1, dtype=jnp.int32)                # ties kept: the first m by id
+        return above | _first_ties(rid, tie, m, id_bits) | ~use_k[:, None]
+    kept = jax.lax.cond(jnp.any(use_k), by_top_k, lambda: every)
+    p = _mass(x, kept)
+
+    def by_top_p():
+        target = top_p * jnp.sum(p, axis=1)
+        c = _boundary(ukey, p, target, 32)[:, None]
+        above, tie = kept & (ukey > c), kept & (ukey == c)
+        ties = jnp.sum(tie, axis=1, dtype=jnp.int32)
+        q = jnp.max(jnp.where(tie, p, 0), axis=1)                       # the tied tokens' (equal) mass
+        rest = target - jnp.sum(jnp.where(above, p, 0), axis=1)        # mass before the j-th tie < target: j < rest / q
+        m = jnp.clip(jnp.ceil(rest / jnp.where(q > 0, q, 1)), 1, jnp.maximum(ties, 1)).astype(jnp.int32)
+        return jnp.where(use_p[:, None], above | _first_ties(rid, tie, m, id_bits), kept)
+    kept = jax.lax.cond(jnp.any(use_p), by_top_p, lambda: kept)
+    return kept, jnp.where(kept, p, 0)
+
+
+def kept_tokens(x, top_k, top_p, method: str = "threshold"):
+    """[Nb, Vocab] bool, in id order: the tokens each row may draw from (module docstring) for fp32 ``x`` (the
+    logits over the temperature), top_k [Nb] int32 and top_p [Nb] fp32; ``method`` one of ``METHODS`` (every
+    method keeps the same tokens)."""
+    _check_method(method)
+    if method == "threshold":
+        return _threshold_keep(x, top_k, top_p, jnp.ones(x.shape[:1], bool))[0]
+    order, _, keep = _sorted_keep(x, top_k, top_p, method)
+    return jnp.zeros(x.shape, bool).at[jnp.arange(x.shape[0])[:, None], order].set(keep)
+
+
+def _inverse_cdf(w, u):
+    """[Nb] int32: per row the token whose cumulative mass (id order) first exceeds u * total, u [Nb] in [0, 1),
+    ``w`` [Nb, V] >= 0 with a positive entry in every row; by block sums then within the block. The pick always
+    has positive mass, whatever the rounding."""
+    nb, vocab = w.shape
+    block = min(_BLOCK, vocab)
+    nblk = -(-vocab // block)
+    w = jnp.pad(w, ((0, 0), (0, nblk * block - vocab))).reshape(nb, nblk, block)
+    sums = jnp.sum(w, axis=2)                                           # [Nb, nblk]
+    cum = jnp.cumsum(sums, axis=1)
+    total = cum[:, -1]
+    target = jnp.minimum(u * total, jnp.nextafter(total, jnp.float32(0)))
+
+    def first(hit, fallback):
+        """Index of the first True of ``hit`` [Nb, n], else of the last True of ``fallback``."""
+        n = hit.shape[1]
+        last = n - 1 - jnp.argmax(fallback[:, ::-1], axis=1)
+        return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), last).astype(jnp.int32)
+    b = first((cum > target[:, None]) & (sums > 0), sums > 0)
+    before = jnp.where(b > 0, jnp.take_along_axis(cum, jnp.maximum(b - 1, 0)[:, None], axis=1)[:, 0], 0)
+    inner = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]      # [Nb, block]
+    i = first((before[:, None] + jnp.cumsum(inner, axis=1) > target[:, None]) & (inner > 0), inner > 0)
+    return b * block + i
+
+
+def _draw(logits, temperature, top_k, top_p, seed, step, method):
+    """Sampled ids [Nb] (every row drawn, greedy rows ignored by the caller)."""
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    x = logits.astype(jnp.float32) / t[:, None]
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, step)
+    if method == "threshold":
+        _, w = _threshold_keep(x, top_k, top_p, temperature > 0)
+        return _inverse_cdf(w, jax.vmap(jax.random.uniform)(keys))
+    order, xs, keep = _sorted_keep(x, top_k, top_p, method)
+    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))    # a rank
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample_rows(logits, temperature, top_k, top_p, seed, step, sort: str = "argsort"):
+def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = "threshold"):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
-    seed, step [Nb] int32; ``sort`` how rows are ranked (``SORTS``: the same draws either way). Returns int32
+    seed, step [Nb] int32; ``method`` how the kept tokens are found and drawn from (``METHODS``). Returns int32
     [Nb]. Traceable: the engine calls it inside its step's program."""
+    _check_method(method)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(temperature > 0),
-                         lambda: _draw(logits, temperature, top_k, top_p, seed, step, sort), lambda: greedy)
+                         lambda: _draw(logits, temperature, top_k, top_p, seed, step, method), lambda: greedy)
     return jnp.where(temperature > 0, drawn, greedy)
 
 
 #: :func:`sample_rows` as its own program
-sample = jax.jit(sample_rows, static_argnames=("sort",))
+sample = jax.jit(sample_rows, static_argnames=("method",))

@@ -19,12 +19,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from jax_gdn.config import preset
 from jax_gdn.model import HybridModel
 from jax_gdn.serving import LLM, SamplingParams
-from jax_gdn.serving.sampling import sample, sampling_arrays
+from jax_gdn.serving.sampling import METHODS, SORTS, kept_tokens, sample, sampling_arrays
 
 VOCAB = 96
 CHI2_CRIT_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}     # chi-square critical values, p = 1e-4
@@ -72,7 +73,8 @@ def test_sampling_params_are_checked_naming_the_field():
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
 
 
-def test_sampler_follows_the_truncated_softmax():
+@pytest.mark.parametrize("method", METHODS)
+def test_sampler_follows_the_truncated_softmax(method):
     """6000 rows of the same logits, each its own seed: temperature 0.7, top-k 4 and top-p 0.9 leave the tokens
     whose mass ranked above them is < 0.9 among the 4 best; their frequencies match the renormalised softmax (chi-
     square), the truncated ones never appear; greedy rows are argmax; a (seed, step) pair repeats its draw."""
@@ -80,7 +82,7 @@ def test_sampler_follows_the_truncated_softmax():
     n = 6000
     rows = np.broadcast_to(logits.astype(np.float32), (n, 6))
     params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=i) for i in range(n)]
-    got = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [5] * n, n)))
+    got = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [5] * n, n), method=method))
     p = np.exp(logits / 0.7)
     p /= p.sum()
     order = np.argsort(-p, kind="stable")[:4]
@@ -92,10 +94,11 @@ def test_sampler_follows_the_truncated_softmax():
     assert counts[want == 0].sum() == 0, counts
     stat = float(((counts[keep] - n * want[keep]) ** 2 / (n * want[keep])).sum())
     assert stat < CHI2_CRIT_1E4[len(keep) - 1], (stat, counts, want)
-    again = np.asarray(sample(jnp.asarray(rows[:64]), *sampling_arrays(params[:64], [5] * 64, 64)))
+    again = np.asarray(sample(jnp.asarray(rows[:64]), *sampling_arrays(params[:64], [5] * 64, 64),
+                              method=method))
     assert np.array_equal(again, got[:64])
     mixed = [SamplingParams()] * 3 + params[:3]
-    out = np.asarray(sample(jnp.asarray(rows[:6]), *sampling_arrays(mixed, [5] * 6, 6)))
+    out = np.asarray(sample(jnp.asarray(rows[:6]), *sampling_arrays(mixed, [5] * 6, 6), method=method))
     assert out[:3].tolist() == [1, 1, 1] and np.array_equal(out[3:], got[:3])
 
 
@@ -103,7 +106,7 @@ def test_both_sorts_rank_alike_and_draw_alike():
     """descending_order "keys" (int32 keys from the float bits) gives argsort's order (descending, ties by id) on
     rows with many ties, +-inf, signed zeros, subnormals and random floats; sample draws the same tokens with
     either sort."""
-    from jax_gdn.serving.sampling import SORTS, descending_order
+    from jax_gdn.serving.sampling import descending_order
     rng = np.random.default_rng(3)
     x = rng.integers(-3, 3, (6, 300)).astype(np.float32)
     x[0, :5] = -np.inf
@@ -118,8 +121,96 @@ def test_both_sorts_rank_alike_and_draw_alike():
     assert np.array_equal(orders[0][normal], np.argsort(-x[normal], axis=-1, kind="stable"))
     params = [SamplingParams(temperature=0.9, top_k=k, top_p=p, seed=i)
               for i, (k, p) in enumerate([(0, 0.9), (5, 1.0), (50, 0.5), (0, 1.0), (3, 0.8), (0, 0.99)])]
-    draws = [np.asarray(sample(jnp.asarray(x), *sampling_arrays(params, [2] * 6, 6), sort=s)) for s in SORTS]
+    draws = [np.asarray(sample(jnp.asarray(x), *sampling_arrays(params, [2] * 6, 6), method=s))
+             for s in SORTS]
     assert all(np.array_equal(draws[0], d) for d in draws[1:])
+
+
+_kept = jax.jit(kept_tokens, static_argnames="method")
+
+
+def _kept_alike(x, settings=None):
+    """Asserts threshold keeps argsort's tokens on every row of ``x`` for each (top_k, top_p) of ``settings``
+    (default: every top_k in {0, 1, 5, 50, V-1, V} with every top_p in {1, 0.9, 0.5, 1e-6}; one batch, each row
+    of x once per setting)."""
+    vocab = x.shape[1]
+    if settings is None:
+        settings = [(k, p) for k in (0, 1, 5, 50, vocab - 1, vocab) for p in (1.0, 0.9, 0.5, 1e-6)]
+    rows = jnp.asarray(np.repeat(x, len(settings), axis=0))
+    top_k = np.tile(np.asarray([k for k, _ in settings], np.int32), len(x))
+    top_p = np.tile(np.asarray([p for _, p in settings], np.float32), len(x))
+    want, got = (np.asarray(_kept(rows, top_k, top_p, method=m)) for m in ("argsort", "threshold"))
+    bad = np.flatnonzero((want != got).any(axis=1))
+    assert bad.size == 0, [(b // len(settings), int(top_k[b]), float(top_p[b])) for b in bad]
+    full = top_p == 1
+    assert want[full].sum(axis=1).tolist() == np.where(top_k > 0, top_k, vocab)[full].tolist()
+    assert (want[top_p < 1e-5].sum(axis=1) == 1).all()                # top_p 1e-6: the first token alone
+
+
+def test_threshold_keeps_the_sort_methods_tokens():
+    """kept_tokens "threshold" (no sort) equals "argsort" token for token on rows with many ties (integer
+    logits), -inf and +inf entries, a row all -inf but one, signed zeros, bf16-rounded normals and plain normals,
+    each top_k in {0, 1, 5, 50, V-1, V} with each top_p in {1, 0.9, 0.5, 1e-6}; and on 2 rows of the real
+    vocabulary (151936: every key and id bit searched; bf16-rounded normals and integer logits, -inf at the end)
+    under 6 settings each that take every top_k and top_p (the CPU tests compile at -O0, where a full sort of
+    151936 logits is slow). The inputs avoid top-p boundaries that are exact in real arithmetic (a kept set of n
+    equal logits with top_p * n an integer, where the sort's cumsum rounds either way and threshold keeps the
+    exact count: every integer row of 300 has fewer than 50 at its max, so top-k 50 never keeps one tie group),
+    and on random floats a boundary within rounding of top_p (none here)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-4, 3, (7, 300)).astype(np.float32)
+    x[1, :5] = -np.inf
+    x[1, 100:103] = -np.inf
+    x[2, 7] = np.inf
+    x[3] = -np.inf
+    x[3, 200] = 1.5
+    x[4][x[4] == 0] = rng.choice(np.float32([0.0, -0.0]), int((x[4] == 0).sum()))    # signed zeros tie
+    x[5] = (rng.standard_normal(300) * 3).astype(jnp.bfloat16).astype(np.float32)
+    x[6] = rng.standard_normal(300).astype(np.float32) * 4
+    assert np.signbit(x[4][x[4] == 0]).any() and not np.signbit(x[4][x[4] == 0]).all()
+    assert ((x[[0, 1, 4]] == x[[0, 1, 4]].max(axis=1, keepdims=True)).sum(axis=1) < 50).all()
+    _kept_alike(x)
+    vocab = 151936
+    big = np.stack([(rng.standard_normal(vocab) * 3).astype(jnp.bfloat16).astype(np.float32),
+                    np.floor(rng.standard_normal(vocab) * 4).astype(np.float32)])
+    big[1, -3:] = -np.inf
+    _kept_alike(big[:1], [(0, 0.9), (1, 1.0), (5, 0.5), (50, 0.9), (vocab - 1, 1e-6), (vocab, 0.5)])
+    _kept_alike(big[1:], [(0, 0.5), (1, 1e-6), (5, 0.9), (50, 0.5), (vocab - 1, 1.0), (vocab, 0.9)])
+
+
+def test_threshold_draws():
+    """method "threshold": 600 rows of a few dominant and many tiny logits (top-k / top-p settings mixed, each
+    row its own seed) never draw a token outside the kept set, draw some tiny token where every token is kept
+    (they hold ~5% of the mass), repeat a (seed, step)'s draw and change with the step; greedy rows are argmax
+    (lowest id on ties)."""
+    vocab, n = 400, 600
+    row = np.full(vocab, -6.0, np.float32)
+    row[[3, 200, 399]] = [2.0, 2.0, 1.0]
+    rows = np.broadcast_to(row, (n, vocab))
+    settings = [(0, 1.0), (2, 1.0), (0, 0.9), (5, 0.95), (1, 1.0), (0, 0.7)]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i)
+              for i, (k, p) in zip(range(n), settings * n)]
+    arrays = sampling_arrays(params, [7] * n, n)
+    got = np.asarray(sample(jnp.asarray(rows), *arrays))
+    kept = np.asarray(_kept(jnp.asarray(rows), arrays[1], arrays[2], method="threshold"))
+    assert kept[np.arange(n), got].all()
+    assert kept[2].sum() == 3 and kept[1].sum() == 2 and kept[1, [3, 200]].all()
+    assert not np.isin(got[0::6], [3, 200, 399]).all()
+    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays)), got)
+    later = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [8] * n, n)))
+    assert kept[np.arange(n), later].all() and (later != got).any()
+    mixed = [SamplingParams()] * 2 + params[:2]
+    out = np.asarray(sample(jnp.asarray(rows[:4]), *sampling_arrays(mixed, [7] * 4, 4)))
+    assert out.tolist() == [3, 3] + got[:2].tolist()
+
+
+def test_an_unknown_method_is_refused_naming_it():
+    x = jnp.zeros((2, 8), jnp.float32)
+    arrays = sampling_arrays([SamplingParams(temperature=1.0)] * 2, [0, 0], 2)
+    with pytest.raises(ValueError, match="method"):
+        sample(x, *arrays, method="bogus")
+    with pytest.raises(ValueError, match="method"):
+        kept_tokens(x, arrays[1], arrays[2], method="bogus")
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
