@@ -191,16 +191,16 @@ def test_threshold_draws():
     params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i)
               for i, (k, p) in zip(range(n), settings * n)]
     arrays = sampling_arrays(params, [7] * n, n)
-    got = np.asarray(sample(jnp.asarray(rows), *arrays))
+    got = np.asarray(sample(jnp.asarray(rows), *arrays, method="threshold"))
     kept = np.asarray(_kept(jnp.asarray(rows), arrays[1], arrays[2], method="threshold"))
     assert kept[np.arange(n), got].all()
     assert kept[2].sum() == 3 and kept[1].sum() == 2 and kept[1, [3, 200]].all()
     assert not np.isin(got[0::6], [3, 200, 399]).all()
-    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays)), got)
-    later = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [8] * n, n)))
+    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays, method="threshold")), got)
+    later = np.asarray(sample(jnp.asarray(rows), *sampling_arrays(params, [8] * n, n), method="threshold"))
     assert kept[np.arange(n), later].all() and (later != got).any()
     mixed = [SamplingParams()] * 2 + params[:2]
-    out = np.asarray(sample(jnp.asarray(rows[:4]), *sampling_arrays(mixed, [7] * 4, 4)))
+    out = np.asarray(sample(jnp.asarray(rows[:4]), *sampling_arrays(mixed, [7] * 4, 4), method="threshold"))
     assert out.tolist() == [3, 3] + got[:2].tolist()
 
 
