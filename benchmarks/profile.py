@@ -55,8 +55,9 @@ def gpu_events(trace_dir: str) -> list:
 
 def kernel_time(call, sync, top: int = 10) -> tuple:
     """(wall ms of the traced call, {kind: ms} costliest first, {kernel name (60 chars): ms} of the ``top``
-    costliest, {the same names: launches}) for one ``call()`` (already compiled: a compile inside the trace would be timed too), closed by
-    ``sync`` on its result. Kernels are the events on the trace's "Stream" threads of every GPU."""
+    costliest, {the same names: launches}) for one ``call()`` closed by ``sync`` on its result. The call must be
+    compiled already (a compile inside the trace would be timed too). Kernels are the events on the trace's
+    "Stream" threads of every GPU."""
     import shutil
     import tempfile
     import time

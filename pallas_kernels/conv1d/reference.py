@@ -77,32 +77,32 @@ def select_channels(x: jax.Array, block_cols, head_dim: int, num_channels: int) 
             runs[-1][1] += head_dim
         else:
             runs.append([col, head_dim])
-    return _select_runs(x, tuple((int(s), int(wd)) for s, wd in runs))
+    return _select_runs(x, tuple((int(s), int(wd)) for s, wd in runs), int(x.shape[1]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _select_runs(x, runs):
-    """x [T, Cs] -> the concatenation of the column runs ``runs`` ((start, width), in channel order)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _select_runs(x, runs, width):
+    """x [T, Cs = width] -> the concatenation of the column runs ``runs`` ((start, width), in channel order)."""
     parts = [x[:, s:s + wd] for s, wd in runs]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _select_runs_fwd(x, runs):
-    return _select_runs(x, runs), jnp.zeros((0, x.shape[1]), x.dtype)          # the residual carries Cs and dtype
+def _select_runs_fwd(x, runs, width):
+    return _select_runs(x, runs, width), None
 
 
-def _select_runs_bwd(runs, res, g):
-    cs, t = res.shape[1], g.shape[0]
+def _select_runs_bwd(runs, width, _, g):
+    t = g.shape[0]
     offsets = np.concatenate([[0], np.cumsum([wd for _, wd in runs])]).astype(int)   # each run's columns in g
     pieces, at = [], 0
     for i in sorted(range(len(runs)), key=lambda i: runs[i][0]):                    # source order
         s, wd = runs[i]
         if s > at:
-            pieces.append(jnp.zeros((t, s - at), res.dtype))                       # columns the conv does not read
-        pieces.append(g[:, offsets[i]:offsets[i] + wd].astype(res.dtype))
+            pieces.append(jnp.zeros((t, s - at), g.dtype))                         # columns the conv does not read
+        pieces.append(g[:, offsets[i]:offsets[i] + wd])
         at = s + wd
-    if at < cs:
-        pieces.append(jnp.zeros((t, cs - at), res.dtype))
+    if at < width:
+        pieces.append(jnp.zeros((t, width - at), g.dtype))
     return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1),)
 
 

@@ -527,7 +527,7 @@ def _gated_kernel(qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_
             gate = qg[:, :num_heads * 2 * dh].reshape(qg.shape[0], num_heads, 2 * dh)[..., dh:]
         else:
             q, gate = reference.gated_query(qg, q_norm, cos, sin, num_heads=num_heads, head_dim=dh, eps=eps)
-        if k_new is not None and (impl == "xla" or _cudnn.kv_offset_unit(num_heads, k_pages.shape[2], dh) == 1):
+        if k_new is not None and _direct(backend, num_heads, k_pages):
             o = _cudnn.prefill_direct(q, k_new, v_new, k_pages, v_pages, *args, scale=scale, gate=qg,
                                       config=config, impl=impl)        # the gate sliced from qg in the last pass
             return o.reshape(qg.shape[0], num_heads * dh)
