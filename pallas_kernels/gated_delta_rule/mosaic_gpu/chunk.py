@@ -27,6 +27,11 @@ Two kernels and a little XLA glue:
                    tiles, staged and stored by TMA.
       WG2 (memory) streams q, k (key head h // (Hv / Hk)), v, T0 and the gate / beta vectors by TMA into a
                    2-4 stage ring (as deep as 220 KB of SMEM allows: 2 at K = V = 128 bf16).
+    The wide form (``MosaicConfig.wide``, "auto" where the narrow form runs more than one wave of CTAs: the
+    batched rows and the packed mixes): one CTA per (row, value head) over all V = 128 columns, four warpgroups
+    as FlashInfer's SM90 kernel splits them: two state warpgroups (one per 64 value columns) that also form their
+    half of the output, o^T = e^G scale (S^T q^T) + v_new^T P^T, one warpgroup forming Ag and P once for both,
+    and the memory warpgroup. Half the CTAs, and no S^T / v_new hand-off through SMEM.
   * the sequence split (jla's piece maps, :func:`split_pieces` decides; ``MosaicConfig.pieces`` and
     ``MosaicConfig.split``, a :class:`SplitConfig`): where B Hv V / 64 CTAs leave the SMs idle, each row is cut
     into P pieces run side by side; their start states come from one state-map pass over pieces 0 .. P - 2 (a
@@ -61,12 +66,17 @@ from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_split
 from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import (chunk_layout, chunk_step,  # noqa: F401
                                                                        fused_state_pass_reference)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (BV, C, LN2, LOG2E, SMEM_BUDGET, bcast_cols,  # noqa: F401
-                                                              bcast_rows, iota, matmul, num_sms, ring_stages, smem)
+                                                              bcast_rows, iota, matmul, matmul_pair, num_sms,
+                                                              ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
 from pallas_kernels.gated_delta_rule.mosaic_gpu.split import (DEFAULT_SPLIT, FIRSTS, PRECISIONS, SCANS,  # noqa: F401
                                                              SplitConfig, split_cost, split_pieces)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# setmaxnreg of the wide fused pass's warpgroups (memory, Ag / P, each state half): 128 threads x (24 + 104 + 2 x
+# 192) = the SM's 64 K registers (FlashInfer's SM90 split of the same roles)
+WIDE_REGISTERS = (24, 104, 192)
+WIDE_PAIRED = False      # the wide state step issues S^T k^T and (q S)^T as one pair of WGMMAs
 SUPPORTED_HEAD_DIMS = (64, 128)
 F32 = jnp.float32
 
@@ -77,7 +87,8 @@ F32 = jnp.float32
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
-                     state_kv: bool = False, lane_rows=None, in_place: bool = False):
+                     state_kv: bool = False, lane_rows=None, in_place: bool = False, wide: bool = False,
+                     solve: bool = False):
     """Stages 1b + 2 as one warp-specialised Mosaic GPU kernel. Returns (o [B, Tp, Hv, V] in q's dtype or None
     (``write_o`` False), final S^T [B * R, Hv, V, K] fp32 or None); with ``in_place`` (o, edges, final state).
 
@@ -122,6 +133,15 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     sequence to o and a partial group to ``edges`` [2 N, 8, Hv, V]
     (entry 2 s_r the group of the sequence's first token, 2 s_r + 1 the group of its last when that is another);
     the caller merges the edges and zeroes the padding rows (:func:`varlen.merge_edges`).
+    ``wide`` (V = 2 BV, ``head_major``, ``write_o``, no lanes): one CTA per (row, value head) covers all V = 128
+    columns with four warpgroups (FlashInfer's SM90 layout): two state warpgroups (WG0 columns 0..63, WG3
+    64..127) each hold their S^T half and compute their half of the output themselves, o^T = e^G scale (S^T q^T) +
+    v_new^T P^T (every left operand from registers); WG1 forms Ag and P = scale q k^T e^(G_i - G_j) once for both
+    halves (P to SMEM); WG2 streams the tiles. Half the CTAs of the narrow form, and Ag, P and the q / k / T0
+    loads are not repeated per 64 value columns; no S^T or v_new tile is published.
+    ``solve`` (with ``wide``; ``t`` None): WG1 also forms T0 itself from the k tile in SMEM (:func:`blocked_inverse`,
+    stage 1a's solve), so no kkt_fwd launch and no T0 in HBM; its solve buffers share SMEM with the state tile
+    (WG1 starts solving once both state halves are loaded, and they store the final state once WG1 has finished).
     """
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
@@ -138,31 +158,48 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                      or padded % 8):
         raise ValueError("fused_state_pass: in_place needs a walk table [R, 6], no lanes, write_o and a packed row "
                          f"of a multiple of 8 tokens (got T = {padded})")
+    if wide and (v.shape[3] != 2 * BV or not head_major or not write_o or lanes):
+        raise ValueError(f"fused_state_pass: wide needs V = {2 * BV} (got {v.shape[3]}), head_major, write_o and "
+                         "no lanes")
+    if solve != (t is None) or (solve and not wide):
+        raise ValueError("fused_state_pass: solve (wide only) forms T0 in the kernel and takes t = None; without "
+                         "solve t is required")
     if lanes and (walk is None or walk.ndim != 3 or walk.shape[-1] != 6):
         raise ValueError("fused_state_pass: lane_rows needs a lane walk table [L, R_max, 6]")
     if varlen and (batch != 1 or pieces != 1 or num_states is None):
         raise ValueError(f"fused_state_pass: a walk table needs B = 1 (got {batch}), pieces = 1 (got {pieces}) "
                          f"and num_states (got {num_states})")
-    if in_place:             # q / k / v are the packed row; the chunk slots are t's (either layout)
-        padded = t.shape[2] if head_major else t.shape[0] * C
+    if in_place:             # q / k / v are the packed row; the chunk slots are gcum's (either layout)
+        padded = gcum.shape[2] if head_major else gcum.shape[0] * C
     if padded % (C * pieces) or not 1 <= run_pieces <= pieces:
         raise ValueError(f"fused_state_pass: Tp={padded} must be a multiple of C * pieces = {C * pieces} and "
                          f"1 <= run_pieces={run_pieces} <= pieces={pieces}")
     ncb_row = padded // C        # chunks per row
     ncb = ncb_row // pieces      # chunks per piece (the loop's trip count)
     piece_len = ncb * C
-    nv = value_dim // BV
+    nv = 1 if wide else value_dim // BV
     dtype = k.dtype
     out_dtype = q.dtype
     _exp = jnp.exp2 if exp2 else jnp.exp
     has_h0 = h0t is not None
     isz = jnp.dtype(dtype).itemsize
-    n_vec = 4                    # g_state, g_rows, g_cols, b_cols
-    per_stage = 2 * C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
-    fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * jnp.dtype(out_dtype).itemsize
-    fixed += (BV * key_dim * 4 if has_h0 or out_final else 0) + 4096 + n_vec * 1024
+    n_vec = 5 if solve else 4    # g_state, g_rows, g_cols, b_cols (+ b_rows: the solve's A0 rows)
+    osz = jnp.dtype(out_dtype).itemsize
+    state_bytes = BV * key_dim * 4 if has_h0 or out_final else 0
+    solve_bytes = 2 * C * (C + SOLVE_PAD) * 4          # the diagonal solve's two fp32 buffers
+    if wide:                     # q, k, v (both halves), T0 -> Ag, P; o staged per half; no published tiles
+        per_stage = 2 * C * key_dim * isz + 2 * C * BV * isz + 2 * C * C * isz + n_vec * C * 4
+        fixed = 2 * 2 * C * BV * osz
+        if solve:                # the solve buffers alias the state tile; the merges' operand
+            state_bytes = max(state_bytes, solve_bytes)
+            fixed += C * C * isz
+    else:
+        per_stage = 2 * C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
+        fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * osz
+    fixed += state_bytes + 4096 + n_vec * 1024
     stages = ring_stages(per_stage, fixed)
-    n_copies = (4 if write_o else 3) + n_vec      # the map pass reads no q
+    # TMA copies a chunk: q (not in the map pass), k, v (wide: two halves), T0 (not with solve), the vectors
+    n_copies = int(write_o) + 1 + (2 if wide else 1) + (0 if solve else 1) + n_vec
 
     n_rows = k.shape[1]          # rows of q / k / v / o (the packed row when in_place)
     out_type = [jax.ShapeDtypeStruct((batch, n_rows if in_place else padded, heads, value_dim), out_dtype)] \
@@ -179,32 +216,46 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     scratch = dict(
         q_s=smem((stages, C, key_dim), dtype),
         k_s=smem((stages, C, key_dim), dtype),
-        v_s=smem((stages, C, BV), dtype),
+        v_s=smem((stages, 2, C, BV) if wide else (stages, C, BV), dtype),
         t_s=smem((stages, C, C), dtype),        # T, then Ag = T * beta_j (written by WG1)
         g_state=vecs,                            # WG0: column view + last gate
         g_rows=vecs,                             # WG1: row view
         g_cols=vecs,                             # WG1: column view
         b_cols=vecs,                             # WG1: beta per column of Ag
-        s_pub=smem((2, BV, key_dim), dtype),
-        vn_pub=smem((2, C, BV), dtype),
-        o_out=smem((2, C, BV), out_dtype),
+        o_out=smem((2, 2, C, BV) if wide else (2, C, BV), out_dtype),
         in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=3 if wide else 2, num_barriers=stages),
         ag_ready=plgpu.Barrier(num_barriers=stages),
-        s_ready=plgpu.Barrier(num_barriers=2),
-        s_free=plgpu.Barrier(num_barriers=2),
-        state_bar=plgpu.Barrier(),
-        done=plgpu.Barrier(num_arrivals=3),
+        state_bar=plgpu.Barrier(num_barriers=2) if wide else plgpu.Barrier(),
+        done=plgpu.Barrier(num_arrivals=4 if wide else 3),
     )
+    if wide:                     # P for both state halves; the halves take turns with the one state tile
+        scratch.update(p_s=smem((stages, C, C), dtype), p_ready=plgpu.Barrier(num_barriers=stages),
+                       handoff=plgpu.Barrier(num_barriers=3))
+    if solve:
+        scratch.update(b_rows=vecs, b_s=smem((C, C), dtype), solved=plgpu.Barrier())
+    else:
+        scratch.update(s_pub=smem((2, BV, key_dim), dtype), vn_pub=smem((2, C, BV), dtype),
+                       s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
     if in_place:
         scratch.update(k_clean=plgpu.Barrier(num_barriers=stages))
-    if has_h0 or out_final:
-        scratch.update(state_smem=plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32))
+    state_spec = plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32)
+    if solve:                    # the state tile (start and end of the walk) and the solve's buffers (inside it)
+        pad_spec = plgpu.SMEM((C, C + SOLVE_PAD), F32)
+        scratch.update(state_union=plgpu.RefUnion(state_spec, (pad_spec, pad_spec)))
+    elif has_h0 or out_final:
+        scratch.update(state_smem=state_spec)
 
-    def body(*refs, q_s, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, s_pub, vn_pub, o_out, in_bar, in_free,
-             ag_ready, s_ready, s_free, state_bar, done, state_smem=None, k_clean=None):
+    def body(*refs, q_s, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, o_out, in_bar, in_free, ag_ready,
+             state_bar, done, s_pub=None, vn_pub=None, s_ready=None, s_free=None, state_smem=None, k_clean=None,
+             p_s=None, p_ready=None, handoff=None, b_rows=None, b_s=None, solved=None, state_union=None):
         refs = list(refs)
-        q_ref, k_ref, v_ref, t_ref, g_ref, b_ref = (refs.pop(0) for _ in range(6))
+        q_ref, k_ref, v_ref = (refs.pop(0) for _ in range(3))
+        t_ref = None if solve else refs.pop(0)
+        g_ref, b_ref = refs.pop(0), refs.pop(0)
+        na_s = x_s = None
+        if solve:
+            state_smem, (na_s, x_s) = state_union
         h0_ref = refs.pop(0) if has_h0 else None
         walk_ref = refs.pop(0) if varlen else None
         nrows_ref = refs.pop(0) if lanes else None
@@ -242,9 +293,35 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         v0 = iv * BV
         wg = lax.axis_index("wg")
 
+        def store_o(n, row, o_buf, col0):
+            """Stores the staged [C, BV] output tile ``o_buf`` of chunk n (value columns col0 ..) by TMA: one copy
+            (dense rows, or an in-place chunk wholly inside its sequence), else groups of 8 rows, those inside the
+            sequence to o and a partial one to the edges. One commit group a chunk."""
+            if not in_place:
+                plgpu.copy_smem_to_gmem(o_buf, o_ref.at[b, pl.ds(row[3] + n * C, C), hh, pl.ds(col0, BV)])
+                return
+            tile0, _, _, edge = tile_rows(n, row)
+            start, end = row[5]
+            plgpu.copy_smem_to_gmem(o_buf, o_ref.at[0, pl.ds(tile0, C), hh, pl.ds(col0, BV)],
+                                    predicate=jnp.logical_not(edge), commit_group=False)
+
+            @pl.when(edge)
+            def _():
+                for j in range(C // 8):
+                    grow = tile0 + 8 * j
+                    inside = (grow >= start) & (grow + 8 <= end)
+                    part = jnp.logical_not(inside) & (grow < end) & (grow + 8 > start)
+                    entry = 2 * row[2] + (jnp.minimum(n, 1) if j == 0 else 1)
+                    src = o_buf.at[pl.ds(8 * j, 8)]
+                    plgpu.copy_smem_to_gmem(src, o_ref.at[0, pl.ds(grow, 8), hh, pl.ds(col0, BV)],
+                                            predicate=inside, commit_group=False)
+                    plgpu.copy_smem_to_gmem(src, edge_ref.at[entry, :, hh, pl.ds(col0, BV)], predicate=part,
+                                            commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(WIDE_REGISTERS[0] if wide else 40, action="decrease")
 
             def issue_qkv(srcs, rows, slot):
                 qr, kr, vr = srcs
@@ -252,7 +329,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 if write_o:
                     plgpu.copy_gmem_to_smem(qr.at[b, rows, hk], q_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(kr.at[b, rows, hk], k_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(vr.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+                if wide:
+                    for half_v in range(2):
+                        plgpu.copy_gmem_to_smem(vr.at[b, rows, hh, pl.ds(half_v * BV, BV)], v_s.at[slot, half_v],
+                                                bar)
+                else:
+                    plgpu.copy_gmem_to_smem(vr.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
 
             def issue(n, slot, row):     # n: chunk index within the row
                 c0, tok0 = row[0], row[3]
@@ -260,14 +342,17 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 bar = in_bar.at[slot]
                 issue_qkv((q_ref, k_ref, v_ref), pl.ds(row[4] + n * C, C) if in_place else rows, slot)
                 if head_major:           # kkt_fwd's layout: [B, Hv, Tp, C] and [B, Hv, Tp]
-                    t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
+                    t_src = None if solve else t_ref.at[b, hh, rows]
+                    g_src, b_src = g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
                 else:                    # Triton stage 1a's chunk layout: chunk c = b * NC_row + j
                     c = c0 + n if varlen else b * ncb_row + piece * ncb + n
                     t_src, g_src, b_src = t_ref.at[c, hh], g_ref.at[c, hh], b_ref.at[c, hh]
-                plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
+                if not solve:
+                    plgpu.copy_gmem_to_smem(t_src, t_s.at[slot], bar)
                 for g_buf in (g_state, g_rows, g_cols):
                     plgpu.copy_gmem_to_smem(g_src, g_buf.at[slot], bar)
-                plgpu.copy_gmem_to_smem(b_src, b_cols.at[slot], bar)
+                for b_buf in (b_cols, b_rows) if solve else (b_cols,):
+                    plgpu.copy_gmem_to_smem(b_src, b_buf.at[slot], bar)
 
             if lanes:                    # rows back to back: the ring runs on across them (m counts every chunk)
                 @pl.loop(0, nrows_ref[r])
@@ -310,34 +395,114 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 for n in range(max(ncb - stages, 0), ncb):      # observe the remaining releases
                     plgpu.barrier_wait(in_free.at[n % stages])
 
-        @pl.when(wg == 0)
+        @pl.when(((wg == 0) | (wg == 3)) if wide else (wg == 0))
         def _state():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(WIDE_REGISTERS[2] if wide else 232, action="increase")
+            # wide: WG0 holds value columns 0..63, WG3 64..127; they take turns with the one state tile in SMEM:
+            # WG0 loads, then WG3 (handoff 0); WG0 stores once WG3 has loaded (handoff 2; with solve, once WG1 has
+            # solved its last chunk: the solve buffers alias the tile), then WG3 (handoff 1)
+            hv = (wg == 3).astype(jnp.int32) if wide else 0
+            sv0 = hv * BV if wide else v0
+            sbar = state_bar.at[hv] if wide else state_bar
+
+            def when_half(h, fn):
+                pl.when(hv == h)(fn)
+
+            def turn(k_, fn):
+                if not wide:
+                    fn()
+                    return
+                if k_ == 1:              # the store: after WG3's load (and WG1's last solve)
+                    def first():
+                        if has_h0:
+                            plgpu.barrier_wait(handoff.at[2])
+                        if solve:
+                            plgpu.barrier_wait(solved)
+                    when_half(0, first)
+                when_half(1, lambda: plgpu.barrier_wait(handoff.at[k_]))
+                fn()
+                when_half(0, lambda: plgpu.barrier_arrive(handoff.at[k_]))
+                if k_ == 0:
+                    when_half(1, lambda: plgpu.barrier_arrive(handoff.at[2]))
 
             def load_state(srow):
-                if has_h0 and state_kv:  # S [K, BV] tile, read as S^T through the transposed view
-                    plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)], state_smem,
-                                            state_bar)
-                    plgpu.barrier_wait(state_bar)
-                    # (state_smem.T: plgpu.transpose_ref needs a ref with .memory_space, a scratch ref has none)
-                    s_kv = plgpu.load(state_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
-                    return plgpu.layout_cast(s_kv, WGMMA)
-                if has_h0:
-                    plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(v0, BV)], state_smem, state_bar)
-                    plgpu.barrier_wait(state_bar)
-                    return plgpu.load(state_smem, layout=WGMMA)
-                return plgpu.layout_cast(jnp.zeros((BV, key_dim), F32), WGMMA)
+                out = []
+
+                def load():
+                    if has_h0 and state_kv:  # S [K, BV] tile, read as S^T through the transposed view
+                        plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(sv0, BV)], state_smem,
+                                                sbar)
+                        plgpu.barrier_wait(sbar)
+                        # (state_smem.T: plgpu.transpose_ref needs a ref with .memory_space, a scratch ref has none)
+                        s_kv = plgpu.load(state_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+                        out.append(plgpu.layout_cast(s_kv, WGMMA))
+                    elif has_h0:
+                        plgpu.copy_gmem_to_smem(h0_ref.at[srow, hh, pl.ds(sv0, BV)], state_smem, sbar)
+                        plgpu.barrier_wait(sbar)
+                        out.append(plgpu.load(state_smem, layout=WGMMA))
+                if not has_h0:
+                    return plgpu.layout_cast(jnp.zeros((BV, key_dim), F32), WGMMA)
+                turn(0, load)
+                return out[0]
 
             def store_state(srow, s_t):
-                if state_kv:
-                    state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(v0, BV)])
+                def store():
+                    if state_kv:
+                        state_smem.T[...] = plgpu.layout_cast(s_t, plgpu.Layout.WGMMA_TRANSPOSED)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(state_smem,
+                                                ht_ref.at[srow, hh, pl.ds(0, key_dim), pl.ds(sv0, BV)])
+                    else:
+                        state_smem[...] = s_t
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(sv0, BV)])
+                    plgpu.wait_smem_to_gmem(0)
+                turn(1, store)
+
+            def step_wide(n, s_t, row):
+                """One chunk of one value half: the state chain and this half's output."""
+                slot = lax.rem(n, stages)
+                half = lax.rem(n, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+                if in_place:
+                    _, lo, hi, edge = tile_rows(n, row)
+                s_lo = s_t.astype(dtype)
+                g_last = g_state[slot, C - 1]
+                g_col = plgpu.load(g_state.at[slot], layout=COLS)
+                key_decay = _exp(g_col)                     # Gamma: also the output's e^G (tokens are columns)
+                k_decay = _exp(g_last - g_col)
+                s_decay = _exp(g_last)
+                if WIDE_PAIRED:          # S^T k^T and (q S)^T issued together
+                    x_t, o_t = matmul_pair(s_lo, k_s.at[slot].T, q_s.at[slot].T, (BV, C))
                 else:
-                    state_smem[...] = s_t
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[srow, hh, pl.ds(v0, BV)])
-                plgpu.wait_smem_to_gmem(0)
+                    x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))              # S^T k^T
+                v_t = plgpu.load(v_s.at[slot, hv].T, layout=WGMMA).astype(F32)
+                w_t = v_t - x_t * bcast_cols(key_decay, (BV, C))
+                if in_place:             # v's rows outside the sequence: a select, so a NaN there reaches nothing
+                    cols = iota((BV, C), 1)
+                    w_t = jnp.where((cols >= lo) & (cols < hi), w_t, 0.0)
+                w_t = w_t.astype(dtype)
+                if not WIDE_PAIRED:
+                    o_t = matmul(s_lo, q_s.at[slot].T, (BV, C))              # (q S)^T from the incoming state
+                plgpu.barrier_wait(ag_ready.at[slot])
+                vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
+                vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)
+                vn_lo = vn_t.astype(dtype)
+                if in_place:
+
+                    @pl.when(edge)
+                    def _():             # WG1 has zeroed k's rows outside the sequence
+                        plgpu.barrier_wait(k_clean.at[slot])
+                s_new = matmul(vd_t, k_s.at[slot], (BV, key_dim), init=s_t * s_decay)
+                plgpu.barrier_wait(p_ready.at[slot])
+                # o^T = e^G scale (S^T q^T) + v_new^T P^T (P carries the scale)
+                o_t = matmul(vn_lo, p_s.at[slot].T, (BV, C), init=o_t * bcast_cols(key_decay * scale, (BV, C)))
+                plgpu.barrier_arrive(in_free.at[slot])
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[hv, half] of chunk n - 2 was sent
+                o_out.at[hv, half].T[...] = o_t.astype(out_dtype)
+                plgpu.commit_smem()
+                store_o(n, row, o_out.at[hv, half], sv0)
+                return s_new
 
             def step(n, s_t, row):
                 m0 = row[6]
@@ -389,6 +554,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     s_t = lax.fori_loop(0, row[1], functools.partial(step, row=row), load_state(row[2]))
                     if out_final:
                         store_state(row[2], s_t)
+            elif wide:
+                row = row_at(0)
+                s_t = lax.fori_loop(0, row[1], functools.partial(step_wide, row=row), load_state(row[2]))
+                if out_final:
+                    store_state(row[2], s_t)
+                plgpu.wait_smem_to_gmem(0)
             else:
                 row = row_at(0)
                 s_t = lax.fori_loop(0, row[1], functools.partial(step, row=row), load_state(row[2]))
@@ -400,7 +571,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
 
         @pl.when(wg == 1)
         def _output():
-            plgpu.set_max_registers(232, action="increase")
+            if wide:                     # forms Ag and P only: the state warpgroups take the registers
+                plgpu.set_max_registers(WIDE_REGISTERS[1], action="decrease")
+            else:
+                plgpu.set_max_registers(232, action="increase")
 
             def step(n, carry, row):
                 tok0, m0 = row[3], row[6]
@@ -417,10 +591,20 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 decay = _exp(jnp.where(keep, bcast_rows(g_row, sq) - bcast_cols(g_col, sq), -jnp.inf))
                 # Ag = T * beta_j replaces T in the input buffer (Triton's T already carries e^(G_i - G_j);
                 # kkt_fwd's gate-free T0 gets it here: T = T0 * e^(G_i - G_j), a diagonal similarity)
-                t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
+                b_col = plgpu.load(b_cols.at[slot], layout=COLS)
+                if solve:                # stage 1a here: T0 from this chunk's k tile (rows outside the sequence zero)
+                    mine = None
+                    if in_place:
+                        _, lo_, hi_, _ = tile_rows(n, row)
+                        mine = chunk_mask(lo_, hi_)
+                    kk = matmul(k_s.at[slot], k_s.at[slot].T, sq)
+                    t_in = blocked_inverse(kk, plgpu.load(b_rows.at[slot], layout=ROWS), b_col, na_s.at[:, :C],
+                                           x_s.at[:, :C], b_s, dtype, mine=mine)
+                else:
+                    t_in = plgpu.load(t_s.at[slot], layout=WGMMA).astype(F32)
                 if head_major:
                     t_in = t_in * decay
-                ag = t_in * bcast_cols(plgpu.load(b_cols.at[slot], layout=COLS), sq)
+                ag = t_in * bcast_cols(b_col, sq)
                 t_s.at[slot][...] = ag.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
@@ -437,6 +621,13 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                         k_s.at[slot][...] = jnp.where((rr >= lo) & (rr < hi), kt, jnp.zeros_like(kt))
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(k_clean.at[slot])
+                if wide:                 # P = scale q k^T e^(G_i - G_j) (i >= j) for both value halves
+                    p = matmul(q_s.at[slot], k_s.at[slot].T, sq)
+                    p_s.at[slot][...] = (p * (decay * scale)).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready.at[slot])
+                    plgpu.barrier_arrive(in_free.at[slot])
+                    return carry
                 if not write_o:          # the map pass: only Ag, then release the tiles
                     plgpu.barrier_wait(s_ready.at[half])
                     plgpu.barrier_arrive(s_free.at[half])
@@ -452,26 +643,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk m - 2 was sent
                 o_out.at[half][...] = (o * scale).astype(out_dtype)
                 plgpu.commit_smem()
-                if not in_place:
-                    plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[b, pl.ds(tok0 + n * C, C), hh, pl.ds(v0, BV)])
-                    return carry
-                start, end = row[5]
-                plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[0, pl.ds(tile0, C), hh, pl.ds(v0, BV)],
-                                        predicate=jnp.logical_not(edge), commit_group=False)
-
-                @pl.when(edge)
-                def _():                 # groups of 8 rows: inside the sequence to o, a partial one to the edges
-                    for j in range(C // 8):
-                        grow = tile0 + 8 * j
-                        inside = (grow >= start) & (grow + 8 <= end)
-                        part = jnp.logical_not(inside) & (grow < end) & (grow + 8 > start)
-                        entry = 2 * row[2] + (jnp.minimum(n, 1) if j == 0 else 1)
-                        src = o_out.at[half, pl.ds(8 * j, 8)]
-                        plgpu.copy_smem_to_gmem(src, o_ref.at[0, pl.ds(grow, 8), hh, pl.ds(v0, BV)],
-                                                predicate=inside, commit_group=False)
-                        plgpu.copy_smem_to_gmem(src, edge_ref.at[entry, :, hh, pl.ds(v0, BV)], predicate=part,
-                                                commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                store_o(n, row, o_out.at[half], v0)
                 return carry
 
             if lanes:
@@ -481,8 +653,12 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     lax.fori_loop(0, row[1], functools.partial(step, row=row), None)
             else:
                 row = row_at(0)
+                if solve and has_h0:     # the solve buffers alias the state tile: both halves have loaded it
+                    plgpu.barrier_wait(handoff.at[2])
                 lax.fori_loop(0, row[1], functools.partial(step, row=row), None)
-            if write_o:
+                if solve:
+                    plgpu.barrier_arrive(solved)
+            if write_o and not wide:
                 plgpu.wait_smem_to_gmem(0)
 
         # (jla finish_together) every warpgroup waits for the others before it exits: one exiting while another
@@ -490,7 +666,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
 
-    args = [q, k, v, t, gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
+    args = [q, k, v] + ([] if solve else [t]) + [gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
     args += [lane_rows] if lanes else []
     rows = walk.shape[0] if varlen else batch * run_pieces
     name = "gdn_mosaic_varlen_in_place" if in_place else "gdn_mosaic_varlen_state_pass" if varlen else (
@@ -498,7 +674,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(rows, heads, nv),
         grid_names=("b", "h", "v"), compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-        kernel_name=name, num_threads=3,
+        kernel_name=name + ("_solve" if solve else "_wide" if wide else ""), num_threads=4 if wide else 3,
         thread_name="wg",
     )(*args)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -575,6 +751,44 @@ def _diag_block_inverse_fn():
     return diag_block_inverse
 
 
+def chunk_mask(lo, hi):
+    """bool [C, C]: entries whose row and column both lie in [lo, hi) (a chunk's own tokens)."""
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    return (ri >= lo) & (ri < hi) & (ci >= lo) & (ci < hi)
+
+
+def _merge_product(a, bmat, b_smem, dtype):
+    b_smem[...] = bmat.astype(dtype)
+    _plgpu().commit_smem()
+    return matmul(a.astype(dtype), b_smem, (C, C))
+
+
+def blocked_inverse(kk, beta_row, beta_col, na_ref, x_ref, b_ref, dtype, mine=None):
+    """(jla kkt_fwd's solve) The gate-free T0 = (I + A0)^-1, A0_ij = beta_i k_i.k_j (j < i), in fp32 WGMMA
+    registers [C, C] (zeros above the diagonal), from kk = k k^T (fp32 [C, C], symmetric: it also serves A0^T) and
+    beta as a row and a column vector: the 16 x 16 diagonal blocks by forward substitution (``na_ref``, ``x_ref``:
+    fp32 [C, C] SMEM views), merged 16 -> 32 -> 64 by X <- X - X (L X) on the tensor cores (``b_ref``: [C, C]
+    SMEM in ``dtype``, the merges' right operand). ``mine`` (bool [C, C] or None): entries outside it (rows and
+    columns of tokens outside the chunk's sequence) are zero in A0, by a select."""
+    sq = (C, C)
+    ri, ci = iota(sq, 0), iota(sq, 1)
+    lower = ri > ci
+    diag_upper = (ci > ri) & (lax.div(ri, BLOCK) == lax.div(ci, BLOCK))
+    if mine is not None:
+        lower = lower & mine
+        diag_upper = diag_upper & mine
+    a0 = jnp.where(lower, kk * bcast_rows(beta_row, sq), 0.0)
+    neg_a_t = jnp.where(diag_upper, kk * bcast_cols(-beta_col, sq), 0.0)
+    x = _diag_block_inverse_fn()(neg_a_t, na_ref, x_ref)
+    for size in (2 * BLOCK, 4 * BLOCK):                        # merge 16 -> 32 -> 64
+        half = size // 2
+        off = ((lax.div(ri, size) == lax.div(ci, size)) & (lax.rem(ri, size) >= half)
+               & (lax.rem(ci, size) < half))
+        link = _merge_product(jnp.where(off, a0, 0.0), x, b_ref, dtype)     # L X
+        x = x - _merge_product(x, link, b_ref, dtype)
+    return x
+
+
 def kkt_chunks_per_cta(batch: int, heads: int, chunks: int) -> int:
     """(jla) Chunks per CTA of :func:`kkt_fwd`: the most (8, 4, 2) that still leave >= 1.5 CTAs per SM."""
     for cpc in (8, 4, 2):
@@ -618,7 +832,6 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
         chunks_per_cta = kkt_chunks_per_cta(batch, heads, nc)
     cpc = next(n for n in (chunks_per_cta, 4, 2, 1) if nc % n == 0)
     dtype = k.dtype
-    diag_inverse = _diag_block_inverse_fn()
     vec2 = plgpu.SMEM((2, C), F32)
     scratch = dict(
         k_smem=smem((2, C, key_dim), dtype),
@@ -630,11 +843,6 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
         x_smem=plgpu.SMEM((C, C + SOLVE_PAD), F32),
         bar=plgpu.Barrier(num_arrivals=3, num_barriers=2),
     )
-
-    def merge_product(a, bmat, b_smem):
-        b_smem[...] = bmat.astype(dtype)
-        plgpu.commit_smem()
-        return matmul(a.astype(dtype), b_smem, (C, C))
 
     def body(k_ref, beta_ref, t_ref, k_smem, br_smem, bc_smem, t_smem, b_smem, na_smem, x_smem, bar,
              rows_ref=None):
@@ -650,7 +858,6 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
 
         issue(0, 0)
         sq = (C, C)
-        ri, ci = iota(sq, 0), iota(sq, 1)
 
         @pl.loop(0, cpc)
         def _chunk(n):
@@ -662,24 +869,14 @@ def kkt_fwd(k, beta_hm, *, heads: int, chunks_per_cta: int | None = None, interp
                 plgpu.commit_smem()
                 issue(n + 1, 1 - slot)
 
-            s = matmul(k_smem.at[slot], k_smem.at[slot].T, sq)        # symmetric: also serves A0^T
-            lower = ri > ci
-            diag_upper = (ci > ri) & (lax.div(ri, BLOCK) == lax.div(ci, BLOCK))
+            s = matmul(k_smem.at[slot], k_smem.at[slot].T, sq)
+            mine = None
             if in_place:         # rows and columns of other sequences' (or padding) tokens: zero, by a select
                 c = nb * cpc + n
-                lo, hi = rows_ref[c, 1], rows_ref[c, 2]
-                mine = (ri >= lo) & (ri < hi) & (ci >= lo) & (ci < hi)
-                lower = lower & mine
-                diag_upper = diag_upper & mine
-            a0 = jnp.where(lower, s * bcast_rows(plgpu.load(br_smem.at[slot], layout=ROWS), sq), 0.0)
-            neg_a_t = jnp.where(diag_upper, s * bcast_cols(-plgpu.load(bc_smem.at[slot], layout=COLS), sq), 0.0)
-            x = diag_inverse(neg_a_t, na_smem.at[:, :C], x_smem.at[:, :C])
-            for size in (2 * BLOCK, 4 * BLOCK):                        # merge 16 -> 32 -> 64
-                half = size // 2
-                off = ((lax.div(ri, size) == lax.div(ci, size)) & (lax.rem(ri, size) >= half)
-                       & (lax.rem(ci, size) < half))
-                link = merge_product(jnp.where(off, a0, 0.0), x, b_smem)     # L X
-                x = x - merge_product(x, link, b_smem)
+                mine = chunk_mask(rows_ref[c, 1], rows_ref[c, 2])
+            x = blocked_inverse(s, plgpu.load(br_smem.at[slot], layout=ROWS),
+                                plgpu.load(bc_smem.at[slot], layout=COLS), na_smem.at[:, :C], x_smem.at[:, :C],
+                                b_smem, dtype, mine=mine)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)            # t_smem[slot] of chunk n - 2 was sent
             t_smem.at[slot][...] = x.astype(dtype)
             plgpu.commit_smem()
@@ -776,10 +973,12 @@ def prepare_chunk_layout(q, k, v, g, beta, initial_state, *, interpret: bool, pi
     return q, k, v, tmat, gcum, beta_c, h0t
 
 
-def prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1, exp2: bool = False):
+def prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces: int = 1, exp2: bool = False,
+                       solve: bool = False):
     """Stage 1a in Mosaic GPU (``kernel``) or its jnp twin: pads T to a multiple of C * pieces (zero tokens), the
     chunk-local cumulative log-decay G [B, Hv, Tp] (g floored at G_FLOOR first, as Triton's 1a does), beta
-    [B, Hv, Tp] fp32 and the gate-free T0 [B, Hv, Tp, C]. Returns the fused pass's ``head_major`` operands."""
+    [B, Hv, Tp] fp32 and the gate-free T0 [B, Hv, Tp, C] (None with ``solve``: the wide fused pass forms it).
+    Returns the fused pass's ``head_major`` operands."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
     b, t, hk, kdim = q.shape
     hv = v.shape[2]
@@ -791,7 +990,7 @@ def prepare_head_major(q, k, v, g, beta, initial_state, *, kernel: bool, pieces:
     if exp2:
         gcum = gcum * LOG2E
     beta_hm = jnp.swapaxes(_pad_time(beta.astype(F32), pad), 1, 2)                     # [B, Hv, Tp]
-    t0 = kkt_fwd(k, beta_hm, heads=hv) if kernel else kkt_fwd_reference(k, beta_hm, heads=hv)
+    t0 = None if solve else kkt_fwd(k, beta_hm, heads=hv) if kernel else kkt_fwd_reference(k, beta_hm, heads=hv)
     h0t = None if initial_state is None else jnp.swapaxes(initial_state.astype(F32), -1, -2)
     return q, k, v, t0, gcum, beta_hm, h0t
 
@@ -800,10 +999,11 @@ STAGE1A = ("triton", "mosaic")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "pieces", "exp2",
-                                             "state_kv", "split"))
+                                             "state_kv", "split", "wide", "solve"))
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=None, output_final_state=True,
                                impl: str = "mosaic", stage1a: str = "triton", pieces: int = 1, exp2: bool = False,
-                               state_kv: bool = False, split: SplitConfig = DEFAULT_SPLIT):
+                               state_kv: bool = False, split: SplitConfig = DEFAULT_SPLIT, wide=False,
+                               solve: bool = False):
     """Dense chunked gated delta rule forward: stage 1a, then :func:`fused_state_pass` (``impl="mosaic"``, a
     Hopper GPU) or its jnp twin :func:`fused_state_pass_reference` (``impl="reference"``, anywhere: the CPU check
     of the algebra).
@@ -816,7 +1016,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     log2 gates and exp2 in the pass. ``state_kv`` (``impl="mosaic"``, unsplit rows): the fused pass reads the
     initial state and writes the final one in the op's [B, Hv, K, V] layout itself (``fused_state_pass(
     state_kv=True)``), instead of two XLA transposes to and from its S^T (4 x 4 B Hv K V bytes of HBM traffic and
-    two launches); the jnp twin and the split ignore it.
+    two launches); the jnp twin and the split ignore it. ``wide`` (``impl="mosaic"``, ``stage1a="mosaic"``, V =
+    128, unsplit rows; ignored elsewhere): True / False / "auto" (:func:`use_wide`): the fused pass as one CTA per
+    (row, value head) over all 128 value columns (``fused_state_pass(wide=True)``); ``solve`` with it: T0 formed
+    inside that pass instead of by :func:`kkt_fwd`.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (mosaic: one of bf16 / fp16, K, V in {64, 128}); g [B, T, Hv] fp32
     log-decay; beta [B, T, Hv]; initial_state [B, Hv, K, V] fp32 or None. Returns (o [B, T, Hv, V] in v's dtype,
@@ -834,30 +1037,35 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     b, t, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     scale = kdim ** -0.5 if scale is None else float(scale)
-    if pieces == 0:
-        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None, config=split)
     kernel = impl == "mosaic"
     head_major = stage1a == "mosaic"
+    if pieces == 0:
+        pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None, config=split)
+    wide = (use_wide(b, hv, vdim) if wide == "auto" else bool(wide)) and kernel and head_major and vdim == 2 * BV \
+        and pieces == 1
     exp2 = bool(exp2) and head_major
     kv = bool(state_kv) and kernel and pieces == 1
+    solve = bool(solve) and wide
     if head_major:
-        ops_ = prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2)
+        ops_ = prepare_head_major(q, k, v, g, beta, initial_state, kernel=kernel, pieces=pieces, exp2=exp2,
+                                  solve=solve)
     else:
         ops_ = prepare_chunk_layout(q, k, v, g, beta, initial_state, interpret=not kernel, pieces=pieces)
     run = fused_state_pass if kernel else fused_state_pass_reference
+    wide_kw = dict(wide=True, solve=solve) if wide else {}
     if pieces > 1:
         h0_pieces = mosaic_split.start_states(ops_, pieces, kernel=kernel, head_major=head_major, exp2=exp2,
                                               config=split)
         o, ht = run(*ops_[:6], h0_pieces, scale=scale, out_final=output_final_state, head_major=head_major,
-                    pieces=pieces, exp2=exp2)
+                    pieces=pieces, exp2=exp2, **wide_kw)
         if ht is not None:      # the final state is the last piece's
             ht = ht.reshape((b, pieces) + ht.shape[1:])[:, -1]
     elif kv:            # the states in [B, Hv, K, V] straight into and out of the kernel (no XLA transposes)
         h0 = None if initial_state is None else initial_state.astype(F32)
         o, ht = run(*ops_[:6], h0, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2,
-                    state_kv=True)
+                    state_kv=True, **wide_kw)
     else:
-        o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2)
+        o, ht = run(*ops_, scale=scale, out_final=output_final_state, head_major=head_major, exp2=exp2, **wide_kw)
     o = o[:, :t].astype(v.dtype)
     return o, (None if ht is None else ht if kv else jnp.swapaxes(ht, -1, -2))
 
@@ -880,12 +1088,18 @@ class MosaicConfig:
       it; unsplit rows only, the split keeps its transposed start states): B16-T1024 0.359 against 0.392,
       B4-T4096 0.337 against 0.346.
     split: the sequence split's policy and start-state pass (:class:`SplitConfig`).
+    wide: True / False / "auto" (:func:`use_wide`): unsplit rows' fused pass as one CTA per (row, value head)
+      over V = 128 with two state warpgroups (``fused_state_pass(wide=True)``; stage1a "mosaic", V = 128 only,
+      else ignored).
+    solve: with wide, T0 formed inside the fused pass (no kkt_fwd launch).
     """
     stage1a: str = "mosaic"
     pieces: int = 0
     exp2: bool = True
     state_kv: bool = True
     split: SplitConfig = DEFAULT_SPLIT
+    wide: object = "auto"
+    solve: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -895,12 +1109,21 @@ class MosaicConfig:
         if not isinstance(self.pieces, int) or not 0 <= self.pieces <= self.split.max_pieces:
             raise ValueError(f"MosaicConfig.pieces must be an int in [0, {self.split.max_pieces}]; "
                              f"got {self.pieces!r}")
-        for name in ("exp2", "state_kv"):
+        if self.wide not in (True, False, "auto"):
+            raise ValueError(f"MosaicConfig.wide must be True, False or 'auto'; got {self.wide!r}")
+        for name in ("exp2", "state_kv", "solve"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
 
 
 DEFAULT_CONFIG = MosaicConfig()
+
+
+def use_wide(rows: int, heads: int, value_dim: int, sms: int | None = None) -> bool:
+    """Whether an unsplit fused pass over ``rows`` rows (sequences) runs wide: V = 2 BV and the narrow pass's
+    rows Hv V / BV CTAs more than one wave of the SMs (below that the narrow pass's extra CTAs fill idle SMs)."""
+    sms = num_sms() if sms is None else sms
+    return value_dim == 2 * BV and rows * heads * (value_dim // BV) > sms
 
 
 def is_hopper() -> bool:
@@ -943,6 +1166,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
                                           output_final_state=output_final_state, impl="mosaic",
                                           stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                          state_kv=cfg.state_kv, split=cfg.split)
+                                          state_kv=cfg.state_kv, split=cfg.split, wide=cfg.wide,
+                                          solve=cfg.solve)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)

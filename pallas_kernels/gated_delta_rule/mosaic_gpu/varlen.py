@@ -96,6 +96,9 @@ class VarlenConfig:
     reads: "repacked" (q, k, v copied to chunk-aligned rows and o back) or "in_place" (the packed row read and o
     written where they lie, module docstring; needs stage1a "mosaic", lanes 0 and T a multiple of 8: other calls
     run "repacked").
+    wide: True / False / "auto" (``chunk.use_wide`` on N sequences): the fused pass as one CTA per (sequence, value
+    head) over V = 128 with two state warpgroups (``chunk.fused_state_pass(wide=True)``; stage1a "mosaic", V = 128,
+    lanes 0; ignored elsewhere). solve: with wide, T0 formed inside the fused pass (no kkt_fwd launch).
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -107,6 +110,8 @@ class VarlenConfig:
     copies: str = "triton"
     kkt_used: bool = True
     reads: str = "in_place"
+    wide: object = "auto"
+    solve: bool = False
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -119,8 +124,11 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.copies must be one of {COPIES}; got {self.copies!r}")
         if self.reads not in READS:
             raise ValueError(f"VarlenConfig.reads must be one of {READS}; got {self.reads!r}")
-        if not isinstance(self.kkt_used, bool):
-            raise ValueError(f"VarlenConfig.kkt_used must be a bool; got {self.kkt_used!r}")
+        if self.wide not in (True, False, "auto"):
+            raise ValueError(f"VarlenConfig.wide must be True, False or 'auto'; got {self.wide!r}")
+        for name in ("kkt_used", "solve"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"VarlenConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
             raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
                              f"got {self.lanes!r}")
@@ -309,7 +317,7 @@ def in_place_stores_reference(o_r, ac, walk, total_len: int):
     return o[None], edges
 
 
-def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None,
+def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None, solve: bool = False,
                      num_chunks=None, chunk_rows=None):
     """(t, gcum, beta_c, head_major): the fused pass's stage-1a operands for the repacked row (g_r, b_r [1, Tp, Hv]
     fp32; k_r [1, Tp, Hk, K], read only by stage1a "mosaic"). ``stage1a="triton"`` runs kkt_solve on the packed
@@ -317,7 +325,8 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
     ``num_chunks`` (int32 [1], stage1a "mosaic"): T0 only for chunks below it (the kernel leaves the rest unset;
     the twin makes them NaN, so a read of them shows). ``chunk_rows`` (in-place reads, int32 [NC, 3]): k_r is the
     packed row itself and kkt_fwd reads each chunk's keys where they lie (``kkt_fwd(chunk_rows=...)``); the twin
-    is then given k_r already gathered to the chunk-slot row."""
+    is then given k_r already gathered to the chunk-slot row. ``solve`` (stage1a "mosaic", ``kernel``): no T0 (None),
+    the wide fused pass forms it (``chunk.fused_state_pass(solve=True)``)."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
     _, tp, hv = g_r.shape
     nc = tp // C
@@ -325,7 +334,9 @@ def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, pa
         g = floor_log_decay(g_r[0])                                                   # [Tp, Hv]
         gcum = jnp.cumsum(g.T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
         beta_hm = b_r[0].T[None]                                                      # [1, Hv, Tp]
-        if kernel:
+        if kernel and solve:     # the wide fused pass forms T0 itself
+            t0 = None
+        elif kernel:
             t0 = mg.kkt_fwd(k_r, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=chunk_rows)
         else:
             t0 = mg.kkt_fwd_reference(k_r, beta_hm, heads=hv)
@@ -419,12 +430,13 @@ def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
-                                             "states", "lanes", "copies", "kkt_used", "reads"))
+                                             "states", "lanes", "copies", "kkt_used", "reads", "wide",
+                                             "solve"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", states: str = "kv",
                                       lanes: int = 0, copies: str = "xla", kkt_used: bool = False,
-                                      reads: str = "repacked"):
+                                      reads: str = "repacked", wide=False, solve: bool = False):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring); with
     ``reads="in_place"`` (where :func:`reads_in_place`) the packed row is read and written where it lies.
 
@@ -432,13 +444,13 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``: as :class:`VarlenConfig`
+    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``: as :class:`VarlenConfig`
     (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
     VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used,
-                 reads=reads)
+                 reads=reads, wide=wide, solve=solve)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -453,9 +465,13 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
+    wide = (mg.use_wide(n, hv, vdim) if wide == "auto" else bool(wide)) and stage1a == "mosaic" and lanes == 0 \
+        and vdim == 2 * mg.BV
+    solve = bool(solve) and wide and kernel
     if reads_in_place(reads, stage1a, lanes, t):
         return _varlen_in_place(q, k, v, g, beta, cu, initial_state, scale=scale, out_final=output_final_state,
-                                kernel=kernel, order=order, state_kv=states == "kv", kkt_used=kkt_used)
+                                kernel=kernel, order=order, state_kv=states == "kv", kkt_used=kkt_used, wide=wide,
+                                solve=solve)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
     cp = dict(copies=copies, chunks=chunk_rows(cm, src.shape[0] // C), interpret=not kernel)
     *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
@@ -466,7 +482,8 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
            else jnp.swapaxes(initial_state.astype(F32), -1, -2))
     tmat, gcum, beta_c, head_major = stage1a_operands(k_r, g_r, b_r, kernel=kernel, stage1a=stage1a, vdim=vdim,
                                                       packed=(k[0], g[0], beta[0]), chunk_map=cm,
-                                                      num_chunks=used_chunks(cm) if kkt_used else None)
+                                                      num_chunks=used_chunks(cm) if kkt_used else None,
+                                                      solve=solve)
     ops_ = qkv + (tmat, gcum, beta_c, h0t)
     n_lanes = num_lanes(lanes, n, hv, vdim)
     rows = None
@@ -474,7 +491,8 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         walk, rows = lane_table(walk, n_lanes)
     if kernel:
         o_r, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=output_final_state, head_major=head_major,
-                                      walk=walk, num_states=n, state_kv=state_kv, lane_rows=rows)
+                                      walk=walk, num_states=n, state_kv=state_kv, lane_rows=rows, wide=wide,
+                                      solve=solve)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale,
                                                   out_final=output_final_state, head_major=head_major,
@@ -484,7 +502,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
 
 
 def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_final: bool, kernel: bool,
-                     order: str, state_kv: bool, kkt_used: bool):
+                     order: str, state_kv: bool, kkt_used: bool, wide: bool = False, solve: bool = False):
     """The in-place form of :func:`chunk_gated_delta_rule_varlen_fwd` (checked there): g and beta gathered to the
     chunk-slot row (zero outside each chunk's own rows), kkt_fwd and the fused pass reading q, k, v in the packed
     row, o stored there with its edges merged."""
@@ -499,7 +517,9 @@ def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_f
     gcum = jnp.cumsum(floor_log_decay(g_r).T.reshape(hv, nc, C), axis=-1).reshape(1, hv, tp)
     beta_hm = b_r.T[None]                                                             # [1, Hv, Tp]
     num_chunks = jnp.sum(ac.seq_num_chunks, dtype=jnp.int32).reshape(1) if kkt_used else None
-    if kernel:
+    if kernel and solve:     # the wide fused pass forms T0 itself
+        t0 = None
+    elif kernel:
         rows = jnp.stack([ac.tile0 // ALIGN, ac.lo, ac.hi], axis=-1).astype(jnp.int32)
         t0 = mg.kkt_fwd(k, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=rows)
     else:
@@ -509,7 +529,7 @@ def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_f
     ops_ = (q, k, v, t0, gcum, beta_hm, h0t)
     if kernel:
         o, edges, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=out_final, head_major=True, walk=walk,
-                                           num_states=n, state_kv=state_kv, in_place=True)
+                                           num_states=n, state_kv=state_kv, in_place=True, wide=wide, solve=solve)
     else:
         o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale, out_final=out_final,
                                                   head_major=True, state_kv=state_kv, in_place=True)
@@ -533,7 +553,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
         return chunk_gated_delta_rule_varlen_fwd(
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
-            states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads)
+            states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads,
+            wide=cfg.wide, solve=cfg.solve)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -559,7 +580,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                                      order=cfg.order, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used,
-                                                     reads=cfg.reads)
+                                                     reads=cfg.reads, wide=cfg.wide, solve=cfg.solve)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)

@@ -24,7 +24,7 @@ from tests.gdn_harness import make_inputs, oracle, rel_rms, tol
 
 
 def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison_row=None, stage1a="triton",
-         pieces=1, g_scale=1.0):
+         pieces=1, g_scale=1.0, **fwd_kw):
     """``g_scale`` < 1 weakens the decay (the harness's g ~ log U(0.5, 0.999) forgets a start state within ~64
     tokens, so a split's state maps M would be ~0 and go untested: at 0.01 they matter)."""
     q, k, v, g, beta, h0, _ = make_inputs(case, seed, dtype, with_h0=with_h0)
@@ -35,7 +35,7 @@ def _run(case, dtype=jnp.float32, impl="reference", seed=0, with_h0=True, poison
     o, s = mg.chunk_gated_delta_rule_fwd(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
                                          jnp.asarray(g), jnp.asarray(beta, dtype),
                                          None if h0 is None else jnp.asarray(h0), impl=impl, stage1a=stage1a,
-                                         pieces=pieces)
+                                         pieces=pieces, **fwd_kw)
     return (q, k, v, g, beta, h0), np.asarray(o.astype(jnp.float32)), np.asarray(s)
 
 
@@ -43,7 +43,7 @@ def test_defaults():
     assert mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
     # the measured choices: states in [B, Hv, K, V] inside the pass, exp2, the split where its time model says
     assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
-                                                split=mg.SplitConfig())
+                                                split=mg.SplitConfig(), wide="auto", solve=False)
     # the split's first piece from h0, the Triton scan in tf32 above P = 2 (at P = 2 XLA's stack, no product)
     sp = mg.DEFAULT_CONFIG.split
     assert (sp.first, sp.scan, sp.serial_max_pieces, sp.precision, sp.paired) == ("h0", "auto", 2, "default", "auto")
@@ -53,6 +53,32 @@ def test_defaults():
         mg.MosaicConfig(stage1a="cuda")
     with pytest.raises(ValueError, match="pieces"):
         mg.MosaicConfig(pieces=3.0)
+    with pytest.raises(ValueError, match="MosaicConfig.wide"):
+        mg.MosaicConfig(wide="yes")
+    with pytest.raises(ValueError, match="MosaicConfig.solve"):
+        mg.MosaicConfig(solve=1)
+
+
+def test_wide_policy():
+    """The wide pass where the narrow one runs more than one wave of CTAs (B4-T4096: 256, B16-T1024: 1024 and the
+    packed mixes on the H200's 132 SMs), never at V = 64 and never where the narrow pass fits one wave (B2: 128)."""
+    assert mg.use_wide(4, 32, 128, sms=132) and mg.use_wide(16, 32, 128, sms=132)
+    assert not mg.use_wide(2, 32, 128, sms=132) and not mg.use_wide(1, 32, 128, sms=132)
+    assert not mg.use_wide(16, 32, 64, sms=132)
+    assert mg.use_wide(3, 32, 128, sms=132)            # 192 narrow CTAs
+
+
+def test_wide_pass_checks_its_arguments():
+    q = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+    v64 = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    g = jnp.zeros((1, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="wide needs V = 128"):
+        mg.fused_state_pass(q, q, v64, jnp.zeros((1, 2, 64, 64), jnp.bfloat16), g, g, None, scale=1.0,
+                            out_final=True, head_major=True, wide=True)
+    v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="solve"):
+        mg.fused_state_pass(q, q, v, None, g, g, None, scale=1.0, out_final=True, head_major=True, wide=False,
+                            solve=True)
 
 
 @pytest.mark.parametrize("t,pieces", [(1, 1), (63, 1), (130, 1), (65, 4), (130, 2), (300, 0)])
@@ -236,6 +262,27 @@ def test_gpu_kernel_matches_f64(t, dtype):
     ro, rs = oracle(q, k, v, g, np.asarray(jnp.asarray(beta, dtype).astype(jnp.float32)), h0)
     assert rel_rms(o, ro) < tol(dtype), rel_rms(o, ro)
     assert rel_rms(s, rs) < tol(dtype), rel_rms(s, rs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("solve", [False, True])
+@pytest.mark.parametrize("t,kdim,with_h0", [(1, 128, True), (63, 64, True), (64, 128, False), (65, 128, True),
+                                            (130, 64, False), (130, 128, True)])
+def test_gpu_wide_pass_matches_f64(t, kdim, with_h0, solve):
+    """The wide fused pass (one CTA per (row, value head), two state warpgroups; ``solve``: T0 formed inside it)
+    at bf16 against the float64 oracle (1e-2): odd lengths, grouped heads (Hk 1, Hv 3), K = 64 and 128, with and
+    without an initial state, a NaN initial state in one row that stays in that row."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernel needs an sm_90 GPU")
+    case = Case(f"B2-T{t}-Hk1-Hv3-K{kdim}-V128", 2, t, 1, 3, kdim, 128)
+    (q, k, v, g, beta, h0), o, s = _run(case, jnp.bfloat16, impl="mosaic", stage1a="mosaic", with_h0=with_h0,
+                                        poison_row=1 if with_h0 else None, exp2=True, state_kv=True, wide=True,
+                                        solve=solve)
+    beta = np.asarray(jnp.asarray(beta, jnp.bfloat16).astype(jnp.float32))
+    rows = slice(0, 1) if with_h0 else slice(0, 2)
+    ro, rs = oracle(q[rows], k[rows], v[rows], g[rows], beta[rows], None if h0 is None else h0[rows])
+    assert np.isfinite(o[rows]).all() and np.isfinite(s[rows]).all()
+    assert rel_rms(o[rows], ro) < 1e-2 and rel_rms(s[rows], rs) < 1e-2, (rel_rms(o[rows], ro), rel_rms(s[rows], rs))
 
 
 @pytest.mark.gpu

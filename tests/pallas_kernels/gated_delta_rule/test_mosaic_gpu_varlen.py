@@ -41,13 +41,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         states="kv", lanes=0, copies="triton", kkt_used=True, reads="repacked"):
+         states="kv", lanes=0, copies="triton", kkt_used=True, reads="repacked", wide=False, solve=False):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
         stage1a=stage1a, order=order, output_final_state=final, states=states, lanes=lanes,
-        copies=copies, kkt_used=kkt_used, reads=reads)
+        copies=copies, kkt_used=kkt_used, reads=reads, wide=wide, solve=solve)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -422,6 +422,36 @@ def test_gpu_in_place_matches_f64(states, dims):
     its edges merged) at bf16 against the float64 oracle (1e-2): the odd lengths at T = 328, NaN padding rows
     exactly zero, grouped heads, initial states."""
     _check_kernel_f64(dims, pad=PAD_IN_PLACE, reads="in_place", states=states)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reads", ["repacked", "in_place"])
+@pytest.mark.parametrize("solve", [False, True])
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 6, 64, 128)])
+def test_gpu_wide_matches_f64(reads, solve, dims):
+    """The wide fused pass (``wide=True``; ``solve``: T0 formed inside it) on packed sequences at bf16 against the
+    float64 oracle (1e-2): the odd lengths with an empty sequence (its state passes through bitwise) and one-token
+    and 1-chunk sequences (the two state halves take turns with the state tile), NaN padding rows exactly zero,
+    grouped heads, K = 64 and 128, read repacked and in place."""
+    _check_kernel_f64(dims, pad=PAD_IN_PLACE if reads == "in_place" else PAD, reads=reads, wide=True, solve=solve)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("solve", [False, True])
+def test_gpu_wide_no_initial_state_and_nan_neighbours(solve):
+    """The wide pass without initial states (zeros) against the float64 oracle, and in place a NaN token next to a
+    sequence reaches no other sequence (bit for bit)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    bf = jnp.bfloat16
+    args = _inputs(pad=PAD_IN_PLACE, hk=1, hv=2, kdim=128, vdim=128, seed=8, with_h0=False)
+    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+    args = (q, k, v) + args[3:]
+    o, s = _run(args, dtype=bf, impl="mosaic", reads="in_place", wide=True, solve=solve)
+    ro, rs = _oracle(args, bf)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    args = _inputs(pad=PAD_IN_PLACE, hk=1, hv=2, kdim=128, vdim=128, seed=6)
+    _nan_neighbours(lambda a: _run(a, dtype=bf, impl="mosaic", reads="in_place", wide=True, solve=solve), args)
 
 
 @pytest.mark.gpu
