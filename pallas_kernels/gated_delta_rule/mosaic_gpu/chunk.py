@@ -234,7 +234,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                        handoff=plgpu.Barrier(num_barriers=3))
     if solve:
         scratch.update(b_rows=vecs, b_s=smem((C, C), dtype), solved=plgpu.Barrier())
-    else:
+    if not wide:                 # the narrow form publishes S^T and v_new to the output warpgroup
         scratch.update(s_pub=smem((2, BV, key_dim), dtype), vn_pub=smem((2, C, BV), dtype),
                        s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
     if in_place:
