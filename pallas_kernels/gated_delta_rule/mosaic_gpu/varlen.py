@@ -98,7 +98,8 @@ class VarlenConfig:
     run "repacked").
     wide: True / False / "auto" (``chunk.use_wide`` on N sequences): the fused pass as one CTA per (sequence, value
     head) over V = 128 with two state warpgroups (``chunk.fused_state_pass(wide=True)``; stage1a "mosaic", V = 128,
-    lanes 0; ignored elsewhere). solve: with wide, T0 formed inside the fused pass (no kkt_fwd launch).
+    lanes 0; ignored elsewhere; False by default, as ``chunk.MosaicConfig.wide``). solve: with wide, T0 formed
+    inside the fused pass (no kkt_fwd launch).
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -110,7 +111,7 @@ class VarlenConfig:
     copies: str = "triton"
     kkt_used: bool = True
     reads: str = "in_place"
-    wide: object = "auto"
+    wide: object = False
     solve: bool = False
 
     def __post_init__(self):
