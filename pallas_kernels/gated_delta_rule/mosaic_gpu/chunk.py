@@ -66,8 +66,7 @@ from pallas_kernels.gated_delta_rule.mosaic_gpu import split as mosaic_split
 from pallas_kernels.gated_delta_rule.mosaic_gpu.chunk_reference import (chunk_layout, chunk_step,  # noqa: F401
                                                                        fused_state_pass_reference)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import (BV, C, LN2, LOG2E, SMEM_BUDGET, bcast_cols,  # noqa: F401
-                                                              bcast_rows, iota, matmul, matmul_pair, num_sms,
-                                                              ring_stages, smem)
+                                                              bcast_rows, iota, matmul, num_sms, ring_stages, smem)
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import plgpu as _plgpu
 from pallas_kernels.gated_delta_rule.mosaic_gpu.split import (DEFAULT_SPLIT, FIRSTS, PRECISIONS, SCANS,  # noqa: F401
                                                              SplitConfig, split_cost, split_pieces)
@@ -76,7 +75,6 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # setmaxnreg of the wide fused pass's warpgroups (memory, Ag / P, each state half): 128 threads x (24 + 104 + 2 x
 # 192) = the SM's 64 K registers (FlashInfer's SM90 split of the same roles)
 WIDE_REGISTERS = (24, 104, 192)
-WIDE_PAIRED = False      # the wide state step issues S^T k^T and (q S)^T as one pair of WGMMAs
 SUPPORTED_HEAD_DIMS = (64, 128)
 F32 = jnp.float32
 
@@ -472,18 +470,14 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 key_decay = _exp(g_col)                     # Gamma: also the output's e^G (tokens are columns)
                 k_decay = _exp(g_last - g_col)
                 s_decay = _exp(g_last)
-                if WIDE_PAIRED:          # S^T k^T and (q S)^T issued together
-                    x_t, o_t = matmul_pair(s_lo, k_s.at[slot].T, q_s.at[slot].T, (BV, C))
-                else:
-                    x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))              # S^T k^T
+                x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))                  # S^T k^T
                 v_t = plgpu.load(v_s.at[slot, hv].T, layout=WGMMA).astype(F32)
                 w_t = v_t - x_t * bcast_cols(key_decay, (BV, C))
                 if in_place:             # v's rows outside the sequence: a select, so a NaN there reaches nothing
                     cols = iota((BV, C), 1)
                     w_t = jnp.where((cols >= lo) & (cols < hi), w_t, 0.0)
                 w_t = w_t.astype(dtype)
-                if not WIDE_PAIRED:
-                    o_t = matmul(s_lo, q_s.at[slot].T, (BV, C))              # (q S)^T from the incoming state
+                o_t = matmul(s_lo, q_s.at[slot].T, (BV, C))                  # (q S)^T from the incoming state
                 plgpu.barrier_wait(ag_ready.at[slot])
                 vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
                 vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)

@@ -86,20 +86,6 @@ def matmul(a, b, shape, init=None):
     return lax.optimization_barrier(out)
 
 
-def matmul_pair(a, b1, b2, shape):
-    """``(a @ b1, a @ b2)`` as two WGMMAs issued back to back and waited once (one left operand, two right ones),
-    fp32; the optimization barrier as in :func:`matmul`."""
-    import jax.experimental.pallas as pl
-    plgpu = _plgpu()
-
-    def scoped(acc1, acc2):
-        plgpu.wgmma(acc1, a, b1)
-        plgpu.wgmma(acc2, a, b2)
-        return acc1[...], acc2[...]
-    out = pl.run_scoped(scoped, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
-    return lax.optimization_barrier(out)
-
-
 def ring_stages(per_stage: int, fixed: int) -> int:
     """Deepest input ring (2 to 4 stages) that fits SMEM_BUDGET."""
     for stages in (4, 3, 2):
