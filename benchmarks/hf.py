@@ -13,6 +13,8 @@ each call, to FLA's kernels (``fla_kernels``) and swaps each GDN layer's gated n
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import time
 
 import numpy as np
@@ -400,6 +402,9 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None, fla:
                 log(f"{key}: {out[key]}")
                 if dev == "cuda":
                     torch.cuda.empty_cache()
+            # which GDN kernels FLA dispatched to: FlashQLA's module loads only when its backend runs
+            info["fla_flash_qla"] = os.environ.get("FLA_FLASH_QLA", "unset")
+            info["flash_qla_ran"] = "flash_qla" in sys.modules
             # ---- decode: prefill the context with a cache, then time one-token steps ----
             _, n, ctx, _ = cases["decode"]
             try:

@@ -16,7 +16,9 @@ bf16, SDPA attention, its default experts implementation), ``use_cache=False, lo
 left-padded [16, 4000] batch with its attention mask (HF takes no packed streams); decode through its cache after
 a [64, 1189] prefill.
 HF on its fast GDN path (``benchmarks.hf``): its four GDN callables pointed at FLA's kernels and its gated norm at
-FLA's fused one; ``info["hf_kernels"]`` names what the timed calls ran and ``info["hf_kernels_resolved"]`` what
+FLA's fused one, FLA on its plain Triton kernels (``FLA_FLASH_QLA=0``, column "hf"); where ``QLA_SITE`` names the
+FlashQLA stack's folder, again in a second child on FLA's default path with FlashQLA (column "hf_qla", rows'
+"speedup_qla"; an error wherever FlashQLA did not really run); ``info["hf_kernels"]`` names what the timed calls ran and ``info["hf_kernels_resolved"]`` what
 transformers had picked by itself; ``python -m benchmarks.model --hf-check`` checks that wiring against HF's own
 torch path on the GPU.
 Timing, the same for both columns: wall clock of one call closed by a device sync (``jax.block_until_ready`` /
@@ -249,7 +251,9 @@ def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0) -> 
     raise RuntimeError(f"compile subprocess rc={r.returncode}: {(r.stderr or r.stdout)[-600:]}")
 
 
-def _rows(cases: dict, ours: dict, hf_res: dict) -> list:
+def _rows(cases: dict, ours: dict, hf_res: dict, hf_qla_res: dict = None) -> list:
+    """The section's rows; ``hf_qla_res`` (HF on FLA's default path, FlashQLA on) adds the "hf_qla" column and
+    "speedup_qla" where it ran."""
     rows = []
     for key, kind in (("varlen", "prefill"), ("long", "prefill"), ("decode", "decode")):
         case = cases[key]
@@ -260,6 +264,13 @@ def _rows(cases: dict, ours: dict, hf_res: dict) -> list:
                "tokens_per_s": {"ours": tokens / o["ms"] * 1e3 if o.get("ms") else None,
                                 "hf": tokens / h["ms"] * 1e3 if h.get("ms") else None}}
         row["speedup"] = h["ms"] / o["ms"] if o.get("ms") and h.get("ms") else None
+        if hf_qla_res is not None:
+            hq = hf_qla_res.get(key, {})
+            row["ms"]["hf_qla"] = hq.get("ms")
+            row["tokens_per_s"]["hf_qla"] = tokens / hq["ms"] * 1e3 if hq.get("ms") else None
+            row["speedup_qla"] = hq["ms"] / o["ms"] if o.get("ms") and hq.get("ms") else None
+            if "error" in hq:
+                row.setdefault("errors", {})["hf_qla"] = hq["error"]
         if "first_call_s" in o:
             row["first_call_s"] = o["first_call_s"]
         if h.get("do_bench_ms") is not None:
@@ -273,30 +284,58 @@ def _rows(cases: dict, ours: dict, hf_res: dict) -> list:
     return rows
 
 
-def _hf_in_subprocess(reps: int, timeout: float, quick: bool = False) -> dict:
+def hf_child_env(flash_qla: bool, environ=None) -> dict:
+    """The HF child's environment: FLA's plain Triton path (``FLA_FLASH_QLA=0``), or with ``flash_qla`` FLA's
+    default path on Hopper (``FLA_FLASH_QLA=1``) with the FlashQLA stack's folder ``QLA_SITE`` first on PYTHONPATH
+    (docs/benchmarking.md: that stack lives in no other process). ValueError naming QLA_SITE when it is unset."""
+    env = dict(os.environ if environ is None else environ)
+    env["FLA_FLASH_QLA"] = "1" if flash_qla else "0"
+    if flash_qla:
+        site = env.get("QLA_SITE")
+        if not site:
+            raise ValueError("hf_qla: QLA_SITE must name the folder the FlashQLA stack was installed into "
+                             "(pip install --target; docs/benchmarking.md)")
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _hf_in_subprocess(reps: int, timeout: float, quick: bool = False, flash_qla: bool = False) -> dict:
     """hf_rows in a child process (its torch memory is gone when it exits; a hang is cut at ``timeout``). The
-    child's progress lines go to this process's stderr."""
+    child's progress lines go to this process's stderr. ``flash_qla``: FLA's default path with FlashQLA
+    (:func:`hf_child_env`); the child's rows become errors unless FlashQLA really ran (``info["flash_qla_ran"]``:
+    FLA falls back to its Triton path where FlashQLA does not import)."""
     cmd = [sys.executable, "-m", "benchmarks.model", "--hf-only", "--reps", str(reps)] + (["--quick"] if quick
                                                                                             else [])
     try:
-        r = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=None, text=True,
+        r = subprocess.run(cmd, env=hf_child_env(flash_qla), stdout=subprocess.PIPE, stderr=None, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"HF subprocess cut at its {timeout:.0f} s time limit") from None
     for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            return checked_flash_qla(json.loads(line)) if flash_qla else json.loads(line)
     raise RuntimeError(f"HF subprocess rc={r.returncode}, no result line: {r.stdout[-400:]}")
 
 
+def checked_flash_qla(res: dict) -> dict:
+    """``res`` of an HF child asked to run FlashQLA: unchanged where ``info["flash_qla_ran"]``, else every row an
+    error saying FLA ran its Triton path instead (a figure under the wrong name is worse than none)."""
+    if (res.get("info") or {}).get("flash_qla_ran"):
+        return res
+    why = "FlashQLA did not run in the HF child (FLA took its Triton path): " + str(
+        (res.get("info") or {}).get("fla_error", "flash_qla was never imported"))[:200]
+    return {k: ({"error": why} if isinstance(v, dict) and k != "info" else v) for k, v in res.items()}
+
+
 def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
-                subprocess_compile: bool = None, budget_s: float = None, on_update=None) -> dict:
+                subprocess_compile: bool = None, budget_s: float = None, on_update=None, hf_qla: bool = None) -> dict:
     """Measures the section (see the module docstring). Order: our rows, then HF (a child process: its torch
     memory never meets ours in one process), then the 48-layer compile (a child process), then the parts.
     ``hf`` (default: not quick) runs HF transformers; ``compile_layers`` (default 48) the depth of the compile-time
     measurement (0: skip). ``budget_s``: each stage after our rows gets at most what is left of this many seconds
     (a stage that would not fit is skipped and named in "errors"). ``on_update(section)`` is called after each
-    stage (e.g. to save partial results)."""
+    stage (e.g. to save partial results). ``hf_qla`` (default: HF runs and ``QLA_SITE`` is set) times HF a
+    second time in another child on FLA's default path with FlashQLA (the rows' "hf_qla" column)."""
     start = time.time()
     preallocating = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in ("false", "0")
     try:
@@ -372,6 +411,17 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
             section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
         section["rows"] = _rows(cases, ours, hf_res)
         update(f"hf rows done: {hf_res}")
+    if hf_qla is None:
+        hf_qla = bool(hf) and bool(os.environ.get("QLA_SITE"))
+    if hf_qla and not out_of_time("hf_qla", 30):
+        try:
+            hf_qla_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick, flash_qla=True)
+            section["hf_qla"] = hf_qla_res.get("info")
+        except Exception as err:
+            hf_qla_res = {"varlen": {"error": f"{type(err).__name__}: {str(err)[:300]}"}}
+            section["errors"].append(f"hf_qla: {type(err).__name__}: {str(err)[:300]}")
+        section["rows"] = _rows(cases, ours, hf_res, hf_qla_res)
+        update(f"hf (FlashQLA) rows done: {hf_qla_res}")
 
     section["compile_s_48_layers"] = None
     if compile_layers and not out_of_time("compile", 10 if quick else 30):
@@ -471,9 +521,11 @@ def print_section(section: dict, summary: bool = True) -> None:
     print(f"{'case':<24} {'kind':<8} {'tokens':>7} | {'ours ms':>9} {'HF ms':>9} | {'ours tok/s':>11} "
           f"{'HF tok/s':>11} | {'x HF':>6} | {'1st call s':>10}")
     for r in section.get("rows", []):
+        qla = (f" | HF (FlashQLA) {f(r['ms']['hf_qla'])} ms, x {f(r.get('speedup_qla'))}"
+               if "hf_qla" in r["ms"] else "")
         print(f"{r['case']:<24} {r['kind']:<8} {r['tokens']:>7} | {f(r['ms']['ours']):>9} {f(r['ms']['hf']):>9} | "
               f"{f(r['tokens_per_s']['ours'], '{:.0f}'):>11} {f(r['tokens_per_s']['hf'], '{:.0f}'):>11} | "
-              f"{f(r['speedup']):>6} | {f(r.get('first_call_s'), '{:.1f}'):>10}")
+              f"{f(r['speedup']):>6} | {f(r.get('first_call_s'), '{:.1f}'):>10}{qla}")
         for who, err in r.get("errors", {}).items():
             print(f"    {who}: {err[:160]}")
     hf = section.get("hf") or {}
@@ -559,14 +611,17 @@ def summary_lines(section: dict, extra_floors: list = None) -> list:
 
 def markdown(m: dict) -> list:
     """The README's tables of the section: the rows against HF, then each part against its floor."""
+    qla = any("hf_qla" in r["ms"] for r in m["rows"])
     out = md_header([f"model ({m['layers']} layers)", "kind", "tokens", "ours ms", "HF ms", "ours tokens/s",
-                     "HF tokens/s", "ours / HF"], text_cols=2)
+                     "HF tokens/s", "ours / HF"] + (["HF ms (FlashQLA)", "ours / HF (FlashQLA)"] if qla else []),
+                    text_cols=2)
     for r in m["rows"]:
         ms, tps = r["ms"], r["tokens_per_s"]
         speed = fmt(ms["hf"] / ms["ours"], "{:.2f}x") if ms.get("hf") and ms.get("ours") else "-"
+        extra = (f" {fmt(ms.get('hf_qla'), '{:.1f}')} | {fmt(r.get('speedup_qla'), '{:.2f}x')} |" if qla else "")
         out.append(f"| {r['case']} | {r['kind']} | {r['tokens']} | {fmt(ms.get('ours'), '{:.1f}')} | "
                    f"{fmt(ms.get('hf'), '{:.1f}')} | {fmt(tps.get('ours'), '{:,.0f}')} | "
-                   f"{fmt(tps.get('hf'), '{:,.0f}')} | {speed} |")
+                   f"{fmt(tps.get('hf'), '{:,.0f}')} | {speed} |{extra}")
     parts = parts_markdown(m.get("parts_ms"))
     return out + ([""] + parts[:-1] if parts else [])
 

@@ -99,3 +99,42 @@ def test_row_floor_of_the_32k_stream_term_by_term():
     assert v["terms"]["gdn_phase1"]["floor_ms"] == pytest.approx(2 * t * 2048 * 12352 / tf)
     assert set(d["terms"]) == {"gdn_decode", "attention_decode", "moe", "embed_logits"}
     assert d["row_floor_ms"] == pytest.approx(sum(x["count"] * x["floor_ms"] for x in d["terms"].values()))
+
+
+def test_hf_children_run_fla_triton_or_flash_qla_and_say_which():
+    """The HF column's child runs FLA's Triton path; the hf_qla child FLA's default path with the FlashQLA stack
+    first on its own PYTHONPATH, refused naming QLA_SITE when that is unset; an hf_qla child in which FlashQLA
+    never loaded gives errors, not figures under its name."""
+    from benchmarks import model as bm
+    env = bm.hf_child_env(False, {"PYTHONPATH": "/a", "FLA_FLASH_QLA": "1"})
+    assert env["FLA_FLASH_QLA"] == "0" and env["PYTHONPATH"] == "/a"
+    env = bm.hf_child_env(True, {"PYTHONPATH": "/a", "QLA_SITE": "/qla"})
+    assert env["FLA_FLASH_QLA"] == "1" and env["PYTHONPATH"].split(":") == ["/qla", "/a"]
+    assert bm.hf_child_env(True, {"QLA_SITE": "/qla"})["PYTHONPATH"] == "/qla"
+    with pytest.raises(ValueError, match="QLA_SITE"):
+        bm.hf_child_env(True, {"PYTHONPATH": "/a"})
+    ran = {"info": {"flash_qla_ran": True}, "varlen": {"ms": 100.0}}
+    assert bm.checked_flash_qla(ran) == ran
+    fell_back = bm.checked_flash_qla({"info": {"flash_qla_ran": False}, "varlen": {"ms": 100.0},
+                                      "long": {"ms": 9.0}})
+    assert fell_back["info"] == {"flash_qla_ran": False}
+    assert set(fell_back["varlen"]) == {"error"} and "Triton" in fell_back["long"]["error"]
+
+
+def test_rows_carry_the_flash_qla_column_beside_hf():
+    from benchmarks import model as bm
+    cases = model_cases(quick=False)
+    ours = {"varlen": {"ms": 50.0}, "long": {"ms": 80.0}, "decode": {"ms": 7.0}}
+    hf = {"varlen": {"ms": 400.0}, "long": {"ms": 600.0}, "decode": {"ms": 60.0}}
+    rows = bm._rows(cases, ours, hf)
+    assert all("hf_qla" not in r["ms"] for r in rows)
+    rows = bm._rows(cases, ours, hf, {"varlen": {"ms": 350.0}, "long": {"error": "cut"}})
+    by = {r["kind"] + r["case"]: r for r in rows}
+    v = next(r for r in rows if r["case"] == cases["varlen"][0])
+    assert v["ms"]["hf_qla"] == 350.0 and v["speedup_qla"] == pytest.approx(7.0) and v["speedup"] == 8.0
+    assert v["tokens_per_s"]["hf_qla"] == pytest.approx(v["tokens"] / 0.35)
+    long_row = next(r for r in rows if r["case"] == cases["long"][0])
+    assert long_row["ms"]["hf_qla"] is None and long_row["errors"]["hf_qla"] == "cut"
+    assert long_row["speedup_qla"] is None and len(by) == 3
+    table = bm.markdown({"layers": 8, "rows": rows})
+    assert "HF ms (FlashQLA)" in table[0] and "| 350.0 | 7.00x |" in table[2]
