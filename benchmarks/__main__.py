@@ -110,7 +110,8 @@ def validate(args, parser) -> tuple:
         with_impls = [s for s in chosen if s in IMPLS_SECTIONS]
         if len(with_impls) != 1 or len(chosen) != 1:
             parser.error(f"--impls applies to one section, gdn or backward; got {', '.join(chosen) or 'none'}")
-        known = SECTIONS[with_impls[0]].load().IMPLS
+        mod = SECTIONS[with_impls[0]].load()
+        known = tuple(mod.IMPLS) + tuple(getattr(mod, "VARIANTS", ()))
         impls = _split(args.impls)
         bad = [i for i in impls if i not in known]
         if bad or not impls:

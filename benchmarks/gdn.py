@@ -11,7 +11,12 @@ one GPU:
   qla         FlashQLA's chunk_gated_delta_rule (TileLang; FLA 0.6's default on Hopper), only when ``--impls`` names
               it, in a process with its own stack (``benchmarks.peers``)
   fi          FlashInfer's gdn_prefill.chunk_gated_delta_rule (CuTe DSL on SM90), the same way
-where each is importable (a peer that cannot run a case gets null). Inputs: bf16 q, k (L2-normalised), v, beta;
+where each is importable (a peer that cannot run a case gets null). A/B columns of our own switches, named in
+``--impls`` only and kept in the row's "variants" (never in a ratio; ``VARIANTS``):
+  mosaic_gpu_narrow / mosaic_gpu_wide  the Mosaic GPU kernels with ``MosaicConfig`` / ``VarlenConfig`` wide False /
+              "auto" (the fused pass per 64 value columns, or per value head where the narrow one runs more than a
+              wave), whatever the defaults are
+ Inputs: bf16 q, k (L2-normalised), v, beta;
 fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms, every column timed
 the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of back-to-back calls, each closed by one sync;
 the median over the groups of the wall time per call); FLA's triton.testing.do_bench median (GPU events, L2
@@ -35,6 +40,8 @@ DEFAULT_IMPLS = ("pallas", "mosaic_gpu", "fla", "jla")
 OURS = ("pallas", "mosaic_gpu")
 PEERS = ("fla", "jla", "qla", "fi")
 CASES = BENCH_CASES
+#: A/B columns (``--impls`` only; row["variants"]): the Mosaic GPU kernels with these MosaicConfig / VarlenConfig fields
+VARIANTS = {"mosaic_gpu_narrow": {"wide": False}, "mosaic_gpu_wide": {"wide": "auto"}}
 QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 
 
@@ -88,10 +95,40 @@ def jax_impl(case, host, backend):
     return fn, args
 
 
+def variant_impl(case, host, fields: dict):
+    """(jitted fn, args) of the Mosaic GPU kernels on a case with ``fields`` set in both backend configs (the op's
+    own entry points, ``chunk.op_fwd`` / ``varlen.op_fwd``, as backend "mosaic_gpu" calls them). Raises
+    NotImplementedError naming the reason where the Mosaic kernels cannot run the case (e.g. no Hopper GPU)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu, varlen as mosaic_varlen
+    q, k, v, g, beta, h0 = host
+    bf = jnp.bfloat16
+    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
+            jnp.asarray(beta, bf), jnp.asarray(h0))
+    why = mosaic_gpu.fallback_reason(*args[:3])
+    if why is not None:
+        raise NotImplementedError(why)
+    cu = case.cu_seqlens()
+    scale = case.K ** -0.5
+    if cu is None:
+        cfg = dataclasses.replace(mosaic_gpu.DEFAULT_CONFIG, **fields)
+        run = lambda q, k, v, g, b, h0: mosaic_gpu.op_fwd(q, k, v, g, b, scale=scale, initial_state=h0,  # noqa: E731
+                                                          output_final_state=True, config=cfg)
+    else:
+        cfg = dataclasses.replace(mosaic_varlen.DEFAULT_CONFIG, **fields)
+        cu = jnp.asarray(cu, jnp.int32)
+        run = lambda q, k, v, g, b, h0: mosaic_varlen.op_fwd(q, k, v, g, b, scale=scale, initial_state=h0,  # noqa
+                                                             output_final_state=True, cu_seqlens=cu, config=cfg)
+    return jax.jit(run), args
+
+
 def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int = 0, traceback_on_error=False):
     """The rows of ``cases`` (names; default every case) x ``impls``: [{"case", "B", "T", "Hk", "Hv", "K", "V",
-    "lens", "ms": {impl: ms or None}, "fla_do_bench"}]; an implementation that fails on a case gets null (its
-    error printed). ``quick``: tiny CPU cases and few calls (a smoke run of this code, not a measurement)."""
+    "lens", "ms": {impl: ms or None}, "fla_do_bench"}] (and "variants": {name: ms or None} for the ``VARIANTS``
+    named in ``impls``); an implementation that fails on a case gets null (its error printed). ``quick``: tiny CPU cases and few calls (a smoke run of this code, not a measurement)."""
     from jax_gdn.timing import time_jax
 
     from benchmarks import peers
@@ -106,7 +143,12 @@ def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int 
                "lens": list(case.lens) if case.lens else None, "ms": {i: None for i in IMPLS}}
         for impl in impls:
             print(f"gdn {case.name} {impl}", flush=True)
+            if impl in VARIANTS:
+                row.setdefault("variants", {})[impl] = None
             try:
+                if impl in VARIANTS:
+                    row["variants"][impl] = round(time_jax(*variant_impl(case, host, VARIANTS[impl]), **timing), 4)
+                    continue
                 if impl in ("pallas", "mosaic_gpu", "xla"):
                     ms = time_jax(*jax_impl(case, host, impl), **timing)
                 elif impl == "jla":
@@ -136,6 +178,13 @@ def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int 
 
 def print_section(rows, device: str = "") -> None:
     print_table({"device": device, "rows": rows})
+    names = [n for n in VARIANTS if any(n in (r.get("variants") or {}) for r in rows)]
+    if names:
+        print("A/B of our switches, median ms:\n" + f"{'case':30s}" + "".join(f"{n:>19s}" for n in names))
+        for r in rows:
+            v = r.get("variants") or {}
+            print(f"{r['case']:30s}" + "".join(f"{v[n]:19.4f}" if v.get(n) is not None else f"{'-':>19s}"
+                                               for n in names))
 
 
 def print_table(result):

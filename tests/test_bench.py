@@ -247,3 +247,44 @@ def test_train_section_takes_optimiser_steps_on_packed_documents():
     assert row["impl"] == "ours" and row["ms"] > 0 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0
     assert abs(row["loss"] - math.log(value["config"]["vocab"])) < 0.5, row
     assert value["params"] > value["params_no_embedding"] > 0 and value["tokens"] == 128 and value["docs"] == 4
+
+
+def test_ab_variants_of_our_switches_are_kept_beside_the_columns(stored, monkeypatch, capsys):
+    """--impls mosaic_gpu_narrow,mosaic_gpu_wide: the Mosaic kernels with wide False / "auto" in both backend
+    configs, timed into the row's "variants" (the columns keep their stored figures; on this CPU they are null,
+    no Hopper); the configs really reach the backend entry points."""
+    out, before = stored
+    name = BENCH_CASES[1].name
+
+    def fake(quick, cases=None, impls=None):
+        assert impls == ["mosaic_gpu_wide", "mosaic_gpu_narrow"]
+        return [{"case": name, "ms": {i: None for i in gdn.IMPLS},
+                 "variants": {"mosaic_gpu_wide": 0.25, "mosaic_gpu_narrow": 0.3}}]
+    monkeypatch.setattr(gdn, "run_section", fake)
+    monkeypatch.setattr(gdn, "plot", lambda *a: None)
+    assert cli.main(["gdn", "--cases", name, "--impls", "mosaic_gpu_wide,mosaic_gpu_narrow",
+                     "--out", str(out)]) == 0
+    assert "A/B of our switches" in capsys.readouterr().out
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["case"] == name)
+    old = next(r for r in before["rows"] if r["case"] == name)
+    assert row["variants"] == {"mosaic_gpu_wide": 0.25, "mosaic_gpu_narrow": 0.3}
+    assert all(row["ms"][i] == old["ms"].get(i) for i in gdn.IMPLS)
+
+
+def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
+    from benchmarks.cases import CASES
+    rows = gdn.run_section(True, impls=["mosaic_gpu_wide"])
+    assert rows and all(r["variants"] == {"mosaic_gpu_wide": None} for r in rows)       # no Hopper here
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk, varlen
+    seen = []
+    monkeypatch.setattr(chunk, "fallback_reason", lambda *a, **k: None)
+    for mod in (chunk, varlen):
+        monkeypatch.setattr(mod, "op_fwd", lambda q, *a, config=None, **k: (seen.append(config), q)[1])
+    for case_name in ("B1-T8192-Hk2-Hv8", "tiny64-T171-Hk16-Hv32"):
+        case = CASES[case_name]
+        small = type(case)(case.name, 1, 8, case.Hk, case.Hv, case.K, case.V,
+                           None if case.lens is None else (3, 5))
+        fn, args = gdn.variant_impl(small, gdn.make_inputs_np(small), gdn.VARIANTS["mosaic_gpu_wide"])
+        fn(*args)
+    assert isinstance(seen[0], chunk.MosaicConfig) and isinstance(seen[1], varlen.VarlenConfig)
+    assert seen[0] == chunk.MosaicConfig(wide="auto") and seen[1] == varlen.VarlenConfig(wide="auto")
