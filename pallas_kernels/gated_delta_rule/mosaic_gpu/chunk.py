@@ -82,6 +82,67 @@ F32 = jnp.float32
 # ---------------------------------------------------------------------------------------------------------------
 # the kernel
 # ---------------------------------------------------------------------------------------------------------------
+def fused_pass_scratch(key_dim: int, dtype, out_dtype, *, write_o: bool, has_state: bool, state_kv: bool,
+                       in_place: bool, wide: bool, solve: bool):
+    """(ring stages, TMA copies a chunk, the SMEM scratch) of :func:`fused_state_pass` in one form (its
+    arguments of the same names; ``has_state``: an initial state read or the final one written): the buffers and
+    barriers its warpgroups share, sized for :func:`common.smem_bytes` to check against the SM."""
+    plgpu = _plgpu()
+    isz = jnp.dtype(dtype).itemsize
+    n_vec = 5 if solve else 4    # g_state, g_rows, g_cols, b_cols (+ b_rows: the solve's A0 rows)
+    osz = jnp.dtype(out_dtype).itemsize
+    state_bytes = BV * key_dim * 4 if has_state else 0
+    solve_bytes = 2 * C * (C + SOLVE_PAD) * 4          # the diagonal solve's two fp32 buffers
+    if wide:                     # q, k, v (both halves), T0 -> Ag, P; o staged per half; no published tiles
+        per_stage = 2 * C * key_dim * isz + 2 * C * BV * isz + 2 * C * C * isz + n_vec * C * 4
+        fixed = 2 * 2 * C * BV * osz
+        if solve:                # the solve buffers alias the state tile; the merges' operand
+            state_bytes = max(state_bytes, solve_bytes)
+            fixed += C * C * isz
+    else:
+        per_stage = 2 * C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
+        fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * osz
+    fixed += state_bytes + 4096 + n_vec * 1024
+    stages = ring_stages(per_stage, fixed)
+    # TMA copies a chunk: q (not in the map pass), k, v (wide: two halves), T0 (not with solve), the vectors
+    n_copies = int(write_o) + 1 + (2 if wide else 1) + (0 if solve else 1) + n_vec
+    vecs = plgpu.SMEM((stages, C), F32)
+    scratch = dict(
+        q_s=smem((stages, C, key_dim), dtype),
+        k_s=smem((stages, C, key_dim), dtype),
+        v_s=smem((stages, 2, C, BV) if wide else (stages, C, BV), dtype),
+        t_s=smem((stages, C, C), dtype),        # T, then Ag = T * beta_j (written by WG1)
+        g_state=vecs,                            # WG0: column view + last gate
+        g_rows=vecs,                             # WG1: row view
+        g_cols=vecs,                             # WG1: column view
+        b_cols=vecs,                             # WG1: beta per column of Ag
+        o_out=smem((2, 2, C, BV) if wide else (2, C, BV), out_dtype),
+        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=3 if wide else 2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        state_bar=plgpu.Barrier(num_barriers=2) if wide else plgpu.Barrier(),
+        done=plgpu.Barrier(num_arrivals=4 if wide else 3),
+    )
+    if wide:                     # P for both state halves; the halves take turns with the one state tile
+        scratch.update(p_s=smem((stages, C, C), dtype), p_ready=plgpu.Barrier(num_barriers=stages),
+                       handoff=plgpu.Barrier(num_barriers=3))
+    if solve:
+        scratch.update(b_rows=vecs, b_s=smem((C, C), dtype), solved=plgpu.Barrier())
+    if not wide:                 # the narrow form publishes S^T and v_new to the output warpgroup
+        scratch.update(s_pub=smem((2, BV, key_dim), dtype), vn_pub=smem((2, C, BV), dtype),
+                       s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
+    if in_place:
+        scratch.update(k_clean=plgpu.Barrier(num_barriers=stages))
+    state_spec = plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32)
+    if solve:                    # the state tile (start and end of the walk) and the solve's buffers (inside it)
+        pad_spec = plgpu.SMEM((C, C + SOLVE_PAD), F32)
+        scratch.update(state_union=plgpu.RefUnion(state_spec, (pad_spec, pad_spec)))
+    elif has_state:
+        scratch.update(state_smem=state_spec)
+
+    return stages, n_copies, scratch
+
+
 def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: bool, interpret=None,
                      head_major: bool = False, pieces: int = 1, run_pieces: int | None = None,
                      write_o: bool = True, exp2: bool = False, walk=None, num_states: int | None = None,
@@ -180,24 +241,9 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     out_dtype = q.dtype
     _exp = jnp.exp2 if exp2 else jnp.exp
     has_h0 = h0t is not None
-    isz = jnp.dtype(dtype).itemsize
-    n_vec = 5 if solve else 4    # g_state, g_rows, g_cols, b_cols (+ b_rows: the solve's A0 rows)
-    osz = jnp.dtype(out_dtype).itemsize
-    state_bytes = BV * key_dim * 4 if has_h0 or out_final else 0
-    solve_bytes = 2 * C * (C + SOLVE_PAD) * 4          # the diagonal solve's two fp32 buffers
-    if wide:                     # q, k, v (both halves), T0 -> Ag, P; o staged per half; no published tiles
-        per_stage = 2 * C * key_dim * isz + 2 * C * BV * isz + 2 * C * C * isz + n_vec * C * 4
-        fixed = 2 * 2 * C * BV * osz
-        if solve:                # the solve buffers alias the state tile; the merges' operand
-            state_bytes = max(state_bytes, solve_bytes)
-            fixed += C * C * isz
-    else:
-        per_stage = 2 * C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
-        fixed = 2 * BV * key_dim * isz + 2 * C * BV * isz + 2 * C * BV * osz
-    fixed += state_bytes + 4096 + n_vec * 1024
-    stages = ring_stages(per_stage, fixed)
-    # TMA copies a chunk: q (not in the map pass), k, v (wide: two halves), T0 (not with solve), the vectors
-    n_copies = int(write_o) + 1 + (2 if wide else 1) + (0 if solve else 1) + n_vec
+    stages, n_copies, scratch = fused_pass_scratch(key_dim, dtype, out_dtype, write_o=write_o,
+                                                   has_state=has_h0 or out_final, state_kv=state_kv,
+                                                   in_place=in_place, wide=wide, solve=solve)
 
     n_rows = k.shape[1]          # rows of q / k / v / o (the packed row when in_place)
     out_type = [jax.ShapeDtypeStruct((batch, n_rows if in_place else padded, heads, value_dim), out_dtype)] \
@@ -210,39 +256,6 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
             + ((key_dim, value_dim) if state_kv else (value_dim, key_dim)), F32))
     if not out_type:
         raise ValueError("fused_state_pass: nothing to compute (write_o and out_final both False)")
-    vecs = plgpu.SMEM((stages, C), F32)
-    scratch = dict(
-        q_s=smem((stages, C, key_dim), dtype),
-        k_s=smem((stages, C, key_dim), dtype),
-        v_s=smem((stages, 2, C, BV) if wide else (stages, C, BV), dtype),
-        t_s=smem((stages, C, C), dtype),        # T, then Ag = T * beta_j (written by WG1)
-        g_state=vecs,                            # WG0: column view + last gate
-        g_rows=vecs,                             # WG1: row view
-        g_cols=vecs,                             # WG1: column view
-        b_cols=vecs,                             # WG1: beta per column of Ag
-        o_out=smem((2, 2, C, BV) if wide else (2, C, BV), out_dtype),
-        in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=3 if wide else 2, num_barriers=stages),
-        ag_ready=plgpu.Barrier(num_barriers=stages),
-        state_bar=plgpu.Barrier(num_barriers=2) if wide else plgpu.Barrier(),
-        done=plgpu.Barrier(num_arrivals=4 if wide else 3),
-    )
-    if wide:                     # P for both state halves; the halves take turns with the one state tile
-        scratch.update(p_s=smem((stages, C, C), dtype), p_ready=plgpu.Barrier(num_barriers=stages),
-                       handoff=plgpu.Barrier(num_barriers=3))
-    if solve:
-        scratch.update(b_rows=vecs, b_s=smem((C, C), dtype), solved=plgpu.Barrier())
-    if not wide:                 # the narrow form publishes S^T and v_new to the output warpgroup
-        scratch.update(s_pub=smem((2, BV, key_dim), dtype), vn_pub=smem((2, C, BV), dtype),
-                       s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
-    if in_place:
-        scratch.update(k_clean=plgpu.Barrier(num_barriers=stages))
-    state_spec = plgpu.SMEM((key_dim, BV) if state_kv else (BV, key_dim), F32)
-    if solve:                    # the state tile (start and end of the walk) and the solve's buffers (inside it)
-        pad_spec = plgpu.SMEM((C, C + SOLVE_PAD), F32)
-        scratch.update(state_union=plgpu.RefUnion(state_spec, (pad_spec, pad_spec)))
-    elif has_h0 or out_final:
-        scratch.update(state_smem=state_spec)
 
     def body(*refs, q_s, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, o_out, in_bar, in_free, ag_ready,
              state_bar, done, s_pub=None, vn_pub=None, s_ready=None, s_free=None, state_smem=None, k_clean=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 SMEM_BUDGET = 220 * 1024        # bytes of shared memory a CTA may take on sm_90 (228 KB less the reserve)
@@ -84,6 +85,27 @@ def matmul(a, b, shape, init=None):
     else:
         out = pl.run_state(body)(plgpu.ACC.init(init))
     return lax.optimization_barrier(out)
+
+
+SMEM_LIMIT = 232448             # bytes of shared memory a CTA may take on the H200 (Mosaic GPU refuses more at lowering)
+SMEM_ALIGN = 1024               # Pallas Mosaic GPU rounds every scratch buffer up to this
+BARRIER_BYTES = 8
+
+
+def smem_bytes(scratch: dict) -> int:
+    """The shared memory a kernel with these scratch entries takes, counted as Pallas Mosaic GPU counts it at
+    lowering: every buffer (a RefUnion: its largest group) rounded up to SMEM_ALIGN bytes, BARRIER_BYTES a barrier
+    (e.g. 250000 bytes for the one wide-pass layout that did not fit, exactly as the H200 reported it)."""
+    plgpu = _plgpu()
+    total = 0
+    for spec in scratch.values():
+        if isinstance(spec, plgpu.Barrier):     # num_barriers: an int or a shape, by jax version
+            total += BARRIER_BYTES * int(np.prod(spec.num_barriers))
+            continue
+        n = spec.shape[0] if isinstance(spec, plgpu.RefUnion) else int(np.prod(spec.shape)) * jnp.dtype(
+            spec.dtype).itemsize
+        total += -(-n // SMEM_ALIGN) * SMEM_ALIGN
+    return total
 
 
 def ring_stages(per_stage: int, fixed: int) -> int:

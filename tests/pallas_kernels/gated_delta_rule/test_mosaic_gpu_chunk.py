@@ -68,6 +68,34 @@ def test_wide_policy():
     assert mg.use_wide(3, 32, 128, sms=132)            # 192 narrow CTAs
 
 
+@pytest.mark.parametrize("key_dim", [64, 128])
+@pytest.mark.parametrize("form", ["narrow", "narrow_map", "wide", "wide_solve"])
+def test_every_fused_pass_layout_fits_the_sm(form, key_dim):
+    """The fused pass's SMEM in every form (in place or not, with or without a state tile, either state layout),
+    counted as Mosaic GPU counts it at lowering, within what the H200 gives a CTA. The count is the device's: the
+    wide layout that once also took the narrow form's published tiles counts 250000 bytes, the figure the H200
+    refused it with."""
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import common
+    plgpu = common.plgpu()
+    wide, solve, write_o = form.startswith("wide"), form == "wide_solve", form != "narrow_map"
+    for in_place, has_state, state_kv, dtype in [(a, b, c, d) for a in (False, True) for b in (False, True)
+                                                 for c in (False, True) for d in (jnp.bfloat16, jnp.float16)]:
+        if in_place and not write_o:
+            continue
+        stages, copies, scratch = mg.fused_pass_scratch(key_dim, dtype, dtype, write_o=write_o,
+                                                        has_state=has_state, state_kv=state_kv,
+                                                        in_place=in_place, wide=wide, solve=solve)
+        assert 2 <= stages <= 4 and copies == int(write_o) + 1 + (2 if wide else 1) + (0 if solve else 1) + (
+            5 if solve else 4)
+        assert common.smem_bytes(scratch) <= common.SMEM_LIMIT, (form, in_place, has_state, state_kv)
+    if form == "wide" and key_dim == 128:
+        _, _, scratch = mg.fused_pass_scratch(128, jnp.bfloat16, jnp.bfloat16, write_o=True, has_state=True,
+                                              state_kv=True, in_place=False, wide=True, solve=False)
+        scratch.update(s_pub=common.smem((2, 64, 128), jnp.bfloat16), vn_pub=common.smem((2, 64, 64), jnp.bfloat16),
+                       s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
+        assert common.smem_bytes(scratch) == 250000
+
+
 def test_wide_pass_checks_its_arguments():
     q = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
     v64 = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
