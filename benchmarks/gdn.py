@@ -128,7 +128,8 @@ def variant_impl(case, host, fields: dict):
 def run_section(quick: bool = False, cases=None, impls=DEFAULT_IMPLS, seed: int = 0, traceback_on_error=False):
     """The rows of ``cases`` (names; default every case) x ``impls``: [{"case", "B", "T", "Hk", "Hv", "K", "V",
     "lens", "ms": {impl: ms or None}, "fla_do_bench"}] (and "variants": {name: ms or None} for the ``VARIANTS``
-    named in ``impls``); an implementation that fails on a case gets null (its error printed). ``quick``: tiny CPU cases and few calls (a smoke run of this code, not a measurement)."""
+    named in ``impls``); an implementation that fails on a case gets null (its error printed). ``quick``: tiny CPU
+    cases and few calls (a smoke run of this code, not a measurement)."""
     from jax_gdn.timing import time_jax
 
     from benchmarks import peers

@@ -87,7 +87,7 @@ def matmul(a, b, shape, init=None):
     return lax.optimization_barrier(out)
 
 
-SMEM_LIMIT = 232448             # bytes of shared memory a CTA may take on the H200 (Mosaic GPU refuses more at lowering)
+SMEM_LIMIT = 232448             # bytes of SMEM a CTA may take on the H200 (Mosaic GPU refuses more at lowering)
 SMEM_ALIGN = 1024               # Pallas Mosaic GPU rounds every scratch buffer up to this
 BARRIER_BYTES = 8
 

@@ -318,8 +318,8 @@ def in_place_stores_reference(o_r, ac, walk, total_len: int):
     return o[None], edges
 
 
-def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None, solve: bool = False,
-                     num_chunks=None, chunk_rows=None):
+def stage1a_operands(k_r, g_r, b_r, *, kernel: bool, stage1a: str, vdim: int, packed=None, chunk_map=None,
+                     num_chunks=None, chunk_rows=None, solve: bool = False):
     """(t, gcum, beta_c, head_major): the fused pass's stage-1a operands for the repacked row (g_r, b_r [1, Tp, Hv]
     fp32; k_r [1, Tp, Hk, K], read only by stage1a "mosaic"). ``stage1a="triton"`` runs kkt_solve on the packed
     row ``packed`` = (k [T, Hk, K], g, beta [T, Hv]) through ``chunk_map`` (interpret mode without ``kernel``).
@@ -445,8 +445,8 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``: as :class:`VarlenConfig`
-    (the Triton copies run in interpret mode with ``impl="reference"``).
+    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``: as
+    :class:`VarlenConfig` (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
