@@ -16,13 +16,12 @@ where each is importable (a peer that cannot run a case gets null). A/B columns 
   mosaic_gpu_narrow / mosaic_gpu_wide  the Mosaic GPU kernels with ``MosaicConfig`` / ``VarlenConfig`` wide False /
               "auto" (the fused pass per 64 value columns, or per value head where the narrow one runs more than a
               wave), whatever the defaults are
- Inputs: bf16 q, k (L2-normalised), v, beta;
-fp32 g (log-decay) and initial state; the final state is returned. Times are medians in ms, every column timed
-the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of back-to-back calls, each closed by one sync;
-the median over the groups of the wall time per call); FLA's triton.testing.do_bench median (GPU events, L2
-flushed) is kept beside in the row as "fla_do_bench", never in a ratio. The ratio columns divide "ours" = the
-faster of pallas and mosaic_gpu (what backend "auto" runs where both can). A PNG bar plot of the rows is drawn
-beside the results JSON.
+Inputs: bf16 q, k (L2-normalised), v, beta; fp32 g (log-decay) and initial state; the final state is returned. Times
+are medians in ms, every column timed the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of
+back-to-back calls, each closed by one sync; the median over the groups of the wall time per call); FLA's
+triton.testing.do_bench median (GPU events, L2 flushed) is kept beside in the row as "fla_do_bench", never in a
+ratio. The ratio columns divide "ours" = the faster of pallas and mosaic_gpu (what backend "auto" runs where both
+can). A PNG bar plot of the rows is drawn beside the results JSON.
 """
 from __future__ import annotations
 
@@ -72,21 +71,29 @@ def make_inputs_np(case: Case, seed: int = 0):
     return q, k, v, g, beta, h0
 
 
-def jax_impl(case, host, backend):
-    import jax
+def _device_args(host, mosaic: bool = False):
+    """The host inputs on the device (bf16 q, k, v, beta; fp32 g, h0); ``mosaic``: NotImplementedError naming the
+    reason where the Mosaic kernels cannot take them (such a column's row is theirs or null, never Triton's)."""
     import jax.numpy as jnp
-    from jax_gdn import ops
     q, k, v, g, beta, h0 = host
     bf = jnp.bfloat16
     args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
             jnp.asarray(beta, bf), jnp.asarray(h0))
-    cu = case.cu_seqlens()
-    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-    if backend == "mosaic_gpu":            # a row of this column is the Mosaic kernels' or null, never Triton's
+    if mosaic:
         from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu
         why = mosaic_gpu.fallback_reason(*args[:3])
         if why is not None:
             raise NotImplementedError(why)
+    return args
+
+
+def jax_impl(case, host, backend):
+    import jax
+    import jax.numpy as jnp
+    from jax_gdn import ops
+    args = _device_args(host, mosaic=backend == "mosaic_gpu")
+    cu = case.cu_seqlens()
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
 
     @jax.jit
     def fn(q, k, v, g, beta, h0):
@@ -104,13 +111,7 @@ def variant_impl(case, host, fields: dict):
     import jax
     import jax.numpy as jnp
     from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mosaic_gpu, varlen as mosaic_varlen
-    q, k, v, g, beta, h0 = host
-    bf = jnp.bfloat16
-    args = (jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g),
-            jnp.asarray(beta, bf), jnp.asarray(h0))
-    why = mosaic_gpu.fallback_reason(*args[:3])
-    if why is not None:
-        raise NotImplementedError(why)
+    args = _device_args(host, mosaic=True)
     cu = case.cu_seqlens()
     scale = case.K ** -0.5
     if cu is None:

@@ -18,9 +18,9 @@ a [64, 1189] prefill.
 HF on its fast GDN path (``benchmarks.hf``): its four GDN callables pointed at FLA's kernels and its gated norm at
 FLA's fused one, FLA on its plain Triton kernels (``FLA_FLASH_QLA=0``, column "hf"); where ``QLA_SITE`` names the
 FlashQLA stack's folder, again in a second child on FLA's default path with FlashQLA (column "hf_qla", rows'
-"speedup_qla"; an error wherever FlashQLA did not really run); ``info["hf_kernels"]`` names what the timed calls ran and ``info["hf_kernels_resolved"]`` what
-transformers had picked by itself; ``python -m benchmarks.model --hf-check`` checks that wiring against HF's own
-torch path on the GPU.
+"speedup_qla"; an error wherever FlashQLA did not really run); ``info["hf_kernels"]`` names what the timed calls
+ran and ``info["hf_kernels_resolved"]`` what transformers had picked by itself; ``python -m benchmarks.model
+--hf-check`` checks that wiring against HF's own torch path on the GPU.
 Timing, the same for both columns: wall clock of one call closed by a device sync (``jax.block_until_ready`` /
 ``torch.cuda.synchronize``), median of ``reps`` calls after one warm-up call (ours: the warm-up is the first call,
 its time is ``first_call_s``: compile + run). HF's ``triton.testing.do_bench`` median is kept beside as

@@ -304,14 +304,15 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         v0 = iv * BV
         wg = lax.axis_index("wg")
 
-        def store_o(n, row, o_buf, col0):
+        def store_o(n, row, o_buf, col0, tile=None):
             """Stores the staged [C, BV] output tile ``o_buf`` of chunk n (value columns col0 ..) by TMA: one copy
             (dense rows, or an in-place chunk wholly inside its sequence), else groups of 8 rows, those inside the
-            sequence to o and a partial one to the edges. One commit group a chunk."""
+            sequence to o and a partial one to the edges. One commit group a chunk. ``tile``: ``tile_rows(n, row)``
+            (in place)."""
             if not in_place:
                 plgpu.copy_smem_to_gmem(o_buf, o_ref.at[b, pl.ds(row[3] + n * C, C), hh, pl.ds(col0, BV)])
                 return
-            tile0, _, _, edge = tile_rows(n, row)
+            tile0, _, _, edge = tile
             start, end = row[5]
             plgpu.copy_smem_to_gmem(o_buf, o_ref.at[0, pl.ds(tile0, C), hh, pl.ds(col0, BV)],
                                     predicate=jnp.logical_not(edge), commit_group=False)
@@ -475,8 +476,9 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 slot = lax.rem(n, stages)
                 half = lax.rem(n, 2)
                 plgpu.barrier_wait(in_bar.at[slot])
+                tile = tile_rows(n, row) if in_place else None
                 if in_place:
-                    _, lo, hi, edge = tile_rows(n, row)
+                    _, lo, hi, edge = tile
                 s_lo = s_t.astype(dtype)
                 g_last = g_state[slot, C - 1]
                 g_col = plgpu.load(g_state.at[slot], layout=COLS)
@@ -508,7 +510,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[hv, half] of chunk n - 2 was sent
                 o_out.at[hv, half].T[...] = o_t.astype(out_dtype)
                 plgpu.commit_smem()
-                store_o(n, row, o_out.at[hv, half], sv0)
+                store_o(n, row, o_out.at[hv, half], sv0, tile)
                 return s_new
 
             def step(n, s_t, row):
@@ -599,11 +601,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 # Ag = T * beta_j replaces T in the input buffer (Triton's T already carries e^(G_i - G_j);
                 # kkt_fwd's gate-free T0 gets it here: T = T0 * e^(G_i - G_j), a diagonal similarity)
                 b_col = plgpu.load(b_cols.at[slot], layout=COLS)
+                tile = tile_rows(n, row) if in_place else None
+                if in_place:
+                    _, lo, hi, edge = tile
                 if solve:                # stage 1a here: T0 from this chunk's k tile (rows outside the sequence zero)
-                    mine = None
-                    if in_place:
-                        _, lo_, hi_, _ = tile_rows(n, row)
-                        mine = chunk_mask(lo_, hi_)
+                    mine = chunk_mask(lo, hi) if in_place else None
                     kk = matmul(k_s.at[slot], k_s.at[slot].T, sq)
                     t_in = blocked_inverse(kk, plgpu.load(b_rows.at[slot], layout=ROWS), b_col, na_s.at[:, :C],
                                            x_s.at[:, :C], b_s, dtype, mine=mine)
@@ -616,7 +618,6 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ag_ready.at[slot])
                 if in_place:
-                    tile0, lo, hi, edge = tile_rows(n, row)
 
                     @pl.when(edge)
                     def _():
@@ -650,7 +651,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # o_out[half] of chunk m - 2 was sent
                 o_out.at[half][...] = (o * scale).astype(out_dtype)
                 plgpu.commit_smem()
-                store_o(n, row, o_out.at[half], v0)
+                store_o(n, row, o_out.at[half], v0, tile)
                 return carry
 
             if lanes:
@@ -673,7 +674,8 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
 
-    args = [q, k, v] + ([] if solve else [t]) + [gcum, beta_c] + ([h0t] if has_h0 else []) + ([walk] if varlen else [])
+    args = [q, k, v] + ([] if solve else [t]) + [gcum, beta_c] + ([h0t] if has_h0 else [])
+    args += [walk] if varlen else []
     args += [lane_rows] if lanes else []
     rows = walk.shape[0] if varlen else batch * run_pieces
     name = "gdn_mosaic_varlen_in_place" if in_place else "gdn_mosaic_varlen_state_pass" if varlen else (
@@ -1048,8 +1050,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=None, *, scale=No
     head_major = stage1a == "mosaic"
     if pieces == 0:
         pieces = split_pieces(b, hv, kdim, vdim, t + (-t) % C, has_h0=initial_state is not None, config=split)
-    wide = (use_wide(b, hv, vdim) if wide == "auto" else bool(wide)) and kernel and head_major and vdim == 2 * BV \
-        and pieces == 1
+    wide = wide_pass(wide, b, hv, vdim) and kernel and head_major and pieces == 1
     exp2 = bool(exp2) and head_major
     kv = bool(state_kv) and kernel and pieces == 1
     solve = bool(solve) and wide
@@ -1124,6 +1125,12 @@ class MosaicConfig:
 
 
 DEFAULT_CONFIG = MosaicConfig()
+
+
+def wide_pass(wide, rows: int, heads: int, value_dim: int) -> bool:
+    """The ``wide`` switch (True / False / "auto": :func:`use_wide`) resolved for an unsplit pass over ``rows``
+    rows (sequences); never at V other than 2 BV."""
+    return value_dim == 2 * BV and (use_wide(rows, heads, value_dim) if wide == "auto" else bool(wide))
 
 
 def use_wide(rows: int, heads: int, value_dim: int, sms: int | None = None) -> bool:

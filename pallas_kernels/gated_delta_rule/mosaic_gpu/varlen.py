@@ -466,8 +466,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
-    wide = (mg.use_wide(n, hv, vdim) if wide == "auto" else bool(wide)) and stage1a == "mosaic" and lanes == 0 \
-        and vdim == 2 * mg.BV
+    wide = mg.wide_pass(wide, n, hv, vdim) and stage1a == "mosaic" and lanes == 0
     solve = bool(solve) and wide and kernel
     if reads_in_place(reads, stage1a, lanes, t):
         return _varlen_in_place(q, k, v, g, beta, cu, initial_state, scale=scale, out_final=output_final_state,
