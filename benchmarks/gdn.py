@@ -16,6 +16,8 @@ where each is importable (a peer that cannot run a case gets null). A/B columns 
   mosaic_gpu_narrow / mosaic_gpu_wide  the Mosaic GPU kernels with ``MosaicConfig`` / ``VarlenConfig`` wide False /
               "auto" (the fused pass per 64 value columns, or per value head where the narrow one runs more than a
               wave), whatever the defaults are
+  mosaic_gpu_split  packed calls with ``VarlenConfig.split = 32`` (long sequences cut into pieces of >= 32 chunks
+              walked side by side); dense rows as the default
 Inputs: bf16 q, k (L2-normalised), v, beta; fp32 g (log-decay) and initial state; the final state is returned. Times
 are medians in ms, every column timed the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of
 back-to-back calls, each closed by one sync; the median over the groups of the wall time per call); FLA's
@@ -40,7 +42,8 @@ OURS = ("pallas", "mosaic_gpu")
 PEERS = ("fla", "jla", "qla", "fi")
 CASES = BENCH_CASES
 #: A/B columns (``--impls`` only; row["variants"]): the Mosaic GPU kernels with these MosaicConfig / VarlenConfig fields
-VARIANTS = {"mosaic_gpu_narrow": {"wide": False}, "mosaic_gpu_wide": {"wide": "auto"}}
+VARIANTS = {"mosaic_gpu_narrow": {"wide": False}, "mosaic_gpu_wide": {"wide": "auto"},
+            "mosaic_gpu_split": {"varlen:split": 32}}
 QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 
 
@@ -104,8 +107,9 @@ def jax_impl(case, host, backend):
 
 def variant_impl(case, host, fields: dict):
     """(jitted fn, args) of the Mosaic GPU kernels on a case with ``fields`` set in both backend configs (the op's
-    own entry points, ``chunk.op_fwd`` / ``varlen.op_fwd``, as backend "mosaic_gpu" calls them). Raises
-    NotImplementedError naming the reason where the Mosaic kernels cannot run the case (e.g. no Hopper GPU)."""
+    own entry points, ``chunk.op_fwd`` / ``varlen.op_fwd``, as backend "mosaic_gpu" calls them; a key "dense:f" or
+    "varlen:f" sets field f of one of them only). Raises NotImplementedError naming the reason where the Mosaic
+    kernels cannot run the case (e.g. no Hopper GPU)."""
     import dataclasses
 
     import jax
@@ -114,6 +118,8 @@ def variant_impl(case, host, fields: dict):
     args = _device_args(host, mosaic=True)
     cu = case.cu_seqlens()
     scale = case.K ** -0.5
+    kind = "dense" if cu is None else "varlen"
+    fields = {f.split(":")[-1]: x for f, x in fields.items() if ":" not in f or f.startswith(kind + ":")}
     if cu is None:
         cfg = dataclasses.replace(mosaic_gpu.DEFAULT_CONFIG, **fields)
         run = lambda q, k, v, g, b, h0: mosaic_gpu.op_fwd(q, k, v, g, b, scale=scale, initial_state=h0,  # noqa: E731

@@ -280,11 +280,14 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     monkeypatch.setattr(chunk, "fallback_reason", lambda *a, **k: None)
     for mod in (chunk, varlen):
         monkeypatch.setattr(mod, "op_fwd", lambda q, *a, config=None, **k: (seen.append(config), q)[1])
-    for case_name in ("B1-T8192-Hk2-Hv8", "tiny64-T171-Hk16-Hv32"):
-        case = CASES[case_name]
-        small = type(case)(case.name, 1, 8, case.Hk, case.Hv, case.K, case.V,
-                           None if case.lens is None else (3, 5))
-        fn, args = gdn.variant_impl(small, gdn.make_inputs_np(small), gdn.VARIANTS["mosaic_gpu_wide"])
-        fn(*args)
+    for variant in ("mosaic_gpu_wide", "mosaic_gpu_split"):
+        for case_name in ("B1-T8192-Hk2-Hv8", "tiny64-T171-Hk16-Hv32"):
+            case = CASES[case_name]
+            small = type(case)(case.name, 1, 8, case.Hk, case.Hv, case.K, case.V,
+                               None if case.lens is None else (3, 5))
+            fn, args = gdn.variant_impl(small, gdn.make_inputs_np(small), gdn.VARIANTS[variant])
+            fn(*args)
     assert isinstance(seen[0], chunk.MosaicConfig) and isinstance(seen[1], varlen.VarlenConfig)
     assert seen[0] == chunk.MosaicConfig(wide="auto") and seen[1] == varlen.VarlenConfig(wide="auto")
+    # a "varlen:" field sets the packed calls' config only
+    assert seen[2] == chunk.DEFAULT_CONFIG and seen[3] == varlen.VarlenConfig(split=32)

@@ -189,9 +189,11 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     S^T k^T reads k beside that write), and the caller gives them g = 0 and beta = 0
     in t / gcum / beta_c, which stay in the chunk-slot layout (chunk c0 + n). o [1, T, Hv, V] is stored in place:
     a chunk wholly inside its sequence by one copy, the others in groups of 8 rows, those wholly inside the
-    sequence to o and a partial group to ``edges`` [2 N, 8, Hv, V]
+    sequence to o and a partial group to ``edges`` [2 num_states, 8, Hv, V]
     (entry 2 s_r the group of the sequence's first token, 2 s_r + 1 the group of its last when that is another);
-    the caller merges the edges and zeroes the padding rows (:func:`varlen.merge_edges`).
+    the caller merges the edges and zeroes the padding rows (:func:`varlen.merge_edges`). A walk [R, 8] (the
+    packed split, ``varlen.split_plan``) adds (sequence n_r, chunks of it before this row) to each row: a piece of
+    a split sequence starts from its own state row s_r and names its sequence's edge entries (2 n_r, 2 n_r + 1).
     ``wide`` (V = 2 BV, ``head_major``, ``write_o``, no lanes): one CTA per (row, value head) covers all V = 128
     columns with four warpgroups (FlashInfer's SM90 layout): two state warpgroups (WG0 columns 0..63, WG3
     64..127) each hold their S^T half and compute their half of the output themselves, o^T = e^G scale (S^T q^T) +
@@ -213,9 +215,10 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
     run_pieces = pieces if run_pieces is None else run_pieces
     varlen = walk is not None
     lanes = lane_rows is not None
-    if in_place and (not varlen or lanes or walk.ndim != 2 or walk.shape[-1] != 6 or not write_o
+    if in_place and (not varlen or lanes or walk.ndim != 2 or walk.shape[-1] not in (6, 8) or not write_o
                      or padded % 8):
-        raise ValueError("fused_state_pass: in_place needs a walk table [R, 6], no lanes, write_o and a packed row "
+        raise ValueError("fused_state_pass: in_place needs a walk table [R, 6] or [R, 8], no lanes, write_o and a "
+                         "packed row "
                          f"of a multiple of 8 tokens (got T = {padded})")
     if wide and (v.shape[3] != 2 * BV or not head_major or not write_o or lanes):
         raise ValueError(f"fused_state_pass: wide needs V = {2 * BV} (got {v.shape[3]}), head_major, write_o and "
@@ -282,15 +285,17 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
         def row_at(j):
             """The j-th row this CTA walks: (c0, count, state row, first row of t / gcum / beta_c (and of o unless
             in_place), first row of q / k / v (the same unless in_place: row0), (start, end) of the sequence's
-            tokens when in_place, chunks this CTA walked before it)."""
+            tokens when in_place, chunks this CTA walked before it, (sequence, chunks of it before this row) for
+            the edge entries when in_place)."""
             if not varlen:               # dense: piece p of row b
                 tok0 = piece * piece_len
                 return None, ncb, r, tok0, tok0, None, 0
             ent = (lambda i: walk_ref[r, j, i]) if lanes else (lambda i: walk_ref[r, i])
             c0 = ent(0)
             tok0 = c0 * C
-            if in_place:
-                return c0, ent(1), ent(2), tok0, ent(5) * 8, (ent(3), ent(3) + ent(4)), 0
+            if in_place:                 # [R, 8]: a piece of a split sequence names its sequence and offset
+                edge = (ent(6), ent(7)) if walk.shape[-1] == 8 else (ent(2), 0)
+                return c0, ent(1), ent(2), tok0, ent(5) * 8, (ent(3), ent(3) + ent(4)), 0, edge
             return c0, ent(1), ent(2), tok0, tok0, None, ent(5) if lanes else 0
 
         def tile_rows(n, row):
@@ -323,7 +328,7 @@ def fused_state_pass(q, k, v, t, gcum, beta_c, h0t, *, scale: float, out_final: 
                     grow = tile0 + 8 * j
                     inside = (grow >= start) & (grow + 8 <= end)
                     part = jnp.logical_not(inside) & (grow < end) & (grow + 8 > start)
-                    entry = 2 * row[2] + (jnp.minimum(n, 1) if j == 0 else 1)
+                    entry = 2 * row[7][0] + (jnp.minimum(n + row[7][1], 1) if j == 0 else 1)
                     src = o_buf.at[pl.ds(8 * j, 8)]
                     plgpu.copy_smem_to_gmem(src, o_ref.at[0, pl.ds(grow, 8), hh, pl.ds(col0, BV)],
                                             predicate=inside, commit_group=False)
@@ -1098,7 +1103,8 @@ class MosaicConfig:
     split: the sequence split's policy and start-state pass (:class:`SplitConfig`).
     wide: True / False / "auto" (:func:`use_wide`): unsplit rows' fused pass as one CTA per (row, value head)
       over V = 128 with two state warpgroups (``fused_state_pass(wide=True)``; stage1a "mosaic", V = 128 only,
-      else ignored). False by default until its GPU tests pass at the SMEM layout of this code (NOTES.md, Open).
+      else ignored). "auto" by default (H200, one process, narrow -> auto: B4-T4096 0.3345 -> 0.2950, B16-T1024
+      0.3569 -> 0.3109; the rows of one wave or less unchanged, B1-T8192 0.2462 -> 0.2481).
     solve: with wide, T0 formed inside the fused pass (no kkt_fwd launch).
     """
     stage1a: str = "mosaic"
@@ -1106,7 +1112,7 @@ class MosaicConfig:
     exp2: bool = True
     state_kv: bool = True
     split: SplitConfig = DEFAULT_SPLIT
-    wide: object = False
+    wide: object = "auto"
     solve: bool = False
 
     def __post_init__(self):

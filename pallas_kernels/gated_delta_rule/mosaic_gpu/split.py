@@ -183,21 +183,23 @@ def _check(pieces: int, padded: int, key_dim: int, value_dim: int, kernel: bool 
 
 
 def issue_chunk(n, slot, values, *, refs, k_s, t_s, vecs, in_bar, head_major: bool, b, hh, hk, tok0, piece,
-                 ncb_row: int, ncb: int):
+                 ncb_row: int, ncb: int, kv_row0=None):
     """The memory warpgroup's TMA copies of chunk ``n`` of a piece (tokens tok0 + n C ..) into ring slot ``slot`` of
     both map kernels and of the backward's state pass (``backward.state_fwd_wy``), all on ``in_bar[slot]``: k
     (key head hk), the value block(s) ``values`` ((first column, SMEM ring) per block carried), T0 or T, the
     cumulative gates into the three gate buffers, beta (``head_major`` False: chunk b ncb_row + piece ncb + n of
-    the [NC, ...] layout)."""
+    the [NC, ...] layout). ``kv_row0`` (packed tokens read in place): k and v from packed rows kv_row0 + n C ..,
+    the chunk-slot operands from tok0 + n C .."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     k_ref, v_ref, t_ref, g_ref, b_ref = refs
     g_state, g_rows, g_cols, b_cols = vecs
     rows = pl.ds(tok0 + n * C, C)
+    kv_rows = rows if kv_row0 is None else pl.ds(kv_row0 + n * C, C)
     bar = in_bar.at[slot]
-    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, kv_rows, hk], k_s.at[slot], bar)
     for v0, v_s in values:
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[b, kv_rows, hh, pl.ds(v0, BV)], v_s.at[slot], bar)
     if head_major:
         t_src, g_src, b_src = t_ref.at[b, hh, rows], g_ref.at[b, hh, rows], b_ref.at[b, hh, rows]
     else:
@@ -231,15 +233,17 @@ def form_ag(slot, *, head_major: bool, exp, dtype, t_s, g_rows, g_cols, b_cols, 
 
 
 def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_dim: int, exp, k_s, v_s, t_s, g_state,
-               in_bar, ag_ready, in_free, s_start=None):
+               in_bar, ag_ready, in_free, s_start=None, lead=None):
     """The state warpgroup's chain of both map kernels (single and paired): value block ``blk`` of the augmented
     values [0 | v] (blocks below ``n_id`` are the identity rows of [I | 0]^T, which read no v) walks ``count`` chunks
     from its start rows, per chunk W^T = v^T - (S^T k^T) Gamma, v_new^T = W^T Ag^T (Ag formed by the Ag warpgroup,
     ``ag_ready``), S^T <- e^(G_last) S^T + (e^(G_last - G) v_new)^T k; frees the input slot (``in_free``) after
     each chunk. ``need_first`` False: a block that walks nothing holds zeros, not its identity rows. ``s_start``
     (the map from the initial state, :func:`state_map_pass` with ``h0t``): (flag, rows [BV, K] fp32 in the WGMMA
-    layout): where the flag holds, the chain starts from those rows instead. Returns S^T [BV, K] fp32 (the
-    piece's rows of [M | E]^T)."""
+    layout): where the flag holds, the chain starts from those rows instead. ``lead`` (packed tokens read in place):
+    a function of the chunk index giving its leading rows that belong to another sequence (0 .. 7); W's columns
+    for them are zeroed by a select (their v may be NaN; the Ag warpgroup zeroes their k rows). Returns S^T
+    [BV, K] fp32 (the piece's rows of [M | E]^T)."""
     plgpu = _plgpu()
     WGMMA = plgpu.Layout.WGMMA
     COLS = WGMMA.reduce(0)
@@ -264,7 +268,10 @@ def _map_chain(blk, n_id, count, *, need_first: bool, stages: int, dtype, key_di
         s_decay = exp(g_last)
         x_t = matmul(s_lo, k_s.at[slot].T, (BV, C))
         v_t = plgpu.load(v_s.at[slot].T, layout=WGMMA).astype(F32) * v_keep
-        w_t = (v_t - x_t * bcast_cols(key_decay, (BV, C))).astype(dtype)
+        w_t = v_t - x_t * bcast_cols(key_decay, (BV, C))
+        if lead is not None:             # another sequence's rows: a select, so a NaN there reaches nothing
+            w_t = jnp.where(iota((BV, C), 1) >= lead(n), w_t, 0.0)
+        w_t = w_t.astype(dtype)
         plgpu.barrier_wait(ag_ready.at[slot])
         vn_t = matmul(w_t, t_s.at[slot].T, (BV, C))
         vd_t = (vn_t * bcast_cols(k_decay, (BV, C))).astype(dtype)
@@ -420,6 +427,164 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         kernel_name="gdn_mosaic_split_map", num_threads=3, thread_name="wg",
     )(k, v, t, gcum, beta_c, *((h0t.astype(F32),) if from_h0 else ()))
     return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def state_map_pass_walk(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False, interpret=None):
+    """The maps [M_j^T ; E_j^T] of the pieces of a packed row that the packed split maps (``walk``), fp32
+    [E, Hv, K + V, K], one Mosaic GPU kernel: :func:`state_map_pass`'s chain over pieces given by a table, the
+    packed tokens read in place.
+
+    k [1, T, Hk, K], v [1, T, Hv, V] the packed row (T a multiple of 8); t [1, Hv, Tp, C] the gate-free T0 of the
+    chunk slots (``chunk.kkt_fwd`` in place), gcum and beta_c [1, Hv, Tp] fp32 (zero on rows outside each chunk's
+    sequence); walk [E, 6] int32, row j = (first chunk slot, chunk count, first packed row / 8, the sequence's first
+    token, 1 if the piece is its sequence's first, the sequence). A first piece maps from its sequence's initial
+    state (``h0t`` [N, Hv, V, K] fp32, zeros when None): its identity blocks walk nothing and store zeros (M = 0),
+    its value blocks carry the piece's true end state; a later piece maps from [I | 0]. Only a first chunk may hold
+    rows of another sequence (its leading rows, < 8): mapped pieces are never their sequence's last, so no chunk
+    they walk runs past its end. Those rows' k are zeroed in SMEM by the Ag warpgroup and W's columns for them by a
+    select in the chain, so a NaN there reaches nothing. A row of count 0 stores zeros.
+    """
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    _, _, kv_heads, key_dim = k.shape
+    heads, value_dim = v.shape[2], v.shape[3]
+    if key_dim % BV or value_dim % BV:
+        raise ValueError(f"state_map_pass_walk: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
+    if walk.ndim != 2 or walk.shape[1] != 6:
+        raise ValueError(f"state_map_pass_walk: walk must be [E, 6]; got {walk.shape}")
+    group = heads // kv_heads
+    n_rows = walk.shape[0]
+    n_id = key_dim // BV
+    nb = n_id + value_dim // BV
+    has_h0 = h0t is not None
+    dtype = k.dtype
+    _exp = jnp.exp2 if exp2 else jnp.exp
+    isz = jnp.dtype(dtype).itemsize
+    n_vec = 4
+    per_stage = C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
+    stages = ring_stages(per_stage, BV * key_dim * 4 + 4096 + n_vec * 1024)
+    vecs = plgpu.SMEM((stages, C), F32)
+    scratch = dict(
+        k_s=smem((stages, C, key_dim), dtype),
+        v_s=smem((stages, C, BV), dtype),
+        t_s=smem((stages, C, C), dtype),
+        g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
+        in_bar=plgpu.Barrier(num_arrivals=3 + n_vec, num_barriers=stages),
+        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ag_ready=plgpu.Barrier(num_barriers=stages),
+        done=plgpu.Barrier(num_arrivals=3),
+        state_smem=plgpu.SMEM((BV, key_dim), F32),
+    )
+    if has_h0:
+        scratch["h0_bar"] = plgpu.Barrier(num_barriers=1)
+
+    def body(k_ref, v_ref, t_ref, g_ref, b_ref, walk_ref, *refs, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols,
+             in_bar, in_free, ag_ready, done, state_smem, h0_bar=None):
+        h0_ref, ht_ref = refs if has_h0 else (None, refs[0])
+        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+        c0, n_chunks, row0, start = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2] * 8, walk_ref[r, 3]
+        first, seq = walk_ref[r, 4] == 1, walk_ref[r, 5]
+        hk = lax.div(hh, group)
+        v0 = jnp.maximum(iv - n_id, 0) * BV
+        count = jnp.where((iv < n_id) & first, 0, n_chunks).astype(jnp.int32)
+
+        def lead(n):                     # leading rows of chunk n that belong to the sequence before
+            return jnp.clip(start - (row0 + n * C), 0, C)
+
+        wg = lax.axis_index("wg")
+        ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s, vecs=(g_state, g_rows, g_cols, b_cols),
+                    in_bar=in_bar, head_major=True, b=0, hh=hh, hk=hk, tok0=c0 * C, piece=0, ncb_row=0, ncb=0,
+                    kv_row0=row0)
+        ag_bufs = dict(head_major=True, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
+                       b_cols=b_cols, ag_ready=ag_ready)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for n in range(stages):
+                @pl.when(count > n)
+                def _(n=n):
+                    issue_chunk(n, n, ((v0, v_s),), **ring)
+
+            @pl.loop(stages, jnp.maximum(count, stages))
+            def _refill(n):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_free.at[slot])
+                issue_chunk(n, slot, ((v0, v_s),), **ring)
+
+        @pl.when(wg == 1)
+        def _ag():
+            plgpu.set_max_registers(232, action="increase")
+
+            @pl.loop(0, count)
+            def _chunk(n):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(in_bar.at[slot])
+
+                @pl.when(lead(n) > 0)
+                def _():                 # k's rows of the sequence before: zero, before Ag says the tile is ready
+                    kt = plgpu.load(k_s.at[slot], layout=plgpu.Layout.WGMMA)
+                    k_s.at[slot][...] = jnp.where(iota((C, key_dim), 0) >= lead(n), kt, jnp.zeros_like(kt))
+                    plgpu.commit_smem()
+
+                form_ag(slot, **ag_bufs)
+                plgpu.barrier_arrive(in_free.at[slot])
+
+        @pl.when(wg == 0)
+        def _state():
+            plgpu.set_max_registers(232, action="increase")
+            s_start = None
+            if has_h0:                   # a first piece's value blocks start from its sequence's initial state
+                use = first & (iv >= n_id)
+
+                @pl.when(use)
+                def _():
+                    plgpu.copy_gmem_to_smem(h0_ref.at[seq, hh, pl.ds(v0, BV)], state_smem, h0_bar.at[0])
+                    plgpu.barrier_wait(h0_bar.at[0])
+
+                s_start = (use, plgpu.load(state_smem, layout=plgpu.Layout.WGMMA, optimized=False))
+            s_t = _map_chain(iv, n_id, count, need_first=False, stages=stages, dtype=dtype, key_dim=key_dim,
+                             exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
+                             ag_ready=ag_ready, in_free=in_free, s_start=s_start, lead=lead)
+            state_smem[...] = s_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
+            plgpu.wait_smem_to_gmem(0)
+
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+
+    out = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n_rows, heads, nb * BV, key_dim), F32), scratch_types=scratch,
+        grid=(n_rows, heads, nb), grid_names=("b", "h", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
+        kernel_name="gdn_mosaic_split_map_packed", num_threads=3, thread_name="wg",
+    )(k, v, t, gcum, beta_c, walk.astype(jnp.int32), *((h0t.astype(F32),) if has_h0 else ()))
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def state_map_pass_walk_reference(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False):
+    """What :func:`state_map_pass_walk` computes, in jnp (fp32, precision highest), same arguments and result: the
+    packed fused pass's twin (``varlen.fused_state_pass_walk_reference``, in place) over the augmented values
+    [0 | v] from [0 ; h0t[sequence]] (first pieces) or [I | 0] (later pieces)."""
+    from pallas_kernels.gated_delta_rule.mosaic_gpu.varlen import fused_state_pass_walk_reference
+    kdim = k.shape[3]
+    hv, vdim = v.shape[2], v.shape[3]
+    e = walk.shape[0]
+    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [1, T, Hv, K + V]
+    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
+    h0_rows = (jnp.zeros((e, hv, vdim, kdim), F32) if h0t is None
+               else jnp.take(h0t.astype(F32), walk[:, 5], axis=0))
+    from_h0 = jnp.concatenate([jnp.zeros((e, hv, kdim, kdim), F32), h0_rows], axis=2)
+    starts = jnp.where((walk[:, 4] == 1)[:, None, None, None], from_h0, eye_t)
+    # the twin's in-place table: (c0, count, state row, first token, length, first packed row / 8); the length
+    # only bounds the rows kept, and no mapped piece reaches its sequence's end
+    twin = jnp.stack([walk[:, 0], walk[:, 1], jnp.arange(e, dtype=jnp.int32), walk[:, 3],
+                      jnp.full((e,), k.shape[1], jnp.int32), walk[:, 2]], axis=-1)
+    _, maps_t = fused_state_pass_walk_reference(k, k, v_aug, t, gcum, beta_c, starts, twin, num_states=e,
+                                                scale=1.0, out_final=True, head_major=True, exp2=exp2,
+                                                in_place=True)
+    return maps_t
 
 
 def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool, head_major: bool, exp2: bool,

@@ -71,6 +71,13 @@ STATES = ("kv", "vk")
 COPIES = ("xla", "triton")
 READS = ("repacked", "in_place")
 ALIGN = 8                # rows of a TMA copy's GMEM tile: in-place chunks start at multiples of it
+# the packed split (VarlenConfig.split, split_plan): calls of at most SPLIT_MAX_SEQS sequences (above that the pieces'
+# start states would be a copy of every initial state, and such mixes fill the SMs without a split), pieces of at
+# least SPLIT_MIN_CHUNKS chunks when it is on (the dense split's min_piece_chunks), at most SPLIT_MAX_PIECES pieces a
+# sequence
+SPLIT_MAX_SEQS = 16
+SPLIT_MIN_CHUNKS = 32
+SPLIT_MAX_PIECES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +105,15 @@ class VarlenConfig:
     run "repacked").
     wide: True / False / "auto" (``chunk.use_wide`` on N sequences): the fused pass as one CTA per (sequence, value
     head) over V = 128 with two state warpgroups (``chunk.fused_state_pass(wide=True)``; stage1a "mosaic", V = 128,
-    lanes 0; ignored elsewhere; False by default, as ``chunk.MosaicConfig.wide``). solve: with wide, T0 formed
+    lanes 0; ignored elsewhere; "auto" by default, as ``chunk.MosaicConfig.wide``: varlen16 0.6693 -> 0.6027 ms,
+    serve256 1.9300 -> 1.6768, tiny64 0.2407 -> 0.1968; a mix whose longest sequence sets the time loses,
+    long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). solve: with wide, T0 formed
     inside the fused pass (no kkt_fwd launch).
+    split: the packed split (:func:`split_plan`; reads "in_place", the narrow pass, at most ``SPLIT_MAX_SEQS``
+    sequences): 0 off, else the shortest piece in chunks (``SPLIT_MIN_CHUNKS`` = 32, the dense split's
+    ``min_piece_chunks``). A sequence long enough to leave SMs idle is cut into pieces that the fused pass walks
+    side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``) and a
+    scan; the plan is made on the device from cu_seqlens. Off by default until measured.
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -111,8 +125,9 @@ class VarlenConfig:
     copies: str = "triton"
     kkt_used: bool = True
     reads: str = "in_place"
-    wide: object = False
+    wide: object = "auto"
     solve: bool = False
+    split: int = 0
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -130,6 +145,9 @@ class VarlenConfig:
         for name in ("kkt_used", "solve"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"VarlenConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        if not isinstance(self.split, int) or isinstance(self.split, bool) or self.split < 0:
+            raise ValueError(f"VarlenConfig.split must be an int >= 0 (0: off, else the shortest piece in chunks, "
+                             f"SPLIT_MIN_CHUNKS = {SPLIT_MIN_CHUNKS} measured); got {self.split!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
             raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
                              f"got {self.lanes!r}")
@@ -278,6 +296,116 @@ def in_place_layout(cu_seqlens, total_len: int, *, order: str = "longest_first")
     edges = EdgeGroups(group.reshape(-1).astype(jnp.int32), lo.reshape(-1).astype(jnp.int32),
                        hi.reshape(-1).astype(jnp.int32))
     return ac, walk, edges
+
+
+class SplitPlan(NamedTuple):
+    """The packed split of one call (:func:`split_plan`), made on the device. R = N + E piece rows, E mapped rows.
+
+    walk [R, 8] int32: the fused pass's rows, longest first: (first chunk slot, chunk count, state row i, the
+      sequence's first token, its length, the piece's first packed row / 8, the sequence n, chunks of n before the
+      piece); state row i is the piece's index in sequence order (pieces of sequence 0, then 1, ...; rows past the
+      pieces walk nothing).
+    piece_seq, piece_index [R] int32: the sequence and the piece of it of each state row (piece_index 0: the start
+      is the sequence's initial state; -1: an unused row).
+    maps [E, 6] int32: ``split.state_map_pass_walk``'s rows, every piece but its sequence's last, in sequence order:
+      (first chunk slot, count, first packed row / 8, the sequence's first token, 1 for a first piece, n).
+    map_row [R] int32: the mapped row whose end state starts state row i (for piece_index >= 1).
+    last_row [N] int32: the state row of each sequence's last piece (its final state).
+    """
+    walk: jax.Array
+    piece_seq: jax.Array
+    piece_index: jax.Array
+    maps: jax.Array
+    map_row: jax.Array
+    last_row: jax.Array
+
+
+def split_rows(num_seqs: int, total_chunks: int, heads: int, value_dim: int, min_chunks: int,
+               sms: int | None = None) -> int:
+    """E, the static bound on the extra piece rows of :func:`split_plan`: at most ``slots`` = SMs // (Hv V / 64)
+    (the CTA rows of one wave; the pieces are at least total / slots chunks long), ``total_chunks`` //
+    ``min_chunks`` and N (SPLIT_MAX_PIECES - 1); 0 (no split) for ``min_chunks`` 0 and above SPLIT_MAX_SEQS
+    sequences."""
+    if num_seqs > SPLIT_MAX_SEQS or min_chunks <= 0:
+        return 0
+    sms = num_sms() if sms is None else sms
+    slots = max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
+    return min(slots, total_chunks // min_chunks, num_seqs * (SPLIT_MAX_PIECES - 1))
+
+
+def split_plan(ac, cu, extra: int, *, heads: int, value_dim: int, min_chunks: int, sms: int | None = None
+               ) -> SplitPlan:
+    """The packed split of a call (traceable: cu traced, the bounds static): with ``slots`` CTA rows a wave (as in
+    :func:`split_rows`), the piece length is L = max(``min_chunks``, ceil(total chunks / slots)) and sequence
+    n of c_n chunks is cut into pieces of ceil(c_n / min(ceil(c_n / L), SPLIT_MAX_PIECES)) chunks, its last piece
+    the rest (not empty, so a mapped piece never reaches its sequence's last chunk, whose trailing rows may belong
+    to the next), p_n - 1 <= ``extra`` in all (sum(ceil(c_n / L) - 1) <= total / L <= slots; the cumulative clip
+    below only guards the bound). ``ac``: the call's ``chunk_map.AlignedChunks``; cu [N + 1]."""
+    from pallas_kernels.gated_delta_rule.chunk_map import count_le
+    n = cu.shape[0] - 1
+    rows = n + extra
+    sms = num_sms() if sms is None else sms
+    slots = max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
+    c = ac.seq_num_chunks.astype(jnp.int32)                                          # [N]
+    total = jnp.sum(c)
+    length = jnp.maximum(min_chunks, (total + slots - 1) // slots)
+    pieces = jnp.clip((c + length - 1) // length, 1, SPLIT_MAX_PIECES)
+    more = pieces - 1
+    before = jnp.cumsum(more) - more
+    pieces = jnp.clip(extra - before, 0, more) + 1                                   # never past E rows
+    per = jnp.maximum((c + pieces - 1) // pieces, 1)                                 # chunks a piece
+    pieces = jnp.where(c > 0, (c + per - 1) // per, 1)   # every piece but the last full, the last not empty
+    more = pieces - 1
+    ends = jnp.cumsum(pieces)
+    i = jnp.arange(rows, dtype=jnp.int32)
+    seq = jnp.minimum(count_le(ends, rows), n - 1)
+    p = i - (ends - pieces)[seq]
+    used = i < ends[-1]
+    count = jnp.where(used, jnp.clip(c[seq] - p * per[seq], 0, per[seq]), 0)
+    skip = p * per[seq]                                                              # chunks of n before it
+    start, end = cu[:-1], cu[1:]
+    c0 = jnp.where(used, ac.seq_first_chunk[seq] + skip, 0)
+    row0 = ac.row0[seq] + skip * C
+    table = jnp.stack([c0, count, i, jnp.where(used, start[seq], 0), jnp.where(used, end[seq] - start[seq], 0),
+                       jnp.where(used, row0 // ALIGN, 0), seq, jnp.where(used, skip, 0)], axis=-1)
+    walk = table[launch_order(count)].astype(jnp.int32)
+    # the mapped pieces: all but each sequence's last, in sequence order
+    m_ends = jnp.cumsum(more)
+    j = jnp.arange(extra, dtype=jnp.int32)
+    m_seq = jnp.minimum(count_le(m_ends, extra), n - 1)
+    m_p = j - (m_ends - more)[m_seq]
+    m_used = j < m_ends[-1]
+    m_skip = m_p * per[m_seq]
+    maps = jnp.stack([jnp.where(m_used, ac.seq_first_chunk[m_seq] + m_skip, 0),
+                      jnp.where(m_used, per[m_seq], 0),
+                      jnp.where(m_used, (ac.row0[m_seq] + m_skip * C) // ALIGN, 0),
+                      jnp.where(m_used, start[m_seq], 0),
+                      (m_p == 0).astype(jnp.int32), m_seq], axis=-1).astype(jnp.int32)
+    map_row = jnp.clip((m_ends - more)[seq] + p - 1, 0, max(extra - 1, 0))
+    return SplitPlan(walk, seq.astype(jnp.int32), jnp.where(used, p, -1).astype(jnp.int32), maps,
+                     map_row.astype(jnp.int32), (ends - 1).astype(jnp.int32))
+
+
+def split_start_states(plan: SplitPlan, maps_t, h0):
+    """Each state row's start state [R, Hv, K, V] fp32 from the mapped pieces' maps ``maps_t`` [E, Hv, K + V, K]
+    (``split.state_map_pass_walk``) and the initial states ``h0`` [N, Hv, K, V] (None: zeros): a first piece starts
+    from its sequence's h0; the scan over the mapped rows in sequence order gives the others, S_1 = E_0 (mapped
+    from h0: M_0 = 0) and S_{p+1} = S_p M_p^T + E_p^T (transposed), products in fp32 (E small)."""
+    kdim = maps_t.shape[-1]
+    mt, et = maps_t[:, :, :kdim], maps_t[:, :, kdim:]
+    first = plan.maps[:, 4] == 1
+
+    def step(s, x):
+        m, e, f = x
+        nxt = jnp.einsum("hvk,hkj->hvj", s, m, precision=lax.Precision.HIGHEST, preferred_element_type=F32) + e
+        nxt = jnp.where(f, e, nxt)
+        return nxt, nxt
+
+    _, nexts = lax.scan(step, jnp.zeros_like(et[0]), (mt, et, first))               # [E, Hv, V, K]
+    later = jnp.swapaxes(jnp.take(nexts, plan.map_row, axis=0), -1, -2)              # [R, Hv, K, V]
+    own = (jnp.zeros_like(later) if h0 is None else jnp.take(h0.astype(F32), plan.piece_seq, axis=0))
+    return jnp.where((plan.piece_index >= 1)[:, None, None, None], later,
+                     jnp.where((plan.piece_index == 0)[:, None, None, None], own, 0.0))
 
 
 def merge_edges(o, edges, groups: "EdgeGroups", cu_last, *, kernel: bool = True, interpret: bool = False):
@@ -432,12 +560,13 @@ def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
                                              "states", "lanes", "copies", "kkt_used", "reads", "wide",
-                                             "solve"))
+                                             "solve", "split"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", states: str = "kv",
                                       lanes: int = 0, copies: str = "xla", kkt_used: bool = False,
-                                      reads: str = "repacked", wide=False, solve: bool = False):
+                                      reads: str = "repacked", wide=False, solve: bool = False,
+                                      split: int = 0):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring); with
     ``reads="in_place"`` (where :func:`reads_in_place`) the packed row is read and written where it lies.
 
@@ -445,13 +574,13 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     log-decay; beta [1, T, Hv]; cu_seqlens [N + 1] int32 (cu_seqlens[N] <= T; zero-length sequences allowed);
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
-    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``: as
-    :class:`VarlenConfig` (the Triton copies run in interpret mode with ``impl="reference"``).
+    ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``,
+    ``split``: as :class:`VarlenConfig` (the Triton copies run in interpret mode with ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
     VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used,
-                 reads=reads, wide=wide, solve=solve)
+                 reads=reads, wide=wide, solve=solve, split=split)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -471,7 +600,7 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     if reads_in_place(reads, stage1a, lanes, t):
         return _varlen_in_place(q, k, v, g, beta, cu, initial_state, scale=scale, out_final=output_final_state,
                                 kernel=kernel, order=order, state_kv=states == "kv", kkt_used=kkt_used, wide=wide,
-                                solve=solve)
+                                solve=solve, split=split)
     cm, src, keep, back, valid, walk = layout(cu, t, order=order)
     cp = dict(copies=copies, chunks=chunk_rows(cm, src.shape[0] // C), interpret=not kernel)
     *qkv, g_r, b_r = repack_all((q, k, v, g.astype(F32), beta.astype(F32)), src, keep, **cp)
@@ -502,10 +631,12 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
 
 
 def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_final: bool, kernel: bool,
-                     order: str, state_kv: bool, kkt_used: bool, wide: bool = False, solve: bool = False):
+                     order: str, state_kv: bool, kkt_used: bool, wide: bool = False, solve: bool = False,
+                     split: int = 0):
     """The in-place form of :func:`chunk_gated_delta_rule_varlen_fwd` (checked there): g and beta gathered to the
     chunk-slot row (zero outside each chunk's own rows), kkt_fwd and the fused pass reading q, k, v in the packed
-    row, o stored there with its edges merged."""
+    row, o stored there with its edges merged; with ``split`` (narrow pass, :func:`split_rows` > 0) the long
+    sequences cut into pieces (:func:`split_plan`) whose start states the map pass and the scan give."""
     from pallas_kernels.gated_delta_rule.reference import floor_log_decay
     t = q.shape[1]
     n = cu.shape[0] - 1
@@ -524,16 +655,31 @@ def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_f
         t0 = mg.kkt_fwd(k, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=rows)
     else:
         t0 = mg.kkt_fwd_reference(gather_rows(k[0], ac.src, ac.keep)[None], beta_hm, heads=hv)
-    h0t = (None if initial_state is None else initial_state.astype(F32) if state_kv
-           else jnp.swapaxes(initial_state.astype(F32), -1, -2))
+    extra = split_rows(n, nc, hv, v.shape[3], split) if not wide and t0 is not None else 0
+    states = None if initial_state is None else initial_state.astype(F32)
+    rows, num_states = walk, n
+    if extra:                # the packed split: pieces walked side by side from mapped start states
+        from pallas_kernels.gated_delta_rule.mosaic_gpu import split as sp
+        plan = split_plan(ac, cu, extra, heads=hv, value_dim=v.shape[3], min_chunks=split)
+        h0_vk = None if states is None else jnp.swapaxes(states, -1, -2)
+        map_fn = sp.state_map_pass_walk if kernel else sp.state_map_pass_walk_reference
+        maps_t = map_fn(k, v, t0, gcum, beta_hm, plan.maps, h0t=h0_vk)
+        states = split_start_states(plan, maps_t, states)                             # [R, Hv, K, V]
+        rows, num_states = plan.walk, plan.walk.shape[0]
+    h0t = None if states is None else states if state_kv else jnp.swapaxes(states, -1, -2)
     ops_ = (q, k, v, t0, gcum, beta_hm, h0t)
     if kernel:
-        o, edges, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=out_final, head_major=True, walk=walk,
-                                           num_states=n, state_kv=state_kv, in_place=True, wide=wide, solve=solve)
+        o, edges, ht = mg.fused_state_pass(*ops_, scale=scale, out_final=out_final, head_major=True, walk=rows,
+                                           num_states=num_states, state_kv=state_kv, in_place=True, wide=wide,
+                                           solve=solve)
+        edges = edges[:2 * n]
     else:
-        o_r, ht = fused_state_pass_walk_reference(*ops_, walk, num_states=n, scale=scale, out_final=out_final,
-                                                  head_major=True, state_kv=state_kv, in_place=True)
+        o_r, ht = fused_state_pass_walk_reference(*ops_, rows[:, :6], num_states=num_states, scale=scale,
+                                                  out_final=out_final, head_major=True, state_kv=state_kv,
+                                                  in_place=True)
         o, edges = in_place_stores_reference(o_r, ac, walk, t)
+    if extra and ht is not None:
+        ht = jnp.take(ht, plan.last_row, axis=0)
     o = merge_edges(o, edges, groups, cu[-1:], kernel=True, interpret=not kernel).astype(v.dtype)
     return o, (None if ht is None else ht if state_kv else jnp.swapaxes(ht, -1, -2))
 
@@ -554,7 +700,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
             states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads,
-            wide=cfg.wide, solve=cfg.solve)
+            wide=cfg.wide, solve=cfg.solve, split=cfg.split)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -580,7 +726,8 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
                                                      output_final_state=True, impl=impl, stage1a=cfg.stage1a,
                                                      order=cfg.order, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used,
-                                                     reads=cfg.reads, wide=cfg.wide, solve=cfg.solve)
+                                                     reads=cfg.reads, wide=cfg.wide, solve=cfg.solve,
+                                                     split=cfg.split)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)

@@ -43,7 +43,7 @@ def test_defaults():
     assert mg.DEFAULT_CONFIG.stage1a in mg.STAGE1A
     # the measured choices: states in [B, Hv, K, V] inside the pass, exp2, the split where its time model says
     assert mg.DEFAULT_CONFIG == mg.MosaicConfig(stage1a="mosaic", pieces=0, exp2=True, state_kv=True,
-                                                split=mg.SplitConfig(), wide=False, solve=False)
+                                                split=mg.SplitConfig(), wide="auto", solve=False)
     # the split's first piece from h0, the Triton scan in tf32 above P = 2 (at P = 2 XLA's stack, no product)
     sp = mg.DEFAULT_CONFIG.split
     assert (sp.first, sp.scan, sp.serial_max_pieces, sp.precision, sp.paired) == ("h0", "auto", 2, "default", "auto")

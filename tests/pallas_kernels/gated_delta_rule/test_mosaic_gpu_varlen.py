@@ -41,13 +41,13 @@ def _inputs(lens=LENS, pad=PAD, *, hk=1, hv=2, kdim=16, vdim=8, seed=0, with_h0=
 
 
 def _run(args, dtype=jnp.float32, impl="reference", stage1a="mosaic", order="longest_first", final=True,
-         states="kv", lanes=0, copies="triton", kkt_used=True, reads="repacked", wide=False, solve=False):
+         states="kv", lanes=0, copies="triton", kkt_used=True, reads="repacked", wide=False, solve=False, split=0):
     q, k, v, g, beta, h0, cu = args
     o, s = mv.chunk_gated_delta_rule_varlen_fwd(
         jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
         jnp.asarray(beta, dtype), jnp.asarray(cu), None if h0 is None else jnp.asarray(h0), impl=impl,
         stage1a=stage1a, order=order, output_final_state=final, states=states, lanes=lanes,
-        copies=copies, kkt_used=kkt_used, reads=reads, wide=wide, solve=solve)
+        copies=copies, kkt_used=kkt_used, reads=reads, wide=wide, solve=solve, split=split)
     return np.asarray(o.astype(jnp.float32)), (None if s is None else np.asarray(s))
 
 
@@ -118,6 +118,91 @@ def _nan_neighbours(run, args):
 
 def test_in_place_nan_stays_in_its_sequence():
     _nan_neighbours(lambda a: _run(a, reads="in_place"), _inputs(pad=PAD_IN_PLACE, seed=6))
+
+
+SPLIT_LENS = (65, 1, 0, 700, 63, 130)     # sequence 3 (11 chunks) starts at row 66: its first chunk's rows 64, 65
+SPLIT_PAD = 9                             # are its neighbours'; T = 968
+
+
+@pytest.mark.parametrize("split,with_h0,states", [(2, True, "kv"), (3, False, "vk"), (4, True, "vk")])
+def test_in_place_split_reference_matches_f64(split, with_h0, states):
+    """The packed split (``split`` = the shortest piece in chunks; at Hv 2, V 8 one wave holds 66 CTA rows, so
+    every sequence of more than ``split`` chunks is cut, up to 8 pieces): the map pass's twin over the packed
+    row, the scan and the fused pass's twin over the pieces against the float64 oracle (2e-4), with and without
+    initial states, the long sequence's first chunk holding its neighbours' rows; padding rows exactly zero, the
+    empty sequence's state its initial state bit for bit; the split and unsplit paths agree to 1e-6."""
+    args = _inputs(lens=SPLIT_LENS, pad=SPLIT_PAD, with_h0=with_h0, seed=4)
+    cu = args[-1]
+    o, s = _run(args, reads="in_place", states=states, split=split)
+    o0, s0 = _run(args, reads="in_place", states=states)
+    ro, rs = _oracle(args)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 2e-4 and rel_rms(s, rs) < 2e-4, (rel_rms(o, ro), rel_rms(s, rs))
+    assert np.abs(o - o0).max() < 1e-6 and np.abs(s - s0).max() < 1e-6
+    if with_h0:
+        assert np.array_equal(s[2], args[5][2])
+
+
+def test_in_place_split_nan_stays_in_its_sequence():
+    """A NaN in rows 64 and 65 (sequence 0's last token and sequence 1's only one), which lie in the first chunk
+    of the split sequence 3: only sequences 0 and 1 are spoiled; every other row and final state equals the
+    clean run's bit for bit (the map pass masks the leading rows by selects)."""
+    args = _inputs(lens=SPLIT_LENS, pad=SPLIT_PAD, seed=5)
+    cu = args[-1]
+    run = lambda a: _run(a, reads="in_place", split=2)
+    o_clean, s_clean = run(args)
+    q, k, v = args[0].copy(), args[1].copy(), args[2].copy()
+    for row in (64, 65):
+        q[0, row] = k[0, row] = np.nan
+        v[0, row, 1] = np.nan
+    o_bad, s_bad = run((q, k, v) + args[3:])
+    others = np.ones(o_bad.shape[1], bool)
+    others[:cu[2]] = False
+    assert np.isnan(s_bad[0]).any() and np.isnan(s_bad[1]).any()
+    assert np.array_equal(o_bad[0, others], o_clean[0, others])
+    assert np.array_equal(s_bad[2:], s_clean[2:])
+
+
+def test_split_plan_covers_each_sequence_in_order():
+    """The plan made on the device: each sequence's pieces cover its chunks once, in order, every piece but the
+    last full and the last not empty; the mapped rows are the pieces but the last, in sequence order, and each
+    later piece starts from the map of the piece before it; the fused pass's rows are longest first; the extra
+    rows stay within the static bound; another packing of the same T and N reuses the program."""
+    t, n_seqs = 968, len(SPLIT_LENS)
+    slots = mv.in_place_layout(jnp.asarray(cu_of(SPLIT_LENS)), t)[0].tile0.shape[0]
+    extra = mv.split_rows(n_seqs, slots, 2, 8, 2)
+
+    @jax.jit
+    def plan_of(cu):
+        return mv.split_plan(mv.in_place_layout(cu, t)[0], cu, extra, heads=2, value_dim=8, min_chunks=2)
+
+    for lens in (SPLIT_LENS, (3, 900, 0, 1, 40, 10), (959, 0, 0, 0, 0, 0)):
+        cu = jnp.asarray(cu_of(lens))
+        ac = mv.in_place_layout(cu, t)[0]
+        plan = plan_of(cu)
+        w, maps = np.asarray(plan.walk), np.asarray(plan.maps)
+        assert (np.asarray(plan.piece_index) >= 1).any()          # each packing has a sequence to cut
+        first, count = np.asarray(ac.seq_first_chunk), np.asarray(ac.seq_num_chunks)
+        assert w.shape[0] == len(lens) + extra and np.all(np.diff(w[:, 1]) <= 0)
+        seq_idx, pidx = np.asarray(plan.piece_seq), np.asarray(plan.piece_index)
+        by_row = {r[2]: r for r in w}
+        for n in range(len(lens)):
+            rows = [by_row[i] for i in range(w.shape[0]) if seq_idx[i] == n and pidx[i] >= 0]
+            assert [pidx[r[2]] for r in rows] == list(range(len(rows)))
+            chunks = [c for r in rows for c in range(r[0], r[0] + r[1])]
+            assert chunks == list(range(first[n], first[n] + count[n]))
+            assert all(r[1] == rows[0][1] for r in rows[:-1]) and (count[n] == 0 or rows[-1][1] > 0)
+            assert all(r[6] == n and r[7] == r[0] - first[n] for r in rows)
+            assert np.asarray(plan.last_row)[n] == rows[-1][2]
+            for r in rows[1:]:
+                m = maps[np.asarray(plan.map_row)[r[2]]]
+                assert m[5] == n and m[0] + m[1] == r[0] and m[4] == (pidx[r[2]] == 1)
+        assert sum(int(r[1]) for r in maps) == sum(int(r[1]) for r in w if pidx[r[2]] >= 0
+                                                    and r[2] != np.asarray(plan.last_row)[r[6]])
+    assert plan_of._cache_size() == 1
+    assert mv.split_rows(17, 1000, 2, 8, 2) == 0 and mv.split_rows(1, 1000, 2, 8, 0) == 0
+    assert mv.split_rows(1, 512, 32, 128, 32) == 2           # Hv 32, V 128: 64 CTAs a row, two rows a wave
 
 
 def test_in_place_layout_and_edges():
@@ -452,6 +537,40 @@ def test_gpu_wide_no_initial_state_and_nan_neighbours(solve):
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
     args = _inputs(pad=PAD_IN_PLACE, hk=1, hv=2, kdim=128, vdim=128, seed=6)
     _nan_neighbours(lambda a: _run(a, dtype=bf, impl="mosaic", reads="in_place", wide=True, solve=solve), args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_h0", [True, False])
+@pytest.mark.parametrize("dims", [(1, 2, 128, 128), (2, 4, 64, 64)])
+def test_gpu_in_place_split_matches_f64(with_h0, dims):
+    """The packed split on the H200 (the map kernel over the packed row, the scan, the fused pass over the
+    pieces) at bf16 against the float64 oracle (1e-2): the long sequence cut into pieces of 2 chunks, its first
+    chunk holding its neighbours' rows, NaN padding rows exactly zero, grouped heads, with and without initial
+    states; beside the unsplit kernel path (5e-3); a NaN in the neighbours' rows reaches no other sequence."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    hk, hv, kdim, vdim = dims
+    bf = jnp.bfloat16
+    args = _inputs(lens=SPLIT_LENS, pad=SPLIT_PAD, hk=hk, hv=hv, kdim=kdim, vdim=vdim, seed=12, with_h0=with_h0)
+    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+    args = (q, k, v) + args[3:]
+    cu = args[-1]
+    run = lambda a, split=2: _run(a, dtype=bf, impl="mosaic", reads="in_place", split=split)
+    o, s = run(args)
+    o0, s0 = run(args, split=0)
+    ro, rs = _oracle(args, bf)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    assert rel_rms(o, o0) < 5e-3 and rel_rms(s, s0) < 5e-3, (rel_rms(o, o0), rel_rms(s, s0))
+    if with_h0:
+        assert np.array_equal(s[2], args[5][2])
+        q, k, v = args[0].copy(), args[1].copy(), args[2].copy()
+        for row in (64, 65):
+            q[0, row] = k[0, row] = np.nan
+            v[0, row, 1] = np.nan
+        o_bad, s_bad = run((q, k, v) + args[3:])
+        assert np.array_equal(o_bad[0, cu[2]:], o[0, cu[2]:]) and np.array_equal(s_bad[2:], s[2:])
 
 
 @pytest.mark.gpu
