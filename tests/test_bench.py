@@ -290,4 +290,4 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     assert isinstance(seen[0], chunk.MosaicConfig) and isinstance(seen[1], varlen.VarlenConfig)
     assert seen[0] == chunk.MosaicConfig(wide="auto") and seen[1] == varlen.VarlenConfig(wide="auto")
     # a "varlen:" field sets the packed calls' config only
-    assert seen[2] == chunk.DEFAULT_CONFIG and seen[3] == varlen.VarlenConfig(split=32)
+    assert seen[2] == chunk.MosaicConfig(wide=False) and seen[3] == varlen.VarlenConfig(wide=False, split=32)

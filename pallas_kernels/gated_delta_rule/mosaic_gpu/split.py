@@ -25,13 +25,16 @@ where a piece maps s -> s M_p^T + E_p^T. What runs is :class:`chunk.SplitConfig`
     piece 1's true start (no M_0 needed). ``SplitConfig.paired``: two blocks per CTA (jla's
     ``_map_fwd_wy_paired``, :func:`_state_map_pass_paired`), half the CTAs at ~1.86x the step, where that saves a
     wave.
+  * :func:`state_map_pass_walk`: the same chain over the pieces of a packed row read in place (the packed split,
+    ``varlen.split_plan``): rows from a table, a first piece mapped from its sequence's h0, its first chunk's
+    leading rows of the neighbour masked by selects.
   * :func:`piece_scan`: "serial" (jla's unrolled XLA scan: P - 2 dependent [V, K] x [K, K] products, the first
     taken as E_0^T without an initial state or with ``first = "h0"``), "log" (XLA, Hillis-Steele prefix
     compositions, ceil(log2(P - 1)) batched steps of [K + V, K] x [K, K] then one apply) or "triton"
     (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel), products in ``SplitConfig.precision``.
   * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``chunk.fused_state_pass``.
 
-Jnp twin of the map kernel: :func:`state_map_pass_reference`.
+Jnp twins of the map kernels: :func:`state_map_pass_reference`, :func:`state_map_pass_walk_reference`.
 
 Shape legend: B batch rows, Tp padded tokens (a multiple of C P), P pieces, R = P - 1 mapped pieces, Hk / Hv key /
 value heads, K / V head dims, C = 64 chunk, BV = 64 columns per CTA.

@@ -26,6 +26,11 @@ for them and back.
   4. **Unpack**: o gathered back to the packed token order (XLA gather, or the Triton chunk copy); rows at index
      >= cu_seqlens[N] are zero.
 
+**The packed split** (``VarlenConfig.split``, in place, the narrow pass, at most ``SPLIT_MAX_SEQS`` sequences):
+:func:`split_plan` cuts each sequence long enough to leave SMs idle into pieces on the device,
+``split.state_map_pass_walk`` maps every piece but the last over the packed row, :func:`split_start_states` scans
+the maps into each piece's start state, and the fused pass walks the pieces side by side from an [R, 8] table.
+
 The slot-pool form (:func:`op_fwd_slots`) gathers the start states of the pool (``chunk_map.gather_slots``: zeros
 for has_initial_state False and for ids outside [0, S)) and scatters the final states back
 (``chunk_map.scatter_slots``: writes of ids outside [0, S) dropped), around the same call.
