@@ -34,7 +34,8 @@ where a piece maps s -> s M_p^T + E_p^T. What runs is :class:`chunk.SplitConfig`
     (:func:`piece_scan_triton`, one Pallas Triton launch, jla's kernel), products in ``SplitConfig.precision``.
   * :func:`start_states`: the map pass, then the scan: [B P, Hv, V, K] fp32 for ``chunk.fused_state_pass``.
 
-Jnp twins of the map kernels: :func:`state_map_pass_reference`, :func:`state_map_pass_walk_reference`.
+Jnp twins of the map kernels: :func:`state_map_pass_reference`; the packed one's is
+``varlen.state_map_pass_walk_reference`` (beside the packed fused pass's twin it runs on).
 
 Shape legend: B batch rows, Tp padded tokens (a multiple of C P), P pieces, R = P - 1 mapped pieces, Hk / Hv key /
 value heads, K / V head dims, C = 64 chunk, BV = 64 columns per CTA.
@@ -564,30 +565,6 @@ def state_map_pass_walk(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = F
         kernel_name="gdn_mosaic_split_map_packed", num_threads=3, thread_name="wg",
     )(k, v, t, gcum, beta_c, walk.astype(jnp.int32), *((h0t.astype(F32),) if has_h0 else ()))
     return out[0] if isinstance(out, (list, tuple)) else out
-
-
-def state_map_pass_walk_reference(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False):
-    """What :func:`state_map_pass_walk` computes, in jnp (fp32, precision highest), same arguments and result: the
-    packed fused pass's twin (``varlen.fused_state_pass_walk_reference``, in place) over the augmented values
-    [0 | v] from [0 ; h0t[sequence]] (first pieces) or [I | 0] (later pieces)."""
-    from pallas_kernels.gated_delta_rule.mosaic_gpu.varlen import fused_state_pass_walk_reference
-    kdim = k.shape[3]
-    hv, vdim = v.shape[2], v.shape[3]
-    e = walk.shape[0]
-    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [1, T, Hv, K + V]
-    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
-    h0_rows = (jnp.zeros((e, hv, vdim, kdim), F32) if h0t is None
-               else jnp.take(h0t.astype(F32), walk[:, 5], axis=0))
-    from_h0 = jnp.concatenate([jnp.zeros((e, hv, kdim, kdim), F32), h0_rows], axis=2)
-    starts = jnp.where((walk[:, 4] == 1)[:, None, None, None], from_h0, eye_t)
-    # the twin's in-place table: (c0, count, state row, first token, length, first packed row / 8); the length
-    # only bounds the rows kept, and no mapped piece reaches its sequence's end
-    twin = jnp.stack([walk[:, 0], walk[:, 1], jnp.arange(e, dtype=jnp.int32), walk[:, 3],
-                      jnp.full((e,), k.shape[1], jnp.int32), walk[:, 2]], axis=-1)
-    _, maps_t = fused_state_pass_walk_reference(k, k, v_aug, t, gcum, beta_c, starts, twin, num_states=e,
-                                                scale=1.0, out_final=True, head_major=True, exp2=exp2,
-                                                in_place=True)
-    return maps_t
 
 
 def _state_map_pass_paired(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool, head_major: bool, exp2: bool,

@@ -557,6 +557,29 @@ def fused_state_pass_walk_reference(q, k, v, t, gcum, beta_c, h0t, walk, *, num_
     return o, ((ht if state_kv else jnp.swapaxes(ht, -1, -2)) if out_final else None)
 
 
+def state_map_pass_walk_reference(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False):
+    """What ``split.state_map_pass_walk`` computes, in jnp (fp32, precision highest), same arguments and result: the
+    packed fused pass's twin (:func:`fused_state_pass_walk_reference`, in place) over the augmented values
+    [0 | v] from [0 ; h0t[sequence]] (first pieces) or [I | 0] (later pieces)."""
+    kdim = k.shape[3]
+    hv, vdim = v.shape[2], v.shape[3]
+    e = walk.shape[0]
+    v_aug = jnp.concatenate([jnp.zeros(v.shape[:3] + (kdim,), v.dtype), v], axis=-1)        # [1, T, Hv, K + V]
+    eye_t = jnp.concatenate([jnp.eye(kdim, dtype=F32), jnp.zeros((vdim, kdim), F32)], axis=0)  # [I | 0]^T
+    h0_rows = (jnp.zeros((e, hv, vdim, kdim), F32) if h0t is None
+               else jnp.take(h0t.astype(F32), walk[:, 5], axis=0))
+    from_h0 = jnp.concatenate([jnp.zeros((e, hv, kdim, kdim), F32), h0_rows], axis=2)
+    starts = jnp.where((walk[:, 4] == 1)[:, None, None, None], from_h0, eye_t)
+    # the twin's in-place table: (c0, count, state row, first token, length, first packed row / 8); the length
+    # only bounds the rows kept, and no mapped piece reaches its sequence's end
+    twin = jnp.stack([walk[:, 0], walk[:, 1], jnp.arange(e, dtype=jnp.int32), walk[:, 3],
+                      jnp.full((e,), k.shape[1], jnp.int32), walk[:, 2]], axis=-1)
+    _, maps_t = fused_state_pass_walk_reference(k, k, v_aug, t, gcum, beta_c, starts, twin, num_states=e,
+                                                scale=1.0, out_final=True, head_major=True, exp2=exp2,
+                                                in_place=True)
+    return maps_t
+
+
 def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool:
     """Whether a call with these choices reads the packed row in place (``VarlenConfig.reads``): only with
     stage1a "mosaic", no lanes and a multiple of 8 tokens; otherwise it is repacked."""
@@ -667,7 +690,7 @@ def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_f
         from pallas_kernels.gated_delta_rule.mosaic_gpu import split as sp
         plan = split_plan(ac, cu, extra, heads=hv, value_dim=v.shape[3], min_chunks=split)
         h0_vk = None if states is None else jnp.swapaxes(states, -1, -2)
-        map_fn = sp.state_map_pass_walk if kernel else sp.state_map_pass_walk_reference
+        map_fn = sp.state_map_pass_walk if kernel else state_map_pass_walk_reference
         maps_t = map_fn(k, v, t0, gcum, beta_hm, plan.maps, h0t=h0_vk)
         states = split_start_states(plan, maps_t, states)                             # [R, Hv, K, V]
         rows, num_states = plan.walk, plan.walk.shape[0]
