@@ -21,6 +21,12 @@ Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies 
   keys,      a full sort of each row (``SORTS``: ``descending_order``; "keys", the default, sorts int32 keys),
   argsort    softmax and cumsum in rank order, then a Gumbel-max draw (``jax.random.categorical``) over the kept
              ranks; the two draw alike.
+  blocks     short sorts only (``_blocks_keep``): each block of CANDIDATE_BLOCK tokens sorted alone, its
+             CANDIDATES_PER_BLOCK best kept as candidates, the candidates sorted; the candidates above the best
+             token left out are the row's exact first ranks, so where top_k <= their count (or top_k is off and
+             they hold top_p of the mass) they decide the kept set and the Gumbel-max draw; a row keeping every
+             token draws over the whole row; any other row falls back to "keys" (``lax.cond``). Draws differ from
+             "keys"' (another mapping of the key) but follow the same distribution. Untimed on the GPU.
 Measured alone on the H200 (``python -m benchmarks serving --cases sampling``, [rows, 151936] fp32 logits,
 temperature 0.8, top-k 50, top-p 0.95; results "serving" in benchmarks/results/h200.json), ms at 16 / 64 rows:
 keys 0.733 / 1.476, argsort 0.751 / 2.069, threshold 1.203 / 4.632 (its ~26 dependent reductions over [rows,
@@ -106,10 +112,13 @@ def sampling_arrays(params, steps, rows: int):
 #: comparison, which XLA's GPU backend can hand to a radix sort
 SORTS = ("argsort", "keys")
 #: how :func:`sample_rows` finds the kept tokens and draws (module docstring): a full sort of each row by one of
-#: ``SORTS`` ("keys" the default: the fastest measured) or "threshold" (no sort)
-METHODS = ("keys", "argsort", "threshold")
+#: ``SORTS`` ("keys" the default: the fastest measured), "threshold" (no sort) or "blocks" (sorts of short rows only)
+METHODS = ("keys", "argsort", "threshold", "blocks")
 #: tokens per block of the threshold method's two-level inverse-CDF search
 _BLOCK = 1024
+#: the blocks method: tokens per block sorted (one short sort per block), candidates kept per block
+CANDIDATE_BLOCK = 1024
+CANDIDATES_PER_BLOCK = 64
 
 
 def _check_method(method):
@@ -221,6 +230,57 @@ def _threshold_keep(x, top_k, top_p, active):
     return kept, jnp.where(kept, p, 0)
 
 
+def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: int = CANDIDATES_PER_BLOCK):
+    """The blocks method's candidates: (ids [Nb, M] int32 by rank, x by rank [Nb, M], kept ranks [Nb, M] bool,
+    exact [Nb] bool), M = ceil(Vocab / block) per_block.
+
+    Each block of ``block`` tokens is sorted alone (descending, ties by id) and its first ``per_block`` tokens are
+    candidates; the candidates are sorted again (a stable sort of the block-ordered list: ties stay by id). Every
+    token above m* (the largest logit left out, the max of each block's (per_block + 1)-th) is a candidate, so the
+    first L candidates (those above m*) are exactly the row's first L ranks. The kept set is worked out on the
+    candidates as :func:`_sorted_keep` does on the whole row (top-p normalised by the whole top-k set: the
+    candidates' own mass where top_k <= L, the whole row's where top_k is off); ``exact`` says where that is the
+    row's own kept set: top_k <= L, or top_k off, top_p < 1 and the first L ranks already hold top_p of the
+    mass. Elsewhere (a flat row under top-p alone, top_k > L, or every token kept) the caller takes another path."""
+    nb, vocab = x.shape
+    blk = min(block, vocab)
+    nblk = -(-vocab // blk)
+    kb = min(per_block, blk)
+    pad = nblk * blk - vocab
+    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)     # padding ids >= Vocab, never kept
+    key = _order_key(xp).reshape(nb, nblk, blk)
+    local = jax.lax.broadcasted_iota(jnp.int32, key.shape, 2)
+    _, order = jax.lax.sort_key_val(~key, local, dimension=-1, is_stable=True)     # each block, descending
+    base = (jnp.arange(nblk, dtype=jnp.int32) * blk)[None, :, None]
+    ids = (order[:, :, :kb] + base).reshape(nb, nblk * kb)           # block by block: ties in id order
+    if kb < blk:
+        left = jnp.take_along_axis(xp.reshape(nb, nblk, blk), order[:, :, kb:kb + 1], axis=2)
+        m_star = jnp.max(left[:, :, 0], axis=1)                        # the largest logit not a candidate
+    else:
+        m_star = jnp.full((nb,), -jnp.inf, x.dtype)
+    cx = jnp.take_along_axis(xp, ids, axis=1)
+    _, rank_order = jax.lax.sort_key_val(~_order_key(cx), jax.lax.broadcasted_iota(jnp.int32, cx.shape, 1),
+                                         dimension=-1, is_stable=True)
+    ids = jnp.take_along_axis(ids, rank_order, axis=1)
+    xs = jnp.take_along_axis(cx, rank_order, axis=1)
+    exact_ranks = jnp.sum(xs > m_star[:, None], axis=1, dtype=jnp.int32)     # L
+    rank = jnp.arange(xs.shape[1], dtype=jnp.int32)[None, :]
+    k = _top_k(top_k, vocab)
+    keep = (rank < k[:, None]) & (ids < vocab)
+    p = _mass(xs, keep)
+    m = xs[:, :1]                                                      # the row's max (always a candidate)
+    whole = jnp.sum(jnp.where(x == m, jnp.float32(1), jnp.exp(x - m)), axis=1, keepdims=True)
+    top_k_on = k < vocab
+    probs = p / jnp.where(top_k_on[:, None], jnp.sum(p, axis=-1, keepdims=True), whole)
+    cum = jnp.cumsum(probs, axis=-1)
+    before = cum - probs
+    keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
+    # the mass ranked above rank L, from the same cumsum the kept set was read from (no second rounding)
+    held = jnp.take_along_axis(jnp.pad(cum, ((0, 0), (1, 0))), exact_ranks[:, None], axis=1)[:, 0]
+    exact = (top_k_on & (k <= exact_ranks)) | (~top_k_on & (top_p < 1) & (held >= top_p))
+    return ids, xs, keep, exact
+
+
 def kept_tokens(x, top_k, top_p, method: str = "keys"):
     """[Nb, Vocab] bool, in id order: the tokens each row may draw from (module docstring) for fp32 ``x`` (the
     logits over the temperature), top_k [Nb] int32 and top_p [Nb] fp32; ``method`` one of ``METHODS`` (every
@@ -228,8 +288,16 @@ def kept_tokens(x, top_k, top_p, method: str = "keys"):
     _check_method(method)
     if method == "threshold":
         return _threshold_keep(x, top_k, top_p, jnp.ones(x.shape[:1], bool))[0]
+    rows = jnp.arange(x.shape[0])[:, None]
+    if method == "blocks":
+        ids, _, keep, exact = _blocks_keep(x, top_k, top_p)
+        mine = jnp.zeros(x.shape, bool).at[rows, ids].set(keep, mode="drop")
+        every = (_top_k(top_k, x.shape[1]) >= x.shape[1]) & (top_p >= 1)
+        full = jax.lax.cond(jnp.any(~exact & ~every), lambda: kept_tokens(x, top_k, top_p, "keys"),
+                            lambda: jnp.zeros(x.shape, bool))
+        return jnp.where(exact[:, None], mine, every[:, None] | full)
     order, _, keep = _sorted_keep(x, top_k, top_p, method)
-    return jnp.zeros(x.shape, bool).at[jnp.arange(x.shape[0])[:, None], order].set(keep)
+    return jnp.zeros(x.shape, bool).at[rows, order].set(keep)
 
 
 def _inverse_cdf(w, u):
@@ -265,6 +333,16 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
     if method == "threshold":
         _, w = _threshold_keep(x, top_k, top_p, temperature > 0)
         return _inverse_cdf(w, jax.vmap(jax.random.uniform)(keys))
+    if method == "blocks":
+        ids, xs, keep, exact = _blocks_keep(x, top_k, top_p)
+        pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))
+        mine = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+        every = (_top_k(top_k, x.shape[1]) >= x.shape[1]) & (top_p >= 1)   # every token kept: one draw over all
+        plain = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        rest = ~exact & ~every & (temperature > 0)
+        full = jax.lax.cond(jnp.any(rest), lambda: _draw(logits, temperature, top_k, top_p, seed, step, "keys"),
+                            lambda: plain)
+        return jnp.where(exact, mine, jnp.where(every, plain, full)).astype(jnp.int32)
     order, xs, keep = _sorted_keep(x, top_k, top_p, method)
     pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))    # a rank
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -129,8 +129,8 @@ def test_both_sorts_rank_alike_and_draw_alike():
 _kept = jax.jit(kept_tokens, static_argnames="method")
 
 
-def _kept_alike(x, settings=None):
-    """Asserts threshold keeps argsort's tokens on every row of ``x`` for each (top_k, top_p) of ``settings``
+def _kept_alike(x, settings=None, method="threshold"):
+    """Asserts ``method`` keeps argsort's tokens on every row of ``x`` for each (top_k, top_p) of ``settings``
     (default: every top_k in {0, 1, 5, 50, V-1, V} with every top_p in {1, 0.9, 0.5, 1e-6}; one batch, each row
     of x once per setting)."""
     vocab = x.shape[1]
@@ -139,7 +139,7 @@ def _kept_alike(x, settings=None):
     rows = jnp.asarray(np.repeat(x, len(settings), axis=0))
     top_k = np.tile(np.asarray([k for k, _ in settings], np.int32), len(x))
     top_p = np.tile(np.asarray([p for _, p in settings], np.float32), len(x))
-    want, got = (np.asarray(_kept(rows, top_k, top_p, method=m)) for m in ("argsort", "threshold"))
+    want, got = (np.asarray(_kept(rows, top_k, top_p, method=m)) for m in ("argsort", method))
     bad = np.flatnonzero((want != got).any(axis=1))
     assert bad.size == 0, [(b // len(settings), int(top_k[b]), float(top_p[b])) for b in bad]
     full = top_p == 1
@@ -176,6 +176,82 @@ def test_threshold_keeps_the_sort_methods_tokens():
     big[1, -3:] = -np.inf
     _kept_alike(big[:1], [(0, 0.9), (1, 1.0), (5, 0.5), (50, 0.9), (vocab - 1, 1e-6), (vocab, 0.5)])
     _kept_alike(big[1:], [(0, 0.5), (1, 1e-6), (5, 0.9), (50, 0.5), (vocab - 1, 1.0), (vocab, 0.9)])
+
+
+def test_blocks_keeps_the_sort_methods_tokens():
+    """kept_tokens "blocks" (short sorts of 1024-token blocks and of their 64 best each) equals "argsort" on the
+    threshold test's rows and settings, and on a row of the real vocabulary under the serving settings; the
+    candidates alone decide (no fallback to the full sort) wherever top_k <= 64 or top-p holds within them: every
+    top_k <= 50 setting of the real-vocabulary row and top_p 0.9 or 0.5 alone on a peaked row; top_k V - 1 falls
+    back."""
+    from jax_gdn.serving.sampling import _blocks_keep
+    rng = np.random.default_rng(5)
+    x = rng.integers(-4, 3, (5, 300)).astype(np.float32)
+    x[1, :5] = -np.inf
+    x[2, 7] = np.inf
+    x[3] = -np.inf
+    x[3, 200] = 1.5
+    x[4] = (rng.standard_normal(300) * 3).astype(jnp.bfloat16).astype(np.float32)
+    _kept_alike(x, method="blocks")
+    vocab = 151936
+    big = (rng.standard_normal((1, vocab)) * 3).astype(jnp.bfloat16).astype(np.float32)
+    big[0, 1000:1010] = 12.0                                           # a peaked row: top-p 0.9 inside the peak
+    settings = [(50, 0.95), (1, 1.0), (5, 0.5), (0, 0.9), (vocab - 1, 1.0), (vocab, 0.5)]
+    _kept_alike(big, settings, method="blocks")
+    rows = jnp.asarray(np.repeat(big, len(settings), axis=0))
+    exact = np.asarray(_blocks_keep(rows, jnp.asarray([k for k, _ in settings], jnp.int32),
+                                    jnp.asarray([p for _, p in settings], jnp.float32))[3])
+    assert exact.tolist() == [True, True, True, True, False, True]     # top_k V - 1: the full sort decides
+
+
+def test_blocks_draws_from_the_kept_set_on_every_path():
+    """method "blocks" on 3000-token rows (3 blocks): rows its candidates decide (top-k 50, a peaked top-p), rows
+    that keep every token (one draw over the row) and rows that fall back to the full sort (top_k 2999, top-p on a
+    flat row), side by side: every draw lies in argsort's kept set, a (seed, step) repeats its draw, greedy rows are
+    argmax."""
+    rng = np.random.default_rng(9)
+    vocab, n = 3000, 240
+    flat = rng.standard_normal(vocab).astype(np.float32) * 0.01
+    peaked = flat.copy()
+    peaked[[10, 1500, 2999]] = [6.0, 6.5, 6.2]
+    settings = [(50, 0.9, peaked), (0, 0.8, peaked), (0, 1.0, flat), (vocab - 1, 1.0, flat), (0, 0.9, flat),
+                (1, 1.0, flat)]
+    rows = np.stack([settings[i % len(settings)][2] for i in range(n)])
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i)
+              for i, (k, p, _) in zip(range(n), settings * n)]
+    arrays = sampling_arrays(params, [3] * n, n)
+    got = np.asarray(sample(jnp.asarray(rows), *arrays, method="blocks"))
+    kept = np.asarray(_kept(jnp.asarray(rows), arrays[1], arrays[2], method="argsort"))
+    assert kept[np.arange(n), got].all()
+    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays, method="blocks")), got)
+    assert len(set(got[2::6].tolist())) > 20                           # every token kept: the draws spread
+    mixed = [SamplingParams()] * 2 + params[:2]
+    out = np.asarray(sample(jnp.asarray(rows[[0, 1, 0, 1]]), *sampling_arrays(mixed, [3] * 4, 4), method="blocks"))
+    assert out.tolist() == [int(np.argmax(rows[0])), int(np.argmax(rows[1]))] + got[:2].tolist()
+
+
+@pytest.mark.parametrize("block,per_block", [(32, 4), (16, 8), (300, 300)])
+def test_blocks_candidates_are_the_exact_top_ranks(block, per_block):
+    """Where "blocks" says its candidates decide, their kept set is argsort's, for blocks that cut the row
+    anywhere (and a block of the whole row): the first L candidates are the row's first L ranks."""
+    from jax_gdn.serving.sampling import _blocks_keep
+    rng = np.random.default_rng(8)
+    x = rng.integers(-4, 3, (4, 300)).astype(np.float32)
+    x[1, :5] = -np.inf
+    x[2] = (rng.standard_normal(300) * 3).astype(jnp.bfloat16).astype(np.float32)
+    settings = [(k, p) for k in (0, 1, 5, 50, 299, 300) for p in (1.0, 0.9, 0.5, 1e-6)]
+    rows = jnp.asarray(np.repeat(x, len(settings), axis=0))
+    top_k = jnp.asarray(np.tile([k for k, _ in settings], len(x)).astype(np.int32))
+    top_p = jnp.asarray(np.tile([p for _, p in settings], len(x)).astype(np.float32))
+    want = np.asarray(_kept(rows, top_k, top_p, method="argsort"))
+    ids, _, keep, exact = (np.asarray(a) for a in _blocks_keep(rows, top_k, top_p, block=block,
+                                                               per_block=per_block))
+    assert exact.any()
+    for r in np.flatnonzero(exact):
+        mine = np.zeros(300, bool)
+        real = ids[r] < 300
+        mine[ids[r][real]] = keep[r][real]
+        assert np.array_equal(mine, want[r]), (r, int(top_k[r]), float(top_p[r]))
 
 
 def test_threshold_draws():
