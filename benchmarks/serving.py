@@ -23,7 +23,8 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
   ttft      time to first token of one request alone, cold against a prefix-cache hit (``ttft_probe``): for each
             prefix length, a fresh prefix of that many tokens + a 64-token tail, three requests in turn (the first
             cold, the second makes the snapshot, the third hits), one generated token each; the first round (on its
-            own prefix) compiles and is not counted, then ``reps`` rounds, medians; no other request runs
+            own prefix) compiles and is not counted, then ``reps`` rounds, medians; no other request runs; on a
+            GPU one more hit is traced ("hit_trace": its kernels by kind beside its wall time)
   sampling  the cost of on-device sampling in the decode step (``sampling_cost``): the engine's decode program
             (model step + sampler) over N streams of a ``context``-token prefill, timed by ``jax_gdn.timing``
             with every row greedy, and with every row sampled (temperature 0.8, top-k 50, top-p 0.95; and
@@ -126,9 +127,12 @@ def _model(w: dict):
 
 
 def ttft_probe(model, prefixes=(4096,), tail: int = 64, token_budget: int = 4096, reps: int = 3,
-               block_size: int = 64, seed: int = 0) -> list:
+               block_size: int = 64, seed: int = 0, trace=None) -> list:
     """[{"prefix", "tail", "cold_s", "hit_s", "ratio", "hit_tokens"}] per prefix length (module docstring, part
-    "ttft"): medians over ``reps`` rounds of time to first token, each request alone in the engine."""
+    "ttft"): medians over ``reps`` rounds of time to first token, each request alone in the engine. ``trace`` (None:
+    on a GPU only) adds "hit_trace": one more hit, traced (``benchmarks.profile.kernel_time``): {"wall_ms" (the
+    traced call, profiler overhead included), "gpu_ms" (its kernels summed), "kinds" {kind: ms}, "top" {kernel:
+    ms}, "hit_tokens"}, which tells the hit's device time from its host time."""
     from jax_gdn.serving import LLM, SamplingParams
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
@@ -154,7 +158,27 @@ def ttft_probe(model, prefixes=(4096,), tail: int = 64, token_budget: int = 4096
                      "ratio": round(h / c, 4), "hit_tokens": int(min(hit_tokens))})
         print(f"ttft prefix {n}: cold {c * 1e3:.2f} ms, hit {h * 1e3:.2f} ms ({h / c:.3f}x), "
               f"{min(hit_tokens)} tokens hit", flush=True)
+        if trace if trace is not None else _on_gpu():
+            prompt = prefix + rng.integers(0, vocab, tail).tolist()      # the last round's prefix: cached
+            got = []
+            rows[-1]["hit_trace"] = _traced(lambda: got.append(llm.generate(prompt, sp, use_tqdm=False)[0]))
+            rows[-1]["hit_trace"]["hit_tokens"] = int(got[0].metrics["prefix_hit_tokens"])
+            print(f"  traced hit: wall {rows[-1]['hit_trace']['wall_ms']:.2f} ms, kernels "
+                  f"{rows[-1]['hit_trace']['gpu_ms']:.2f} ms: {rows[-1]['hit_trace']['kinds']}", flush=True)
     return rows
+
+
+def _on_gpu() -> bool:
+    import jax
+    return jax.default_backend() == "gpu"
+
+
+def _traced(call) -> dict:
+    """``benchmarks.profile.kernel_time`` of one host-blocking ``call`` as a JSON-ready dict (rounded ms)."""
+    from benchmarks.profile import kernel_time
+    wall, kinds, top, _ = kernel_time(call, lambda out: out)
+    r = lambda d: {k: round(v, 3) for k, v in d.items()}  # noqa: E731
+    return {"wall_ms": round(wall, 3), "gpu_ms": round(sum(kinds.values()), 3), "kinds": r(kinds), "top": r(top)}
 
 
 def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) -> list:

@@ -291,3 +291,15 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     assert seen[0] == chunk.MosaicConfig(wide="auto") and seen[1] == varlen.VarlenConfig(wide="auto")
     # a "varlen:" field sets the packed calls' config only
     assert seen[2] == chunk.MosaicConfig(wide=False) and seen[3] == varlen.VarlenConfig(wide=False, split=32)
+
+
+def test_ttft_probe_traces_one_more_hit():
+    """The serving section's TTFT probe with ``trace``: one more request on the cached prefix, traced, its kernels
+    summed by kind (none on the CPU) beside its wall time; the traced request did hit the cache."""
+    from benchmarks import serving
+    model = serving._model(dict(serving.QUICK))
+    rows = serving.ttft_probe(model, prefixes=(32,), tail=8, token_budget=64, reps=1, block_size=16, trace=True)
+    tr = rows[0]["hit_trace"]
+    assert set(tr) == {"wall_ms", "gpu_ms", "kinds", "top", "hit_tokens"}
+    assert tr["hit_tokens"] == 32 and tr["wall_ms"] > 0
+    assert tr["gpu_ms"] == round(sum(tr["kinds"].values()), 3)
