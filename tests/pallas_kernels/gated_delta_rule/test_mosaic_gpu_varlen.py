@@ -389,6 +389,39 @@ def test_slots_reference_matches_xla():
     assert rel_rms(new[written], rnew[written]) < 2e-4
 
 
+def test_slots_reference_with_the_packed_split(monkeypatch):
+    """The slot pool around the packed split (in place, pieces of 2 chunks; the plan is made, seen by a spy): the
+    long sequence's pieces write one final state to its slot; ids -1 and S write nothing, NaN slot 4 stays NaN; o
+    and the pool against the XLA backend (2e-4)."""
+    from jax_gdn import ops
+    plans = []
+    real = mv.split_plan
+    monkeypatch.setattr(mv, "split_plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    args = _inputs(lens=SPLIT_LENS, pad=SPLIT_PAD, seed=7)
+    q, k, v, g, beta, _, cu = args
+    rng = np.random.default_rng(10)
+    pool = rng.standard_normal((5, 2, 16, 8)).astype(np.float32)
+    pool[4] = np.nan
+    ids = np.array([3, -1, 0, 1, 5, 2], np.int32)                # sequence 3 (11 chunks) into slot 1
+    has = np.array([True, True, False, True, True, True])
+    x = tuple(jnp.asarray(a) for a in (q, k, v, g, beta))
+    cfg = mv.VarlenConfig(reads="in_place", split=2, wide=False)
+    o, new = mv.op_fwd_slots(*x, scale=0.25, ssm_state=jnp.asarray(pool), slot_ids=jnp.asarray(ids),
+                             has_initial_state=jnp.asarray(has), cu_seqlens=jnp.asarray(cu), impl="reference",
+                             config=cfg)
+    clean = tuple(jnp.asarray(np.nan_to_num(a)) for a in (q, k, v, g, beta))
+    ro, rnew = ops.chunk_gated_delta_rule_slots(*clean, ssm_state=jnp.asarray(pool), slot_ids=jnp.asarray(ids),
+                                                has_initial_state=jnp.asarray(has), cu_seqlens=jnp.asarray(cu),
+                                                scale=0.25, backend="xla")
+    o, new, ro, rnew = (np.asarray(a) for a in (o, new, ro, rnew))
+    assert plans
+    assert np.isfinite(o).all() and np.all(o[0, cu[-1]:] == 0)
+    assert rel_rms(o, ro) < 2e-4
+    assert np.isnan(new[4]).all()
+    written = [0, 1, 2, 3]
+    assert rel_rms(new[written], rnew[written]) < 2e-4
+
+
 def test_slots_reference_dense_rows():
     """Without cu_seqlens the slot form runs the dense Mosaic path (its twin) on N = B rows."""
     from jax_gdn import ops
