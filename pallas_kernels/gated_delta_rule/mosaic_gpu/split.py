@@ -303,27 +303,69 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
     same starts; ``piece_scan(first_end=True)`` skips the product); ``need_first`` is then ignored, and the single
     kernel runs (no paired form).
     """
+    batch, padded, _, key_dim = k.shape
+    value_dim = v.shape[3]
+    _check(pieces, padded, key_dim, value_dim)
+    if h0t is not None:
+        if h0t.shape != (batch, v.shape[2], value_dim, key_dim):
+            raise ValueError(f"state_map_pass: h0t must be [B, Hv, V, K] = {(batch, v.shape[2], value_dim, key_dim)}; "
+                             f"got {h0t.shape}")
+        need_first = False               # the first piece's identity blocks walk nothing (M_0 = 0)
+    elif use_pairs(batch * (pieces - 1) * v.shape[2] * (key_dim // BV + value_dim // BV), key_dim, value_dim,
+                   config=config):
+        return _state_map_pass_paired(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first,
+                                      head_major=head_major, exp2=exp2, interpret=interpret)
+    return _map_kernel(k, v, t, gcum, beta_c, h0t=h0t, exp2=exp2, interpret=interpret, pieces=pieces,
+                       need_first=need_first, head_major=head_major)
+
+
+def state_map_pass_walk(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False, interpret=None):
+    """The maps [M_j^T ; E_j^T] of the pieces of a packed row that the packed split maps (``walk``), fp32
+    [E, Hv, K + V, K], one Mosaic GPU kernel: :func:`state_map_pass`'s chain over pieces given by a table, the
+    packed tokens read in place.
+
+    k [1, T, Hk, K], v [1, T, Hv, V] the packed row (T a multiple of 8); t [1, Hv, Tp, C] the gate-free T0 of the
+    chunk slots (``chunk.kkt_fwd`` in place), gcum and beta_c [1, Hv, Tp] fp32 (zero on rows outside each chunk's
+    sequence); walk [E, 6] int32, row j = (first chunk slot, chunk count, first packed row / 8, the sequence's first
+    token, 1 if the piece is its sequence's first, the sequence). A first piece maps from its sequence's initial
+    state (``h0t`` [N, Hv, V, K] fp32, zeros when None): its identity blocks walk nothing and store zeros (M = 0),
+    its value blocks carry the piece's true end state; a later piece maps from [I | 0]. Only a first chunk may hold
+    rows of another sequence (its leading rows, < 8): mapped pieces are never their sequence's last, so no chunk
+    they walk runs past its end. Those rows' k are zeroed in SMEM by the Ag warpgroup and W's columns for them by a
+    select in the chain, so a NaN there reaches nothing. A row of count 0 stores zeros.
+    """
+    key_dim, value_dim = k.shape[3], v.shape[3]
+    if key_dim % BV or value_dim % BV:
+        raise ValueError(f"state_map_pass_walk: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
+    if walk.ndim != 2 or walk.shape[1] != 6:
+        raise ValueError(f"state_map_pass_walk: walk must be [E, 6]; got {walk.shape}")
+    return _map_kernel(k, v, t, gcum, beta_c, h0t=h0t, exp2=exp2, interpret=interpret, walk=walk)
+
+
+def _map_kernel(k, v, t, gcum, beta_c, *, h0t, exp2: bool, interpret, pieces: int = 0, need_first: bool = False,
+                head_major: bool = True, walk=None):
+    """The single map kernel of :func:`state_map_pass` (dense rows: CTA row r is piece r % (P - 1) of row
+    r // (P - 1)) and :func:`state_map_pass_walk` (``walk``: CTA row r is table row r, the packed tokens read in
+    place, head-major, a first chunk's leading rows masked), checked there: WG2 streams the chunks into the ring,
+    WG1 forms Ag, WG0 walks the chain (:func:`_map_chain`) and stores its rows of [M ; E]^T."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     batch, padded, kv_heads, key_dim = k.shape
     heads, value_dim = v.shape[2], v.shape[3]
-    _check(pieces, padded, key_dim, value_dim)
+    packed = walk is not None
     group = heads // kv_heads
-    run = pieces - 1
-    ncb_row = padded // C
-    ncb = ncb_row // pieces          # chunks per piece
-    piece_len = ncb * C
+    if packed:
+        n_rows = walk.shape[0]
+        head_major = True
+    else:
+        run = pieces - 1
+        ncb_row = padded // C
+        ncb = ncb_row // pieces          # chunks per piece
+        piece_len = ncb * C
+        n_rows = batch * run
     n_id = key_dim // BV             # identity blocks (rows of M^T)
     nb = n_id + value_dim // BV
     from_h0 = h0t is not None
-    if from_h0:
-        if h0t.shape != (batch, heads, value_dim, key_dim):
-            raise ValueError(f"state_map_pass: h0t must be [B, Hv, V, K] = {(batch, heads, value_dim, key_dim)}; "
-                             f"got {h0t.shape}")
-        need_first = False               # the first piece's identity blocks walk nothing (M_0 = 0)
-    elif use_pairs(batch * run * heads * nb, key_dim, value_dim, config=config):
-        return _state_map_pass_paired(k, v, t, gcum, beta_c, pieces=pieces, need_first=need_first,
-                                      head_major=head_major, exp2=exp2, interpret=interpret)
     dtype = k.dtype
     _exp = jnp.exp2 if exp2 else jnp.exp
     isz = jnp.dtype(dtype).itemsize
@@ -348,22 +390,41 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
 
     def body(k_ref, v_ref, t_ref, g_ref, b_ref, *refs, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols, in_bar,
              in_free, ag_ready, done, state_smem, h0_bar=None):
+        refs = list(refs)
+        walk_ref = refs.pop(0) if packed else None
         h0_ref, ht_ref = refs if from_h0 else (None, refs[0])
         r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        b, piece = lax.div(r, run), lax.rem(r, run)
-        tok0 = piece * piece_len
+        if packed:                       # the table row: (c0, count, first row / 8, first token, first piece, n)
+            c0, n_chunks, row0, start = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2] * 8, walk_ref[r, 3]
+            first, h0_row = walk_ref[r, 4] == 1, walk_ref[r, 5]
+        else:
+            b, piece = lax.div(r, run), lax.rem(r, run)
+            tok0 = piece * piece_len
+            first, h0_row = None, b      # (piece == 0, formed where it is used)
         hk = lax.div(hh, group)
         v0 = jnp.maximum(iv - n_id, 0) * BV  # the identity blocks read (and zero) the first value block
-        if need_first:                   # every block walks the whole piece (a static trip count)
+        if packed:
+            count = jnp.where((iv < n_id) & first, 0, n_chunks).astype(jnp.int32)
+        elif need_first:                 # every block walks the whole piece (a static trip count)
             count = ncb
         else:                            # no initial state: the first piece's M is never read, its blocks walk 0
             count = jnp.where((iv < n_id) & (piece == 0), 0, ncb).astype(jnp.int32)
+
+        def lead(n):                     # packed: leading rows of chunk n that belong to the sequence before
+            return jnp.clip(start - (row0 + n * C), 0, C)
+
         wg = lax.axis_index("wg")
-        ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s, vecs=(g_state, g_rows, g_cols, b_cols),
-                    in_bar=in_bar, head_major=head_major, b=b, hh=hh, hk=hk, tok0=tok0,
-                    piece=piece, ncb_row=ncb_row, ncb=ncb)
+        if packed:
+            ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s,
+                        vecs=(g_state, g_rows, g_cols, b_cols), in_bar=in_bar, head_major=True, b=0, hh=hh, hk=hk,
+                        tok0=c0 * C, piece=0, ncb_row=0, ncb=0, kv_row0=row0)
+        else:
+            ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s,
+                        vecs=(g_state, g_rows, g_cols, b_cols), in_bar=in_bar, head_major=head_major, b=b, hh=hh,
+                        hk=hk, tok0=tok0, piece=piece, ncb_row=ncb_row, ncb=ncb)
         ag_bufs = dict(head_major=head_major, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
                        b_cols=b_cols, ag_ready=ag_ready)
+        static = not packed and need_first
 
         @pl.when(wg == 2)
         def _memory():
@@ -372,7 +433,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
             def issue(n, slot):
                 issue_chunk(n, slot, ((v0, v_s),), **ring)
 
-            if need_first:
+            if static:
                 for n in range(min(stages, ncb)):
                     issue(n, n)
             else:
@@ -381,7 +442,7 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
                     def _(n=n):
                         issue(n, n)
 
-            @pl.loop(stages, max(ncb, stages) if need_first else jnp.maximum(count, stages))
+            @pl.loop(stages, max(ncb, stages) if static else jnp.maximum(count, stages))
             def _refill(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_free.at[slot])
@@ -395,6 +456,14 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
             def _chunk(n):
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(in_bar.at[slot])
+                if packed:
+
+                    @pl.when(lead(n) > 0)
+                    def _():             # k's rows of the sequence before: zero, before Ag says the tile is ready
+                        kt = plgpu.load(k_s.at[slot], layout=plgpu.Layout.WGMMA)
+                        k_s.at[slot][...] = jnp.where(iota((C, key_dim), 0) >= lead(n), kt, jnp.zeros_like(kt))
+                        plgpu.commit_smem()
+
                 form_ag(slot, **ag_bufs)
                 plgpu.barrier_arrive(in_free.at[slot])
 
@@ -402,19 +471,19 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         def _state():
             plgpu.set_max_registers(232, action="increase")
             s_start = None
-            if from_h0:                      # piece 0's value blocks start from h0 (TMA into the staging tile)
-                use = (piece == 0) & (iv >= n_id)
+            if from_h0:                      # a first piece's value blocks start from its row's initial state
+                use = (first if packed else piece == 0) & (iv >= n_id)
 
                 @pl.when(use)
                 def _():
-                    plgpu.copy_gmem_to_smem(h0_ref.at[b, hh, pl.ds(v0, BV)], state_smem, h0_bar.at[0])
+                    plgpu.copy_gmem_to_smem(h0_ref.at[h0_row, hh, pl.ds(v0, BV)], state_smem, h0_bar.at[0])
                     plgpu.barrier_wait(h0_bar.at[0])
 
                 # (optimized=False: one [BV, K] fp32 load a CTA; jax 0.10 finds no conflict-free plan for it)
                 s_start = (use, plgpu.load(state_smem, layout=plgpu.Layout.WGMMA, optimized=False))
             s_t = _map_chain(iv, n_id, count, need_first=need_first, stages=stages, dtype=dtype, key_dim=key_dim,
                              exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
-                             ag_ready=ag_ready, in_free=in_free, s_start=s_start)
+                             ag_ready=ag_ready, in_free=in_free, s_start=s_start, lead=lead if packed else None)
             state_smem[...] = s_t
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
@@ -424,146 +493,14 @@ def state_map_pass(k, v, t, gcum, beta_c, *, pieces: int, need_first: bool = Tru
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
 
-    out = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((batch * run, heads, nb * BV, key_dim), F32), scratch_types=scratch,
-        grid=(batch * run, heads, nb), grid_names=("b", "h", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-        kernel_name="gdn_mosaic_split_map", num_threads=3, thread_name="wg",
-    )(k, v, t, gcum, beta_c, *((h0t.astype(F32),) if from_h0 else ()))
-    return out[0] if isinstance(out, (list, tuple)) else out
-
-
-def state_map_pass_walk(k, v, t, gcum, beta_c, walk, *, h0t=None, exp2: bool = False, interpret=None):
-    """The maps [M_j^T ; E_j^T] of the pieces of a packed row that the packed split maps (``walk``), fp32
-    [E, Hv, K + V, K], one Mosaic GPU kernel: :func:`state_map_pass`'s chain over pieces given by a table, the
-    packed tokens read in place.
-
-    k [1, T, Hk, K], v [1, T, Hv, V] the packed row (T a multiple of 8); t [1, Hv, Tp, C] the gate-free T0 of the
-    chunk slots (``chunk.kkt_fwd`` in place), gcum and beta_c [1, Hv, Tp] fp32 (zero on rows outside each chunk's
-    sequence); walk [E, 6] int32, row j = (first chunk slot, chunk count, first packed row / 8, the sequence's first
-    token, 1 if the piece is its sequence's first, the sequence). A first piece maps from its sequence's initial
-    state (``h0t`` [N, Hv, V, K] fp32, zeros when None): its identity blocks walk nothing and store zeros (M = 0),
-    its value blocks carry the piece's true end state; a later piece maps from [I | 0]. Only a first chunk may hold
-    rows of another sequence (its leading rows, < 8): mapped pieces are never their sequence's last, so no chunk
-    they walk runs past its end. Those rows' k are zeroed in SMEM by the Ag warpgroup and W's columns for them by a
-    select in the chain, so a NaN there reaches nothing. A row of count 0 stores zeros.
-    """
-    import jax.experimental.pallas as pl
-    plgpu = _plgpu()
-    _, _, kv_heads, key_dim = k.shape
-    heads, value_dim = v.shape[2], v.shape[3]
-    if key_dim % BV or value_dim % BV:
-        raise ValueError(f"state_map_pass_walk: K (got {key_dim}) and V (got {value_dim}) must be multiples of {BV}")
-    if walk.ndim != 2 or walk.shape[1] != 6:
-        raise ValueError(f"state_map_pass_walk: walk must be [E, 6]; got {walk.shape}")
-    group = heads // kv_heads
-    n_rows = walk.shape[0]
-    n_id = key_dim // BV
-    nb = n_id + value_dim // BV
-    has_h0 = h0t is not None
-    dtype = k.dtype
-    _exp = jnp.exp2 if exp2 else jnp.exp
-    isz = jnp.dtype(dtype).itemsize
-    n_vec = 4
-    per_stage = C * key_dim * isz + C * BV * isz + C * C * isz + n_vec * C * 4
-    stages = ring_stages(per_stage, BV * key_dim * 4 + 4096 + n_vec * 1024)
-    vecs = plgpu.SMEM((stages, C), F32)
-    scratch = dict(
-        k_s=smem((stages, C, key_dim), dtype),
-        v_s=smem((stages, C, BV), dtype),
-        t_s=smem((stages, C, C), dtype),
-        g_state=vecs, g_rows=vecs, g_cols=vecs, b_cols=vecs,
-        in_bar=plgpu.Barrier(num_arrivals=3 + n_vec, num_barriers=stages),
-        in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        ag_ready=plgpu.Barrier(num_barriers=stages),
-        done=plgpu.Barrier(num_arrivals=3),
-        state_smem=plgpu.SMEM((BV, key_dim), F32),
-    )
-    if has_h0:
-        scratch["h0_bar"] = plgpu.Barrier(num_barriers=1)
-
-    def body(k_ref, v_ref, t_ref, g_ref, b_ref, walk_ref, *refs, k_s, v_s, t_s, g_state, g_rows, g_cols, b_cols,
-             in_bar, in_free, ag_ready, done, state_smem, h0_bar=None):
-        h0_ref, ht_ref = refs if has_h0 else (None, refs[0])
-        r, hh, iv = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-        c0, n_chunks, row0, start = walk_ref[r, 0], walk_ref[r, 1], walk_ref[r, 2] * 8, walk_ref[r, 3]
-        first, seq = walk_ref[r, 4] == 1, walk_ref[r, 5]
-        hk = lax.div(hh, group)
-        v0 = jnp.maximum(iv - n_id, 0) * BV
-        count = jnp.where((iv < n_id) & first, 0, n_chunks).astype(jnp.int32)
-
-        def lead(n):                     # leading rows of chunk n that belong to the sequence before
-            return jnp.clip(start - (row0 + n * C), 0, C)
-
-        wg = lax.axis_index("wg")
-        ring = dict(refs=(k_ref, v_ref, t_ref, g_ref, b_ref), k_s=k_s, t_s=t_s, vecs=(g_state, g_rows, g_cols, b_cols),
-                    in_bar=in_bar, head_major=True, b=0, hh=hh, hk=hk, tok0=c0 * C, piece=0, ncb_row=0, ncb=0,
-                    kv_row0=row0)
-        ag_bufs = dict(head_major=True, exp=_exp, dtype=dtype, t_s=t_s, g_rows=g_rows, g_cols=g_cols,
-                       b_cols=b_cols, ag_ready=ag_ready)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            for n in range(stages):
-                @pl.when(count > n)
-                def _(n=n):
-                    issue_chunk(n, n, ((v0, v_s),), **ring)
-
-            @pl.loop(stages, jnp.maximum(count, stages))
-            def _refill(n):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_free.at[slot])
-                issue_chunk(n, slot, ((v0, v_s),), **ring)
-
-        @pl.when(wg == 1)
-        def _ag():
-            plgpu.set_max_registers(232, action="increase")
-
-            @pl.loop(0, count)
-            def _chunk(n):
-                slot = lax.rem(n, stages)
-                plgpu.barrier_wait(in_bar.at[slot])
-
-                @pl.when(lead(n) > 0)
-                def _():                 # k's rows of the sequence before: zero, before Ag says the tile is ready
-                    kt = plgpu.load(k_s.at[slot], layout=plgpu.Layout.WGMMA)
-                    k_s.at[slot][...] = jnp.where(iota((C, key_dim), 0) >= lead(n), kt, jnp.zeros_like(kt))
-                    plgpu.commit_smem()
-
-                form_ag(slot, **ag_bufs)
-                plgpu.barrier_arrive(in_free.at[slot])
-
-        @pl.when(wg == 0)
-        def _state():
-            plgpu.set_max_registers(232, action="increase")
-            s_start = None
-            if has_h0:                   # a first piece's value blocks start from its sequence's initial state
-                use = first & (iv >= n_id)
-
-                @pl.when(use)
-                def _():
-                    plgpu.copy_gmem_to_smem(h0_ref.at[seq, hh, pl.ds(v0, BV)], state_smem, h0_bar.at[0])
-                    plgpu.barrier_wait(h0_bar.at[0])
-
-                s_start = (use, plgpu.load(state_smem, layout=plgpu.Layout.WGMMA, optimized=False))
-            s_t = _map_chain(iv, n_id, count, need_first=False, stages=stages, dtype=dtype, key_dim=key_dim,
-                             exp=_exp, k_s=k_s, v_s=v_s, t_s=t_s, g_state=g_state, in_bar=in_bar,
-                             ag_ready=ag_ready, in_free=in_free, s_start=s_start, lead=lead)
-            state_smem[...] = s_t
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(state_smem, ht_ref.at[r, hh, pl.ds(iv * BV, BV)])
-            plgpu.wait_smem_to_gmem(0)
-
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
-
+    extra = ((walk.astype(jnp.int32),) if packed else ()) + ((h0t.astype(F32),) if from_h0 else ())
     out = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((n_rows, heads, nb * BV, key_dim), F32), scratch_types=scratch,
         grid=(n_rows, heads, nb), grid_names=("b", "h", "v"),
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-        kernel_name="gdn_mosaic_split_map_packed", num_threads=3, thread_name="wg",
-    )(k, v, t, gcum, beta_c, walk.astype(jnp.int32), *((h0t.astype(F32),) if has_h0 else ()))
+        kernel_name="gdn_mosaic_split_map_packed" if packed else "gdn_mosaic_split_map", num_threads=3,
+        thread_name="wg",
+    )(k, v, t, gcum, beta_c, *extra)
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
