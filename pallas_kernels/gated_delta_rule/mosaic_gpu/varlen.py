@@ -78,8 +78,8 @@ READS = ("repacked", "in_place")
 ALIGN = 8                # rows of a TMA copy's GMEM tile: in-place chunks start at multiples of it
 # the packed split (VarlenConfig.split, split_plan): calls of at most SPLIT_MAX_SEQS sequences (above that the pieces'
 # start states would be a copy of every initial state, and such mixes fill the SMs without a split), pieces of at
-# least SPLIT_MIN_CHUNKS chunks when it is on (the dense split's min_piece_chunks), at most SPLIT_MAX_PIECES pieces a
-# sequence
+# least SPLIT_MIN_CHUNKS chunks when it is on (2048 tokens; the bench's split variant; not yet tuned), at most
+# SPLIT_MAX_PIECES pieces a sequence
 SPLIT_MAX_SEQS = 16
 SPLIT_MIN_CHUNKS = 32
 SPLIT_MAX_PIECES = 8
@@ -115,10 +115,10 @@ class VarlenConfig:
     long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). solve: with wide, T0 formed
     inside the fused pass (no kkt_fwd launch).
     split: the packed split (:func:`split_plan`; reads "in_place", the narrow pass, at most ``SPLIT_MAX_SEQS``
-    sequences): 0 off, else the shortest piece in chunks (``SPLIT_MIN_CHUNKS`` = 32, the dense split's
-    ``min_piece_chunks``). A sequence long enough to leave SMs idle is cut into pieces that the fused pass walks
-    side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``) and a
-    scan; the plan is made on the device from cu_seqlens. Off by default until measured.
+    sequences): 0 off, else the shortest piece in chunks (``SPLIT_MIN_CHUNKS`` = 32, the bench's variant; the dense
+    split's ``min_piece_chunks`` is 8). A sequence long enough to leave SMs idle is cut into pieces that the fused
+    pass walks side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``)
+    and a scan; the plan is made on the device from cu_seqlens. Off by default until measured.
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -189,10 +189,14 @@ def num_lanes(lanes: int, n: int, heads: int, value_dim: int, sms: int | None = 
     """The persistent walk's lane count for ``VarlenConfig.lanes`` (0: off)."""
     if lanes >= 0:
         return min(lanes, n)
-    sms = num_sms() if sms is None else sms
-    per_lane = heads * max(value_dim // mg.BV, 1)
-    auto = max(sms // per_lane, 1)
+    auto = rows_per_wave(heads, value_dim, sms)
     return auto if n >= 4 * auto else 0
+
+
+def rows_per_wave(heads: int, value_dim: int, sms: int | None = None) -> int:
+    """CTA rows of the narrow fused pass (Hv V / 64 CTAs a row) that one wave of the SMs holds, at least 1."""
+    sms = num_sms() if sms is None else sms
+    return max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
 
 
 def lane_table(walk, lanes: int):
@@ -333,9 +337,7 @@ def split_rows(num_seqs: int, total_chunks: int, heads: int, value_dim: int, min
     sequences."""
     if num_seqs > SPLIT_MAX_SEQS or min_chunks <= 0:
         return 0
-    sms = num_sms() if sms is None else sms
-    slots = max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
-    return min(slots, total_chunks // min_chunks, num_seqs * (SPLIT_MAX_PIECES - 1))
+    return min(rows_per_wave(heads, value_dim, sms), total_chunks // min_chunks, num_seqs * (SPLIT_MAX_PIECES - 1))
 
 
 def split_plan(ac, cu, extra: int, *, heads: int, value_dim: int, min_chunks: int, sms: int | None = None
@@ -349,8 +351,7 @@ def split_plan(ac, cu, extra: int, *, heads: int, value_dim: int, min_chunks: in
     from pallas_kernels.gated_delta_rule.chunk_map import count_le
     n = cu.shape[0] - 1
     rows = n + extra
-    sms = num_sms() if sms is None else sms
-    slots = max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
+    slots = rows_per_wave(heads, value_dim, sms)
     c = ac.seq_num_chunks.astype(jnp.int32)                                          # [N]
     total = jnp.sum(c)
     length = jnp.maximum(min_chunks, (total + slots - 1) // slots)
@@ -683,7 +684,7 @@ def _varlen_in_place(q, k, v, g, beta, cu, initial_state, *, scale: float, out_f
         t0 = mg.kkt_fwd(k, beta_hm, heads=hv, num_chunks=num_chunks, chunk_rows=rows)
     else:
         t0 = mg.kkt_fwd_reference(gather_rows(k[0], ac.src, ac.keep)[None], beta_hm, heads=hv)
-    extra = split_rows(n, nc, hv, v.shape[3], split) if not wide and t0 is not None else 0
+    extra = 0 if wide else split_rows(n, nc, hv, v.shape[3], split)    # (solve, where T0 is None, is wide only)
     states = None if initial_state is None else initial_state.astype(F32)
     rows, num_states = walk, n
     if extra:                # the packed split: pieces walked side by side from mapped start states
