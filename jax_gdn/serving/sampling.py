@@ -232,7 +232,7 @@ def _threshold_keep(x, top_k, top_p, active):
 
 def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: int = CANDIDATES_PER_BLOCK):
     """The blocks method's candidates: (ids [Nb, M] int32 by rank, x by rank [Nb, M], kept ranks [Nb, M] bool,
-    exact [Nb] bool), M = ceil(Vocab / block) per_block.
+    exact [Nb] bool, every [Nb] bool: the rows that keep every token), M = ceil(Vocab / block) per_block.
 
     Each block of ``block`` tokens is sorted alone (descending, ties by id) and its first ``per_block`` tokens are
     candidates; the candidates are sorted again (a stable sort of the block-ordered list: ties stay by id). Every
@@ -278,7 +278,7 @@ def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: in
     # the mass ranked above rank L, from the same cumsum the kept set was read from (no second rounding)
     held = jnp.take_along_axis(jnp.pad(cum, ((0, 0), (1, 0))), exact_ranks[:, None], axis=1)[:, 0]
     exact = (top_k_on & (k <= exact_ranks)) | (~top_k_on & (top_p < 1) & (held >= top_p))
-    return ids, xs, keep, exact
+    return ids, xs, keep, exact, ~top_k_on & (top_p >= 1)
 
 
 def kept_tokens(x, top_k, top_p, method: str = "keys"):
@@ -290,9 +290,8 @@ def kept_tokens(x, top_k, top_p, method: str = "keys"):
         return _threshold_keep(x, top_k, top_p, jnp.ones(x.shape[:1], bool))[0]
     rows = jnp.arange(x.shape[0])[:, None]
     if method == "blocks":
-        ids, _, keep, exact = _blocks_keep(x, top_k, top_p)
+        ids, _, keep, exact, every = _blocks_keep(x, top_k, top_p)
         mine = jnp.zeros(x.shape, bool).at[rows, ids].set(keep, mode="drop")
-        every = (_top_k(top_k, x.shape[1]) >= x.shape[1]) & (top_p >= 1)
         full = jax.lax.cond(jnp.any(~exact & ~every), lambda: kept_tokens(x, top_k, top_p, "keys"),
                             lambda: jnp.zeros(x.shape, bool))
         return jnp.where(exact[:, None], mine, every[:, None] | full)
@@ -334,15 +333,17 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
         _, w = _threshold_keep(x, top_k, top_p, temperature > 0)
         return _inverse_cdf(w, jax.vmap(jax.random.uniform)(keys))
     if method == "blocks":
-        ids, xs, keep, exact = _blocks_keep(x, top_k, top_p)
+        ids, xs, keep, exact, every = _blocks_keep(x, top_k, top_p)
         pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))
-        mine = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-        every = (_top_k(top_k, x.shape[1]) >= x.shape[1]) & (top_p >= 1)   # every token kept: one draw over all
-        plain = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
-        rest = ~exact & ~every & (temperature > 0)
-        full = jax.lax.cond(jnp.any(rest), lambda: _draw(logits, temperature, top_k, top_p, seed, step, "keys"),
-                            lambda: plain)
-        return jnp.where(exact, mine, jnp.where(every, plain, full)).astype(jnp.int32)
+        mine = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        sampled = temperature > 0
+        none = lambda: jnp.zeros_like(mine)  # noqa: E731  (a branch no sampled row reads)
+        # every token kept: one draw over the whole row, only where such a row is sampled
+        plain = jax.lax.cond(jnp.any(every & sampled),
+                             lambda: jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32), none)
+        full = jax.lax.cond(jnp.any(~exact & ~every & sampled),
+                            lambda: _draw(logits, temperature, top_k, top_p, seed, step, "keys"), none)
+        return jnp.where(exact, mine, jnp.where(every, plain, full))
     order, xs, keep = _sorted_keep(x, top_k, top_p, method)
     pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))    # a rank
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -244,8 +244,8 @@ def test_blocks_candidates_are_the_exact_top_ranks(block, per_block):
     top_k = jnp.asarray(np.tile([k for k, _ in settings], len(x)).astype(np.int32))
     top_p = jnp.asarray(np.tile([p for _, p in settings], len(x)).astype(np.float32))
     want = np.asarray(_kept(rows, top_k, top_p, method="argsort"))
-    ids, _, keep, exact = (np.asarray(a) for a in _blocks_keep(rows, top_k, top_p, block=block,
-                                                               per_block=per_block))
+    ids, _, keep, exact, _ = (np.asarray(a) for a in _blocks_keep(rows, top_k, top_p, block=block,
+                                                                  per_block=per_block))
     assert exact.any()
     for r in np.flatnonzero(exact):
         mine = np.zeros(300, bool)
