@@ -280,7 +280,7 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     monkeypatch.setattr(chunk, "fallback_reason", lambda *a, **k: None)
     for mod in (chunk, varlen):
         monkeypatch.setattr(mod, "op_fwd", lambda q, *a, config=None, **k: (seen.append(config), q)[1])
-    for variant in ("mosaic_gpu_wide", "mosaic_gpu_split"):
+    for variant in ("mosaic_gpu_wide", "mosaic_gpu_split", "mosaic_gpu_narrow"):
         for case_name in ("B1-T8192-Hk2-Hv8", "tiny64-T171-Hk16-Hv32"):
             case = CASES[case_name]
             small = type(case)(case.name, 1, 8, case.Hk, case.Hv, case.K, case.V,
@@ -291,6 +291,9 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     assert seen[0] == chunk.MosaicConfig(wide="auto") and seen[1] == varlen.VarlenConfig(wide="auto")
     # a "varlen:" field sets the packed calls' config only
     assert seen[2] == chunk.MosaicConfig(wide=False) and seen[3] == varlen.VarlenConfig(wide=False, split=32)
+    # wide False in both (the default is "auto" now, so this is what shows the fields reach the entry points)
+    assert seen[4] == chunk.MosaicConfig(wide=False) and seen[5] == varlen.VarlenConfig(wide=False)
+    assert seen[4] != chunk.DEFAULT_CONFIG and seen[5] != varlen.DEFAULT_CONFIG
 
 
 def test_ttft_probe_traces_one_more_hit():
