@@ -1,7 +1,7 @@
 """Section "backward": forward + backward of the chunked gated delta rule, every column in one run on one GPU.
 
-Cases: ``benchmarks.cases.BACKWARD_CASES`` (every row of the GDN section: dense rows of 80B dims and the packed
-mixes varlen16, serve256, tiny64; bf16 q, k, v, beta; fp32 g and initial state; final state out). Loss
+Cases: ``benchmarks.cases.BACKWARD_CASES`` (the GDN section's first eight rows: dense rows of 80B dims and the
+packed mixes varlen16, serve256, tiny64; bf16 q, k, v, beta; fp32 g and initial state; final state out). Loss
 sum(o * do) + sum(ht * dht) with fixed random cotangents; gradients of q, k, v, g, beta and h0. Columns (median ms; null where an implementation
 cannot run, its reason in "errors"):
   fwd   ours, the forward alone (``jax_gdn.ops.chunk_gated_delta_rule``, backend "auto")

@@ -32,6 +32,9 @@ TINY64_LENS = (
     3, 4, 4, 3, 1, 1, 1, 2, 3, 4, 4, 1, 2, 4, 4, 3, 4, 1, 3, 1, 3, 2, 2, 3, 4, 3, 2, 1, 2, 4, 1, 3, 3, 3, 3, 4, 1,
     3, 3, 3, 4, 3, 2, 4, 1, 4, 4, 1, 1, 4, 4, 1, 1, 2, 2, 1, 4, 4, 4, 1, 4, 4, 4, 1,
 )
+# One long sequence among many short ones (a long prompt joining a serving batch): 16384 tokens in the middle of
+#   serve256's first 63 sequences, 25664 tokens (a multiple of 8: read in place).
+LONG1_SHORT63_LENS = SERVE256_LENS[:32] + (16384,) + SERVE256_LENS[32:63]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +82,14 @@ BENCH_CASES = (
     _varlen("varlen16-T19027-Hk16-Hv32", VARLEN16_LENS, 16, 32),
     _varlen("serve256-T38567-Hk16-Hv32", SERVE256_LENS, 16, 32),
     _varlen("tiny64-T171-Hk16-Hv32", TINY64_LENS, 16, 32),
+    _dense(1, 131072, 16, 32),
+    _varlen("long16k-short63-T25664-Hk16-Hv32", LONG1_SHORT63_LENS, 16, 32),
+    _varlen("packed1-T32768-Hk16-Hv32", (32768,), 16, 32),       # the model's long stream: one packed sequence
 )
 
-#: the backward section's rows: every GDN bench row (the training step's packed documents are the varlen rows)
-BACKWARD_CASES = BENCH_CASES
+#: the backward section's rows: the GDN bench's first eight (dense rows of 80B dims and the packed mixes; the training
+#: step's packed documents are the varlen rows)
+BACKWARD_CASES = BENCH_CASES[:8]
 CPU_BACKWARD = (Case("cpu-B1-T70-Hk1-Hv2-K16-V16", 1, 70, 1, 2, 16, 16),)
 
 # ---- GPU tests (K = V = 128; odd lengths, grouped heads, varlen with a zero-length and a one-token sequence) ----
