@@ -18,7 +18,7 @@ Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies 
              needs is skipped (``lax.cond``: no top-k, top_p 1). The draw is an inverse CDF in id order over the
              kept tokens' mass with one uniform number per row (block sums, then within the block); it never lands on a
              token of zero mass.
-  keys,      a full sort of each row (``SORTS``: ``descending_order``; "keys", the default, sorts int32 keys),
+  keys,      a full sort of each row (``SORTS``: ``descending_order``; "keys" sorts int32 keys),
   argsort    softmax and cumsum in rank order, then a Gumbel-max draw (``jax.random.categorical``) over the kept
              ranks; the two draw alike.
   blocks     short sorts only (``_blocks_keep``): each block of CANDIDATE_BLOCK tokens sorted alone, its
@@ -26,11 +26,13 @@ Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies 
              token left out are the row's exact first ranks, so where top_k <= their count (or top_k is off and
              they hold top_p of the mass) they decide the kept set and the Gumbel-max draw; a row keeping every
              token draws over the whole row; any other row falls back to "keys" (``lax.cond``). Draws differ from
-             "keys"' (another mapping of the key) but follow the same distribution. Untimed on the GPU.
-Measured alone on the H200 (``python -m benchmarks serving --cases sampling``, [rows, 151936] fp32 logits,
-temperature 0.8, top-k 50, top-p 0.95; results "serving" in benchmarks/results/h200.json), ms at 16 / 64 rows:
-keys 0.733 / 1.476, argsort 0.751 / 2.069, threshold 1.203 / 4.632 (its ~26 dependent reductions over [rows,
-Vocab, 15] cost more than XLA's sort), greedy 0.164 / 0.182. Hence the default.
+             "keys"' (another mapping of the key) but follow the same distribution. The default.
+Measured on the H200 (``python -m benchmarks serving --cases sampling``, commit 8c8daaf, 2026-12-03; [rows,
+151936] fp32 logits, temperature 0.8, top-k 50, top-p 0.95; results "serving" in benchmarks/results/h200.json), the
+sampler alone, ms at 16 / 64 rows: blocks 0.281 / 0.924, keys 0.738 / 1.473, argsort 0.758 / 2.090, threshold
+1.209 / 4.655 (its ~26 dependent reductions over [rows, Vocab, 15] cost more than XLA's sort), greedy 0.121 /
+0.088. Hence "blocks" the default (``DEFAULT_METHOD``); with "keys" the decode step of 8 layers at 80B dims took
++18.7% / +2.8% over its greedy step (3.143 / 7.405 ms).
 threshold's draws differ from the sort methods' (another mapping of the same key to a token) but follow the same
 distribution. A row of all -inf logits: threshold draws uniformly over its kept tokens, the sort methods draw the
 first-ranked.
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample", "sample_rows",
+__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample", "sample_rows",
            "sampling_arrays"]
 
 
@@ -112,8 +114,9 @@ def sampling_arrays(params, steps, rows: int):
 #: comparison, which XLA's GPU backend can hand to a radix sort
 SORTS = ("argsort", "keys")
 #: how :func:`sample_rows` finds the kept tokens and draws (module docstring): a full sort of each row by one of
-#: ``SORTS`` ("keys" the default: the fastest measured), "threshold" (no sort) or "blocks" (sorts of short rows only)
+#: ``SORTS``, "threshold" (no sort) or "blocks" (sorts of short rows only; the default: the fastest measured)
 METHODS = ("keys", "argsort", "threshold", "blocks")
+DEFAULT_METHOD = "blocks"
 #: tokens per block of the threshold method's two-level inverse-CDF search
 _BLOCK = 1024
 #: the blocks method: tokens per block sorted (one short sort per block), candidates kept per block
@@ -281,7 +284,7 @@ def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: in
     return ids, xs, keep, exact, ~top_k_on & (top_p >= 1)
 
 
-def kept_tokens(x, top_k, top_p, method: str = "keys"):
+def kept_tokens(x, top_k, top_p, method: str = DEFAULT_METHOD):
     """[Nb, Vocab] bool, in id order: the tokens each row may draw from (module docstring) for fp32 ``x`` (the
     logits over the temperature), top_k [Nb] int32 and top_p [Nb] fp32; ``method`` one of ``METHODS`` (every
     method keeps the same tokens)."""
@@ -349,7 +352,7 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = "keys"):
+def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = DEFAULT_METHOD):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
     seed, step [Nb] int32; ``method`` how the kept tokens are found and drawn from (``METHODS``). Returns int32
     [Nb]. Traceable: the engine calls it inside its step's program."""
