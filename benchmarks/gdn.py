@@ -15,7 +15,7 @@ where each is importable (a peer that cannot run a case gets null). A/B columns 
 ``--impls`` only and kept in the row's "variants" (never in a ratio; ``VARIANTS``):
   mosaic_gpu_narrow / mosaic_gpu_wide  the Mosaic GPU kernels with ``MosaicConfig`` / ``VarlenConfig`` wide False /
               "auto" (the fused pass per 64 value columns, or per value head where the narrow one runs more than a
-              wave), whatever the defaults are
+              wave), whatever the defaults are; narrow with the packed split off
   mosaic_gpu_split  the narrow pass, packed calls with ``VarlenConfig.split = 32`` (long sequences cut into pieces
               of >= 32 chunks walked side by side; the split runs with the narrow pass only)
 Inputs: bf16 q, k (L2-normalised), v, beta; fp32 g (log-decay) and initial state; the final state is returned. Times
@@ -42,7 +42,7 @@ OURS = ("pallas", "mosaic_gpu")
 PEERS = ("fla", "jla", "qla", "fi")
 CASES = BENCH_CASES
 #: A/B columns (``--impls`` only; row["variants"]): the Mosaic GPU kernels with these MosaicConfig / VarlenConfig fields
-VARIANTS = {"mosaic_gpu_narrow": {"wide": False}, "mosaic_gpu_wide": {"wide": "auto"},
+VARIANTS = {"mosaic_gpu_narrow": {"wide": False, "varlen:split": 0}, "mosaic_gpu_wide": {"wide": "auto"},
             "mosaic_gpu_split": {"wide": False, "varlen:split": 32}}
 QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 

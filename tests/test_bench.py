@@ -292,7 +292,7 @@ def test_variant_columns_on_cpu_and_the_configs_they_pass(monkeypatch):
     # a "varlen:" field sets the packed calls' config only
     assert seen[2] == chunk.MosaicConfig(wide=False) and seen[3] == varlen.VarlenConfig(wide=False, split=32)
     # wide False in both (the default is "auto" now, so this is what shows the fields reach the entry points)
-    assert seen[4] == chunk.MosaicConfig(wide=False) and seen[5] == varlen.VarlenConfig(wide=False)
+    assert seen[4] == chunk.MosaicConfig(wide=False) and seen[5] == varlen.VarlenConfig(wide=False, split=0)
     assert seen[4] != chunk.DEFAULT_CONFIG and seen[5] != varlen.DEFAULT_CONFIG
 
 

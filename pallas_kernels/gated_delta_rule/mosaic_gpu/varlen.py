@@ -78,8 +78,8 @@ READS = ("repacked", "in_place")
 ALIGN = 8                # rows of a TMA copy's GMEM tile: in-place chunks start at multiples of it
 # the packed split (VarlenConfig.split, split_plan): calls of at most SPLIT_MAX_SEQS sequences (above that the pieces'
 # start states would be a copy of every initial state, and such mixes fill the SMs without a split), pieces of at
-# least SPLIT_MIN_CHUNKS chunks when it is on (2048 tokens; the bench's split variant; not yet tuned), at most
-# SPLIT_MAX_PIECES pieces a sequence
+# least SPLIT_MIN_CHUNKS chunks (2048 tokens; VarlenConfig.split's default, the bench's split variant; not tuned), at
+# most SPLIT_MAX_PIECES pieces a sequence
 SPLIT_MAX_SEQS = 16
 SPLIT_MIN_CHUNKS = 32
 SPLIT_MAX_PIECES = 8
@@ -115,10 +115,13 @@ class VarlenConfig:
     long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). solve: with wide, T0 formed
     inside the fused pass (no kkt_fwd launch).
     split: the packed split (:func:`split_plan`; reads "in_place", the narrow pass, at most ``SPLIT_MAX_SEQS``
-    sequences): 0 off, else the shortest piece in chunks (``SPLIT_MIN_CHUNKS`` = 32, the bench's variant; the dense
-    split's ``min_piece_chunks`` is 8). A sequence long enough to leave SMs idle is cut into pieces that the fused
-    pass walks side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``)
-    and a scan; the plan is made on the device from cu_seqlens. Off by default until measured.
+    sequences): 0 off, else the shortest piece in chunks (default ``SPLIT_MIN_CHUNKS`` = 32; the dense split's
+    ``min_piece_chunks`` is 8). A sequence long enough to leave SMs idle is cut into pieces that the fused pass
+    walks side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``) and
+    a scan; the plan is made on the device from cu_seqlens. With wide "auto" it engages only where the pass runs
+    narrow (at most SMs / (Hv V / 64) sequences: 2 at 80B dims, the model's long stream among them). On by default
+    since measured (H200, 8c8daaf, same process): packed1-T32768 1.2553 -> 1.1092 ms; long16k-short63 (64
+    sequences: never split) 0.7714 / 0.7777.
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -132,7 +135,7 @@ class VarlenConfig:
     reads: str = "in_place"
     wide: object = "auto"
     solve: bool = False
-    split: int = 0
+    split: int = SPLIT_MIN_CHUNKS
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
