@@ -83,6 +83,11 @@ ALIGN = 8                # rows of a TMA copy's GMEM tile: in-place chunks start
 SPLIT_MAX_SEQS = 16
 SPLIT_MIN_CHUNKS = 32
 SPLIT_MAX_PIECES = 8
+# wide "per_call" (wide_pays): a wide CTA's chunk step over a narrow one's where the longest sequence sets the time,
+# from long16k-short63 (H200, 8c8daaf: wide 0.8963 against narrow 0.7714 ms; the launches both pay included, so the
+# steps' own ratio is larger and the choice leans wide, the static "auto" form's way)
+WIDE_STEP = 1.16
+WIDES = (True, False, "auto", "per_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +117,9 @@ class VarlenConfig:
     head) over V = 128 with two state warpgroups (``chunk.fused_state_pass(wide=True)``; stage1a "mosaic", V = 128,
     lanes 0; ignored elsewhere; "auto" by default, as ``chunk.MosaicConfig.wide``: varlen16 0.6693 -> 0.6027 ms,
     serve256 1.9300 -> 1.6768, tiny64 0.2407 -> 0.1968; a mix whose longest sequence sets the time loses,
-    long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). solve: with wide, T0 formed
+    long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). "per_call": where "auto" would run wide, the choice is
+    made on the device for each call from cu_seqlens (:func:`wide_pays`: the longest sequence against the total),
+    both passes in the program under a ``lax.cond``; untimed, so not the default. solve: with wide, T0 formed
     inside the fused pass (no kkt_fwd launch).
     split: the packed split (:func:`split_plan`; reads "in_place", the narrow pass, at most ``SPLIT_MAX_SEQS``
     sequences): 0 off, else the shortest piece in chunks (default ``SPLIT_MIN_CHUNKS`` = 32; the dense split's
@@ -148,8 +155,8 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.copies must be one of {COPIES}; got {self.copies!r}")
         if self.reads not in READS:
             raise ValueError(f"VarlenConfig.reads must be one of {READS}; got {self.reads!r}")
-        if self.wide not in (True, False, "auto"):
-            raise ValueError(f"VarlenConfig.wide must be True, False or 'auto'; got {self.wide!r}")
+        if self.wide not in WIDES or isinstance(self.wide, int) and not isinstance(self.wide, bool):
+            raise ValueError(f"VarlenConfig.wide must be one of {WIDES}; got {self.wide!r}")
         for name in ("kkt_used", "solve"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"VarlenConfig.{name} must be a bool; got {getattr(self, name)!r}")
@@ -200,6 +207,21 @@ def rows_per_wave(heads: int, value_dim: int, sms: int | None = None) -> int:
     """CTA rows of the narrow fused pass (Hv V / 64 CTAs a row) that one wave of the SMs holds, at least 1."""
     sms = num_sms() if sms is None else sms
     return max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
+
+
+def wide_pays(cu, heads: int, value_dim: int, sms: int | None = None):
+    """Whether the wide fused pass should run this call (wide "per_call"; traceable: cu [N + 1] traced), a bool
+    scalar: with c_n = ceil(len_n / C) chunks a sequence, the narrow pass takes about max(max c_n, sum c_n Hv V /
+    64 / SMs) chunk steps (its longest sequence's chain, or its CTAs' share of the SMs) and the wide one
+    ``WIDE_STEP`` max(max c_n, sum c_n Hv / SMs) (half the CTAs, each step ``WIDE_STEP`` narrow ones): wide where
+    that is less, so a mix whose longest sequence sets the time runs narrow."""
+    sms = num_sms() if sms is None else sms
+    lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+    chunks = ((lens + C - 1) // C).astype(jnp.float32)
+    longest, total = jnp.max(chunks), jnp.sum(chunks)
+    narrow = jnp.maximum(longest, total * heads * max(value_dim // mg.BV, 1) / sms)
+    wide = WIDE_STEP * jnp.maximum(longest, total * heads / sms)
+    return wide < narrow
 
 
 def lane_table(walk, lanes: int):
@@ -627,6 +649,16 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
+    if wide == "per_call":   # where "auto" runs wide, both passes under a cond on the call's lengths
+        if not mg.wide_pass("auto", n, hv, vdim) or stage1a != "mosaic" or lanes != 0:
+            wide = False
+        else:
+            def run(wide_):
+                return chunk_gated_delta_rule_varlen_fwd(
+                    q, k, v, g, beta, cu, initial_state, scale=scale, output_final_state=output_final_state,
+                    impl=impl, stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies,
+                    kkt_used=kkt_used, reads=reads, wide=wide_, solve=solve, split=split)
+            return lax.cond(wide_pays(cu, hv, vdim), lambda: run(True), lambda: run(False))
     wide = mg.wide_pass(wide, n, hv, vdim) and stage1a == "mosaic" and lanes == 0
     solve = bool(solve) and wide and kernel
     if reads_in_place(reads, stage1a, lanes, t):

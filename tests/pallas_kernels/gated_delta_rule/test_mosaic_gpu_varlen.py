@@ -6,7 +6,8 @@ stage 1a choices: kkt_fwd's twin on the repacked row, Pallas Triton kkt_solve in
 against the float64 per-token oracle at fp32 (2e-4 relative RMS): lengths 1, 63, 0, 64, 65, 130 packed together
 (an empty sequence among them), padding tokens past cu_seqlens[N] poisoned with NaN, grouped heads, per-sequence
 initial states; a NaN token stays in its own sequence; the slot-pool form with ids outside [0, S) and
-has_initial_state False over NaN slots; the layout maps and the table. GPU (`pytest -m gpu`, Hopper): the kernel
+has_initial_state False over NaN slots; the layout maps and the table; wide "per_call"'s choice on the bench
+mixes and both of its sides in one program. GPU (`pytest -m gpu`, Hopper): the kernel
 path at bf16 against the float64 oracle (1e-2), the same odd lengths and NaN padding, K = V = 128 and 64, and the
 public op / slots API on backend='mosaic_gpu' beside 'pallas'.
 """
@@ -203,6 +204,47 @@ def test_split_plan_covers_each_sequence_in_order():
     assert plan_of._cache_size() == 1
     assert mv.split_rows(17, 1000, 2, 8, 2) == 0 and mv.split_rows(1, 1000, 2, 8, 0) == 0
     assert mv.split_rows(1, 512, 32, 128, 32) == 2           # Hv 32, V 128: 64 CTAs a row, two rows a wave
+
+
+def test_wide_pays_on_the_measured_mixes():
+    """wide "per_call"'s choice (``mv.wide_pays``; 132 SMs, Hv 32, V 128) on the bench's mixes: wide where the wide
+    pass won (varlen16 0.6693 -> 0.6027 ms, serve256 1.9300 -> 1.6768 narrow -> wide, 3db21ee), narrow where it
+    lost (long16k-short63 0.7714 narrow against 0.8963 wide, 8c8daaf); one program for every packing of an N."""
+    from benchmarks.cases import LONG1_SHORT63_LENS, SERVE256_LENS, VARLEN16_LENS
+    traces = []
+
+    @jax.jit
+    def pays(cu):
+        traces.append(cu.shape)
+        return mv.wide_pays(cu, 32, 128, sms=132)
+    assert bool(pays(jnp.asarray(cu_of(VARLEN16_LENS))))
+    assert bool(pays(jnp.asarray(cu_of(SERVE256_LENS))))
+    assert not bool(pays(jnp.asarray(cu_of(LONG1_SHORT63_LENS))))
+    assert bool(pays(jnp.asarray(cu_of((400,) * 64))))                        # the same N, lengths equal: wide
+    assert not bool(pays(jnp.asarray(cu_of((8000,) + (1,) * 63))))             # one long sequence: narrow
+    assert len(traces) == 3                                                    # N = 16, 256, 64
+
+
+def test_per_call_wide_reference_matches_f64():
+    """wide "per_call" (the wide or the narrow pass chosen on the device by ``wide_pays``, both under one
+    ``lax.cond``) in reference mode at K = V = 128 and 40 sequences (where "auto" would run wide): a long sequence
+    among short ones (narrow) and 40 equal ones (wide), the same T and N, so one program serves both; o and the
+    final states against the float64 oracle at 2e-4, padding rows exactly zero."""
+    fwd = mv.chunk_gated_delta_rule_varlen_fwd
+    assert mg.wide_pass("auto", 40, 2, 128)
+    mixes = ((420,) + (20,) * 39, (30,) * 40)
+    sides = [bool(mv.wide_pays(jnp.asarray(cu_of(lens)), 2, 128)) for lens in mixes]
+    assert sides == [False, True]
+    for i, lens in enumerate(mixes):
+        args = _inputs(lens, pad=8, hk=1, hv=2, kdim=128, vdim=128, seed=11 + i)
+        o, s = _run(args, reads="in_place", wide="per_call", split=mv.SPLIT_MIN_CHUNKS)
+        ro, rs = _oracle(args)
+        cu = args[-1]
+        assert np.all(o[0, cu[-1]:] == 0)
+        assert rel_rms(o, ro) < 2e-4 and rel_rms(s, rs) < 2e-4, (rel_rms(o, ro), rel_rms(s, rs))
+        if i == 0:
+            size = fwd._cache_size()
+    assert fwd._cache_size() == size                                           # no recompile for the other side
 
 
 def test_in_place_layout_and_edges():
@@ -473,6 +515,11 @@ def test_checks_name_the_argument():
         mv.VarlenConfig(states="kk")
     with pytest.raises(ValueError, match="lanes"):
         mv.VarlenConfig(lanes=-2)
+    with pytest.raises(ValueError, match="wide"):
+        mv.VarlenConfig(wide="sometimes")
+    with pytest.raises(ValueError, match="wide"):
+        mv.VarlenConfig(wide=1)
+    assert mv.VarlenConfig(wide="per_call").wide == "per_call"
     with pytest.raises(ValueError, match="copies"):
         mv.VarlenConfig(copies="cuda")
     with pytest.raises(ValueError, match="kkt_used"):
@@ -552,6 +599,24 @@ def test_gpu_wide_matches_f64(reads, solve, dims):
     and 1-chunk sequences (the two state halves take turns with the state tile), NaN padding rows exactly zero,
     grouped heads, K = 64 and 128, read repacked and in place."""
     _check_kernel_f64(dims, pad=PAD_IN_PLACE if reads == "in_place" else PAD, reads=reads, wide=True, solve=solve)
+
+
+@pytest.mark.gpu
+def test_gpu_per_call_wide_matches_f64():
+    """wide "per_call" on the H200 (both fused passes in one program, the side chosen on the device) at bf16
+    against the float64 oracle (1e-2): a long sequence among 39 short ones (narrow) and 40 equal ones (wide), in
+    place, K = V = 128."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    bf = jnp.bfloat16
+    for i, lens in enumerate(((420,) + (20,) * 39, (30,) * 40)):
+        args = _inputs(lens, pad=8, hk=1, hv=2, kdim=128, vdim=128, seed=11 + i)
+        q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+        args = (q, k, v) + args[3:]
+        o, s = _run(args, dtype=bf, impl="mosaic", reads="in_place", wide="per_call", split=mv.SPLIT_MIN_CHUNKS)
+        ro, rs = _oracle(args, bf)
+        assert np.all(o[0, args[-1][-1]:] == 0)
+        assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (lens[0], rel_rms(o, ro), rel_rms(s, rs))
 
 
 @pytest.mark.gpu
