@@ -5,7 +5,10 @@
 # usage (from the repository root, on the GPU machine, with the peers' wheels carried in .whl/):
 #   bash benchmarks/gpu.sh [STEP ...]
 #     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn backward decode attention moe layers model
-#     serving train sharding); default: tests
+#     serving train sharding); peers (gathers the FlashQLA / FlashInfer stack's parts from the carried .peers<i>/
+#     folders, benchmarks/stage_peers.sh, and unpacks it once every part has come, one call each while the machine
+#     is warm); qla, fi (the gdn section's FlashQLA / FlashInfer column, each in a process with that stack only and
+#     not FLA's); default: tests
 #   environment: OUT (default /tmp/out) gets run.log (the sections), tests.log, the results JSON and PNG each
 #     step wrote; TESTS (the test files or node ids of the tests step, default tests: every GPU test, which
 #     takes longer than one call: 7-56 s per test under 4 workers, compile and run);
@@ -45,6 +48,31 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --f
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
 python3 -c "import fla, jla, torch, transformers; print('fla', fla.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
 
+# the FlashQLA and FlashInfer stacks (benchmarks/stage_peers.sh): parts carried over several calls, unpacked once all
+# have come, into /tmp/peers (fi/: the unpacked FlashInfer tree) and /tmp/qla (FlashQLA's wheels installed)
+gather_peers() {
+  local parts=/tmp/peer-parts want have sum
+  mkdir -p "$parts"
+  for d in .peers[0-9]*; do [ -d "$d" ] && cp -n "$d"/* "$parts"/; done
+  [ -e /tmp/peers/.ready ] && { echo "peers: unpacked already"; return 0; }
+  [ -e "$parts/manifest" ] || { echo "peers: no .peers<i>/ part carried (benchmarks/stage_peers.sh)"; return 1; }
+  want=$(awk '/^parts/ {print $2}' "$parts/manifest"); have=$(ls "$parts"/peers.tar.xz.part* 2>/dev/null | wc -l)
+  if [ "$have" -lt "$want" ]; then echo "peers: $have of $want parts here; carry the others next"; return 0; fi
+  cat "$parts"/peers.tar.xz.part* > /tmp/peers.tar.xz
+  sum=$(sha256sum /tmp/peers.tar.xz | cut -d' ' -f1)
+  [ "$sum" = "$(awk '/^sha256/ {print $2}' "$parts/manifest")" ] || { echo "peers: checksum mismatch"; return 1; }
+  mkdir -p /tmp/peers && tar -C /tmp/peers -xJf /tmp/peers.tar.xz && rm -f /tmp/peers.tar.xz
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qla /tmp/peers/qla/*.whl \
+    >"$OUT/pip-qla.log" 2>&1 || { echo "peers: FlashQLA's install failed: $OUT/pip-qla.log"; return 1; }
+  touch /tmp/peers/.ready && echo "peers: FlashQLA in /tmp/qla, FlashInfer in /tmp/peers/fi"
+}
+peer_path() {         # the PYTHONPATH of a peer's own process: its stack and this tree, not FLA's wheels
+  case $1 in
+    qla) echo "/tmp/qla:$PWD" ;;
+    fi)  echo "/tmp/peers/fi:/tmp/peers/fi/nvidia_cutlass_dsl/dsl_packages:$PWD" ;;
+  esac
+}
+
 commit=()
 [ -n "$COMMIT" ] && commit=(--commit "$COMMIT")
 summary=()
@@ -70,6 +98,18 @@ for step in ${*:-tests}; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks model --budget $((left - 15)) \
         "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]} ;;
+    peers)
+      gather_peers 2>&1 | tee -a "$OUT/run.log"
+      rc=${PIPESTATUS[0]}; res=$(tail -1 "$OUT/run.log") ;;
+    qla|fi)       # TileLang (FlashQLA) calls nvcc and compiles each new shape on its first call (30-40 s)
+      if [ ! -e /tmp/peers/.ready ]; then
+        rc=1; res="the peers' stack is not unpacked: run the peers step first"
+      else
+        cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+        PYTHONPATH=$(peer_path "$step") CUDA_HOME=$cuda_home timeout "$left" python3 -m benchmarks gdn \
+          --impls "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
+        rc=${PIPESTATUS[0]}; res=$(grep -E "^gdn +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1)
+      fi ;;
     sharding)
       timeout "$left" python3 -m benchmarks sharding --budget $((left - 15)) "${commit[@]}" $BENCH_ARGS 2>&1 \
         | tee -a "$OUT/run.log"
@@ -78,7 +118,7 @@ for step in ${*:-tests}; do
       timeout "$left" python3 -m benchmarks "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]} ;;
   esac
-  [ "$step" != tests ] && res=$(grep -E "^$step +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1)
+  case $step in tests|peers|qla|fi) ;; *) res=$(grep -E "^$step +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1) ;; esac
   [ "$rc" = 124 ] && res="cut at the budget ($left s)"
   summary+=("$step rc=$rc $((SECONDS - t0)) s: $res")
 done
