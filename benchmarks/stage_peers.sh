@@ -52,4 +52,5 @@ for p in "${parts[@]}"; do
   i=$((i + 1))
 done
 du -sh .peers[0-9]*
-echo "carry each of $(ls -d .peers[0-9]* | tr '\n' ' ')in its own call (with .whl): bash benchmarks/gpu.sh peers ..."
+echo "carry each of $(ls -d .peers[0-9]* | tr '\n' ' ')in its own call (alone: a part and the tree fill most of the"
+echo "64 MiB), back to back: bash benchmarks/gpu.sh peers; then COMMIT=<commit> bash benchmarks/gpu.sh qla fi"

@@ -14,8 +14,27 @@ if jax.default_backend() == "cpu":       # -O0 on CPU only (tests/xla_env.py); s
     jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
 
 
+# The longest CPU tests (seconds on CI's 2 cores, `pytest --durations`), none sharing a module- or class-scoped
+# fixture: they start first, so that pytest-xdist's workers end on short tests instead of one of them running a
+# notebook while the other waits (the notebooks and test_train.py come last in the collection).
+LONG_FIRST = (
+    "tests/test_notebooks.py::test_notebook_executes[05_training]",                                          # 55
+    "tests/test_notebooks.py::test_notebook_executes[04_checkpoint]",                                        # 41
+    "tests/test_train.py::test_remat_layers_same_gradients_less_memory_cores_run_once",                      # 37
+    "tests/test_notebooks.py::test_notebook_executes[02_numerics]",                                          # 31
+    "tests/test_bench.py::test_ttft_probe_traces_one_more_hit",                                               # 26
+    "tests/test_train.py::test_kernel_steps_match_xla_steps_and_the_loss_falls",                             # 25
+    "tests/test_serve_sim.py::test_llm_engine_with_shared_prefixes_serves_the_same_tokens_with_the_cache_on",  # 24
+    "tests/test_serve_sim.py::test_short_simulation_serves_every_request_without_recompiles",                 # 21
+    "tests/test_notebooks.py::test_notebook_executes[01_split_prefill]",                                     # 20
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where a GPU is (the device tool); CI on CPU skips them with a stated reason."""
+    """GPU tests run only where a GPU is (the device tool); CI on CPU skips them with a stated reason. The
+    ``LONG_FIRST`` tests are moved to the front (the others keep their order)."""
+    rank = {nodeid: i for i, nodeid in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(LONG_FIRST)))
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine with `pytest -m gpu`")
     for item in items:
