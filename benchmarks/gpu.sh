@@ -107,8 +107,8 @@ for step in ${*:-tests}; do
       else
         cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
         PYTHONPATH=$(peer_path "$step") CUDA_HOME=$cuda_home timeout "$left" python3 -m benchmarks gdn \
-          --impls "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
-        rc=${PIPESTATUS[0]}; res=$(grep -E "^gdn +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1)
+          --impls "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee "$OUT/$step.log" | tee -a "$OUT/run.log"
+        rc=${PIPESTATUS[0]}; res=$(grep -E "^gdn +[0-9]+ +(ok|FAILED)" "$OUT/$step.log" | tail -1)   # this step's
       fi ;;
     sharding)
       timeout "$left" python3 -m benchmarks sharding --budget $((left - 15)) "${commit[@]}" $BENCH_ARGS 2>&1 \

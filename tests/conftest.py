@@ -14,11 +14,12 @@ if jax.default_backend() == "cpu":       # -O0 on CPU only (tests/xla_env.py); s
     jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
 
 
-# The longest CPU tests (seconds on CI's 2 cores, `pytest --durations`), none sharing a module- or class-scoped
-# fixture: they start first, so that pytest-xdist's workers end on short tests instead of one of them running a
-# notebook while the other waits (the notebooks and test_train.py come last in the collection).
+# The longest CPU tests (seconds on a 2-core machine, `pytest --durations` at 15aa4e3; 05_training at its 200 steps,
+# fewer in CI since), none sharing a module- or class-scoped fixture: they start first, so that pytest-xdist's
+# workers end on short tests instead of one of them running a notebook while the other waits (the notebooks and
+# test_train.py come last in the collection).
 LONG_FIRST = (
-    "tests/test_notebooks.py::test_notebook_executes[05_training]",                                          # 55
+    "tests/test_notebooks.py::test_notebook_executes[05_training]",                                          # 81
     "tests/test_notebooks.py::test_notebook_executes[04_checkpoint]",                                        # 41
     "tests/test_train.py::test_remat_layers_same_gradients_less_memory_cores_run_once",                      # 37
     "tests/test_notebooks.py::test_notebook_executes[02_numerics]",                                          # 31

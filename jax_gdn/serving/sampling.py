@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample", "sample_rows",
-           "sampling_arrays"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample",
+           "sample_rows", "sampling_arrays"]
 
 
 def _is_int(x) -> bool:

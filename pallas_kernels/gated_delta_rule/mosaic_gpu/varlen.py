@@ -203,10 +203,15 @@ def num_lanes(lanes: int, n: int, heads: int, value_dim: int, sms: int | None = 
     return auto if n >= 4 * auto else 0
 
 
+def row_ctas(heads: int, value_dim: int) -> int:
+    """CTAs of one row (sequence) of the narrow fused pass: Hv V / 64."""
+    return heads * max(value_dim // mg.BV, 1)
+
+
 def rows_per_wave(heads: int, value_dim: int, sms: int | None = None) -> int:
-    """CTA rows of the narrow fused pass (Hv V / 64 CTAs a row) that one wave of the SMs holds, at least 1."""
+    """CTA rows of the narrow fused pass (:func:`row_ctas` a row) that one wave of the SMs holds, at least 1."""
     sms = num_sms() if sms is None else sms
-    return max(sms // (heads * max(value_dim // mg.BV, 1)), 1)
+    return max(sms // row_ctas(heads, value_dim), 1)
 
 
 def wide_pays(cu, heads: int, value_dim: int, sms: int | None = None):
@@ -219,7 +224,7 @@ def wide_pays(cu, heads: int, value_dim: int, sms: int | None = None):
     lens = jnp.maximum(cu[1:] - cu[:-1], 0)
     chunks = ((lens + C - 1) // C).astype(jnp.float32)
     longest, total = jnp.max(chunks), jnp.sum(chunks)
-    narrow = jnp.maximum(longest, total * heads * max(value_dim // mg.BV, 1) / sms)
+    narrow = jnp.maximum(longest, total * row_ctas(heads, value_dim) / sms)
     wide = WIDE_STEP * jnp.maximum(longest, total * heads / sms)
     return wide < narrow
 
@@ -649,17 +654,17 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
+    wide_ok = stage1a == "mosaic" and lanes == 0           # what the wide pass needs besides its shapes
     if wide == "per_call":   # where "auto" runs wide, both passes under a cond on the call's lengths
-        if not mg.wide_pass("auto", n, hv, vdim) or stage1a != "mosaic" or lanes != 0:
-            wide = False
-        else:
+        if wide_ok and mg.wide_pass("auto", n, hv, vdim):
             def run(wide_):
                 return chunk_gated_delta_rule_varlen_fwd(
                     q, k, v, g, beta, cu, initial_state, scale=scale, output_final_state=output_final_state,
                     impl=impl, stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies,
                     kkt_used=kkt_used, reads=reads, wide=wide_, solve=solve, split=split)
             return lax.cond(wide_pays(cu, hv, vdim), lambda: run(True), lambda: run(False))
-    wide = mg.wide_pass(wide, n, hv, vdim) and stage1a == "mosaic" and lanes == 0
+        wide = False
+    wide = wide_ok and mg.wide_pass(wide, n, hv, vdim)
     solve = bool(solve) and wide and kernel
     if reads_in_place(reads, stage1a, lanes, t):
         return _varlen_in_place(q, k, v, g, beta, cu, initial_state, scale=scale, out_final=output_final_state,

@@ -225,6 +225,11 @@ def test_wide_pays_on_the_measured_mixes():
     assert len(traces) == 3                                                    # N = 16, 256, 64
 
 
+# wide "per_call" at Hk 1, Hv 2, K = V = 128, 40 sequences of the same T: a long one among short ones (narrow), equal
+# ones (wide)
+PER_CALL_MIXES = ((420,) + (20,) * 39, (30,) * 40)
+
+
 def test_per_call_wide_reference_matches_f64():
     """wide "per_call" (the wide or the narrow pass chosen on the device by ``wide_pays``, both under one
     ``lax.cond``) in reference mode at K = V = 128 and 40 sequences (where "auto" would run wide): a long sequence
@@ -232,10 +237,9 @@ def test_per_call_wide_reference_matches_f64():
     final states against the float64 oracle at 2e-4, padding rows exactly zero."""
     fwd = mv.chunk_gated_delta_rule_varlen_fwd
     assert mg.wide_pass("auto", 40, 2, 128)
-    mixes = ((420,) + (20,) * 39, (30,) * 40)
-    sides = [bool(mv.wide_pays(jnp.asarray(cu_of(lens)), 2, 128)) for lens in mixes]
+    sides = [bool(mv.wide_pays(jnp.asarray(cu_of(lens)), 2, 128)) for lens in PER_CALL_MIXES]
     assert sides == [False, True]
-    for i, lens in enumerate(mixes):
+    for i, lens in enumerate(PER_CALL_MIXES):
         args = _inputs(lens, pad=8, hk=1, hv=2, kdim=128, vdim=128, seed=11 + i)
         o, s = _run(args, reads="in_place", wide="per_call", split=mv.SPLIT_MIN_CHUNKS)
         ro, rs = _oracle(args)
@@ -609,7 +613,7 @@ def test_gpu_per_call_wide_matches_f64():
     if not _hopper():
         pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
     bf = jnp.bfloat16
-    for i, lens in enumerate(((420,) + (20,) * 39, (30,) * 40)):
+    for i, lens in enumerate(PER_CALL_MIXES):
         args = _inputs(lens, pad=8, hk=1, hv=2, kdim=128, vdim=128, seed=11 + i)
         q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
         args = (q, k, v) + args[3:]
