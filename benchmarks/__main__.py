@@ -150,6 +150,9 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
                 was = old.get(r["case"]) or {}
                 if "fla" not in impls and "fla_do_bench" in was:
                     r["fla_do_bench"] = was["fla_do_bench"]
+                kept = {n: ms for n, ms in (was.get("variants") or {}).items() if n not in impls}
+                if kept or "variants" in r:               # the A/B columns not measured keep theirs too
+                    r["variants"] = {**kept, **(r.get("variants") or {})}
         mod.print_section(rows)
         if cases is not None:
             rows = results.merge_rows(stored.get("rows"), rows, sec.case_names(False))

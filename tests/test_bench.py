@@ -111,6 +111,32 @@ def test_some_cases_or_columns_replace_only_those(stored, monkeypatch):
     assert row["fla_do_bench"] == old[name]["fla_do_bench"]
 
 
+def test_a_column_run_keeps_the_rows_stored_variants(stored, monkeypatch):
+    """gdn --impls over a peer's column (or one A/B variant) leaves the A/B figures it did not measure in place:
+    a FlashQLA run once dropped every stored variant of the rows it re-measured."""
+    out, before = stored
+    name = BENCH_CASES[2].name
+    data = json.loads(out.read_text())
+    for r in data["rows"]:
+        if r["case"] == name:
+            r["variants"] = {"mosaic_gpu_narrow": 0.7, "mosaic_gpu_wide": 0.9}
+    out.write_text(json.dumps(data))
+    monkeypatch.setattr(gdn, "plot", lambda *a: None)
+
+    def fake(quick, cases=None, impls=None):
+        row = {"case": name, "ms": {i: (0.5 if i in impls else None) for i in gdn.IMPLS}}
+        if "mosaic_gpu_wide" in impls:
+            row["variants"] = {"mosaic_gpu_wide": 0.8}
+        return [row]
+    monkeypatch.setattr(gdn, "run_section", fake)
+    assert cli.main(["gdn", "--cases", name, "--impls", "qla", "--out", str(out)]) == 0
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["case"] == name)
+    assert row["ms"]["qla"] == 0.5 and row["variants"] == {"mosaic_gpu_narrow": 0.7, "mosaic_gpu_wide": 0.9}
+    assert cli.main(["gdn", "--cases", name, "--impls", "mosaic_gpu_wide", "--out", str(out)]) == 0
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["case"] == name)
+    assert row["variants"] == {"mosaic_gpu_narrow": 0.7, "mosaic_gpu_wide": 0.8} and row["ms"]["qla"] == 0.5
+
+
 def test_merge_rows_by_case_in_the_cases_order():
     old = [{"case": "a", "v": 1}, {"case": "b", "v": 1}, {"case": "gone", "v": 1}]
     got = results.merge_rows(old, [{"case": "b", "v": 2}, {"case": "c", "v": 2}], order=("c", "b", "a"))
