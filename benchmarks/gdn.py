@@ -15,11 +15,10 @@ where each is importable (a peer that cannot run a case gets null). A/B columns 
 ``--impls`` only and kept in the row's "variants" (never in a ratio; ``VARIANTS``):
   mosaic_gpu_narrow / mosaic_gpu_wide  the Mosaic GPU kernels with ``MosaicConfig`` / ``VarlenConfig`` wide False /
               "auto" (the fused pass per 64 value columns, or per value head where the narrow one runs more than a
-              wave), whatever the defaults are; narrow with the packed split off
+              wave, a choice from shapes only), whatever the defaults are (packed calls: "per_call", chosen on the
+              device from cu_seqlens); narrow with the packed split off
   mosaic_gpu_split  the narrow pass, packed calls with ``VarlenConfig.split = 32`` (long sequences cut into pieces
               of >= 32 chunks walked side by side; the split runs with the narrow pass only)
-  mosaic_gpu_per_call  packed calls with ``VarlenConfig.wide = "per_call"`` (wide or narrow chosen on the device
-              from cu_seqlens where "auto" would run wide)
 Inputs: bf16 q, k (L2-normalised), v, beta; fp32 g (log-decay) and initial state; the final state is returned. Times
 are medians in ms, every column timed the same way (``jax_gdn.timing``: warm-up, then groups of ~20 ms of
 back-to-back calls, each closed by one sync; the median over the groups of the wall time per call); FLA's
@@ -45,7 +44,7 @@ PEERS = ("fla", "jla", "qla", "fi")
 CASES = BENCH_CASES
 #: A/B columns (``--impls`` only; row["variants"]): the Mosaic GPU kernels with these MosaicConfig / VarlenConfig fields
 VARIANTS = {"mosaic_gpu_narrow": {"wide": False, "varlen:split": 0}, "mosaic_gpu_wide": {"wide": "auto"},
-            "mosaic_gpu_split": {"wide": False, "varlen:split": 32}, "mosaic_gpu_per_call": {"varlen:wide": "per_call"}}
+            "mosaic_gpu_split": {"wide": False, "varlen:split": 32}}
 QUICK_CASES = (CPU_DENSE[-1], CPU_VARLEN)
 
 

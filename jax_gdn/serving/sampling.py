@@ -32,7 +32,7 @@ Measured on the H200 (``python -m benchmarks serving --cases sampling``, commit 
 sampler alone, ms at 16 / 64 rows: blocks 0.281 / 0.924, keys 0.738 / 1.473, argsort 0.758 / 2.090, threshold
 1.209 / 4.655 (its ~26 dependent reductions over [rows, Vocab, 15] cost more than XLA's sort), greedy 0.121 /
 0.088. Hence "blocks" the default (``DEFAULT_METHOD``); with "keys" the decode step of 8 layers at 80B dims took
-+18.7% / +2.8% over its greedy step (3.143 / 7.405 ms).
++18.7% / +2.8% over its greedy step (3.143 / 7.405 ms), with "blocks" +5.7% / +11.1% (3.060 / 6.933 ms; aef319c).
 threshold's draws differ from the sort methods' (another mapping of the same key to a token) but follow the same
 distribution. A row of all -inf logits: threshold draws uniformly over its kept tokens, the sort methods draw the
 first-ranked.

@@ -115,18 +115,21 @@ class VarlenConfig:
     run "repacked").
     wide: True / False / "auto" (``chunk.use_wide`` on N sequences): the fused pass as one CTA per (sequence, value
     head) over V = 128 with two state warpgroups (``chunk.fused_state_pass(wide=True)``; stage1a "mosaic", V = 128,
-    lanes 0; ignored elsewhere; "auto" by default, as ``chunk.MosaicConfig.wide``: varlen16 0.6693 -> 0.6027 ms,
+    lanes 0; ignored elsewhere; "auto" as ``chunk.MosaicConfig.wide``'s default: varlen16 0.6693 -> 0.6027 ms,
     serve256 1.9300 -> 1.6768, tiny64 0.2407 -> 0.1968; a mix whose longest sequence sets the time loses,
-    long16k-short63 0.7694 -> 0.9083, NOTES.md, Open). "per_call": where "auto" would run wide, the choice is
-    made on the device for each call from cu_seqlens (:func:`wide_pays`: the longest sequence against the total),
-    both passes in the program under a ``lax.cond``; untimed, so not the default. solve: with wide, T0 formed
-    inside the fused pass (no kkt_fwd launch).
+    long16k-short63 0.7694 -> 0.9083). "per_call" (the default): where "auto" would run wide, the choice is made
+    on the device for each call from cu_seqlens (:func:`wide_pays`: the longest sequence against the total), both
+    passes in the program under a ``lax.cond`` (H200, aef319c, same process, against "auto": long16k-short63
+    0.893 -> 0.774 ms, varlen16 0.599 / 0.600, serve256 1.677 / 1.682, packed1 1.110 / 1.105; the cost is both
+    passes compiled into each packed program). solve: with wide, T0 formed inside the fused pass (no kkt_fwd
+    launch).
     split: the packed split (:func:`split_plan`; reads "in_place", the narrow pass, at most ``SPLIT_MAX_SEQS``
     sequences): 0 off, else the shortest piece in chunks (default ``SPLIT_MIN_CHUNKS`` = 32; the dense split's
     ``min_piece_chunks`` is 8). A sequence long enough to leave SMs idle is cut into pieces that the fused pass
     walks side by side, their start states from a map pass over the packed row (``split.state_map_pass_walk``) and
-    a scan; the plan is made on the device from cu_seqlens. With wide "auto" it engages only where the pass runs
-    narrow (at most SMs / (Hv V / 64) sequences: 2 at 80B dims, the model's long stream among them). On by default
+    a scan; the plan is made on the device from cu_seqlens. It engages only where the pass runs narrow: calls of
+    at most SMs / (Hv V / 64) sequences (2 at 80B dims, the model's long stream among them), and with wide
+    "per_call" a call of at most ``SPLIT_MAX_SEQS`` sequences whose choice goes narrow. On by default
     since measured (H200, 8c8daaf, same process): packed1-T32768 1.2553 -> 1.1092 ms; long16k-short63 (64
     sequences: never split) 0.7714 / 0.7777.
 
@@ -140,7 +143,7 @@ class VarlenConfig:
     copies: str = "triton"
     kkt_used: bool = True
     reads: str = "in_place"
-    wide: object = "auto"
+    wide: object = "per_call"
     solve: bool = False
     split: int = SPLIT_MIN_CHUNKS
 
