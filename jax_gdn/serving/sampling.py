@@ -27,6 +27,11 @@ Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies 
              they hold top_p of the mass) they decide the kept set and the Gumbel-max draw; a row keeping every
              token draws over the whole row; any other row falls back to "keys" (``lax.cond``). Draws differ from
              "keys"' (another mapping of the key) but follow the same distribution. The default.
+  maxblocks  no sort of the row (``_blocks_keep(select="max")``): the max of each block of MAX_BLOCK tokens, the
+             MAX_BLOCKS_KEPT blocks of the largest maxima kept whole as candidates (one sort of the block maxima),
+             then as "blocks" (the same kept set; draws differ from "blocks"' as the candidates do, same
+             distribution). Its first ranks are fewer (L >= MAX_BLOCKS_KEPT where no block maxima tie), so top-p
+             alone falls back to "keys" on more rows.
 Measured on the H200 (``python -m benchmarks serving --cases sampling``, commit 8c8daaf, 2026-12-03; [rows,
 151936] fp32 logits, temperature 0.8, top-k 50, top-p 0.95; results "serving" in benchmarks/results/h200.json), the
 sampler alone, ms at 16 / 64 rows: blocks 0.281 / 0.924, keys 0.738 / 1.473, argsort 0.758 / 2.090, threshold
@@ -115,13 +120,18 @@ def sampling_arrays(params, steps, rows: int):
 SORTS = ("argsort", "keys")
 #: how :func:`sample_rows` finds the kept tokens and draws (module docstring): a full sort of each row by one of
 #: ``SORTS``, "threshold" (no sort) or "blocks" (sorts of short rows only; the default: the fastest measured)
-METHODS = ("keys", "argsort", "threshold", "blocks")
+METHODS = ("keys", "argsort", "threshold", "blocks", "maxblocks")
 DEFAULT_METHOD = "blocks"
 #: tokens per block of the threshold method's two-level inverse-CDF search
 _BLOCK = 1024
 #: the blocks method: tokens per block sorted (one short sort per block), candidates kept per block
 CANDIDATE_BLOCK = 1024
 CANDIDATES_PER_BLOCK = 64
+#: the maxblocks method: tokens per block (one max each), blocks kept whole as candidates (8192 tokens)
+MAX_BLOCK = 128
+MAX_BLOCKS_KEPT = 64
+#: the methods that draw from candidates (``_blocks_keep``'s arguments)
+BLOCK_METHODS = {"blocks": {}, "maxblocks": {"block": MAX_BLOCK, "per_block": MAX_BLOCKS_KEPT, "select": "max"}}
 
 
 def _check_method(method):
@@ -233,24 +243,12 @@ def _threshold_keep(x, top_k, top_p, active):
     return kept, jnp.where(kept, p, 0)
 
 
-def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: int = CANDIDATES_PER_BLOCK):
-    """The blocks method's candidates: (ids [Nb, M] int32 by rank, x by rank [Nb, M], kept ranks [Nb, M] bool,
-    exact [Nb] bool, every [Nb] bool: the rows that keep every token), M = ceil(Vocab / block) per_block.
-
-    Each block of ``block`` tokens is sorted alone (descending, ties by id) and its first ``per_block`` tokens are
-    candidates; the candidates are sorted again (a stable sort of the block-ordered list: ties stay by id). Every
-    token above m* (the largest logit left out, the max of each block's (per_block + 1)-th) is a candidate, so the
-    first L candidates (those above m*) are exactly the row's first L ranks. The kept set is worked out on the
-    candidates as :func:`_sorted_keep` does on the whole row (top-p normalised by the whole top-k set: the
-    candidates' own mass where top_k <= L, the whole row's where top_k is off); ``exact`` says where that is the
-    row's own kept set: top_k <= L, or top_k off, top_p < 1 and the first L ranks already hold top_p of the
-    mass. Elsewhere (a flat row under top-p alone, top_k > L, or every token kept) the caller takes another path."""
-    nb, vocab = x.shape
-    blk = min(block, vocab)
-    nblk = -(-vocab // blk)
+def _block_candidates(xp, blk: int, per_block: int):
+    """The blocks method's candidates of the padded rows ``xp`` [Nb, nblk blk]: (ids [Nb, nblk kb] in id order,
+    m* [Nb] the largest logit not a candidate): each block sorted alone, its kb = min(per_block, blk) best."""
+    nb = xp.shape[0]
+    nblk = xp.shape[1] // blk
     kb = min(per_block, blk)
-    pad = nblk * blk - vocab
-    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)     # padding ids >= Vocab, never kept
     key = _order_key(xp).reshape(nb, nblk, blk)
     local = jax.lax.broadcasted_iota(jnp.int32, key.shape, 2)
     _, order = jax.lax.sort_key_val(~key, local, dimension=-1, is_stable=True)     # each block, descending
@@ -258,9 +256,53 @@ def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: in
     ids = (order[:, :, :kb] + base).reshape(nb, nblk * kb)           # block by block: ties in id order
     if kb < blk:
         left = jnp.take_along_axis(xp.reshape(nb, nblk, blk), order[:, :, kb:kb + 1], axis=2)
-        m_star = jnp.max(left[:, :, 0], axis=1)                        # the largest logit not a candidate
+        return ids, jnp.max(left[:, :, 0], axis=1)                     # the largest logit not a candidate
+    return ids, jnp.full((nb,), -jnp.inf, xp.dtype)
+
+
+def _max_block_candidates(xp, blk: int, blocks: int):
+    """The maxblocks method's candidates (as :func:`_block_candidates`): every token of the ``blocks`` blocks of
+    ``blk`` tokens with the largest maxima (ties by block index); m* is the next block's max. One reduction over
+    the row and a sort of the block maxima, no sort of the row."""
+    nb = xp.shape[0]
+    nblk = xp.shape[1] // blk
+    kb = min(blocks, nblk)
+    bmax = jnp.max(xp.reshape(nb, nblk, blk), axis=2)                  # [Nb, nblk]
+    _, border = jax.lax.sort_key_val(~_order_key(bmax), jax.lax.broadcasted_iota(jnp.int32, bmax.shape, 1),
+                                     dimension=-1, is_stable=True)     # blocks by descending max
+    chosen = jnp.sort(border[:, :kb], axis=1)                          # id order, so ties stay by id
+    ids = (chosen[:, :, None] * blk + jnp.arange(blk, dtype=jnp.int32)[None, None, :]).reshape(nb, kb * blk)
+    if kb < nblk:
+        return ids, jnp.take_along_axis(bmax, border[:, kb:kb + 1], axis=1)[:, 0]
+    return ids, jnp.full((nb,), -jnp.inf, xp.dtype)
+
+
+def _blocks_keep(x, top_k, top_p, *, block: int = CANDIDATE_BLOCK, per_block: int = CANDIDATES_PER_BLOCK,
+                 select: str = "sort"):
+    """The blocks methods' candidates: (ids [Nb, M] int32 by rank, x by rank [Nb, M], kept ranks [Nb, M] bool,
+    exact [Nb] bool, every [Nb] bool: the rows that keep every token).
+
+    select "sort" (method "blocks"): each block of ``block`` tokens is sorted alone (descending, ties by id) and its
+    first ``per_block`` tokens are candidates, M = ceil(Vocab / block) per_block. select "max" (method
+    "maxblocks"): the ``per_block`` blocks of ``block`` tokens with the largest maxima are candidates whole, M =
+    per_block block. Either way the candidates are sorted (a stable sort of the id-ordered list: ties stay by id),
+    and every token above m* (the largest logit left out) is a candidate, so the first L candidates (those above
+    m*) are exactly the row's first L ranks. The kept set is worked out on the
+    candidates as :func:`_sorted_keep` does on the whole row (top-p normalised by the whole top-k set: the
+    candidates' own mass where top_k <= L, the whole row's where top_k is off); ``exact`` says where that is the
+    row's own kept set: top_k <= L, or top_k off, top_p < 1 and the first L ranks already hold top_p of the
+    mass. Elsewhere (a flat row under top-p alone, top_k > L, or every token kept) the caller takes another path."""
+    if select not in ("sort", "max"):
+        raise ValueError(f"select must be 'sort' or 'max'; got {select!r}")
+    nb, vocab = x.shape
+    blk = min(block, vocab)
+    nblk = -(-vocab // blk)
+    pad = nblk * blk - vocab
+    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)     # padding ids >= Vocab, never kept
+    if select == "sort":
+        ids, m_star = _block_candidates(xp, blk, per_block)
     else:
-        m_star = jnp.full((nb,), -jnp.inf, x.dtype)
+        ids, m_star = _max_block_candidates(xp, blk, per_block)
     cx = jnp.take_along_axis(xp, ids, axis=1)
     _, rank_order = jax.lax.sort_key_val(~_order_key(cx), jax.lax.broadcasted_iota(jnp.int32, cx.shape, 1),
                                          dimension=-1, is_stable=True)
@@ -292,8 +334,8 @@ def kept_tokens(x, top_k, top_p, method: str = DEFAULT_METHOD):
     if method == "threshold":
         return _threshold_keep(x, top_k, top_p, jnp.ones(x.shape[:1], bool))[0]
     rows = jnp.arange(x.shape[0])[:, None]
-    if method == "blocks":
-        ids, _, keep, exact, every = _blocks_keep(x, top_k, top_p)
+    if method in BLOCK_METHODS:
+        ids, _, keep, exact, every = _blocks_keep(x, top_k, top_p, **BLOCK_METHODS[method])
         mine = jnp.zeros(x.shape, bool).at[rows, ids].set(keep, mode="drop")
         full = jax.lax.cond(jnp.any(~exact & ~every), lambda: kept_tokens(x, top_k, top_p, "keys"),
                             lambda: jnp.zeros(x.shape, bool))
@@ -335,8 +377,8 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
     if method == "threshold":
         _, w = _threshold_keep(x, top_k, top_p, temperature > 0)
         return _inverse_cdf(w, jax.vmap(jax.random.uniform)(keys))
-    if method == "blocks":
-        ids, xs, keep, exact, every = _blocks_keep(x, top_k, top_p)
+    if method in BLOCK_METHODS:
+        ids, xs, keep, exact, every = _blocks_keep(x, top_k, top_p, **BLOCK_METHODS[method])
         pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))
         mine = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
         sampled = temperature > 0

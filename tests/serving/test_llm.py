@@ -178,13 +178,17 @@ def test_threshold_keeps_the_sort_methods_tokens():
     _kept_alike(big[1:], [(0, 0.5), (1, 1e-6), (5, 0.9), (50, 0.5), (vocab - 1, 1.0), (vocab, 0.9)])
 
 
-def test_blocks_keeps_the_sort_methods_tokens():
-    """kept_tokens "blocks" (short sorts of 1024-token blocks and of their 64 best each) equals "argsort" on the
-    threshold test's rows and settings, and on a row of the real vocabulary under the serving settings; the
-    candidates alone decide (no fallback to the full sort) wherever top_k <= 64 or top-p holds within them: every
-    top_k <= 50 setting of the real-vocabulary row and top_p 0.9 or 0.5 alone on a peaked row; top_k V - 1 falls
-    back."""
-    from jax_gdn.serving.sampling import _blocks_keep
+@pytest.mark.parametrize("method, decides", [
+    ("blocks", [True, True, True, True, False, True]),
+    ("maxblocks", [True, True, True, False, False, False])])
+def test_blocks_keeps_the_sort_methods_tokens(method, decides):
+    """kept_tokens "blocks" (short sorts of 1024-token blocks and of their 64 best each) and "maxblocks" (the 64
+    128-token blocks of the largest maxima, whole) equal "argsort" on the threshold test's rows and settings, and on
+    a row of the real vocabulary under the serving settings; the candidates alone decide (no fallback to the full
+    sort) wherever top_k <= 64 (every top_k <= 50 setting of the real-vocabulary row), and with "blocks" where top-p
+    holds within them (top_p 0.9 or 0.5 alone on a peaked row; "maxblocks"' fewer first ranks do not hold it there
+    and fall back); top_k V - 1 falls back."""
+    from jax_gdn.serving.sampling import BLOCK_METHODS, _blocks_keep
     rng = np.random.default_rng(5)
     x = rng.integers(-4, 3, (5, 300)).astype(np.float32)
     x[1, :5] = -np.inf
@@ -192,48 +196,55 @@ def test_blocks_keeps_the_sort_methods_tokens():
     x[3] = -np.inf
     x[3, 200] = 1.5
     x[4] = (rng.standard_normal(300) * 3).astype(jnp.bfloat16).astype(np.float32)
-    _kept_alike(x, method="blocks")
+    _kept_alike(x, method=method)
     vocab = 151936
     big = (rng.standard_normal((1, vocab)) * 3).astype(jnp.bfloat16).astype(np.float32)
     big[0, 1000:1010] = 12.0                                           # a peaked row: top-p 0.9 inside the peak
     settings = [(50, 0.95), (1, 1.0), (5, 0.5), (0, 0.9), (vocab - 1, 1.0), (vocab, 0.5)]
-    _kept_alike(big, settings, method="blocks")
+    _kept_alike(big, settings, method=method)
     rows = jnp.asarray(np.repeat(big, len(settings), axis=0))
     exact = np.asarray(_blocks_keep(rows, jnp.asarray([k for k, _ in settings], jnp.int32),
-                                    jnp.asarray([p for _, p in settings], jnp.float32))[3])
-    assert exact.tolist() == [True, True, True, True, False, True]     # top_k V - 1: the full sort decides
+                                    jnp.asarray([p for _, p in settings], jnp.float32), **BLOCK_METHODS[method])[3])
+    assert exact.tolist() == decides                                   # top_k V - 1: the full sort decides
 
 
-def test_blocks_draws_from_the_kept_set_on_every_path():
-    """method "blocks" on 3000-token rows (3 blocks): rows its candidates decide (top-k 50, a peaked top-p), rows
-    that keep every token (one draw over the row) and rows that fall back to the full sort (top_k 2999, top-p on a
-    flat row), side by side: every draw lies in argsort's kept set, a (seed, step) repeats its draw, greedy rows are
-    argmax."""
+@pytest.mark.parametrize("method, vocab", [("blocks", 3000), ("maxblocks", 9000)])
+def test_blocks_draws_from_the_kept_set_on_every_path(method, vocab):
+    """methods "blocks" on 3000-token rows (3 blocks of 1024) and "maxblocks" on 9000-token rows (71 blocks of 128,
+    64 kept): rows its candidates decide (top-k 50, a peaked top-p), rows that keep every token (one draw over the
+    row) and rows that fall back to the full sort (top_k V - 1, top-p on a flat row), side by side: every draw lies
+    in argsort's kept set, a (seed, step) repeats its draw, greedy rows are argmax."""
     rng = np.random.default_rng(9)
-    vocab, n = 3000, 240
+    n = 240
     flat = rng.standard_normal(vocab).astype(np.float32) * 0.01
     peaked = flat.copy()
-    peaked[[10, 1500, 2999]] = [6.0, 6.5, 6.2]
+    peaked[[10, 1500, vocab - 1]] = [6.0, 6.5, 6.2]
     settings = [(50, 0.9, peaked), (0, 0.8, peaked), (0, 1.0, flat), (vocab - 1, 1.0, flat), (0, 0.9, flat),
                 (1, 1.0, flat)]
     rows = np.stack([settings[i % len(settings)][2] for i in range(n)])
     params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i)
               for i, (k, p, _) in zip(range(n), settings * n)]
     arrays = sampling_arrays(params, [3] * n, n)
-    got = np.asarray(sample(jnp.asarray(rows), *arrays, method="blocks"))
+    from jax_gdn.serving.sampling import BLOCK_METHODS, _blocks_keep
+    _, _, _, exact, every = (np.asarray(a) for a in _blocks_keep(jnp.asarray(rows[:6]), arrays[1][:6],
+                                                                 arrays[2][:6], **BLOCK_METHODS[method]))
+    assert exact[[0, 5]].all() and every[2] and not (exact | every)[[3, 4]].any()     # each path taken
+    got = np.asarray(sample(jnp.asarray(rows), *arrays, method=method))
     kept = np.asarray(_kept(jnp.asarray(rows), arrays[1], arrays[2], method="argsort"))
     assert kept[np.arange(n), got].all()
-    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays, method="blocks")), got)
+    assert np.array_equal(np.asarray(sample(jnp.asarray(rows), *arrays, method=method)), got)
     assert len(set(got[2::6].tolist())) > 20                           # every token kept: the draws spread
     mixed = [SamplingParams()] * 2 + params[:2]
-    out = np.asarray(sample(jnp.asarray(rows[[0, 1, 0, 1]]), *sampling_arrays(mixed, [3] * 4, 4), method="blocks"))
+    out = np.asarray(sample(jnp.asarray(rows[[0, 1, 0, 1]]), *sampling_arrays(mixed, [3] * 4, 4), method=method))
     assert out.tolist() == [int(np.argmax(rows[0])), int(np.argmax(rows[1]))] + got[:2].tolist()
 
 
-@pytest.mark.parametrize("block,per_block", [(32, 4), (16, 8), (300, 300)])
-def test_blocks_candidates_are_the_exact_top_ranks(block, per_block):
-    """Where "blocks" says its candidates decide, their kept set is argsort's, for blocks that cut the row
-    anywhere (and a block of the whole row): the first L candidates are the row's first L ranks."""
+@pytest.mark.parametrize("block,per_block,select", [(32, 4, "sort"), (16, 8, "sort"), (300, 300, "sort"),
+                                                    (16, 6, "max"), (7, 20, "max"), (300, 1, "max")])
+def test_blocks_candidates_are_the_exact_top_ranks(block, per_block, select):
+    """Where "blocks" / "maxblocks" (select "max": per_block blocks kept) says its candidates decide, their kept set
+    is argsort's, for blocks that cut the row anywhere (and a block of the whole row): the first L candidates are
+    the row's first L ranks."""
     from jax_gdn.serving.sampling import _blocks_keep
     rng = np.random.default_rng(8)
     x = rng.integers(-4, 3, (4, 300)).astype(np.float32)
@@ -245,7 +256,7 @@ def test_blocks_candidates_are_the_exact_top_ranks(block, per_block):
     top_p = jnp.asarray(np.tile([p for _, p in settings], len(x)).astype(np.float32))
     want = np.asarray(_kept(rows, top_k, top_p, method="argsort"))
     ids, _, keep, exact, _ = (np.asarray(a) for a in _blocks_keep(rows, top_k, top_p, block=block,
-                                                                  per_block=per_block))
+                                                                  per_block=per_block, select=select))
     assert exact.any()
     for r in np.flatnonzero(exact):
         mine = np.zeros(300, bool)
