@@ -133,6 +133,11 @@ class VarlenConfig:
     since measured (H200, 8c8daaf, same process): packed1-T32768 1.2553 -> 1.1092 ms; long16k-short63 (64
     sequences: never split) 0.7714 / 0.7777.
 
+    single_dense: a call of one sequence that covers the whole row (cu_seqlens = [0, T], checked on the device)
+    runs the dense op (``chunk.DEFAULT_CONFIG``: its split, exp2 and state layout) under a ``lax.cond``, the
+    packed path otherwise (a sequence followed by padding): both compiled into the program. The model's long
+    stream is such a call.
+
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
     """
@@ -146,6 +151,7 @@ class VarlenConfig:
     wide: object = "per_call"
     solve: bool = False
     split: int = SPLIT_MIN_CHUNKS
+    single_dense: bool = True
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -160,7 +166,7 @@ class VarlenConfig:
             raise ValueError(f"VarlenConfig.reads must be one of {READS}; got {self.reads!r}")
         if self.wide not in WIDES or isinstance(self.wide, int) and not isinstance(self.wide, bool):
             raise ValueError(f"VarlenConfig.wide must be one of {WIDES}; got {self.wide!r}")
-        for name in ("kkt_used", "solve"):
+        for name in ("kkt_used", "solve", "single_dense"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"VarlenConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if not isinstance(self.split, int) or isinstance(self.split, bool) or self.split < 0:
@@ -622,13 +628,13 @@ def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
                                              "states", "lanes", "copies", "kkt_used", "reads", "wide",
-                                             "solve", "split"))
+                                             "solve", "split", "single_dense"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", states: str = "kv",
                                       lanes: int = 0, copies: str = "xla", kkt_used: bool = False,
                                       reads: str = "repacked", wide=False, solve: bool = False,
-                                      split: int = 0):
+                                      split: int = 0, single_dense: bool = False):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring); with
     ``reads="in_place"`` (where :func:`reads_in_place`) the packed row is read and written where it lies.
 
@@ -637,12 +643,13 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
     ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``,
-    ``split``: as :class:`VarlenConfig` (the Triton copies run in interpret mode with ``impl="reference"``).
+    ``split``, ``single_dense``: as :class:`VarlenConfig` (the Triton copies run in interpret mode with
+    ``impl="reference"``).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
     VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used,
-                 reads=reads, wide=wide, solve=solve, split=split)
+                 reads=reads, wide=wide, solve=solve, split=split, single_dense=single_dense)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -657,6 +664,22 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
+    if single_dense and n == 1:      # one sequence over the whole row: the dense op, else the packed path
+        dc = mg.DEFAULT_CONFIG
+
+        def dense():
+            return mg.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, scale=scale,
+                                                 output_final_state=output_final_state, impl=impl,
+                                                 stage1a=dc.stage1a, pieces=dc.pieces, exp2=dc.exp2,
+                                                 state_kv=dc.state_kv, split=dc.split, wide=dc.wide,
+                                                 solve=dc.solve)
+
+        def packed():
+            return chunk_gated_delta_rule_varlen_fwd(
+                q, k, v, g, beta, cu, initial_state, scale=scale, output_final_state=output_final_state,
+                impl=impl, stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies,
+                kkt_used=kkt_used, reads=reads, wide=wide, solve=solve, split=split)
+        return lax.cond((cu[0] == 0) & (cu[1] == t), dense, packed)
     wide_ok = stage1a == "mosaic" and lanes == 0           # what the wide pass needs besides its shapes
     if wide == "per_call":   # where "auto" runs wide, both passes under a cond on the call's lengths
         if wide_ok and mg.wide_pass("auto", n, hv, vdim):
@@ -772,7 +795,7 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
             states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads,
-            wide=cfg.wide, solve=cfg.solve, split=cfg.split)
+            wide=cfg.wide, solve=cfg.solve, split=cfg.split, single_dense=cfg.single_dense)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -799,7 +822,7 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
                                                      order=cfg.order, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used,
                                                      reads=cfg.reads, wide=cfg.wide, solve=cfg.solve,
-                                                     split=cfg.split)
+                                                     split=cfg.split, single_dense=cfg.single_dense)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)

@@ -13,6 +13,8 @@ public op / slots API on backend='mosaic_gpu' beside 'pallas'.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,6 +251,48 @@ def test_per_call_wide_reference_matches_f64():
         if i == 0:
             size = fwd._cache_size()
     assert fwd._cache_size() == size                                           # no recompile for the other side
+
+
+@pytest.mark.parametrize("t,pad", [(130, 0), (130, 6), (64, 0)])
+def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch):
+    """single_dense (the default): a packed call of one sequence has the dense op in its program beside the packed
+    path (a ``lax.cond`` on cu_seqlens == [0, T]); covering the whole row it gives the dense op's result bit for bit,
+    followed by NaN padding the packed path's, each against the float64 oracle at 2e-4 with and without h0. (In
+    reference mode the two paths agree bit for bit on a whole row, so which one ran is checked by the trace.)"""
+    dense_calls = []
+    dense = mg.chunk_gated_delta_rule_fwd
+
+    def spy(*a, **kw):
+        dense_calls.append(1)
+        return dense(*a, **kw)
+    monkeypatch.setattr(mg, "chunk_gated_delta_rule_fwd", spy)
+    mv.chunk_gated_delta_rule_varlen_fwd.clear_cache()
+    for with_h0 in (True, False):
+        args = _inputs((t,), pad=pad, hk=1, hv=2, kdim=16, vdim=16, seed=t + pad, with_h0=with_h0)
+        q, k, v, g, beta, h0, cu = args
+        traced = len(dense_calls)
+        o, s = mv.chunk_gated_delta_rule_varlen_fwd(
+            *(jnp.asarray(x) for x in (q, k, v, g, beta, cu)), None if h0 is None else jnp.asarray(h0),
+            impl="reference", stage1a="mosaic", states="kv", copies="triton", kkt_used=True, reads="in_place",
+            wide="per_call", split=mv.SPLIT_MIN_CHUNKS, single_dense=True)
+        assert len(dense_calls) == traced + 1                          # the dense op is in the program
+        o, s = np.asarray(o), np.asarray(s)
+        ro, rs = _oracle(args)
+        assert np.all(o[0, cu[-1]:] == 0) and np.isfinite(s).all()
+        assert rel_rms(o, ro) < 2e-4 and rel_rms(s, rs) < 2e-4, (rel_rms(o, ro), rel_rms(s, rs))
+        if pad:
+            other = _run(args, reads="in_place", wide="per_call", split=mv.SPLIT_MIN_CHUNKS)
+        else:
+            dc = mg.DEFAULT_CONFIG
+            other = dense(*(jnp.asarray(x) for x in (q, k, v, g, beta)), None if h0 is None else jnp.asarray(h0),
+                          impl="reference", stage1a=dc.stage1a, pieces=dc.pieces, exp2=dc.exp2,
+                          state_kv=dc.state_kv, split=dc.split, wide=dc.wide, solve=dc.solve)
+        assert np.array_equal(o, np.asarray(other[0])) and np.array_equal(s, np.asarray(other[1]))
+    two = _inputs((40, 90), pad=pad, hk=1, hv=2, kdim=16, vdim=16, seed=1)
+    traced = len(dense_calls)
+    mv.chunk_gated_delta_rule_varlen_fwd(*(jnp.asarray(x) for x in two[:5] + (two[6],)), jnp.asarray(two[5]),
+                                         impl="reference", single_dense=True)
+    assert len(dense_calls) == traced                                  # two sequences: the packed path alone
 
 
 def test_in_place_layout_and_edges():
@@ -621,6 +665,36 @@ def test_gpu_per_call_wide_matches_f64():
         ro, rs = _oracle(args, bf)
         assert np.all(o[0, args[-1][-1]:] == 0)
         assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (lens[0], rel_rms(o, ro), rel_rms(s, rs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,pad", [(1, 0), (130, 0), (2053, 0), (2053, 3)])
+def test_gpu_one_sequence_runs_the_dense_op(t, pad):
+    """single_dense on the H200 at bf16, K = V = 128, Hk 2, Hv 4, h0: one sequence over the whole row equals the
+    dense op's kernels bit for bit (2053 tokens: the dense split engages), one followed by NaN padding the packed
+    path's; both against the float64 oracle (1e-2)."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU kernels need an sm_90 GPU")
+    bf = jnp.bfloat16
+    args = _inputs((t,), pad=pad, hk=2, hv=4, kdim=128, vdim=128, seed=t + pad)
+    q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
+    args = (q, k, v) + args[3:]
+    cfg = mv.DEFAULT_CONFIG
+    o, s = mv.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
+                     scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True,
+                     cu_seqlens=jnp.asarray(args[6]), config=cfg)
+    o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
+    ro, rs = _oracle(args, bf)
+    assert np.all(o[0, args[-1][-1]:] == 0)
+    assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
+    if pad:
+        other = mv.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
+                          scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True,
+                          cu_seqlens=jnp.asarray(args[6]), config=dataclasses.replace(cfg, single_dense=False))
+    else:
+        other = mg.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
+                          scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True)
+    assert np.array_equal(o, np.asarray(other[0].astype(jnp.float32))) and np.array_equal(s, np.asarray(other[1]))
 
 
 @pytest.mark.gpu
