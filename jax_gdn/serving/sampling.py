@@ -121,7 +121,7 @@ SORTS = ("argsort", "keys")
 #: how :func:`sample_rows` finds the kept tokens and draws (module docstring): a full sort of each row by one of
 #: ``SORTS``, "threshold" (no sort) or "blocks" (sorts of short rows only; the default: the fastest measured)
 METHODS = ("keys", "argsort", "threshold", "blocks", "maxblocks")
-DEFAULT_METHOD = "blocks"
+DEFAULT_METHOD = "maxblocks"
 #: tokens per block of the threshold method's two-level inverse-CDF search
 _BLOCK = 1024
 #: the blocks method: tokens per block sorted (one short sort per block), candidates kept per block
