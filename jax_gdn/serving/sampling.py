@@ -26,18 +26,20 @@ Methods (``METHODS``; all keep the same tokens, but where a top-p boundary lies 
              token left out are the row's exact first ranks, so where top_k <= their count (or top_k is off and
              they hold top_p of the mass) they decide the kept set and the Gumbel-max draw; a row keeping every
              token draws over the whole row; any other row falls back to "keys" (``lax.cond``). Draws differ from
-             "keys"' (another mapping of the key) but follow the same distribution. The default.
+             "keys"' (another mapping of the key) but follow the same distribution.
   maxblocks  no sort of the row (``_blocks_keep(select="max")``): the max of each block of MAX_BLOCK tokens, the
              MAX_BLOCKS_KEPT blocks of the largest maxima kept whole as candidates (one sort of the block maxima),
              then as "blocks" (the same kept set; draws differ from "blocks"' as the candidates do, same
              distribution). Its first ranks are fewer (L >= MAX_BLOCKS_KEPT where no block maxima tie), so top-p
-             alone falls back to "keys" on more rows.
+             alone falls back to "keys" on more rows. The default.
 Measured on the H200 (``python -m benchmarks serving --cases sampling``, commit 8c8daaf, 2026-12-03; [rows,
 151936] fp32 logits, temperature 0.8, top-k 50, top-p 0.95; results "serving" in benchmarks/results/h200.json), the
 sampler alone, ms at 16 / 64 rows: blocks 0.281 / 0.924, keys 0.738 / 1.473, argsort 0.758 / 2.090, threshold
 1.209 / 4.655 (its ~26 dependent reductions over [rows, Vocab, 15] cost more than XLA's sort), greedy 0.121 /
-0.088. Hence "blocks" the default (``DEFAULT_METHOD``); with "keys" the decode step of 8 layers at 80B dims took
+0.088. Hence "blocks" the default then (``DEFAULT_METHOD``); with "keys" the decode step of 8 layers at 80B dims took
 +18.7% / +2.8% over its greedy step (3.143 / 7.405 ms), with "blocks" +5.7% / +11.1% (3.060 / 6.933 ms; aef319c).
+At 110464b (the same command) maxblocks alone took 0.131 / 0.356 ms against blocks' 0.286 / 0.790, so it is the
+default since.
 threshold's draws differ from the sort methods' (another mapping of the same key to a token) but follow the same
 distribution. A row of all -inf logits: threshold draws uniformly over its kept tokens, the sort methods draw the
 first-ranked.
