@@ -199,13 +199,13 @@ for prompt in (b"def ", b"    \"\"\"Return the ", b"import "):
 # form (`pallas_kernels.autodiff.reference_vjp`); attention on cuDNN differentiates its own fused call when no
 # stream has context (every training batch); the projections and norms are XLA throughout.
 #
-# One whole optimiser step (`python -m benchmarks train`, code of 46902c9: a 1.16B hybrid at Qwen3-Next's dims,
+# One whole optimiser step (`python -m benchmarks train`, code of d311ca9: a 1.16B hybrid at Qwen3-Next's dims,
 # 8 layers with a dense 5632 FFN, 4096 tokens in 8 documents, bf16 with fp32 master weights, AdamW):
 #
 # | column | ms / step | tokens/s | MFU | peak GiB |
 # |---|---|---|---|---|
-# | ours | 90.0 | 45.5k | 23.3% | 32.4 |
-# | ours, remat="layers" | 84.7 | 48.4k | 24.8% | 24.8 |
+# | ours | 80.4 | 50.9k | 26.1% | 32.4 |
+# | ours, remat="layers" | 75.4 | 54.4k | 27.9% | 24.8 |
 
 # %%
 print(f"notebook ran in {time.perf_counter() - NOTEBOOK_T0:.1f} s")

@@ -39,7 +39,7 @@ sampler alone, ms at 16 / 64 rows: blocks 0.281 / 0.924, keys 0.738 / 1.473, arg
 0.088. Hence "blocks" the default then (``DEFAULT_METHOD``); with "keys" the decode step of 8 layers at 80B dims took
 +18.7% / +2.8% over its greedy step (3.143 / 7.405 ms), with "blocks" +5.7% / +11.1% (3.060 / 6.933 ms; aef319c).
 At 110464b (the same command) maxblocks alone took 0.131 / 0.356 ms against blocks' 0.286 / 0.790, so it is the
-default since.
+default since; inside the step (d311ca9) +0.4% / +7.9% over greedy (3.085 / 7.037 ms).
 threshold's draws differ from the sort methods' (another mapping of the same key to a token) but follow the same
 distribution. A row of all -inf logits: threshold draws uniformly over its kept tokens, the sort methods draw the
 first-ranked.
