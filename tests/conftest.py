@@ -14,11 +14,14 @@ if jax.default_backend() == "cpu":       # -O0 on CPU only (tests/xla_env.py); s
     jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
 
 
-# The longest CPU tests (seconds on a 2-core machine, `pytest --durations` at 15aa4e3; 05_training at its 200 steps,
-# fewer in CI since), none sharing a module- or class-scoped fixture: they start first, so that pytest-xdist's
-# workers end on short tests instead of one of them running a notebook while the other waits (the notebooks and
-# test_train.py come last in the collection).
+# The longest CPU tests (seconds on a 2-core machine, `pytest --durations` at 15aa4e3 and, the first two, at 3c88e80;
+# 05_training at its 200 steps, fewer in CI since): they start first, so that pytest-xdist's workers end on short
+# tests instead of one of them running a notebook while the other waits (the notebooks and test_train.py come last
+# in the collection). The first two are the first tests of a module-scoped fixture's group (``--dist loadgroup``,
+# pyproject.toml: the sharding subprocess, the LLM engine), which then run on one worker and build it once.
 LONG_FIRST = (
+    "tests/model/test_sharding.py::test_sharded_logits_equal_one_device[qwen3_next/mesh2]",                 # 122 (its subprocess)
+    "tests/serving/test_llm.py::test_greedy_generate_equals_the_manual_loop_and_compiles_nothing",          # 35 (the engine)
     "tests/test_notebooks.py::test_notebook_executes[05_training]",                                          # 81
     "tests/test_notebooks.py::test_notebook_executes[04_checkpoint]",                                        # 41
     "tests/test_train.py::test_remat_layers_same_gradients_less_memory_cores_run_once",                      # 37
@@ -35,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
     """GPU tests run only where a GPU is (the device tool); CI on CPU skips them with a stated reason. The
     ``LONG_FIRST`` tests are moved to the front (the others keep their order)."""
     rank = {nodeid: i for i, nodeid in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(LONG_FIRST)))
+    # (under --dist loadgroup xdist may have suffixed a grouped test's nodeid with "@<group>" already)
+    items.sort(key=lambda item: rank.get(item.nodeid.split("@")[0], len(LONG_FIRST)))
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine with `pytest -m gpu`")
     for item in items:

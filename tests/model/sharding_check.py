@@ -46,6 +46,9 @@ CONFIGS = {
     "qwen3_5": HybridConfig(model_type="qwen3_5_text", tie_word_embeddings=True, **{**COMMON, "vocab_size": 64}),
 }
 MESHES = {"qwen3_next": (2, 4), "qwen3_5": (4,)}      # (a mesh of 1 was the unsharded program again: ~20 s of CI)
+# meshes whose params' layout is checked but not their logits: qwen3_next on 4 devices runs whole in the expert-
+# parallel check below (the same GDN / attention / embedding split; tensor-parallel experts run on the mesh of 2)
+LAYOUT_ONLY = {("qwen3_next", 4)}
 # Expert parallel (moe_sharding="expert"): the whole model on a mesh of 4 (2 of the 8 experts per device, top 2)
 # against the same one-device run, XLA MoE; the MoE kernels' path (a trash expert for the other devices' copies,
 # its skipped blocks' rows left unwritten: NaN in interpret mode) is checked layer by layer (check_moe_ep_layer)
@@ -114,9 +117,10 @@ def check_equal(res: dict) -> None:
             # divides the experts (checked below with EP_MESHES and in check_errors)
             model = HybridModel(cfg, params, dtype=jnp.float32, backend=BACKEND, token_buckets=BUCKETS,
                                 mesh=_mesh(n), moe_sharding="tensor")
-            got, res[f"fork_gap/{name}/mesh{n}"] = _run(model, 1)
-            res[f"equal/{name}/mesh{n}"] = max(_rel(g, r) for g, r in zip(got, ref))
-            print(name, n, res[f"equal/{name}/mesh{n}"], file=sys.stderr, flush=True)
+            if (name, n) not in LAYOUT_ONLY:
+                got, res[f"fork_gap/{name}/mesh{n}"] = _run(model, 1)
+                res[f"equal/{name}/mesh{n}"] = max(_rel(g, r) for g, r in zip(got, ref))
+                print(name, n, res[f"equal/{name}/mesh{n}"], file=sys.stderr, flush=True)
             emb = model.params["embed"]
             res[f"embed_split/{name}/mesh{n}"] = (not emb.sharding.is_fully_replicated) or n == 1
             blk = model.params["period"][0]["mixer"]

@@ -31,6 +31,11 @@ VOCAB = 96
 CHI2_CRIT_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}     # chi-square critical values, p = 1e-4
 
 
+#: the tests of the module's LLM engine run on one xdist worker (``--dist loadgroup``), so its fixture (~35 s of
+#: compiles at the CPU tests' -O0) is built once, not once per worker
+ENGINE = pytest.mark.xdist_group("llm_engine")
+
+
 @pytest.fixture(scope="module")
 def model():
     cfg = preset("tiny", num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
@@ -301,6 +306,7 @@ def test_an_unknown_method_is_refused_naming_it():
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
+@ENGINE
 def test_greedy_generate_equals_the_manual_loop_and_compiles_nothing(llm, model):
     prompts = _prompts(3, seed=1)
     before = llm.compiled_programs()
@@ -312,6 +318,7 @@ def test_greedy_generate_equals_the_manual_loop_and_compiles_nothing(llm, model)
         assert o.outputs[0].finish_reason == "length" and o.outputs[0].text == ""
 
 
+@ENGINE
 def test_a_request_does_not_depend_on_its_batch(llm):
     """Greedy and sampled: the first request alone, then with 7 others (chunked prefill: 8 prompts of up to 60
     tokens under a 32-token budget), the same tokens."""
@@ -324,6 +331,7 @@ def test_a_request_does_not_depend_on_its_batch(llm):
         assert [o.outputs[0].token_ids for o in repeat] == [o.outputs[0].token_ids for o in batch]
 
 
+@ENGINE
 def test_online_requests_arriving_while_others_run(llm):
     """add_request / step / has_unfinished_requests: 6 requests arriving one every 2 steps (chunked prefill under the
     32-token budget, mixed with decode) give the tokens generate gives each alone; step() returns each output once,
@@ -356,6 +364,7 @@ def test_online_requests_arriving_while_others_run(llm):
     assert all(0 < got[i].metrics["first_token_s"] <= got[i].metrics["finished_s"] for i in ids)
 
 
+@ENGINE
 def test_prefill_buckets_fewer_programs_same_tokens(llm, model):
     """prefill_buckets=(32,): every prefill step padded to 32 tokens, so the warm-up runs only those prefill shapes
     (4 stream buckets, against 24 with the model's buckets), the outputs equal the default engine's, and nothing
@@ -375,6 +384,7 @@ def test_prefill_buckets_fewer_programs_same_tokens(llm, model):
             LLM(model, max_seqs=8, token_budget=32, warmup=False, prefill_buckets=bad)
 
 
+@ENGINE
 def test_stop_ids_and_max_tokens(llm):
     prompt = _prompts(1, seed=4)[0]
     greedy = llm.generate(prompt, SamplingParams(max_tokens=4))[0].outputs[0].token_ids
@@ -387,6 +397,7 @@ def test_stop_ids_and_max_tokens(llm):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+@ENGINE
 def test_out_of_pages_under_load_preempts_and_never_emits_refused_tokens(model, llm):
     """A pool of 5 pages of 16 tokens for 4 slots: 6 requests of 20-30 prompt tokens generating 12 each run out
     of pages; the engine preempts and recomputes; every request ends "length" with exactly the tokens it gets
@@ -438,6 +449,7 @@ def test_checkpoint_dir_with_its_tokenizer_round_trips(tmp_path):
     assert len(ids) == 4 and out.outputs[0].text == tok.decode(ids)
 
 
+@ENGINE
 def test_bad_arguments_are_refused_before_any_work(llm, model):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("a string prompt")
