@@ -254,7 +254,7 @@ def test_per_call_wide_reference_matches_f64():
 
 
 @pytest.mark.parametrize("t,pad", [(130, 0), (130, 6), (64, 0)])
-def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch):
+def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch, request):
     """single_dense (the default): a packed call of one sequence has the dense op in its program beside the packed
     path (a ``lax.cond`` on cu_seqlens == [0, T]); covering the whole row it gives the dense op's result bit for bit,
     followed by NaN padding the packed path's, each against the float64 oracle at 2e-4 with and without h0. (In
@@ -266,7 +266,8 @@ def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch):
         dense_calls.append(1)
         return dense(*a, **kw)
     monkeypatch.setattr(mg, "chunk_gated_delta_rule_fwd", spy)
-    mv.chunk_gated_delta_rule_varlen_fwd.clear_cache()
+    mv.chunk_gated_delta_rule_varlen_fwd.clear_cache()                 # traced afresh, with the spy
+    request.addfinalizer(mv.chunk_gated_delta_rule_varlen_fwd.clear_cache)
     for with_h0 in (True, False):
         args = _inputs((t,), pad=pad, hk=1, hv=2, kdim=16, vdim=16, seed=t + pad, with_h0=with_h0)
         q, k, v, g, beta, h0, cu = args
