@@ -121,7 +121,8 @@ def sampling_arrays(params, steps, rows: int):
 #: comparison, which XLA's GPU backend can hand to a radix sort
 SORTS = ("argsort", "keys")
 #: how :func:`sample_rows` finds the kept tokens and draws (module docstring): a full sort of each row by one of
-#: ``SORTS``, "threshold" (no sort) or "blocks" (sorts of short rows only; the default: the fastest measured)
+#: ``SORTS``, "threshold" (no sort), "blocks" (sorts of short rows only) or "maxblocks" (no sort of the row; the
+#: default: the fastest measured)
 METHODS = ("keys", "argsort", "threshold", "blocks", "maxblocks")
 DEFAULT_METHOD = "maxblocks"
 #: tokens per block of the threshold method's two-level inverse-CDF search

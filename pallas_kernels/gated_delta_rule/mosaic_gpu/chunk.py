@@ -1129,6 +1129,10 @@ class MosaicConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool; got {getattr(self, name)!r}")
 
+    def options(self) -> dict:
+        """The fields as :func:`chunk_gated_delta_rule_fwd`'s keyword arguments (the same names)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
 
 DEFAULT_CONFIG = MosaicConfig()
 
@@ -1184,9 +1188,6 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
 
     def run(q, k, v, g, beta, *h0):
         return chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0[0] if h0 else None, scale=float(scale),
-                                          output_final_state=output_final_state, impl="mosaic",
-                                          stage1a=cfg.stage1a, pieces=cfg.pieces, exp2=cfg.exp2,
-                                          state_kv=cfg.state_kv, split=cfg.split, wide=cfg.wide,
-                                          solve=cfg.solve)
+                                          output_final_state=output_final_state, impl="mosaic", **cfg.options())
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, *h0)

@@ -664,31 +664,22 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
         raise ValueError(f"mosaic_gpu varlen: initial_state must be [N, Hv, K, V] = {(n, hv, kdim, vdim)}; "
                          f"got {initial_state.shape}")
     scale = kdim ** -0.5 if scale is None else float(scale)
-    if single_dense and n == 1:      # one sequence over the whole row: the dense op, else the packed path
-        dc = mg.DEFAULT_CONFIG
+    opts = dict(scale=scale, output_final_state=output_final_state, impl=impl, stage1a=stage1a, order=order,
+                states=states, lanes=lanes, copies=copies, kkt_used=kkt_used, reads=reads, wide=wide, solve=solve,
+                split=split)
 
+    def again(**changed):    # this call with some choices resolved (single_dense off: its cond is taken)
+        return chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, initial_state, **{**opts, **changed})
+    if single_dense and n == 1:      # one sequence over the whole row: the dense op, else the packed path
         def dense():
             return mg.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, scale=scale,
                                                  output_final_state=output_final_state, impl=impl,
-                                                 stage1a=dc.stage1a, pieces=dc.pieces, exp2=dc.exp2,
-                                                 state_kv=dc.state_kv, split=dc.split, wide=dc.wide,
-                                                 solve=dc.solve)
-
-        def packed():
-            return chunk_gated_delta_rule_varlen_fwd(
-                q, k, v, g, beta, cu, initial_state, scale=scale, output_final_state=output_final_state,
-                impl=impl, stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies,
-                kkt_used=kkt_used, reads=reads, wide=wide, solve=solve, split=split)
-        return lax.cond((cu[0] == 0) & (cu[1] == t), dense, packed)
+                                                 **mg.DEFAULT_CONFIG.options())
+        return lax.cond((cu[0] == 0) & (cu[1] == t), dense, again)
     wide_ok = stage1a == "mosaic" and lanes == 0           # what the wide pass needs besides its shapes
     if wide == "per_call":   # where "auto" runs wide, both passes under a cond on the call's lengths
         if wide_ok and mg.wide_pass("auto", n, hv, vdim):
-            def run(wide_):
-                return chunk_gated_delta_rule_varlen_fwd(
-                    q, k, v, g, beta, cu, initial_state, scale=scale, output_final_state=output_final_state,
-                    impl=impl, stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies,
-                    kkt_used=kkt_used, reads=reads, wide=wide_, solve=solve, split=split)
-            return lax.cond(wide_pays(cu, hv, vdim), lambda: run(True), lambda: run(False))
+            return lax.cond(wide_pays(cu, hv, vdim), lambda: again(wide=True), lambda: again(wide=False))
         wide = False
     wide = wide_ok and mg.wide_pass(wide, n, hv, vdim)
     solve = bool(solve) and wide and kernel

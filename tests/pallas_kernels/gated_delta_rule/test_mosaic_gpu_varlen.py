@@ -284,10 +284,8 @@ def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch, reques
         if pad:
             other = _run(args, reads="in_place", wide="per_call", split=mv.SPLIT_MIN_CHUNKS)
         else:
-            dc = mg.DEFAULT_CONFIG
             other = dense(*(jnp.asarray(x) for x in (q, k, v, g, beta)), None if h0 is None else jnp.asarray(h0),
-                          impl="reference", stage1a=dc.stage1a, pieces=dc.pieces, exp2=dc.exp2,
-                          state_kv=dc.state_kv, split=dc.split, wide=dc.wide, solve=dc.solve)
+                          impl="reference", **mg.DEFAULT_CONFIG.options())
         assert np.array_equal(o, np.asarray(other[0])) and np.array_equal(s, np.asarray(other[1]))
     two = _inputs((40, 90), pad=pad, hk=1, hv=2, kdim=16, vdim=16, seed=1)
     traced = len(dense_calls)
@@ -680,21 +678,19 @@ def test_gpu_one_sequence_runs_the_dense_op(t, pad):
     args = _inputs((t,), pad=pad, hk=2, hv=4, kdim=128, vdim=128, seed=t + pad)
     q, k, v = (np.asarray(jnp.asarray(x, bf).astype(jnp.float32)) for x in args[:3])
     args = (q, k, v) + args[3:]
+    ops = (*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf))
+    common = dict(scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True)
     cfg = mv.DEFAULT_CONFIG
-    o, s = mv.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
-                     scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True,
-                     cu_seqlens=jnp.asarray(args[6]), config=cfg)
+    o, s = mv.op_fwd(*ops, cu_seqlens=jnp.asarray(args[6]), config=cfg, **common)
     o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
     ro, rs = _oracle(args, bf)
     assert np.all(o[0, args[-1][-1]:] == 0)
     assert rel_rms(o, ro) < 1e-2 and rel_rms(s, rs) < 1e-2, (rel_rms(o, ro), rel_rms(s, rs))
     if pad:
-        other = mv.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
-                          scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True,
-                          cu_seqlens=jnp.asarray(args[6]), config=dataclasses.replace(cfg, single_dense=False))
+        other = mv.op_fwd(*ops, cu_seqlens=jnp.asarray(args[6]), config=dataclasses.replace(cfg, single_dense=False),
+                          **common)
     else:
-        other = mg.op_fwd(*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf),
-                          scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True)
+        other = mg.op_fwd(*ops, **common)
     assert np.array_equal(o, np.asarray(other[0].astype(jnp.float32))) and np.array_equal(s, np.asarray(other[1]))
 
 
