@@ -25,11 +25,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmarks of jax-gdn on this machine's first device, merged into the results JSON.",
         epilog=f"sections:\n{lines}\n\n--all runs every section but sharding (which needs 2 GPUs and writes its own "
-               "file),\nin the order above. Examples:\n  python -m benchmarks gdn decode\n"
+               "file)\nand model_35b (a model of half an H200, ~6 min), in the order above. Examples:\n  python -m benchmarks gdn decode\n"
                "  python -m benchmarks attention --cases prefill-32k\n"
                "  python -m benchmarks --markdown --out benchmarks/results/h200.json")
     p.add_argument("sections", nargs="*", metavar="SECTION", help="sections to measure (see below)")
-    p.add_argument("--all", action="store_true", help="every section but sharding")
+    p.add_argument("--all", action="store_true", help="every section but sharding and model_35b")
     p.add_argument("--cases", default=None, metavar="NAME,...",
                    help="only these cases of the named sections (gdn, backward, decode, attention, moe; serving: "
                         "its parts); the other rows stored are kept")
@@ -172,16 +172,17 @@ def _run_one(name: str, quick: bool, cases, impls, stored: dict, budget):
             raise RuntimeError("no backend of the layers section ran")
         mod.print_section(value)
         return {"layers": value}
-    if name == "model":
-        value = mod.run_section(quick, budget_s=budget)
+    if name in ("model", "model_35b"):
+        value = mod.run_section(quick, budget_s=budget, dims=mod.SECTION_DIMS[name])
         mod.print_section(value)
-        return {"model": value}
-    if name == "serving":
-        value = mod.run_section(quick, cases=cases)
+        return {sec.keys[0]: value}
+    if name in ("serving", "serving_35b"):
+        key, full = mod.SECTION_SIZES[name]
+        value = mod.run_section(quick, cases=cases, full=full)
         mod.print_section(value)
         if cases is not None:                       # the parts not run keep their stored figures
-            value = {**(stored.get("serving") or {}), **value}
-        return {"serving": value}
+            value = {**(stored.get(key) or {}), **value}
+        return {key: value}
     if name == "train":
         value = mod.run_section(quick)
         mod.print_section(value)
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
             from benchmarks.report import markdown_tables
             print(markdown_tables(data, chosen or None))
         return 0
-    if "model" in chosen:          # its HF child shares the GPU: JAX takes memory as it goes (before JAX starts)
+    if {"model", "model_35b"} & set(chosen):   # its HF child shares the GPU: JAX takes memory as it goes (before JAX starts)
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     if devices > 1 and len(jax.devices()) < devices:

@@ -5,7 +5,8 @@
 # usage (from the repository root, on the GPU machine, with the peers' wheels carried in .whl/):
 #   bash benchmarks/gpu.sh [STEP ...]
 #     STEP: tests (pytest -m gpu) or a section of python -m benchmarks (gdn backward decode attention moe layers model
-#     serving train sharding); peers (gathers the FlashQLA / FlashInfer stack's parts from the carried .peers<i>/
+#     model_35b serving serving_35b train sharding); hf_check (HF on FLA's kernels against HF's torch path at each
+#     of HF_CHECK_DIMS, default both presets of benchmarks.configs.MODEL_DIMS); peers (gathers the FlashQLA / FlashInfer stack's parts from the carried .peers<i>/
 #     folders, benchmarks/stage_peers.sh, and unpacks it once every part has come, one call each while the machine
 #     is warm); qla, fi (the gdn section's FlashQLA / FlashInfer column, each in a process with that stack only and
 #     not FLA's); default: tests
@@ -94,10 +95,21 @@ for step in ${*:-tests}; do
       grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests" "$OUT/tests.log" | sort | uniq -c      # outcomes, counted
       grep -oE "(FAILED|ERROR) \S+" "$OUT/tests.log" | head -20
       res=$(tail -1 "$OUT/tests.log") ;;
-    model)        # HF runs in a child process beside JAX: JAX takes its memory as it goes
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks model --budget $((left - 15)) \
+    model|model_35b)   # HF runs in a child process beside JAX: JAX takes its memory as it goes
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks "$step" --budget $((left - 15)) \
         "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]} ;;
+    hf_check)     # HF on FLA's kernels against HF's own torch path, 2 layers of each of HF_CHECK_DIMS
+      rc=0
+      for dims in ${HF_CHECK_DIMS:-qwen3_next_80b qwen3_5_35b_a3b}; do
+        timeout "$left" python3 -m benchmarks.model --hf-check --dims "$dims" 2>"$OUT/hf_check_$dims.err" \
+          | tail -1 >"$OUT/hf_check_$dims.json"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: {m: round(r[k][m], 5)
+          for m in ('cos_min', 'cos_median', 'top1_agree', 'rel')} for k in ('prefill', 'decode')})" \
+          "$OUT/hf_check_$dims.json" "$dims" 2>&1 | tee -a "$OUT/run.log"
+      done
+      res="see hf_check_<dims>.json" ;;
     peers)
       gather_peers 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]}; res=$(tail -1 "$OUT/run.log") ;;
@@ -118,7 +130,7 @@ for step in ${*:-tests}; do
       timeout "$left" python3 -m benchmarks "$step" "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]} ;;
   esac
-  case $step in tests|peers|qla|fi) ;; *) res=$(grep -E "^$step +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1) ;; esac
+  case $step in tests|peers|qla|fi|hf_check) ;; *) res=$(grep -E "^$step +[0-9]+ +(ok|FAILED)" "$OUT/run.log" | tail -1) ;; esac
   [ "$rc" = 124 ] && res="cut at the budget ($left s)"
   summary+=("$step rc=$rc $((SECONDS - t0)) s: $res")
 done

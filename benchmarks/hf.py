@@ -1,7 +1,7 @@
 """HF transformers' Qwen3-Next (and Qwen3.5-MoE, ``HF_FAMILIES``) as the whole-model section's peer, on FLA's
 kernels (its fast GDN path), and the check of that wiring against HF's own torch path. transformers 5.24's
 qwen3_5_moe module calls the same four module-level GDN callables, so the wiring below applies to it; its FLA
-adapters are checked against HF's torch path (``hf_kernel_check``) at Qwen3-Next dims only so far.
+adapters are checked against HF's torch path (``hf_kernel_check``; ``--hf-check --dims``) at either family's dims.
 
 transformers' qwen3_next module resolves, at import, each of its four GDN callables (``torch_chunk_gated_delta_rule``,
 ``torch_recurrent_gated_delta_rule``: FLA's when ``fla`` imports; ``causal_conv1d_fn``, ``causal_conv1d_update``:
@@ -431,12 +431,12 @@ def hf_rows(config, cases: dict, reps: int = REPS, seed: int = 0, log=None, fla:
     return out
 
 
-def hf_check(quick: bool = False, lens=(173, 300), steps: int = 3) -> dict:
-    """``hf_kernel_check`` of FLA's kernels (``fla_kernels()``) on a bf16 HF model of ``check_config`` on the GPU:
-    HF's torch path against HF on FLA, the same weights and inputs."""
+def hf_check(quick: bool = False, lens=(173, 300), steps: int = 3, dims: str = "qwen3_next_80b") -> dict:
+    """``hf_kernel_check`` of FLA's kernels (``fla_kernels()``) on a bf16 HF model of ``check_config(quick, dims)``
+    on the GPU: HF's torch path against HF on FLA, the same weights and inputs."""
     import torch
     t0 = time.time()
-    model = hf_model(check_config(quick), torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+    model = hf_model(check_config(quick, dims), torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
     res = hf_kernel_check(model, fla_kernels(), lens=lens, steps=steps)
     res["resolved_by_transformers"] = hf_kernel_report(model)
     res["s"] = round(time.time() - t0, 1)

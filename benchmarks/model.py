@@ -1,9 +1,13 @@
-"""Section "model": the whole hybrid model at Qwen3-Next-80B dims against HF transformers, same GPU, same run.
+"""Sections "model" and "model_35b": the whole hybrid model against HF transformers, same GPU, same run.
 
-Model: Qwen3-Next-80B-A3B dims (hidden 2048, vocab 151936; GDN 16 key / 32 value heads x 128, conv 4; attention
-16 q / 2 kv heads x 256, partial RoPE 0.25; MoE 512 experts top-10, moe_intermediate 512, shared expert 512 with
-its sigmoid gate) at ``layers`` = 8 layers (2 x (3 GDN + 1 attention)), random bf16 weights made on the device
-(``jax_gdn.model.init_params``), ``HybridModel(backend="auto")``.
+Model ("model"): Qwen3-Next-80B-A3B dims (hidden 2048, vocab 151936; GDN 16 key / 32 value heads x 128, conv 4;
+attention 16 q / 2 kv heads x 256, partial RoPE 0.25; MoE 512 experts top-10, moe_intermediate 512, shared expert
+512 with its sigmoid gate) at ``layers`` = 8 layers (2 x (3 GDN + 1 attention)), random bf16 weights made on the
+device (``jax_gdn.model.init_params``), ``HybridModel(backend="auto")``.
+"model_35b" (``--dims qwen3_5_35b_a3b``): Qwen3.5-35B-A3B at its full depth, 40 layers (30 GDN + 10 attention;
+the same GDN and attention heads, 256 experts top-8, vocab 248320, separate GDN projections; 34.7B parameters,
+65 GiB in bf16), HF's ``Qwen3_5MoeForCausalLM`` as the peer. Its HF child runs before our model is built (the two
+models' weights do not fit the GPU together), and neither the 48-layer compile nor the parts run (``DIMS``).
 
 Rows (``kind``, ``tokens``):
   prefill varlen16-T19027   the 16 streams of benchmarks.cases.VARLEN16_LENS, fresh, one packed call
@@ -102,7 +106,7 @@ import traceback
 import numpy as np
 
 from benchmarks.cases import cu_seqlens, model_cases
-from benchmarks.configs import LAYERS, qwen3_next_80b_config, random_device_model, tiny_config
+from benchmarks.configs import LAYERS, MODEL_DIMS, model_config, random_device_model, tiny_config
 from benchmarks.floors import load_peers, row_floors
 from benchmarks.model_parts import REPS, measure_parts, parts_markdown, print_parts
 from benchmarks.tables import fmt, md_header
@@ -113,6 +117,14 @@ from jax_gdn.timing import jax_sync
 COMPILE_LAYERS = 48
 #: the section's results-JSON key
 KEY = "model"
+#: per dims (``benchmarks.configs.MODEL_DIMS``): the results key; whether HF runs before ours (a model of half the
+#: GPU's memory: ours and HF's weights are never on it together, and JAX's allocator keeps what it once took, so
+#: HF's child runs first and exits); the compile measurement's depth (0: none; the rows' first call is the
+#: full-depth compile); whether the parts are timed; the speed-up over HF its rows aim for
+DIMS = {"qwen3_next_80b": dict(key=KEY, hf_first=False, compile_layers=COMPILE_LAYERS, parts=True, target_x=3),
+        "qwen3_5_35b_a3b": dict(key="model_35b", hf_first=True, compile_layers=0, parts=False, target_x=5)}
+#: the CLI's sections of this module -> their dims
+SECTION_DIMS = {spec["key"]: dims for dims, spec in DIMS.items()}
 
 
 def shared_cache_kwargs(cases: dict, reps: int) -> dict:
@@ -239,9 +251,9 @@ def compile_seconds(config, lens, dtype=None, backend: str = "auto", cache_kwarg
     return {"layers": config.num_hidden_layers, "s": t2 - t0, "lower_s": t1 - t0, "compile_s": t2 - t1}
 
 
-def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0) -> dict:
+def _compile_in_subprocess(layers: int, quick: bool, timeout: float = 300.0, dims: str = "qwen3_next_80b") -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    cmd = [sys.executable, "-m", "benchmarks.model", "--compile-only", "--layers", str(layers)]
+    cmd = [sys.executable, "-m", "benchmarks.model", "--compile-only", "--layers", str(layers), "--dims", dims]
     if quick:
         cmd.append("--quick")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -299,13 +311,14 @@ def hf_child_env(flash_qla: bool, environ=None) -> dict:
     return env
 
 
-def _hf_in_subprocess(reps: int, timeout: float, quick: bool = False, flash_qla: bool = False) -> dict:
+def _hf_in_subprocess(reps: int, timeout: float, quick: bool = False, flash_qla: bool = False,
+                      dims: str = "qwen3_next_80b") -> dict:
     """hf_rows in a child process (its torch memory is gone when it exits; a hang is cut at ``timeout``). The
     child's progress lines go to this process's stderr. ``flash_qla``: FLA's default path with FlashQLA
     (:func:`hf_child_env`); the child's rows become errors unless FlashQLA really ran (``info["flash_qla_ran"]``:
     FLA falls back to its Triton path where FlashQLA does not import)."""
-    cmd = [sys.executable, "-m", "benchmarks.model", "--hf-only", "--reps", str(reps)] + (["--quick"] if quick
-                                                                                            else [])
+    cmd = [sys.executable, "-m", "benchmarks.model", "--hf-only", "--reps", str(reps), "--dims", dims] + (
+        ["--quick"] if quick else [])
     try:
         r = subprocess.run(cmd, env=hf_child_env(flash_qla), stdout=subprocess.PIPE, stderr=None, text=True,
                            timeout=timeout)
@@ -327,12 +340,16 @@ def checked_flash_qla(res: dict) -> dict:
     return {k: ({"error": why} if isinstance(v, dict) and k != "info" else v) for k, v in res.items()}
 
 
-def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compile_layers: int = None,
-                subprocess_compile: bool = None, budget_s: float = None, on_update=None, hf_qla: bool = None) -> dict:
-    """Measures the section (see the module docstring). Order: our rows, then HF (a child process: its torch
-    memory never meets ours in one process), then the 48-layer compile (a child process), then the parts.
-    ``hf`` (default: not quick) runs HF transformers; ``compile_layers`` (default 48) the depth of the compile-time
-    measurement (0: skip). ``budget_s``: each stage after our rows gets at most what is left of this many seconds
+def run_section(quick: bool = False, *, dims: str = "qwen3_next_80b", reps: int = REPS, hf: bool = None,
+                compile_layers: int = None, subprocess_compile: bool = None, budget_s: float = None,
+                on_update=None, hf_qla: bool = None, parts: bool = None) -> dict:
+    """Measures the section (see the module docstring) at ``dims`` (a key of ``DIMS``: Qwen3-Next-80B at 8 layers,
+    or Qwen3.5-35B-A3B at its full 40). Order: our rows, then HF (a child process: its torch memory never meets
+    ours in one process), then the 48-layer compile (a child process), then the parts; where ``DIMS[dims]``
+    says ``hf_first``, HF's child runs and exits before our model is built.
+    ``hf`` (default: not quick) runs HF transformers; ``compile_layers`` (default ``DIMS[dims]``'s: 48 at 80B
+    dims, 0 at 35B) the depth of the compile-time measurement (0: skip); ``parts`` (default ``DIMS[dims]``'s)
+    times the model's parts. ``budget_s``: each stage after our rows gets at most what is left of this many seconds
     (a stage that would not fit is skipped and named in "errors"). ``on_update(section)`` is called after each
     stage (e.g. to save partial results). ``hf_qla`` (default: HF runs and ``QLA_SITE`` is set) times HF a
     second time in another child on FLA's default path with FlashQLA (the rows' "hf_qla" column)."""
@@ -344,13 +361,20 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     except Exception:  # pragma: no cover - private API moved: assume the worst only when told to preallocate
         jax_up = False
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")     # HF runs beside us in a child process
+    if dims not in DIMS:
+        raise ValueError(f"dims must be one of {sorted(DIMS)}, got {dims!r}")
+    spec = DIMS[dims]
     hf = (not quick) if hf is None else hf
-    compile_layers = COMPILE_LAYERS if compile_layers is None else compile_layers
+    compile_layers = spec["compile_layers"] if compile_layers is None else compile_layers
+    parts = spec["parts"] if parts is None else parts
     subprocess_compile = (not quick) if subprocess_compile is None else subprocess_compile
-    make_cfg = tiny_config if quick else qwen3_next_80b_config
-    cfg = make_cfg(LAYERS)
+
+    def make_cfg(layers):
+        return tiny_config(layers, dims) if quick else model_config(dims, layers)
+    cfg = make_cfg(LAYERS if quick else MODEL_DIMS[dims])
     cases = model_cases(quick)
-    section = {"layers": LAYERS, "quick": quick, "reps": reps, "rows": [], "parts_ms": {}, "errors": [],
+    section = {"dims": dims, "layers": cfg.num_hidden_layers, "quick": quick, "reps": reps, "rows": [],
+               "parts_ms": {}, "errors": [],
                "config": {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "experts": cfg.num_experts,
                           "top_k": cfg.num_experts_per_tok, "layer_types": list(cfg.layer_types)},
                "timing": "rows: wall clock per call closed by a device sync, median of reps after a warm-up call; "
@@ -382,8 +406,34 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     import jax.numpy as jnp
     dev = jax.devices()[0]
     section["device"] = str(getattr(dev, "device_kind", dev))
-    ours, hf_res = {}, {}
+    ours, hf_res, hf_qla_res = {}, {}, None
     model = None
+    if hf_qla is None:
+        hf_qla = bool(hf) and bool(os.environ.get("QLA_SITE"))
+
+    def run_hf():
+        """HF's children: FLA's Triton path, then (``hf_qla``) FLA's default path with FlashQLA."""
+        nonlocal hf_res, hf_qla_res
+        if hf and not out_of_time("hf", 30):
+            try:
+                hf_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick, dims=dims)
+                section["hf"] = hf_res.get("info")
+            except Exception as err:
+                section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
+            section["rows"] = _rows(cases, ours, hf_res)
+            update(f"hf rows done: {hf_res}")
+        if hf_qla and not out_of_time("hf_qla", 30):
+            try:
+                hf_qla_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick, flash_qla=True,
+                                               dims=dims)
+                section["hf_qla"] = hf_qla_res.get("info")
+            except Exception as err:
+                hf_qla_res = {"varlen": {"error": f"{type(err).__name__}: {str(err)[:300]}"}}
+                section["errors"].append(f"hf_qla: {type(err).__name__}: {str(err)[:300]}")
+            section["rows"] = _rows(cases, ours, hf_res, hf_qla_res)
+            update(f"hf (FlashQLA) rows done: {hf_qla_res}")
+    if spec["hf_first"]:
+        run_hf()
     try:
         t0 = time.time()
         if quick:   # host-made tiny weights (compiling the random generator costs more than the rest on a CPU)
@@ -399,35 +449,17 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
     except Exception as err:
         section["errors"].append(f"ours: {type(err).__name__}: {str(err)[:300]}")
         traceback.print_exc()
-    section["rows"] = _rows(cases, ours, hf_res)
+    section["rows"] = _rows(cases, ours, hf_res, hf_qla_res)
     section["compiled_programs"] = ours.get("compiled_programs")
     update(f"our rows done: {ours}")
-
-    if hf and not out_of_time("hf", 30):
-        try:
-            hf_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick)
-            section["hf"] = hf_res.get("info")
-        except Exception as err:
-            section["errors"].append(f"hf: {type(err).__name__}: {str(err)[:300]}")
-        section["rows"] = _rows(cases, ours, hf_res)
-        update(f"hf rows done: {hf_res}")
-    if hf_qla is None:
-        hf_qla = bool(hf) and bool(os.environ.get("QLA_SITE"))
-    if hf_qla and not out_of_time("hf_qla", 30):
-        try:
-            hf_qla_res = _hf_in_subprocess(reps, timeout=min(left() - 5, 900.0), quick=quick, flash_qla=True)
-            section["hf_qla"] = hf_qla_res.get("info")
-        except Exception as err:
-            hf_qla_res = {"varlen": {"error": f"{type(err).__name__}: {str(err)[:300]}"}}
-            section["errors"].append(f"hf_qla: {type(err).__name__}: {str(err)[:300]}")
-        section["rows"] = _rows(cases, ours, hf_res, hf_qla_res)
-        update(f"hf (FlashQLA) rows done: {hf_qla_res}")
+    if not spec["hf_first"]:
+        run_hf()
 
     section["compile_s_48_layers"] = None
     if compile_layers and not out_of_time("compile", 10 if quick else 30):
         try:
             if subprocess_compile:
-                c = _compile_in_subprocess(compile_layers, quick, timeout=min(left() - 5, 600.0))
+                c = _compile_in_subprocess(compile_layers, quick, timeout=min(left() - 5, 600.0), dims=dims)
             else:
                 c = compile_seconds(make_cfg(compile_layers), cases["varlen"][1],
                                     jnp.float32 if quick else jnp.bfloat16, "auto",
@@ -442,7 +474,7 @@ def run_section(quick: bool = False, *, reps: int = REPS, hf: bool = None, compi
 
     peers = {} if quick else load_peers(section["device"])
     add_row_floors(section, cfg, cases, peers, jnp.dtype(jnp.float32 if quick else jnp.bfloat16).itemsize)
-    if model is not None and not out_of_time("parts", 10 if quick else 30):
+    if parts and model is not None and not out_of_time("parts", 10 if quick else 30):
         try:
             section["parts_ms"] = measure_parts(model, cases, reps, ours, peers,
                                                 log=None if quick else update)
@@ -559,7 +591,8 @@ def print_section(section: dict, summary: bool = True) -> None:
               f"(trace+lower {f(c.get('lower_s'), '{:.1f}')} s, compile {f(c.get('compile_s'), '{:.1f}')} s)")
     sp = [r["speedup"] for r in section.get("rows", []) if r.get("speedup")]
     if sp:
-        print(f"targets: tokens/s >= 3x HF on every row: {'met' if min(sp) >= 3 else 'NOT met'} "
+        x = DIMS.get(section.get("dims", "qwen3_next_80b"), DIMS["qwen3_next_80b"])["target_x"]
+        print(f"targets: tokens/s >= {x}x HF on every row: {'met' if min(sp) >= x else 'NOT met'} "
               f"(x {', '.join(f'{x:.2f}' for x in sp)})", end="")
         c48 = section.get("compile_s_48_layers")
         print("" if c48 is None else f"; 48-layer compile <= 60 s: {'met' if c48 <= 60 else 'NOT met'} "
@@ -612,7 +645,7 @@ def summary_lines(section: dict, extra_floors: list = None) -> list:
 def markdown(m: dict) -> list:
     """The README's tables of the section: the rows against HF, then each part against its floor."""
     qla = any("hf_qla" in r["ms"] for r in m["rows"])
-    out = md_header([f"model ({m['layers']} layers)", "kind", "tokens", "ours ms", "HF ms", "ours tokens/s",
+    out = md_header([f"model ({m['layers']} layers, {m.get('dims', 'qwen3_next_80b')})", "kind", "tokens", "ours ms", "HF ms", "ours tokens/s",
                      "HF tokens/s", "ours / HF"] + (["HF ms (FlashQLA)", "ours / HF (FlashQLA)"] if qla else []),
                     text_cols=2)
     for r in m["rows"]:
@@ -634,32 +667,34 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--compile-only", action="store_true", help="print the compile-time JSON line and exit")
     p.add_argument("--layers", type=int, default=COMPILE_LAYERS, help="depth of --compile-only")
+    p.add_argument("--dims", choices=sorted(DIMS), default="qwen3_next_80b",
+                   help="the model's dims and depth (benchmarks.configs.MODEL_DIMS)")
     p.add_argument("--json", default=None)
     p.add_argument("--hf-only", action="store_true", help="print HF's rows as a JSON line and exit (a GPU)")
     p.add_argument("--hf-check", action="store_true",
                    help="print a JSON line: HF on FLA's kernels against HF's torch path, 2 layers (GDN + attention) "
-                        "at 80B dims (--quick: tiny dims); needs FLA and a GPU")
+                        "at --dims (--quick: tiny dims); needs FLA and a GPU")
     a = p.parse_args(argv)
     if a.hf_check:
         from benchmarks.hf import hf_check
-        res = hf_check(a.quick)
+        res = hf_check(a.quick, dims=a.dims)
         print(json.dumps(res), flush=True)
         return res
     if a.hf_only:
         from benchmarks.hf import hf_rows
-        res = hf_rows(tiny_config(LAYERS) if a.quick else qwen3_next_80b_config(LAYERS), model_cases(a.quick), a.reps,
+        res = hf_rows(tiny_config(LAYERS, a.dims) if a.quick else model_config(a.dims), model_cases(a.quick), a.reps,
                       log=lambda m: print(f"[hf] {m}", file=sys.stderr, flush=True))
         print(json.dumps(res), flush=True)
         return res
     if a.compile_only:
         import jax.numpy as jnp
-        cfg = (tiny_config if a.quick else qwen3_next_80b_config)(a.layers)
+        cfg = tiny_config(a.layers, a.dims) if a.quick else model_config(a.dims, a.layers)
         cases = model_cases(a.quick)
         res = compile_seconds(cfg, cases["varlen"][1], jnp.float32 if a.quick else jnp.bfloat16, "auto",
                               cache_kwargs=shared_cache_kwargs(cases, REPS))
         print(json.dumps(res), flush=True)
         return res
-    section = run_section(a.quick, reps=a.reps, hf=False if a.no_hf else None)
+    section = run_section(a.quick, dims=a.dims, reps=a.reps, hf=False if a.no_hf else None)
     print_section(section)
     if a.json:
         with open(a.json, "w") as fh:

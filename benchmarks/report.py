@@ -4,7 +4,7 @@ from __future__ import annotations
 from benchmarks.sections import SECTIONS
 
 #: the order of the tables (the README's)
-ORDER = ("gdn", "backward", "layers", "moe", "attention", "decode", "model", "serving", "train")
+ORDER = ("gdn", "backward", "layers", "moe", "attention", "decode", "model", "model_35b", "serving", "serving_35b", "train")
 
 
 def markdown_tables(result: dict, sections=None) -> str:

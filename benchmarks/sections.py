@@ -76,9 +76,13 @@ SECTIONS = {s.name: s for s in (
     Section("layers", "layers", ("layers",), "one GDN layer's phases 1-3 and one attention layer at 80B dims"),
     Section("model", "model", ("model",), "the whole model at 80B dims (8 layers) against HF transformers, each part "
             "against its floor, the 48-layer compile time"),
+    Section("model_35b", "model", ("model_35b",), "Qwen3.5-35B-A3B at its full 40 layers against HF transformers "
+            "(~6 min on an H200; not in --all)", in_all=False),
     Section("serving", "serving", ("serving",), "LLM.generate on a shared-prefix workload, prefix cache off and "
             "on: tokens/s, time to first token, time per output token, hit rate; TTFT cold vs a prefix hit; the "
             "sampler's share of the decode step", _serving_parts),
+    Section("serving_35b", "serving", ("serving_35b",), "the serving section on Qwen3.5-35B-A3B at its full 40 layers "
+            "(not in --all)", _serving_parts, in_all=False),
     Section("train", "train", ("train",), "one optimiser step of a ~1B-parameter hybrid on 4096 packed tokens: "
             "tokens/s, MFU, peak memory, with and without layer remat"),
     Section("sharding", "sharding", ("rows", "events"), "80B dims over 2 GPUs (12 and 48 layers), the 1 vs 2 GPU "

@@ -35,6 +35,8 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
 blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
 bf16 weights made on the device), 4 prefixes of 2048 tokens x 4 requests, 8 running, 64-token blocks;
 TTFT at 4096- and 16384-token prefixes; sampling over 16 and 64 streams of 512 tokens; on the default device.
+Section "serving_35b" (results key "serving_35b"): the same parts and workload on Qwen3.5-35B-A3B at its full 40
+layers (``FULL_35B``; random bf16 weights, 65 GiB).
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ QUICK = dict(dims="tiny", layers=None, prefixes=2, per_prefix=4, prefix_len=64, 
              max_seqs=4, max_tokens=2048, page_size=16, token_budget=64, block_size=16)
 FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=4, prefix_len=2048, tail_len=256, gen_len=32,
             max_seqs=8, max_tokens=65536, page_size=16, token_budget=4096, block_size=64, prefill_buckets=(512, 4096))
+#: section "serving_35b": the same workload on Qwen3.5-35B-A3B at its full 40 layers
+FULL_35B = dict(FULL, dims="qwen3_5_35b_a3b", layers=40)
+#: the CLI's sections of this module -> (results key, full-size workload)
+SECTION_SIZES = {"serving": (KEY, FULL), "serving_35b": ("serving_35b", FULL_35B)}
 #: the parts of the section (``--cases``)
 PARTS = ("workload", "ttft", "sampling")
 #: (prefix lengths, tail, token budget, rounds) of the TTFT probe; (streams, context) of the sampling cost
@@ -246,13 +252,13 @@ def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
     return out
 
 
-def run_section(quick: bool = False, cases=None, seed: int = 0) -> dict:
+def run_section(quick: bool = False, cases=None, seed: int = 0, full: dict = None) -> dict:
     """The section's value: {"device", "dims", "layers"} and each part run (``cases``: names from PARTS; None:
     all): "workload" {workload, requests, prompt_tokens, rows, outputs_equal}, "ttft" [rows], "sampling"
-    [rows]."""
+    [rows]. ``full``: the workload and model when not ``quick`` (default ``FULL``; ``FULL_35B``)."""
     import jax
     parts = PARTS if cases is None else tuple(cases)
-    w = dict(QUICK if quick else FULL)
+    w = dict(QUICK if quick else (full or FULL))
     model = _model(w)
     value = {"device": jax.devices()[0].device_kind, "dims": w["dims"], "layers": w["layers"]}
     size = "quick" if quick else "full"
@@ -325,7 +331,8 @@ def print_section(value: dict) -> None:
 
 
 def markdown(value: dict) -> list:
-    lines = []
+    depth = "" if value.get("layers") is None else f", {value['layers']} layers"
+    lines = [f"Serving, {value.get('dims')}{depth}:", ""]
     if value.get("ttft"):
         lines += md_header(["prefix + tail tokens", "TTFT cold ms", "TTFT prefix hit ms", "hit / cold"])
         lines += [f"| {r['prefix']} + {r['tail']} | {r['cold_s'] * 1e3:.2f} | {r['hit_s'] * 1e3:.2f} | "

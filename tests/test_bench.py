@@ -169,8 +169,8 @@ def test_committed_results_are_stamped_and_tell_no_history():
         data = json.loads(path.read_text())
         stamped = data["runs"]
         keys = ({str(r["run"]) for r in data["rows"]} if path.stem.endswith("x2")
-                else {k for k in ("rows", "layers", "moe", "attention", "decode", "model", "backward", "serving",
-                                  "train") if data.get(k)})
+                else {k for k in ("rows", "layers", "moe", "attention", "decode", "model", "model_35b", "backward",
+                                  "serving", "serving_35b", "train") if data.get(k)})
         for key in keys:
             assert {"commit", "date", "command"} <= set(stamped[key]), (path.name, key)
             assert stamped[key]["command"].startswith("python -m benchmarks "), (path.name, key)

@@ -138,3 +138,66 @@ def test_rows_carry_the_flash_qla_column_beside_hf():
     assert long_row["speedup_qla"] is None and len(by) == 3
     table = bm.markdown({"layers": 8, "rows": rows})
     assert "HF ms (FlashQLA)" in table[0] and "| 350.0 | 7.00x |" in table[2]
+
+
+def test_model_dims_name_their_preset_and_depth():
+    from benchmarks import model
+    from benchmarks.configs import MODEL_DIMS, model_config
+    assert set(model.DIMS) == set(MODEL_DIMS)
+    assert model.SECTION_DIMS == {"model": "qwen3_next_80b", "model_35b": "qwen3_5_35b_a3b"}
+    cfg = model_config("qwen3_5_35b_a3b")
+    assert (cfg.num_hidden_layers, len(cfg.gdn_layers), cfg.gdn_dims.layout, cfg.num_experts) == (40, 30, "qwen3_5",
+                                                                                                  256)
+    with pytest.raises(ValueError, match="dims must be one of"):
+        model_config("qwen3_next")
+    with pytest.raises(ValueError, match="dims must be one of"):
+        model.run_section(True, dims="qwen3_next")
+
+
+@pytest.mark.parametrize("dims,order", [("qwen3_next_80b", ["build", "hf"]), ("qwen3_5_35b_a3b", ["hf", "build"])])
+def test_the_hf_child_runs_first_where_the_two_models_do_not_fit_together(monkeypatch, dims, order):
+    """At 35B dims HF's child runs (and exits) before our model is built, and is told the dims; at 80B after our
+    rows. The model build is stubbed to fail at once: the order is what is checked."""
+    import jax_gdn.checkpoint
+    from benchmarks import model
+    seen = []
+
+    def fake_hf(reps, timeout, quick=False, flash_qla=False, dims="qwen3_next_80b"):
+        seen.append("hf")
+        assert dims == want and not flash_qla
+        return {"info": {"fake": True}}
+
+    def fake_build(*args, **kwargs):
+        seen.append("build")
+        raise RuntimeError("no model in this test")
+    want = dims
+    monkeypatch.setattr(model, "_hf_in_subprocess", fake_hf)
+    monkeypatch.setattr(jax_gdn.checkpoint, "random_model", fake_build)
+    s = model.run_section(True, dims=dims, hf=True, compile_layers=0, hf_qla=False)
+    assert seen == order and s["dims"] == dims and s["hf"] == {"fake": True}
+    assert any("no model in this test" in e for e in s["errors"])
+    assert s["layers"] == 8 and s["config"]["experts"] == 8                           # the quick stand-in
+
+
+def test_leafwise_random_weights_have_init_params_layout():
+    """The leafwise init (one program per leaf, for models of half the GPU) makes the same tree, shapes and dtypes
+    as ``init_params`` and each leaf kind's values: norms at their neutral value, weights of std 0.02."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks.configs import check_config, random_device_model
+    from jax_gdn.model import HybridModel, init_params
+    cfg = check_config(True, "qwen3_5_35b_a3b")                     # 1 GDN + 1 attention layer, tiny dims
+    one = HybridModel(cfg, jax.eval_shape(functools.partial(init_params, cfg, dtype=jnp.bfloat16),
+                                          jax.random.PRNGKey(0)), dtype=jnp.bfloat16).params   # the model's layout
+    each = random_device_model(cfg, leafwise=True).params
+    assert jax.tree.structure(one) == jax.tree.structure(each)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), one) == jax.tree.map(lambda x: (x.shape, x.dtype), each)
+    flat = {jax.tree_util.keystr(p): np.asarray(x.astype(jnp.float32))
+            for p, x in jax.tree_util.tree_flatten_with_path(each)[0]}
+    assert all((v == 0).all() for k, v in flat.items() if k.endswith("_norm']"))
+    assert all((v == 1).all() for k, v in flat.items() if k.endswith("['norm']"))
+    w = flat["['period'][0]['mixer']['in_proj_qkv']"]
+    assert 0.018 < w.std() < 0.022
