@@ -96,6 +96,8 @@ for step in ${*:-tests}; do
       grep -oE "(FAILED|ERROR) \S+" "$OUT/tests.log" | head -20
       res=$(tail -1 "$OUT/tests.log") ;;
     model|model_35b)   # HF runs in a child process beside JAX: JAX takes its memory as it goes
+      # with the peers' stack unpacked, HF runs a second time on FLA's default path with FlashQLA (column hf_qla)
+      [ -e /tmp/peers/.ready ] && export QLA_SITE=/tmp/qla CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$left" python3 -m benchmarks "$step" --budget $((left - 15)) \
         "${commit[@]}" $BENCH_ARGS 2>&1 | tee -a "$OUT/run.log"
       rc=${PIPESTATUS[0]} ;;
