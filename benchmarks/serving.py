@@ -187,10 +187,12 @@ def _traced(call) -> dict:
 
 
 def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) -> list:
-    """[{"streams", "context", "greedy_ms", "ms": {setting: ms}, "overhead": {setting: share}}]: the engine's
-    decode program over ``streams`` slots holding ``context`` tokens each, every row greedy against every row
-    sampled with each of ``SAMPLED`` (module docstring, part "sampling"). Each call decodes one more token per
-    stream (the cache goes on from call to call)."""
+    """[{"streams", "context", "greedy_ms", "ms": {setting: ms}, "overhead": {setting: share}, "fallback_calls"}]:
+    the engine's decode step over ``streams`` slots holding ``context`` tokens each, every row greedy against every
+    row sampled with each of ``SAMPLED`` (module docstring, part "sampling"). Each call is the engine's step: the
+    model's decode program, the sampler program the engine picks, the copy of the ids to the host and, where rows
+    need it, the fallback program and its copy ("fallback_calls": how many timed calls of each setting took it).
+    Each call decodes one more token per stream (the cache goes on from call to call)."""
     import jax
     from jax_gdn.serving import LLM, SamplingParams
     from jax_gdn.serving.sampling import sampling_arrays
@@ -211,19 +213,24 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
                                               llm.cache.num_slots)
         settings = {"greedy": SamplingParams(), **{k: SamplingParams(**v) for k, v in SAMPLED.items()}}
         ms = {}
+        fallbacks = {}
         for name, params in settings.items():
-            arrays = [jax.device_put(a) for a in sampling_arrays([params] * n, [1] * n, nb)]
+            arrays = sampling_arrays([params] * n, [1] * n, nb)          # host arrays, as the engine passes them
 
-            def call(arrays=arrays):
-                llm.cache = prog(m.params, llm.cache, ids_p, cu_p, sl_p, *arrays)[2]    # the cache is donated
-                return llm.cache
+            def call(arrays=arrays, name=name):   # the engine's step: the model's program, its sampler's, the copy
+                logits, _, llm.cache = prog(m.params, llm.cache, ids_p, cu_p, sl_p)    # the cache is donated
+                toks, need = jax.device_get(llm._sample(logits, arrays))
+                if need is not None and need.any():                     # the rows the candidates did not decide
+                    fallbacks[name] = fallbacks.get(name, 0) + 1
+                    toks = np.where(need, jax.device_get(llm._programs["fallback"](logits, *arrays)), toks)
+                return toks
             ms[name] = time_calls(call, jax_sync)
         if int(jax.device_get(llm.cache.status)) != 0:
             raise RuntimeError(f"sampling_cost: a timed decode step was refused (N={n}): the figures are void")
         greedy = ms.pop("greedy")
         alone = _sampler_alone(nb, vocab, n, rng)
         rows.append({"streams": n, "context": context, "greedy_ms": round(greedy, 4),
-                     "ms": {k: round(v, 4) for k, v in ms.items()},
+                     "ms": {k: round(v, 4) for k, v in ms.items()}, "fallback_calls": fallbacks,
                      "overhead": {k: round(v / greedy - 1, 4) for k, v in ms.items()},
                      "sampler_alone_ms": alone})
         print(f"sampling N={n}: greedy {greedy:.3f} ms; " + ", ".join(f"{k} {v:.3f} ms ({v / greedy - 1:+.1%})"
@@ -232,14 +239,15 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
 
 
 def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
-    """{"greedy", each of ``sampling.METHODS``: ms}: ``sampling.sample`` alone on random [rows, vocab] fp32 logits,
-    all greedy, then every row sampled (temperature 0.8, top-k 50, top-p 0.95) with each method."""
+    """{"greedy", each of ``sampling.METHODS``, "engine_draw": ms}: ``sampling.sample`` alone on random [rows, vocab]
+    fp32 logits, all greedy, then every row sampled (temperature 0.8, top-k 50, top-p 0.95) with each method; and
+    the engine's sampler program on the sampled rows (``draw_rows`` of the default method, no device branch)."""
     import functools
 
     import jax
     import jax.numpy as jnp
     from jax_gdn.serving import SamplingParams
-    from jax_gdn.serving.sampling import METHODS, sample, sampling_arrays
+    from jax_gdn.serving.sampling import METHODS, draw_rows, sample, sampling_arrays
     from jax_gdn.timing import time_jax
     logits = jnp.asarray(rng.standard_normal((rows, vocab)).astype(np.float32) * 2)
     out = {}
@@ -249,6 +257,9 @@ def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
                                                         rows)]
     for method in METHODS:
         out[method] = round(time_jax(functools.partial(sample, method=method), (logits, *drawn)), 4)
+    # the engine's sampler program (the default method's draw_rows: no lax.cond; every row decided here)
+    draw = jax.jit(functools.partial(draw_rows, plain=False))
+    out["engine_draw"] = round(time_jax(draw, (logits, *drawn)), 4)
     return out
 
 

@@ -5,15 +5,19 @@
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=0))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason     # [..], "stop" | "length" | "abort"
 
-What one engine step does (continuous batching, ONE program per step: the model's step and the sampler):
+What one engine step does (continuous batching; the model's step, then the sampler, queued back to back):
   1. waiting requests take free slots (FIFO, at most ``max_seqs`` running);
   2. each running request feeds the tokens of its sequence (prompt + generated) not yet in the cache: one token
      for a request that is generating, a chunk of its prompt otherwise, chunks cut to what is left of the step's
      ``token_budget`` after the generating requests' tokens (chunked prefill mixed with decode);
-  3. one call of a program made of the model's pure step (``model.step_fn``: decode when every fed stream has
-     one token and is generating, else prefill with the streams packed, padded to the model's shape buckets) and
-     :func:`jax_gdn.serving.sampling.sample_rows` on its logits, then ONE device-to-host copy of the sampled ids
-     and the cache's status;
+  3. one call of the model's pure step (``model.step_fn``: decode when every fed stream has one token and is
+     generating, else prefill with the streams packed, padded to the model's shape buckets), then one call of a
+     sampler program on its logits, chosen on the host from the requests' SamplingParams (argmax when every row
+     is greedy, else :func:`jax_gdn.serving.sampling.draw_rows`, which branches nowhere on the device: XLA's GPU
+     runtime waits on the host at every ``lax.cond``), then ONE device-to-host copy of the sampled ids, the rows
+     that need the full-sort fallback and the cache's status; only a step with such rows runs the fallback
+     program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. The tokens are
+     :func:`~jax_gdn.serving.sampling.sample_rows`' exactly;
   4. a request whose sequence is now wholly in the cache takes its sampled token; it finishes on a stop id
      ("stop"), at max_tokens or at the slot's length limit ("length"); finished slots are released (one call).
 
@@ -59,7 +63,8 @@ import jax
 import numpy as np
 
 from jax_gdn.serving.prefix_cache import PrefixCache, block_hashes
-from jax_gdn.serving.sampling import SamplingParams, sample_rows, sampling_arrays
+from jax_gdn.serving.sampling import (SamplingParams, draw_rows, fallback_rows, keeps_every_token,
+                                      sampling_arrays)
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
 
@@ -210,7 +215,8 @@ class LLM:
     # ---- compile everything up front ----------------------------------------------------------------------------
     def shapes(self):
         """The (kind, T, N) calls the loop can make: every prefill token bucket up to the budget's with every stream
-        bucket that fits, every decode stream bucket (each with the sampler at its stream bucket)."""
+        bucket that fits, every decode stream bucket, the sampler programs of every stream bucket ("sampler": greedy,
+        the draw with and without the whole-row path, the fallback) and, with the prefix cache, the fork."""
         m, s = self.model, self.max_seqs
         top = self._token_bucket(self.token_budget)
         buckets = m.token_buckets if self.prefill_buckets is None else self.prefill_buckets
@@ -218,6 +224,7 @@ class LLM:
         n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
         calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
         calls += [("decode", n, n) for n in n_values]
+        calls += [("sampler", n, n) for n in n_values]           # greedy, the draw with / without plain, fallback
         if self.prefix_cache is not None:
             calls += [("fork", n, n) for n in n_values]
         return calls
@@ -239,6 +246,11 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
                     continue
+                if kind == "sampler":
+                    self._warm_samplers(n)
+                    if bar is not None:
+                        bar.update(1)
+                    continue
                 lens = [1] * (n - 1) + [t - (n - 1)] if kind == "prefill" else [1] * n
                 self._run(kind, np.zeros((t,), np.int32), np.cumsum([0] + lens).astype(np.int32), slots, [], [])
                 self.cache = self.model.release(self.cache, slots)
@@ -250,9 +262,18 @@ class LLM:
                 bar.close()
         return self.compiled_programs()
 
+    def _warm_samplers(self, nb: int) -> None:
+        """Compiles the sampler programs of stream bucket ``nb`` (greedy, the draw with and without the whole-row
+        path, the fallback) on zero logits."""
+        logits = jax.numpy.zeros((nb, self.model.config.vocab_size), jax.numpy.float32)
+        arrays = sampling_arrays([SamplingParams(temperature=1.0)] * nb, [0] * nb, nb)
+        outs = [self._programs["greedy"](logits), self._programs["fallback"](logits, *arrays)]
+        outs += [self._programs["draw"](logits, *arrays, plain=plain) for plain in (False, True)]
+        jax.block_until_ready(outs)
+
     def compiled_programs(self) -> int:
-        """Programs compiled so far for this engine's model: the engines' steps (model step + sampler, shared by
-        every LLM of the model) and the model's own (release, fork, and any prefill / decode called directly)."""
+        """Programs compiled so far for this engine's model: the engines' steps and samplers (shared by every LLM
+        of the model) and the model's own (release, fork, and any prefill / decode called directly)."""
         own = self.model.compiled_programs() if hasattr(self.model, "compiled_programs") else 0
         return own + sum(f._cache_size() for f in self._programs.values())
 
@@ -478,10 +499,25 @@ class LLM:
         nb = self.model.stream_bucket(slots.shape[0], s)
         tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
         ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
-        toks, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p,
-                                                        *sampling_arrays(params, steps, nb))
-        toks, status = jax.device_get((toks, status))                    # the step's one copy to the host
-        return np.asarray(toks), int(status)
+        logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
+        arrays = sampling_arrays(params, steps, nb)
+        toks, need = self._sample(logits, arrays)
+        toks, need, status = jax.device_get((toks, need, status))       # the step's one copy to the host
+        toks = np.asarray(toks)
+        if need is not None and np.any(need):                            # rows the candidates could not decide
+            full = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
+            toks = np.where(need, full, toks)
+        return toks, int(status)
+
+    def _sample(self, logits, arrays):
+        """The sampler program for a step's ``logits`` [Nb, Vocab] and ``sampling_arrays`` (module docstring, step
+        3), chosen on the host: (ids [Nb], rows needing the fallback [Nb] or None), device arrays, not waited on."""
+        temperature, top_k, top_p = arrays[:3]
+        sampled = temperature > 0
+        if not sampled.any():
+            return self._programs["greedy"](logits), None
+        plain = bool(np.any(sampled & keeps_every_token(top_k, top_p, logits.shape[-1])))
+        return self._programs["draw"](logits, *arrays, plain=plain)
 
     def _token_bucket(self, t: int) -> int:
         """The token count a prefill step of t tokens is padded to: the smallest of ``prefill_buckets`` >= t, or the
@@ -552,22 +588,26 @@ _PROGRAMS = weakref.WeakKeyDictionary()        # model -> its engines' step prog
 
 
 def _step_programs(model) -> dict:
-    """{"prefill", "decode": the jitted step program} of ``model``, made once per model, so that engines over the
-    same model (and caches of the same shapes) reuse each other's compiled programs."""
+    """The jitted programs of ``model``'s engines, made once per model, so that engines over the same model (and
+    caches of the same shapes) reuse each other's compiled programs: "prefill", "decode" (the model's pure step:
+    (logits, the cache's status, the cache), the cache donated), "greedy" (argmax of the logits), "draw"
+    (:func:`~jax_gdn.serving.sampling.draw_rows`, ``plain`` static) and "fallback"."""
     progs = _PROGRAMS.get(model)
     if progs is None:
-        progs = {kind: jax.jit(_sampled_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
+        progs = {kind: jax.jit(_status_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
                  for kind in ("prefill", "decode")}
+        progs["greedy"] = jax.jit(lambda logits: jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32))
+        progs["draw"] = jax.jit(draw_rows, static_argnames=("plain", "method"))
+        progs["fallback"] = jax.jit(fallback_rows, static_argnames=("method",))
         _PROGRAMS[model] = progs
     return progs
 
 
-def _sampled_step(step):
-    """The engine's step program: the model's pure step, then the sampler on its logits; returns (sampled ids,
-    the cache's status, the cache)."""
-    def fn(params, cache, ids, cu, slots, temperature, top_k, top_p, seed, steps):
+def _status_step(step):
+    """The engine's step program: the model's pure step; returns (logits, the cache's status, the cache)."""
+    def fn(params, cache, ids, cu, slots):
         logits, cache = step(params, cache, ids, cu, slots)
-        return sample_rows(logits, temperature, top_k, top_p, seed, steps), cache.status, cache
+        return logits, cache.status, cache
     return fn
 
 

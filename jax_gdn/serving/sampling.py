@@ -2,8 +2,9 @@
 
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=64, stop_token_ids=(2,), seed=1)
 
-:func:`sample_rows` draws one token per row of a [Nb, Vocab] logits array (the engine runs it inside its step's
-program; :func:`sample` is it jitted alone): greedy (argmax, lowest id on ties) where temperature is 0, else a
+:func:`sample_rows` draws one token per row of a [Nb, Vocab] logits array (:func:`sample` is it jitted alone; the
+engine runs the same draws as :func:`draw_rows` and, for the rows that need it, :func:`fallback_rows`: programs with
+no branch on the device, chosen on the host): greedy (argmax, lowest id on ties) where temperature is 0, else a
 categorical draw from softmax(logits / temperature) restricted to the top_k highest logits (0: all; ties ranked by
 ascending id) and then to the tokens whose probability ranked above them (among those) is < top_p (the token that
 crosses top_p included; top_p 1 keeps all of them). :func:`kept_tokens` is that set as a mask. A request's draw at
@@ -56,8 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "kept_tokens", "sample",
-           "sample_rows", "sampling_arrays"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "draw_rows", "fallback_rows",
+           "keeps_every_token", "kept_tokens", "sample", "sample_rows", "sampling_arrays"]
 
 
 def _is_int(x) -> bool:
@@ -372,11 +373,16 @@ def _inverse_cdf(w, u):
     return b * block + i
 
 
-def _draw(logits, temperature, top_k, top_p, seed, step, method):
-    """Sampled ids [Nb] (every row drawn, greedy rows ignored by the caller)."""
+def _scaled(logits, temperature, seed, step):
+    """(logits / temperature fp32 [Nb, Vocab] (greedy rows over 1), each row's key fold_in(PRNGKey(seed), step))."""
     t = jnp.where(temperature > 0, temperature, 1.0)
     x = logits.astype(jnp.float32) / t[:, None]
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, step)
+    return x, jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, step)
+
+
+def _draw(logits, temperature, top_k, top_p, seed, step, method):
+    """Sampled ids [Nb] (every row drawn, greedy rows ignored by the caller)."""
+    x, keys = _scaled(logits, temperature, seed, step)
     if method == "threshold":
         _, w = _threshold_keep(x, top_k, top_p, temperature > 0)
         return _inverse_cdf(w, jax.vmap(jax.random.uniform)(keys))
@@ -400,7 +406,8 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
 def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = DEFAULT_METHOD):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
     seed, step [Nb] int32; ``method`` how the kept tokens are found and drawn from (``METHODS``). Returns int32
-    [Nb]. Traceable: the engine calls it inside its step's program."""
+    [Nb]. Traceable; its ``lax.cond``s skip the work no row needs (on a GPU each one waits on the host: the engine
+    uses :func:`draw_rows` instead)."""
     _check_method(method)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(temperature > 0),
@@ -410,3 +417,48 @@ def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = DEF
 
 #: :func:`sample_rows` as its own program
 sample = jax.jit(sample_rows, static_argnames=("method",))
+
+
+# ---- the engine's sampler: the same draws as sample_rows, with no branch on the device ----------------------------
+# XLA's GPU runtime runs a ``lax.cond`` by copying its predicate to the host and waiting for the device there, so
+# each cond of sample_rows drained the step's queue of launched kernels (three in a sampled step). The engine instead
+# picks, on the host, from what its requests asked for, which of these programs to run after the model's step, and
+# reads back which rows need the full-sort fallback with the sampled ids (the same copy); only then, and only for a
+# step that has such rows, does it run the fallback program. Their merged result is sample_rows' exactly.
+def keeps_every_token(top_k, top_p, vocab: int):
+    """Host side, per row: whether the row keeps every token (top_k off, top_p 1): NumPy bool [Nb]."""
+    top_k, top_p = np.asarray(top_k), np.asarray(top_p)
+    return ~((top_k > 0) & (top_k < vocab)) & (top_p >= 1)
+
+
+def draw_rows(logits, temperature, top_k, top_p, seed, step, *, plain: bool, method: str = DEFAULT_METHOD):
+    """(ids [Nb] int32, need [Nb] bool) for :func:`sample_rows`' operands, with no ``lax.cond``: ids are
+    sample_rows' wherever ``need`` is False; a row with ``need`` takes :func:`fallback_rows`' id instead.
+    ``plain`` (static, from :func:`keeps_every_token` on the host): some sampled row keeps every token, so the
+    whole-row draw is made here; without it such rows are left to the fallback. Methods outside ``BLOCK_METHODS``
+    draw every row here (need all False; "threshold" keeps the conds of its searches)."""
+    _check_method(method)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = temperature > 0
+    if method not in BLOCK_METHODS:
+        drawn = _draw(logits, temperature, top_k, top_p, seed, step, method)
+        return jnp.where(sampled, drawn, greedy), jnp.zeros(sampled.shape, bool)
+    x, keys = _scaled(logits, temperature, seed, step)
+    ids, xs, keep, exact, every = _blocks_keep(x, top_k, top_p, **BLOCK_METHODS[method])
+    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, xs, -jnp.inf))
+    mine = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    drawn = mine
+    if plain:
+        drawn = jnp.where(every & ~exact, jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32), mine)
+    need = sampled & ~exact & (~every if plain else True)
+    return jnp.where(sampled, drawn, greedy), need
+
+
+def fallback_rows(logits, temperature, top_k, top_p, seed, step, *, method: str = DEFAULT_METHOD):
+    """[Nb] int32: sample_rows' ids for the rows :func:`draw_rows` marked ``need`` (rows keeping every token: the
+    whole-row draw; the others: the "keys" sort's draw); the other rows' ids are not sample_rows'. No cond."""
+    _check_method(method)
+    x, keys = _scaled(logits, temperature, seed, step)
+    every = ~((top_k > 0) & (top_k < x.shape[-1])) & (top_p >= 1)
+    full = _draw(logits, temperature, top_k, top_p, seed, step, "keys")
+    return jnp.where(every, jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32), full)

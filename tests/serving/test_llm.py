@@ -3,7 +3,8 @@ attention layer, XLA backends) on the CPU.
 
 - The sampler: greedy is argmax; temperature / top-k / top-p draws follow the truncated softmax (a chi-square test
   over 6000 draws on a vocabulary of 6, critical value at p = 1e-4 for its degrees of freedom) and never pick a
-  truncated token; a (seed, step) pair always draws the same token.
+  truncated token; a (seed, step) pair always draws the same token; the engine's branch-free sampler programs
+  (draw_rows, then fallback_rows for the rows it marks) give sample_rows' tokens exactly.
 - The engine: greedy generate equals a hand-written prefill / decode argmax loop token for token; requests added
   online (add_request / step) while others run get the tokens each gets alone; a request's
   output does not depend on what else is in the batch (alone against with 7 others, greedy and sampled); stop ids
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from jax_gdn.config import preset
 from jax_gdn.model import HybridModel
 from jax_gdn.serving import LLM, SamplingParams
-from jax_gdn.serving.sampling import METHODS, SORTS, kept_tokens, sample, sampling_arrays
+from jax_gdn.serving.sampling import (METHODS, SORTS, draw_rows, fallback_rows, kept_tokens, sample,
+                                      sampling_arrays)
 
 VOCAB = 96
 CHI2_CRIT_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}     # chi-square critical values, p = 1e-4
@@ -242,6 +244,19 @@ def test_blocks_draws_from_the_kept_set_on_every_path(method, vocab):
     mixed = [SamplingParams()] * 2 + params[:2]
     out = np.asarray(sample(jnp.asarray(rows[[0, 1, 0, 1]]), *sampling_arrays(mixed, [3] * 4, 4), method=method))
     assert out.tolist() == [int(np.argmax(rows[0])), int(np.argmax(rows[1]))] + got[:2].tolist()
+    # the engine's branch-free programs: draw_rows' ids where it needs no fallback, fallback_rows' where it does,
+    # merged, are sample's draws exactly; without ``plain`` the rows keeping every token are left to the fallback.
+    # One row of each setting and two greedy rows (the draws do not depend on the other rows)
+    eight = [SamplingParams()] * 2 + params[:6]
+    x8 = jnp.asarray(np.concatenate([rows[:2], rows[:6]]))
+    a8 = sampling_arrays(eight, [3] * 8, 8)
+    want = [int(np.argmax(rows[0])), int(np.argmax(rows[1]))] + got[:6].tolist()
+    draw = jax.jit(draw_rows, static_argnames=("plain", "method"))
+    full = np.asarray(jax.jit(fallback_rows, static_argnames=("method",))(x8, *a8, method=method))
+    for plain in (False, True):
+        ids, need = (np.asarray(a) for a in draw(x8, *a8, plain=plain, method=method))
+        assert need[[5, 6]].all() and not need[[0, 1, 2, 7]].any() and need[4] != plain      # settings 3, 4; 2
+        assert np.where(need, full, ids).tolist() == want, plain
 
 
 @pytest.mark.parametrize("block,per_block,select", [(32, 4, "sort"), (16, 8, "sort"), (300, 300, "sort"),
