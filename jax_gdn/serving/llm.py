@@ -14,7 +14,8 @@ What one engine step does (continuous batching; the model's step, then the sampl
      generating, else prefill with the streams packed, padded to the model's shape buckets), then one call of a
      sampler program on its logits, chosen on the host from the requests' SamplingParams (argmax when every row
      is greedy, else :func:`jax_gdn.serving.sampling.draw_rows`, which branches nowhere on the device: XLA's GPU
-     runtime waits on the host at every ``lax.cond``), then ONE device-to-host copy of the sampled ids, the rows
+     runtime waits on the host at a ``lax.cond`` it runs outside a CUDA graph), then ONE device-to-host copy of
+     the sampled ids, the rows
      that need the full-sort fallback and the cache's status; only a step with such rows runs the fallback
      program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. The tokens are
      :func:`~jax_gdn.serving.sampling.sample_rows`' exactly;

@@ -406,7 +406,7 @@ def _draw(logits, temperature, top_k, top_p, seed, step, method):
 def sample_rows(logits, temperature, top_k, top_p, seed, step, method: str = DEFAULT_METHOD):
     """One token id per row of ``logits [Nb, Vocab]`` (module docstring): temperature, top_p [Nb] fp32; top_k,
     seed, step [Nb] int32; ``method`` how the kept tokens are found and drawn from (``METHODS``). Returns int32
-    [Nb]. Traceable; its ``lax.cond``s skip the work no row needs (on a GPU each one waits on the host: the engine
+    [Nb]. Traceable; its ``lax.cond``s skip the work no row needs (on a GPU each may wait on the host: the engine
     uses :func:`draw_rows` instead)."""
     _check_method(method)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -420,8 +420,9 @@ sample = jax.jit(sample_rows, static_argnames=("method",))
 
 
 # ---- the engine's sampler: the same draws as sample_rows, with no branch on the device ----------------------------
-# XLA's GPU runtime runs a ``lax.cond`` by copying its predicate to the host and waiting for the device there, so
-# each cond of sample_rows drained the step's queue of launched kernels (three in a sampled step). The engine instead
+# XLA's GPU runtime runs a ``lax.cond`` that it has not captured into a command buffer (a CUDA graph) by copying its
+# predicate to the host and waiting for the device there (its ConditionalThunk), so each such cond of sample_rows
+# drains the step's queue of launched kernels (three in a sampled step). The engine instead
 # picks, on the host, from what its requests asked for, which of these programs to run after the model's step, and
 # reads back which rows need the full-sort fallback with the sampled ids (the same copy); only then, and only for a
 # step that has such rows, does it run the fallback program. Their merged result is sample_rows' exactly.
