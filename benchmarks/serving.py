@@ -134,12 +134,15 @@ def _model(w: dict):
 
 def ttft_probe(model, prefixes=(4096,), tail: int = 64, token_budget: int = 4096, reps: int = 3,
                block_size: int = 64, seed: int = 0, trace=None) -> list:
-    """[{"prefix", "tail", "cold_s", "hit_s", "ratio", "hit_tokens"}] per prefix length (module docstring, part
-    "ttft"): medians over ``reps`` rounds of time to first token, each request alone in the engine. ``trace`` (None:
+    """[{"prefix", "tail", "cold_s", "hit_s", "ratio", "hit_tokens", "hit_host_ms"}] per prefix length (module
+    docstring, part "ttft"): medians over ``reps`` rounds of time to first token, each request alone in the engine;
+    "hit_host_ms" the hit's ``LLM.host_s`` by phase (``jax_gdn.serving.llm.HOST_PHASES``; "wait" holds the
+    device's time), medians. ``trace`` (None:
     on a GPU only) adds "hit_trace": one more hit, traced (``benchmarks.profile.kernel_time``): {"wall_ms" (the
     traced call, profiler overhead included), "gpu_ms" (its kernels summed), "kinds" {kind: ms}, "top" {kernel:
     ms}, "hit_tokens"}, which tells the hit's device time from its host time."""
     from jax_gdn.serving import LLM, SamplingParams
+    from jax_gdn.serving.llm import HOST_PHASES
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     sp = SamplingParams(max_tokens=1)
@@ -148,22 +151,26 @@ def ttft_probe(model, prefixes=(4096,), tail: int = 64, token_budget: int = 4096
         # the pool holds a round's requests beside the last round's snapshot: no step is refused
         llm = LLM(model, max_seqs=1, max_tokens=2 * n + 4 * tail, page_size=16, token_budget=token_budget,
                   progress=False, warmup=False, prefix_cache=True, block_size=block_size, prefix_slots=1)
-        cold, hit, hit_tokens = [], [], []
+        cold, hit, hit_tokens, hit_host = [], [], [], []
         for rnd in range(reps + 1):                  # the first pass compiles what the others call
             prefix = rng.integers(0, vocab, n).tolist()
             ttft = []
-            for _ in range(3):
+            for _ in range(3):                       # the third is the hit: its host phases are kept
+                before = dict(llm.host_s)
                 out = llm.generate(prefix + rng.integers(0, vocab, tail).tolist(), sp, use_tqdm=False)[0]
                 ttft.append(out.metrics["first_token_s"])
             if rnd:
                 cold.append(ttft[0])
                 hit.append(ttft[2])
                 hit_tokens.append(out.metrics["prefix_hit_tokens"])
+                hit_host.append({k: v - before.get(k, 0.0) for k, v in llm.host_s.items()})
         c, h = float(np.median(cold)), float(np.median(hit))
         rows.append({"prefix": n, "tail": tail, "cold_s": round(c, 5), "hit_s": round(h, 5),
-                     "ratio": round(h / c, 4), "hit_tokens": int(min(hit_tokens))})
+                     "ratio": round(h / c, 4), "hit_tokens": int(min(hit_tokens)),
+                     "hit_host_ms": {k: round(float(np.median([d.get(k, 0.0) for d in hit_host])) * 1e3, 3)
+                                     for k in HOST_PHASES if any(k in d for d in hit_host)}})
         print(f"ttft prefix {n}: cold {c * 1e3:.2f} ms, hit {h * 1e3:.2f} ms ({h / c:.3f}x), "
-              f"{min(hit_tokens)} tokens hit", flush=True)
+              f"{min(hit_tokens)} tokens hit; the hit's host ms by phase {rows[-1]['hit_host_ms']}", flush=True)
         if trace if trace is not None else _on_gpu():
             prompt = prefix + rng.integers(0, vocab, tail).tolist()      # the last round's prefix: cached
             got = []

@@ -329,6 +329,9 @@ def test_ttft_probe_traces_one_more_hit():
     model = serving._model(dict(serving.QUICK))
     rows = serving.ttft_probe(model, prefixes=(32,), tail=8, token_budget=64, reps=1, block_size=16, trace=True)
     tr = rows[0]["hit_trace"]
+    host = rows[0]["hit_host_ms"]                      # the hit's host time by phase, up to its token's copy
+    assert {"admit", "plan", "dispatch", "wait", "tokens", "release"} <= set(host), host
+    assert 0 < sum(host[k] for k in ("admit", "plan", "dispatch", "wait")) <= rows[0]["hit_s"] * 1e3
     assert set(tr) == {"wall_ms", "gpu_ms", "kinds", "top", "hit_tokens"}
     assert tr["hit_tokens"] == 32 and tr["wall_ms"] > 0
     assert tr["gpu_ms"] == round(sum(tr["kinds"].values()), 3)

@@ -37,7 +37,8 @@ boundary, its slot is copied into one of
 ``prefix_slots`` snapshot slots (``HybridModel.fork``: GDN states, length, its KV pages shared), keyed by
 the hash chain of its blocks; an admitted request whose sequence starts with a cached prefix starts from a fork of
 that snapshot and feeds only the rest. Out of pages, the least recently used snapshot goes before any request is
-preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions.
+preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions. ``llm.host_s``: the host's
+wall seconds of every step so far by phase (``HOST_PHASES``).
 
 Online use (vLLM's LLMEngine calls): ``rid = llm.add_request(prompt, params)`` queues a request at any time (its
 metrics count from then); each ``llm.step()`` runs one engine step and returns the RequestOutputs that finished in
@@ -70,6 +71,13 @@ from jax_gdn.serving.sampling import (SamplingParams, draw_rows, fallback_rows, 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "abort")
+#: the phases of ``LLM.host_s`` (host wall time of the engine's steps): "admit" (queue to slots, and with the
+#: prefix cache the lookup, the fork of hits and the read of its status), "plan" (each request's tokens),
+#: "dispatch" (padding, the step's and the sampler's program calls: queued, not waited on), "wait" (the copy of
+#: the ids and status, so the device's time shows here), "fallback" (the full-sort program and its copy, on the
+#: steps that need it), "tokens" (taking tokens, finishing requests), "snapshot" (the prefix cache's forks),
+#: "release" (finished slots)
+HOST_PHASES = ("admit", "plan", "dispatch", "wait", "fallback", "tokens", "snapshot", "release")
 
 
 @dataclasses.dataclass
@@ -203,6 +211,8 @@ class LLM:
                                       page_size=int(page_size), max_seq_len=max_seq_len)
         self.max_seq_len = int(self.cache.seq_len_limit) if self.model.config.attn_layers else None
         self.stats = collections.Counter()
+        #: host wall seconds of the engine's steps by phase (``HOST_PHASES``), summed over every step so far
+        self.host_s = collections.Counter()
         self._programs = _step_programs(model)
         self._waiting: collections.deque = collections.deque()     # the online engine's queues (add_request, step)
         self._running: list = []                   # admission order
@@ -391,6 +401,7 @@ class LLM:
         finished in it. A refused step changes no request: a snapshot is evicted or the request admitted last is
         preempted (a lone one aborted), and the next step tries again."""
         waiting, running, free = self._waiting, self._running, self._free
+        t = time.perf_counter()
         admitted = []
         while waiting and free and not (self._held and running):
             r = waiting.popleft()
@@ -399,10 +410,13 @@ class LLM:
             admitted.append(r)
         if admitted and self.prefix_cache is not None:
             self._restore(admitted)
+        t = self._tick("admit", t)
         if not running:
             return []
         feeds = self._plan(running)
+        self._tick("plan", t)
         tokens, refused = self._step(feeds)
+        t = time.perf_counter()
         if refused:
             self.stats["refused_steps"] += 1
         if refused and self.prefix_cache is not None and self.prefix_cache.entries:
@@ -441,15 +455,24 @@ class LLM:
                 r.finish = "length"
             if r.finish:
                 done.append(r)
+        t = self._tick("tokens", t)
         if snaps:
             self._snapshot(snaps)
+            t = self._tick("snapshot", t)
         if done:
             self._held = False
             self.cache = self.model.release(self.cache, np.asarray([r.slot for r in done], np.int32))
             for r in done:
                 running.remove(r)
                 free.append(r.slot)
+            self._tick("release", t)
         return done
+
+    def _tick(self, phase: str, t0: float) -> float:
+        """Adds the host seconds since ``t0`` to ``host_s[phase]``; returns now."""
+        now = time.perf_counter()
+        self.host_s[phase] += now - t0
+        return now
 
     def _plan(self, running):
         """[(request, lo, hi)]: the sequence tokens [lo, hi) each running request feeds this step (generating
@@ -479,7 +502,8 @@ class LLM:
         return r.block_keys
 
     def _step(self, feeds):
-        """One program (the model's step and the sampler) for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
+        """The model's step and the sampler for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
+        t = time.perf_counter()
         slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
         lens = [hi - lo for _, lo, hi in feeds]
         kind = "decode" if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds) else "prefill"
@@ -487,15 +511,16 @@ class LLM:
         ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         toks, status = self._run(kind, ids, cu, slots, [r.params for r, _, _ in feeds],
-                                 [len(r.generated) for r, _, _ in feeds])
+                                 [len(r.generated) for r, _, _ in feeds], t)
         if status != 0:
             self._clear_status()
             return None, True
         return toks[:len(feeds)], False
 
-    def _run(self, kind: str, ids, cu, slots, params, steps):
+    def _run(self, kind: str, ids, cu, slots, params, steps, t0: Optional[float] = None):
         """Pads the call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and
         slot id S, as the model's methods pad) and runs the step's program. Returns (sampled ids [Nb], status)."""
+        t = time.perf_counter() if t0 is None else t0              # "dispatch" counts from there
         s = self.cache.num_slots
         nb = self.model.stream_bucket(slots.shape[0], s)
         tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
@@ -503,11 +528,14 @@ class LLM:
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
         arrays = sampling_arrays(params, steps, nb)
         toks, need = self._sample(logits, arrays)
+        t = self._tick("dispatch", t)
         toks, need, status = jax.device_get((toks, need, status))       # the step's one copy to the host
         toks = np.asarray(toks)
+        t = self._tick("wait", t)
         if need is not None and np.any(need):                            # rows the candidates could not decide
             full = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
             toks = np.where(need, full, toks)
+            self._tick("fallback", t)
         return toks, int(status)
 
     def _sample(self, logits, arrays):
