@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmarks of jax-gdn on this machine's first device, merged into the results JSON.",
         epilog=f"sections:\n{lines}\n\n--all runs every section but sharding (which needs 2 GPUs and writes its own "
-               "file)\nand model_35b (a model of half an H200, ~6 min), in the order above. Examples:\n  python -m benchmarks gdn decode\n"
+               "file)\nand model_35b (a model of half an H200, ~6 min), in the order above. Examples:\n"
+               "  python -m benchmarks gdn decode\n"
                "  python -m benchmarks attention --cases prefill-32k\n"
                "  python -m benchmarks --markdown --out benchmarks/results/h200.json")
     p.add_argument("sections", nargs="*", metavar="SECTION", help="sections to measure (see below)")
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
             from benchmarks.report import markdown_tables
             print(markdown_tables(data, chosen or None))
         return 0
-    if {"model", "model_35b"} & set(chosen):   # its HF child shares the GPU: JAX takes memory as it goes (before JAX starts)
+    if {"model", "model_35b"} & set(chosen):   # their HF child shares the GPU: JAX takes memory as it goes
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     if devices > 1 and len(jax.devices()) < devices:

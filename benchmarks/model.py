@@ -645,8 +645,9 @@ def summary_lines(section: dict, extra_floors: list = None) -> list:
 def markdown(m: dict) -> list:
     """The README's tables of the section: the rows against HF, then each part against its floor."""
     qla = any("hf_qla" in r["ms"] for r in m["rows"])
-    out = md_header([f"model ({m['layers']} layers, {m.get('dims', 'qwen3_next_80b')})", "kind", "tokens", "ours ms", "HF ms", "ours tokens/s",
-                     "HF tokens/s", "ours / HF"] + (["HF ms (FlashQLA)", "ours / HF (FlashQLA)"] if qla else []),
+    out = md_header([f"model ({m['layers']} layers, {m.get('dims', 'qwen3_next_80b')})", "kind", "tokens",
+                     "ours ms", "HF ms", "ours tokens/s", "HF tokens/s", "ours / HF"]
+                    + (["HF ms (FlashQLA)", "ours / HF (FlashQLA)"] if qla else []),
                     text_cols=2)
     for r in m["rows"]:
         ms, tps = r["ms"], r["tokens_per_s"]

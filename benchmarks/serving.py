@@ -44,16 +44,18 @@ import time
 
 import numpy as np
 
+from benchmarks.configs import MODEL_DIMS
 from benchmarks.tables import fmt, md_header
 
 KEY = "serving"
 
 QUICK = dict(dims="tiny", layers=None, prefixes=2, per_prefix=4, prefix_len=64, tail_len=24, gen_len=8,
              max_seqs=4, max_tokens=2048, page_size=16, token_budget=64, block_size=16)
-FULL = dict(dims="qwen3_next_80b", layers=8, prefixes=4, per_prefix=4, prefix_len=2048, tail_len=256, gen_len=32,
-            max_seqs=8, max_tokens=65536, page_size=16, token_budget=4096, block_size=64, prefill_buckets=(512, 4096))
+FULL = dict(dims="qwen3_next_80b", layers=MODEL_DIMS["qwen3_next_80b"], prefixes=4, per_prefix=4, prefix_len=2048,
+            tail_len=256, gen_len=32, max_seqs=8, max_tokens=65536, page_size=16, token_budget=4096, block_size=64,
+            prefill_buckets=(512, 4096))
 #: section "serving_35b": the same workload on Qwen3.5-35B-A3B at its full 40 layers
-FULL_35B = dict(FULL, dims="qwen3_5_35b_a3b", layers=40)
+FULL_35B = dict(FULL, dims="qwen3_5_35b_a3b", layers=MODEL_DIMS["qwen3_5_35b_a3b"])
 #: the CLI's sections of this module -> (results key, full-size workload)
 SECTION_SIZES = {"serving": (KEY, FULL), "serving_35b": ("serving_35b", FULL_35B)}
 #: the parts of the section (``--cases``)
@@ -226,10 +228,8 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
 
             def call(arrays=arrays, name=name):   # the engine's step: the model's program, its sampler's, the copy
                 logits, _, llm.cache = prog(m.params, llm.cache, ids_p, cu_p, sl_p)    # the cache is donated
-                toks, need = jax.device_get(llm._sample(logits, arrays))
-                if need is not None and need.any():                     # the rows the candidates did not decide
-                    fallbacks[name] = fallbacks.get(name, 0) + 1
-                    toks = np.where(need, jax.device_get(llm._programs["fallback"](logits, *arrays)), toks)
+                toks, _, fell_back = llm._sampled_ids(logits, arrays)
+                fallbacks[name] = fallbacks.get(name, 0) + fell_back
                 return toks
             ms[name] = time_calls(call, jax_sync)
         if int(jax.device_get(llm.cache.status)) != 0:

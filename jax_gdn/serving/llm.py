@@ -15,10 +15,9 @@ What one engine step does (continuous batching; the model's step, then the sampl
      sampler program on its logits, chosen on the host from the requests' SamplingParams (argmax when every row
      is greedy, else :func:`jax_gdn.serving.sampling.draw_rows`, which branches nowhere on the device: XLA's GPU
      runtime waits on the host at a ``lax.cond`` it runs outside a CUDA graph), then ONE device-to-host copy of
-     the sampled ids, the rows
-     that need the full-sort fallback and the cache's status; only a step with such rows runs the fallback
-     program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. The tokens are
-     :func:`~jax_gdn.serving.sampling.sample_rows`' exactly;
+     the sampled ids, the rows that need the full-sort fallback and the cache's status; only a step with such
+     rows runs the fallback program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. The
+     tokens are :func:`~jax_gdn.serving.sampling.sample_rows`' exactly;
   4. a request whose sequence is now wholly in the cache takes its sampled token; it finishes on a stop id
      ("stop"), at max_tokens or at the slot's length limit ("length"); finished slots are released (one call).
 
@@ -526,17 +525,26 @@ class LLM:
         tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
         ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
-        arrays = sampling_arrays(params, steps, nb)
+        toks, status, _ = self._sampled_ids(logits, sampling_arrays(params, steps, nb), status, t)
+        return toks, int(status)
+
+    def _sampled_ids(self, logits, arrays, status=None, t: Optional[float] = None):
+        """A step's sampled ids on the host: the sampler program (:meth:`_sample`) on ``logits``, the step's one
+        copy to the host (ids, the rows needing the fallback, ``status``), then, for a step with such rows, the
+        fallback program and its copy. Returns (ids [Nb] NumPy, status as copied, whether the fallback ran);
+        with ``t`` (the step's start) the host phases dispatch, wait and fallback are timed from there."""
+        t = time.perf_counter() if t is None else t
         toks, need = self._sample(logits, arrays)
         t = self._tick("dispatch", t)
         toks, need, status = jax.device_get((toks, need, status))       # the step's one copy to the host
         toks = np.asarray(toks)
         t = self._tick("wait", t)
-        if need is not None and np.any(need):                            # rows the candidates could not decide
+        fell_back = need is not None and bool(np.any(need))             # rows the candidates could not decide
+        if fell_back:
             full = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
             toks = np.where(need, full, toks)
             self._tick("fallback", t)
-        return toks, int(status)
+        return toks, status, fell_back
 
     def _sample(self, logits, arrays):
         """The sampler program for a step's ``logits`` [Nb, Vocab] and ``sampling_arrays`` (module docstring, step

@@ -427,8 +427,8 @@ sample = jax.jit(sample_rows, static_argnames=("method",))
 # reads back which rows need the full-sort fallback with the sampled ids (the same copy); only then, and only for a
 # step that has such rows, does it run the fallback program. Their merged result is sample_rows' exactly.
 def keeps_every_token(top_k, top_p, vocab: int):
-    """Host side, per row: whether the row keeps every token (top_k off, top_p 1): NumPy bool [Nb]."""
-    top_k, top_p = np.asarray(top_k), np.asarray(top_p)
+    """Per row, whether it keeps every token (top_k off, top_p 1): bool [Nb], on the host (NumPy operands, how the
+    engine picks its sampler) or traced (jax operands)."""
     return ~((top_k > 0) & (top_k < vocab)) & (top_p >= 1)
 
 
@@ -460,6 +460,6 @@ def fallback_rows(logits, temperature, top_k, top_p, seed, step, *, method: str 
     whole-row draw; the others: the "keys" sort's draw); the other rows' ids are not sample_rows'. No cond."""
     _check_method(method)
     x, keys = _scaled(logits, temperature, seed, step)
-    every = ~((top_k > 0) & (top_k < x.shape[-1])) & (top_p >= 1)
+    every = keeps_every_token(top_k, top_p, x.shape[-1])
     full = _draw(logits, temperature, top_k, top_p, seed, step, "keys")
     return jnp.where(every, jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32), full)
