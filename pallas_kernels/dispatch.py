@@ -21,7 +21,19 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Optional
 
-__all__ = ["Implementation", "OpTable", "DocCase", "markdown_table"]
+__all__ = ["Implementation", "OpTable", "DocCase", "markdown_table", "DEVICE_BRANCH_MIN_TOKENS"]
+
+#: The fewest tokens (static T) of a call in which a kernel wrapper picks between two ways of computing the same
+#: result by a ``lax.cond`` on device values (the packed GDN forward's one-sequence dense route and its wide /
+#: narrow choice, the cuDNN prefill's skip of the context call); smaller calls take the choice made from shapes.
+#: Why: XLA's GPU runtime runs a cond it has not captured into a CUDA graph by copying the predicate to the host
+#: and waiting there for the device (its ConditionalThunk), so each one drains the queue of launches. H200, 80B dims
+#: at 8 layers, one request, jax 0.11.2: the 64-token step of a 4096-token prefix-cache hit (8 such conds) 14.20 ->
+#: 11.34 ms of time to first token, host dispatch 5.57 -> 2.85 ms, the cold 4160-token prefill 33.2 -> 29.2 ms. The
+#: branches pay off only on long calls (one 32768-token sequence: dense op 0.935 against the packed path's 1.105 ms
+#: a layer; a 16k sequence among 63 short ones: narrow 0.774 against wide 0.908); where between 4096 and 19027
+#: tokens the two cross is not measured.
+DEVICE_BRANCH_MIN_TOKENS = 16384
 
 Supports = Callable[[Any], Optional[str]]
 

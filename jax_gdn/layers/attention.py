@@ -29,8 +29,9 @@ input; the q RMSNorm + RoPE run in one XLA fusion before the kernel by default (
 already: ``RuntimeOptions.hold_fused_qkv``). The cuDNN backends ("cudnn": cuDNN's packed fused attention,
 pallas_kernels/paged_attention/cudnn.py; "cudnn_xla" its CPU stand-in) take the same fused entry with the new
 K/V handed over (``RuntimeOptions.cudnn_direct``: the q norm / RoPE in one Pallas kernel (``cudnn.Q_PROLOGUE``),
-the causal call on the projected k, v, the context call and merge only when a stream has context, the gate in the
-last pass). The XLA backend and decode take the unfused path (``attention_qkv``, the reference the fused one is
+the causal call on the projected k, v, the context call and merge when a stream has context (a long call skips
+them otherwise, a short one always runs them: cudnn.FRESH), the gate in the last pass). The XLA backend and
+decode take the unfused path (``attention_qkv``, the reference the fused one is
 tested against); decode on the cuDNN backends runs the Pallas decode kernel (or XLA), fused with the page writes
 where ``RuntimeOptions.attention_decode_fused`` says (``attention_decode_fused``).
 

@@ -479,8 +479,9 @@ def _gated_fresh_backward(args, cotangent, *, reference_fn, backend, config, num
     fused attention backward on "cudnn", autodiff of its XLA stand-in on "cudnn_xla", the gate), whose
     cotangents reach k_new and v_new (the pages get zeros: they hold the same rows, read by nobody else here);
     else the XLA form's VJP as for the other kernels (the cotangents reach the pages). One ``lax.cond`` on the
-    device: no host sync. The XLA form's blockwise loop is what this skips: 73 query blocks an attention layer of
-    a 4096-token training step at 80B dims."""
+    device, which on a GPU is a host wait where XLA does not capture it into a CUDA graph (not measured here: the
+    XLA form's blockwise loop it skips is 73 query blocks an attention layer of a 4096-token training step at 80B
+    dims)."""
     from pallas_kernels.paged_attention import cudnn as _cudnn
     qg, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, q_norm, cos, sin, k_new, v_new = args
     p, ps = k_pages.shape[:2]

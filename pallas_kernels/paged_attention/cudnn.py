@@ -40,14 +40,15 @@ where the reference masks it out: it reads nothing of another slot either way.
 the causal call reads the new tokens' K/V as the projection produced them (token order: its key offsets are the
 query offsets cu[:-1]; no gather of them back from the pages), only the context keys are gathered (a
 context-only buffer), the output gate is applied in the merge's pass, and a batch where no live stream has
-context runs the causal call alone, without statistics (``CudnnConfig.fresh`` / ``FRESH``: "cond", a
-``lax.cond`` on the device-side "any context", or "merge": always both calls).
+context can run the causal call alone, without statistics (``CudnnConfig.fresh`` / ``FRESH``: "cond", a
+``lax.cond`` on the device-side "any context"; "merge": always both calls; "auto", the default: "cond" in long
+calls only, since on a GPU the cond is a host wait).
 
 impl: "cudnn" (the fused kernel; a GPU with cuDNN >= 9 and compute capability >= 9.0) or "xla" (``segments_xla``:
 the same segment semantics in plain XLA, dense over [T, K]; the CPU stand-in that tests the gather / offsets /
 merge logic, backend "cudnn_xla").
 
-This module imports only jax (and numpy).
+This module imports only jax (and numpy) and the chunk map's helpers.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.dispatch import DEVICE_BRANCH_MIN_TOKENS
 from pallas_kernels.gated_delta_rule.chunk_map import count_le, token_streams
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -68,8 +70,9 @@ STATS_ROWS = "segment"
 #: factor from the stats cuDNN returns to a natural-log LSE (1: natural log, as cuDNN documents; ln 2 if a build
 #: returned log2; the GPU probe measures it)
 STATS_TO_LN = 1.0
-#: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond" or "merge" (see CudnnConfig).
-FRESH = "cond"
+#: ``CudnnConfig.fresh`` when None (read when ``prefill_direct`` is traced): "cond", "merge" or "auto" (see
+#: CudnnConfig).
+FRESH = "auto"
 #: ``CudnnConfig.q_prologue`` when None: "xla" or "pallas" (see CudnnConfig). "pallas" from the H200
 #: (``python -m benchmarks attention``): the XLA form took three passes (0.35 ms), the kernel 0.185 ms; the layer at
 #: varlen16 3.151 -> 2.937 ms fresh, 4.471 -> 4.345 ms with 2k context; 3.9e-3 vs the XLA layer.
@@ -82,8 +85,10 @@ class CudnnConfig(NamedTuple):
     bound min(N W Ps, P Ps) + 2 N (A - 1), which holds when the streams' slots own disjoint pages).
     fresh (``prefill_direct`` only): how a call with no context in any stream skips the context call and the
     merge: "cond" (``lax.cond`` on "any live stream has context": one branch runs the causal call alone, without
-    statistics) or "merge" (always both calls and the merge: the context call then has no live segment); None:
-    ``FRESH``. q_prologue (the gated entry only): the q RMSNorm + RoPE as XLA fusions ("xla") or one Pallas
+    statistics) or "merge" (always both calls and the merge: the context call then has no live segment) or "auto"
+    ("cond" in calls of at least ``pallas_kernels.dispatch.DEVICE_BRANCH_MIN_TOKENS`` tokens, "merge" below: on a
+    GPU the cond is a host wait, which costs a short call more than the context call it skips); None: ``FRESH``.
+    q_prologue (the gated entry only): the q RMSNorm + RoPE as XLA fusions ("xla") or one Pallas
     kernel ("pallas": q_prologue.py; interpret mode off a GPU); None: ``Q_PROLOGUE``."""
     context: bool = True
     kv_capacity: Optional[int] = None
@@ -398,7 +403,7 @@ def _merge(o1, st1, seg_new: Segments, o2, st2, seg_ctx: Segments, stream, j, ro
     return jnp.where(row_live[:, None, None], o, 0.0)
 
 
-FRESH_MODES = ("cond", "merge")
+FRESH_MODES = ("cond", "merge", "auto")
 
 
 def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_seqlens, slot_ids, *,
@@ -415,7 +420,8 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
     materializing it as an operand of the cond), or None: the output is ``o * sigmoid(gate)`` (Qwen3-Next's
     output gate, in the same pass as the merge: o rounded to q's dtype, times sigmoid(gate) rounded to it).
     config.fresh: "cond" runs, when no live stream has context, the causal call alone (no statistics, no context
-    gather, no merge) through ``lax.cond``; "merge" always runs both calls. config.context False: the causal call only (a stream with
+    gather, no merge) through ``lax.cond``; "merge" always runs both calls; "auto" (the default) "cond" from
+    ``DEVICE_BRANCH_MIN_TOKENS`` tokens, else "merge". config.context False: the causal call only (a stream with
     context gets zero rows). Rows of padding tokens and of streams that read nothing are zero (k_new / v_new
     rows outside live streams are zeroed before the call: cuDNN may load a tile past a segment's end).
     Returns o [T, H, Dh] in q's dtype. Needs jax's per-kv-head packed offsets (``kv_offset_unit`` 1: jax >=
@@ -431,6 +437,8 @@ def prefill_direct(q, k_new, v_new, k_pages, v_pages, page_table, slot_lens, cu_
         raise ValueError(f"impl must be 'cudnn' or 'xla', got {impl!r}")
     if config.fresh not in FRESH_MODES:
         raise ValueError(f"CudnnConfig.fresh must be one of {FRESH_MODES}, got {config.fresh!r}")
+    if config.fresh == "auto":
+        config = config._replace(fresh="cond" if q.shape[0] >= DEVICE_BRANCH_MIN_TOKENS else "merge")
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if tuple(x.shape) != (t, hkv, dh):
             raise ValueError(f"{name} must be [T, Hkv, Dh] = {[t, hkv, dh]}, got {list(x.shape)}")

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.dispatch import DEVICE_BRANCH_MIN_TOKENS
 from pallas_kernels.gated_delta_rule.mosaic_gpu import chunk as mg
 from pallas_kernels.gated_delta_rule.mosaic_gpu.common import num_sms
 from pallas_kernels.gated_delta_rule.chunk_map import (build_chunk_map, gather_slots, launch_order, max_chunks,
@@ -137,6 +138,10 @@ class VarlenConfig:
     runs the dense op (``chunk.DEFAULT_CONFIG``: its split, exp2 and state layout) under a ``lax.cond``, the
     packed path otherwise (a sequence followed by padding): both compiled into the program. The model's long
     stream is such a call.
+    cond_min_tokens: the device-side choices above (single_dense, wide "per_call") are made only in calls of at
+    least this many tokens (static T); a shorter call runs the packed path with wide "auto" and holds no
+    ``lax.cond``, which XLA's GPU runtime runs as a host wait (``pallas_kernels.dispatch.DEVICE_BRANCH_MIN_TOKENS``,
+    the default, says what was measured). 0: always.
 
     The defaults are the H200's (``python -m benchmarks gdn``): serve256 1.933 ms (copies "triton" + kkt_used;
     2.142 with the XLA gathers and every kkt slot, same process) against Pallas Triton's 2.435 and FLA's 2.843 (0.68x); varlen16 0.672 against Triton's 0.808.
@@ -152,6 +157,7 @@ class VarlenConfig:
     solve: bool = False
     split: int = SPLIT_MIN_CHUNKS
     single_dense: bool = True
+    cond_min_tokens: int = DEVICE_BRANCH_MIN_TOKENS
 
     def __post_init__(self):
         if self.stage1a not in STAGE1A:
@@ -172,6 +178,10 @@ class VarlenConfig:
         if not isinstance(self.split, int) or isinstance(self.split, bool) or self.split < 0:
             raise ValueError(f"VarlenConfig.split must be an int >= 0 (0: off, else the shortest piece in chunks, "
                              f"SPLIT_MIN_CHUNKS = {SPLIT_MIN_CHUNKS} measured); got {self.split!r}")
+        if not isinstance(self.cond_min_tokens, int) or isinstance(self.cond_min_tokens, bool) \
+                or self.cond_min_tokens < 0:
+            raise ValueError(f"VarlenConfig.cond_min_tokens must be an int >= 0 (0: the device-side choices in "
+                             f"every call); got {self.cond_min_tokens!r}")
         if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < -1:
             raise ValueError(f"VarlenConfig.lanes must be an int >= -1 (0: one CTA per sequence, -1: automatic); "
                              f"got {self.lanes!r}")
@@ -628,13 +638,13 @@ def reads_in_place(reads: str, stage1a: str, lanes: int, total_len: int) -> bool
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "stage1a", "order",
                                              "states", "lanes", "copies", "kkt_used", "reads", "wide",
-                                             "solve", "split", "single_dense"))
+                                             "solve", "split", "single_dense", "cond_min_tokens"))
 def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None,
                                       output_final_state=True, impl: str = "mosaic", stage1a: str = "mosaic",
                                       order: str = "longest_first", states: str = "kv",
                                       lanes: int = 0, copies: str = "xla", kkt_used: bool = False,
                                       reads: str = "repacked", wide=False, solve: bool = False,
-                                      split: int = 0, single_dense: bool = False):
+                                      split: int = 0, single_dense: bool = False, cond_min_tokens: int = 0):
     """Packed-sequence forward: repack, stage 1a, the walked fused pass, unpack (module docstring); with
     ``reads="in_place"`` (where :func:`reads_in_place`) the packed row is read and written where it lies.
 
@@ -643,13 +653,14 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
     initial_state [N, Hv, K, V] fp32 or None. Returns (o [1, T, Hv, V] in v's dtype, zero at index >=
     cu_seqlens[N]; final_state [N, Hv, K, V] fp32 or None). ``impl="reference"``: the jnp twins (any platform).
     ``stage1a``, ``order``, ``states``, ``lanes``, ``copies``, ``kkt_used``, ``reads``, ``wide``, ``solve``,
-    ``split``, ``single_dense``: as :class:`VarlenConfig` (the Triton copies run in interpret mode with
-    ``impl="reference"``).
+    ``split``, ``single_dense``, ``cond_min_tokens``: as :class:`VarlenConfig` (the Triton copies run in interpret
+    mode with ``impl="reference"``; here ``cond_min_tokens`` defaults to 0: the choices as asked, in any call).
     """
     if impl not in ("mosaic", "reference"):
         raise ValueError(f"impl must be 'mosaic' or 'reference'; got {impl!r}")
     VarlenConfig(stage1a=stage1a, order=order, states=states, lanes=lanes, copies=copies, kkt_used=kkt_used,
-                 reads=reads, wide=wide, solve=solve, split=split, single_dense=single_dense)
+                 reads=reads, wide=wide, solve=solve, split=split, single_dense=single_dense,
+                 cond_min_tokens=cond_min_tokens)
     if q.shape[0] != 1:
         raise ValueError(f"mosaic_gpu varlen: q must be one packed row [1, T, Hk, K]; got q {q.shape}")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -670,6 +681,8 @@ def chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu_seqlens, initial_stat
 
     def again(**changed):    # this call with some choices resolved (single_dense off: its cond is taken)
         return chunk_gated_delta_rule_varlen_fwd(q, k, v, g, beta, cu, initial_state, **{**opts, **changed})
+    if t < cond_min_tokens:          # a short call: the choices from shapes, no lax.cond (a host wait on a GPU)
+        single_dense, wide = False, "auto" if wide == "per_call" else wide
     if single_dense and n == 1:      # one sequence over the whole row: the dense op, else the packed path
         def dense():
             return mg.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, scale=scale,
@@ -786,7 +799,8 @@ def op_fwd(q, k, v, g, beta, *, scale: float, initial_state, output_final_state:
             q, k, v, g.astype(F32), beta, cu, h0[0] if h0 else None, scale=float(scale),
             output_final_state=output_final_state, impl="mosaic", stage1a=cfg.stage1a, order=cfg.order,
             states=cfg.states, lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used, reads=cfg.reads,
-            wide=cfg.wide, solve=cfg.solve, split=cfg.split, single_dense=cfg.single_dense)
+            wide=cfg.wide, solve=cfg.solve, split=cfg.split, single_dense=cfg.single_dense,
+            cond_min_tokens=cfg.cond_min_tokens)
     h0 = () if initial_state is None else (initial_state.astype(F32),)
     return no_autodiff(run)(q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), *h0)
 
@@ -813,7 +827,8 @@ def op_fwd_slots(q, k, v, g, beta, *, scale: float, ssm_state, slot_ids, has_ini
                                                      order=cfg.order, states=cfg.states,
                                                      lanes=cfg.lanes, copies=cfg.copies, kkt_used=cfg.kkt_used,
                                                      reads=cfg.reads, wide=cfg.wide, solve=cfg.solve,
-                                                     split=cfg.split, single_dense=cfg.single_dense)
+                                                     split=cfg.split, single_dense=cfg.single_dense,
+                                                     cond_min_tokens=cfg.cond_min_tokens)
         return mg.chunk_gated_delta_rule_fwd(q, k, v, g.astype(F32), beta, h0, scale=float(scale),
                                              output_final_state=True, impl=impl, stage1a=cfg.stage1a)
     cu = () if cu_seqlens is None else (jnp.asarray(cu_seqlens, jnp.int32),)

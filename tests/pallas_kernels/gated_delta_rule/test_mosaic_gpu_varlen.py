@@ -14,6 +14,7 @@ public op / slots API on backend='mosaic_gpu' beside 'pallas'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -292,6 +293,53 @@ def test_one_sequence_over_the_row_runs_the_dense_op(t, pad, monkeypatch, reques
     mv.chunk_gated_delta_rule_varlen_fwd(*(jnp.asarray(x) for x in two[:5] + (two[6],)), jnp.asarray(two[5]),
                                          impl="reference", single_dense=True)
     assert len(dense_calls) == traced                                  # two sequences: the packed path alone
+
+
+def _holds_cond(fn, *args) -> bool:
+    """Whether the program of ``fn(*args)`` holds an XLA-level ``lax.cond`` (searched through nested jaxprs, not
+    into Pallas kernel bodies, whose ``pl.when`` is a branch inside the kernel on a GPU)."""
+    def walk(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "cond":
+                return True
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns") and walk(inner):
+                        return True
+        return False
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_short_calls_hold_no_device_branch():
+    """cond_min_tokens: below it (static T) the packed forward makes its choices from shapes and holds no
+    ``lax.cond`` (a host wait on a GPU): one sequence takes the packed path, wide "per_call" becomes "auto"; from
+    it on both conds are there. The config's default is ``DEVICE_BRANCH_MIN_TOKENS``, and the op passes it on."""
+    from pallas_kernels.dispatch import DEVICE_BRANCH_MIN_TOKENS
+    assert mv.VarlenConfig().cond_min_tokens == DEVICE_BRANCH_MIN_TOKENS > 4096
+    one = _inputs((64,), pad=0, hk=1, hv=2, kdim=16, vdim=16, seed=3)
+    many = _inputs((30, 40, 50), pad=0, hk=1, hv=32, kdim=16, vdim=128, seed=4)       # "auto" runs these wide
+    for args, n in ((one, 1), (many, 3)):
+        q, k, v, g, beta, h0, cu = (None if x is None else jnp.asarray(x) for x in args)
+        t = q.shape[1]
+        for floor, held in ((t + 1, False), (t, True), (0, True)):
+            def fwd(q, k, v, g, beta, h0, cu, floor=floor):
+                return mv.chunk_gated_delta_rule_varlen_fwd(
+                    q, k, v, g, beta, cu, h0, impl="reference", reads="in_place", copies="triton", kkt_used=True,
+                    wide="per_call", split=mv.SPLIT_MIN_CHUNKS, single_dense=True, cond_min_tokens=floor)
+            assert _holds_cond(fwd, q, k, v, g, beta, h0, cu) == held, (n, floor)
+        if n == 1:
+            def op(q, k, v, g, beta, h0, cu, cfg):
+                return mv.op_fwd_slots(q, k, v, g, beta, scale=0.25, ssm_state=h0, slot_ids=jnp.zeros((1,), jnp.int32),
+                                       has_initial_state=jnp.ones((1,), bool), cu_seqlens=cu, config=cfg,
+                                       impl="reference")
+            assert not _holds_cond(functools.partial(op, cfg=mv.VarlenConfig()), q, k, v, g, beta, h0, cu)
+            assert _holds_cond(functools.partial(op, cfg=mv.VarlenConfig(cond_min_tokens=0)), q, k, v, g, beta, h0,
+                               cu)
+    with pytest.raises(ValueError, match="cond_min_tokens"):
+        mv.VarlenConfig(cond_min_tokens=-1)
 
 
 def test_in_place_layout_and_edges():
@@ -680,7 +728,7 @@ def test_gpu_one_sequence_runs_the_dense_op(t, pad):
     args = (q, k, v) + args[3:]
     ops = (*(jnp.asarray(x, bf) for x in args[:3]), jnp.asarray(args[3]), jnp.asarray(args[4], bf))
     common = dict(scale=128 ** -0.5, initial_state=jnp.asarray(args[5]), output_final_state=True)
-    cfg = mv.DEFAULT_CONFIG
+    cfg = dataclasses.replace(mv.DEFAULT_CONFIG, cond_min_tokens=0)      # the dense route at any T
     o, s = mv.op_fwd(*ops, cu_seqlens=jnp.asarray(args[6]), config=cfg, **common)
     o, s = np.asarray(o.astype(jnp.float32)), np.asarray(s)
     ro, rs = _oracle(args, bf)

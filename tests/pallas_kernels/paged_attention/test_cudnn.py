@@ -253,18 +253,24 @@ def _direct(case, dtype, scale, *, gate=None, record=None, **cfg):
             mp.undo()
 
 
-@pytest.mark.parametrize("fresh", ["cond", "merge"])
+@pytest.mark.parametrize("fresh", ["cond", "merge", "auto", "auto-long"])
 @pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
-def test_direct_fresh_and_mixed_batches(fresh, streams):
-    """Both ways of handling a batch without context, on a fresh batch and on one mixing fresh and continued
+def test_direct_fresh_and_mixed_batches(fresh, streams, monkeypatch):
+    """Every way of handling a batch without context, on a fresh batch and on one mixing fresh and continued
     streams (padding tokens with NaN k_new / v_new rows, a padding stream, NaN-poisoned page tails), fp32 1e-5.
-    With "cond" the fresh batch takes the causal call alone (one call, no statistics), the mixed one both."""
+    With "cond" the fresh batch takes the causal call alone (one call, no statistics), the mixed one both; "auto"
+    is "merge" in a call shorter than DEVICE_BRANCH_MIN_TOKENS (these are) and "cond" from it on ("auto-long":
+    the bound lowered to the call's T)."""
     rng = np.random.default_rng(20)
     case = make_case(rng, streams=streams, hkv=2, group=4, dh=32)
     calls = []
-    out = _direct(case, jnp.float32, 32 ** -0.5, fresh=fresh, record=calls)
+    if fresh == "auto-long":
+        monkeypatch.setattr(cudnn, "DEVICE_BRANCH_MIN_TOKENS", case.args(jnp.float32)[0].shape[0])
+    else:
+        assert case.args(jnp.float32)[0].shape[0] < cudnn.DEVICE_BRANCH_MIN_TOKENS
+    out = _direct(case, jnp.float32, 32 ** -0.5, fresh=fresh.split("-")[0], record=calls)
     check_against_oracle(case, out, 32 ** -0.5, jnp.float32)
-    if fresh == "cond" and streams is STREAMS_FRESH:
+    if fresh in ("cond", "auto-long") and streams is STREAMS_FRESH:
         assert calls == [False]
     else:
         assert calls == [True, True]
@@ -423,25 +429,28 @@ def _token_rows(case):
     return jnp.asarray(rows)
 
 
+@pytest.mark.parametrize("fresh", ["auto", "cond"])
 @pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
-def test_gated_direct_gradients_equal_the_xla_form(streams):
+def test_gated_direct_gradients_equal_the_xla_form(streams, fresh):
     """jax.grad of a layer-like function (write k_new / v_new to the pages, then ``paged_attention_gated`` with
     them as k_new / v_new) on "cudnn_xla" equals the "xla" backend's (which reads the pages) for qg, q_norm,
     k_new, v_new and both page pools, fp32 1e-5 relative. The fresh batch's backward is the fresh causal call's
     own VJP (one more statistics-free segment call, in the backward; no XLA-form loop), the mixed batch's the XLA
-    form's (no segment call in the backward)."""
-    _check_gated_direct_gradients(streams, "cudnn_xla", jnp.float32, hkv=2, group=4, dh=32, tol=1e-5)
+    form's (no segment call in the backward). Forward: "cond" takes the fresh batch's causal call alone, "auto"
+    (a short call: "merge") both calls."""
+    _check_gated_direct_gradients(streams, "cudnn_xla", jnp.float32, hkv=2, group=4, dh=32, tol=1e-5, fresh=fresh)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fresh", ["auto", "cond"])
 @pytest.mark.parametrize("streams", [STREAMS_FRESH, STREAMS_ODD], ids=["fresh", "mixed"])
-def test_gpu_gated_direct_gradients_equal_the_xla_form(streams):
+def test_gpu_gated_direct_gradients_equal_the_xla_form(streams, fresh):
     """The same on the real cuDNN call (its fused attention backward) at Qwen3-Next's attention dims (Dh 256, 8
     query heads per kv head), bf16: every gradient within 2e-2 relative RMS of the XLA form's in bf16."""
-    _check_gated_direct_gradients(streams, "cudnn", jnp.bfloat16, hkv=2, group=8, dh=256, tol=2e-2)
+    _check_gated_direct_gradients(streams, "cudnn", jnp.bfloat16, hkv=2, group=8, dh=256, tol=2e-2, fresh=fresh)
 
 
-def _check_gated_direct_gradients(streams, backend, dtype, *, hkv, group, dh, tol):
+def _check_gated_direct_gradients(streams, backend, dtype, *, hkv, group, dh, tol, fresh):
     from tests.pallas_kernels.paged_attention.test_gated import gated_inputs
     rng = np.random.default_rng(23)
     h = hkv * group
@@ -460,7 +469,7 @@ def _check_gated_direct_gradients(streams, backend, dtype, *, hkv, group, dh, to
         vp2 = vp.reshape(flat).at[rows].set(vn, mode="drop").reshape(vp.shape)
         o = api.paged_attention_gated(qg, kp2, vp2, pt, sl, cu, ids, q_norm=q_norm, cos=cos, sin=sin, num_heads=h,
                                       scale=dh ** -0.5, backend=backend, k_new=kn, v_new=vn,
-                                      config=CudnnConfig(q_prologue="xla") if backend != "xla" else None)
+                                      config=CudnnConfig(q_prologue="xla", fresh=fresh) if backend != "xla" else None)
         return jnp.sum((o * ct).astype(jnp.float32))
     calls = []
     real = cudnn.segments_xla if stand_in else cudnn.segments_cudnn
@@ -473,8 +482,11 @@ def _check_gated_direct_gradients(streams, backend, dtype, *, hkv, group, dh, to
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cudnn, "segments_xla" if stand_in else "segments_cudnn", attend)
         got = jax.block_until_ready(grad(qg, q_norm, kn, vn, kp, vp, backend))
-    fresh = streams is STREAMS_FRESH
-    assert calls == ([False, False] if fresh else [True, True]), calls
+    assert qg.shape[0] < cudnn.DEVICE_BRANCH_MIN_TOKENS                 # "auto" is "merge" here
+    if streams is not STREAMS_FRESH:
+        assert calls == [True, True], calls
+    else:       # forward (the causal call alone, or both), then the backward's fresh causal call
+        assert calls == ([False, False] if fresh == "cond" else [True, True, False]), calls
     live = np.asarray(rows) < kp.shape[0] * kp.shape[1]
     for name, a, b in zip(("qg", "q_norm", "k_new", "v_new", "k_pages", "v_pages"), got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
