@@ -196,11 +196,13 @@ def _traced(call) -> dict:
 
 
 def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) -> list:
-    """[{"streams", "context", "greedy_ms", "ms": {setting: ms}, "overhead": {setting: share}, "fallback_calls"}]:
-    the engine's decode step over ``streams`` slots holding ``context`` tokens each, every row greedy against every
-    row sampled with each of ``SAMPLED`` (module docstring, part "sampling"). Each call is the engine's step: the
-    model's decode program, the sampler program the engine picks, the copy of the ids to the host and, where rows
-    need it, the fallback program and its copy ("fallback_calls": how many timed calls of each setting took it).
+    """[{"streams", "context", "greedy_ms", "ms": {setting: ms}, "overhead": {setting: share}, "fallback_calls",
+    "full_sort_calls"}]: the engine's decode step over ``streams`` slots holding ``context`` tokens each, every row
+    greedy against every row sampled with each of ``SAMPLED`` (module docstring, part "sampling"). Each call is the
+    engine's step: the model's decode program, the sampler program the engine picks (the merged draw where a row's
+    last draw needed the full sort, as the engine carries it from step to step), the copy of the ids to the host
+    and, where rows need it, the fallback program and its copy ("fallback_calls" / "full_sort_calls": how many
+    calls of each setting, warm-up included, took the fallback / the merged draw).
     Each call decodes one more token per stream (the cache goes on from call to call)."""
     import jax
     from jax_gdn.serving import LLM, SamplingParams
@@ -221,23 +223,26 @@ def sampling_cost(model, streams=(16, 64), context: int = 512, seed: int = 0) ->
         ids_p, cu_p, sl_p = m.pad_step_inputs(ids[:n], np.arange(n + 1, dtype=np.int32), slots, nb, nb,
                                               llm.cache.num_slots)
         settings = {"greedy": SamplingParams(), **{k: SamplingParams(**v) for k, v in SAMPLED.items()}}
-        ms = {}
-        fallbacks = {}
+        ms, fallbacks, merged = {}, {}, {}
         for name, params in settings.items():
             arrays = sampling_arrays([params] * n, [1] * n, nb)          # host arrays, as the engine passes them
+            last = {"need": None}                 # the rows whose last draw needed the full sort, as the engine keeps
+            before = dict(llm.stats)
 
-            def call(arrays=arrays, name=name):   # the engine's step: the model's program, its sampler's, the copy
+            def call(arrays=arrays, last=last):   # the engine's step: the model's program, its sampler's, the copy
                 logits, _, llm.cache = prog(m.params, llm.cache, ids_p, cu_p, sl_p)    # the cache is donated
-                toks, _, fell_back = llm._sampled_ids(logits, arrays)
-                fallbacks[name] = fallbacks.get(name, 0) + fell_back
+                toks, _, last["need"] = llm._sampled_ids(logits, arrays, full=last["need"])
                 return toks
             ms[name] = time_calls(call, jax_sync)
+            fallbacks[name] = llm.stats["fallback_steps"] - before.get("fallback_steps", 0)
+            merged[name] = llm.stats["full_sort_steps"] - before.get("full_sort_steps", 0)
         if int(jax.device_get(llm.cache.status)) != 0:
             raise RuntimeError(f"sampling_cost: a timed decode step was refused (N={n}): the figures are void")
         greedy = ms.pop("greedy")
         alone = _sampler_alone(nb, vocab, n, rng)
         rows.append({"streams": n, "context": context, "greedy_ms": round(greedy, 4),
                      "ms": {k: round(v, 4) for k, v in ms.items()}, "fallback_calls": fallbacks,
+                     "full_sort_calls": merged,
                      "overhead": {k: round(v / greedy - 1, 4) for k, v in ms.items()},
                      "sampler_alone_ms": alone})
         print(f"sampling N={n}: greedy {greedy:.3f} ms; " + ", ".join(f"{k} {v:.3f} ms ({v / greedy - 1:+.1%})"

@@ -16,8 +16,10 @@ What one engine step does (continuous batching; the model's step, then the sampl
      is greedy, else :func:`jax_gdn.serving.sampling.draw_rows`, which branches nowhere on the device: XLA's GPU
      runtime waits on the host at a ``lax.cond`` it runs outside a CUDA graph), then ONE device-to-host copy of
      the sampled ids, the rows that need the full-sort fallback and the cache's status; only a step with such
-     rows runs the fallback program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. The
-     tokens are :func:`~jax_gdn.serving.sampling.sample_rows`' exactly;
+     rows runs the fallback program (:func:`~jax_gdn.serving.sampling.fallback_rows`) and copies its ids. A
+     request whose last draw needed the fallback draws its next token with the full sort in the same program
+     (:func:`~jax_gdn.serving.sampling.draw_full_rows`: no second program or copy). The tokens are
+     :func:`~jax_gdn.serving.sampling.sample_rows`' exactly, whichever program ran;
   4. a request whose sequence is now wholly in the cache takes its sampled token; it finishes on a stop id
      ("stop"), at max_tokens or at the slot's length limit ("length"); finished slots are released (one call).
 
@@ -64,8 +66,8 @@ import jax
 import numpy as np
 
 from jax_gdn.serving.prefix_cache import PrefixCache, block_hashes
-from jax_gdn.serving.sampling import (SamplingParams, draw_rows, fallback_rows, keeps_every_token,
-                                      sampling_arrays)
+from jax_gdn.serving.sampling import (SamplingParams, draw_full_rows, draw_rows, fallback_rows,
+                                      keeps_every_token, sampling_arrays)
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "FINISH_REASONS"]
 
@@ -118,6 +120,7 @@ class _Request:
     prompt: object = None                     # as the caller gave it (RequestOutput.prompt)
     hit_tokens: int = 0
     block_keys: Optional[list] = None         # the prefix cache's chain hashes of the prompt's blocks
+    full_sort: bool = False                   # its last draw needed the full sort: the next one runs it at once
 
     @property
     def seq_len(self) -> int:
@@ -226,7 +229,8 @@ class LLM:
     def shapes(self):
         """The (kind, T, N) calls the loop can make: every prefill token bucket up to the budget's with every stream
         bucket that fits, every decode stream bucket, the sampler programs of every stream bucket ("sampler": greedy,
-        the draw with and without the whole-row path, the fallback) and, with the prefix cache, the fork."""
+        the fallback, the draw and the merged draw with and without the whole-row path) and, with the prefix
+        cache, the fork."""
         m, s = self.model, self.max_seqs
         top = self._token_bucket(self.token_budget)
         buckets = m.token_buckets if self.prefill_buckets is None else self.prefill_buckets
@@ -234,7 +238,7 @@ class LLM:
         n_values = sorted({m.stream_bucket(n, s) for n in range(1, s + 1)})
         calls = [("prefill", t, n) for t in t_values for n in n_values if n <= t]
         calls += [("decode", n, n) for n in n_values]
-        calls += [("sampler", n, n) for n in n_values]           # greedy, the draw with / without plain, fallback
+        calls += [("sampler", n, n) for n in n_values]     # greedy, fallback, draw and draw_full with / without plain
         if self.prefix_cache is not None:
             calls += [("fork", n, n) for n in n_values]
         return calls
@@ -273,12 +277,13 @@ class LLM:
         return self.compiled_programs()
 
     def _warm_samplers(self, nb: int) -> None:
-        """Compiles the sampler programs of stream bucket ``nb`` (greedy, the draw with and without the whole-row
-        path, the fallback) on zero logits."""
+        """Compiles the sampler programs of stream bucket ``nb`` (greedy, the fallback, the draw and the merged
+        draw with and without the whole-row path) on zero logits."""
         logits = jax.numpy.zeros((nb, self.model.config.vocab_size), jax.numpy.float32)
         arrays = sampling_arrays([SamplingParams(temperature=1.0)] * nb, [0] * nb, nb)
         outs = [self._programs["greedy"](logits), self._programs["fallback"](logits, *arrays)]
-        outs += [self._programs["draw"](logits, *arrays, plain=plain) for plain in (False, True)]
+        outs += [self._programs[name](logits, *arrays, plain=plain) for plain in (False, True)
+                 for name in ("draw", "draw_full")]
         jax.block_until_ready(outs)
 
     def compiled_programs(self) -> int:
@@ -509,52 +514,72 @@ class LLM:
         self.stats[f"{kind}_steps"] += 1
         ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        toks, status = self._run(kind, ids, cu, slots, [r.params for r, _, _ in feeds],
-                                 [len(r.generated) for r, _, _ in feeds], t)
+        toks, status, need = self._run(kind, ids, cu, slots, [r.params for r, _, _ in feeds],
+                                       [len(r.generated) for r, _, _ in feeds], t,
+                                       full=[r.full_sort for r, _, _ in feeds])
         if status != 0:
             self._clear_status()
             return None, True
+        for (r, _, hi), row_needs in zip(feeds, need):
+            if hi == r.seq_len:             # a row that draws a token: whether its draw needed the full sort
+                r.full_sort = bool(row_needs)
         return toks[:len(feeds)], False
 
-    def _run(self, kind: str, ids, cu, slots, params, steps, t0: Optional[float] = None):
+    def _run(self, kind: str, ids, cu, slots, params, steps, t0: Optional[float] = None, full=()):
         """Pads the call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and
-        slot id S, as the model's methods pad) and runs the step's program. Returns (sampled ids [Nb], status)."""
+        slot id S, as the model's methods pad) and runs the step's program; ``full`` [N] bool: the rows to draw
+        with the full sort at once (:meth:`_sampled_ids`). Returns (sampled ids [Nb], status, the rows whose draw
+        needed the full sort [Nb] bool)."""
         t = time.perf_counter() if t0 is None else t0              # "dispatch" counts from there
         s = self.cache.num_slots
         nb = self.model.stream_bucket(slots.shape[0], s)
         tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
         ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
-        toks, status, _ = self._sampled_ids(logits, sampling_arrays(params, steps, nb), status, t)
-        return toks, int(status)
+        rows = np.zeros((nb,), bool)
+        rows[:len(full)] = full
+        toks, status, need = self._sampled_ids(logits, sampling_arrays(params, steps, nb), status, t, full=rows)
+        return toks, int(status), need
 
-    def _sampled_ids(self, logits, arrays, status=None, t: Optional[float] = None):
+    def _sampled_ids(self, logits, arrays, status=None, t: Optional[float] = None, full=None):
         """A step's sampled ids on the host: the sampler program (:meth:`_sample`) on ``logits``, the step's one
-        copy to the host (ids, the rows needing the fallback, ``status``), then, for a step with such rows, the
-        fallback program and its copy. Returns (ids [Nb] NumPy, status as copied, whether the fallback ran);
-        with ``t`` (the step's start) the host phases dispatch, wait and fallback are timed from there."""
+        copy to the host (ids, the rows needing the fallback, ``status``), then, for a step with such rows that
+        the program did not already draw with the full sort, the fallback program and its copy. ``full`` [Nb]
+        bool (None: none): rows expected to need the full sort (their last draw did), which make the program
+        ``draw_full_rows``. Returns (ids [Nb] NumPy, status as copied, the rows whose draw needed the full sort
+        [Nb] bool NumPy); ``stats`` counts "fallback_steps" and "full_sort_steps". With ``t`` (the step's start)
+        the host phases dispatch, wait and fallback are timed from there."""
         t = time.perf_counter() if t is None else t
-        toks, need = self._sample(logits, arrays)
+        toks, need, merged = self._sample(logits, arrays, full)
         t = self._tick("dispatch", t)
         toks, need, status = jax.device_get((toks, need, status))       # the step's one copy to the host
         toks = np.asarray(toks)
+        need = np.zeros(toks.shape, bool) if need is None else np.asarray(need)
         t = self._tick("wait", t)
-        fell_back = need is not None and bool(np.any(need))             # rows the candidates could not decide
-        if fell_back:
-            full = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
-            toks = np.where(need, full, toks)
+        if merged:
+            self.stats["full_sort_steps"] += 1
+        elif need.any():                                                # rows the candidates could not decide
+            self.stats["fallback_steps"] += 1
+            ids = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
+            toks = np.where(need, ids, toks)
             self._tick("fallback", t)
-        return toks, status, fell_back
+        return toks, status, need
 
-    def _sample(self, logits, arrays):
+    def _sample(self, logits, arrays, full=None):
         """The sampler program for a step's ``logits`` [Nb, Vocab] and ``sampling_arrays`` (module docstring, step
-        3), chosen on the host: (ids [Nb], rows needing the fallback [Nb] or None), device arrays, not waited on."""
+        3), chosen on the host: (ids [Nb], rows needing the fallback [Nb] or None, whether the fallback's ids are
+        merged in already), the arrays on the device, not waited on. ``full`` [Nb] bool or None: rows expected to
+        need the full sort; where a sampled one is among them the program is ``draw_full_rows``."""
         temperature, top_k, top_p = arrays[:3]
         sampled = temperature > 0
         if not sampled.any():
-            return self._programs["greedy"](logits), None
+            return self._programs["greedy"](logits), None, False
         plain = bool(np.any(sampled & keeps_every_token(top_k, top_p, logits.shape[-1])))
-        return self._programs["draw"](logits, *arrays, plain=plain)
+        if full is not None and bool(np.any(sampled & full)):
+            ids, need = self._programs["draw_full"](logits, *arrays, plain=plain)
+            return ids, need, True
+        ids, need = self._programs["draw"](logits, *arrays, plain=plain)
+        return ids, need, False
 
     def _token_bucket(self, t: int) -> int:
         """The token count a prefill step of t tokens is padded to: the smallest of ``prefill_buckets`` >= t, or the
@@ -628,7 +653,8 @@ def _step_programs(model) -> dict:
     """The jitted programs of ``model``'s engines, made once per model, so that engines over the same model (and
     caches of the same shapes) reuse each other's compiled programs: "prefill", "decode" (the model's pure step:
     (logits, the cache's status, the cache), the cache donated), "greedy" (argmax of the logits), "draw"
-    (:func:`~jax_gdn.serving.sampling.draw_rows`, ``plain`` static) and "fallback"."""
+    (:func:`~jax_gdn.serving.sampling.draw_rows`, ``plain`` static), "fallback" and "draw_full"
+    (:func:`~jax_gdn.serving.sampling.draw_full_rows`: the draw and the fallback merged, ``plain`` static)."""
     progs = _PROGRAMS.get(model)
     if progs is None:
         progs = {kind: jax.jit(_status_step(model.step_fn(decode=kind == "decode")), donate_argnums=(1,))
@@ -636,6 +662,7 @@ def _step_programs(model) -> dict:
         progs["greedy"] = jax.jit(lambda logits: jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32))
         progs["draw"] = jax.jit(draw_rows, static_argnames=("plain", "method"))
         progs["fallback"] = jax.jit(fallback_rows, static_argnames=("method",))
+        progs["draw_full"] = jax.jit(draw_full_rows, static_argnames=("plain", "method"))
         _PROGRAMS[model] = progs
     return progs
 

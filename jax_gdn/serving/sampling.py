@@ -57,8 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "draw_rows", "fallback_rows",
-           "keeps_every_token", "kept_tokens", "sample", "sample_rows", "sampling_arrays"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "SORTS", "SamplingParams", "descending_order", "draw_full_rows", "draw_rows",
+           "fallback_rows", "keeps_every_token", "kept_tokens", "sample", "sample_rows", "sampling_arrays"]
 
 
 def _is_int(x) -> bool:
@@ -453,6 +453,16 @@ def draw_rows(logits, temperature, top_k, top_p, seed, step, *, plain: bool, met
         drawn = jnp.where(every & ~exact, jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32), mine)
     need = sampled & ~exact & (~every if plain else True)
     return jnp.where(sampled, drawn, greedy), need
+
+
+def draw_full_rows(logits, temperature, top_k, top_p, seed, step, *, plain: bool, method: str = DEFAULT_METHOD):
+    """(ids [Nb] int32, need [Nb] bool): :func:`draw_rows` and :func:`fallback_rows` in one program, merged on the
+    device where ``need``: sample_rows' ids on every row, with no cond and no second copy, for the price of the
+    full sort over every row. The engine runs it in place of ``draw_rows`` for a step where a sampled row needed
+    the fallback at its previous token (random weights' flat rows under top-p alone need it at every token)."""
+    ids, need = draw_rows(logits, temperature, top_k, top_p, seed, step, plain=plain, method=method)
+    full = fallback_rows(logits, temperature, top_k, top_p, seed, step, method=method)
+    return jnp.where(need, full, ids), need
 
 
 def fallback_rows(logits, temperature, top_k, top_p, seed, step, *, method: str = DEFAULT_METHOD):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax_gdn.config import preset
 from jax_gdn.model import HybridModel
 from jax_gdn.serving import LLM, SamplingParams
-from jax_gdn.serving.sampling import (METHODS, SORTS, draw_rows, fallback_rows, kept_tokens, sample,
+from jax_gdn.serving.sampling import (METHODS, SORTS, draw_full_rows, draw_rows, fallback_rows, kept_tokens, sample,
                                       sampling_arrays)
 
 VOCAB = 96
@@ -257,6 +257,9 @@ def test_blocks_draws_from_the_kept_set_on_every_path(method, vocab):
         ids, need = (np.asarray(a) for a in draw(x8, *a8, plain=plain, method=method))
         assert need[[5, 6]].all() and not need[[0, 1, 2, 7]].any() and need[4] != plain      # settings 3, 4; 2
         assert np.where(need, full, ids).tolist() == want, plain
+        merged, merged_need = (np.asarray(a) for a in jax.jit(draw_full_rows, static_argnames=("plain", "method"))(
+            x8, *a8, plain=plain, method=method))                      # the two in one program: the same ids
+        assert merged.tolist() == want and np.array_equal(merged_need, need), plain
 
 
 @pytest.mark.parametrize("block,per_block,select", [(32, 4, "sort"), (16, 8, "sort"), (300, 300, "sort"),
@@ -484,3 +487,26 @@ def test_bad_arguments_are_refused_before_any_work(llm, model):
         LLM("/no/such/dir", warmup=False)
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(model, tokenizer="/no/such/tokenizer.json", warmup=False)
+
+
+def test_a_row_needing_the_full_sort_takes_it_in_one_program_from_its_next_token(monkeypatch):
+    """top-p 0.9 alone on near-flat rows of 20000 logits (maxblocks' 8192 candidates hold ~0.4 of the mass): every
+    draw needs the full sort. The first draw of each request runs the draw, the copy, the fallback program and its
+    copy; from its next token on the engine runs the merged program (``draw_full_rows``: no fallback step). The
+    tokens equal those of an engine that never merges (every step draws, then falls back), request by request."""
+    cfg = preset("tiny", num_hidden_layers=1, layer_types=("linear_attention",), vocab_size=20000)
+    model = HybridModel.random(cfg, 5, dtype=jnp.float32, backend="xla", std=0.02)
+    prompts = _prompts(2, seed=4, lo=5, hi=20)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=3)
+
+    def engine():
+        return LLM(model, max_seqs=2, max_tokens=256, page_size=16, token_budget=64, progress=False, warmup=False)
+    merged = engine()
+    got = [o.outputs[0].token_ids for o in merged.generate(prompts, sp)]
+    assert merged.stats["fallback_steps"] == 1 and merged.stats["full_sort_steps"] == 4      # 1 prefill + 4 decodes
+    original = LLM._sample
+    monkeypatch.setattr(LLM, "_sample", lambda self, logits, arrays, full=None: original(self, logits, arrays))
+    plain = engine()
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    assert plain.stats["fallback_steps"] == 5 and plain.stats["full_sort_steps"] == 0
+    assert got == want and all(len(t) == 5 for t in got)
