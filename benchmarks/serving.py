@@ -1,5 +1,5 @@
 """Section "serving" (results key "serving"): ``jax_gdn.serving.LLM.generate`` on a shared-prefix workload, with
-the prefix cache off and on, same prompts, same model, one process.
+the prefix cache off and on and with ``async_decode`` (the cache off), same prompts, same model, one process.
 
 Workload: ``prefixes`` system prompts of ``prefix_len`` tokens, each shared by ``per_prefix`` requests that add
 their own tail (``tail_len`` tokens, drawn in [tail_len / 2, tail_len]) and generate ``gen_len`` greedy tokens;
@@ -8,7 +8,8 @@ request of each prefix fills the cache and the others can hit it. Each engine is
 program compiled; not counted). Reported per setting: wall time of the call, prompt and output tokens per
 second of it, time to first token and time per output token (p50 / p99 over the requests, seconds from the
 call's start: in an offline call every request arrives at 0, so time to first token includes queueing), the
-prefix cache's hit rate and the prompt tokens it served, and whether the outputs of both settings are equal.
+prefix cache's hit rate and the prompt tokens it served, and whether the outputs with the cache on
+("outputs_equal") and with async_decode ("outputs_equal_async") are those with neither.
 
 Block sizes (``block_sweep``, also ``python -m benchmarks.serving --block-sweep``): the prefix cache's hit
 statistics against ``block_size`` on a mixed-length shared-prefix workload (``BLOCK_SWEEP``: 4 system prompts of
@@ -17,7 +18,8 @@ bookkeeping only (greedy, no stop ids: the same steps on any model and device), 
 gives the figures of any size; what a snapshot costs in memory is the model's (``snapshot_bytes``).
 
 Parts (``--cases``; default all, a part not run keeps its stored figures):
-  workload  the shared-prefix workload above (each engine warmed up by ``LLM.warmup``: every bucket's program;
+  workload  the shared-prefix workload above, cache off, on, and off with ``async_decode`` (``ENGINES``; each
+            engine warmed up by ``LLM.warmup``: every bucket's program;
             at 80B dims two prefill buckets, 512 and 4096 tokens, and 8 running, so that the two engines' warm-ups
             compile 28 programs: the model's buckets at 16 running made 115)
   ttft      time to first token of one request alone, cold against a prefix-cache hit (``ttft_probe``): for each
@@ -58,6 +60,8 @@ FULL = dict(dims="qwen3_next_80b", layers=MODEL_DIMS["qwen3_next_80b"], prefixes
 FULL_35B = dict(FULL, dims="qwen3_5_35b_a3b", layers=MODEL_DIMS["qwen3_5_35b_a3b"])
 #: the CLI's sections of this module -> (results key, full-size workload)
 SECTION_SIZES = {"serving": (KEY, FULL), "serving_35b": ("serving_35b", FULL_35B)}
+#: the workload's engines: (prefix cache, async_decode), each over the same prompts
+ENGINES = ((False, False), (True, False), (False, True))
 #: the parts of the section (``--cases``)
 PARTS = ("workload", "ttft", "sampling")
 #: (prefix lengths, tail, token budget, rounds) of the TTFT probe; (streams, context) of the sampling cost
@@ -299,19 +303,20 @@ def _workload(model, w: dict, seed: int) -> dict:
     prompts = workload(w, model.config.vocab_size, seed)
     sp = SamplingParams(max_tokens=w["gen_len"])
     rows, outputs = [], {}
-    for cache_on in (False, True):
+    for cache_on, overlap in ENGINES:
         kw = dict(prefix_cache=True, block_size=w["block_size"]) if cache_on else {}
         llm = LLM(model, max_seqs=w["max_seqs"], max_tokens=w["max_tokens"], page_size=w["page_size"],
-                  token_budget=w["token_budget"], progress=False, prefill_buckets=w.get("prefill_buckets"), **kw)
+                  token_budget=w["token_budget"], progress=False, prefill_buckets=w.get("prefill_buckets"),
+                  async_decode=overlap, **kw)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
-        outputs[cache_on] = [o.outputs[0].token_ids for o in outs]
+        outputs[cache_on, overlap] = [o.outputs[0].token_ids for o in outs]
         prompt_tokens = sum(len(p) for p in prompts)
-        out_tokens = sum(len(t) for t in outputs[cache_on])
+        out_tokens = sum(len(t) for t in outputs[cache_on, overlap])
         pc = llm.prefix_cache
         rows.append({
-            "prefix_cache": cache_on, "wall_s": round(wall, 4),
+            "prefix_cache": cache_on, "async_decode": overlap, "wall_s": round(wall, 4),
             "prompt_tok_s": round(prompt_tokens / wall, 1), "output_tok_s": round(out_tokens / wall, 1),
             "ttft_s": {"p50": _pct([o.metrics["first_token_s"] for o in outs], 50),
                        "p99": _pct([o.metrics["first_token_s"] for o in outs], 99)},
@@ -320,10 +325,11 @@ def _workload(model, w: dict, seed: int) -> dict:
             "hit_rate": round(pc.hit_rate, 4) if pc else None,
             "hit_tokens": int(pc.stats["hit_tokens"]) if pc else 0,
             "steps": int(llm.stats["prefill_steps"] + llm.stats["decode_steps"]),
-            "preempted": int(llm.stats["preempted"]),
+            "preempted": int(llm.stats["preempted"]), "queued_ahead_steps": int(llm.stats["queued_ahead_steps"]),
         })
     return {"workload": w, "requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "rows": rows,
-            "outputs_equal": outputs[False] == outputs[True]}
+            "outputs_equal": outputs[False, False] == outputs[True, False],
+            "outputs_equal_async": outputs[False, False] == outputs[False, True]}
 
 
 def print_section(value: dict) -> None:
@@ -343,14 +349,16 @@ def print_section(value: dict) -> None:
     w = wl["workload"]
     print(f"  workload: {wl['requests']} requests, {w['prefixes']} prefixes of {w['prefix_len']} tokens, "
           f"{wl['prompt_tokens']} prompt tokens, {w['gen_len']} generated each")
-    print(f"{'prefix cache':>12} {'wall s':>8} {'prompt tok/s':>12} {'out tok/s':>10} {'TTFT p50':>9} "
+    print(f"{'prefix cache':>12} {'async':>5} {'wall s':>8} {'prompt tok/s':>12} {'out tok/s':>10} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'hit rate':>8} {'steps':>6}")
     for r in wl["rows"]:
-        print(f"{'on' if r['prefix_cache'] else 'off':>12} {r['wall_s']:>8.3f} {r['prompt_tok_s']:>12.1f} "
+        print(f"{'on' if r['prefix_cache'] else 'off':>12} {'on' if r.get('async_decode') else 'off':>5} "
+              f"{r['wall_s']:>8.3f} {r['prompt_tok_s']:>12.1f} "
               f"{r['output_tok_s']:>10.1f} {fmt(r['ttft_s']['p50']):>9} {fmt(r['ttft_s']['p99']):>9} "
               f"{fmt(r['tpot_s']['p50']):>9} {fmt(r['tpot_s']['p99']):>9} "
               f"{fmt(r['hit_rate']):>8} {r['steps']:>6}")
-    print(f"outputs equal with and without the cache: {wl['outputs_equal']}")
+    print(f"outputs equal with and without the cache: {wl['outputs_equal']}"
+          + (f"; with and without async_decode: {wl['outputs_equal_async']}" if "outputs_equal_async" in wl else ""))
 
 
 def markdown(value: dict) -> list:
@@ -369,10 +377,11 @@ def markdown(value: dict) -> list:
         lines.append("")
     wl = value.get("workload")
     if wl:
-        lines += md_header(["prefix cache", "wall s", "prompt tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 s",
-                            "hit rate"])
+        lines += md_header(["prefix cache", "async decode", "wall s", "prompt tok/s", "TTFT p50 / p99 s",
+                            "TPOT p50 / p99 s", "hit rate"])
         for r in wl["rows"]:
-            lines.append(f"| {'on' if r['prefix_cache'] else 'off'} | {r['wall_s']} | {r['prompt_tok_s']} | "
+            lines.append(f"| {'on' if r['prefix_cache'] else 'off'} | {'on' if r.get('async_decode') else 'off'} | "
+                         f"{r['wall_s']} | {r['prompt_tok_s']} | "
                          f"{fmt(r['ttft_s']['p50'])} / {fmt(r['ttft_s']['p99'])} | "
                          f"{fmt(r['tpot_s']['p50'])} / {fmt(r['tpot_s']['p99'])} | {fmt(r['hit_rate'])} |")
     return lines

@@ -41,6 +41,14 @@ that snapshot and feeds only the rest. Out of pages, the least recently used sna
 preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions. ``llm.host_s``: the host's
 wall seconds of every step so far by phase (``HOST_PHASES``).
 
+Overlapped decode (``async_decode=True``): a decode step whose sampled ids are final on the device (every row
+greedy, or every sampled row keeping every token, or the merged full-sort draw), with nobody waiting to be admitted
+and no row at its last token, queues the next decode step of the same requests, fed those ids on the device,
+before it copies them to the host; the host's work between steps (the copy, the tokens, the next step's
+dispatch) then overlaps the device's. A request that stops at the first of the two has one token computed past
+its end, dropped; a refused first step voids the second (it ran on the refused cache and wrote nothing). Tokens
+and finish reasons are the step-by-step engine's (tested); out of pages the two may preempt at different steps.
+
 Online use (vLLM's LLMEngine calls): ``rid = llm.add_request(prompt, params)`` queues a request at any time (its
 metrics count from then); each ``llm.step()`` runs one engine step and returns the RequestOutputs that finished in
 it; ``llm.has_unfinished_requests()``. ``generate`` queues its prompts and steps until they have finished.
@@ -133,6 +141,26 @@ class _Request:
         return np.concatenate([head, tail]).astype(np.int32)
 
 
+_UNPLACED = object()
+
+
+@dataclasses.dataclass
+class _Queued:
+    """A step queued on the device and not read yet: its kind ("prefill" / "decode"), its feeds, the logits and
+    sampling arrays (for a fallback), the sampler's ids and need (device arrays; need None: every row greedy),
+    whether the full sort is merged in, the cache's status after it, and whether its ids are final on the device
+    (no fallback can replace one)."""
+    kind: str
+    feeds: list
+    logits: object
+    arrays: tuple
+    ids: object
+    need: object
+    merged: bool
+    status: object
+    final: bool
+
+
 #: the prefix cache's default block size (tokens): the snapshot grid. Measured (docs/serving.md, the block sweep):
 #: with snapshots only at branch points, smaller blocks lose fewer prefix tokens to rounding and take about as many
 #: snapshots; 64 serves 95% of 16's hit tokens with a quarter of its block hashes and sightings on the host.
@@ -156,13 +184,16 @@ class LLM:
     prefill_buckets: the token counts prefill steps are padded to (increasing, the last >= token_budget; default
     the model's ``token_buckets`` up to the budget's): fewer buckets, fewer programs for the warm-up to compile
     (vLLM's capture sizes), more padding per step.
+    async_decode: queue the next decode step before reading this one's ids (module docstring, "Overlapped
+    decode"); off by default until it is measured on a GPU.
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
                  max_seq_len: Optional[int] = None, token_budget: Optional[int] = None, tokenizer=None,
                  dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True,
                  prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None,
-                 prefix_min_uses: int = 2, prefill_buckets: Optional[Sequence[int]] = None):
+                 prefix_min_uses: int = 2, prefill_buckets: Optional[Sequence[int]] = None,
+                 async_decode: bool = False):
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")
@@ -193,6 +224,8 @@ class LLM:
             raise ValueError(f"LLM: model must be a HybridModel or a checkpoint directory; got {type(model).__name__}")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"LLM: prefix_cache must be a bool; got {prefix_cache!r}")
+        if not isinstance(async_decode, bool):
+            raise ValueError(f"LLM: async_decode must be a bool; got {async_decode!r}")
         extra = 0
         self.prefix_cache = None
         if prefix_cache:
@@ -222,6 +255,9 @@ class LLM:
         self._held = False                         # after a preemption: admit nobody until a request finishes
         self._next_id = 0
         self._unreported: list = []                # added requests that finished inside a generate call
+        self.async_decode = async_decode
+        self._ahead: Optional[_Queued] = None      # a decode step queued before the last one was read
+        self._ids_placement = _UNPLACED            # the samplers' ids' sharding once seen (None: uncommitted)
         if warmup:
             self.warmup()
 
@@ -266,7 +302,7 @@ class LLM:
                         bar.update(1)
                     continue
                 lens = [1] * (n - 1) + [t - (n - 1)] if kind == "prefill" else [1] * n
-                self._run(kind, np.zeros((t,), np.int32), np.cumsum([0] + lens).astype(np.int32), slots, [], [])
+                self._run(kind, np.zeros((t,), np.int32), np.cumsum([0] + lens).astype(np.int32), slots)
                 self.cache = self.model.release(self.cache, slots)
                 self._clear_status()
                 if bar is not None:
@@ -406,6 +442,10 @@ class LLM:
         preempted (a lone one aborted), and the next step tries again."""
         waiting, running, free = self._waiting, self._running, self._free
         t = time.perf_counter()
+        if self._ahead is not None:      # the decode step queued by the last one: this step's; admission waits
+            feeds = self._ahead.feeds
+            tokens, refused = self._step(feeds, self._ahead)
+            return self._after(feeds, tokens, refused, time.perf_counter())
         admitted = []
         while waiting and free and not (self._held and running):
             r = waiting.popleft()
@@ -420,7 +460,13 @@ class LLM:
         feeds = self._plan(running)
         self._tick("plan", t)
         tokens, refused = self._step(feeds)
-        t = time.perf_counter()
+        return self._after(feeds, tokens, refused, time.perf_counter())
+
+    def _after(self, feeds, tokens, refused, t) -> list:
+        """The rest of an engine step once its ids are on the host (``tokens``; ``refused``: the step was refused):
+        the refusal's eviction or preemption, or each fed request's token, then the snapshots and the releases.
+        Returns the requests that finished. A request that finished at the step before a queued one is skipped."""
+        running, free, waiting = self._running, self._free, self._waiting
         if refused:
             self.stats["refused_steps"] += 1
         if refused and self.prefix_cache is not None and self.prefix_cache.entries:
@@ -444,6 +490,8 @@ class LLM:
         done, snaps = [], []
         now = time.perf_counter()                  # after the step's copy to the host
         for (r, lo, hi), tok in zip(feeds, tokens):
+            if r.finish is not None or r.slot < 0:     # finished (or preempted) at the step before: not its token
+                continue
             r.fed = hi
             if self.prefix_cache is not None and lo < r.prompt_ids.shape[0] and hi - lo > 0:
                 key = self.prefix_cache.reach(self._keys(r), lo, hi)
@@ -505,19 +553,31 @@ class LLM:
             r.block_keys = block_hashes(r.prompt_ids, self.prefix_cache.block_size)
         return r.block_keys
 
-    def _step(self, feeds):
-        """The model's step and the sampler for ``feeds``. Returns (sampled ids [N] NumPy, refused?)."""
+    def _step(self, feeds, queued: Optional["_Queued"] = None):
+        """The model's step and the sampler for ``feeds`` (``queued``: the step already queued by the last one),
+        the next decode step queued where :meth:`_may_queue` allows, then this step's ids copied to the host.
+        Returns (sampled ids [N] NumPy, refused?)."""
         t = time.perf_counter()
-        slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
-        lens = [hi - lo for _, lo, hi in feeds]
-        kind = "decode" if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds) else "prefill"
-        self.stats[f"{kind}_steps"] += 1
-        ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        toks, status, need = self._run(kind, ids, cu, slots, [r.params for r, _, _ in feeds],
-                                       [len(r.generated) for r, _, _ in feeds], t,
-                                       full=[r.full_sort for r, _, _ in feeds])
+        self._ahead = None
+        if queued is None:
+            slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
+            lens = [hi - lo for _, lo, hi in feeds]
+            kind = "decode" if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds) \
+                else "prefill"
+            ids = np.concatenate([r.tokens(lo, hi) for r, lo, hi in feeds]).astype(np.int32)
+            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            queued = self._queue(kind, feeds, ids, cu, slots, [len(r.generated) for r, _, _ in feeds])
+        self.stats[f"{queued.kind}_steps"] += 1
+        if self._may_queue(queued):          # the next decode step, fed this one's ids on the device
+            nxt = [(r, hi, hi + 1) for r, _, hi in feeds]
+            slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
+            self._ahead = self._queue("decode", nxt, queued.ids, np.arange(len(feeds) + 1, dtype=np.int32), slots,
+                                      [len(r.generated) + 1 for r, _, _ in feeds])
+            self.stats["queued_ahead_steps"] += 1
+        t = self._tick("dispatch", t)
+        toks, status, need = self._collect(queued, t)
         if status != 0:
+            self._ahead = None               # it ran on the refused cache: nothing written, nothing to read
             self._clear_status()
             return None, True
         for (r, _, hi), row_needs in zip(feeds, need):
@@ -525,45 +585,79 @@ class LLM:
                 r.full_sort = bool(row_needs)
         return toks[:len(feeds)], False
 
-    def _run(self, kind: str, ids, cu, slots, params, steps, t0: Optional[float] = None, full=()):
-        """Pads the call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and
-        slot id S, as the model's methods pad) and runs the step's program; ``full`` [N] bool: the rows to draw
-        with the full sort at once (:meth:`_sampled_ids`). Returns (sampled ids [Nb], status, the rows whose draw
-        needed the full sort [Nb] bool)."""
-        t = time.perf_counter() if t0 is None else t0              # "dispatch" counts from there
+    def _may_queue(self, queued: "_Queued") -> bool:
+        """Whether the decode step after ``queued`` may be queued before its ids are read (module docstring,
+        "Overlapped decode"): its ids final on the device, every row a live request one token short of its
+        limit or more, nobody waiting to be admitted."""
+        if not (self.async_decode and queued.kind == "decode" and queued.final) or self._waiting:
+            return False
+        return all(r.finish is None and r.slot >= 0 and len(r.generated) + 2 <= r.limit
+                   for r, _, _ in queued.feeds)
+
+    def _queue(self, kind: str, feeds, ids, cu, slots, steps) -> "_Queued":
+        """Queues the model's step and its sampler for ``feeds`` ([(request, lo, hi)]; ``ids`` [T] NumPy, or a
+        decode step's [Nb] on the device; ``steps`` each row's count of generated tokens) without waiting: pads the
+        call to the model's buckets (tokens past cu[N] are id 0, padding streams have zero length and slot id S, as
+        the model's methods pad); the cache becomes the step's output."""
         s = self.cache.num_slots
         nb = self.model.stream_bucket(slots.shape[0], s)
         tb = nb if kind == "decode" else self._token_bucket(ids.shape[0])
-        ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids, cu, slots, tb, nb, s)
+        host_ids = isinstance(ids, np.ndarray)
+        ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids if host_ids else np.zeros((0,), np.int32), cu, slots,
+                                                      tb, nb, s)
+        if kind == "decode":      # a device array either way, placed as the samplers place their ids: a queued
+            # step's ids (the last step's sampled ids [Nb], one per stream) and host ids then take the same entry of
+            # the program's cache, where a NumPy argument and a device array (or an uncommitted array and one a
+            # sharded model's program placed) would compile it twice
+            ids_p = jax.device_put(ids_p, self._ids_placement) if host_ids else ids
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
-        rows = np.zeros((nb,), bool)
-        rows[:len(full)] = full
-        toks, status, need = self._sampled_ids(logits, sampling_arrays(params, steps, nb), status, t, full=rows)
-        return toks, int(status), need
+        full = np.zeros((nb,), bool)
+        full[:len(feeds)] = [r.full_sort for r, _, _ in feeds]
+        return self._queue_sampler(kind, feeds, logits, sampling_arrays([r.params for r, _, _ in feeds], steps, nb),
+                                   status, full)
 
-    def _sampled_ids(self, logits, arrays, status=None, t: Optional[float] = None, full=None):
-        """A step's sampled ids on the host: the sampler program (:meth:`_sample`) on ``logits``, the step's one
-        copy to the host (ids, the rows needing the fallback, ``status``), then, for a step with such rows that
-        the program did not already draw with the full sort, the fallback program and its copy. ``full`` [Nb]
-        bool (None: none): rows expected to need the full sort (their last draw did), which make the program
-        ``draw_full_rows``. Returns (ids [Nb] NumPy, status as copied, the rows whose draw needed the full sort
-        [Nb] bool NumPy); ``stats`` counts "fallback_steps" and "full_sort_steps". With ``t`` (the step's start)
-        the host phases dispatch, wait and fallback are timed from there."""
-        t = time.perf_counter() if t is None else t
+    def _queue_sampler(self, kind, feeds, logits, arrays, status, full=None) -> "_Queued":
+        """The sampler program on a step's ``logits`` (:meth:`_sample`), queued; ``final``: its ids need no
+        fallback (every row greedy, every sampled row keeping every token, or the merged draw)."""
         toks, need, merged = self._sample(logits, arrays, full)
-        t = self._tick("dispatch", t)
-        toks, need, status = jax.device_get((toks, need, status))       # the step's one copy to the host
+        if self._ids_placement is _UNPLACED:         # how the sampler programs place their ids (see _queue)
+            self._ids_placement = toks.sharding if getattr(toks, "committed", False) else None
+        sampled_cut = (arrays[0] > 0) & ~keeps_every_token(arrays[1], arrays[2], logits.shape[-1])
+        final = need is None or merged or not bool(np.any(sampled_cut))
+        return _Queued(kind, feeds, logits, arrays, toks, need, merged, status, final)
+
+    def _collect(self, queued: "_Queued", t: float):
+        """A queued step's ids on the host: its one copy (ids, the rows needing the fallback, the status), then,
+        where rows need it and the program did not draw them with the full sort already, the fallback program and
+        its copy. Returns (ids [Nb] NumPy, status, need [Nb] bool NumPy: the rows whose draw needed the full sort);
+        ``stats`` counts "fallback_steps" and "full_sort_steps"; the host phases wait and fallback from ``t``."""
+        toks, need, status = jax.device_get((queued.ids, queued.need, queued.status))
         toks = np.asarray(toks)
         need = np.zeros(toks.shape, bool) if need is None else np.asarray(need)
         t = self._tick("wait", t)
-        if merged:
+        if queued.merged:
             self.stats["full_sort_steps"] += 1
         elif need.any():                                                # rows the candidates could not decide
             self.stats["fallback_steps"] += 1
-            ids = np.asarray(jax.device_get(self._programs["fallback"](logits, *arrays)))
+            ids = np.asarray(jax.device_get(self._programs["fallback"](queued.logits, *queued.arrays)))
             toks = np.where(need, ids, toks)
             self._tick("fallback", t)
-        return toks, status, need
+        return toks, None if status is None else int(status), need
+
+    def _run(self, kind: str, ids, cu, slots) -> None:
+        """One step of ``kind`` over ``slots`` with no request behind it (every row greedy), run to its copy: the
+        warm-up's call of a shape."""
+        queued = self._queue(kind, [], ids, cu, slots, [])
+        self._collect(queued, time.perf_counter())
+
+    def _sampled_ids(self, logits, arrays, status=None, t: Optional[float] = None, full=None):
+        """A step's sampled ids on the host for ``logits`` [Nb, Vocab] and ``sampling_arrays``: the sampler
+        program (:meth:`_sample`; ``full`` [Nb] bool or None: rows expected to need the full sort, their last draw
+        did) and :meth:`_collect`. Returns (ids [Nb] NumPy, status as copied, need [Nb] bool NumPy); with ``t``
+        (the step's start) the host phases dispatch, wait and fallback are timed from there."""
+        t = time.perf_counter() if t is None else t
+        queued = self._queue_sampler("step", [], logits, arrays, status, full)
+        return self._collect(queued, self._tick("dispatch", t))
 
     def _sample(self, logits, arrays, full=None):
         """The sampler program for a step's ``logits`` [Nb, Vocab] and ``sampling_arrays`` (module docstring, step

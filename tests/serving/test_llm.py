@@ -437,6 +437,51 @@ def test_out_of_pages_under_load_preempts_and_never_emits_refused_tokens(model, 
     assert out.finish_reason == "length" and out.token_ids == alone[:11]
 
 
+@ENGINE
+def test_async_decode_gives_the_step_by_step_tokens(model, llm):
+    """async_decode: the decode step after one whose ids are final on the device is queued before they are read.
+    Greedy, plain temperature (every token kept: queued too) and top-k / top-p (candidates that may need the
+    fallback: never queued) requests of mixed lengths, stop ids and max_tokens, 10 prompts for 8 slots (admissions
+    while others decode), online arrivals: the same tokens and finish reasons as the step-by-step engine, steps were
+    queued ahead, and no program is compiled past the warm-up. Out of pages (the small pool of the test above):
+    every request ends "length" with its alone-run tokens."""
+    fast = LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False, async_decode=True)
+    programs = fast.compiled_programs()
+    prompts = _prompts(10, seed=11, lo=3, hi=40)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], SamplingParams(max_tokens=6))]
+    settings = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=9, stop_token_ids=(greedy[0][2],)),
+                SamplingParams(temperature=0.9, max_tokens=7, seed=4),
+                SamplingParams(temperature=1.0, top_k=5, top_p=0.8, max_tokens=5, seed=5)]
+    for sp in settings + [[settings[i % 4] for i in range(10)]]:
+        want = llm.generate(prompts, sp)
+        got = fast.generate(prompts, sp)
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+               [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in want], sp
+    assert fast.stats["queued_ahead_steps"] > 0
+    queued = fast.stats["queued_ahead_steps"]
+    fast.generate(prompts[:4], settings[3])                    # top-p rows: no step queued ahead
+    assert fast.stats["queued_ahead_steps"] == queued
+    rid = fast.add_request(prompts[0], settings[0])            # online: one running, one arriving mid-decode
+    done = fast.step() + fast.step()
+    rid2 = fast.add_request(prompts[1], settings[0])
+    while fast.has_unfinished_requests():
+        done += fast.step()
+    by_id = {o.request_id: o.outputs[0].token_ids for o in done}
+    assert by_id[rid] == llm.generate(prompts[0], settings[0])[0].outputs[0].token_ids
+    assert by_id[rid2] == llm.generate(prompts[1], settings[0])[0].outputs[0].token_ids
+    assert fast.compiled_programs() == programs
+    small = LLM(model, max_seqs=4, max_tokens=80, page_size=16, max_seq_len=128, token_budget=32, progress=False,
+                warmup=False, async_decode=True)
+    crowd = _prompts(6, seed=5, lo=20, hi=31)
+    outs = small.generate(crowd, SamplingParams(max_tokens=12))
+    assert small.stats["preempted"] > 0 and small.stats["aborted"] == 0
+    for p, o in zip(crowd, outs):
+        assert o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].token_ids == llm.generate(p, SamplingParams(max_tokens=12))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="async_decode"):
+        LLM(model, max_seqs=2, progress=False, warmup=False, async_decode=1)
+
+
 def test_checkpoint_dir_with_its_tokenizer_round_trips(tmp_path):
     """``LLM(directory)``: a HF-layout checkpoint (config.json, model.safetensors) with a word-level tokenizer
     trained offline (``tokenizers``) saved beside it as tokenizer.json: the model and the tokenizer are loaded,
