@@ -609,7 +609,8 @@ class LLM:
             # step's ids (the last step's sampled ids [Nb], one per stream) and host ids then take the same entry of
             # the program's cache, where a NumPy argument and a device array (or an uncommitted array and one a
             # sharded model's program placed) would compile it twice
-            ids_p = jax.device_put(ids_p, self._ids_placement) if host_ids else ids
+            placement = None if self._ids_placement is _UNPLACED else self._ids_placement
+            ids_p = jax.device_put(ids_p, placement) if host_ids else ids
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
         full = np.zeros((nb,), bool)
         full[:len(feeds)] = [r.full_sort for r, _, _ in feeds]
