@@ -17,7 +17,7 @@ statistics against ``block_size`` on a mixed-length shared-prefix workload (``BL
 bookkeeping only (greedy, no stop ids: the same steps on any model and device), so the tiny model on the CPU
 gives the figures of any size; what a snapshot costs in memory is the model's (``snapshot_bytes``).
 
-Parts (``--cases``; default all, a part not run keeps its stored figures):
+Parts (``--cases``; default all but "branches", a part not run keeps its stored figures):
   workload  the shared-prefix workload above, cache off, on, and off with ``async_decode`` (``ENGINES``; each
             engine warmed up by ``LLM.warmup``: every bucket's program;
             at 80B dims two prefill buckets, 512 and 4096 tokens, and 8 running, so that the two engines' warm-ups
@@ -32,6 +32,8 @@ Parts (``--cases``; default all, a part not run keeps its stored figures):
             with every row greedy, and with every row sampled (temperature 0.8, top-k 50, top-p 0.95; and
             temperature 1, top-p 0.9, no top-k): the ms and the share the sampler adds; and the sampler alone
             (``sampling.sample`` on random logits of the step's shape), greedy and with each of ``sampling.METHODS``
+  branches  the TTFT probe at one prefix (4096 + 64 tokens) with the kernels' device-side choices in every call
+            and as shipped, in turn, twice each (``branch_ab``): what the ``DEVICE_BRANCH_MIN_TOKENS`` bound saves
 
 --quick: the tiny preset on the CPU (random fp32 weights, 2 prefixes of 64 tokens x 4 requests, 16-token
 blocks; TTFT at a 128-token prefix; sampling over 4 streams). Otherwise Qwen3-Next-80B dims at 8 layers (random
@@ -63,11 +65,16 @@ SECTION_SIZES = {"serving": (KEY, FULL), "serving_35b": ("serving_35b", FULL_35B
 #: the workload's engines: (prefix cache, async_decode), each over the same prompts
 ENGINES = ((False, False), (True, False), (False, True))
 #: the parts of the section (``--cases``)
-PARTS = ("workload", "ttft", "sampling")
+PARTS = ("workload", "ttft", "sampling", "branches")
+#: the parts a run without ``--cases`` measures ("branches" is an A/B of a choice made already: asked for by name)
+DEFAULT_PARTS = ("workload", "ttft", "sampling")
 #: (prefix lengths, tail, token budget, rounds) of the TTFT probe; (streams, context) of the sampling cost
 TTFT = {"quick": dict(prefixes=(128,), tail=8, token_budget=64, reps=2),
         "full": dict(prefixes=(4096, 16384), tail=64, token_budget=4096, reps=3)}
 SAMPLING = {"quick": dict(streams=(4,), context=32), "full": dict(streams=(16, 64), context=512)}
+#: (prefix, tail, token budget, rounds of the probe, alternations) of the device-branch A/B (part "branches")
+BRANCHES = {"quick": dict(prefix=128, tail=8, token_budget=64, reps=2, turns=1),
+            "full": dict(prefix=4096, tail=64, token_budget=4096, reps=3, turns=2)}
 #: the sampled settings of the sampling cost (SamplingParams fields)
 SAMPLED = {"t0.8-k50-p0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
            "t1-p0.9": dict(temperature=1.0, top_k=0, top_p=0.9)}
@@ -281,10 +288,11 @@ def _sampler_alone(rows: int, vocab: int, n: int, rng) -> dict:
 
 def run_section(quick: bool = False, cases=None, seed: int = 0, full: dict = None) -> dict:
     """The section's value: {"device", "dims", "layers"} and each part run (``cases``: names from PARTS; None:
-    all): "workload" {workload, requests, prompt_tokens, rows, outputs_equal}, "ttft" [rows], "sampling"
-    [rows]. ``full``: the workload and model when not ``quick`` (default ``FULL``; ``FULL_35B``)."""
+    DEFAULT_PARTS): "workload" {workload, requests, prompt_tokens, rows, outputs_equal, outputs_equal_async},
+    "ttft" [rows], "sampling" [rows], "branches" [rows]. ``full``: the workload and model when not ``quick``
+    (default ``FULL``; ``FULL_35B``)."""
     import jax
-    parts = PARTS if cases is None else tuple(cases)
+    parts = DEFAULT_PARTS if cases is None else tuple(cases)
     w = dict(QUICK if quick else (full or FULL))
     model = _model(w)
     value = {"device": jax.devices()[0].device_kind, "dims": w["dims"], "layers": w["layers"]}
@@ -295,7 +303,41 @@ def run_section(quick: bool = False, cases=None, seed: int = 0, full: dict = Non
         value["sampling"] = sampling_cost(model, seed=seed, **SAMPLING[size])
     if "workload" in parts:
         value["workload"] = _workload(model, w, seed)
+    if "branches" in parts:
+        value["branches"] = branch_ab(model, seed=seed, **BRANCHES[size])
     return value
+
+
+def branch_ab(model, prefix: int = 4096, tail: int = 64, token_budget: int = 4096, reps: int = 3, turns: int = 2,
+              seed: int = 0) -> list:
+    """[{"branches", "cold_s", "hit_s", "ratio", "hit_host_ms"}]: the TTFT probe at one prefix (part "branches"),
+    ``turns`` times each way in turn: "every call" (the kernels' device-side choices made in every call, as before
+    ``pallas_kernels.dispatch.DEVICE_BRANCH_MIN_TOKENS``: ``VarlenConfig.cond_min_tokens`` 0, ``cudnn.FRESH``
+    "cond") and "shipped" (the defaults). Each turn is a model of its own over the same params, so that its
+    programs are traced under that turn's defaults; the defaults are put back after. On the CPU the tiny model
+    runs backend "xla", which holds neither choice: both ways run the same programs there."""
+    import dataclasses
+
+    from jax_gdn.model import HybridModel
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen
+    from pallas_kernels.paged_attention import cudnn
+    shipped = (varlen.DEFAULT_CONFIG, cudnn.FRESH)
+    rows = []
+    try:
+        for i in range(2 * turns):
+            always = i % 2 == 0
+            varlen.DEFAULT_CONFIG = dataclasses.replace(shipped[0], cond_min_tokens=0) if always else shipped[0]
+            cudnn.FRESH = "cond" if always else shipped[1]
+            turn = HybridModel(model.config, model.params, dtype=model.dtype, backend=model.backend,
+                               token_buckets=model.token_buckets, options=model.options,
+                               compiler_options=model.compiler_options)
+            r = ttft_probe(turn, prefixes=(prefix,), tail=tail, token_budget=token_budget, reps=reps,
+                           seed=seed + i, trace=False)[0]
+            rows.append({"branches": "every call" if always else "shipped",
+                         **{k: r[k] for k in ("prefix", "tail", "cold_s", "hit_s", "ratio", "hit_host_ms")}})
+    finally:
+        varlen.DEFAULT_CONFIG, cudnn.FRESH = shipped
+    return rows
 
 
 def _workload(model, w: dict, seed: int) -> dict:
@@ -338,6 +380,9 @@ def print_section(value: dict) -> None:
     for r in value.get("ttft") or []:
         print(f"  TTFT, {r['prefix']}-token prefix + {r['tail']}: cold {r['cold_s'] * 1e3:.2f} ms, prefix hit "
               f"{r['hit_s'] * 1e3:.2f} ms ({r['ratio']:.3f}x, {r['hit_tokens']} tokens from the cache)")
+    for r in value.get("branches") or []:
+        print(f"  TTFT, device branches {r['branches']}: cold {r['cold_s'] * 1e3:.2f} ms, hit {r['hit_s'] * 1e3:.2f} "
+              f"ms; the hit's host dispatch {r['hit_host_ms'].get('dispatch', 0):.2f} ms")
     for r in value.get("sampling") or []:
         print(f"  decode step, {r['streams']} streams: greedy {r['greedy_ms']:.3f} ms; "
               + ", ".join(f"{k} {v:.3f} ms ({r['overhead'][k]:+.1%})" for k, v in r["ms"].items()))

@@ -335,3 +335,34 @@ def test_ttft_probe_traces_one_more_hit():
     assert set(tr) == {"wall_ms", "gpu_ms", "kinds", "top", "hit_tokens"}
     assert tr["hit_tokens"] == 32 and tr["wall_ms"] > 0
     assert tr["gpu_ms"] == round(sum(tr["kinds"].values()), 3)
+
+
+def test_branch_ab_alternates_and_puts_the_defaults_back(monkeypatch):
+    """The serving section's "branches" part: the TTFT probe in turn with the kernels' device-side choices in every
+    call and as shipped, each turn tracing a model of its own under that turn's defaults (seen by a spy on the
+    probe); the shipped defaults are back after, also when a turn raises; not in a run without --cases."""
+    from benchmarks import serving
+    from pallas_kernels.gated_delta_rule.mosaic_gpu import varlen
+    from pallas_kernels.paged_attention import cudnn
+    shipped = (varlen.DEFAULT_CONFIG, cudnn.FRESH)
+    seen = []
+    real = serving.ttft_probe
+
+    def spy(m, **kw):
+        seen.append((varlen.DEFAULT_CONFIG.cond_min_tokens, cudnn.FRESH, id(m)))
+        return real(m, **kw)
+    monkeypatch.setattr(serving, "ttft_probe", spy)
+    model = serving._model(dict(serving.QUICK))
+    rows = serving.branch_ab(model, prefix=32, tail=8, token_budget=64, reps=1, turns=1)
+    assert [r["branches"] for r in rows] == ["every call", "shipped"]
+    assert [s[:2] for s in seen] == [(0, "cond"), (shipped[0].cond_min_tokens, shipped[1])]
+    assert len({s[2] for s in seen}) == 2 and all(r["hit_s"] > 0 for r in rows)
+    assert (varlen.DEFAULT_CONFIG, cudnn.FRESH) == shipped
+
+    def boom(m, **kw):
+        raise RuntimeError("turn failed")
+    monkeypatch.setattr(serving, "ttft_probe", boom)
+    with pytest.raises(RuntimeError):
+        serving.branch_ab(model, prefix=32, tail=8, token_budget=64, reps=1, turns=1)
+    assert (varlen.DEFAULT_CONFIG, cudnn.FRESH) == shipped
+    assert "branches" in serving.PARTS and "branches" not in serving.DEFAULT_PARTS
