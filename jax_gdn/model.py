@@ -1036,7 +1036,7 @@ class HybridModel:
         nb = self.stream_bucket(sl.shape[0], s)
         sl_p = np.full((nb,), s, np.int32)
         sl_p[:sl.shape[0]] = sl
-        return self._release_jit(cache, jnp.asarray(sl_p))
+        return self._release_jit(cache, sl_p)          # NumPy: the program transfers it (no eager op)
 
     @_host_method
     def fork(self, cache: Cache, src_slot_ids, dst_slot_ids) -> Cache:
@@ -1063,7 +1063,7 @@ class HybridModel:
         nb = self.stream_bucket(src.shape[0], s)
         src_p, dst_p = np.full((nb,), s, np.int32), np.full((nb,), s, np.int32)
         src_p[:src.shape[0]], dst_p[:dst.shape[0]] = src, dst
-        return self._fork_jit(cache, jnp.asarray(src_p), jnp.asarray(dst_p))
+        return self._fork_jit(cache, src_p, dst_p)     # NumPy: the program transfers them (no eager op)
 
     def __repr__(self):
         c = self.config

@@ -605,10 +605,11 @@ class LLM:
         host_ids = isinstance(ids, np.ndarray)
         ids_p, cu_p, sl_p = self.model.pad_step_inputs(ids if host_ids else np.zeros((0,), np.int32), cu, slots,
                                                       tb, nb, s)
-        if kind == "decode":      # a device array either way, placed as the samplers place their ids: a queued
-            # step's ids (the last step's sampled ids [Nb], one per stream) and host ids then take the same entry of
-            # the program's cache, where a NumPy argument and a device array (or an uncommitted array and one a
-            # sharded model's program placed) would compile it twice
+        if kind == "decode" and self.async_decode:
+            # a device array either way, placed as the samplers place their ids: a queued step's ids (the last
+            # step's sampled ids [Nb], one per stream) and host ids then take the same entry of the program's
+            # cache, where a NumPy argument and a device array (or an uncommitted array and one a sharded model's
+            # program placed) would compile it twice; without async_decode the program takes the NumPy ids itself
             placement = None if self._ids_placement is _UNPLACED else self._ids_placement
             ids_p = jax.device_put(ids_p, placement) if host_ids else ids
         logits, status, self.cache = self._programs[kind](self.model.params, self.cache, ids_p, cu_p, sl_p)
