@@ -437,7 +437,8 @@ class LLM:
                 bar.close()
 
     def _engine_step(self) -> list:
-        """One engine step (module docstring): admit, plan, run, take tokens, release. Returns the requests that
+        """One engine step (module docstring): admit, plan, run, take tokens, release; a decode step the last step
+        queued ahead (``async_decode``) is this step's, with no admission or plan. Returns the requests that
         finished in it. A refused step changes no request: a snapshot is evicted or the request admitted last is
         preempted (a lone one aborted), and the next step tries again."""
         waiting, running, free = self._waiting, self._running, self._free
