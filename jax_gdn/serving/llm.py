@@ -560,8 +560,8 @@ class LLM:
         Returns (sampled ids [N] NumPy, refused?)."""
         t = time.perf_counter()
         self._ahead = None
+        slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
         if queued is None:
-            slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
             lens = [hi - lo for _, lo, hi in feeds]
             kind = "decode" if all(hi - lo == 1 and lo > 0 and hi == r.seq_len for r, lo, hi in feeds) \
                 else "prefill"
@@ -571,7 +571,6 @@ class LLM:
         self.stats[f"{queued.kind}_steps"] += 1
         if self._may_queue(queued):          # the next decode step, fed this one's ids on the device
             nxt = [(r, hi, hi + 1) for r, _, hi in feeds]
-            slots = np.asarray([r.slot for r, _, _ in feeds], np.int32)
             self._ahead = self._queue("decode", nxt, queued.ids, np.arange(len(feeds) + 1, dtype=np.int32), slots,
                                       [len(r.generated) + 1 for r, _, _ in feeds])
             self.stats["queued_ahead_steps"] += 1
@@ -622,11 +621,9 @@ class LLM:
     def _queue_sampler(self, kind, feeds, logits, arrays, status, full=None) -> "_Queued":
         """The sampler program on a step's ``logits`` (:meth:`_sample`), queued; ``final``: its ids need no
         fallback (every row greedy, every sampled row keeping every token, or the merged draw)."""
-        toks, need, merged = self._sample(logits, arrays, full)
+        toks, need, merged, final = self._sample(logits, arrays, full)
         if self._ids_placement is _UNPLACED:         # how the sampler programs place their ids (see _queue)
             self._ids_placement = toks.sharding if getattr(toks, "committed", False) else None
-        sampled_cut = (arrays[0] > 0) & ~keeps_every_token(arrays[1], arrays[2], logits.shape[-1])
-        final = need is None or merged or not bool(np.any(sampled_cut))
         return _Queued(kind, feeds, logits, arrays, toks, need, merged, status, final)
 
     def _collect(self, queued: "_Queued", t: float):
@@ -665,18 +662,19 @@ class LLM:
     def _sample(self, logits, arrays, full=None):
         """The sampler program for a step's ``logits`` [Nb, Vocab] and ``sampling_arrays`` (module docstring, step
         3), chosen on the host: (ids [Nb], rows needing the fallback [Nb] or None, whether the fallback's ids are
-        merged in already), the arrays on the device, not waited on. ``full`` [Nb] bool or None: rows expected to
+        merged in already, whether the ids are final: no fallback can replace one), the arrays on the device, not
+        waited on. ``full`` [Nb] bool or None: rows expected to
         need the full sort; where a sampled one is among them the program is ``draw_full_rows``."""
         temperature, top_k, top_p = arrays[:3]
         sampled = temperature > 0
         if not sampled.any():
-            return self._programs["greedy"](logits), None, False
-        plain = bool(np.any(sampled & keeps_every_token(top_k, top_p, logits.shape[-1])))
+            return self._programs["greedy"](logits), None, False, True
+        every = sampled & keeps_every_token(top_k, top_p, logits.shape[-1])
         if full is not None and bool(np.any(sampled & full)):
-            ids, need = self._programs["draw_full"](logits, *arrays, plain=plain)
-            return ids, need, True
-        ids, need = self._programs["draw"](logits, *arrays, plain=plain)
-        return ids, need, False
+            ids, need = self._programs["draw_full"](logits, *arrays, plain=bool(np.any(every)))
+            return ids, need, True, True
+        ids, need = self._programs["draw"](logits, *arrays, plain=bool(np.any(every)))
+        return ids, need, False, bool(np.all(every == sampled))     # final: every sampled row keeps every token
 
     def _token_bucket(self, t: int) -> int:
         """The token count a prefill step of t tokens is padded to: the smallest of ``prefill_buckets`` >= t, or the
