@@ -41,7 +41,7 @@ that snapshot and feeds only the rest. Out of pages, the least recently used sna
 preempted. ``llm.prefix_cache.stats``: lookups, hits, hit_tokens, snapshots, evictions. ``llm.host_s``: the host's
 wall seconds of every step so far by phase (``HOST_PHASES``).
 
-Overlapped decode (``async_decode=True``): a decode step whose sampled ids are final on the device (every row
+Overlapped decode (``async_decode``, on by default): a decode step whose sampled ids are final on the device (every row
 greedy, or every sampled row keeping every token, or the merged full-sort draw), with nobody waiting to be admitted
 and no row at its last token, queues the next decode step of the same requests, fed those ids on the device,
 before it copies them to the host; the host's work between steps (the copy, the tokens, the next step's
@@ -185,7 +185,7 @@ class LLM:
     the model's ``token_buckets`` up to the budget's): fewer buckets, fewer programs for the warm-up to compile
     (vLLM's capture sizes), more padding per step.
     async_decode: queue the next decode step before reading this one's ids (module docstring, "Overlapped
-    decode"); off by default until it is measured on a GPU.
+    decode"); on by default (False: every step's ids read before the next step is dispatched).
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_tokens: int = 4096, page_size: int = 16,
@@ -193,7 +193,7 @@ class LLM:
                  dtype=None, backend: str = "auto", progress: bool = True, warmup: bool = True,
                  prefix_cache: bool = False, block_size: Optional[int] = None, prefix_slots: Optional[int] = None,
                  prefix_min_uses: int = 2, prefill_buckets: Optional[Sequence[int]] = None,
-                 async_decode: bool = False):
+                 async_decode: bool = True):
         for name, value in (("max_seqs", max_seqs), ("max_tokens", max_tokens), ("page_size", page_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int; got {value!r}")

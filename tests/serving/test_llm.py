@@ -47,7 +47,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False)
+    """The step-by-step engine (every step's ids read before the next is dispatched): the oracle of the
+    overlapped one."""
+    return LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False,
+               async_decode=False)
 
 
 def _prompts(n, seed=0, lo=3, hi=40):
@@ -445,7 +448,7 @@ def test_async_decode_gives_the_step_by_step_tokens(model, llm):
     while others decode), online arrivals: the same tokens and finish reasons as the step-by-step engine, steps were
     queued ahead, and no program is compiled past the warm-up. Out of pages (the small pool of the test above):
     every request ends "length" with its alone-run tokens."""
-    fast = LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False, async_decode=True)
+    fast = LLM(model, max_seqs=8, max_tokens=512, page_size=16, token_budget=32, progress=False)   # the default
     programs = fast.compiled_programs()
     prompts = _prompts(10, seed=11, lo=3, hi=40)
     greedy = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], SamplingParams(max_tokens=6))]
@@ -471,7 +474,8 @@ def test_async_decode_gives_the_step_by_step_tokens(model, llm):
     assert by_id[rid2] == llm.generate(prompts[1], settings[0])[0].outputs[0].token_ids
     assert fast.compiled_programs() == programs
     small = LLM(model, max_seqs=4, max_tokens=80, page_size=16, max_seq_len=128, token_budget=32, progress=False,
-                warmup=False, async_decode=True)
+                warmup=False)
+    assert fast.async_decode and small.async_decode                   # the default
     crowd = _prompts(6, seed=5, lo=20, hi=31)
     outs = small.generate(crowd, SamplingParams(max_tokens=12))
     assert small.stats["preempted"] > 0 and small.stats["aborted"] == 0
